@@ -1,0 +1,37 @@
+# Every target sets itself up: a fresh clone needs only `make test` or `make bench`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test test-fast lint bench bench-full example check clean
+
+$(STAMP): pyproject.toml .ci/constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c .ci/constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check asyncrpc tests examples bench
+	$(PY) -m ruff format --check asyncrpc tests examples bench
+	$(PY) -m mypy
+
+bench: $(STAMP)
+	$(PY) -m asyncrpc.bench --quick
+
+bench-full: $(STAMP)
+	$(PY) -m asyncrpc.bench --json bench/results.json
+
+example: $(STAMP)
+	$(PY) -m examples.parameter_server
+
+check: lint test
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

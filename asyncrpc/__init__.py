@@ -1,0 +1,83 @@
+"""asyncrpc: an asyncio-native RPC framework for PyTorch, a drop-in for torch.distributed.rpc.
+
+This module only re-exports the public API.
+"""
+
+from __future__ import annotations
+
+from asyncrpc import functions
+from asyncrpc.api import (
+    call,
+    get_debug_info,
+    get_metrics,
+    get_rpc_timeout,
+    get_worker_info,
+    get_worker_infos,
+    init_rpc,
+    init_rpc_async,
+    rpc_async,
+    rpc_sync,
+    shutdown,
+    shutdown_async,
+    worker,
+)
+from asyncrpc.errors import (
+    AsyncRpcError,
+    BlockingCallError,
+    ClosedError,
+    ConnectionLostError,
+    FunctionNotFoundError,
+    InitError,
+    NotInitializedError,
+    PeerLostError,
+    PeerUnavailableError,
+    ProtocolError,
+    RemoteError,
+    RemoteProtocolError,
+    RpcTimeoutError,
+    SerializationError,
+    ShutdownError,
+    UnknownWorkerError,
+)
+from asyncrpc.future import Future, collect_all, wait_all
+from asyncrpc.options import RpcBackendOptions, WorkerInfo
+from asyncrpc.serde import register_reducer
+
+__all__ = [
+    "AsyncRpcError",
+    "BlockingCallError",
+    "ClosedError",
+    "ConnectionLostError",
+    "FunctionNotFoundError",
+    "Future",
+    "InitError",
+    "NotInitializedError",
+    "PeerLostError",
+    "PeerUnavailableError",
+    "ProtocolError",
+    "RemoteError",
+    "RemoteProtocolError",
+    "RpcBackendOptions",
+    "RpcTimeoutError",
+    "SerializationError",
+    "ShutdownError",
+    "UnknownWorkerError",
+    "WorkerInfo",
+    "call",
+    "collect_all",
+    "functions",
+    "get_debug_info",
+    "get_metrics",
+    "get_rpc_timeout",
+    "get_worker_info",
+    "get_worker_infos",
+    "init_rpc",
+    "init_rpc_async",
+    "register_reducer",
+    "rpc_async",
+    "rpc_sync",
+    "shutdown",
+    "shutdown_async",
+    "wait_all",
+    "worker",
+]

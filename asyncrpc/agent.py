@@ -1,0 +1,487 @@
+"""The event-loop agent: one worker's peers, calls, dispatch and lifecycle (layer L3).
+
+The agent lives on one asyncio loop (its own background thread for synchronous programs,
+or the program's loop for asyncio ones) and owns all of the worker's state. Callers on
+other threads pickle and frame their request on their own thread and hand the frame over
+with one ``call_soon_threadsafe``; replies complete an ``asyncrpc.Future`` (thread side)
+or an ``asyncio.Future`` (coroutines on the agent's loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from asyncrpc.calls import PendingCall, PendingCalls, describe_function
+from asyncrpc.dispatch import Dispatcher
+from asyncrpc.errors import (
+    ClosedError,
+    RemoteProtocolError,
+    RpcTimeoutError,
+    ShutdownError,
+    UnknownWorkerError,
+)
+from asyncrpc.future import Future, set_default_callback_loop
+from asyncrpc.lifecycle import Lifecycle
+from asyncrpc.metrics import Counters, LagProbe, PoolGauge
+from asyncrpc.options import UNSET_RPC_TIMEOUT, RpcBackendOptions, WorkerInfo
+from asyncrpc.peers import PeerTable
+from asyncrpc.rendezvous import PeerAddress, StoreGroup, join_group
+from asyncrpc.serde import Serializer, unpack_exception
+from asyncrpc.transport import Connection, start_server
+from asyncrpc.wire import Frame, FrameDecoder, encode_frame
+from asyncrpc.wire.messages import (
+    Cancel,
+    CallMode,
+    Goodbye,
+    Hello,
+    HelloReply,
+    Kind,
+    Request,
+    decode_message,
+)
+
+__all__ = ["Agent"]
+
+_log = logging.getLogger("asyncrpc.agent")
+
+
+class Agent:
+    """One worker of an RPC group. Create it with ``await Agent.start(...)`` on its loop."""
+
+    def __init__(
+        self, name: str, options: RpcBackendOptions, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.name = name
+        self.options = options
+        self.loop = loop
+        self.loop_thread_id = threading.get_ident()
+        self.rank = -1
+        self.world_size = 0
+        self.counters = Counters()
+        self.pending = PendingCalls()
+        self._call_ids = itertools.count(1)
+        self.serializer = Serializer()
+        self.pool = concurrent.futures.ThreadPoolExecutor(
+            options.num_worker_threads, thread_name_prefix=f"asyncrpc-{name}"
+        )
+        self.pool_gauge = PoolGauge(options.num_worker_threads)
+        self.dispatcher = Dispatcher(self, self.pool)
+        self.lag = LagProbe(loop)
+        self.peers: PeerTable | None = None
+        self.group: StoreGroup | None = None
+        self.addresses: dict[int, PeerAddress] = {}
+        self._ranks_by_name: dict[str, int] = {}
+        self._early_hellos: list[tuple[Connection, Hello]] = []
+        self._connections: set[Connection] = set()
+        self._server: asyncio.Server | None = None
+        self.closed = False
+        self.lifecycle = Lifecycle(self)
+        # The RRef context (asyncrpc/rrefs.py) attaches itself here at start.
+        self.rrefs: Any = None
+
+    # -- start -----------------------------------------------------------------------------
+
+    @classmethod
+    async def start(
+        cls, name: str, rank: int, world_size: int | None, options: RpcBackendOptions
+    ) -> Agent:
+        """Listen, rendezvous and return a ready agent on the running loop.
+
+        Cancelling the start closes whatever was opened.
+
+        Raises:
+            InitError: the rendezvous failed (duplicates, timeout, bad arguments).
+        """
+        agent = cls(name, options, asyncio.get_running_loop())
+        try:
+            await agent._join(rank, world_size)
+        except BaseException:
+            await agent._close_transports(graceful=False)
+            agent.pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        set_default_callback_loop(agent.loop, agent.loop_thread_id)
+        agent.lag.start()
+        return agent
+
+    async def _join(self, rank: int, world_size: int | None) -> None:
+        options = self.options
+        self._server, port = await start_server(options.listen_host, self._accept)
+        init_timeout = options.rpc_timeout if options.rpc_timeout > 0 else 300.0
+        self.group, self.addresses = await self.loop.run_in_executor(
+            None,
+            join_group,
+            options.init_method,
+            self.name,
+            rank,
+            world_size,
+            options.listen_host,
+            port,
+            init_timeout,
+            options.device_maps,
+        )
+        self.rank, self.world_size = self.group.rank, self.group.world_size
+        self._ranks_by_name = {a.name: r for r, a in self.addresses.items()}
+        self.peers = PeerTable(self.name, self.rank, self.addresses, self._dial)
+        for conn, hello in self._early_hellos:
+            if not conn.closed:
+                self.peers.on_hello(conn, hello)
+        self._early_hellos.clear()
+
+    def _new_connection(self, initiated: bool) -> Connection:
+        decoder = FrameDecoder(
+            max_frame_size=self.options.max_frame_size, allocate=self.serializer.allocate
+        )
+        conn = Connection(self, decoder, initiated=initiated)
+        self._connections.add(conn)
+        self.counters.connections_opened += 1
+        return conn
+
+    def _accept(self) -> Connection:
+        return self._new_connection(False)
+
+    def _dial(self, initiated: bool) -> Connection:
+        return self._new_connection(initiated)
+
+    # -- addressing ------------------------------------------------------------------------
+
+    def resolve(self, to: str | int | WorkerInfo) -> int:
+        """Return the rank of worker ``to`` (a name, a rank or a ``WorkerInfo``).
+
+        Raises:
+            UnknownWorkerError: no such worker in the group.
+        """
+        if isinstance(to, WorkerInfo):
+            to = to.name
+        if isinstance(to, str):
+            rank = self._ranks_by_name.get(to)
+        elif isinstance(to, int) and not isinstance(to, bool):
+            rank = to if to in self.addresses else None
+        else:
+            name = getattr(to, "name", None)  # torch's WorkerInfo
+            rank = self._ranks_by_name.get(name) if isinstance(name, str) else None
+        if rank is None:
+            raise UnknownWorkerError(to, tuple(self._ranks_by_name))
+        return rank
+
+    def worker_info(self, rank: int) -> WorkerInfo:
+        return WorkerInfo(self.addresses[rank].name, rank)
+
+    def effective_timeout(self, timeout: float) -> float:
+        """torch's rule: a negative timeout means the default, 0 means none."""
+        return self.options.rpc_timeout if timeout < 0 or timeout == UNSET_RPC_TIMEOUT else timeout
+
+    def request_device_map(self, rank: int) -> dict[str, str] | None:
+        maps = self.options.device_maps
+        return None if maps is None else maps.get(self.addresses[rank].name)
+
+    def reply_device_map(self, rank: int) -> dict[str, str] | None:
+        # A reply retraces the caller's device map backwards.
+        maps = self.addresses[rank].device_maps if rank in self.addresses else None
+        mine = None if maps is None else maps.get(self.name)
+        return None if mine is None else {v: k for k, v in mine.items()}
+
+    # -- calling ---------------------------------------------------------------------------
+
+    def encode_request(
+        self,
+        rank: int,
+        fn: Any,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        timeout: float,
+        mode: int = CallMode.CALL,
+        rref_ids: tuple[tuple[int, int], tuple[int, int]] | None = None,
+    ) -> tuple[int, str, list[Any], object]:
+        """Pickle and frame a request on the calling thread.
+
+        Raises:
+            SerializationError: the function or an argument cannot be pickled.
+        """
+        self._check_open()
+        payload, segments, keep = self.serializer.dumps(
+            (fn, args, kwargs), context=rank, device_map=self.request_device_map(rank)
+        )
+        call_id = next(self._call_ids)
+        target = describe_function(fn)
+        rref_id, fork_id = rref_ids if rref_ids is not None else (None, None)
+        request = Request(call_id, timeout, mode, target, rref_id, fork_id)
+        return call_id, target, encode_frame(request.to_fields(), payload, segments), keep
+
+    def call_future(
+        self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float
+    ) -> Future[Any]:
+        """Start a call from any thread and return its ``asyncrpc.Future``."""
+        rank = self.resolve(to)
+        timeout = self.effective_timeout(timeout)
+        call_id, target, pieces, keep = self.encode_request(rank, fn, args, kwargs, timeout)
+        future: Future[Any] = Future(loop=self.loop)
+        future._cancel_hook = lambda: self.loop.call_soon_threadsafe(self.cancel_call, call_id)
+        call = PendingCall(future, rank, target, timeout)
+        call.keepalive = keep
+        if threading.get_ident() == self.loop_thread_id:
+            self.begin_call(call_id, call, pieces)
+        else:
+            self.loop.call_soon_threadsafe(self.begin_call, call_id, call, pieces)
+        return future
+
+    async def call(
+        self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float
+    ) -> Any:
+        """Call on the agent's own loop; cancelling the awaiting task cancels the remote work."""
+        rank = self.resolve(to)
+        timeout = self.effective_timeout(timeout)
+        call_id, target, pieces, keep = self.encode_request(rank, fn, args, kwargs, timeout)
+        waiter: asyncio.Future[Any] = self.loop.create_future()
+        call = PendingCall(waiter, rank, target, timeout)
+        call.keepalive = keep
+        self.begin_call(call_id, call, pieces)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            self.cancel_call(call_id)
+            raise
+
+    def begin_call(self, call_id: int, call: PendingCall, pieces: list[Any]) -> None:
+        """Register ``call`` and write its frame (on the loop thread)."""
+        if self.closed:
+            call.fail(ClosedError(f"worker {self.name!r} is shut down"))
+            return
+        self.pending.add(call_id, call)
+        self.counters.calls_sent += 1
+        if call.timeout > 0:
+            call.timer = self.loop.call_later(call.timeout, self._expire, call_id)
+        self.send_to(call.peer, pieces, call_id, call.keepalive)
+
+    def send_to(
+        self, rank: int, pieces: list[Any], call_id: int = 0, keep: object = None
+    ) -> None:
+        """Write a frame to ``rank``, connecting first if needed; failures fail ``call_id``."""
+        peer = self.peers.peers.get(rank) if self.peers is not None else None
+        if rank == self.rank:
+            self.lifecycle.loopback.send(pieces)
+            return
+        if peer is not None and peer.conn is not None and not peer.conn.closed:
+            peer.conn.send(pieces, keep)
+            return
+        self.loop.create_task(self._send_when_connected(rank, pieces, call_id, keep))
+
+    async def _send_when_connected(
+        self, rank: int, pieces: list[Any], call_id: int, keep: object
+    ) -> None:
+        assert self.peers is not None
+        try:
+            conn = await self.peers.connection(rank)
+            conn.send(pieces, keep)
+        except (ConnectionError, OSError) as exc:
+            call = self.pending.pop(call_id)
+            if call is not None:
+                self.counters.calls_failed += 1
+                call.fail(exc)
+            else:
+                _log.warning("could not send to %s: %s", self.addresses[rank].name, exc)
+
+    def write(self, conn: Connection, pieces: list[Any], keep: object = None) -> None:
+        """Write a frame on ``conn``; a closed connection drops it (the peer is gone)."""
+        try:
+            conn.send(pieces, keep)
+        except ClosedError:
+            _log.debug("dropped a frame for %s: connection closed", conn.peer_name)
+
+    def _expire(self, call_id: int) -> None:
+        call = self.pending.pop(call_id)
+        if call is None:
+            return
+        self.counters.calls_timed_out += 1
+        call.timer = None
+        call.fail(RpcTimeoutError(self.addresses[call.peer].name, call.target, call.timeout))
+        self._send_cancel(call.peer, call_id)
+
+    def cancel_call(self, call_id: int) -> None:
+        """Give up on ``call_id`` (the caller was cancelled) and tell the callee."""
+        call = self.pending.pop(call_id)
+        if call is None:
+            return
+        self.counters.calls_cancelled += 1
+        call.fail(asyncio.CancelledError())
+        self._send_cancel(call.peer, call_id)
+
+    def _send_cancel(self, rank: int, call_id: int) -> None:
+        peer = self.peers.peers.get(rank) if self.peers is not None else None
+        if rank == self.rank:
+            self.lifecycle.loopback.send(encode_frame(Cancel(call_id).to_fields(), b""))
+        elif peer is not None and peer.conn is not None and not peer.conn.closed:
+            peer.conn.send(encode_frame(Cancel(call_id).to_fields(), b""))
+
+    # -- receiving -------------------------------------------------------------------------
+
+    def on_frame(self, conn: Connection, frame: Frame) -> None:
+        fields = frame.fields
+        kind = fields[0] if fields else None
+        # Hot path first: replies and requests on an established connection.
+        if kind == Kind.REPLY and conn.peer is not None:
+            self._on_reply(fields, frame)
+            return
+        try:
+            message = decode_message(fields)
+        except RemoteProtocolError as exc:
+            self.counters.protocol_errors += 1
+            conn.abort(exc)
+            return
+        if conn.peer is None:
+            self._on_handshake(conn, message)
+        elif isinstance(message, Request):
+            self.counters.calls_received += 1
+            self.dispatcher.on_request(conn, message, frame.payload, frame.segments)
+        elif kind == Kind.ERROR:
+            self._on_error(fields[1], frame)
+        elif kind == Kind.CANCEL:
+            self.dispatcher.on_cancel(conn.peer, fields[1])
+        elif kind == Kind.REF and self.rrefs is not None:
+            self.rrefs.on_message(conn.peer, message)
+        elif isinstance(message, Goodbye):
+            conn.goodbye = True
+        else:
+            self.counters.protocol_errors += 1
+            conn.abort(RemoteProtocolError(f"unexpected {type(message).__name__} after handshake"))
+
+    def _on_handshake(self, conn: Connection, message: Any) -> None:
+        if isinstance(message, Hello):
+            if self.peers is None:
+                self._early_hellos.append((conn, message))
+            else:
+                self.peers.on_hello(conn, message)
+        elif isinstance(message, HelloReply) and self.peers is not None:
+            self.peers.on_hello_reply(conn, message)
+        else:
+            self.counters.protocol_errors += 1
+            conn.abort(RemoteProtocolError(f"{type(message).__name__} before the handshake"))
+
+    def _on_reply(self, fields: list[Any], frame: Frame) -> None:
+        call = self.pending.pop(fields[1])
+        if call is None:
+            return  # timed out or cancelled meanwhile
+        try:
+            value = self.serializer.loads(frame.payload, frame.segments, context=call.peer)
+        except Exception as exc:  # noqa: BLE001 - the caller gets the decoding error
+            self.counters.calls_failed += 1
+            call.fail(exc)
+            return
+        call.resolve(value)
+
+    def _on_error(self, call_id: int, frame: Frame) -> None:
+        call = self.pending.pop(call_id)
+        if call is None:
+            return
+        self.counters.calls_failed += 1
+        call.fail(unpack_exception(bytes(frame.payload)))
+
+    def on_connection_lost(self, conn: Connection, exc: BaseException | None) -> None:
+        self._connections.discard(conn)
+        if self.peers is None:
+            return
+        rank = self.peers.on_lost(conn, exc)
+        if rank is None:
+            return
+        self.counters.connections_lost += 1
+        lost = self.peers.peers[rank].lost
+        assert lost is not None
+        if self.closed or conn.goodbye:
+            _log.debug("worker %r: %s", self.name, lost)
+        else:
+            _log.warning("worker %r: %s", self.name, lost)
+        for call in self.pending.pop_peer(rank):
+            self.counters.calls_failed += 1
+            call.fail(lost)
+        self.dispatcher.cancel_peer(rank)
+        if self.rrefs is not None:
+            self.rrefs.on_peer_lost(rank)
+
+    # -- stopping --------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ClosedError(f"worker {self.name!r} is shut down")
+
+    async def shutdown(self, graceful: bool = True, timeout: float | None = None) -> None:
+        """Stop this worker; see ``asyncrpc.shutdown``.
+
+        Raises:
+            ShutdownError: the graceful part failed (a peer died, or ``timeout`` ran out);
+                this worker is stopped all the same.
+        """
+        limit = self.options.shutdown_timeout if timeout is None else timeout
+        failure: ShutdownError | None = None
+        if graceful:
+            try:
+                await self.lifecycle.graceful(time.monotonic() + limit)
+            except ShutdownError as exc:
+                failure = exc
+        await self._close_transports(graceful and failure is None)
+        if failure is not None:
+            raise failure
+
+    async def _close_transports(self, graceful: bool) -> None:
+        self.closed = True
+        self.lag.stop()
+        if self._server is not None:
+            self._server.close()
+        goodbye = encode_frame(Goodbye("shutdown").to_fields(), b"")
+        for conn in list(self._connections):
+            if graceful and conn.peer is not None and not conn.closed:
+                self.write(conn, goodbye)
+            conn.close()
+        for call in self.pending.pop_all():
+            call.fail(ClosedError(f"worker {self.name!r} shut down before the reply came"))
+        self.lifecycle.close()
+        if self.rrefs is not None:
+            self.rrefs.close()
+        await asyncio.sleep(0)  # let the transports flush and call connection_lost
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        set_default_callback_loop(None, None)
+
+    # -- introspection ---------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, Any]:
+        """Counters and gauges of this worker (see ``asyncrpc.get_metrics``)."""
+        conns = [c for c in self._connections if c.peer is not None and not c.closed]
+        return {
+            **self.counters.as_dict(),
+            "pending_calls": len(self.pending),
+            "running_requests": len(self.dispatcher),
+            "bytes_in": sum(c.bytes_in for c in self._connections),
+            "bytes_out": sum(c.bytes_out for c in self._connections),
+            "open_connections": len(conns),
+            "thread_pool_size": self.pool_gauge.size,
+            "thread_pool_busy": self.pool_gauge.busy,
+            "thread_pool_idle": self.pool_gauge.idle,
+            "loop_lag_ms": round(self.lag.last_ms, 3),
+            "loop_lag_max_ms": round(self.lag.max_ms, 3),
+        }
+
+    def debug_info(self) -> dict[str, Any]:
+        """Metrics plus identity, peers and RRef bookkeeping (see ``asyncrpc.get_debug_info``)."""
+        return {
+            "name": self.name,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "rpc_timeout": self.options.rpc_timeout,
+            "pending_by_peer": {
+                self.addresses[r].name: n for r, n in self.pending.count_by_peer().items()
+            },
+            "lost_peers": sorted(
+                p.address.name for p in (self.peers.peers.values() if self.peers else [])
+                if p.lost is not None
+            ),
+            **self.metrics(),
+            **(self.rrefs.debug_info() if self.rrefs is not None else {}),
+        }
+
+
+CallbackT = Callable[[], None]

@@ -1,0 +1,289 @@
+"""Module-level API with torch.distributed.rpc's names, plus the asyncio-native ones (L4).
+
+Two ways to run one agent: ``init_rpc`` (synchronous programs: the agent gets its own loop
+in a background thread) and ``await init_rpc_async`` (asyncio programs: the agent runs on
+the caller's loop, no extra thread). ``await call(...)`` works from any running loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, ParamSpec, TypeVar
+
+from asyncrpc._current import clear_agent, current_agent, set_agent
+from asyncrpc.agent import Agent
+from asyncrpc.errors import BlockingCallError, InitError
+from asyncrpc.future import Future
+from asyncrpc.loopthread import LoopThread
+from asyncrpc.options import UNSET_RPC_TIMEOUT, WorkerInfo, coerce_options
+
+__all__ = [
+    "call",
+    "get_debug_info",
+    "get_metrics",
+    "get_rpc_timeout",
+    "get_worker_info",
+    "get_worker_infos",
+    "init_rpc",
+    "init_rpc_async",
+    "rpc_async",
+    "rpc_sync",
+    "shutdown",
+    "shutdown_async",
+    "worker",
+]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+# The loop thread of an agent started by init_rpc (None for init_rpc_async agents).
+_loop_threads: dict[int, LoopThread] = {}
+_lifecycle_lock = threading.Lock()
+
+
+def _check_name(name: str, backend: object) -> None:
+    if not isinstance(name, str) or not name:
+        raise InitError(f"worker name must be a non-empty string, got {name!r}")
+    if backend is not None and "TENSORPIPE" not in str(backend).upper():
+        raise InitError(f"unsupported backend {backend!r}: asyncrpc has one backend")
+
+
+def init_rpc(
+    name: str,
+    backend: object = None,
+    rank: int = -1,
+    world_size: int | None = None,
+    rpc_backend_options: object = None,
+) -> None:
+    """Start this process's worker on a background event loop (torch's ``init_rpc``).
+
+    Args:
+        name: a name unique in the group.
+        backend: None, or torch's ``BackendType.TENSORPIPE`` (accepted for drop-in use).
+        rank: this worker's rank; -1 reads ``RANK`` with ``env://``.
+        world_size: number of workers; None reads ``WORLD_SIZE`` with ``env://``.
+        rpc_backend_options: ``asyncrpc.RpcBackendOptions`` or torch's
+            ``TensorPipeRpcBackendOptions``.
+
+    Raises:
+        InitError: bad arguments, duplicate name or rank, rendezvous failure, or a worker
+            already running in this process.
+    """
+    _check_name(name, backend)
+    options = coerce_options(rpc_backend_options)
+    with _lifecycle_lock:
+        current = _peek_agent()
+        if current is not None:
+            raise InitError(f"this process already runs worker {current.name!r}")
+        thread = LoopThread(name=f"asyncrpc-{name}")
+        try:
+            agent = thread.run(Agent.start(name, rank, world_size, options))
+        except BaseException:
+            thread.stop()
+            raise
+        _loop_threads[id(agent)] = thread
+        set_agent(agent)
+
+
+async def init_rpc_async(
+    name: str,
+    backend: object = None,
+    rank: int = -1,
+    world_size: int | None = None,
+    rpc_backend_options: object = None,
+) -> None:
+    """Start this process's worker on the running event loop (no extra thread).
+
+    Same arguments and errors as ``init_rpc``. Cancelling it abandons the start and closes
+    what was opened.
+    """
+    _check_name(name, backend)
+    options = coerce_options(rpc_backend_options)
+    if _peek_agent() is not None:
+        raise InitError(f"this process already runs worker {current_agent().name!r}")
+    agent = await Agent.start(name, rank, world_size, options)
+    set_agent(agent)
+
+
+def _peek_agent() -> Agent | None:
+    try:
+        return current_agent()
+    except Exception:  # noqa: BLE001 - NotInitializedError: nothing is running
+        return None
+
+
+def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
+    """Stop this process's worker (torch's ``shutdown``), blocking until it is done.
+
+    With ``graceful``, every worker first finishes its outstanding work and waits for all
+    the others; the wait is bounded by ``timeout`` (default
+    ``RpcBackendOptions.shutdown_timeout``). ``graceful=False`` stops only this worker.
+
+    Raises:
+        ShutdownError: a peer died or the timeout ran out; this worker is stopped anyway.
+        BlockingCallError: called on the agent's own loop thread (use ``shutdown_async``).
+    """
+    agent = current_agent()
+    if threading.get_ident() == agent.loop_thread_id:
+        raise BlockingCallError("shutdown() would block the agent's loop; use shutdown_async()")
+    thread = _loop_threads.pop(id(agent), None)
+    try:
+        asyncio.run_coroutine_threadsafe(agent.shutdown(graceful, timeout), agent.loop).result()
+    finally:
+        clear_agent(agent)
+        if thread is not None:
+            thread.stop()
+
+
+async def shutdown_async(graceful: bool = True, timeout: float | None = None) -> None:
+    """Stop this process's worker from async code; see ``shutdown``.
+
+    Cancelling it leaves the worker stopping in the background.
+    """
+    agent = current_agent()
+    thread = _loop_threads.pop(id(agent), None)
+    try:
+        if asyncio.get_running_loop() is agent.loop:
+            await agent.shutdown(graceful, timeout)
+        else:
+            await asyncio.wrap_future(
+                asyncio.run_coroutine_threadsafe(agent.shutdown(graceful, timeout), agent.loop)
+            )
+    finally:
+        clear_agent(agent)
+        if thread is not None:
+            await asyncio.to_thread(thread.stop)
+
+
+@asynccontextmanager
+async def worker(
+    name: str,
+    backend: object = None,
+    rank: int = -1,
+    world_size: int | None = None,
+    rpc_backend_options: object = None,
+    *,
+    graceful: bool = True,
+) -> AsyncIterator[WorkerInfo]:
+    """``async with asyncrpc.worker(...)``: ``init_rpc_async`` on entry, shutdown on exit.
+
+    Exits with a graceful shutdown unless the block raised (then only this worker stops).
+    """
+    await init_rpc_async(name, backend, rank, world_size, rpc_backend_options)
+    agent = current_agent()
+    ok = False
+    try:
+        yield agent.worker_info(agent.rank)
+        ok = True
+    finally:
+        await shutdown_async(graceful=graceful and ok)
+
+
+async def call(to: Any, func: Callable[P, R] | Callable[P, Awaitable[R]], /,
+               *args: P.args, **kwargs: P.kwargs) -> R:
+    """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result.
+
+    The asyncio-native call; works from any running loop of the process. The default
+    ``rpc_timeout`` applies; for a per-call limit wrap it in ``asyncio.timeout(...)``:
+    cancelling the awaiting task (which ``asyncio.timeout`` does) cancels the remote work
+    too (an ``async def`` function is cancelled; a pool job not yet started is dropped).
+
+    Args:
+        to: a worker name, rank or ``WorkerInfo``.
+        func: a module-level function, ``async def`` function, builtin torch op,
+            TorchScript function, static or class method.
+        *args: positional arguments, pickled (tensors travel as raw buffers).
+        **kwargs: keyword arguments, all passed to ``func``.
+
+    Returns:
+        The function's result.
+
+    Raises:
+        The remote exception as its original type; RpcTimeoutError; UnknownWorkerError;
+        SerializationError; FunctionNotFoundError; PeerLostError.
+    """
+    agent = current_agent()
+    if asyncio.get_running_loop() is agent.loop:
+        result: R = await agent.call(to, func, args, kwargs, UNSET_RPC_TIMEOUT)
+        return result
+    future = agent.call_future(to, func, args, kwargs, UNSET_RPC_TIMEOUT)
+    try:
+        value: R = await future
+    except asyncio.CancelledError:
+        future.cancel()
+        raise
+    return value
+
+
+def rpc_async(
+    to: Any,
+    func: Callable[..., Any],
+    args: tuple[Any, ...] | list[Any] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> Future[Any]:
+    """Start ``func(*args, **kwargs)`` on ``to`` and return an ``asyncrpc.Future`` (torch's).
+
+    ``timeout`` in seconds: -1 means the default ``rpc_timeout``, 0 means none.
+    ``Future.cancel()`` cancels the remote work.
+
+    Raises:
+        UnknownWorkerError, SerializationError at once; other errors through the future.
+    """
+    return current_agent().call_future(to, func, tuple(args or ()), dict(kwargs or {}), timeout)
+
+
+def rpc_sync(
+    to: Any,
+    func: Callable[..., Any],
+    args: tuple[Any, ...] | list[Any] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> Any:
+    """Run ``func(*args, **kwargs)`` on ``to`` and block for the result (torch's ``rpc_sync``).
+
+    Raises:
+        BlockingCallError: called on the agent's loop thread (use ``await call``).
+        The remote exception as its original type, and the errors of ``call``.
+    """
+    agent = current_agent()
+    if threading.get_ident() == agent.loop_thread_id:
+        raise BlockingCallError(
+            "rpc_sync() would block the agent's event loop; use `await asyncrpc.call(...)`"
+        )
+    return agent.call_future(to, func, tuple(args or ()), dict(kwargs or {}), timeout).wait()
+
+
+def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:
+    """``WorkerInfo`` of ``worker_name`` (a name or rank), or of this worker when None.
+
+    Raises:
+        UnknownWorkerError: no such worker.
+    """
+    agent = current_agent()
+    rank = agent.rank if worker_name is None else agent.resolve(worker_name)
+    return agent.worker_info(rank)
+
+
+def get_worker_infos() -> list[WorkerInfo]:
+    """``WorkerInfo`` of every worker in the group, by rank."""
+    agent = current_agent()
+    return [agent.worker_info(r) for r in sorted(agent.addresses)]
+
+
+def get_rpc_timeout() -> float:
+    """The default timeout of calls, in seconds (0: none)."""
+    return current_agent().options.rpc_timeout
+
+
+def get_metrics() -> dict[str, Any]:
+    """This worker's counters: calls, bytes, connections, thread pool, loop lag."""
+    return current_agent().metrics()
+
+
+def get_debug_info() -> dict[str, Any]:
+    """``get_metrics()`` plus identity, peers and RRef bookkeeping."""
+    return current_agent().debug_info()

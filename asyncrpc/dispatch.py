@@ -1,0 +1,237 @@
+"""Runs received requests and sends their replies (layer L3, on the agent's loop).
+
+``async def`` functions run as tasks on the loop; synchronous ones run on a bounded thread
+pool so a blocking function never stalls the loop, and the pool thread also pickles the
+result and builds the reply frame. ``async_execution`` functions reply when the future
+they return completes. Every request can be cancelled by the caller (timeout or
+cancellation): a task is cancelled, a pool job that has not started is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from asyncrpc.errors import FunctionNotFoundError, SerializationError
+from asyncrpc.functions import is_async_execution, is_coroutine_function
+from asyncrpc.future import Future
+from asyncrpc.serde import MissingReferenceError, pack_exception
+from asyncrpc.wire import encode_frame
+from asyncrpc.wire.messages import ErrorReply, Reply, Request
+
+if TYPE_CHECKING:
+    from asyncrpc.agent import Agent
+    from asyncrpc.transport import Connection
+
+__all__ = ["Dispatcher", "await_async_result"]
+
+_log = logging.getLogger("asyncrpc.dispatch")
+
+# What runs a request: a task on the loop or a job in the pool (for cancellation).
+Job = asyncio.Task[Any] | concurrent.futures.Future[Any]
+# Receives the outcome of a request in REMOTE mode (the RRef owner's value).
+ValueSink = Callable[[Request, int, bool, Any], None]
+
+
+async def await_async_result(result: Any) -> Any:
+    """Await whatever an ``async_execution`` function returned, on the agent's loop."""
+    if isinstance(result, Future):
+        return await result
+    if asyncio.isfuture(result) or asyncio.iscoroutine(result):
+        return await result
+    if isinstance(result, concurrent.futures.Future):
+        return await asyncio.wrap_future(result)
+    import torch
+
+    if isinstance(result, torch.futures.Future):
+        return await Future.from_torch(result)
+    raise TypeError(
+        f"an @async_execution function must return a future or a coroutine, "
+        f"got {type(result).__name__}"
+    )
+
+
+def _is_future_like(value: Any) -> bool:
+    return (
+        isinstance(value, Future | concurrent.futures.Future)
+        or asyncio.isfuture(value)
+        or asyncio.iscoroutine(value)
+        or type(value).__name__ == "Future"  # torch.futures.Future, without importing torch
+    )
+
+
+class Dispatcher:
+    """Executes requests for one agent."""
+
+    def __init__(self, agent: Agent, pool: concurrent.futures.ThreadPoolExecutor) -> None:
+        self._agent = agent
+        self._loop = agent.loop
+        self._pool = pool
+        self._serializer = agent.serializer
+        self._jobs: dict[tuple[int, int], Job] = {}
+        self.value_sink: ValueSink | None = None
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    # -- receiving -------------------------------------------------------------------------
+
+    def on_request(self, conn: Connection, request: Request, payload: Any, segments: Any) -> None:
+        peer = conn.peer
+        assert peer is not None
+        try:
+            fn, args, kwargs = self._serializer.loads(payload, segments, context=peer)
+        except MissingReferenceError as exc:
+            self._finish(conn, request, peer, False, self._missing(request, exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - every decoding failure goes back typed
+            self._finish(conn, request, peer, False, exc)
+            return
+        key = (peer, request.call_id)
+        if is_coroutine_function(fn):
+            task = self._loop.create_task(self._run_coroutine(conn, request, fn, args, kwargs))
+            self._jobs[key] = task
+        else:
+            self._jobs[key] = self._pool.submit(
+                self._run_in_thread, conn, request, peer, fn, args, kwargs
+            )
+
+    def _missing(self, request: Request, exc: MissingReferenceError) -> Exception:
+        name = f"{exc.module}.{exc.qualname}"
+        if request.target.endswith(exc.qualname):
+            return FunctionNotFoundError(name, self._agent.name, exc.reason)
+        return SerializationError(
+            f"{name} (used by the arguments of {request.target}) cannot be imported on worker "
+            f"{self._agent.name!r}: {exc.reason}"
+        )
+
+    def on_cancel(self, peer: int, call_id: int) -> None:
+        job = self._jobs.pop((peer, call_id), None)
+        if job is not None:
+            job.cancel()
+
+    def cancel_peer(self, peer: int) -> None:
+        """The caller is gone: nobody will read these replies."""
+        for key in [k for k in self._jobs if k[0] == peer]:
+            self._jobs.pop(key).cancel()
+
+    # -- running ---------------------------------------------------------------------------
+
+    async def _run_coroutine(
+        self, conn: Connection, request: Request, fn: Any, args: Any, kwargs: Any
+    ) -> None:
+        peer = conn.peer
+        assert peer is not None
+        try:
+            result = await fn(*args, **kwargs)
+            # An `async def` marked async_execution may return a value or yet another future.
+            if is_async_execution(fn) and _is_future_like(result):
+                result = await await_async_result(result)
+        except asyncio.CancelledError:
+            self._jobs.pop((peer, request.call_id), None)
+            raise
+        except BaseException as exc:  # noqa: BLE001 - sent back to the caller
+            self._finish(conn, request, peer, False, exc)
+            return
+        self._finish(conn, request, peer, True, result)
+
+    def _run_in_thread(
+        self, conn: Connection, request: Request, peer: int, fn: Any, args: Any, kwargs: Any
+    ) -> None:
+        gauge = self._agent.pool_gauge
+        gauge.enter()
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - sent back to the caller
+            gauge.leave()
+            self._loop.call_soon_threadsafe(self._finish, conn, request, peer, False, exc)
+            return
+        gauge.leave()
+        if is_async_execution(fn):
+            self._loop.call_soon_threadsafe(self._await_then_finish, conn, request, peer, result)
+            return
+        if request.mode != 0:  # REMOTE: the value stays here, no reply frame to build
+            self._loop.call_soon_threadsafe(self._finish, conn, request, peer, True, result)
+            return
+        # Pickle the result on this pool thread, off the loop.
+        pieces, keep, error = self._encode_reply(request, peer, result)
+        self._loop.call_soon_threadsafe(self._send_built, conn, request, peer, pieces, keep, error)
+
+    def _await_then_finish(
+        self, conn: Connection, request: Request, peer: int, result: Any
+    ) -> None:
+        async def run() -> None:
+            try:
+                value = await await_async_result(result)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - sent back to the caller
+                self._finish(conn, request, peer, False, exc)
+                return
+            self._finish(conn, request, peer, True, value)
+
+        key = (peer, request.call_id)
+        if key in self._jobs:
+            self._jobs[key] = self._loop.create_task(run())
+
+    # -- replying --------------------------------------------------------------------------
+
+    def _encode_reply(
+        self, request: Request, peer: int, result: Any
+    ) -> tuple[list[Any] | None, object, BaseException | None]:
+        try:
+            payload, segments, keep = self._serializer.dumps(
+                result, context=peer, device_map=self._agent.reply_device_map(peer)
+            )
+        except Exception as exc:  # noqa: BLE001 - becomes the call's error
+            error = SerializationError(
+                f"the result of {request.target} on worker {self._agent.name!r} "
+                f"cannot be sent: {exc}"
+            )
+            error.__cause__ = exc
+            return None, None, error
+        return encode_frame(Reply(request.call_id).to_fields(), payload, segments), keep, None
+
+    def _send_built(
+        self,
+        conn: Connection,
+        request: Request,
+        peer: int,
+        pieces: list[Any] | None,
+        keep: object,
+        error: BaseException | None,
+    ) -> None:
+        if self._jobs.pop((peer, request.call_id), None) is None:
+            return  # cancelled meanwhile: the caller no longer waits
+        if error is not None:
+            self._send_error(conn, request, error)
+            return
+        assert pieces is not None
+        self._agent.write(conn, pieces, keep)
+        self._agent.counters.replies_sent += 1
+
+    def _finish(self, conn: Connection, request: Request, peer: int, ok: bool, value: Any) -> None:
+        self._jobs.pop((peer, request.call_id), None)
+        if request.mode != 0:
+            if self.value_sink is not None:
+                self.value_sink(request, peer, ok, value)
+            return
+        if not ok:
+            self._send_error(conn, request, value)
+            return
+        pieces, keep, error = self._encode_reply(request, peer, value)
+        if error is not None:
+            self._send_error(conn, request, error)
+            return
+        assert pieces is not None
+        self._agent.write(conn, pieces, keep)
+        self._agent.counters.replies_sent += 1
+
+    def _send_error(self, conn: Connection, request: Request, exc: BaseException) -> None:
+        _log.debug("%s raised %r for %s", request.target, exc, conn.peer_name)
+        payload = pack_exception(exc, self._agent.name)
+        self._agent.write(conn, encode_frame(ErrorReply(request.call_id).to_fields(), payload))
+        self._agent.counters.errors_sent += 1

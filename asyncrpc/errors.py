@@ -1,0 +1,247 @@
+"""The one exception tree of asyncrpc (layer L0: standard library only).
+
+Every error says who broke what: protocol errors are split into ours (local) and the
+peer's (remote); a connection we closed is a ``ClosedError``, one the network or the peer
+broke is a ``ConnectionLostError``. Timeouts also subclass the builtin ``TimeoutError`` and
+connection failures the builtin ``ConnectionError``, so generic handlers keep working.
+Every error pickles, because errors travel between workers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "AsyncRpcError",
+    "BlockingCallError",
+    "ClosedError",
+    "ConnectionLostError",
+    "FrameTooLargeError",
+    "FunctionNotFoundError",
+    "InitError",
+    "LocalProtocolError",
+    "NotInitializedError",
+    "PeerLostError",
+    "PeerUnavailableError",
+    "ProtocolError",
+    "RRefError",
+    "RRefOwnerLostError",
+    "RRefTimeoutError",
+    "RemoteError",
+    "RemoteProtocolError",
+    "RpcTimeoutError",
+    "SerializationError",
+    "ShutdownError",
+    "UnknownWorkerError",
+]
+
+
+class AsyncRpcError(Exception):
+    """Root of every error asyncrpc raises itself.
+
+    Subclasses that carry data keep it in ``args`` so the default pickling rebuilds them.
+    """
+
+
+# -- lifecycle -----------------------------------------------------------------------------
+
+
+class InitError(AsyncRpcError):
+    """``init_rpc`` failed: bad options, duplicate name or rank, rendezvous trouble."""
+
+
+class NotInitializedError(AsyncRpcError, RuntimeError):
+    """An RPC API was used before ``init_rpc`` or after ``shutdown``."""
+
+
+class ShutdownError(AsyncRpcError):
+    """A graceful shutdown could not complete (a peer died or the timeout ran out)."""
+
+
+class BlockingCallError(AsyncRpcError, RuntimeError):
+    """A blocking API (``rpc_sync``, ``Future.wait``...) was called on the agent's loop thread.
+
+    Blocking there would deadlock: the loop that must deliver the reply is the one waiting.
+    """
+
+
+# -- addressing and arguments --------------------------------------------------------------
+
+
+class UnknownWorkerError(AsyncRpcError, LookupError):
+    """The destination names no worker of this group."""
+
+    def __init__(self, worker: object, known: tuple[str, ...] = ()) -> None:
+        super().__init__(worker, known)
+        self.worker = worker
+        self.known = known
+
+    def __str__(self) -> str:
+        known = ", ".join(self.known) if self.known else "none"
+        return f"unknown worker {self.worker!r} (known workers: {known})"
+
+
+class SerializationError(AsyncRpcError, TypeError):
+    """A value could not be pickled or unpickled.
+
+    Raised at the caller, before anything is sent, for unpicklable arguments; sent back by
+    the callee for results it cannot pickle.
+    """
+
+
+class FunctionNotFoundError(AsyncRpcError, LookupError):
+    """The callee could not import the function it was asked to run."""
+
+    def __init__(self, function: str, worker: str, reason: str) -> None:
+        super().__init__(function, worker, reason)
+        self.function = function
+        self.worker = worker
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return (
+            f"function {self.function} cannot be found on worker {self.worker!r} "
+            f"({self.reason}); define it at module level in a module importable on both "
+            "the caller and the callee"
+        )
+
+
+# -- remote failures -----------------------------------------------------------------------
+
+
+class RemoteError(AsyncRpcError):
+    """A remote exception that could not be rebuilt as its own type.
+
+    Keeps the remote type's name, its message, the remote traceback and the worker.
+    """
+
+    def __init__(self, type_name: str, message: str, traceback: str, worker: str) -> None:
+        super().__init__(type_name, message, traceback, worker)
+        self.type_name = type_name
+        self.message = message
+        self.remote_traceback = traceback
+        self.remote_worker = worker
+
+    def __str__(self) -> str:
+        return (
+            f"{self.type_name}: {self.message} (raised on worker {self.remote_worker!r})\n"
+            f"Remote traceback:\n{self.remote_traceback}"
+        )
+
+
+class RpcTimeoutError(AsyncRpcError, TimeoutError):
+    """A call did not finish within its limit. Names the worker, the function and the limit."""
+
+    def __init__(self, worker: str, function: str, timeout: float) -> None:
+        super().__init__(worker, function, timeout)
+        self.worker = worker
+        self.function = function
+        self.timeout = timeout
+
+    def __str__(self) -> str:
+        return (
+            f"call to {self.function} on worker {self.worker!r} timed out after "
+            f"{self.timeout:g} s"
+        )
+
+
+# -- connections ---------------------------------------------------------------------------
+
+
+class ClosedError(AsyncRpcError, ConnectionError):
+    """The connection or agent was closed by this side; nothing more can be sent on it."""
+
+
+class ConnectionLostError(AsyncRpcError, ConnectionError):
+    """The network or the peer broke the connection (the cause is chained)."""
+
+
+class PeerLostError(ConnectionLostError):
+    """The connection to a named peer was lost: it died, or it closed on us."""
+
+    def __init__(self, worker: str, reason: str = "connection lost") -> None:
+        super().__init__(worker, reason)
+        self.worker = worker
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"lost the connection to worker {self.worker!r}: {self.reason}"
+
+
+class PeerUnavailableError(ConnectionLostError):
+    """A connection to a named peer could not be opened."""
+
+    def __init__(self, worker: str, reason: str) -> None:
+        super().__init__(worker, reason)
+        self.worker = worker
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"cannot connect to worker {self.worker!r}: {self.reason}"
+
+
+# -- protocol ------------------------------------------------------------------------------
+
+
+class ProtocolError(AsyncRpcError):
+    """The wire protocol was broken."""
+
+
+class LocalProtocolError(ProtocolError):
+    """We tried to do something the protocol forbids (a bug on this side)."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent bytes that break the protocol; that connection is closed."""
+
+
+class FrameTooLargeError(RemoteProtocolError):
+    """A frame announced a size above the configured maximum (checked before allocating)."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(size, limit)
+        self.size = size
+        self.limit = limit
+
+    def __str__(self) -> str:
+        return f"frame of {self.size} bytes exceeds the maximum frame size of {self.limit} bytes"
+
+
+# -- remote references ---------------------------------------------------------------------
+
+
+class RRefError(AsyncRpcError, RuntimeError):
+    """Misuse of an RRef (``local_value`` on a user, use after release...)."""
+
+
+class RRefOwnerLostError(RRefError, ConnectionError):
+    """The owner of an RRef is gone; the value cannot be reached any more."""
+
+    def __init__(self, owner: str, reason: str = "owner unreachable") -> None:
+        super().__init__(owner, reason)
+        self.owner = owner
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"the owner {self.owner!r} of this RRef is gone: {self.reason}"
+
+
+class RRefTimeoutError(RRefError, TimeoutError):
+    """Creating the RRef's value timed out; the RRef is unusable from then on."""
+
+    def __init__(self, owner: str, function: str, timeout: float) -> None:
+        super().__init__(owner, function, timeout)
+        self.owner = owner
+        self.function = function
+        self.timeout = timeout
+
+    def __str__(self) -> str:
+        return (
+            f"remote() of {self.function} on worker {self.owner!r} timed out after "
+            f"{self.timeout:g} s; this RRef is unusable"
+        )
+
+
+def describe(exc: BaseException) -> dict[str, Any]:
+    """Return a plain summary of ``exc`` (type name and message) for logs and debug info."""
+    return {"type": f"{type(exc).__module__}.{type(exc).__qualname__}", "message": str(exc)}

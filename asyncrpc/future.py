@@ -1,0 +1,702 @@
+"""asyncrpc's Future: torch JitFuture semantics, awaitable from any loop, waitable from threads.
+
+Layer L2: imports asyncio and threading; torch is imported lazily, only by the bridges.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import sys
+import threading
+import types
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any, Generic, TypeAlias, TypeVar, cast, overload
+
+from asyncrpc.errors import AsyncRpcError, BlockingCallError, NotInitializedError
+
+if TYPE_CHECKING:  # for annotations only: torch is imported lazily at run time
+    import torch
+
+__all__ = [
+    "Future",
+    "FutureAlreadyDoneError",
+    "FutureNotDoneError",
+    "check_not_blocking_loop",
+    "collect_all",
+    "set_default_callback_loop",
+    "wait_all",
+]
+
+T = TypeVar("T")
+S = TypeVar("S")
+
+logger = logging.getLogger("asyncrpc.future")
+
+# An internal completion hook: a callable run in the completing thread, or an awaiter's
+# asyncio future, set on its own loop.
+_Hook: TypeAlias = "Callable[[Future[T]], object] | asyncio.Future[None]"
+
+# `asyncio._get_running_loop` is the documented low-level accessor (no exception when there is
+# no loop). It is a C-level cached thread-local read: as cheap as comparing a cached thread id
+# and right for every loop, including loops whose thread we never saw.
+_running_loop = asyncio._get_running_loop
+
+_PENDING = 0
+_RESULT = 1
+_EXCEPTION = 2
+
+# The agent's loop and its thread (set_default_callback_loop). Read without a lock: each is
+# one reference, replaced whole; a reader that sees a stale loop finds it not running.
+_default_loop: asyncio.AbstractEventLoop | None = None
+_default_thread: int | None = None
+
+
+class FutureNotDoneError(AsyncRpcError, RuntimeError):
+    """``value()`` or ``exception()`` was called on a future that is not done yet."""
+
+
+class FutureAlreadyDoneError(AsyncRpcError, RuntimeError):
+    """``set_result``/``set_exception`` on a future that was already completed (or cancelled)."""
+
+
+def set_default_callback_loop(
+    loop: asyncio.AbstractEventLoop | None, thread_id: int | None = None
+) -> None:
+    """Register the agent's loop: futures built without ``loop=`` schedule callbacks there.
+
+    Args:
+        loop: The agent's event loop, or None to clear the registration (agent stop).
+        thread_id: ``threading.get_ident()`` of the thread running ``loop``; blocking calls
+            from that thread raise ``BlockingCallError``. Taken from the calling thread when
+            None and ``loop`` is running there.
+
+    Cancellation: not applicable; this only changes where later callbacks run.
+    """
+    global _default_loop, _default_thread
+    if loop is not None and thread_id is None and _running_loop() is loop:
+        thread_id = threading.get_ident()
+    _default_thread = thread_id if loop is not None else None
+    _default_loop = loop
+
+
+def check_not_blocking_loop() -> None:
+    """Raise if the calling thread runs the agent's loop (blocking it would deadlock).
+
+    Raises:
+        BlockingCallError: The caller is the thread registered by ``set_default_callback_loop``.
+
+    Cancellation: not applicable; nothing waits here.
+    """
+    tid = _default_thread
+    if tid is not None and tid == threading.get_ident():
+        raise BlockingCallError(
+            "a blocking call (Future.wait, wait_all, rpc_sync...) was made on the agent's event "
+            "loop thread; it would deadlock: await the future instead"
+        )
+
+
+class Future(Generic[T]):
+    """The result of an asynchronous operation (torch.futures.Future semantics).
+
+    Completed once, from any thread, by ``set_result``/``set_exception``. Wait for it with
+    ``wait()`` from a plain thread, ``await`` it from any asyncio loop of the process, or chain
+    work with ``then``/``add_done_callback``. Callbacks never run inside the completing call's
+    critical section: they run in registration order on the callback loop (``loop=`` or the
+    registered agent loop) or, with no loop, in the completing thread right after completion.
+    """
+
+    # _value holds the result or the exception (the state says which); _tb is the traceback the
+    # exception had when stored, re-attached on every raise so tracebacks never grow.
+    # _callbacks: None = no callback pending; a list = callbacks waiting for (or in) a drain.
+    # _hooks: internal one-shot hooks run in the completing thread (awaiter wake-ups, chaining);
+    # they only hand off (call_soon_threadsafe, set a future) and never run user code.
+    __slots__ = (
+        "_callbacks",
+        "_cancel_hook",
+        "_event",
+        "_hooks",
+        "_lock",
+        "_loop",
+        "_state",
+        "_tb",
+        "_value",
+    )
+
+    def __init__(self, *, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Create a pending future whose callbacks run on ``loop``.
+
+        With ``loop=None`` they run on the agent loop registered with
+        ``set_default_callback_loop`` while it runs, else in the completing thread.
+        """
+        self._state = _PENDING
+        self._value: Any = None
+        self._tb: types.TracebackType | None = None
+        self._callbacks: list[Callable[[Future[T]], object]] | None = None
+        self._hooks: list[_Hook[T]] | None = None
+        self._event: threading.Event | None = None
+        self._loop = loop
+        self._lock = threading.Lock()
+        # Set by the agent to cancel the remote call when this future is cancelled.
+        self._cancel_hook: Callable[[], object] | None = None
+
+    def __repr__(self) -> str:
+        state = ("pending", "result", "exception")[self._state]
+        return f"<asyncrpc.Future {state} at {id(self):#x}>"
+
+    # -- inspection ----------------------------------------------------------------------------
+
+    def done(self) -> bool:
+        """Return True once the future holds a result or an exception (cancelled included)."""
+        return self._state != _PENDING
+
+    def value(self) -> T:
+        """Return the result without waiting (torch ``Future.value``).
+
+        Raises:
+            FutureNotDoneError: The future is not done yet.
+            BaseException: The stored exception (``asyncio.CancelledError`` if cancelled).
+        """
+        state = self._state
+        if state == _RESULT:
+            return cast(T, self._value)
+        if state == _EXCEPTION:
+            raise self._value.with_traceback(self._tb)
+        raise FutureNotDoneError("value() called on a future that is not done; wait() for it")
+
+    def exception(self) -> BaseException | None:
+        """Return the stored exception, or None if the future holds a result.
+
+        Raises:
+            FutureNotDoneError: The future is not done yet.
+
+        Cancellation: a cancelled future returns its ``asyncio.CancelledError``.
+        """
+        state = self._state
+        if state == _PENDING:
+            raise FutureNotDoneError("exception() called on a future that is not done")
+        return cast(BaseException, self._value) if state == _EXCEPTION else None
+
+    # -- blocking wait -------------------------------------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> T:
+        """Block the calling thread until done and return the result.
+
+        Args:
+            timeout: Seconds to wait at most; None waits forever.
+
+        Raises:
+            BlockingCallError: Not done and called on the agent's loop thread.
+            TimeoutError: Not done within ``timeout`` (the future stays pending).
+            BaseException: The stored exception (``asyncio.CancelledError`` if cancelled).
+        """
+        if self._state == _PENDING and not self._block(timeout):
+            raise TimeoutError(f"future not done after {timeout:g} s")
+        return self.value()
+
+    def result(self, timeout: float | None = None) -> T:
+        """Alias of ``wait()`` for concurrent.futures-style code (same arguments and errors)."""
+        return self.wait(timeout)
+
+    def _block(self, timeout: float | None) -> bool:
+        # The Event is made only when somebody really blocks: most futures are awaited.
+        check_not_blocking_loop()
+        with self._lock:
+            if self._state != _PENDING:
+                return True
+            event = self._event
+            if event is None:
+                event = self._event = threading.Event()
+        return event.wait(timeout)
+
+    # -- completion ----------------------------------------------------------------------------
+
+    def set_result(self, result: T) -> None:
+        """Complete the future with ``result`` and schedule its callbacks.
+
+        Raises:
+            FutureAlreadyDoneError: The future was already completed or cancelled.
+        """
+        if not self._complete(_RESULT, result, None):
+            raise FutureAlreadyDoneError("a Future can only be marked completed once")
+
+    def set_exception(self, exc: BaseException) -> None:
+        """Complete the future with the exception instance ``exc``; waiters raise it.
+
+        Raises:
+            TypeError: ``exc`` is not an exception instance.
+            FutureAlreadyDoneError: The future was already completed or cancelled.
+        """
+        if not isinstance(exc, BaseException):
+            raise TypeError(f"set_exception() needs an exception instance, got {exc!r}")
+        if not self._complete(_EXCEPTION, exc, exc.__traceback__):
+            raise FutureAlreadyDoneError("a Future can only be marked completed once")
+
+    def cancel(self) -> bool:
+        """Cancel: complete with ``asyncio.CancelledError`` and run the agent's cancel hook.
+
+        Returns:
+            True if this call cancelled the future, False if it was already done.
+
+        Cancellation: waiters and awaiters get ``asyncio.CancelledError``; the hook (set by
+        the agent) asks the callee to drop the call. Exceptions from the hook are logged.
+        """
+        if not self._complete(_EXCEPTION, asyncio.CancelledError(), None):
+            return False
+        hook = self._cancel_hook
+        if hook is not None:
+            self._cancel_hook = None
+            try:
+                hook()
+            except Exception:
+                logger.exception("cancel hook %r of %r failed", hook, self)
+        return True
+
+    def _try_set_result(self, result: T) -> bool:
+        """Complete with ``result`` unless done already (for the agent: a late reply after a
+        cancel or a timeout is not an error). Returns True if this call completed it."""
+        return self._complete(_RESULT, result, None)
+
+    def _try_set_exception(self, exc: BaseException) -> bool:
+        """Complete with ``exc`` unless done already. Returns True if this call completed it."""
+        return self._complete(_EXCEPTION, exc, exc.__traceback__)
+
+    def _complete(self, state: int, value: object, tb: types.TracebackType | None) -> bool:
+        # Invariant: the state changes under the lock; everything that may run code or wake
+        # threads (event, hooks, callbacks) happens after the lock is released.
+        with self._lock:
+            if self._state != _PENDING:
+                return False
+            # The value before the state: lock-free readers (done, value, the await fast
+            # path) test the state first, then read the value.
+            self._value = value
+            self._tb = tb
+            self._state = state
+            hooks = self._hooks
+            self._hooks = None
+            event = self._event
+            drain = self._callbacks is not None
+        if event is not None:
+            event.set()
+        if hooks is not None:
+            self._run_hooks(hooks)
+        if drain:
+            self._schedule_drain()
+        return True
+
+    def _run_hooks(self, hooks: list[_Hook[T]]) -> None:
+        # An asyncio future in the list is an awaiter's waiter (no partial per await).
+        for hook in hooks:
+            if isinstance(hook, asyncio.Future):
+                _wake_waiter(hook)
+                continue
+            try:
+                hook(self)
+            except Exception:  # hooks are ours and should not raise; never lose the others
+                logger.exception("internal completion hook %r of %r failed", hook, self)
+
+    # -- callbacks -----------------------------------------------------------------------------
+
+    def add_done_callback(self, callback: Callable[[Future[T]], object]) -> None:
+        """Call ``callback(self)`` once done, after the callbacks registered before it.
+
+        It runs on the callback loop (scheduled, also when the future is already done) or,
+        with no loop, in the completing thread (here, if already done). Its exceptions are
+        logged on ``asyncrpc.future`` and swallowed.
+
+        Args:
+            callback: Called with this future.
+
+        Cancellation: a cancelled future is done, so the callback runs and sees
+        ``asyncio.CancelledError`` from ``value()``.
+        """
+        with self._lock:
+            callbacks = self._callbacks
+            if callbacks is not None:
+                callbacks.append(callback)
+                return
+            self._callbacks = [callback]
+            if self._state == _PENDING:
+                return
+        self._schedule_drain()
+
+    def _add_hook(self, hook: Callable[[Future[T]], object]) -> None:
+        # Internal: run `hook(self)` in the completing thread (or now, if done).
+        with self._lock:
+            if self._state == _PENDING:
+                if self._hooks is None:
+                    self._hooks = [hook]
+                else:
+                    self._hooks.append(hook)
+                return
+        self._run_hooks([hook])
+
+    def _discard_hook(self, hook: _Hook[T]) -> None:
+        with self._lock:
+            hooks = self._hooks
+            if hooks is not None and hook in hooks:
+                hooks.remove(hook)
+
+    def _schedule_drain(self) -> None:
+        loop = self._loop
+        if loop is None:
+            loop = _default_loop
+            if loop is None or not loop.is_running():
+                self._run_callbacks()
+                return
+        if _running_loop() is loop:
+            loop.call_soon(self._run_callbacks)
+            return
+        try:
+            loop.call_soon_threadsafe(self._run_callbacks)
+        except RuntimeError:  # the loop is closed: run them here rather than lose them
+            self._run_callbacks()
+
+    def _run_callbacks(self) -> None:
+        # Drains in batches: callbacks added while a batch runs (from a callback or another
+        # thread) join the list and run in the next batch, so order is registration order.
+        while True:
+            with self._lock:
+                callbacks = self._callbacks
+                if not callbacks:
+                    self._callbacks = None
+                    return
+                self._callbacks = []
+            for callback in callbacks:
+                try:
+                    callback(self)
+                except (SystemExit, KeyboardInterrupt):
+                    # The process is going down: drop the rest but leave a state in which
+                    # later callbacks still get a drain of their own.
+                    with self._lock:
+                        self._callbacks = None
+                    raise
+                except BaseException:
+                    logger.exception("callback %r of %r raised", callback, self)
+
+    @overload
+    def then(self, callback: Callable[[Future[T]], Awaitable[S]]) -> Future[S]: ...
+    @overload
+    def then(self, callback: Callable[[Future[T]], torch.futures.Future[S]]) -> Future[S]: ...
+    @overload
+    def then(self, callback: Callable[[Future[T]], S]) -> Future[S]: ...
+    def then(self, callback: Callable[[Future[T]], Any]) -> Future[Any]:
+        """Return a future of ``callback(self)``, run like any done callback.
+
+        If the callback raises, the new future holds that exception. If it returns a future
+        (ours, ``torch.futures.Future``, asyncio or concurrent.futures) or a coroutine, the new
+        future completes with that one's outcome: never a future of a future.
+
+        Args:
+            callback: Called with this future once it is done.
+
+        Returns:
+            A future on the same callback loop.
+
+        Cancellation: cancelling the returned future does not cancel this one.
+        """
+        child: Future[Any] = Future(loop=self._loop)
+        self.add_done_callback(partial(_run_then, callback, child))
+        return child
+
+    def _copy_from(self, source: Future[Any]) -> None:
+        # Hook: complete self with a done `source`'s outcome (a no-op if self is done).
+        if source._state == _RESULT:
+            self._complete(_RESULT, source._value, None)
+        else:
+            self._complete(_EXCEPTION, source._value, source._tb)
+
+    # -- await ---------------------------------------------------------------------------------
+
+    def __await__(self) -> Generator[Any, None, T]:
+        """Wait on the running loop (any loop of the process) and return the result.
+
+        Cancellation: cancelling the awaiting task only stops this wait; the future is shared,
+        stays pending and can be awaited again.
+        """
+        if self._state == _PENDING:
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            with self._lock:
+                pending = self._state == _PENDING
+                if pending:
+                    if self._hooks is None:
+                        self._hooks = [waiter]
+                    else:
+                        self._hooks.append(waiter)
+            if pending:
+                try:
+                    yield from waiter
+                except BaseException:
+                    self._discard_hook(waiter)  # cancelled awaiters leave no hook behind
+                    raise
+        return self.value()
+
+    # -- bridges -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_torch(cls, fut: torch.futures.Future[S]) -> Future[S]:
+        """Return a new future completed with the outcome of the ``torch.futures.Future`` ``fut``.
+
+        Cancellation: torch futures cannot be cancelled; cancelling the result leaves
+        ``fut`` running.
+        """
+        ours: Future[Any] = cls()
+        fut.add_done_callback(partial(_copy_from_torch, ours))
+        return ours
+
+    def to_torch(self) -> torch.futures.Future[T]:
+        """Return a new ``torch.futures.Future`` completed (from a callback) with our outcome.
+
+        Cancellation: a cancelled future completes the torch one with a ``RuntimeError``
+        (torch only stores ``Exception``s), its cause the ``CancelledError``.
+        """
+        import torch
+
+        tfut: torch.futures.Future[T] = torch.futures.Future()
+        self.add_done_callback(partial(_copy_to_torch, tfut))
+        return tfut
+
+    @classmethod
+    def wrap(cls, obj: object, *, loop: asyncio.AbstractEventLoop | None = None) -> Future[Any]:
+        """Return ``obj`` as an asyncrpc Future.
+
+        Args:
+            obj: A ``Future`` (returned as is), a ``torch.futures.Future``, an
+                ``asyncio.Future``, a ``concurrent.futures.Future``, or a coroutine/awaitable.
+            loop: For a coroutine, the loop that runs it (default: the running loop of this
+                thread, else the registered agent loop); also the result's callback loop.
+
+        Raises:
+            TypeError: ``obj`` is none of the above.
+            NotInitializedError: A coroutine, but there is no loop to run it on.
+
+        Cancellation: cancelling the result cancels the wrapped asyncio or concurrent future
+        or the task running the coroutine.
+        """
+        if isinstance(obj, Future):
+            return obj
+        if isinstance(obj, asyncio.Future):
+            return _from_asyncio(obj, loop)
+        if isinstance(obj, concurrent.futures.Future):
+            return _from_concurrent(obj, loop)
+        torch_type = _torch_future_type()
+        if torch_type is not None and isinstance(obj, torch_type):
+            return cls.from_torch(cast(Any, obj))
+        if isinstance(obj, Awaitable):
+            return _from_awaitable(obj, loop)
+        raise TypeError(f"cannot wrap {type(obj).__qualname__} as an asyncrpc Future")
+
+
+# -- helpers (module level: partials over them are cheaper than closures) ----------------------
+
+
+def _wake_waiter(waiter: asyncio.Future[None]) -> None:
+    # Runs in the completing thread: set the awaiter's asyncio future on its own loop.
+    loop = waiter.get_loop()
+    if _running_loop() is loop:
+        _set_waiter(waiter)
+        return
+    # try/except, not contextlib.suppress: this runs per cross-thread wake-up.
+    try:  # noqa: SIM105
+        loop.call_soon_threadsafe(_set_waiter, waiter)
+    except RuntimeError:  # the awaiter's loop is closed: nobody is left to wake
+        pass
+
+
+def _set_waiter(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():  # a cancelled awaiter just goes away
+        waiter.set_result(None)
+
+
+def _run_then(
+    callback: Callable[[Future[Any]], object], child: Future[Any], parent: Future[Any]
+) -> None:
+    try:
+        outcome = callback(parent)
+    except BaseException as exc:
+        child._try_set_exception(exc)
+        if isinstance(exc, SystemExit | KeyboardInterrupt):
+            raise
+        return
+    _settle(child, outcome)
+
+
+def _settle(child: Future[Any], outcome: object) -> None:
+    # Flatten: a future-like outcome completes `child` with its own outcome.
+    if isinstance(outcome, _FLATTEN_TYPES):
+        try:
+            source = Future.wrap(outcome, loop=child._loop)
+        except BaseException as exc:
+            child._try_set_exception(exc)
+            return
+        if source is child:
+            child._try_set_exception(RuntimeError("a then() callback returned its own future"))
+            return
+        source._add_hook(child._copy_from)
+        return
+    torch_type = _torch_future_type()
+    if torch_type is not None and isinstance(outcome, torch_type):
+        cast(Any, outcome).add_done_callback(partial(_copy_from_torch, child))
+        return
+    child._try_set_result(outcome)
+
+
+_FLATTEN_TYPES = (Future, asyncio.Future, concurrent.futures.Future, types.CoroutineType)
+_torch_future: type | None = None
+
+
+def _torch_future_type() -> type | None:
+    # torch.futures.Future subclasses torch._C.Future. Looked up only once torch is imported:
+    # before that no object can be a torch future, and this module must not import torch.
+    global _torch_future
+    if _torch_future is None:
+        torch = sys.modules.get("torch")
+        c_module = getattr(torch, "_C", None)
+        _torch_future = getattr(c_module, "Future", None)
+    return _torch_future
+
+
+def _copy_from_torch(ours: Future[Any], tfut: Any) -> None:
+    # Runs in the thread that completes the torch future (or now, if it is done).
+    try:
+        value = tfut.value()
+    except BaseException as exc:
+        ours._try_set_exception(exc)
+    else:
+        ours._try_set_result(value)
+
+
+def _copy_to_torch(tfut: Any, ours: Future[Any]) -> None:
+    if ours._state == _RESULT:
+        tfut.set_result(ours._value)
+        return
+    exc = ours._value
+    if not isinstance(exc, Exception):  # torch asserts on BaseException (CancelledError)
+        wrapped = RuntimeError(f"the asyncrpc future failed with {type(exc).__name__}")
+        wrapped.__cause__ = exc
+        exc = wrapped
+    tfut.set_exception(exc)
+
+
+def _from_asyncio(afut: asyncio.Future[Any], loop: asyncio.AbstractEventLoop | None) -> Future[Any]:
+    aloop = afut.get_loop()
+    ours: Future[Any] = Future(loop=loop if loop is not None else aloop)
+    copy = partial(_copy_from_foreign, ours)
+    if _running_loop() is aloop:
+        afut.add_done_callback(copy)
+        ours._cancel_hook = afut.cancel
+        return ours
+    if afut.done():  # a done asyncio future is immutable: safe to read from any thread
+        copy(afut)
+        return ours
+    # asyncio futures are not thread-safe: touch them only from their loop's thread.
+    aloop.call_soon_threadsafe(afut.add_done_callback, copy)
+    ours._cancel_hook = partial(aloop.call_soon_threadsafe, afut.cancel)
+    return ours
+
+
+def _copy_from_foreign(ours: Future[Any], other: Any) -> None:
+    # For a done asyncio or concurrent.futures future (they share this API).
+    if other.cancelled():
+        ours._try_set_exception(asyncio.CancelledError())
+        return
+    exc = other.exception()
+    if exc is not None:
+        ours._try_set_exception(exc)
+    else:
+        ours._try_set_result(other.result())
+
+
+def _from_concurrent(
+    cfut: concurrent.futures.Future[Any], loop: asyncio.AbstractEventLoop | None
+) -> Future[Any]:
+    ours: Future[Any] = Future(loop=loop)
+    ours._cancel_hook = cfut.cancel
+    cfut.add_done_callback(partial(_copy_from_foreign, ours))
+    return ours
+
+
+def _from_awaitable(obj: Awaitable[Any], loop: asyncio.AbstractEventLoop | None) -> Future[Any]:
+    coro = obj if isinstance(obj, types.CoroutineType) else _await(obj)
+    running = _running_loop()
+    if loop is None:
+        loop = running if running is not None else _default_loop
+    if loop is None or loop.is_closed() or (loop is not running and not loop.is_running()):
+        coro.close()  # never leave a "coroutine was never awaited" warning behind
+        raise NotInitializedError(
+            "no event loop to run the coroutine on: pass loop=, call from a running loop, "
+            "or start the agent (init_rpc) first"
+        )
+    if loop is running:
+        return _from_asyncio(loop.create_task(coro), None)
+    return _from_concurrent(asyncio.run_coroutine_threadsafe(coro, loop), loop)
+
+
+async def _await(obj: Awaitable[T]) -> T:
+    return await obj
+
+
+# -- groups ------------------------------------------------------------------------------------
+
+
+class _Countdown:
+    """Completes ``result`` with ``futures`` once every one of them is done."""
+
+    __slots__ = ("_futures", "_left", "_lock", "_result")
+
+    def __init__(self, futures: list[Future[Any]], result: Future[list[Future[Any]]]) -> None:
+        self._futures = futures
+        self._result = result
+        self._left = len(futures)
+        self._lock = threading.Lock()
+
+    def __call__(self, _: object) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._result._try_set_result(self._futures)
+
+
+def collect_all(futures: Sequence[Any]) -> Future[list[Future[Any]]]:
+    """Return a future completed with the list of ``futures`` once all of them are done.
+
+    Args:
+        futures: asyncrpc or torch futures (anything ``Future.wrap`` takes).
+
+    Returns:
+        A future of the futures (as asyncrpc Futures, in order); it never fails itself:
+        inspect each one.
+
+    Cancellation: cancelling the result does not cancel the futures.
+    """
+    ours = [Future.wrap(f) for f in futures]
+    result: Future[list[Future[Any]]] = Future()
+    if not ours:
+        result.set_result(ours)
+        return result
+    countdown = _Countdown(ours, result)
+    for fut in ours:
+        fut._add_hook(countdown)
+    return result
+
+
+def wait_all(futures: Sequence[Any]) -> list[Any]:
+    """Block until all ``futures`` are done and return their values in order.
+
+    Args:
+        futures: asyncrpc or torch futures (anything ``Future.wrap`` takes).
+
+    Raises:
+        BlockingCallError: Some are not done and this is the agent's loop thread.
+        BaseException: Once all are done, the first stored exception in list order.
+
+    Cancellation: a cancelled future counts as failed with ``asyncio.CancelledError``.
+    """
+    ours = [Future.wrap(f) for f in futures]
+    for fut in ours:
+        if fut._state == _PENDING:
+            fut._block(None)
+    return [fut.value() for fut in ours]

@@ -1,0 +1,90 @@
+"""Counters the agent keeps, and an event-loop lag probe (layer L2).
+
+Counters are plain ints bumped on the loop thread (or under the pool's lock for the
+thread pool), so reading them costs nothing on the hot path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+__all__ = ["Counters", "LagProbe", "PoolGauge"]
+
+
+@dataclass(slots=True)
+class Counters:
+    """Monotonic counters of one agent."""
+
+    calls_sent: int = 0
+    calls_received: int = 0
+    replies_sent: int = 0
+    errors_sent: int = 0
+    calls_failed: int = 0
+    calls_timed_out: int = 0
+    calls_cancelled: int = 0
+    connections_opened: int = 0
+    connections_lost: int = 0
+    protocol_errors: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class PoolGauge:
+    """How many of the pool's threads are running a function right now."""
+
+    __slots__ = ("_busy", "_lock", "size")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._busy = 0
+        self._lock = threading.Lock()
+
+    def enter(self) -> None:
+        with self._lock:
+            self._busy += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._busy -= 1
+
+    @property
+    def busy(self) -> int:
+        return self._busy
+
+    @property
+    def idle(self) -> int:
+        return self.size - self._busy
+
+
+class LagProbe:
+    """Measures how late the loop runs a callback scheduled ``interval`` seconds ahead.
+
+    The lag of the last tick and the worst lag seen are kept in milliseconds.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, interval: float = 0.25) -> None:
+        self._loop = loop
+        self._interval = interval
+        self._handle: asyncio.TimerHandle | None = None
+        self._expected = 0.0
+        self.last_ms = 0.0
+        self.max_ms = 0.0
+
+    def start(self) -> None:
+        self._expected = time.monotonic() + self._interval
+        self._handle = self._loop.call_later(self._interval, self._tick)
+
+    def _tick(self) -> None:
+        lag = max(0.0, time.monotonic() - self._expected) * 1000.0
+        self.last_ms = lag
+        self.max_ms = max(self.max_ms, lag)
+        self.start()
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None

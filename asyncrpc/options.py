@@ -1,0 +1,128 @@
+"""Worker options and identities: ``RpcBackendOptions`` and ``WorkerInfo`` (layer L2).
+
+``RpcBackendOptions`` mirrors torch's ``TensorPipeRpcBackendOptions`` so code written for
+``torch.distributed.rpc`` only changes its import; a torch options object passed in is read
+field by field by ``coerce_options``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncrpc.errors import InitError
+
+__all__ = [
+    "DEFAULT_INIT_METHOD",
+    "DEFAULT_RPC_TIMEOUT",
+    "UNSET_RPC_TIMEOUT",
+    "RpcBackendOptions",
+    "WorkerInfo",
+    "coerce_options",
+]
+
+DEFAULT_RPC_TIMEOUT = 60.0
+DEFAULT_INIT_METHOD = "env://"
+# torch's sentinels: -1 means "use the default timeout", 0 means "no timeout".
+UNSET_RPC_TIMEOUT = -1.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """A worker's identity: its unique ``name`` and its rank ``id`` (torch's names)."""
+
+    name: str
+    id: int
+
+    def __str__(self) -> str:
+        return f"WorkerInfo(id={self.id}, name={self.name})"
+
+
+def _device_key(device: Any) -> str:
+    # torch.device('cuda', 0) and 'cuda:0' and 0 all mean the same device.
+    if isinstance(device, int):
+        return f"cuda:{device}"
+    return str(device)
+
+
+@dataclass(slots=True)
+class RpcBackendOptions:
+    """Options of an asyncrpc worker, named as torch's ``TensorPipeRpcBackendOptions``.
+
+    Attributes:
+        init_method: rendezvous URL: ``env://``, ``tcp://host:port`` or ``file://path``.
+        rpc_timeout: default per-call timeout in seconds (0 disables it).
+        num_worker_threads: size of the thread pool that runs synchronous functions.
+        device_maps: per callee name, a map of this worker's CUDA devices to the callee's.
+        devices: the CUDA devices this worker may send from or receive to.
+        listen_host: the address the worker listens on (loopback by default).
+        max_frame_size: the largest frame accepted from a peer, checked before allocating.
+        shutdown_timeout: bound on a graceful shutdown when ``shutdown`` is given none.
+    """
+
+    init_method: str = DEFAULT_INIT_METHOD
+    rpc_timeout: float = DEFAULT_RPC_TIMEOUT
+    num_worker_threads: int = 16
+    device_maps: dict[str, dict[str, str]] | None = None
+    devices: list[str] | None = None
+    listen_host: str = "127.0.0.1"
+    max_frame_size: int = 1 << 34
+    shutdown_timeout: float = 60.0
+    _extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.rpc_timeout < 0:
+            raise InitError(f"rpc_timeout must be >= 0 seconds, got {self.rpc_timeout}")
+        if self.num_worker_threads < 1:
+            raise InitError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
+        if self.device_maps is not None:
+            self.device_maps = {
+                str(callee): {_device_key(k): _device_key(v) for k, v in mapping.items()}
+                for callee, mapping in self.device_maps.items()
+            }
+        if self.devices is not None:
+            self.devices = [_device_key(d) for d in self.devices]
+
+    def set_device_map(self, to: str, device_map: Mapping[Any, Any]) -> None:
+        """Add or extend the device map towards worker ``to`` (torch's method of that name)."""
+        maps = self.device_maps if self.device_maps is not None else {}
+        maps.setdefault(to, {}).update(
+            {_device_key(k): _device_key(v) for k, v in device_map.items()}
+        )
+        self.device_maps = maps
+
+    def set_devices(self, devices: list[Any]) -> None:
+        """Set the devices this worker uses (torch's method of that name)."""
+        self.devices = [_device_key(d) for d in devices]
+
+
+def coerce_options(options: object | None) -> RpcBackendOptions:
+    """Return asyncrpc options for ``options``: ours, torch's, or None for the defaults.
+
+    Args:
+        options: ``RpcBackendOptions``, a torch ``TensorPipeRpcBackendOptions`` (or any object
+            with its fields), or None.
+
+    Returns:
+        A fresh ``RpcBackendOptions``.
+
+    Raises:
+        InitError: the object is neither kind, or a field has a bad value.
+    """
+    if options is None:
+        return RpcBackendOptions()
+    if isinstance(options, RpcBackendOptions):
+        return options
+    if not hasattr(options, "init_method") or not hasattr(options, "rpc_timeout"):
+        raise InitError(
+            f"rpc_backend_options must be asyncrpc.RpcBackendOptions or torch's "
+            f"TensorPipeRpcBackendOptions, got {type(options).__name__}"
+        )
+    return RpcBackendOptions(
+        init_method=str(options.init_method),
+        rpc_timeout=float(options.rpc_timeout),
+        num_worker_threads=int(getattr(options, "num_worker_threads", 16)),
+        device_maps=dict(getattr(options, "device_maps", None) or {}) or None,
+        devices=list(getattr(options, "devices", None) or []) or None,
+    )

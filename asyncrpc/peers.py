@@ -1,0 +1,182 @@
+"""The connections of one agent: one multiplexed connection per peer (layer L2).
+
+Connections open lazily on first use. A connection starts with a Hello/HelloReply
+handshake (protocol version and identity). When two workers dial each other at the same
+moment, both apply one rule, so exactly one connection survives: the one dialled by the
+lower rank. No request is ever sent before the handshake, so the losing connection carries
+nothing and is simply closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from asyncrpc.errors import PeerLostError, PeerUnavailableError, RemoteProtocolError
+from asyncrpc.rendezvous import PeerAddress
+from asyncrpc.transport import Connection, open_connection
+from asyncrpc.wire import PROTOCOL_VERSION, encode_frame
+from asyncrpc.wire.messages import Hello, HelloReply
+
+__all__ = ["Peer", "PeerTable"]
+
+_log = logging.getLogger("asyncrpc.peers")
+
+
+class Peer:
+    """What this agent knows of one other worker."""
+
+    __slots__ = ("address", "conn", "dialing", "lost", "ready")
+
+    def __init__(self, address: PeerAddress) -> None:
+        self.address = address
+        self.conn: Connection | None = None
+        self.ready: asyncio.Future[Connection] | None = None
+        self.dialing = False
+        self.lost: BaseException | None = None
+
+
+def send_message(conn: Connection, message: Hello | HelloReply) -> None:
+    conn.send(encode_frame(message.to_fields(), b""))
+
+
+class PeerTable:
+    """Peers by rank, their connections, and the handshake rules."""
+
+    def __init__(
+        self,
+        name: str,
+        rank: int,
+        addresses: dict[int, PeerAddress],
+        make_connection: Callable[[bool], Connection],
+        connect_timeout: float = 30.0,
+    ) -> None:
+        self.name = name
+        self.rank = rank
+        self._make_connection = make_connection
+        self.connect_timeout = connect_timeout
+        self.peers = {r: Peer(a) for r, a in addresses.items() if r != rank}
+        self._handshakes: dict[Connection, asyncio.Future[HelloReply]] = {}
+
+    def open_connections(self) -> list[Connection]:
+        return [p.conn for p in self.peers.values() if p.conn is not None and not p.conn.closed]
+
+    async def connection(self, rank: int) -> Connection:
+        """Return the live connection to ``rank``, dialling it first if needed.
+
+        Cancelling the wait does not stop a dial in progress; later callers share it.
+
+        Raises:
+            PeerLostError: the peer was connected once and is gone.
+            PeerUnavailableError: it cannot be reached.
+        """
+        peer = self.peers[rank]
+        if peer.conn is not None and not peer.conn.closed:
+            return peer.conn
+        if peer.lost is not None:
+            raise peer.lost
+        if peer.ready is None or peer.ready.done():
+            peer.ready = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().create_task(self._dial(peer, rank))
+        try:
+            return await asyncio.wait_for(asyncio.shield(peer.ready), self.connect_timeout)
+        except TimeoutError:
+            raise PeerUnavailableError(
+                peer.address.name, f"no connection within {self.connect_timeout:g} s"
+            ) from None
+
+    async def _dial(self, peer: Peer, rank: int) -> None:
+        address = peer.address
+        peer.dialing = True
+        try:
+            conn = await open_connection(
+                address.host, address.port, lambda: self._make_connection(True)
+            )
+            waiter = asyncio.get_running_loop().create_future()
+            self._handshakes[conn] = waiter
+            send_message(conn, Hello(PROTOCOL_VERSION, self.name, self.rank))
+            reply = await asyncio.wait_for(waiter, self.connect_timeout)
+        except (OSError, TimeoutError, ConnectionError, RemoteProtocolError) as exc:
+            self._dial_failed(peer, PeerUnavailableError(address.name, str(exc) or repr(exc)))
+            return
+        finally:
+            peer.dialing = False
+        if reply.accepted:
+            self.adopt(peer, rank, conn)
+        elif peer.conn is None and reply.reason != _TIE_BREAK:
+            conn.close()
+            self._dial_failed(peer, PeerUnavailableError(address.name, reply.reason))
+        else:
+            # The peer keeps the connection it dialled to us; it is adopted (or will be)
+            # when its Hello reaches us, which resolves ``peer.ready``.
+            conn.close()
+
+    def _dial_failed(self, peer: Peer, exc: BaseException) -> None:
+        _log.debug("dial to %s failed: %s", peer.address.name, exc)
+        if peer.ready is not None and not peer.ready.done():
+            peer.ready.set_exception(exc)
+            peer.ready.exception()  # mark retrieved: waiters may all have given up
+        peer.ready = None  # a later call may try again
+
+    def adopt(self, peer: Peer, rank: int, conn: Connection) -> None:
+        conn.peer = rank
+        conn.peer_name = peer.address.name
+        peer.conn = conn
+        if peer.ready is None or peer.ready.done():
+            peer.ready = asyncio.get_running_loop().create_future()
+        peer.ready.set_result(conn)
+        _log.debug("%s connected to %s", self.name, peer.address.name)
+
+    def on_hello(self, conn: Connection, hello: Hello) -> None:
+        """Decide whether an incoming connection becomes the one to its peer."""
+        reason = self._refusal(hello)
+        if reason is None:
+            self.adopt(self.peers[hello.rank], hello.rank, conn)
+        send_message(
+            conn, HelloReply(PROTOCOL_VERSION, self.name, self.rank, reason is None, reason or "")
+        )
+        if reason is not None and reason != _TIE_BREAK:
+            _log.warning("refused a connection claiming to be %r: %s", hello.name, reason)
+            conn.close()
+
+    def _refusal(self, hello: Hello) -> str | None:
+        if hello.version != PROTOCOL_VERSION:
+            return f"protocol version {hello.version} is not supported (this side speaks {PROTOCOL_VERSION})"
+        peer = self.peers.get(hello.rank)
+        if peer is None or peer.address.name != hello.name:
+            return f"no worker named {hello.name!r} has rank {hello.rank} in this group"
+        if peer.conn is not None and not peer.conn.closed:
+            return "already connected"
+        if peer.dialing and self.rank < hello.rank:
+            return _TIE_BREAK
+        return None
+
+    def on_hello_reply(self, conn: Connection, reply: HelloReply) -> None:
+        waiter = self._handshakes.pop(conn, None)
+        if waiter is None:
+            conn.abort(RemoteProtocolError("unexpected HelloReply"))
+        elif not waiter.done():
+            waiter.set_result(reply)
+
+    def on_lost(self, conn: Connection, exc: BaseException | None) -> int | None:
+        """Forget ``conn``; return its peer's rank when it was that peer's live connection."""
+        waiter = self._handshakes.pop(conn, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc or ConnectionResetError("connection closed in handshake"))
+        rank = conn.peer
+        if rank is None:
+            return None
+        peer = self.peers[rank]
+        if peer.conn is not conn:
+            return None
+        peer.conn = None
+        reason = "the worker shut down" if conn.goodbye else f"connection lost ({exc or 'EOF'})"
+        peer.lost = PeerLostError(peer.address.name, reason)
+        return rank
+
+    def is_lost(self, rank: int) -> bool:
+        return self.peers[rank].lost is not None
+
+
+_TIE_BREAK = "both sides dialled; the connection dialled by the lower rank is kept"

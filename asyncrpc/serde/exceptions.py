@@ -1,0 +1,111 @@
+"""Remote exceptions that come back as their original type (layer L1).
+
+``pack_exception`` records an exception raised on a worker (type, message, traceback,
+worker, and the pickled exception when it round-trips); ``unpack_exception`` rebuilds the
+original object and notes where it came from, or falls back to ``RemoteError``.
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+from collections.abc import Callable
+from typing import Final
+
+from asyncrpc.errors import RemoteError
+
+__all__ = ["pack_exception", "unpack_exception"]
+
+_PROTOCOL: Final = 5
+
+
+def pack_exception(exc: BaseException, worker: str) -> bytes:
+    """Record ``exc``, raised on ``worker``, for sending to the caller. Never raises.
+
+    Args:
+        exc: the exception.
+        worker: the name of the worker it was raised on.
+
+    Returns:
+        An opaque record for ``unpack_exception``. It carries the pickled exception only
+        when pickling it and unpickling it again here gives back an object of the same type.
+    """
+    cls = type(exc)
+    record = (
+        _safe_text(lambda: cls.__module__),
+        _safe_text(lambda: cls.__qualname__),
+        _safe_text(lambda: str(exc)),
+        _safe_text(lambda: "".join(traceback.format_exception(exc))),
+        _safe_text(lambda: str(worker)),
+        _pickle_exception(exc),
+    )
+    try:
+        return pickle.dumps(record, protocol=_PROTOCOL)
+    except Exception:  # only text and bytes in it: out of memory, or a str subclass's tricks
+        return pickle.dumps(("builtins", "Exception", "<unpackable>", "", "?", None))
+
+
+def unpack_exception(data: bytes) -> BaseException:
+    """Rebuild the exception ``pack_exception`` recorded.
+
+    The original type comes back with ``str(exc)`` and ``args`` unchanged, plus attributes
+    ``remote_worker`` and ``remote_traceback`` (the last hop's; a relayed ``RemoteError``
+    keeps its own) and a note naming the worker and carrying the remote traceback (shown
+    under the local one).
+
+    Args:
+        data: what ``pack_exception`` returned.
+
+    Returns:
+        The rebuilt exception, or a ``RemoteError`` (type name, message, traceback,
+        worker) when it cannot be rebuilt here: unpicklable, its class missing here, or an
+        ``__init__`` that does not accept its own ``args``.
+    """
+    try:
+        record = pickle.loads(data)
+        module, qualname, message, remote_tb, worker, pickled = record
+    except Exception as exc:
+        return RemoteError("<unknown>", f"undecodable remote exception ({exc!r})", "", "?")
+    type_name = qualname if module == "builtins" else f"{module}.{qualname}"
+    rebuilt = _unpickle_exception(pickled)
+    if rebuilt is None:
+        return RemoteError(type_name, message, remote_tb, worker)
+    try:
+        # A RemoteError relayed from a deeper hop keeps its own fields (they name the
+        # worker that raised the original); the note below records this hop.
+        if not isinstance(rebuilt, RemoteError):
+            rebuilt.remote_worker = worker  # type: ignore[attr-defined]
+            rebuilt.remote_traceback = remote_tb  # type: ignore[attr-defined]
+        rebuilt.add_note(f"Raised on remote worker {worker!r}. Remote traceback:\n{remote_tb}")
+    except Exception:
+        return RemoteError(type_name, message, remote_tb, worker)
+    return rebuilt
+
+
+def _safe_text(produce: Callable[[], object]) -> str:
+    """Return ``produce()`` as text, or a placeholder when it raises."""
+    try:
+        return str(produce())
+    except Exception as exc:
+        return f"<unavailable: {type(exc).__name__}>"
+
+
+def _pickle_exception(exc: BaseException) -> bytes | None:
+    """Pickle ``exc`` if it also unpickles here as the same type, else None."""
+    try:
+        data = pickle.dumps(exc, protocol=_PROTOCOL)
+        back = pickle.loads(data)
+    except Exception:
+        return None
+    return data if type(back) is type(exc) else None
+
+
+def _unpickle_exception(data: object) -> BaseException | None:
+    """Unpickle a packed exception, or None when that fails or yields no exception."""
+    if not isinstance(data, bytes):
+        return None
+    try:
+        rebuilt = pickle.loads(data)
+    except Exception:
+        return None
+    return rebuilt if isinstance(rebuilt, BaseException) else None

@@ -1,0 +1,306 @@
+"""The serializer: pickle with out-of-band tensors, custom reducers and RRef hooks (layer L1).
+
+``Serializer.dumps`` turns a value into a pickle payload plus raw tensor segments and
+``loads`` turns them back. All per-call state lives in a per-call Pickler or Unpickler, so
+one configured serializer serves many threads at once (msgspec style, no thread-locals).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import types
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
+
+import torch
+
+from asyncrpc.errors import AsyncRpcError, SerializationError
+from asyncrpc.serde.reducers import (
+    MissingReferenceError,
+    ReduceFn,
+    ReducerRegistry,
+    default_registry,
+)
+from asyncrpc.serde.tensors import (
+    HOOK_PID,
+    TENSOR_PID,
+    Segment,
+    TensorDescriptor,
+    allocate,
+    export_tensor,
+    import_tensor,
+    reduce_tensor_fallback,
+)
+
+__all__ = ["PersistentDump", "PersistentLoad", "Serializer"]
+
+PersistentDump = Callable[[object, object], tuple[Any, ...] | None]
+"""``persistent_dump(obj, context)``: a picklable tuple standing for ``obj``, or None."""
+
+PersistentLoad = Callable[[tuple[Any, ...], object], object]
+"""``persistent_load(tuple, context)``: the object a ``persistent_dump`` tuple stands for."""
+
+_PROTOCOL: Final = 5
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+
+# Types the persistent_dump hook is never asked about: builtin scalars and containers and
+# torch's small value types. They make up most of any object graph and are never RRefs.
+_PLAIN: Final = frozenset(
+    {
+        int,
+        float,
+        complex,
+        bool,
+        str,
+        bytes,
+        bytearray,
+        type(None),
+        tuple,
+        list,
+        dict,
+        set,
+        frozenset,
+        torch.dtype,
+        torch.device,
+        torch.Size,
+        torch.layout,
+        torch.memory_format,
+    }
+)
+
+# Objects pickle saves by reference (module + qualified name): a failure means the name
+# does not lead back to them, so the error tells the user where to define them.
+_BY_REFERENCE = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type)
+
+
+class _Pickler(pickle.Pickler):
+    """One ``dumps`` call: collects tensor segments and consults the hooks for each object."""
+
+    def __init__(
+        self,
+        file: io.BytesIO,
+        reducers: dict[type, ReduceFn],
+        hook: PersistentDump | None,
+        context: object,
+        device_map: Mapping[str, str] | None,
+    ) -> None:
+        super().__init__(file, protocol=_PROTOCOL)
+        self._reducers = reducers
+        self._hook = hook
+        self._context = context
+        self._device_map = device_map
+        # id(tensor) -> its descriptor: the same tensor twice is one segment. The tensors
+        # stay alive (the object being pickled holds them), so ids cannot be reused.
+        self._exported: dict[int, TensorDescriptor] = {}
+        self.segments: list[Segment] = []
+        self.keepalive: list[object] = []
+        # The last non-plain object seen; when pickling fails, it is the culprit (pickle
+        # saves depth first and fails inside the object it entered last).
+        self.last: object = None
+
+    def persistent_id(self, obj: Any) -> Any:
+        cls = type(obj)
+        if cls in _PLAIN:
+            return None
+        self.last = obj
+        if cls is _Tensor or cls is _Parameter:
+            return self._tensor_id(obj)
+        if self._hook is not None:
+            pid = self._hook(obj, self._context)
+            if pid is not None:
+                return (HOOK_PID, pid)
+        return None
+
+    def _tensor_id(self, tensor: torch.Tensor) -> TensorDescriptor | None:
+        descriptor = self._exported.get(id(tensor))
+        if descriptor is None:
+            exported = export_tensor(tensor, len(self.segments), self._device_map)
+            if exported is None:
+                return None
+            descriptor, segment, keep = exported
+            self.segments.append(segment)
+            self.keepalive.append(keep)
+            self._exported[id(tensor)] = descriptor
+        return descriptor
+
+    def reducer_override(self, obj: Any) -> Any:
+        cls = type(obj)
+        reduce_fn = self._reducers.get(cls)
+        if reduce_fn is not None:
+            return reduce_fn(obj)
+        if cls is _Tensor or cls is _Parameter:
+            reduced = reduce_tensor_fallback(obj)
+            if reduced is not None:
+                return reduced
+        return NotImplemented
+
+
+class _Unpickler(pickle.Unpickler):
+    """One ``loads`` call: rebuilds tensors from segments and hook tuples through the hook."""
+
+    def __init__(
+        self,
+        file: io.BytesIO,
+        owners: Sequence[object],
+        hook: PersistentLoad | None,
+        context: object,
+    ) -> None:
+        super().__init__(file)
+        self._owners = owners
+        self._hook = hook
+        self._context = context
+        # segment index -> tensor: a tensor sent twice arrives as one object.
+        self._tensors: dict[int, torch.Tensor] = {}
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind = pid[0]
+        if kind == TENSOR_PID:
+            key: int = pid[1]
+            tensor = self._tensors.get(key)
+            if tensor is None:
+                tensor = import_tensor(pid, self._owners[key])
+                self._tensors[key] = tensor
+            return tensor
+        if kind == HOOK_PID and self._hook is not None:
+            return self._hook(pid[1], self._context)
+        raise SerializationError(
+            f"the payload holds a persistent reference of kind {kind!r} that this "
+            "serializer has no hook for"
+        )
+
+    def find_class(self, module_name: str, global_name: str) -> Any:
+        try:
+            return super().find_class(module_name, global_name)
+        except (ImportError, AttributeError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            raise MissingReferenceError(module_name, global_name, reason) from exc
+
+
+class Serializer:
+    """Pickle with out-of-band tensors: reusable, configured once, safe from many threads.
+
+    Hooks run in this order for every object pickled: the tensor hook (dense tensors
+    become segments), then ``persistent_dump`` (not asked about builtin scalars and
+    containers), then the reducer registry (exact type), then pickle's own rules.
+    """
+
+    __slots__ = ("_persistent_dump", "_persistent_load", "_reducers")
+
+    def __init__(
+        self,
+        *,
+        reducers: ReducerRegistry | None = None,
+        persistent_dump: PersistentDump | None = None,
+        persistent_load: PersistentLoad | None = None,
+    ) -> None:
+        """Configure a serializer.
+
+        Args:
+            reducers: the reducer registry; ``default_registry`` (live) when None.
+            persistent_dump: ``(obj, context) -> tuple | None``; a tuple replaces ``obj``
+                in the stream (the agent turns RRefs into fork descriptors here).
+            persistent_load: ``(tuple, context) -> obj``, the inverse on the receiver.
+        """
+        self._reducers = (default_registry if reducers is None else reducers).table
+        self._persistent_dump = persistent_dump
+        self._persistent_load = persistent_load
+
+    def dumps(
+        self,
+        obj: object,
+        *,
+        context: object = None,
+        device_map: Mapping[str, str] | None = None,
+    ) -> tuple[bytes, list[Segment], list[object]]:
+        """Pickle ``obj``; its dense tensors become raw segments outside the payload.
+
+        Args:
+            obj: the value.
+            context: handed to ``persistent_dump`` (e.g. the destination worker).
+            device_map: sender CUDA device -> receiver device, as ``"cuda:0"`` strings.
+
+        Returns:
+            ``(payload, segments, keepalive)``: segments are ``(memoryview, tag)`` over the
+            tensors' own memory (no copy) and ``keepalive`` holds those tensors; keep it
+            until the bytes are written, and do not modify the tensors before then.
+            Nothing else is retained: a failed call leaves no state behind.
+
+        Raises:
+            SerializationError: something cannot be pickled (the cause is chained; the
+                message names the offending type). Errors of asyncrpc's own tree raised by
+                hooks or reducers propagate unchanged.
+        """
+        buffer = io.BytesIO()
+        pickler = _Pickler(buffer, self._reducers, self._persistent_dump, context, device_map)
+        try:
+            pickler.dump(obj)
+        except AsyncRpcError:
+            raise
+        except Exception as exc:
+            raise SerializationError(_describe_failure(pickler.last, exc)) from exc
+        return buffer.getvalue(), pickler.segments, pickler.keepalive
+
+    def loads(
+        self,
+        payload: bytes | bytearray | memoryview,
+        segments: Sequence[object],
+        *,
+        context: object = None,
+    ) -> Any:
+        """Unpickle a payload whose tensors arrived as ``segments``.
+
+        Args:
+            payload: the pickle payload ``dumps`` made.
+            segments: the segment owners ``allocate`` made, in order (any bytes-like
+                object works too).
+            context: handed to ``persistent_load`` (e.g. the sending worker).
+
+        Returns:
+            The value. CPU tensors are views of the segment owners' memory.
+
+        Raises:
+            MissingReferenceError: a function or class named in the payload cannot be
+                found here (``module``, ``qualname`` and ``reason`` say which and why).
+            SerializationError: anything else fails (the cause is chained).
+        """
+        unpickler = _Unpickler(io.BytesIO(payload), segments, self._persistent_load, context)
+        try:
+            return unpickler.load()
+        except AsyncRpcError:
+            raise
+        except Exception as exc:
+            raise SerializationError(
+                f"cannot unpickle the payload: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    @staticmethod
+    def allocate(nbytes: int, tag: str) -> tuple[object, memoryview]:
+        """The wire's ``Allocator``: an uninitialized uint8 tensor and a view of its bytes.
+
+        Args:
+            nbytes: the segment's length.
+            tag: the segment's tag.
+
+        Returns:
+            ``(owner, writable memoryview of exactly nbytes)``; pass the owners to ``loads``.
+        """
+        return allocate(nbytes, tag)
+
+
+def _describe_failure(culprit: object, exc: Exception) -> str:
+    """Say which object could not be pickled and, for named objects, how to fix it."""
+    if isinstance(exc, RecursionError):
+        return f"cannot pickle the value: the object graph is too deep ({exc})"
+    if culprit is None:
+        return f"cannot pickle the value: {type(exc).__name__}: {exc}"
+    kind = type(culprit).__name__
+    if isinstance(culprit, _BY_REFERENCE):
+        module = getattr(culprit, "__module__", None)
+        name = getattr(culprit, "__qualname__", None) or getattr(culprit, "__name__", "?")
+        return (
+            f"cannot pickle {kind!r} object {module}.{name}: {exc}; define it at module "
+            "level in a module importable on both the caller and the callee"
+        )
+    return f"cannot pickle {kind!r} object: {type(exc).__name__}: {exc}"

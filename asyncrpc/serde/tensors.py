@@ -1,0 +1,283 @@
+"""Out-of-band tensors: descriptors, raw byte views and zero-copy rebuilding (layer L1).
+
+A dense tensor never enters the pickle stream: the pickler replaces it by a small descriptor
+tuple and its bytes travel as a raw segment; the receiver rebuilds it as a view over the
+buffer its allocator made, without copying the bytes again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Mapping
+from typing import Any, Final
+
+import torch
+
+from asyncrpc.errors import SerializationError
+
+__all__ = [
+    "HOOK_PID",
+    "TENSOR_PID",
+    "Allocator",
+    "Segment",
+    "TensorDescriptor",
+    "allocate",
+    "export_tensor",
+    "import_tensor",
+    "memory_view",
+    "rebuild_sparse_tensor",
+    "reduce_tensor_fallback",
+]
+
+Allocator = Callable[[int, str], tuple[object, memoryview]]
+"""The wire's allocator: ``(nbytes, tag) -> (owner, writable memoryview of exactly nbytes)``."""
+
+Segment = tuple[memoryview, str]
+"""A sent segment: the bytes and their tag (the device the receiver must put them on)."""
+
+# (TENSOR_PID, segment index, dtype name, shape, stride, storage offset in elements within
+# the segment, requires_grad, is nn.Parameter, receiver's device).
+TensorDescriptor = tuple[int, int, str, tuple[int, ...], tuple[int, ...], int, bool, bool, str]
+
+# The first field of every persistent id says who made it: the tensor hook or the
+# serializer's persistent_dump hook (whose own tuple is then the second field).
+TENSOR_PID: Final = 0
+HOOK_PID: Final = 1
+
+_Parameter = torch.nn.Parameter
+_UINT8 = torch.uint8
+_STRIDED = torch.strided
+_COMPRESSED_LAYOUTS = frozenset(
+    {torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc}
+)
+
+# Every dtype this torch knows, by its name without the "torch." prefix ("float8_e4m3fn").
+# Aliases (torch.float, torch.half...) are the same objects and collapse onto one name.
+_DTYPE_NAMES: Final[dict[torch.dtype, str]] = {
+    value: str(value).removeprefix("torch.")
+    for value in vars(torch).values()
+    if isinstance(value, torch.dtype)
+}
+_DTYPES: Final[dict[str, torch.dtype]] = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+
+# PyMemoryView_FromMemory wraps raw memory without creating a ctypes array type per length
+# ((c_char * n) would fill ctypes' array-type cache with one type per distinct size).
+_from_memory = ctypes.pythonapi.PyMemoryView_FromMemory
+_from_memory.restype = ctypes.py_object
+_from_memory.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_PYBUF_READ: Final = 0x100
+_PYBUF_WRITE: Final = 0x200
+
+
+def memory_view(address: int, nbytes: int, *, writable: bool) -> memoryview:
+    """Return a byte memoryview over ``nbytes`` of raw memory at ``address`` (no copy).
+
+    The view does not keep the memory alive: the caller keeps its owner (a tensor).
+
+    Args:
+        address: the first byte, e.g. ``tensor.data_ptr()``.
+        nbytes: the length in bytes.
+        writable: whether the view may be written through.
+
+    Returns:
+        A one-dimensional memoryview of format ``"B"``.
+    """
+    if nbytes == 0:
+        # Empty tensors may have a null data pointer; an empty bytearray is always valid.
+        return memoryview(bytearray())
+    view: memoryview = _from_memory(address, nbytes, _PYBUF_WRITE if writable else _PYBUF_READ)
+    return view
+
+
+def allocate(nbytes: int, tag: str) -> tuple[torch.Tensor, memoryview]:
+    """Allocate a receive buffer for one segment: the wire's ``Allocator``.
+
+    ``torch.empty``, never zero-filled: the wire overwrites every byte. The owner is a flat
+    uint8 tensor, so ``import_tensor`` can view it as the sent tensor without a copy.
+
+    Args:
+        nbytes: the segment's length.
+        tag: the segment's tag (the target device); the bytes land in CPU memory either way
+            and ``import_tensor`` moves them.
+
+    Returns:
+        ``(owner, writable memoryview of exactly nbytes over the owner's memory)``.
+    """
+    del tag  # CPU memory for every tag: the bytes arrive over TCP.
+    owner = torch.empty(nbytes, dtype=_UINT8)
+    return owner, memory_view(owner.data_ptr(), nbytes, writable=True)
+
+
+def export_tensor(
+    tensor: torch.Tensor, key: int, device_map: Mapping[str, str] | None
+) -> tuple[TensorDescriptor, Segment, torch.Tensor] | None:
+    """Describe a dense tensor and expose the bytes it touches, or None to let torch reduce it.
+
+    Layout rule: the segment is the smallest storage span the tensor touches, sent with the
+    tensor's own strides (a transpose or permute keeps its strides, an expanded tensor sends
+    only its distinct elements). When that span is larger than the tensor itself (a view
+    with gaps, such as ``x[:, 0]`` of a big matrix) the tensor is sent ``.contiguous()``
+    instead, so a segment is never bigger than ``numel * element_size``. Conjugate and
+    negative bits are resolved first.
+
+    Args:
+        tensor: a ``torch.Tensor`` or ``nn.Parameter`` (exact types).
+        key: the index its segment will have.
+        device_map: CUDA device of the sender -> device of the receiver ("cuda:0" keys).
+
+    Returns:
+        ``(descriptor, segment, keepalive tensor backing the segment)``, or None for
+        sparse, quantized and meta tensors (torch's own ``__reduce_ex__`` handles them).
+
+    Raises:
+        SerializationError: a CUDA tensor whose device the map does not name, or a tensor
+            on a device other than CPU and CUDA.
+    """
+    if tensor.layout is not _STRIDED or tensor.is_quantized or tensor.is_meta:
+        return None
+    is_param = type(tensor) is _Parameter
+    requires_grad = tensor.requires_grad
+    if tensor.is_cpu:
+        device = "cpu"
+    else:
+        device, tensor = _copy_to_host(tensor, device_map)
+    if tensor.is_conj():
+        tensor = tensor.resolve_conj()
+    if tensor.is_neg():
+        tensor = tensor.resolve_neg()
+    stride: tuple[int, ...] = tensor.stride()
+    span = _span(tensor, stride)
+    if span > tensor.numel():
+        tensor = tensor.detach().contiguous()
+        stride = tensor.stride()
+        span = tensor.numel()
+    view = memory_view(tensor.data_ptr(), span * tensor.element_size(), writable=False)
+    shape = tuple(tensor.shape)
+    dtype = _DTYPE_NAMES[tensor.dtype]
+    descriptor = (TENSOR_PID, key, dtype, shape, stride, 0, requires_grad, is_param, device)
+    return descriptor, (view, device), tensor
+
+
+def _span(tensor: torch.Tensor, stride: tuple[int, ...]) -> int:
+    """Return how many storage elements ``tensor`` touches, from its first one to its last."""
+    if tensor.is_contiguous():
+        return tensor.numel()
+    span = 1
+    for size, step in zip(tensor.shape, stride, strict=True):
+        if size == 0:
+            return 0
+        span += (size - 1) * step
+    return span
+
+
+def _copy_to_host(
+    tensor: torch.Tensor, device_map: Mapping[str, str] | None
+) -> tuple[str, torch.Tensor]:
+    """Map a CUDA tensor's device, wait for its producers and copy it to CPU memory.
+
+    The bytes travel over TCP, so they must sit in host memory; synchronizing the current
+    stream first guarantees the kernels that wrote the tensor have finished.
+    """
+    device = tensor.device
+    if device.type != "cuda":
+        raise SerializationError(
+            f"cannot send a tensor on device {str(device)!r}: only CPU and CUDA tensors travel"
+        )
+    target = None if device_map is None else device_map.get(str(device))
+    if target is None:
+        raise SerializationError(
+            f"cannot send a tensor on device {str(device)!r}: the device map has no entry "
+            "for it; move the tensor to CPU or map this device to one of the callee's"
+        )
+    torch.cuda.current_stream(device).synchronize()
+    return str(target), tensor.detach().cpu()
+
+
+def import_tensor(descriptor: tuple[Any, ...], owner: object) -> torch.Tensor:
+    """Rebuild a tensor from its descriptor and the owner of its received segment.
+
+    CPU tensors are views of the owner's memory (no copy); others are moved to their device.
+
+    Args:
+        descriptor: the tuple ``export_tensor`` made.
+        owner: what ``allocate`` returned for the segment (a uint8 tensor), or any
+            bytes-like object holding the segment.
+
+    Returns:
+        The tensor, an ``nn.Parameter`` when one was sent, with its requires_grad flag.
+
+    Raises:
+        SerializationError: an unknown dtype name.
+    """
+    _, _, dtype_name, shape, stride, offset, requires_grad, is_param, device = descriptor
+    dtype = _DTYPES.get(dtype_name)
+    if dtype is None:
+        raise SerializationError(f"this torch has no dtype {dtype_name!r}")
+    base = owner if isinstance(owner, torch.Tensor) else _buffer_to_tensor(owner)
+    if device != "cpu":
+        # Move the segment, not the rebuilt view: it is exactly the span the view touches,
+        # so its strides survive even where the view overlaps itself.
+        base = base.to(device, non_blocking=False)
+    if dtype is not _UINT8:
+        base = base.view(dtype)
+    tensor = base.as_strided(shape, stride, offset)
+    if is_param:
+        return _Parameter(tensor, requires_grad=requires_grad)
+    if requires_grad:
+        tensor.requires_grad_(True)
+    return tensor
+
+
+def _buffer_to_tensor(owner: object) -> torch.Tensor:
+    """View a bytes-like segment owner as a flat uint8 tensor (copying only read-only ones)."""
+    view = memoryview(owner).cast("B")  # type: ignore[arg-type]  # TypeError if not a buffer
+    if view.nbytes == 0:
+        return torch.empty(0, dtype=_UINT8)
+    if view.readonly:
+        view = memoryview(bytearray(view))  # torch.frombuffer wants a writable buffer.
+    return torch.frombuffer(view, dtype=_UINT8)
+
+
+def reduce_tensor_fallback(tensor: torch.Tensor) -> tuple[Any, ...] | None:
+    """Reduce a tensor that ``export_tensor`` declined, or None to let pickle call torch.
+
+    Sparse tensors go through torch's own ``__reduce_ex__`` (their dense parts then travel
+    out-of-band), with the rebuild function swapped: torch's appends every rebuilt sparse
+    tensor to a global list that only ``torch.load`` drains, a leak under plain pickle.
+    """
+    if tensor.layout is _STRIDED:
+        return None
+    reduced: tuple[Any, ...] = tensor.__reduce_ex__(5)  # type: ignore[no-untyped-call]
+    if reduced[0] is torch._utils._rebuild_sparse_tensor:
+        return (rebuild_sparse_tensor, *reduced[1:])
+    return reduced
+
+
+def rebuild_sparse_tensor(layout: torch.layout, data: tuple[Any, ...]) -> torch.Tensor:
+    """Rebuild a sparse tensor from torch's reduction (``torch._utils._rebuild_sparse_tensor``).
+
+    Invariants are checked when ``torch.sparse.check_sparse_tensor_invariants`` is enabled,
+    as ``torch.load`` does, but per tensor and without torch's global list.
+
+    Args:
+        layout: the sparse layout.
+        data: torch's reduction of the tensor's parts.
+
+    Returns:
+        The sparse tensor.
+
+    Raises:
+        SerializationError: a layout this function does not know.
+    """
+    check: bool = torch.sparse.check_sparse_tensor_invariants.is_enabled()  # type: ignore[no-untyped-call]
+    if layout is torch.sparse_coo:
+        indices, values, size, *rest = data
+        return torch.sparse_coo_tensor(
+            indices, values, size, check_invariants=check, is_coalesced=rest[0] if rest else None
+        )
+    if layout in _COMPRESSED_LAYOUTS:
+        compressed, plain, values, size = data
+        return torch.sparse_compressed_tensor(
+            compressed, plain, values, size, layout=layout, check_invariants=check
+        )
+    raise SerializationError(f"cannot rebuild a sparse tensor of layout {layout}")

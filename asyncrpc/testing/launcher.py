@@ -1,0 +1,110 @@
+"""Start and stop worker processes on 127.0.0.1 for tests and benchmarks (layer L4).
+
+Processes are only ever stopped by the PID we started them with; every launch has a
+bounded lifetime through the caller's ``stop_workers`` in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["WorkerProcess", "free_port", "spawn_worker", "stop_workers"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago on ``host`` (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class WorkerProcess:
+    """A worker process we started, and where its output goes."""
+
+    name: str
+    rank: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL this worker (by the PID we started) and reap it."""
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+        self.process.wait(10)
+
+
+def spawn_worker(
+    name: str,
+    rank: int,
+    world_size: int,
+    init_method: str,
+    *,
+    log_dir: Path,
+    mode: str = "sync",
+    rpc_timeout: float = 60.0,
+    shutdown_timeout: float = 600.0,
+    extra_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> WorkerProcess:
+    """Start ``python -m asyncrpc.testing.worker`` as rank ``rank`` of a group.
+
+    The worker joins, serves until every worker calls shutdown, then exits 0 (or 3 when
+    the shutdown failed).
+    """
+    log_path = log_dir / f"{name}.log"
+    full_env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (root, full_env.get("PYTHONPATH", "")) if p
+    )
+    full_env.update(env or {})
+    cmd = [
+        sys.executable, "-m", "asyncrpc.testing.worker",
+        "--name", name, "--rank", str(rank), "--world-size", str(world_size),
+        "--init-method", init_method, "--mode", mode,
+        "--rpc-timeout", str(rpc_timeout), "--shutdown-timeout", str(shutdown_timeout),
+        *extra_args,
+    ]  # fmt: skip
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=root
+        )
+    return WorkerProcess(name, rank, process, log_path)
+
+
+def stop_workers(workers: Sequence[WorkerProcess], timeout: float = 30.0) -> list[int | None]:
+    """Wait up to ``timeout`` for the workers to exit, then SIGKILL the rest (by PID).
+
+    Returns:
+        Each worker's exit code (None only if it could not be reaped).
+    """
+    deadline = time.monotonic() + timeout
+    codes: list[int | None] = []
+    for worker in workers:
+        remaining = max(0.0, deadline - time.monotonic())
+        try:
+            codes.append(worker.process.wait(remaining))
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            codes.append(worker.process.returncode)
+    return codes

@@ -1,0 +1,82 @@
+"""``python -m asyncrpc.testing.worker``: a worker that serves until the group shuts down.
+
+Used by the integration tests and the benchmark. ``--mode sync`` starts it with
+``init_rpc`` (background loop thread); ``--mode async`` with ``init_rpc_async`` on an
+asyncio loop, so both ways of running are exercised as callees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import sys
+
+import asyncrpc
+from asyncrpc.errors import ShutdownError
+from asyncrpc.loopthread import new_event_loop
+
+
+def _options(args: argparse.Namespace) -> asyncrpc.RpcBackendOptions:
+    return asyncrpc.RpcBackendOptions(
+        init_method=args.init_method,
+        rpc_timeout=args.rpc_timeout,
+        shutdown_timeout=args.shutdown_timeout,
+        num_worker_threads=args.threads,
+    )
+
+
+def _run_sync(args: argparse.Namespace) -> int:
+    asyncrpc.init_rpc(args.name, rank=args.rank, world_size=args.world_size,
+                      rpc_backend_options=_options(args))
+    try:
+        asyncrpc.shutdown()
+    except ShutdownError as exc:
+        print(f"shutdown failed: {exc}", flush=True)
+        return 3
+    return 0
+
+
+async def _run_async(args: argparse.Namespace) -> int:
+    await asyncrpc.init_rpc_async(args.name, rank=args.rank, world_size=args.world_size,
+                                  rpc_backend_options=_options(args))
+    try:
+        await asyncrpc.shutdown_async()
+    except ShutdownError as exc:
+        print(f"shutdown failed: {exc}", flush=True)
+        return 3
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--init-method", required=True)
+    parser.add_argument("--mode", choices=("sync", "async"), default="sync")
+    parser.add_argument("--rpc-timeout", type=float, default=60.0)
+    parser.add_argument("--shutdown-timeout", type=float, default=600.0)
+    parser.add_argument("--threads", type=int, default=16)
+    parser.add_argument("--import", dest="imports", action="append", default=[],
+                        help="modules to import first (functions the group will call)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format=f"[{args.name}] %(levelname)s %(message)s")
+    for module in args.imports:
+        importlib.import_module(module)
+    print(f"worker {args.name} (rank {args.rank}) starting, mode={args.mode}", flush=True)
+    if args.mode == "sync":
+        code = _run_sync(args)
+    else:
+        loop = new_event_loop()
+        try:
+            code = loop.run_until_complete(_run_async(args))
+        finally:
+            loop.close()
+    print(f"worker {args.name} exiting with {code}", flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""One TCP connection between two workers, driving the sans-I/O frame decoder (layer L2).
+
+``Connection`` is an ``asyncio.BufferedProtocol``: the decoder hands out the memory the
+kernel writes into (its staging buffer, or a tensor's own storage for big segments), so
+received bytes are copied at most once and tensor bytes never. Frames go to a handler (the
+agent); frames are written whole with ``writelines`` so payloads and tensors are not joined.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, cast
+
+from asyncrpc.errors import ClosedError, ProtocolError
+from asyncrpc.wire import Frame, FrameDecoder
+
+__all__ = ["Connection", "ConnectionHandler", "open_connection", "start_server"]
+
+_log = logging.getLogger("asyncrpc.transport")
+
+
+class ConnectionHandler(Protocol):
+    """What a connection reports to (the agent)."""
+
+    def on_frame(self, conn: Connection, frame: Frame) -> None: ...
+
+    def on_connection_lost(self, conn: Connection, exc: BaseException | None) -> None: ...
+
+
+class Connection(asyncio.BufferedProtocol):
+    """A framed, multiplexed connection to one peer.
+
+    Attributes:
+        peer: the peer's rank once the handshake is done, else None.
+        initiated: True when this side dialled the connection.
+        bytes_in / bytes_out: byte counters for metrics.
+    """
+
+    def __init__(
+        self,
+        handler: ConnectionHandler,
+        decoder: FrameDecoder,
+        *,
+        initiated: bool,
+    ) -> None:
+        self._handler = handler
+        self._decoder = decoder
+        self._transport: asyncio.Transport | None = None
+        self._write_paused = False
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self._closed = False
+        # Tensors whose memory the transport may still be writing from (see send()).
+        self._keepalive: list[object] = []
+        self.initiated = initiated
+        self.peer: int | None = None
+        self.peer_name: str | None = None
+        self.goodbye = False  # the peer said it is closing on purpose
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.connected: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    # -- asyncio protocol callbacks --------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self._transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # Small RPC frames must not wait for Nagle's algorithm.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # A high-water mark of 0 makes the transport call pause_writing() whenever anything
+        # stays buffered and resume_writing() once all is flushed: that tells us exactly when
+        # the tensor memory behind a zero-copy write may be released.
+        self._transport.set_write_buffer_limits(high=0)
+        if not self.connected.done():
+            self.connected.set_result(None)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.bytes_in += nbytes
+        try:
+            frames = self._decoder.buffer_updated(nbytes)
+        except ProtocolError as exc:
+            self.abort(exc)
+            return
+        handler = self._handler
+        for frame in frames:
+            handler.on_frame(self, frame)
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self._keepalive.clear()
+        self._wake_drain_waiters(exc or ClosedError("connection closed"))
+        if not self.connected.done():
+            self.connected.set_exception(exc or ClosedError("connection closed"))
+        self._handler.on_connection_lost(self, exc or self._abort_reason)
+
+    _abort_reason: BaseException | None = None
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._keepalive.clear()
+        self._wake_drain_waiters(None)
+
+    # -- our API ---------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self._transport is None or self._transport.is_closing()
+
+    def send(self, pieces: Sequence[bytes | memoryview], keepalive: object = None) -> None:
+        """Write one whole frame. Must run on the loop thread.
+
+        Args:
+            pieces: the frame, as ``encode_frame`` returns it.
+            keepalive: what keeps the memory of zero-copy pieces valid; held until the
+                transport has flushed them.
+
+        Raises:
+            ClosedError: the connection is closed.
+        """
+        transport = self._transport
+        if self._closed or transport is None or transport.is_closing():
+            raise ClosedError(f"connection to {self.peer_name or 'peer'} is closed")
+        for piece in pieces:
+            self.bytes_out += len(piece) if type(piece) is bytes else piece.nbytes
+        transport.writelines(pieces)
+        if self._write_paused and keepalive is not None:
+            self._keepalive.append(keepalive)
+
+    @property
+    def write_paused(self) -> bool:
+        return self._write_paused
+
+    async def drain(self) -> None:
+        """Wait until the transport's write buffer is below its high-water mark.
+
+        Cancelling the wait leaves the written bytes in flight.
+        """
+        if not self._write_paused or self._closed:
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._drain_waiters.append(waiter)
+        await waiter
+
+    def _wake_drain_waiters(self, exc: BaseException | None) -> None:
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for waiter in waiters:
+            if waiter.done():
+                continue
+            if exc is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(exc)
+
+    def abort(self, reason: BaseException) -> None:
+        """Close at once (a protocol error): pending writes are dropped."""
+        _log.warning("closing connection to %s: %s", self.peer_name or "peer", reason)
+        self._abort_reason = reason
+        if self._transport is not None:
+            self._transport.abort()
+
+    def close(self) -> None:
+        """Close after the pending writes are flushed."""
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.close()
+
+    @property
+    def sockname(self) -> Any:
+        return None if self._transport is None else self._transport.get_extra_info("sockname")
+
+
+async def start_server(
+    host: str, factory: Callable[[], Connection], port: int = 0
+) -> tuple[asyncio.Server, int]:
+    """Listen on ``host:port`` (0: a free port); return the server and the bound port."""
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(factory, host, port, reuse_address=True, backlog=1024)
+    bound = server.sockets[0].getsockname()[1]
+    return server, int(bound)
+
+
+async def open_connection(host: str, port: int, factory: Callable[[], Connection]) -> Connection:
+    """Dial ``host:port`` and return the connected protocol object.
+
+    Raises:
+        OSError: the connection could not be made.
+    """
+    loop = asyncio.get_running_loop()
+    _, protocol = await loop.create_connection(factory, host, port)
+    return protocol

@@ -1,0 +1,32 @@
+"""Sans-I/O wire protocol of asyncrpc (layer L1): frames in and out, no I/O, no torch.
+
+Re-exports the frame codec; see ``asyncrpc.wire.frame``.
+"""
+
+from __future__ import annotations
+
+from asyncrpc.wire.frame import (
+    DEFAULT_MAX_FRAME_SIZE,
+    DEFAULT_MAX_HEADER_SIZE,
+    MAGIC,
+    PRELUDE_SIZE,
+    PROTOCOL_VERSION,
+    Allocator,
+    Frame,
+    FrameDecoder,
+    bytearray_allocator,
+    encode_frame,
+)
+
+__all__ = [
+    "DEFAULT_MAX_FRAME_SIZE",
+    "DEFAULT_MAX_HEADER_SIZE",
+    "MAGIC",
+    "PRELUDE_SIZE",
+    "PROTOCOL_VERSION",
+    "Allocator",
+    "Frame",
+    "FrameDecoder",
+    "bytearray_allocator",
+    "encode_frame",
+]

@@ -1,0 +1,258 @@
+"""Protocol messages carried in a frame's msgpack header (layer L1, sans-I/O).
+
+Each message is a frozen dataclass named after what it carries; ``to_fields`` gives the
+header array the frame codec writes and ``decode_message`` turns a received array back into
+a message, rejecting anything malformed with ``RemoteProtocolError``. Payloads (pickles) and
+tensor segments travel beside the header and are not interpreted here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+from asyncrpc.errors import RemoteProtocolError
+
+__all__ = [
+    "CallMode",
+    "Cancel",
+    "ErrorReply",
+    "Goodbye",
+    "Hello",
+    "HelloReply",
+    "Kind",
+    "Message",
+    "RefMessage",
+    "RefOp",
+    "Reply",
+    "Request",
+    "decode_message",
+]
+
+
+class Kind(IntEnum):
+    """First element of every header array."""
+
+    HELLO = 1
+    HELLO_REPLY = 2
+    REQUEST = 3
+    REPLY = 4
+    ERROR = 5
+    CANCEL = 6
+    REF = 7
+    GOODBYE = 8
+
+
+class CallMode(IntEnum):
+    """What the callee does with a request's result."""
+
+    CALL = 0  # send the result back in a Reply
+    REMOTE = 1  # keep the result as the value of a new owner RRef; no Reply
+
+
+class RefOp(IntEnum):
+    """The reference-counting message a REF header carries (see asyncrpc/refcount.py)."""
+
+    FORK_REQUEST = 1
+    FORK_ACCEPTED = 2
+    CHILD_ACCEPTED = 3
+    USER_DELETE = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Opens a connection: who is calling and which protocol they speak.
+
+    ``token`` leaves room for authentication; it is carried but not checked yet.
+    """
+
+    version: int
+    name: str
+    rank: int
+    token: str | None = None
+
+    def to_fields(self) -> list[Any]:
+        return [Kind.HELLO, self.version, self.name, self.rank, self.token]
+
+
+@dataclass(frozen=True, slots=True)
+class HelloReply:
+    """Answers a Hello. ``accepted`` is False when the other side keeps its own connection."""
+
+    version: int
+    name: str
+    rank: int
+    accepted: bool
+    reason: str = ""
+
+    def to_fields(self) -> list[Any]:
+        return [Kind.HELLO_REPLY, self.version, self.name, self.rank, self.accepted, self.reason]
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """Run the pickled ``(function, args, kwargs)`` payload.
+
+    ``timeout`` is the caller's limit in seconds (0: none), so the callee can give up too.
+    ``target`` names the function for errors and metrics. For ``CallMode.REMOTE`` the
+    ``rref_id`` and ``fork_id`` pairs name the owner RRef to create and the caller's fork.
+    """
+
+    call_id: int
+    timeout: float
+    mode: int
+    target: str
+    rref_id: tuple[int, int] | None = None
+    fork_id: tuple[int, int] | None = None
+
+    def to_fields(self) -> list[Any]:
+        return [
+            Kind.REQUEST,
+            self.call_id,
+            self.timeout,
+            self.mode,
+            self.target,
+            self.rref_id,
+            self.fork_id,
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The pickled result of request ``call_id``."""
+
+    call_id: int
+
+    def to_fields(self) -> list[Any]:
+        return [Kind.REPLY, self.call_id]
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    """Request ``call_id`` raised; the payload is a packed exception."""
+
+    call_id: int
+
+    def to_fields(self) -> list[Any]:
+        return [Kind.ERROR, self.call_id]
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """The caller gave up on request ``call_id`` (timeout or cancellation)."""
+
+    call_id: int
+
+    def to_fields(self) -> list[Any]:
+        return [Kind.CANCEL, self.call_id]
+
+
+@dataclass(frozen=True, slots=True)
+class RefMessage:
+    """One reference-counting message about ``fork_id`` of ``rref_id``."""
+
+    op: int
+    rref_id: tuple[int, int]
+    fork_id: tuple[int, int]
+
+    def to_fields(self) -> list[Any]:
+        return [Kind.REF, self.op, list(self.rref_id), list(self.fork_id)]
+
+
+@dataclass(frozen=True, slots=True)
+class Goodbye:
+    """The sender is closing this connection on purpose (graceful shutdown)."""
+
+    reason: str = ""
+
+    def to_fields(self) -> list[Any]:
+        return [Kind.GOODBYE, self.reason]
+
+
+Message = Hello | HelloReply | Request | Reply | ErrorReply | Cancel | RefMessage | Goodbye
+
+
+def decode_message(fields: list[Any]) -> Message:
+    """Build the message a received header array describes.
+
+    Args:
+        fields: the header array without its segment list.
+
+    Returns:
+        The message.
+
+    Raises:
+        RemoteProtocolError: the array does not describe a valid message.
+    """
+    try:
+        kind = fields[0]
+        decoder = _DECODERS[kind]
+    except (IndexError, KeyError, TypeError):
+        raise RemoteProtocolError(f"unknown message header {fields[:1]!r}") from None
+    try:
+        return decoder(fields)
+    except (IndexError, TypeError, ValueError) as exc:
+        raise RemoteProtocolError(f"malformed {Kind(kind).name} header: {fields!r}") from exc
+
+
+def _int(value: Any) -> int:
+    # bool is an int subclass; a peer sending True for an id is broken.
+    if type(value) is not int:
+        raise TypeError(f"expected an int, got {value!r}")
+    return value
+
+
+def _str(value: Any) -> str:
+    if type(value) is not str:
+        raise TypeError(f"expected a str, got {value!r}")
+    return value
+
+
+def _pair(value: Any) -> tuple[int, int]:
+    first, second = value
+    return (_int(first), _int(second))
+
+
+def _optional_pair(value: Any) -> tuple[int, int] | None:
+    return None if value is None else _pair(value)
+
+
+def _decode_hello(f: list[Any]) -> Hello:
+    token = f[4]
+    if token is not None:
+        token = _str(token)
+    return Hello(_int(f[1]), _str(f[2]), _int(f[3]), token)
+
+
+def _decode_hello_reply(f: list[Any]) -> HelloReply:
+    return HelloReply(_int(f[1]), _str(f[2]), _int(f[3]), bool(f[4]), _str(f[5]))
+
+
+def _decode_request(f: list[Any]) -> Request:
+    timeout = f[2]
+    if type(timeout) not in (int, float) or timeout < 0:
+        raise ValueError(f"bad timeout {timeout!r}")
+    mode = _int(f[3])
+    CallMode(mode)
+    return Request(
+        _int(f[1]), float(timeout), mode, _str(f[4]), _optional_pair(f[5]), _optional_pair(f[6])
+    )
+
+
+def _decode_ref(f: list[Any]) -> RefMessage:
+    op = _int(f[1])
+    RefOp(op)
+    return RefMessage(op, _pair(f[2]), _pair(f[3]))
+
+
+_DECODERS: dict[int, Any] = {
+    Kind.HELLO: _decode_hello,
+    Kind.HELLO_REPLY: _decode_hello_reply,
+    Kind.REQUEST: _decode_request,
+    Kind.REPLY: lambda f: Reply(_int(f[1])),
+    Kind.ERROR: lambda f: ErrorReply(_int(f[1])),
+    Kind.CANCEL: lambda f: Cancel(_int(f[1])),
+    Kind.REF: _decode_ref,
+    Kind.GOODBYE: lambda f: Goodbye(_str(f[1])),
+}

@@ -1,0 +1,54 @@
+"""A worker group shared by the integration tests: this pytest process is rank 0
+("driver"), w1 and w3 are synchronous workers and w2 runs with init_rpc_async."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import asyncrpc
+from asyncrpc.testing import WorkerProcess, free_port, spawn_worker, stop_workers
+
+WORLD = 4
+
+
+@dataclass
+class Group:
+    init_method: str
+    workers: list[WorkerProcess]
+    log_dir: Path
+
+
+@pytest.fixture(scope="session")
+def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Group]:
+    log_dir = tmp_path_factory.mktemp("workers")
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    workers = [
+        spawn_worker(f"w{r}", r, WORLD, init_method, log_dir=log_dir,
+                     mode="async" if r == 2 else "sync", rpc_timeout=30.0)
+        for r in range(1, WORLD)
+    ]  # fmt: skip
+    try:
+        asyncrpc.init_rpc(
+            "driver",
+            rank=0,
+            world_size=WORLD,
+            rpc_backend_options=asyncrpc.RpcBackendOptions(
+                init_method=init_method, rpc_timeout=30.0, shutdown_timeout=60.0
+            ),
+        )
+    except BaseException:
+        stop_workers(workers, timeout=0)
+        raise
+    try:
+        yield Group(init_method, workers, log_dir)
+    finally:
+        try:
+            asyncrpc.shutdown(timeout=60.0)
+        finally:
+            codes = stop_workers(workers, timeout=30.0)
+        logs = "\n".join(w.log() for w in workers)
+        assert codes == [0] * len(workers), f"worker exit codes {codes}\n{logs}"

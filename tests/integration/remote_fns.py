@@ -1,0 +1,215 @@
+"""Functions the integration tests run remotely (importable on every worker)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+import warnings
+from typing import Any
+
+import torch
+
+import asyncrpc
+from asyncrpc.functions import async_execution
+
+
+class CustomError(Exception):
+    """A user's own exception class."""
+
+
+def add(a: Any, b: Any) -> Any:
+    return a + b
+
+
+def echo(x: Any) -> Any:
+    return x
+
+
+def noop() -> None:
+    return None
+
+
+def whoami() -> str:
+    return asyncrpc.get_worker_info().name
+
+
+def pid() -> int:
+    return os.getpid()
+
+
+async def async_add(a: Any, b: Any) -> Any:
+    await asyncio.sleep(0)
+    return a + b
+
+
+async def async_whoami() -> str:
+    await asyncio.sleep(0)
+    return asyncrpc.get_worker_info().name
+
+
+def raise_key_error(key: str) -> None:
+    raise KeyError(key)
+
+
+def raise_os_error() -> None:
+    raise OSError(5, "input/output error here")  # EIO: a plain OSError
+
+
+def raise_custom(message: str) -> None:
+    raise CustomError(message)
+
+
+async def async_raise_value_error() -> None:
+    await asyncio.sleep(0)
+    raise ValueError("async failure")
+
+
+def sleep(seconds: float) -> str:
+    time.sleep(seconds)
+    return "slept"
+
+
+# -- cancellation: an async function notes whether it was cancelled ------------------------
+_cancelled: list[str] = []
+
+
+async def async_sleep_noting_cancel(seconds: float, tag: str) -> str:
+    try:
+        await asyncio.sleep(seconds)
+    except asyncio.CancelledError:
+        _cancelled.append(tag)
+        raise
+    return "finished"
+
+
+def was_cancelled(tag: str) -> bool:
+    return tag in _cancelled
+
+
+# -- a sync function blocked on an event that a later RPC sets -----------------------------
+_events: dict[str, threading.Event] = {}
+_events_lock = threading.Lock()
+
+
+def _event(tag: str) -> threading.Event:
+    with _events_lock:
+        return _events.setdefault(tag, threading.Event())
+
+
+def wait_for_event(tag: str, timeout: float) -> bool:
+    return _event(tag).wait(timeout)
+
+
+def set_event(tag: str) -> bool:
+    _event(tag).set()
+    return True
+
+
+# -- nested calls --------------------------------------------------------------------------
+def nested_add(to: str, a: Any, b: Any) -> Any:
+    return asyncrpc.rpc_sync(to, add, args=(a, b))
+
+
+async def async_nested_add(to: str, a: Any, b: Any) -> Any:
+    return await asyncrpc.call(to, add, a, b)
+
+
+def call_back(caller: str) -> str:
+    """Calls back into the worker that called us."""
+    return str(asyncrpc.rpc_sync(caller, whoami))
+
+
+# -- async_execution -----------------------------------------------------------------------
+@async_execution
+def async_exec_add(to: str, a: Any, b: Any) -> asyncrpc.Future[Any]:
+    return asyncrpc.rpc_async(to, add, args=(a, b)).then(lambda fut: fut.value() * 10)
+
+
+@async_execution
+def async_exec_torch_future(value: int) -> torch.futures.Future[int]:
+    fut: torch.futures.Future[int] = torch.futures.Future()
+    fut.set_result(value + 1)
+    return fut
+
+
+@async_execution
+async def async_exec_coroutine(value: int) -> int:
+    await asyncio.sleep(0)
+    return value * 2
+
+
+class Calculator:
+    @staticmethod
+    def static_add(a: Any, b: Any) -> Any:
+        return a + b
+
+    @classmethod
+    def class_name(cls) -> str:
+        return cls.__name__
+
+    @staticmethod
+    @async_execution
+    def static_async_exec(value: int) -> asyncrpc.Future[int]:
+        fut: asyncrpc.Future[int] = asyncrpc.Future()
+        fut.set_result(value + 100)
+        return fut
+
+    @classmethod
+    @async_execution
+    def class_async_exec(cls, value: int) -> asyncrpc.Future[str]:
+        fut: asyncrpc.Future[str] = asyncrpc.Future()
+        fut.set_result(f"{cls.__name__}:{value}")
+        return fut
+
+
+with warnings.catch_warnings():
+    # torch.jit.script is deprecated in torch 2.13; ScriptFunctions must still travel.
+    warnings.simplefilter("ignore", DeprecationWarning)
+
+    @torch.jit.script
+    def script_add(x: torch.Tensor, y: int) -> torch.Tensor:
+        return x + y
+
+
+def return_lambda() -> Any:
+    return lambda: 1
+
+
+def tensor_sum(t: torch.Tensor) -> float:
+    return float(t.sum())
+
+
+def describe_tensor(t: torch.Tensor) -> dict[str, Any]:
+    return {
+        "dtype": str(t.dtype),
+        "shape": list(t.shape),
+        "stride": list(t.stride()),
+        "requires_grad": t.requires_grad,
+        "is_param": isinstance(t, torch.nn.Parameter),
+    }
+
+
+def same_object(a: Any, b: Any) -> bool:
+    return a is b
+
+
+def metrics() -> dict[str, Any]:
+    return asyncrpc.get_metrics()
+
+
+class Unrebuildable(Exception):
+    """Its __init__ signature does not match its args, so it cannot be unpickled."""
+
+    def __init__(self, a: int, b: int) -> None:
+        super().__init__(f"{a}-{b}")
+
+
+def raise_unrebuildable() -> None:
+    raise Unrebuildable(1, 2)
+
+
+async def blocking_rpc_on_loop() -> Any:
+    """Runs on the agent's loop: a blocking rpc_sync there must raise, not deadlock."""
+    return asyncrpc.rpc_sync(asyncrpc.get_worker_info().name, noop)

@@ -1,0 +1,127 @@
+"""Typed errors across real processes: remote exceptions, timeouts, bad input."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+import asyncrpc
+from asyncrpc.errors import (
+    FunctionNotFoundError,
+    RemoteError,
+    RpcTimeoutError,
+    SerializationError,
+    UnknownWorkerError,
+)
+from tests.integration import remote_fns as fns
+from tests.integration.conftest import Group
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_remote_key_error_keeps_its_type_and_args(group: Group) -> None:
+    with pytest.raises(KeyError) as info:
+        asyncrpc.rpc_sync("w1", fns.raise_key_error, args=("missing-key",))
+    exc = info.value
+    assert type(exc) is KeyError
+    assert exc.args == ("missing-key",)
+    assert exc.remote_worker == "w1"  # type: ignore[attr-defined]
+    assert "raise_key_error" in exc.remote_traceback  # type: ignore[attr-defined]
+    assert any("w1" in note for note in exc.__notes__)
+
+
+def test_remote_os_error_keeps_errno(group: Group) -> None:
+    with pytest.raises(OSError) as info:
+        asyncrpc.rpc_sync("w3", fns.raise_os_error)
+    assert type(info.value) is OSError
+    assert info.value.errno == 5
+
+
+def test_users_own_exception_class_comes_back(group: Group) -> None:
+    with pytest.raises(fns.CustomError) as info:
+        asyncrpc.rpc_sync("w2", fns.raise_custom, args=("boom",))
+    assert info.value.args == ("boom",)
+    assert info.value.remote_worker == "w2"  # type: ignore[attr-defined]
+
+
+def test_async_function_error_comes_back_through_future(group: Group) -> None:
+    fut = asyncrpc.rpc_async("w2", fns.async_raise_value_error)
+    with pytest.raises(ValueError, match="async failure"):
+        fut.wait()
+
+
+def test_timeout_names_worker_function_and_limit(group: Group) -> None:
+    with pytest.raises(RpcTimeoutError) as info:
+        asyncrpc.rpc_sync("w3", fns.sleep, args=(2.0,), timeout=0.2)
+    exc = info.value
+    assert isinstance(exc, TimeoutError)
+    assert exc.worker == "w3"
+    assert exc.function.endswith("remote_fns.sleep")
+    assert exc.timeout == 0.2
+    # The worker keeps serving afterwards.
+    assert asyncrpc.rpc_sync("w3", fns.add, args=(1, 1)) == 2
+
+
+def test_zero_timeout_means_none(group: Group) -> None:
+    assert asyncrpc.rpc_sync("w3", fns.sleep, args=(0.3,), timeout=0) == "slept"
+
+
+def test_unknown_worker(group: Group) -> None:
+    with pytest.raises(UnknownWorkerError):
+        asyncrpc.rpc_sync("nobody", fns.add, args=(1, 2))
+    with pytest.raises(UnknownWorkerError):
+        asyncrpc.rpc_async(17, fns.add, args=(1, 2))
+
+
+def test_unpicklable_argument_fails_before_sending(group: Group) -> None:
+    before = asyncrpc.get_metrics()["calls_sent"]
+    with pytest.raises(SerializationError):
+        asyncrpc.rpc_sync("w1", fns.echo, args=(lambda: 1,))
+    assert asyncrpc.get_metrics()["calls_sent"] == before
+
+
+def test_function_missing_on_the_callee(group: Group) -> None:
+    module = types.ModuleType("only_on_the_driver")
+
+    def helper() -> int:
+        return 1
+
+    helper.__module__ = module.__name__
+    helper.__qualname__ = "helper"
+    module.helper = helper  # type: ignore[attr-defined]
+    sys.modules[module.__name__] = module
+    try:
+        with pytest.raises(FunctionNotFoundError) as info:
+            asyncrpc.rpc_sync("w1", helper)
+    finally:
+        del sys.modules[module.__name__]
+    assert info.value.worker == "w1"
+    assert "only_on_the_driver.helper" in str(info.value)
+
+
+def test_result_that_cannot_be_pickled(group: Group) -> None:
+    with pytest.raises(SerializationError):
+        asyncrpc.rpc_sync("w1", fns.return_lambda)
+
+
+def test_exception_that_cannot_be_rebuilt_falls_back_to_remote_error(group: Group) -> None:
+    with pytest.raises(RemoteError) as info:
+        asyncrpc.rpc_sync("w1", fns.raise_unrebuildable)
+    assert info.value.type_name.endswith("Unrebuildable")
+    assert info.value.remote_worker == "w1"
+    assert "raise_unrebuildable" in info.value.remote_traceback
+
+
+def test_blocking_wait_on_the_agent_loop_raises(group: Group) -> None:
+    with pytest.raises(asyncrpc.BlockingCallError):
+        asyncrpc.rpc_sync("driver", fns.blocking_rpc_on_loop)
+
+
+def test_tensor_device_without_map_is_rejected(group: Group) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    with pytest.raises(SerializationError):
+        asyncrpc.rpc_sync("w1", fns.echo, args=(torch.zeros(2, device="cuda"),))

@@ -1,0 +1,181 @@
+"""Unit tests of remote exceptions (asyncrpc.serde.exceptions): original types come back."""
+
+from __future__ import annotations
+
+import errno
+import sys
+import threading
+import types
+import warnings
+from collections.abc import Iterator
+
+import pytest
+
+with warnings.catch_warnings():
+    # torch warns at import when numpy is missing; the library itself never imports numpy.
+    warnings.simplefilter("ignore", UserWarning)
+    from asyncrpc.errors import (
+        AsyncRpcError,
+        FunctionNotFoundError,
+        PeerLostError,
+        RemoteError,
+        RpcTimeoutError,
+        SerializationError,
+        UnknownWorkerError,
+    )
+    from asyncrpc.serde import pack_exception, unpack_exception
+    from tests.unit import _serde_helpers as helpers
+
+
+def raised(exc: BaseException) -> BaseException:
+    """Raise and catch ``exc`` so it carries a traceback through this function."""
+    try:
+        raise exc
+    except BaseException as caught:
+        return caught
+
+
+def roundtrip(exc: BaseException, worker: str = "worker1") -> BaseException:
+    return unpack_exception(pack_exception(raised(exc), worker))
+
+
+@pytest.fixture
+def scratch_module() -> Iterator[types.ModuleType]:
+    module = types.ModuleType("asyncrpc_scratch_errors")
+    sys.modules[module.__name__] = module
+    try:
+        yield module
+    finally:
+        sys.modules.pop(module.__name__, None)
+
+
+def test_unpack_exception_rebuilds_builtin_type() -> None:
+    got = roundtrip(ValueError("bad value", 3))
+    assert type(got) is ValueError
+    assert got.args == ("bad value", 3)
+    assert str(got) == str(ValueError("bad value", 3))
+
+
+def test_unpack_exception_attaches_worker_and_traceback() -> None:
+    got = roundtrip(ValueError("boom"), worker="trainer3")
+    assert got.remote_worker == "trainer3"  # type: ignore[attr-defined]
+    assert "raised" in got.remote_traceback  # type: ignore[attr-defined]
+    assert "ValueError: boom" in got.remote_traceback  # type: ignore[attr-defined]
+    (note,) = got.__notes__
+    assert "'trainer3'" in note
+    assert got.remote_traceback in note  # type: ignore[attr-defined]
+
+
+def test_unpack_exception_keeps_keyerror_args() -> None:
+    got = roundtrip(KeyError("missing-key"))
+    assert type(got) is KeyError
+    with pytest.raises(KeyError) as info:
+        raise got
+    assert info.value.args[0] == "missing-key"
+    assert str(got) == "'missing-key'"
+
+
+def test_unpack_exception_keeps_oserror_fields() -> None:
+    got = roundtrip(OSError(errno.ENOENT, "No such file or directory", "/tmp/nowhere"))
+    assert type(got) is FileNotFoundError  # OSError picks its subclass from errno
+    assert isinstance(got, OSError)
+    assert got.errno == errno.ENOENT
+    assert got.strerror == "No such file or directory"
+    assert got.filename == "/tmp/nowhere"
+
+
+def test_unpack_exception_rebuilds_user_exception() -> None:
+    got = roundtrip(helpers.UserError(17, "disk full"))
+    assert type(got) is helpers.UserError
+    assert (got.code, got.detail) == (17, "disk full")
+
+
+def test_unpack_exception_bad_init_becomes_remote_error() -> None:
+    got = roundtrip(helpers.BadInitError(1, 2), worker="w2")
+    assert type(got) is RemoteError
+    assert got.type_name == "tests.unit._serde_helpers.BadInitError"
+    assert got.message == "bad 1 2"
+    assert got.remote_worker == "w2"
+    assert "BadInitError" in got.remote_traceback
+
+
+def test_unpack_exception_unpicklable_attribute_becomes_remote_error() -> None:
+    error = RuntimeError("holds a lock")
+    error.lock = threading.Lock()  # type: ignore[attr-defined]
+    got = roundtrip(error)
+    assert type(got) is RemoteError
+    assert got.type_name == "RuntimeError"
+    assert got.message == "holds a lock"
+
+
+def test_unpack_exception_class_missing_here_becomes_remote_error(
+    scratch_module: types.ModuleType,
+) -> None:
+    gone_error = type("GoneError", (Exception,), {"__module__": scratch_module.__name__})
+    scratch_module.GoneError = gone_error  # type: ignore[attr-defined]
+    data = pack_exception(raised(gone_error("vanished")), "w1")
+    del sys.modules[scratch_module.__name__]
+    got = unpack_exception(data)
+    assert type(got) is RemoteError
+    assert got.type_name == f"{scratch_module.__name__}.GoneError"
+    assert got.message == "vanished"
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RpcTimeoutError("w3", "pkg.fn", 2.5),
+        UnknownWorkerError("ghost", ("a", "b")),
+        FunctionNotFoundError("pkg.fn", "w3", "no module named pkg"),
+        PeerLostError("w4"),
+        SerializationError("cannot pickle"),
+        RemoteError("pkg.Err", "inner", "tb text", "w5"),
+    ],
+    ids=lambda error: type(error).__name__,
+)
+def test_unpack_exception_rebuilds_asyncrpc_errors(error: AsyncRpcError) -> None:
+    got = roundtrip(error)
+    assert type(got) is type(error)
+    assert got.args == error.args
+    assert str(got) == str(error)
+
+
+def test_unpack_exception_nested_hops_add_notes() -> None:
+    first = unpack_exception(pack_exception(raised(ValueError("deep")), "inner"))
+    second = unpack_exception(pack_exception(first, "outer"))
+    assert type(second) is ValueError
+    assert second.remote_worker == "outer"  # type: ignore[attr-defined]
+    assert len(second.__notes__) == 2
+    assert "'inner'" in second.__notes__[0]
+
+
+def test_unpack_exception_traceback_includes_cause() -> None:
+    try:
+        try:
+            raise KeyError("root")
+        except KeyError as root:
+            raise ValueError("wrapper") from root
+    except ValueError as caught:
+        got = unpack_exception(pack_exception(caught, "w"))
+    assert type(got) is ValueError
+    assert "KeyError: 'root'" in got.remote_traceback  # type: ignore[attr-defined]
+
+
+class _NoStr(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no str for you")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        raise RuntimeError("no pickling either")
+
+
+def test_pack_exception_never_raises() -> None:
+    data = pack_exception(raised(_NoStr()), "w9")
+    got = unpack_exception(data)
+    assert type(got) is RemoteError
+    assert got.type_name.endswith("_NoStr")
+    assert got.remote_worker == "w9"
+
+
+def test_unpack_exception_garbage_becomes_remote_error() -> None:
+    assert type(unpack_exception(b"not a record")) is RemoteError
