@@ -15,6 +15,7 @@ from asyncrpc.api import (
     get_worker_infos,
     init_rpc,
     init_rpc_async,
+    remote,
     rpc_async,
     rpc_sync,
     shutdown,
@@ -33,6 +34,9 @@ from asyncrpc.errors import (
     PeerUnavailableError,
     ProtocolError,
     RemoteError,
+    RRefError,
+    RRefOwnerLostError,
+    RRefTimeoutError,
     RemoteProtocolError,
     RpcTimeoutError,
     SerializationError,
@@ -41,6 +45,7 @@ from asyncrpc.errors import (
 )
 from asyncrpc.future import Future, collect_all, wait_all
 from asyncrpc.options import RpcBackendOptions, WorkerInfo
+from asyncrpc.rref import RRef
 from asyncrpc.serde import register_reducer
 
 __all__ = [
@@ -54,6 +59,10 @@ __all__ = [
     "NotInitializedError",
     "PeerLostError",
     "PeerUnavailableError",
+    "RRef",
+    "RRefError",
+    "RRefOwnerLostError",
+    "RRefTimeoutError",
     "ProtocolError",
     "RemoteError",
     "RemoteProtocolError",
@@ -74,6 +83,7 @@ __all__ = [
     "init_rpc",
     "init_rpc_async",
     "register_reducer",
+    "remote",
     "rpc_async",
     "rpc_sync",
     "shutdown",

@@ -33,6 +33,7 @@ from asyncrpc.metrics import Counters, LagProbe, PoolGauge
 from asyncrpc.options import UNSET_RPC_TIMEOUT, RpcBackendOptions, WorkerInfo
 from asyncrpc.peers import PeerTable
 from asyncrpc.rendezvous import PeerAddress, StoreGroup, join_group
+from asyncrpc.rrefs import RRefContext
 from asyncrpc.serde import Serializer, unpack_exception
 from asyncrpc.transport import Connection, start_server
 from asyncrpc.wire import Frame, FrameDecoder, encode_frame
@@ -67,7 +68,10 @@ class Agent:
         self.counters = Counters()
         self.pending = PendingCalls()
         self._call_ids = itertools.count(1)
-        self.serializer = Serializer()
+        # RRefs inside payloads become forks (see asyncrpc/rrefs.py).
+        self.serializer = Serializer(
+            persistent_dump=self._dump_rref, persistent_load=self._load_rref
+        )
         self.pool = concurrent.futures.ThreadPoolExecutor(
             options.num_worker_threads, thread_name_prefix=f"asyncrpc-{name}"
         )
@@ -83,8 +87,8 @@ class Agent:
         self._server: asyncio.Server | None = None
         self.closed = False
         self.lifecycle = Lifecycle(self)
-        # The RRef context (asyncrpc/rrefs.py) attaches itself here at start.
-        self.rrefs: Any = None
+        # Created once the rank is known (after the rendezvous).
+        self.rrefs: RRefContext | None = None
 
     # -- start -----------------------------------------------------------------------------
 
@@ -128,6 +132,8 @@ class Agent:
         )
         self.rank, self.world_size = self.group.rank, self.group.world_size
         self._ranks_by_name = {a.name: r for r, a in self.addresses.items()}
+        self.rrefs = RRefContext(self)
+        self.dispatcher.value_sink = self.rrefs.on_value
         self.peers = PeerTable(self.name, self.rank, self.addresses, self._dial)
         for conn, hello in self._early_hellos:
             if not conn.closed:
@@ -148,6 +154,14 @@ class Agent:
 
     def _dial(self, initiated: bool) -> Connection:
         return self._new_connection(initiated)
+
+    def _dump_rref(self, obj: object, dest: object) -> tuple[Any, ...] | None:
+        return None if self.rrefs is None else self.rrefs.dump(obj, dest)
+
+    def _load_rref(self, pid: tuple[Any, ...], sender: object) -> object:
+        if self.rrefs is None:
+            raise RemoteProtocolError("an RRef arrived before this worker joined its group")
+        return self.rrefs.load(pid, sender)
 
     # -- addressing ------------------------------------------------------------------------
 
@@ -213,6 +227,13 @@ class Agent:
         rref_id, fork_id = rref_ids if rref_ids is not None else (None, None)
         request = Request(call_id, timeout, mode, target, rref_id, fork_id)
         return call_id, target, encode_frame(request.to_fields(), payload, segments), keep
+
+    def next_call_id(self) -> int:
+        return next(self._call_ids)
+
+    @staticmethod
+    def describe(fn: Any) -> str:
+        return describe_function(fn)
 
     def call_future(
         self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float
@@ -381,6 +402,10 @@ class Agent:
             return
         self.counters.calls_failed += 1
         call.fail(unpack_exception(bytes(frame.payload)))
+
+    def on_protocol_error(self, conn: Connection, exc: BaseException) -> None:
+        """The peer sent bytes that break the protocol; the connection is being aborted."""
+        self.counters.protocol_errors += 1
 
     def on_connection_lost(self, conn: Connection, exc: BaseException | None) -> None:
         self._connections.discard(conn)

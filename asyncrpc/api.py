@@ -19,6 +19,7 @@ from asyncrpc.errors import BlockingCallError, InitError
 from asyncrpc.future import Future
 from asyncrpc.loopthread import LoopThread
 from asyncrpc.options import UNSET_RPC_TIMEOUT, WorkerInfo, coerce_options
+from asyncrpc.rref import RRef
 
 __all__ = [
     "call",
@@ -29,6 +30,7 @@ __all__ = [
     "get_worker_infos",
     "init_rpc",
     "init_rpc_async",
+    "remote",
     "rpc_async",
     "rpc_sync",
     "shutdown",
@@ -287,3 +289,25 @@ def get_metrics() -> dict[str, Any]:
 def get_debug_info() -> dict[str, Any]:
     """``get_metrics()`` plus identity, peers and RRef bookkeeping."""
     return current_agent().debug_info()
+
+
+def remote(
+    to: Any,
+    func: Callable[..., Any],
+    args: tuple[Any, ...] | list[Any] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> RRef[Any]:
+    """Run ``func(*args, **kwargs)`` on ``to`` and return an ``RRef`` to the result there.
+
+    Returns at once; the owner confirms the reference in the background. Errors raised
+    while creating the value surface on ``to_here()`` and proxy calls, as their original
+    type. If the owner does not confirm within ``timeout`` (-1: the default, 0: none), the
+    RRef becomes unusable and its next use raises ``RRefTimeoutError``.
+
+    Raises:
+        UnknownWorkerError, SerializationError at once.
+    """
+    rrefs = current_agent().rrefs
+    assert rrefs is not None
+    return rrefs.remote(to, func, tuple(args or ()), dict(kwargs or {}), timeout)

@@ -20,7 +20,7 @@ from asyncrpc.functions import is_async_execution, is_coroutine_function
 from asyncrpc.future import Future
 from asyncrpc.serde import MissingReferenceError, pack_exception
 from asyncrpc.wire import encode_frame
-from asyncrpc.wire.messages import ErrorReply, Reply, Request
+from asyncrpc.wire.messages import CallMode, ErrorReply, Reply, Request
 
 if TYPE_CHECKING:
     from asyncrpc.agent import Agent
@@ -82,6 +82,10 @@ class Dispatcher:
     def on_request(self, conn: Connection, request: Request, payload: Any, segments: Any) -> None:
         peer = conn.peer
         assert peer is not None
+        if request.mode == CallMode.REMOTE:
+            rrefs = self._agent.rrefs
+            assert rrefs is not None
+            rrefs.on_remote_request(peer, request)
         try:
             fn, args, kwargs = self._serializer.loads(payload, segments, context=peer)
         except MissingReferenceError as exc:

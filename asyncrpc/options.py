@@ -59,6 +59,8 @@ class RpcBackendOptions:
         listen_host: the address the worker listens on (loopback by default).
         max_frame_size: the largest frame accepted from a peer, checked before allocating.
         shutdown_timeout: bound on a graceful shutdown when ``shutdown`` is given none.
+        rref_leaks: what a graceful shutdown does with owner RRefs still referenced
+            elsewhere: "warn" (log a warning), "error" (raise ShutdownError) or "ignore".
     """
 
     init_method: str = DEFAULT_INIT_METHOD
@@ -69,11 +71,14 @@ class RpcBackendOptions:
     listen_host: str = "127.0.0.1"
     max_frame_size: int = 1 << 34
     shutdown_timeout: float = 60.0
+    rref_leaks: str = "warn"
     _extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.rpc_timeout < 0:
             raise InitError(f"rpc_timeout must be >= 0 seconds, got {self.rpc_timeout}")
+        if self.rref_leaks not in ("warn", "error", "ignore"):
+            raise InitError(f"rref_leaks must be 'warn', 'error' or 'ignore', got {self.rref_leaks!r}")
         if self.num_worker_threads < 1:
             raise InitError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
         if self.device_maps is not None:

@@ -29,6 +29,8 @@ class ConnectionHandler(Protocol):
 
     def on_connection_lost(self, conn: Connection, exc: BaseException | None) -> None: ...
 
+    def on_protocol_error(self, conn: Connection, exc: ProtocolError) -> None: ...
+
 
 class Connection(asyncio.BufferedProtocol):
     """A framed, multiplexed connection to one peer.
@@ -86,6 +88,7 @@ class Connection(asyncio.BufferedProtocol):
         try:
             frames = self._decoder.buffer_updated(nbytes)
         except ProtocolError as exc:
+            self._handler.on_protocol_error(self, exc)
             self.abort(exc)
             return
         handler = self._handler

@@ -213,3 +213,128 @@ def raise_unrebuildable() -> None:
 async def blocking_rpc_on_loop() -> Any:
     """Runs on the agent's loop: a blocking rpc_sync there must raise, not deadlock."""
     return asyncrpc.rpc_sync(asyncrpc.get_worker_info().name, noop)
+
+
+# -- RRefs ---------------------------------------------------------------------------------
+class Counter:
+    """A stateful object held behind an RRef on its owner."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.count = start
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"count": self.count}  # a copy travels without its lock
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.count = state["count"]
+        self._lock = threading.Lock()
+
+    def increment(self, by: int = 1) -> int:
+        with self._lock:
+            self.count += by
+            return self.count
+
+    def value(self) -> int:
+        return self.count
+
+    async def slow_value(self) -> int:
+        await asyncio.sleep(0.01)
+        return self.count
+
+    @async_execution
+    def deferred_add(self, by: int) -> asyncrpc.Future[int]:
+        fut: asyncrpc.Future[int] = asyncrpc.Future()
+        fut.set_result(self.increment(by))
+        return fut
+
+
+class ParameterServer:
+    """A model held on its owner and updated by several trainers at once."""
+
+    def __init__(self, features: int = 8) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Linear(features, 1)
+        self.lock = threading.Lock()
+        self.updates = 0
+
+    def get_weights(self) -> dict[str, torch.Tensor]:
+        with self.lock:
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def apply_grads(self, grads: dict[str, torch.Tensor], lr: float) -> int:
+        with self.lock, torch.no_grad():
+            for name, param in self.model.named_parameters():
+                param -= lr * grads[name]
+            self.updates += 1
+            return self.updates
+
+
+def make_counter(start: int) -> Counter:
+    return Counter(start)
+
+
+def fetch(rref: asyncrpc.RRef[Any]) -> Any:
+    return rref.to_here()
+
+
+def forward_to(rref: asyncrpc.RRef[Any], to: str) -> Any:
+    """A user passes the RRef on to a third worker (a user-to-user fork)."""
+    return asyncrpc.rpc_sync(to, fetch, args=(rref,))
+
+
+_held: list[Any] = []
+
+
+def hold(obj: Any) -> int:
+    _held.append(obj)
+    return len(_held)
+
+
+def drop_held() -> int:
+    count = len(_held)
+    _held.clear()
+    import gc
+
+    gc.collect()
+    return count
+
+
+def rref_debug() -> dict[str, Any]:
+    import gc
+
+    gc.collect()  # tracebacks of failed calls hold RRefs in reference cycles
+    info = asyncrpc.get_debug_info()
+    return {k: info[k] for k in ("owner_rrefs", "user_rrefs", "pending_forks", "pending_users")}
+
+
+def owned_here(value: Any) -> asyncrpc.RRef[Any]:
+    """Returns an RRef this worker owns (an RRef as a result)."""
+    return asyncrpc.RRef(value)
+
+
+def sum_nested(tree: dict[str, Any]) -> int:
+    """Fetch every RRef in a nested container and add the values."""
+    total = 0
+    for item in tree["list"]:
+        total += item.to_here()
+    total += tree["inner"]["rref"].to_here()
+    return total
+
+
+def is_owner_of(rref: asyncrpc.RRef[Any]) -> bool:
+    return rref.is_owner()
+
+
+def local_value_of(rref: asyncrpc.RRef[Any]) -> Any:
+    return rref.local_value()
+
+
+def train_steps(ps: asyncrpc.RRef[ParameterServer], steps: int) -> int:
+    """A trainer on a worker: pull weights and push gradients through proxies."""
+    last = 0
+    for _ in range(steps):
+        weights = ps.rpc_sync().get_weights()
+        grads = {k: torch.ones_like(v) for k, v in weights.items()}
+        last = ps.rpc_sync().apply_grads(grads, 0.01)
+    return last

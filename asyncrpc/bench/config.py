@@ -1,0 +1,240 @@
+"""What a benchmark run measures: systems, workloads, measurement items, rows and presets.
+
+Part of ``asyncrpc.bench`` (a tool above the library's L4 API). An *item* is one
+measurement one system makes (e.g. asyncrpc's ``rpc_sync`` of a no-op); a *row* of a report
+table lines up the items of every system that answer the same question.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = [
+    "ALL_SYSTEMS",
+    "FLOOR_CALL_BYTES",
+    "KIB",
+    "MIB",
+    "PRIMARY_METRIC",
+    "RPC_SYSTEMS",
+    "WORKLOADS",
+    "BenchConfig",
+    "Item",
+    "Row",
+    "format_size",
+    "items_for",
+    "parse_size",
+    "rows_for",
+]
+
+KIB = 1024
+MIB = 1024 * KIB
+
+# Systems, in table order. torch_tcp is TensorPipe forced onto plain TCP (opt-in).
+ALL_SYSTEMS = ("asyncrpc", "torch", "torch_tcp", "floor")
+RPC_SYSTEMS = ("asyncrpc", "torch", "torch_tcp")
+WORKLOADS = ("latency", "throughput", "echo", "remote", "ps")
+
+# The raw floor's stand-in for a small call: one frame of this many bytes each way (8-byte
+# length prefix included), about the size of asyncrpc's request frame for a no-op.
+FLOOR_CALL_BYTES = 96
+
+# The figure each workload's tables and ratios are about, and which way is better.
+PRIMARY_METRIC: dict[str, tuple[str, str, bool]] = {
+    # workload: (stat key, unit, higher is better)
+    "latency": ("p50_us", "µs", False),
+    "throughput": ("calls_per_s", "calls/s", True),
+    "echo": ("mb_per_s", "MB/s", True),
+    "remote": ("p50_us", "µs", False),
+    "ps": ("updates_per_s", "updates/s", True),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One measurement of one system, sent to its client process as JSON.
+
+    Attributes:
+        key: unique within the workload and system, e.g. ``"sync/rpc_sync"``.
+        kind: the workload it belongs to.
+        fn: which remote function: ``sync``, ``async``, ``builtin``, ``value``, ``echo``.
+        style: how the client calls: ``await`` (``await asyncrpc.call``), ``sync``
+            (``rpc_sync``), ``futures`` (``rpc_async`` + ``wait`` window), ``raw`` (floor).
+        inflight: calls kept in flight (throughput).
+        size: bytes per message (echo).
+    """
+
+    key: str
+    kind: str
+    fn: str = ""
+    style: str = ""
+    inflight: int = 1
+    size: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Item:
+        return cls(**data)
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One line of a report table: per system, the item key that answers it (absent: n/a)."""
+
+    label: str
+    keys: dict[str, str]
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    """Everything a run needs to know; built by the command line (see ``cli``)."""
+
+    systems: tuple[str, ...] = ("asyncrpc", "torch", "floor")
+    workloads: tuple[str, ...] = WORKLOADS
+    rounds: int = 5
+    duration: float = 0.5  # seconds per latency/throughput/echo item per round
+    warmup: float = 0.2  # seconds per item in the uncounted warm-up round
+    sizes: tuple[int, ...] = (KIB, MIB, 16 * MIB, 64 * MIB)
+    inflight: tuple[int, ...] = (1, 32, 256)
+    ps_duration: float = 3.0
+    ps_trainers: int = 2
+    freeze: bool = True  # SIGSTOP the systems not being measured
+    idle_seconds: float = 1.0  # how long idle CPU use is sampled per system
+    start_timeout: float = 90.0
+    quick: bool = False
+    log_dir: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def parse_size(text: str) -> int:
+    """Parse ``1KiB``, ``16MiB``, ``64M`` or a plain byte count.
+
+    Raises:
+        ValueError: not a size.
+    """
+    units = {"kib": KIB, "k": KIB, "kb": KIB, "mib": MIB, "m": MIB, "mb": MIB, "b": 1, "": 1}
+    raw = text.strip().lower()
+    digits = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = raw[len(digits) :]
+    if not digits or unit not in units:
+        raise ValueError(f"not a size: {text!r} (try 1KiB, 16MiB)")
+    size = int(float(digits) * units[unit])
+    if size < 4 or size % 4:
+        raise ValueError(f"size {text!r} must be a positive multiple of 4 bytes (float32)")
+    return size
+
+
+def format_size(size: int) -> str:
+    """``1048576`` -> ``1 MiB``."""
+    if size >= MIB and size % MIB == 0:
+        return f"{size // MIB} MiB"
+    if size >= KIB and size % KIB == 0:
+        return f"{size // KIB} KiB"
+    return f"{size} B"
+
+
+def items_for(workload: str, system: str, config: BenchConfig) -> list[Item]:
+    """The items ``system`` measures for ``workload`` (empty: it has nothing to run)."""
+    return _ITEM_BUILDERS[workload](system, config)
+
+
+def _latency_items(system: str, config: BenchConfig) -> list[Item]:
+    if system == "floor":
+        return [Item("frame", "latency", style="raw")]
+    fns = ("sync", "async", "builtin")
+    styles = ("sync", "await") if system == "asyncrpc" else ("sync",)
+    return [Item(f"{fn}/{style}", "latency", fn, style) for fn in fns for style in styles]
+
+
+def _throughput_items(system: str, config: BenchConfig) -> list[Item]:
+    items = []
+    for n in config.inflight:
+        if system == "floor":
+            items.append(Item(f"frame/{n}", "throughput", style="raw", inflight=n))
+        elif system == "asyncrpc":
+            items.append(Item(f"sync/{n}/await", "throughput", "sync", "await", n))
+            items.append(Item(f"sync/{n}/futures", "throughput", "sync", "futures", n))
+            items.append(Item(f"async/{n}/await", "throughput", "async", "await", n))
+        else:
+            items.append(Item(f"sync/{n}/futures", "throughput", "sync", "futures", n))
+            items.append(Item(f"async/{n}/futures", "throughput", "async", "futures", n))
+    return items
+
+
+def _echo_items(system: str, config: BenchConfig) -> list[Item]:
+    style = {"floor": "raw", "asyncrpc": "await"}.get(system, "sync")
+    return [Item(str(size), "echo", "echo", style, size=size) for size in config.sizes]
+
+
+def _remote_items(system: str, config: BenchConfig) -> list[Item]:
+    if system == "floor":
+        return [Item("frame", "remote", style="raw")]
+    styles = ("sync", "await") if system == "asyncrpc" else ("sync",)
+    return [Item(f"value/{style}", "remote", "value", style) for style in styles]
+
+
+def _ps_items(system: str, config: BenchConfig) -> list[Item]:
+    if system == "floor":
+        return []  # the floor has no RPC layer to run a parameter server on
+    return [Item("updates", "ps", style="sync")]
+
+
+_ITEM_BUILDERS = {
+    "latency": _latency_items,
+    "throughput": _throughput_items,
+    "echo": _echo_items,
+    "remote": _remote_items,
+    "ps": _ps_items,
+}
+
+_FN_LABELS = {"sync": "def no-op", "async": "async def no-op", "builtin": "torch.add"}
+_STYLE_LABELS = {"sync": "rpc_sync", "await": "await call", "futures": "rpc_async window"}
+
+
+def _torch_keys(key: str) -> dict[str, str]:
+    return {"torch": key, "torch_tcp": key}
+
+
+def rows_for(workload: str, config: BenchConfig) -> list[Row]:
+    """The table rows of ``workload`` (torch has no ``await`` style: those rows compare
+    asyncrpc's ``await call`` with torch's ``rpc_sync``)."""
+    if workload == "latency":
+        return [
+            Row(f"{_FN_LABELS[fn]}, {_STYLE_LABELS[style]}",
+                {"asyncrpc": f"{fn}/{style}", **_torch_keys(f"{fn}/sync"), "floor": "frame"})
+            for fn in ("sync", "async", "builtin") for style in ("sync", "await")
+        ]  # fmt: skip
+    if workload == "throughput":
+        rows = []
+        for n in config.inflight:
+            floor = {"floor": f"frame/{n}"}
+            rows += [
+                Row(f"{n:>3} in flight, def no-op, asyncrpc await call",
+                    {"asyncrpc": f"sync/{n}/await", **_torch_keys(f"sync/{n}/futures"), **floor}),
+                Row(f"{n:>3} in flight, def no-op, rpc_async window",
+                    {"asyncrpc": f"sync/{n}/futures", **_torch_keys(f"sync/{n}/futures"), **floor}),
+                Row(f"{n:>3} in flight, async no-op, asyncrpc await call",
+                    {"asyncrpc": f"async/{n}/await", **_torch_keys(f"async/{n}/futures"), **floor}),
+            ]  # fmt: skip
+        return rows
+    if workload == "echo":
+        return [
+            Row(f"float32 tensor, {format_size(s)}",
+                {"asyncrpc": str(s), **_torch_keys(str(s)), "floor": str(s)})
+            for s in config.sizes
+        ]  # fmt: skip
+    if workload == "remote":
+        return [
+            Row(f"remote()+to_here(), asyncrpc {label}",
+                {"asyncrpc": f"value/{style}", **_torch_keys("value/sync"), "floor": "frame"})
+            for style, label in (("sync", "sync"), ("await", "await"))
+        ]  # fmt: skip
+    return [
+        Row(f"{config.ps_trainers} trainers, pull+push ~1M floats",
+            {"asyncrpc": "updates", **_torch_keys("updates")})
+    ]

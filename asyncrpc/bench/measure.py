@@ -1,0 +1,271 @@
+"""Client-side measurement loops of the RPC systems, and the statistics they report.
+
+Part of ``asyncrpc.bench``. The blocking loops take the RPC module as an argument
+(``torch.distributed.rpc`` or ``asyncrpc``: same calls, same code); the ``await`` loops are
+asyncrpc's asyncio-native style. Every loop runs for a given time with a minimum count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from asyncrpc.bench import workloads
+from asyncrpc.bench.config import MIB, Item
+
+__all__ = [
+    "Unavailable",
+    "echo_stats",
+    "latency_stats",
+    "resolve_function",
+    "run_item_await",
+    "run_item_blocking",
+    "throughput_stats",
+]
+
+MIN_LATENCY_SAMPLES = 20
+_clock = time.perf_counter_ns
+
+
+class Unavailable(Exception):  # noqa: N818 - a status, not a failure
+    """This system cannot run this item (e.g. ``asyncrpc.remote`` does not exist yet)."""
+
+
+# -- statistics ----------------------------------------------------------------------------
+
+
+def latency_stats(samples_ns: Sequence[int]) -> dict[str, float]:
+    """p50/p99/mean in microseconds of round-trip samples in nanoseconds."""
+    ordered = sorted(samples_ns)
+    n = len(ordered)
+    return {
+        "p50_us": ordered[n // 2] / 1e3,
+        "p99_us": ordered[min(n - 1, int(n * 0.99))] / 1e3,
+        "mean_us": sum(ordered) / n / 1e3,
+        "n": n,
+    }
+
+
+def throughput_stats(calls: int, elapsed_s: float) -> dict[str, float]:
+    return {"calls_per_s": calls / elapsed_s, "n": calls, "elapsed_s": elapsed_s}
+
+
+def echo_stats(size: int, times_ns: Sequence[int]) -> dict[str, float]:
+    """Median echo time, and bandwidth as 2 x bytes / median time (MB = 10^6 bytes)."""
+    ordered = sorted(times_ns)
+    median = ordered[len(ordered) // 2]
+    return {"p50_ms": median / 1e6, "mb_per_s": 2 * size / (median / 1e9) / 1e6,
+            "n": len(ordered)}  # fmt: skip
+
+
+def min_echo_iterations(size: int) -> int:
+    return 3 if size >= 16 * MIB else 10
+
+
+# -- what to call --------------------------------------------------------------------------
+
+
+def resolve_function(fn: str, system: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """The remote function and arguments of item function ``fn`` for ``system``."""
+    if fn == "sync":
+        return workloads.noop, ()
+    if fn == "async":
+        # torch cannot run coroutines: its equivalent is an @async_execution function.
+        return (workloads.async_noop if system == "asyncrpc" else workloads.torch_async_noop), ()
+    if fn == "builtin":
+        return torch.add, (torch.ones(2), torch.ones(2))
+    if fn == "value":
+        return workloads.value, ()
+    raise ValueError(f"unknown function {fn!r}")
+
+
+def _remote(rpc: Any) -> Callable[..., Any]:
+    remote = getattr(rpc, "remote", None)
+    if remote is None:
+        raise Unavailable(f"{rpc.__name__}.remote does not exist")
+    return remote  # type: ignore[no-any-return]
+
+
+# -- blocking loops (torch, and asyncrpc's sync style) --------------------------------------
+
+
+def blocking_latency(rpc: Any, to: str, fn: Any, args: tuple[Any, ...], duration: float) -> Any:
+    rpc_sync, samples = rpc.rpc_sync, []
+    end = _clock() + int(duration * 1e9)
+    while True:
+        t0 = _clock()
+        rpc_sync(to, fn, args)
+        t1 = _clock()
+        samples.append(t1 - t0)
+        if t1 >= end and len(samples) >= MIN_LATENCY_SAMPLES:
+            return latency_stats(samples)
+
+
+def blocking_window(
+    rpc: Any, to: str, fn: Any, args: tuple[Any, ...], inflight: int, duration: float
+) -> Any:
+    """``inflight`` calls kept in flight with ``rpc_async``, waited for oldest first."""
+    rpc_async, window, done = rpc.rpc_async, deque[Any](), 0
+    start = time.perf_counter()
+    end = start + duration
+    while time.perf_counter() < end:
+        if len(window) >= inflight:
+            window.popleft().wait()
+            done += 1
+        window.append(rpc_async(to, fn, args))
+    while window:
+        window.popleft().wait()
+        done += 1
+    return throughput_stats(done, time.perf_counter() - start)
+
+
+def blocking_echo(rpc: Any, to: str, tensor: torch.Tensor, duration: float) -> Any:
+    times, size = [], tensor.numel() * tensor.element_size()
+    end = _clock() + int(duration * 1e9)
+    while True:
+        t0 = _clock()
+        out = rpc.rpc_sync(to, workloads.echo, (tensor,))
+        t1 = _clock()
+        if out.numel() != tensor.numel():
+            raise RuntimeError(f"echo returned {out.numel()} elements, sent {tensor.numel()}")
+        times.append(t1 - t0)
+        if t1 >= end and len(times) >= min_echo_iterations(size):
+            return echo_stats(size, times)
+
+
+def blocking_remote(rpc: Any, to: str, duration: float) -> Any:
+    remote, samples = _remote(rpc), []
+    end = _clock() + int(duration * 1e9)
+    while True:
+        t0 = _clock()
+        got = remote(to, workloads.value).to_here()
+        t1 = _clock()
+        if got != 42:
+            raise RuntimeError(f"to_here() returned {got!r}")
+        samples.append(t1 - t0)
+        if t1 >= end and len(samples) >= MIN_LATENCY_SAMPLES:
+            return latency_stats(samples)
+
+
+def ps_train(rpc: Any, to: str, duration: float) -> dict[str, float]:
+    """One trainer: pull the parameters, compute fake gradients, push them; repeat."""
+    updates = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < duration:
+        params = rpc.rpc_sync(to, workloads.ps_pull)
+        rpc.rpc_sync(to, workloads.ps_push, (workloads.fake_grads(params),))
+        updates += 1
+    return {"updates": updates, "elapsed_s": time.perf_counter() - start}
+
+
+def run_item_blocking(
+    rpc: Any, system: str, item: Item, to: str, duration: float, tensors: dict[int, torch.Tensor]
+) -> Any:
+    """Run one item with the blocking API of ``rpc``; return its statistics."""
+    if item.kind == "echo":
+        return blocking_echo(rpc, to, tensors[item.size], duration)
+    if item.kind == "remote":
+        return blocking_remote(rpc, to, duration)
+    if item.kind == "ps":
+        return ps_train(rpc, to, duration)
+    fn, args = resolve_function(item.fn, system)
+    if item.kind == "latency":
+        return blocking_latency(rpc, to, fn, args, duration)
+    return blocking_window(rpc, to, fn, args, item.inflight, duration)
+
+
+# -- asyncio loops (asyncrpc's native style) ------------------------------------------------
+
+
+async def await_latency(to: str, fn: Any, args: tuple[Any, ...], duration: float) -> Any:
+    import asyncrpc
+
+    call, samples = asyncrpc.call, []
+    end = _clock() + int(duration * 1e9)
+    while True:
+        t0 = _clock()
+        await call(to, fn, *args)
+        t1 = _clock()
+        samples.append(t1 - t0)
+        if t1 >= end and len(samples) >= MIN_LATENCY_SAMPLES:
+            return latency_stats(samples)
+
+
+async def await_throughput(
+    to: str, fn: Any, args: tuple[Any, ...], inflight: int, duration: float
+) -> Any:
+    """``inflight`` tasks, each awaiting one call after another until the time is up."""
+    import asyncrpc
+
+    call, done = asyncrpc.call, 0
+    start = time.perf_counter()
+    end = start + duration
+
+    async def caller() -> None:
+        nonlocal done
+        while time.perf_counter() < end:
+            await call(to, fn, *args)
+            done += 1
+
+    await asyncio.gather(*(caller() for _ in range(inflight)))
+    return throughput_stats(done, time.perf_counter() - start)
+
+
+async def await_echo(to: str, tensor: torch.Tensor, duration: float) -> Any:
+    import asyncrpc
+
+    times, size = [], tensor.numel() * tensor.element_size()
+    end = _clock() + int(duration * 1e9)
+    while True:
+        t0 = _clock()
+        out = await asyncrpc.call(to, workloads.echo, tensor)
+        t1 = _clock()
+        if out.numel() != tensor.numel():
+            raise RuntimeError(f"echo returned {out.numel()} elements, sent {tensor.numel()}")
+        times.append(t1 - t0)
+        if t1 >= end and len(times) >= min_echo_iterations(size):
+            return echo_stats(size, times)
+
+
+async def await_remote(to: str, duration: float) -> Any:
+    import asyncrpc
+
+    remote, samples = _remote(asyncrpc), []
+    end = _clock() + int(duration * 1e9)
+    while True:
+        t0 = _clock()
+        got = remote(to, workloads.value).to_here()
+        if inspect.isawaitable(got):
+            got = await got
+        t1 = _clock()
+        if got != 42:
+            raise RuntimeError(f"to_here() returned {got!r}")
+        samples.append(t1 - t0)
+        if t1 >= end and len(samples) >= MIN_LATENCY_SAMPLES:
+            return latency_stats(samples)
+
+
+async def run_item_await(
+    item: Item, to: str, duration: float, tensors: dict[int, torch.Tensor]
+) -> Any:
+    """Run one asyncrpc item on the running loop (the agent's); blocking styles in a thread."""
+    import asyncrpc
+
+    if item.style != "await":
+        return await asyncio.to_thread(
+            run_item_blocking, asyncrpc, "asyncrpc", item, to, duration, tensors
+        )
+    if item.kind == "echo":
+        return await await_echo(to, tensors[item.size], duration)
+    if item.kind == "remote":
+        return await await_remote(to, duration)
+    fn, args = resolve_function(item.fn, "asyncrpc")
+    if item.kind == "latency":
+        return await await_latency(to, fn, args, duration)
+    return await await_throughput(to, fn, args, item.inflight, duration)

@@ -1,0 +1,222 @@
+"""Benchmark child processes and the groups of them that make up one system under test.
+
+Part of ``asyncrpc.bench``. Every process is started here, driven over its stdin/stdout
+control channel with a timeout on every wait, and only ever killed by the PID we started
+it with. A group can be frozen (SIGSTOP) while another system is measured, because idle
+TensorPipe processes spin a core and would otherwise slow whatever runs beside them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from asyncrpc.bench.child import MARK
+from asyncrpc.bench.config import MIB, RPC_SYSTEMS, BenchConfig
+from asyncrpc.testing import free_port
+
+__all__ = ["ChildError", "ChildProcess", "SystemGroup", "start_group"]
+
+_ROOT = Path(__file__).resolve().parents[2]
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+class ChildError(Exception):
+    """A benchmark process failed, exited or did not answer in time."""
+
+
+class ChildProcess:
+    """One ``python -m asyncrpc.bench.child`` process and its control channel."""
+
+    def __init__(self, name: str, args: list[str], log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH")) if p)
+        with open(log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "asyncrpc.bench.child", *args],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, cwd=_ROOT,
+            )  # fmt: skip
+        self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        assert self.process.stdout is not None
+        reader = threading.Thread(target=self._read, args=(self.process.stdout,), daemon=True)
+        reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def _read(self, stream: IO[bytes]) -> None:
+        for raw in stream:
+            line = raw.decode(errors="replace")
+            if line.startswith(MARK):
+                self._answers.put(json.loads(line[len(MARK) :]))
+        self._answers.put(None)  # end of output: the process is gone or going
+
+    def send(self, message: dict[str, Any]) -> None:
+        """Write one command line.
+
+        Raises:
+            ChildError: the process has exited.
+        """
+        stdin = self.process.stdin
+        assert stdin is not None
+        try:
+            stdin.write(json.dumps(message).encode() + b"\n")
+            stdin.flush()
+        except (BrokenPipeError, ValueError, OSError) as exc:
+            raise ChildError(f"{self.name} is gone ({exc})\n{self.log_tail()}") from exc
+
+    def receive(self, timeout: float) -> dict[str, Any]:
+        """The next answer, waiting at most ``timeout`` seconds.
+
+        Raises:
+            ChildError: no answer in time, or the process exited.
+        """
+        try:
+            answer = self._answers.get(timeout=timeout)
+        except queue.Empty:
+            raise ChildError(
+                f"{self.name} did not answer within {timeout:.0f} s\n{self.log_tail()}"
+            ) from None
+        if answer is None:
+            code = self.process.wait(5)
+            raise ChildError(f"{self.name} exited with code {code}\n{self.log_tail()}")
+        return answer
+
+    def signal(self, signum: int) -> None:
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signum)
+
+    def kill(self) -> None:
+        """SIGKILL (by our PID) and reap; works on a stopped process too."""
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:  # pragma: no cover - the kernel owes us this
+            pass
+
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU time of all the process's threads so far (Linux only)."""
+        try:
+            stat = Path(f"/proc/{self.process.pid}/stat").read_text()
+        except OSError:
+            return None
+        fields = stat.rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICKS
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        tail = "\n".join("    " + line for line in text[-lines:])
+        return f"  last lines of {self.log_path}:\n{tail}" if tail else ""
+
+
+class SystemGroup:
+    """The processes of one system: a server, a client and (for ``ps``) a trainer."""
+
+    def __init__(self, system: str, children: dict[str, ChildProcess]) -> None:
+        self.system = system
+        self.children = children
+        self.frozen = False
+
+    def drivers(self, kind: str) -> list[ChildProcess]:
+        """The processes that run items of ``kind`` (both trainers for ``ps``)."""
+        roles = ("client", "trainer") if kind == "ps" else ("client",)
+        return [self.children[r] for r in roles if r in self.children]
+
+    def freeze(self) -> None:
+        for child in self.children.values():
+            child.signal(signal.SIGSTOP)
+        self.frozen = True
+
+    def thaw(self) -> None:
+        for child in self.children.values():
+            child.signal(signal.SIGCONT)
+        self.frozen = False
+
+    def cpu_seconds(self) -> float | None:
+        values = [c.cpu_seconds() for c in self.children.values()]
+        return None if any(v is None for v in values) else sum(v or 0.0 for v in values)
+
+    def run(self, kind: str, items: list[dict[str, Any]], duration: float,
+            timeout: float) -> list[dict[str, Any]]:  # fmt: skip
+        """Send one ``run`` command to every driver at once; return their answers.
+
+        Raises:
+            ChildError: a driver failed or timed out.
+        """
+        drivers = self.drivers(kind)
+        for child in drivers:
+            child.send({"op": "run", "items": items, "duration": duration})
+        deadline = time.monotonic() + timeout
+        return [c.receive(max(0.1, deadline - time.monotonic()))["results"] for c in drivers]
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Ask every process to quit, wait up to ``timeout``, then kill what is left."""
+        self.thaw()
+        for child in self.children.values():
+            try:
+                child.send({"op": "quit"})
+            except ChildError:
+                pass
+        deadline = time.monotonic() + timeout
+        for child in self.children.values():
+            try:
+                child.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            child.kill()
+
+
+def _spawn(system: str, role: str, log_dir: Path, extra: list[str]) -> ChildProcess:
+    return ChildProcess(f"{system}/{role}", ["--system", system, "--role", role, *extra],
+                        log_dir / f"{system}-{role}.log")  # fmt: skip
+
+
+def _await_ready(children: list[ChildProcess], timeout: float) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    return [c.receive(max(0.1, deadline - time.monotonic())) for c in children]
+
+
+def start_group(system: str, config: BenchConfig, log_dir: Path) -> SystemGroup:
+    """Start ``system``'s processes on 127.0.0.1 and wait until they are ready.
+
+    Raises:
+        ChildError: a process failed to start (all of them are killed first).
+    """
+    children: dict[str, ChildProcess] = {}
+    try:
+        if system == "floor":
+            capacity = str(max((*config.sizes, MIB)))
+            children["server"] = _spawn(system, "server", log_dir, ["--capacity", capacity])
+            (ready,) = _await_ready([children["server"]], config.start_timeout)
+            extra = ["--capacity", capacity, "--port", str(ready["port"])]
+            children["client"] = _spawn(system, "client", log_dir, extra)
+        else:
+            assert system in RPC_SYSTEMS
+            roles = ["server", "client"] + (["trainer"] if "ps" in config.workloads else [])
+            init = f"tcp://127.0.0.1:{free_port()}"
+            for rank, role in enumerate(roles):
+                extra = ["--rank", str(rank), "--world-size", str(len(roles)),
+                         "--init-method", init]  # fmt: skip
+                children[role] = _spawn(system, role, log_dir, extra)
+        waiting = [c for r, c in children.items() if not (system == "floor" and r == "server")]
+        _await_ready(waiting, config.start_timeout)
+    except BaseException:
+        for child in children.values():
+            child.kill()
+        raise
+    return SystemGroup(system, children)

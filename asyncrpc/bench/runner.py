@@ -1,0 +1,205 @@
+"""The orchestrator: start each system's processes once, then interleave measured rounds.
+
+Part of ``asyncrpc.bench``. For each round (the first is an uncounted warm-up), for each
+workload, each system runs its items in turn, the order rotating between rounds so slow
+machine noise lands on every system. While one system is measured the others are frozen
+(SIGSTOP), unless ``freeze`` is off. CPU use of every system is sampled from /proc.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncrpc.bench.config import BenchConfig, items_for
+from asyncrpc.bench.procs import ChildError, SystemGroup, start_group
+from asyncrpc.bench.progress import Progress
+
+__all__ = ["RunResult", "run_bench", "torch_rpc_unavailable"]
+
+# Per item: what a child answered ({"stats": ...}, {"unavailable": ...} or {"error": ...}).
+Outcome = dict[str, Any]
+
+
+@dataclass
+class RunResult:
+    """Everything measured in one run, per system, workload and item, one entry per round."""
+
+    config: BenchConfig
+    status: dict[str, str] = field(default_factory=dict)  # system -> "ok" or why not
+    raw: dict[str, dict[str, dict[str, list[Outcome]]]] = field(default_factory=dict)
+    cpu_busy: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    cpu_idle: dict[str, float | None] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+
+def torch_rpc_unavailable() -> str | None:
+    """Why ``torch.distributed.rpc`` cannot run here, or None when it can."""
+    try:
+        import torch.distributed as dist
+    except ImportError as exc:  # pragma: no cover - depends on the torch build
+        return f"torch.distributed cannot be imported ({exc})"
+    if not dist.is_available():
+        return "this torch build has no torch.distributed"
+    try:
+        import torch.distributed.rpc as rpc
+    except ImportError as exc:  # pragma: no cover - depends on the torch build
+        return f"torch.distributed.rpc cannot be imported ({exc})"
+    if not rpc.is_available():
+        return "this torch build has no torch.distributed.rpc (TensorPipe)"
+    return None
+
+
+def _merge_ps(answers: list[dict[str, Outcome]]) -> dict[str, Outcome]:
+    # The parameter-server figure is the sum of every trainer's updates/s.
+    merged: dict[str, Outcome] = {}
+    for key in answers[0]:
+        outcomes = [a[key] for a in answers]
+        bad = next((o for o in outcomes if "stats" not in o), None)
+        if bad is not None:
+            merged[key] = bad
+            continue
+        stats = [o["stats"] for o in outcomes]
+        rate = sum(s["updates"] / s["elapsed_s"] for s in stats)
+        merged[key] = {"stats": {"updates_per_s": rate, "trainers": stats}}
+    return merged
+
+
+class _Orchestrator:
+    def __init__(self, config: BenchConfig, progress: Progress, log_dir: Path) -> None:
+        self.config = config
+        self.progress = progress
+        self.log_dir = log_dir
+        self.groups: dict[str, SystemGroup] = {}
+        self.result = RunResult(config)
+
+    def start(self) -> None:
+        # Heavier systems last: a frozen group costs nothing while the next one starts.
+        for system in sorted(self.config.systems, key=lambda s: s.startswith("torch")):
+            if self.result.status.get(system):
+                continue
+            self.progress.step(f"starting {system}")
+            try:
+                group = start_group(system, self.config, self.log_dir)
+            except ChildError as exc:
+                self._drop(system, f"failed to start: {exc}")
+                continue
+            self.groups[system] = group
+            self.result.status[system] = "ok"
+            if self.config.freeze:
+                group.freeze()
+
+    def _drop(self, system: str, reason: str) -> None:
+        self.result.status[system] = reason
+        self.progress.note(f"asyncrpc.bench: {system}: {reason}; going on without it")
+        group = self.groups.pop(system, None)
+        if group is not None:
+            group.close(timeout=5.0)
+
+    def measure_idle(self) -> None:
+        for system, group in list(self.groups.items()):
+            self.progress.step(f"idle CPU of {system}")
+            group.thaw()
+            time.sleep(0.2)
+            before, t0 = group.cpu_seconds(), time.monotonic()
+            time.sleep(self.config.idle_seconds)
+            after, t1 = group.cpu_seconds(), time.monotonic()
+            if self.config.freeze:
+                group.freeze()
+            idle = None if before is None or after is None else (after - before) / (t1 - t0)
+            self.result.cpu_idle[system] = idle
+
+    def run_rounds(self) -> None:
+        systems = [s for s in self.config.systems if s in self.groups]
+        for round_no in range(-1, self.config.rounds):
+            order = systems[round_no % len(systems) :] + systems[: round_no % len(systems)]
+            for workload in self.config.workloads:
+                for system in order:
+                    if system in self.groups:
+                        self._run_one(round_no, workload, system)
+
+    def _run_one(self, round_no: int, workload: str, system: str) -> None:
+        items = items_for(workload, system, self.config)
+        if not items:
+            return
+        warm = round_no < 0
+        name = "warm-up" if warm else f"round {round_no + 1}/{self.config.rounds}"
+        self.progress.step(f"{name} {workload} {system}")
+        duration = self._duration(workload, warm)
+        timeout = len(items) * (duration + 30.0) + 60.0
+        group = self.groups[system]
+        group.thaw()
+        cpu0, t0 = group.cpu_seconds(), time.monotonic()
+        try:
+            answers = group.run(workload, [i.to_json() for i in items], duration, timeout)
+        except ChildError as exc:
+            self._drop(system, f"failed during {name} of {workload}: {exc}")
+            return
+        cpu1, t1 = group.cpu_seconds(), time.monotonic()
+        if self.config.freeze:
+            group.freeze()
+        if not warm:
+            self._record(workload, system, answers, cpu0, cpu1, t1 - t0)
+
+    def _duration(self, workload: str, warm: bool) -> float:
+        if workload == "ps":
+            return min(self.config.ps_duration, 0.5) if warm else self.config.ps_duration
+        return self.config.warmup if warm else self.config.duration
+
+    def _record(self, workload: str, system: str, answers: list[dict[str, Outcome]],
+                cpu0: float | None, cpu1: float | None, wall: float) -> None:  # fmt: skip
+        merged = _merge_ps(answers) if workload == "ps" else answers[0]
+        per_item = self.result.raw.setdefault(system, {}).setdefault(workload, {})
+        for key, outcome in merged.items():
+            per_item.setdefault(key, []).append(outcome)
+            if "error" in outcome:
+                self.progress.note(f"asyncrpc.bench: {system} {workload} {key}: {outcome['error']}")
+        if cpu0 is not None and cpu1 is not None:
+            busy = self.result.cpu_busy.setdefault(system, {}).setdefault(workload, [])
+            busy.append((cpu1 - cpu0) / wall)
+
+    def close(self) -> None:
+        for group in self.groups.values():
+            group.close(timeout=20.0)
+        self.groups.clear()
+
+
+def _total_steps(config: BenchConfig) -> int:
+    runs = sum(
+        1 for w in config.workloads for s in config.systems if items_for(w, s, config)
+    )
+    return 2 * len(config.systems) + (config.rounds + 1) * runs
+
+
+def run_bench(config: BenchConfig, *, progress: bool = True) -> RunResult:
+    """Run the whole benchmark and return what was measured.
+
+    Systems that cannot run (torch without RPC, a process that fails) are reported in
+    ``RunResult.status`` and left out; every process started is stopped before returning.
+    """
+    bar = Progress(_total_steps(config), enabled=progress)
+    log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="asyncrpc-bench-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    orchestrator = _Orchestrator(config, bar, log_dir)
+    reason = torch_rpc_unavailable()
+    if reason is not None:
+        for system in config.systems:
+            if system.startswith("torch"):
+                orchestrator._drop(system, f"unavailable: {reason}")
+    start = time.monotonic()
+    try:
+        orchestrator.start()
+        orchestrator.measure_idle()
+        orchestrator.run_rounds()
+    finally:
+        bar.step("stopping processes")
+        orchestrator.close()
+        bar.close()
+    orchestrator.result.wall_s = time.monotonic() - start
+    if config.log_dir is None and all(s == "ok" for s in orchestrator.result.status.values()):
+        shutil.rmtree(log_dir, ignore_errors=True)
+    return orchestrator.result

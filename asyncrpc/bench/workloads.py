@@ -1,0 +1,104 @@
+"""The functions the benchmark calls remotely, and the parameter server's state.
+
+Part of ``asyncrpc.bench``. Both RPC systems pickle these by reference, so the server
+processes import this module; nothing here depends on which RPC system runs it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = [
+    "PS_LR",
+    "PS_SHAPES",
+    "async_noop",
+    "echo",
+    "fake_grads",
+    "noop",
+    "ps_pull",
+    "ps_push",
+    "torch_async_noop",
+    "value",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _identity(fn: F) -> F:
+    return fn
+
+
+try:  # torch builds without distributed support still run the other systems
+    from torch.distributed.rpc.functions import async_execution as _torch_async_execution
+except ImportError:  # pragma: no cover - depends on the torch build
+    _torch_async_execution = _identity
+
+
+def noop() -> None:
+    """A synchronous no-op (runs on the callee's thread pool)."""
+
+
+async def async_noop() -> None:
+    """An ``async def`` no-op (runs on asyncrpc's event loop)."""
+
+
+@_torch_async_execution
+def torch_async_noop() -> torch.futures.Future[None]:
+    """torch's nearest thing to an ``async def`` no-op: an ``@async_execution`` function
+    whose future is already complete (torch cannot run coroutines)."""
+    fut: torch.futures.Future[None] = torch.futures.Future()
+    fut.set_result(None)
+    return fut
+
+
+def value() -> int:
+    """A small value for ``remote()`` + ``to_here()``."""
+    return 42
+
+
+def echo(tensor: torch.Tensor) -> torch.Tensor:
+    """Send the received tensor back unchanged."""
+    return tensor
+
+
+# -- parameter server ----------------------------------------------------------------------
+
+# A small MLP's tensors: 1,050,112 floats (4.2 MB).
+PS_SHAPES: tuple[tuple[int, ...], ...] = ((1024, 512), (1024,), (512, 1024), (512,))
+PS_LR = 1e-3
+
+_ps_lock = threading.Lock()
+_ps_params: list[torch.Tensor] = []
+_ps_version = 0
+
+
+def _params() -> list[torch.Tensor]:
+    # Created on first use, under the lock, so concurrent trainers see one model.
+    if not _ps_params:
+        _ps_params.extend(torch.randn(shape) for shape in PS_SHAPES)
+    return _ps_params
+
+
+def ps_pull() -> list[torch.Tensor]:
+    """Return the server's parameter tensors (the trainer's pull)."""
+    with _ps_lock:
+        return list(_params())
+
+
+def ps_push(grads: list[torch.Tensor]) -> int:
+    """Apply one SGD step with ``grads`` under the lock; return the model's version."""
+    global _ps_version
+    with _ps_lock:
+        for param, grad in zip(_params(), grads, strict=True):
+            param.sub_(grad, alpha=PS_LR)
+        _ps_version += 1
+        return _ps_version
+
+
+def fake_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Gradients of the same shapes as ``params`` (cheap but real arithmetic)."""
+    return [p.mul(1e-2) for p in params]

@@ -1,0 +1,767 @@
+"""Distributed reference counting of RRefs as a pure state machine (layer L1, sans-I/O).
+
+Each worker owns one :class:`RefCounter`. The agent feeds it events (handles created and
+dropped, RRefs pickled and unpickled, refcount messages from peers, lost peers) and carries
+out the actions it returns: :class:`Send` a message, :class:`Free` a value, :class:`RRefLost`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple, TypeAlias
+
+from asyncrpc.errors import (
+    LocalProtocolError,
+    RemoteProtocolError,
+    RRefError,
+    RRefOwnerLostError,
+)
+
+__all__ = [
+    "Action",
+    "ChildAccepted",
+    "ForkAccepted",
+    "ForkId",
+    "ForkRequest",
+    "Free",
+    "Message",
+    "RRefId",
+    "RRefLost",
+    "RefCounter",
+    "Send",
+    "UserDelete",
+    "UserState",
+]
+
+# The protocol (torch.distributed.rpc's, hardened against reordering and duplicates).
+#
+#   U calls remote(O)        U.new_user -> fork F, unconfirmed; the agent sends the request
+#   the request reaches O    O.new_owner(holder=U, fork_id=F): registers F, Send(U, ForkAccepted)
+#   O pickles its RRef to D  O.fork_from_owner registers the fork (holder D) at once; D's
+#                            received_user(parent=O) confirms it at once, no message
+#   U pickles F to D != O    U.fork_from_user: child C is a PENDING CHILD of F (F stays alive)
+#   D unpickles C            D.received_user(parent=U): Send(O, ForkRequest(C))
+#   O gets ForkRequest(C)    registers C (holder D): Send(D, ForkAccepted(C))
+#   D gets ForkAccepted(C)   C confirmed: Send(U, ChildAccepted(C))
+#   U gets ChildAccepted(C)  C no longer pending
+#   U pickles F to O         pending child as above; O.received_own: one more local handle on
+#                            O, Send(U, ChildAccepted(C)); O registers no fork for it
+#   U releases F             once F is confirmed AND has no pending child: Send(O, UserDelete(F))
+#   O gets UserDelete(F)     unregisters F; Free once no fork and no local handle is left
+#
+# Safety: the owner drops a fork only on its holder's UserDelete, which the holder sends only
+# once the fork is registered (confirmed) and every child it handed out is registered too
+# (ChildAccepted follows the owner's ForkAccepted for that child). So each live fork is
+# registered, or has a live ancestor that is, or descends from a remote() whose creating
+# request has not reached the owner yet. That last case is why a ForkRequest (or an own RRef
+# coming home) for an unknown RRef creates a *placeholder*: it holds the forks, is never freed
+# before new_owner fills it, and is the torch `getOrCreateOwnerRRef` behaviour. Messages that
+# name something already gone are late or duplicate deliveries: ignored, never an error.
+
+
+class RRefId(NamedTuple):
+    """Names an RRef: the worker that minted it and a serial unique on that worker."""
+
+    worker: int
+    local_id: int
+
+
+class ForkId(NamedTuple):
+    """Names one user fork of an RRef: the worker that minted it and a serial."""
+
+    worker: int
+    local_id: int
+
+
+# -- messages (worker to worker) ----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ForkRequest:
+    """User to owner: "I hold ``fork_id`` of ``rref_id``, register it"."""
+
+    rref_id: RRefId
+    fork_id: ForkId
+
+
+@dataclass(frozen=True, slots=True)
+class ForkAccepted:
+    """Owner to user: ``fork_id`` is registered (about the reference, not the value)."""
+
+    rref_id: RRefId
+    fork_id: ForkId
+
+
+@dataclass(frozen=True, slots=True)
+class ChildAccepted:
+    """Child holder (or owner) to parent user: the owner knows ``fork_id``; drop your hold."""
+
+    rref_id: RRefId
+    fork_id: ForkId
+
+
+@dataclass(frozen=True, slots=True)
+class UserDelete:
+    """User to owner: ``fork_id`` is gone; unregister it."""
+
+    rref_id: RRefId
+    fork_id: ForkId
+
+
+Message: TypeAlias = ForkRequest | ForkAccepted | ChildAccepted | UserDelete
+
+
+# -- actions (what the agent must do) ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Send ``message`` to worker ``dest``."""
+
+    dest: int
+    message: Message
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    """This worker owns ``rref_id`` and nothing references it any more: drop the value.
+
+    May come before the value exists (the holder of a remote() released it early, or its
+    caller died): the agent then discards the value when it is produced.
+    """
+
+    rref_id: RRefId
+
+
+@dataclass(frozen=True, slots=True)
+class RRefLost:
+    """References to ``rref_id`` on this worker can no longer reach a value.
+
+    ``worker`` is the lost worker (the owner, or on the owner the dead caller whose remote()
+    never arrived), or this worker's own rank when an own RRef came home after its value was
+    already freed (possible only after a peer failure). The agent fails whatever waits on it.
+    """
+
+    rref_id: RRefId
+    worker: int
+
+
+Action: TypeAlias = Send | Free | RRefLost
+
+
+class UserState(enum.Enum):
+    """What the agent may do with a user fork (see :meth:`RefCounter.user_state`)."""
+
+    UNCONFIRMED = "unconfirmed"  # usable; the owner has not confirmed it yet
+    CONFIRMED = "confirmed"  # usable
+    RELEASED = "released"  # handle released; its UserDelete waits on confirmation/children
+    TIMED_OUT = "timed_out"  # unusable: the agent gave up waiting for the confirmation
+    OWNER_LOST = "owner_lost"  # unusable: the owner is gone
+
+
+# -- private state -------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Owned:
+    """Owner-side entry. ``created`` is False for a placeholder awaiting its remote()."""
+
+    forks: dict[ForkId, int] = field(default_factory=dict)  # registered fork -> holder
+    local: int = 0  # the owner's own handles
+    created: bool = True
+
+
+@dataclass(slots=True)
+class _UserFork:
+    """User-side entry of one fork. ``parent`` is the worker that pickled it to us (None for
+    our own remote() fork). The entry outlives its UserDelete only while ``handle`` is held
+    (a timed-out fork), and outlives the owner only while ``handle`` is held (a lost fork)."""
+
+    rref_id: RRefId
+    owner: int
+    parent: int | None
+    confirmed: bool
+    handle: bool = True  # the agent's Python object still holds it
+    timed_out: bool = False
+    lost: bool = False
+    deleted: bool = False  # UserDelete sent
+    children: dict[ForkId, int] | None = None  # pending child -> its holder (lazily made)
+
+
+class _Window:
+    """A set remembering only its ``limit`` newest members: bounded tombstones."""
+
+    __slots__ = ("_limit", "_members", "_order")
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._members: set[tuple[int, int]] = set()
+        self._order: deque[tuple[int, int]] = deque()
+
+    def add(self, item: tuple[int, int]) -> None:
+        if item in self._members:
+            return
+        self._members.add(item)
+        self._order.append(item)
+        if len(self._order) > self._limit:
+            self._members.discard(self._order.popleft())
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._members
+
+
+class RefCounter:
+    """One worker's reference counts, as owner of some RRefs and user of others.
+
+    Every event method returns the list of actions the agent must carry out, in order.
+    Events that only a bug on this side can produce (releasing an unknown fork...) raise
+    ``LocalProtocolError``; messages from peers that name unknown ids are ignored.
+
+    Args:
+        self_rank: this worker's rank.
+        tombstone_limit: how many deleted fork ids and freed RRef ids are remembered to
+            reject duplicate messages. TCP never duplicates, so this is defence in depth: a
+            duplicate older than that many deletions could leave an owner entry behind (a
+            leak, never a premature free).
+    """
+
+    __slots__ = (
+        "_child_parent",
+        "_deleted",
+        "_freed",
+        "_lost",
+        "_owned",
+        "_serial",
+        "_users",
+        "rank",
+    )
+
+    def __init__(self, self_rank: int, *, tombstone_limit: int = 65536) -> None:
+        self.rank = self_rank
+        self._serial = 0
+        self._owned: dict[RRefId, _Owned] = {}
+        self._users: dict[ForkId, _UserFork] = {}
+        self._child_parent: dict[ForkId, ForkId] = {}  # pending child -> our parent fork
+        self._lost: set[int] = set()  # peers reported lost (for good)
+        self._deleted = _Window(tombstone_limit)  # fork ids whose UserDelete arrived
+        self._freed = _Window(tombstone_limit)  # freed RRefs minted by other workers
+
+    # -- ids -------------------------------------------------------------------------------
+
+    def next_rref_id(self) -> RRefId:
+        """Mint a new RRef id on this worker (for ``RRef(value)`` and for ``remote()``).
+
+        Returns:
+            A new id, unique in the group.
+        """
+        self._serial += 1
+        return RRefId(self.rank, self._serial)
+
+    def _next_fork_id(self) -> ForkId:
+        self._serial += 1
+        return ForkId(self.rank, self._serial)
+
+    # -- owner role ------------------------------------------------------------------------
+
+    def new_owner(
+        self, rref_id: RRefId, *, holder: int | None = None, fork_id: ForkId | None = None
+    ) -> list[Action]:
+        """Record a value created here.
+
+        Call it as soon as a remote() request is decoded (before running the function), or
+        when ``RRef(value)`` is made locally (no holder: it starts with one local handle).
+
+        Args:
+            rref_id: the RRef; for remote() the caller minted it with ``next_rref_id``.
+            holder: the remote() caller, whose initial fork is ``fork_id``.
+            fork_id: the caller's fork.
+
+        Returns:
+            ``[Send(holder, ForkAccepted)]`` for remote(), else ``[]``.
+
+        Raises:
+            LocalProtocolError: holder and fork_id not given together, holder is this worker
+                or a lost peer, or ``rref_id`` was already created.
+        """
+        if (holder is None) != (fork_id is None) or holder == self.rank:
+            raise LocalProtocolError("give holder and fork_id together, for a remote caller")
+        if holder is not None and holder in self._lost:
+            raise LocalProtocolError(f"worker {holder} was reported lost")
+        entry = self._owned.get(rref_id)
+        if entry is None:
+            entry = self._owned[rref_id] = _Owned()
+        elif entry.created:
+            raise LocalProtocolError(f"RRef {rref_id} created twice")
+        else:
+            entry.created = True  # fills a placeholder an early ForkRequest made
+        if holder is None or fork_id is None:
+            entry.local += 1
+            return []
+        entry.forks[fork_id] = holder
+        return [Send(holder, ForkAccepted(rref_id, fork_id))]
+
+    def add_local_handle(self, rref_id: RRefId) -> None:
+        """Count one more of the owner's own Python handles on ``rref_id``.
+
+        Raises:
+            LocalProtocolError: this worker owns no such RRef.
+        """
+        self._owner_entry(rref_id).local += 1
+
+    def drop_local_handle(self, rref_id: RRefId) -> list[Action]:
+        """One of the owner's own handles on ``rref_id`` is gone.
+
+        Returns:
+            ``[Free(rref_id)]`` when that was the last reference, else ``[]``.
+
+        Raises:
+            LocalProtocolError: unknown RRef, or no local handle left to drop.
+        """
+        entry = self._owner_entry(rref_id)
+        if entry.local == 0:
+            raise LocalProtocolError(f"no local handle left on RRef {rref_id}")
+        entry.local -= 1
+        return self._maybe_free(rref_id, entry)
+
+    def fork_from_owner(self, rref_id: RRefId, dest: int) -> ForkId:
+        """The owner pickles its RRef for ``dest``; the fork is registered at once.
+
+        ``dest`` may be this worker: unpickling it here (``received_own``) swaps the fork
+        for a local handle. If the message never arrives, ``peer_lost(dest)`` drops it.
+
+        Returns:
+            The fork id to pickle (with parent = this worker).
+
+        Raises:
+            LocalProtocolError: unknown RRef, or ``dest`` was reported lost.
+        """
+        entry = self._owner_entry(rref_id)
+        self._check_alive(dest)
+        fork_id = self._next_fork_id()
+        entry.forks[fork_id] = dest
+        return fork_id
+
+    def on_fork_request(self, sender: int, message: ForkRequest) -> list[Action]:
+        """A user asks to register its fork. Idempotent.
+
+        Returns:
+            ``[Send(sender, ForkAccepted)]``, also when nothing is registered (a duplicate, a
+            deleted fork, or an RRef freed after a peer failure) so the sender can settle;
+            ``[]`` if the sender was reported lost.
+        """
+        if sender in self._lost:
+            return []  # the agent should drop a lost peer's frames; be safe anyway
+        rref_id, fork_id = message.rref_id, message.fork_id
+        reply: list[Action] = [Send(sender, ForkAccepted(rref_id, fork_id))]
+        if fork_id in self._deleted:
+            return reply  # a duplicate after its UserDelete must not resurrect it
+        entry = self._owned.get(rref_id)
+        if entry is None:
+            if self._known_freed(rref_id):
+                return reply
+            # The remote() that creates it has not arrived yet (see the block comment above).
+            entry = self._owned[rref_id] = _Owned(created=False)
+        entry.forks[fork_id] = sender
+        return reply
+
+    def on_user_delete(self, sender: int, message: UserDelete) -> list[Action]:
+        """A user dropped its fork. Idempotent; unknown ids are late duplicates.
+
+        Returns:
+            ``[Free(rref_id)]`` when that was the last reference, else ``[]``.
+        """
+        if sender in self._lost:
+            return []
+        self._deleted.add(message.fork_id)
+        entry = self._owned.get(message.rref_id)
+        if entry is None or entry.forks.pop(message.fork_id, None) is None:
+            return []
+        return self._maybe_free(message.rref_id, entry)
+
+    def received_own(self, rref_id: RRefId, fork_id: ForkId, parent: int) -> list[Action]:
+        """This owner unpickled its own RRef, pickled by ``parent``.
+
+        Design: the unpickled object counts as ONE LOCAL HANDLE, added here (so no free can
+        slip in before the agent builds it); the agent's object later calls
+        ``drop_local_handle`` once, and never ``add_local_handle`` for it. No fork is
+        registered for ``fork_id``: the parent only waits for ``ChildAccepted``.
+
+        Returns:
+            ``[Send(parent, ChildAccepted)]`` (``[]`` if parent is this worker or lost). With
+            an ``RRefLost(rref_id, self.rank)`` and no handle added if the value was already
+            freed (only after a peer failure): the agent makes a dead object then.
+
+        Raises:
+            LocalProtocolError: parent is this worker but ``fork_id`` is not a fork it made.
+        """
+        entry = self._owned.get(rref_id)
+        if parent == self.rank:
+            # fork_from_owner(dest=self) registered fork_id; swap it for a local handle.
+            if entry is None or entry.forks.pop(fork_id, None) is None:
+                raise LocalProtocolError(f"fork {fork_id} of {rref_id} was not made here")
+            entry.local += 1
+            return []
+        actions: list[Action] = []
+        if parent not in self._lost:
+            actions.append(Send(parent, ChildAccepted(rref_id, fork_id)))
+        if entry is None:
+            if self._known_freed(rref_id):
+                actions.append(RRefLost(rref_id, self.rank))
+                return actions
+            entry = self._owned[rref_id] = _Owned(created=False)  # remote() still on its way
+        entry.local += 1
+        return actions
+
+    # -- user role -------------------------------------------------------------------------
+
+    def new_user(self, rref_id: RRefId, owner: int) -> tuple[ForkId, list[Action]]:
+        """This worker calls remote() on ``owner``: make its first fork, unconfirmed.
+
+        The agent sends the remote() request carrying ``rref_id`` and the fork id itself.
+
+        Args:
+            rref_id: minted by ``next_rref_id`` on this worker.
+            owner: the callee.
+
+        Returns:
+            The fork id and ``[]``.
+
+        Raises:
+            LocalProtocolError: ``owner`` is this worker or lost, or ``rref_id`` was not minted
+                here (the owner relies on ``rref_id.worker`` naming the caller).
+        """
+        if owner == self.rank or rref_id.worker != self.rank:
+            raise LocalProtocolError("remote() RRefs are minted by the caller for another worker")
+        self._check_alive(owner)
+        fork_id = self._next_fork_id()
+        self._users[fork_id] = _UserFork(rref_id, owner, None, confirmed=False)
+        return fork_id, []
+
+    def fork_from_user(self, rref_id: RRefId, parent_fork: ForkId, dest: int) -> ForkId:
+        """This user pickles its fork ``parent_fork`` for ``dest`` (which may be the owner).
+
+        The new fork is a pending child of ``parent_fork`` until ``ChildAccepted`` arrives or
+        ``dest`` is lost; meanwhile ``parent_fork`` sends no UserDelete.
+
+        Returns:
+            The child fork id to pickle (with parent = this worker).
+
+        Raises:
+            LocalProtocolError: unknown or released fork, ``rref_id`` mismatch, lost ``dest``.
+            RRefOwnerLostError: the owner is gone.
+            RRefError: the fork timed out.
+        """
+        entry = self._usable(rref_id, parent_fork)
+        self._check_alive(dest)
+        child = self._next_fork_id()
+        if entry.children is None:
+            entry.children = {}
+        entry.children[child] = dest
+        self._child_parent[child] = parent_fork
+        return child
+
+    def received_user(
+        self, rref_id: RRefId, fork_id: ForkId, owner: int, parent: int
+    ) -> list[Action]:
+        """This worker unpickled a user fork pickled by ``parent``; it holds one handle.
+
+        Returns:
+            ``[]`` if ``parent`` is the owner (registered already), else
+            ``[Send(owner, ForkRequest)]``; ``[RRefLost]`` (the fork is OWNER_LOST) if the owner
+            was reported lost.
+
+        Raises:
+            LocalProtocolError: ``owner`` is this worker (use ``received_own``).
+            RemoteProtocolError: the same fork arrived twice.
+        """
+        if owner == self.rank:
+            raise LocalProtocolError("an own RRef coming home goes to received_own")
+        if fork_id in self._users:
+            raise RemoteProtocolError(f"fork {fork_id} of {rref_id} delivered twice")
+        entry = _UserFork(rref_id, owner, parent, confirmed=parent == owner)
+        self._users[fork_id] = entry
+        if owner in self._lost:
+            entry.lost = True
+            return [RRefLost(rref_id, owner)]
+        return [] if entry.confirmed else [Send(owner, ForkRequest(rref_id, fork_id))]
+
+    def on_fork_accepted(self, message: ForkAccepted) -> list[Action]:
+        """The owner registered our fork. Idempotent; unknown forks are late duplicates.
+
+        Returns:
+            ``Send(parent, ChildAccepted)`` if a remote user pickled the fork to us (a parent
+            on this worker is handled inline), then our UserDelete if it was deferred.
+        """
+        fork_id = message.fork_id
+        entry = self._users.get(fork_id)
+        if entry is None or entry.confirmed or entry.lost or entry.rref_id != message.rref_id:
+            return []
+        entry.confirmed = True
+        actions: list[Action] = []
+        parent = entry.parent
+        if parent is not None and parent != entry.owner:
+            if parent == self.rank:
+                actions = self._child_accepted(message.rref_id, fork_id)
+            elif parent not in self._lost:
+                actions.append(Send(parent, ChildAccepted(message.rref_id, fork_id)))
+        actions += self._maybe_delete(fork_id, entry)
+        return actions
+
+    def on_child_accepted(self, message: ChildAccepted) -> list[Action]:
+        """A child of one of our forks is registered. Idempotent.
+
+        Returns:
+            The parent's deferred ``[Send(owner, UserDelete)]`` if it is now due, else ``[]``.
+        """
+        return self._child_accepted(message.rref_id, message.fork_id)
+
+    def release_user(self, fork_id: ForkId) -> list[Action]:
+        """The agent's Python handle of ``fork_id`` is gone (call exactly once per fork, also
+        for timed-out and owner-lost forks).
+
+        Returns:
+            ``[Send(owner, UserDelete)]`` now, or ``[]`` if it is deferred until the fork is
+            confirmed and has no pending child (or is not needed any more).
+
+        Raises:
+            LocalProtocolError: unknown fork or released twice.
+        """
+        entry = self._users.get(fork_id)
+        if entry is None or not entry.handle:
+            raise LocalProtocolError(f"release of unknown or released fork {fork_id}")
+        entry.handle = False
+        if entry.deleted or entry.lost:
+            del self._users[fork_id]
+            return []
+        return self._maybe_delete(fork_id, entry)
+
+    def timeout_user(self, fork_id: ForkId) -> list[Action]:
+        """Mark ``fork_id`` unusable (its remote() was not confirmed in time).
+
+        The protocol then treats it as released: its UserDelete goes out once it is
+        confirmed and childless, so the owner cannot leak. The agent's handle still calls
+        ``release_user`` once when it goes away.
+
+        Returns:
+            ``[Send(owner, UserDelete)]`` if that is possible already, else ``[]``.
+
+        Raises:
+            LocalProtocolError: unknown fork.
+        """
+        entry = self._user_entry(fork_id)
+        entry.timed_out = True
+        return self._maybe_delete(fork_id, entry)
+
+    # -- failures and shutdown -------------------------------------------------------------
+
+    def peer_lost(self, worker: int) -> list[Action]:
+        """``worker`` is gone for good; the agent then drops every frame from it.
+
+        As owner: drop the forks it held, give up placeholders its remote() would have
+        filled. As user: forget pending children it held (deferred deletes may follow);
+        every fork it owned becomes OWNER_LOST with one ``RRefLost`` per RRef.
+
+        Returns:
+            The resulting Send, Free and RRefLost actions. Idempotent.
+
+        Raises:
+            LocalProtocolError: ``worker`` is this worker.
+        """
+        if worker == self.rank:
+            raise LocalProtocolError("a worker cannot lose itself")
+        if worker in self._lost:
+            return []
+        self._lost.add(worker)
+        actions = self._lose_owner(worker)  # first, so no UserDelete goes to the lost owner
+        actions += self._lose_children(worker)
+        actions += self._lose_holder(worker)
+        return actions
+
+    def release_all_users(self) -> list[Action]:
+        """Release every user handle still held (graceful shutdown).
+
+        Returns:
+            The UserDeletes due now; deferred ones come from later events.
+        """
+        actions: list[Action] = []
+        for fork_id, entry in list(self._users.items()):
+            if entry.handle:
+                actions += self.release_user(fork_id)
+        return actions
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def quiescent(self) -> bool:
+        """Whether this worker owes nothing as a user: no fork to confirm or delete, no
+        pending child (forks kept only for a held handle of a dead or deleted fork do not
+        count)."""
+        return all(e.deleted or e.lost for e in self._users.values())
+
+    def remotely_held(self) -> list[RRefId]:
+        """RRefs owned here that some other worker still holds a fork of (the real leaks
+        at shutdown: the owner's own local handles are not counted)."""
+        return [rref_id for rref_id, entry in self._owned.items() if entry.forks]
+
+    def owner_leaks(self) -> list[RRefId]:
+        """RRefs still owned here (placeholders included), for the leak report."""
+        return list(self._owned)
+
+    def debug_info(self) -> dict[str, int]:
+        """Counts for ``get_debug_info``: owned RRefs, active user forks, pending children,
+        unconfirmed user forks."""
+        active = [e for e in self._users.values() if not (e.deleted or e.lost)]
+        return {
+            "owner_rrefs": len(self._owned),
+            "user_rrefs": len(active),
+            "pending_forks": len(self._child_parent),
+            "pending_users": sum(1 for e in active if not e.confirmed),
+        }
+
+    def user_state(self, fork_id: ForkId) -> UserState:
+        """The state of a user fork this worker tracks.
+
+        Raises:
+            LocalProtocolError: unknown fork (released and deleted, or never here).
+        """
+        entry = self._user_entry(fork_id)
+        if entry.lost:
+            return UserState.OWNER_LOST
+        if entry.timed_out:
+            return UserState.TIMED_OUT
+        if not entry.handle:
+            return UserState.RELEASED
+        return UserState.CONFIRMED if entry.confirmed else UserState.UNCONFIRMED
+
+    def is_confirmed(self, fork_id: ForkId) -> bool:
+        """Whether the owner registered ``fork_id``.
+
+        Raises:
+            LocalProtocolError: unknown fork.
+        """
+        return self._user_entry(fork_id).confirmed
+
+    def on_message(self, sender: int, message: Message) -> list[Action]:
+        """Dispatch a refcount message from ``sender`` to its handler.
+
+        Returns:
+            The handler's actions.
+        """
+        if isinstance(message, ForkRequest):
+            return self.on_fork_request(sender, message)
+        if isinstance(message, UserDelete):
+            return self.on_user_delete(sender, message)
+        if sender in self._lost:
+            return []
+        if isinstance(message, ForkAccepted):
+            return self.on_fork_accepted(message)
+        return self.on_child_accepted(message)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _owner_entry(self, rref_id: RRefId) -> _Owned:
+        entry = self._owned.get(rref_id)
+        if entry is None:  # the agent only calls these while it holds the value: our bug
+            raise LocalProtocolError(f"this worker owns no RRef {rref_id}")
+        return entry
+
+    def _user_entry(self, fork_id: ForkId) -> _UserFork:
+        entry = self._users.get(fork_id)
+        if entry is None:  # the agent asks only about forks it holds: our bug
+            raise LocalProtocolError(f"unknown user fork {fork_id}")
+        return entry
+
+    def _usable(self, rref_id: RRefId, fork_id: ForkId) -> _UserFork:
+        entry = self._users.get(fork_id)
+        if entry is None or not entry.handle or entry.rref_id != rref_id:
+            raise LocalProtocolError(f"fork {fork_id} of {rref_id} is not held here")
+        if entry.lost:
+            raise RRefOwnerLostError(f"rank {entry.owner}", "owner lost")
+        if entry.timed_out:
+            raise RRefError(f"RRef {rref_id} timed out and is unusable")
+        return entry
+
+    def _check_alive(self, worker: int) -> None:
+        if worker in self._lost:  # the agent checks liveness before pickling: our bug
+            raise LocalProtocolError(f"worker {worker} was reported lost")
+
+    def _known_freed(self, rref_id: RRefId) -> bool:
+        # Unknown here and minted here (created before any fork existed), or minted by a
+        # lost worker (its remote() will never come), or remembered as freed.
+        return rref_id.worker == self.rank or rref_id.worker in self._lost or rref_id in self._freed
+
+    def _maybe_free(self, rref_id: RRefId, entry: _Owned) -> list[Action]:
+        if entry.forks or entry.local or not entry.created:
+            return []
+        del self._owned[rref_id]
+        if rref_id.worker != self.rank:
+            self._freed.add(rref_id)
+        return [Free(rref_id)]
+
+    def _maybe_delete(self, fork_id: ForkId, entry: _UserFork) -> list[Action]:
+        if (
+            entry.deleted
+            or entry.lost
+            or not entry.confirmed
+            or entry.children
+            or (entry.handle and not entry.timed_out)
+        ):
+            return []
+        entry.deleted = True
+        if not entry.handle:
+            del self._users[fork_id]
+        return [Send(entry.owner, UserDelete(entry.rref_id, fork_id))]
+
+    def _child_accepted(self, rref_id: RRefId, child: ForkId) -> list[Action]:
+        parent_fork = self._child_parent.get(child)
+        if parent_fork is None:
+            return []  # duplicate, or its holder was lost
+        entry = self._users[parent_fork]
+        if entry.rref_id != rref_id or entry.children is None:
+            return []
+        del self._child_parent[child]
+        del entry.children[child]
+        return self._maybe_delete(parent_fork, entry)
+
+    def _drop_children(self, entry: _UserFork) -> None:
+        if entry.children:
+            for child in entry.children:
+                del self._child_parent[child]
+            entry.children.clear()
+
+    def _lose_owner(self, worker: int) -> list[Action]:
+        lost: dict[RRefId, None] = {}  # ordered set: one notice per RRef
+        for fork_id, entry in list(self._users.items()):
+            if entry.owner == worker and not entry.lost:
+                entry.lost = True
+                self._drop_children(entry)
+                if not entry.handle:
+                    del self._users[fork_id]
+                lost[entry.rref_id] = None
+        return [RRefLost(rref_id, worker) for rref_id in lost]
+
+    def _lose_children(self, worker: int) -> list[Action]:
+        parents: dict[ForkId, _UserFork] = {}
+        for child, parent_fork in list(self._child_parent.items()):
+            entry = self._users[parent_fork]
+            if entry.children is not None and entry.children.get(child) == worker:
+                del entry.children[child]
+                del self._child_parent[child]
+                parents[parent_fork] = entry
+        actions: list[Action] = []
+        for fork_id, entry in parents.items():
+            actions += self._maybe_delete(fork_id, entry)
+        return actions
+
+    def _lose_holder(self, worker: int) -> list[Action]:
+        actions: list[Action] = []
+        for rref_id, entry in list(self._owned.items()):
+            if not entry.created and rref_id.worker == worker:
+                entry.created = True  # its remote() died with the caller: give up waiting
+                actions.append(RRefLost(rref_id, worker))
+            dead = [fork_id for fork_id, holder in entry.forks.items() if holder == worker]
+            for fork_id in dead:
+                del entry.forks[fork_id]
+            actions += self._maybe_free(rref_id, entry)
+        return actions

@@ -1,0 +1,341 @@
+"""The RRef context of one agent: owner values, and the refcount state machine driven
+from the agent's loop (layer L3).
+
+``RefCounter`` (asyncrpc/refcount.py) decides; this module carries out its actions: sends
+refcount messages, frees owner values, fails references whose owner is gone. RRefs are
+pickled on whatever thread makes a call, so every use of the state machine holds one lock
+(its methods are short and pure); its actions are then applied on the loop thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import traceback
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from asyncrpc.errors import (
+    LocalProtocolError,
+    RRefError,
+    RRefOwnerLostError,
+    RRefTimeoutError,
+    ShutdownError,
+)
+from asyncrpc.future import Future
+from asyncrpc.refcount import (
+    Action,
+    ChildAccepted,
+    ForkAccepted,
+    ForkId,
+    ForkRequest,
+    Free,
+    RefCounter,
+    RRefId,
+    RRefLost,
+    Send,
+    UserDelete,
+    UserState,
+)
+from asyncrpc.rref import RRef
+from asyncrpc.wire import encode_frame
+from asyncrpc.wire.messages import CallMode, RefMessage, RefOp, Request
+
+if TYPE_CHECKING:
+    from asyncrpc.agent import Agent
+
+__all__ = ["RRefContext"]
+
+_log = logging.getLogger("asyncrpc.rref")
+_TAG = "asyncrpc.rref"
+
+_TO_WIRE = {ForkRequest: RefOp.FORK_REQUEST, ForkAccepted: RefOp.FORK_ACCEPTED,
+            ChildAccepted: RefOp.CHILD_ACCEPTED, UserDelete: RefOp.USER_DELETE}  # fmt: skip
+_FROM_WIRE: dict[int, Any] = {op: cls for cls, op in _TO_WIRE.items()}
+
+
+class RRefContext:
+    """Owner values and reference bookkeeping of one agent."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.loop = agent.loop
+        self.counter = RefCounter(agent.rank)
+        self._lock = threading.Lock()
+        self._values: dict[RRefId, Future[Any]] = {}
+        self._lost: dict[RRefId, int] = {}
+        self._timed_out: dict[ForkId, RRefTimeoutError] = {}
+        self.closed = False
+
+    # -- creating --------------------------------------------------------------------------
+
+    def create_local(self, value: Any) -> tuple[RRefId, Future[Any]]:
+        """``RRef(value)``: register a value held here, with one local owner handle."""
+        with self._lock:
+            rref_id = self.counter.next_rref_id()
+            self.counter.new_owner(rref_id)
+        future: Future[Any] = Future(loop=self.loop)
+        future.set_result(value)
+        self._values[rref_id] = future
+        return rref_id, future
+
+    def remote(
+        self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float
+    ) -> RRef[Any]:
+        """Start ``fn(*args, **kwargs)`` on ``to``, keeping the result there; see ``remote``."""
+        agent = self.agent
+        rank = agent.resolve(to)
+        timeout = agent.effective_timeout(timeout)
+        if rank == agent.rank:
+            return self._remote_to_self(fn, args, kwargs, timeout)
+        # Pickle first: an unpicklable argument must leave no reference state behind.
+        payload, segments, keep = agent.serializer.dumps(
+            (fn, args, kwargs), context=rank, device_map=agent.request_device_map(rank)
+        )
+        with self._lock:
+            rref_id = self.counter.next_rref_id()
+            fork_id, _ = self.counter.new_user(rref_id, rank)
+        call_id, target = agent.next_call_id(), agent.describe(fn)
+        request = Request(call_id, timeout, CallMode.REMOTE, target, rref_id, fork_id)
+        pieces = encode_frame(request.to_fields(), payload, segments)
+        rref: RRef[Any] = RRef._make(self, rref_id, fork_id, rank, None)
+        self._on_loop(self._send_remote, rank, pieces, keep, fork_id, target, timeout)
+        return rref
+
+    def _send_remote(
+        self, rank: int, pieces: list[Any], keep: object, fork_id: ForkId, target: str,
+        timeout: float,
+    ) -> None:  # fmt: skip
+        self.agent.send_to(rank, pieces, 0, keep)
+        if timeout > 0:
+            self.loop.call_later(timeout, self._check_confirmed, fork_id, rank, target, timeout)
+
+    def _check_confirmed(self, fork_id: ForkId, rank: int, target: str, timeout: float) -> None:
+        with self._lock:
+            try:
+                if self.counter.user_state(fork_id) is not UserState.UNCONFIRMED:
+                    return
+                actions = self.counter.timeout_user(fork_id)
+            except LocalProtocolError:
+                return  # released and deleted meanwhile
+        self._timed_out[fork_id] = RRefTimeoutError(
+            self.agent.addresses[rank].name, target, timeout
+        )
+        self.apply(actions)
+
+    def _remote_to_self(
+        self, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float
+    ) -> RRef[Any]:
+        with self._lock:
+            rref_id = self.counter.next_rref_id()
+            self.counter.new_owner(rref_id)
+        value: Future[Any] = Future(loop=self.loop)
+        self._values[rref_id] = value
+        call = self.agent.call_future(self.agent.rank, fn, args, kwargs, timeout)
+        call.add_done_callback(lambda done: self._settle(value, done))
+        return RRef._make(self, rref_id, None, self.agent.rank, value)
+
+    @staticmethod
+    def _settle(value: Future[Any], done: Future[Any]) -> None:
+        exc = done.exception()
+        if value.done():
+            return
+        if exc is None:
+            value.set_result(done.value())
+        else:
+            value.set_exception(exc)
+
+    # -- owner side of remote() ------------------------------------------------------------
+
+    def on_remote_request(self, peer: int, request: Request) -> None:
+        """A remote() request arrived: register the caller's fork before running it."""
+        assert request.rref_id is not None and request.fork_id is not None
+        rref_id, fork_id = RRefId(*request.rref_id), ForkId(*request.fork_id)
+        with self._lock:
+            actions = self.counter.new_owner(rref_id, holder=peer, fork_id=fork_id)
+        self._values.setdefault(rref_id, Future(loop=self.loop))
+        self.apply(actions)
+        if request.timeout > 0:
+            self.loop.call_later(request.timeout, self._expire_value, peer, request)
+
+    def _expire_value(self, peer: int, request: Request) -> None:
+        assert request.rref_id is not None
+        value = self._values.get(RRefId(*request.rref_id))
+        if value is not None and not value.done():
+            value.set_exception(
+                RRefTimeoutError(self.agent.name, request.target, request.timeout)
+            )
+            self.agent.dispatcher.on_cancel(peer, request.call_id)
+
+    def on_value(self, request: Request, peer: int, ok: bool, value: Any) -> None:
+        """The function of a remote() request finished (the dispatcher's value sink)."""
+        assert request.rref_id is not None
+        future = self._values.get(RRefId(*request.rref_id))
+        if future is None or future.done():
+            return  # freed already (every user let go), or timed out: discard
+        if ok:
+            future.set_result(value)
+        else:
+            # Keep the lines for the remote traceback, drop the locals (the call's
+            # arguments, RRefs among them) that would otherwise live as long as the value.
+            traceback.clear_frames(value.__traceback__)
+            future.set_exception(value)
+
+    # -- pickling (serializer hooks) -------------------------------------------------------
+
+    def dump(self, obj: object, dest: object) -> tuple[Any, ...] | None:
+        """Persistent id of an RRef pickled for worker ``dest``: a new fork of it."""
+        if not isinstance(obj, RRef):
+            return None
+        if obj._ctx is not self:
+            raise RRefError("this RRef belongs to an agent that has shut down")
+        if not isinstance(dest, int):
+            raise RRefError("RRefs can only be pickled as part of an RPC")
+        with self._lock:
+            if obj._fork_id is None:
+                fork_id = self.counter.fork_from_owner(obj._rref_id, dest)
+            else:
+                fork_id = self.counter.fork_from_user(obj._rref_id, obj._fork_id, dest)
+        return (_TAG, *obj._rref_id, *fork_id, obj._owner, self.agent.rank)
+
+    def load(self, pid: tuple[Any, ...], sender: object) -> RRef[Any]:
+        """The RRef a ``dump`` tuple stands for, unpickled here."""
+        _tag, rw, rl, fw, fl, owner, parent = pid
+        rref_id, fork_id = RRefId(rw, rl), ForkId(fw, fl)
+        me = self.agent.rank
+        with self._lock:
+            if owner == me:
+                actions = self.counter.received_own(rref_id, fork_id, parent)
+            else:
+                actions = self.counter.received_user(rref_id, fork_id, owner, parent)
+        self.apply(actions)
+        if owner == me:
+            value = self._values.setdefault(rref_id, Future(loop=self.loop))
+            return RRef._make(self, rref_id, None, me, value)
+        return RRef._make(self, rref_id, fork_id, owner, None)
+
+    # -- releasing -------------------------------------------------------------------------
+
+    def release(self, rref_id: RRefId, fork_id: ForkId | None) -> None:
+        """A Python RRef object is gone (scheduled on the loop by ``RRef.__del__``)."""
+        if self.closed:
+            return
+        with self._lock:
+            try:
+                if fork_id is None:
+                    actions = self.counter.drop_local_handle(rref_id)
+                else:
+                    actions = self.counter.release_user(fork_id)
+            except LocalProtocolError:
+                return  # already released by a graceful shutdown
+        self._timed_out.pop(fork_id, None) if fork_id is not None else None
+        self.apply(actions)
+
+    def schedule_release(self, rref_id: RRefId, fork_id: ForkId | None) -> None:
+        # From __del__, on any thread: no I/O here, just a hand-off to the loop.
+        if self.closed or self.loop.is_closed():
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.release, rref_id, fork_id)
+        except RuntimeError:
+            pass  # the loop closed in between
+
+    # -- messages and failures -------------------------------------------------------------
+
+    def on_message(self, peer: int, message: RefMessage) -> None:
+        cls = _FROM_WIRE[message.op]
+        ref_message = cls(RRefId(*message.rref_id), ForkId(*message.fork_id))
+        with self._lock:
+            actions = self.counter.on_message(peer, ref_message)
+        self.apply(actions)
+
+    def on_peer_lost(self, rank: int) -> None:
+        with self._lock:
+            actions = self.counter.peer_lost(rank)
+        self.apply(actions)
+
+    def apply(self, actions: list[Action]) -> None:
+        """Carry out the state machine's actions (on the loop thread)."""
+        if not actions:
+            return
+        if threading.get_ident() != self.agent.loop_thread_id:
+            self._on_loop(self.apply, actions)
+            return
+        for action in actions:
+            if isinstance(action, Send):
+                message = action.message
+                fields = RefMessage(_TO_WIRE[type(message)], message.rref_id, message.fork_id)
+                self.agent.send_to(action.dest, encode_frame(fields.to_fields(), b""))
+            elif isinstance(action, Free):
+                self._values.pop(action.rref_id, None)
+            elif isinstance(action, RRefLost):
+                self._lost[action.rref_id] = action.worker
+
+    def _on_loop(self, fn: Any, *args: Any) -> None:
+        if threading.get_ident() == self.agent.loop_thread_id:
+            fn(*args)
+        else:
+            self.loop.call_soon_threadsafe(fn, *args)
+
+    # -- state queries for RRef ------------------------------------------------------------
+
+    def check_usable(self, rref: RRef[Any]) -> None:
+        """Raise the typed error that makes ``rref`` unusable, if any."""
+        fork_id = rref._fork_id
+        if fork_id is not None and fork_id in self._timed_out:
+            raise self._timed_out[fork_id]
+        lost = self._lost.get(rref._rref_id)
+        if lost is not None:
+            raise RRefOwnerLostError(self.agent.addresses[lost].name, "the owner died")
+        if self.closed:
+            raise RRefError(f"worker {self.agent.name!r} is shut down")
+
+    def confirmed(self, rref: RRef[Any]) -> bool:
+        if rref._fork_id is None:
+            return True
+        with self._lock:
+            try:
+                return self.counter.is_confirmed(rref._fork_id)
+            except LocalProtocolError:
+                return False
+
+    # -- shutdown and introspection --------------------------------------------------------
+
+    def release_all_users(self) -> None:
+        with self._lock:
+            actions = self.counter.release_all_users()
+        self.apply(actions)
+
+    def quiescent(self) -> bool:
+        with self._lock:
+            return self.counter.quiescent()
+
+    def owner_leaks(self) -> list[RRefId]:
+        """Owned values that users elsewhere still reference (local handles not counted)."""
+        with self._lock:
+            return self.counter.remotely_held()
+
+    def report_leaks(self) -> None:
+        leaks = self.owner_leaks()
+        if not leaks:
+            return
+        message = (
+            f"worker {self.agent.name!r} shuts down with {len(leaks)} owner RRef(s) still "
+            f"referenced by other workers: {leaks[:10]}"
+        )
+        if self.agent.options.rref_leaks == "error":
+            raise ShutdownError(message)
+        if self.agent.options.rref_leaks == "warn":
+            _log.warning(message)
+
+    def debug_info(self) -> dict[str, int]:
+        with self._lock:
+            return self.counter.debug_info()
+
+    def close(self) -> None:
+        self.closed = True
+        error = RRefError(f"worker {self.agent.name!r} shut down")
+        for value in self._values.values():
+            if not value.done():
+                value.set_exception(error)
+        self._values.clear()
