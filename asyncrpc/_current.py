@@ -28,9 +28,7 @@ def current_agent() -> Agent:
 def set_agent(agent: Agent) -> None:
     global _agent
     if _agent is not None:
-        raise InitError(
-            f"this process already runs worker {_agent.name!r}; call shutdown() first"
-        )
+        raise InitError(f"this process already runs worker {_agent.name!r}; call shutdown() first")
     _agent = agent
 
 

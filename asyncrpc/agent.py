@@ -38,12 +38,13 @@ from asyncrpc.serde import Serializer, unpack_exception
 from asyncrpc.transport import Connection, start_server
 from asyncrpc.wire import Frame, FrameDecoder, encode_frame
 from asyncrpc.wire.messages import (
-    Cancel,
     CallMode,
+    Cancel,
     Goodbye,
     Hello,
     HelloReply,
     Kind,
+    RefMessage,
     Request,
     decode_message,
 )
@@ -118,7 +119,7 @@ class Agent:
         options = self.options
         self._server, port = await start_server(options.listen_host, self._accept)
         init_timeout = options.rpc_timeout if options.rpc_timeout > 0 else 300.0
-        self.group, self.addresses = await self.loop.run_in_executor(
+        group, self.addresses = await self.loop.run_in_executor(
             None,
             join_group,
             options.init_method,
@@ -130,7 +131,8 @@ class Agent:
             init_timeout,
             options.device_maps,
         )
-        self.rank, self.world_size = self.group.rank, self.group.world_size
+        self.group = group
+        self.rank, self.world_size = group.rank, group.world_size
         self._ranks_by_name = {a.name: r for r, a in self.addresses.items()}
         self.rrefs = RRefContext(self)
         self.dispatcher.value_sink = self.rrefs.on_value
@@ -280,9 +282,7 @@ class Agent:
             call.timer = self.loop.call_later(call.timeout, self._expire, call_id)
         self.send_to(call.peer, pieces, call_id, call.keepalive)
 
-    def send_to(
-        self, rank: int, pieces: list[Any], call_id: int = 0, keep: object = None
-    ) -> None:
+    def send_to(self, rank: int, pieces: list[Any], call_id: int = 0, keep: object = None) -> None:
         """Write a frame to ``rank``, connecting first if needed; failures fail ``call_id``."""
         peer = self.peers.peers.get(rank) if self.peers is not None else None
         if rank == self.rank:
@@ -364,7 +364,7 @@ class Agent:
             self._on_error(fields[1], frame)
         elif kind == Kind.CANCEL:
             self.dispatcher.on_cancel(conn.peer, fields[1])
-        elif kind == Kind.REF and self.rrefs is not None:
+        elif isinstance(message, RefMessage) and self.rrefs is not None:
             self.rrefs.on_message(conn.peer, message)
         elif isinstance(message, Goodbye):
             conn.goodbye = True
@@ -390,7 +390,7 @@ class Agent:
             return  # timed out or cancelled meanwhile
         try:
             value = self.serializer.loads(frame.payload, frame.segments, context=call.peer)
-        except Exception as exc:  # noqa: BLE001 - the caller gets the decoding error
+        except Exception as exc:
             self.counters.calls_failed += 1
             call.fail(exc)
             return
@@ -501,7 +501,8 @@ class Agent:
                 self.addresses[r].name: n for r, n in self.pending.count_by_peer().items()
             },
             "lost_peers": sorted(
-                p.address.name for p in (self.peers.peers.values() if self.peers else [])
+                p.address.name
+                for p in (self.peers.peers.values() if self.peers else [])
                 if p.lost is not None
             ),
             **self.metrics(),

@@ -113,7 +113,7 @@ async def init_rpc_async(
 def _peek_agent() -> Agent | None:
     try:
         return current_agent()
-    except Exception:  # noqa: BLE001 - NotInitializedError: nothing is running
+    except Exception:
         return None
 
 
@@ -184,8 +184,9 @@ async def worker(
         await shutdown_async(graceful=graceful and ok)
 
 
-async def call(to: Any, func: Callable[P, R] | Callable[P, Awaitable[R]], /,
-               *args: P.args, **kwargs: P.kwargs) -> R:
+async def call(
+    to: Any, func: Callable[P, R] | Callable[P, Awaitable[R]], /, *args: P.args, **kwargs: P.kwargs
+) -> R:
     """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result.
 
     The asyncio-native call; works from any running loop of the process. The default

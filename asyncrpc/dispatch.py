@@ -91,7 +91,7 @@ class Dispatcher:
         except MissingReferenceError as exc:
             self._finish(conn, request, peer, False, self._missing(request, exc))
             return
-        except Exception as exc:  # noqa: BLE001 - every decoding failure goes back typed
+        except Exception as exc:
             self._finish(conn, request, peer, False, exc)
             return
         key = (peer, request.call_id)
@@ -137,7 +137,7 @@ class Dispatcher:
         except asyncio.CancelledError:
             self._jobs.pop((peer, request.call_id), None)
             raise
-        except BaseException as exc:  # noqa: BLE001 - sent back to the caller
+        except BaseException as exc:
             self._finish(conn, request, peer, False, exc)
             return
         self._finish(conn, request, peer, True, result)
@@ -149,7 +149,7 @@ class Dispatcher:
         gauge.enter()
         try:
             result = fn(*args, **kwargs)
-        except BaseException as exc:  # noqa: BLE001 - sent back to the caller
+        except BaseException as exc:
             gauge.leave()
             self._loop.call_soon_threadsafe(self._finish, conn, request, peer, False, exc)
             return
@@ -172,7 +172,7 @@ class Dispatcher:
                 value = await await_async_result(result)
             except asyncio.CancelledError:
                 raise
-            except BaseException as exc:  # noqa: BLE001 - sent back to the caller
+            except BaseException as exc:
                 self._finish(conn, request, peer, False, exc)
                 return
             self._finish(conn, request, peer, True, value)
@@ -190,7 +190,7 @@ class Dispatcher:
             payload, segments, keep = self._serializer.dumps(
                 result, context=peer, device_map=self._agent.reply_device_map(peer)
             )
-        except Exception as exc:  # noqa: BLE001 - becomes the call's error
+        except Exception as exc:
             error = SerializationError(
                 f"the result of {request.target} on worker {self._agent.name!r} "
                 f"cannot be sent: {exc}"

@@ -140,8 +140,7 @@ class RpcTimeoutError(AsyncRpcError, TimeoutError):
 
     def __str__(self) -> str:
         return (
-            f"call to {self.function} on worker {self.worker!r} timed out after "
-            f"{self.timeout:g} s"
+            f"call to {self.function} on worker {self.worker!r} timed out after {self.timeout:g} s"
         )
 
 

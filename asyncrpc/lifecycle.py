@@ -89,7 +89,9 @@ class Lifecycle:
         await self._barrier("closing", deadline)
         await self._release_store(deadline)
 
-    async def _until(self, condition: Callable[[], bool], deadline: float, what: str | None) -> None:
+    async def _until(
+        self, condition: Callable[[], bool], deadline: float, what: str | None
+    ) -> None:
         while not condition():
             if time.monotonic() > deadline:
                 if what is None:

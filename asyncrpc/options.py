@@ -78,7 +78,9 @@ class RpcBackendOptions:
         if self.rpc_timeout < 0:
             raise InitError(f"rpc_timeout must be >= 0 seconds, got {self.rpc_timeout}")
         if self.rref_leaks not in ("warn", "error", "ignore"):
-            raise InitError(f"rref_leaks must be 'warn', 'error' or 'ignore', got {self.rref_leaks!r}")
+            raise InitError(
+                f"rref_leaks must be 'warn', 'error' or 'ignore', got {self.rref_leaks!r}"
+            )
         if self.num_worker_threads < 1:
             raise InitError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
         if self.device_maps is not None:

@@ -142,7 +142,10 @@ class PeerTable:
 
     def _refusal(self, hello: Hello) -> str | None:
         if hello.version != PROTOCOL_VERSION:
-            return f"protocol version {hello.version} is not supported (this side speaks {PROTOCOL_VERSION})"
+            return (
+                f"protocol version {hello.version} is not supported "
+                f"(this side speaks {PROTOCOL_VERSION})"
+            )
         peer = self.peers.get(hello.rank)
         if peer is None or peer.address.name != hello.name:
             return f"no worker named {hello.name!r} has rank {hello.rank} in this group"

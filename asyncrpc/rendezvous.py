@@ -40,11 +40,11 @@ class PeerAddress:
 
 
 def _open_store(init_method: str, rank: int, world_size: int | None, timeout: float) -> Any:
-    import torch.distributed as dist
+    from torch.distributed import rendezvous  # type: ignore[attr-defined]
 
     try:
         store, rank_out, world_out = next(
-            dist.rendezvous(
+            rendezvous(
                 init_method,
                 rank=rank,
                 world_size=-1 if world_size is None else world_size,

@@ -46,6 +46,7 @@ class RRef(Generic[T]):
 
     def __init__(self, value: T) -> None:
         agent = current_agent()
+        assert agent.rrefs is not None  # set once the agent has joined its group
         self._ctx = agent.rrefs
         self._rref_id, self._value = self._ctx.create_local(value)
         self._fork_id, self._owner = None, agent.rank
@@ -169,7 +170,7 @@ class _Proxy:
         agent = rref._ctx.agent
         call_args = (rref, name, args, kwargs)
         if self._mode == "remote":
-            return agent.rrefs.remote(rref._owner, _invoke_method, call_args, {}, self._timeout)
+            return rref._ctx.remote(rref._owner, _invoke_method, call_args, {}, self._timeout)
         future = agent.call_future(rref._owner, _invoke_method, call_args, {}, self._timeout)
         future = future.then(functools.partial(_owner_lost_as_rref_error, rref.owner_name()))
         return future if self._mode == "async" else future.wait()
@@ -190,7 +191,7 @@ async def _owner_value(value: Future[Any]) -> Any:
     """
     try:
         return await value
-    except BaseException as exc:  # noqa: BLE001 - re-raised as a copy
+    except BaseException as exc:
         traceback.clear_frames(exc.__traceback__)
         raise copy.copy(exc).with_traceback(None) from None
 

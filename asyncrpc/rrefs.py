@@ -9,6 +9,7 @@ pickled on whatever thread makes a call, so every use of the state machine holds
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import traceback
@@ -149,7 +150,8 @@ class RRefContext:
 
     def on_remote_request(self, peer: int, request: Request) -> None:
         """A remote() request arrived: register the caller's fork before running it."""
-        assert request.rref_id is not None and request.fork_id is not None
+        assert request.rref_id is not None
+        assert request.fork_id is not None
         rref_id, fork_id = RRefId(*request.rref_id), ForkId(*request.fork_id)
         with self._lock:
             actions = self.counter.new_owner(rref_id, holder=peer, fork_id=fork_id)
@@ -162,9 +164,7 @@ class RRefContext:
         assert request.rref_id is not None
         value = self._values.get(RRefId(*request.rref_id))
         if value is not None and not value.done():
-            value.set_exception(
-                RRefTimeoutError(self.agent.name, request.target, request.timeout)
-            )
+            value.set_exception(RRefTimeoutError(self.agent.name, request.target, request.timeout))
             self.agent.dispatcher.on_cancel(peer, request.call_id)
 
     def on_value(self, request: Request, peer: int, ok: bool, value: Any) -> None:
@@ -235,10 +235,8 @@ class RRefContext:
         # From __del__, on any thread: no I/O here, just a hand-off to the loop.
         if self.closed or self.loop.is_closed():
             return
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop closed in between
             self.loop.call_soon_threadsafe(self.release, rref_id, fork_id)
-        except RuntimeError:
-            pass  # the loop closed in between
 
     # -- messages and failures -------------------------------------------------------------
 

@@ -137,7 +137,7 @@ class Connection(asyncio.BufferedProtocol):
         if self._closed or transport is None or transport.is_closing():
             raise ClosedError(f"connection to {self.peer_name or 'peer'} is closed")
         for piece in pieces:
-            self.bytes_out += len(piece) if type(piece) is bytes else piece.nbytes
+            self.bytes_out += piece.nbytes if isinstance(piece, memoryview) else len(piece)
         transport.writelines(pieces)
         if self._write_paused and keepalive is not None:
             self._keepalive.append(keepalive)

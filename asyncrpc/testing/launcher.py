@@ -74,9 +74,7 @@ def spawn_worker(
     log_path = log_dir / f"{name}.log"
     full_env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
-    full_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (root, full_env.get("PYTHONPATH", "")) if p
-    )
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, full_env.get("PYTHONPATH", "")) if p)
     full_env.update(env or {})
     cmd = [
         sys.executable, "-m", "asyncrpc.testing.worker",

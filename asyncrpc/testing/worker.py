@@ -8,7 +8,6 @@ asyncio loop, so both ways of running are exercised as callees.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import logging
 import sys
@@ -28,8 +27,9 @@ def _options(args: argparse.Namespace) -> asyncrpc.RpcBackendOptions:
 
 
 def _run_sync(args: argparse.Namespace) -> int:
-    asyncrpc.init_rpc(args.name, rank=args.rank, world_size=args.world_size,
-                      rpc_backend_options=_options(args))
+    asyncrpc.init_rpc(
+        args.name, rank=args.rank, world_size=args.world_size, rpc_backend_options=_options(args)
+    )
     try:
         asyncrpc.shutdown()
     except ShutdownError as exc:
@@ -39,8 +39,9 @@ def _run_sync(args: argparse.Namespace) -> int:
 
 
 async def _run_async(args: argparse.Namespace) -> int:
-    await asyncrpc.init_rpc_async(args.name, rank=args.rank, world_size=args.world_size,
-                                  rpc_backend_options=_options(args))
+    await asyncrpc.init_rpc_async(
+        args.name, rank=args.rank, world_size=args.world_size, rpc_backend_options=_options(args)
+    )
     try:
         await asyncrpc.shutdown_async()
     except ShutdownError as exc:
@@ -59,8 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rpc-timeout", type=float, default=60.0)
     parser.add_argument("--shutdown-timeout", type=float, default=600.0)
     parser.add_argument("--threads", type=int, default=16)
-    parser.add_argument("--import", dest="imports", action="append", default=[],
-                        help="modules to import first (functions the group will call)")
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        help="modules to import first (functions the group will call)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=f"[{args.name}] %(levelname)s %(message)s")
     for module in args.imports:

@@ -12,7 +12,7 @@ import copy
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, NoReturn
+from typing import Any, Final, NoReturn, cast
 
 import msgpack
 
@@ -183,7 +183,7 @@ def encode_frame(
         _PRELUDE.pack(MAGIC, PROTOCOL_VERSION, 0, 0, header_len, payload_len, buffers_len) + header
     ]
     if payload_len:
-        pieces.append(payload)
+        pieces.append(cast("bytes | memoryview", payload))  # bytearray became a view above
     for mv in views:
         if len(mv):
             pieces.append(mv)

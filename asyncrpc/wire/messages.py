@@ -191,9 +191,10 @@ def decode_message(fields: list[Any]) -> Message:
     except (IndexError, KeyError, TypeError):
         raise RemoteProtocolError(f"unknown message header {fields[:1]!r}") from None
     try:
-        return decoder(fields)
+        message: Message = decoder(fields)
     except (IndexError, TypeError, ValueError) as exc:
         raise RemoteProtocolError(f"malformed {Kind(kind).name} header: {fields!r}") from exc
+    return message
 
 
 def _int(value: Any) -> int:

@@ -1,4 +1,4 @@
-"""Single-process asyncio tests run without an agent: hide the session worker group's callback loop."""
+"""Single-process asyncio tests run without an agent: hide the session group's loop."""
 
 from __future__ import annotations
 

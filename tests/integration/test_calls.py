@@ -158,4 +158,5 @@ def test_metrics_count_calls_and_bytes(group: Group) -> None:
     remote = asyncrpc.rpc_sync("w1", fns.metrics)
     assert remote["calls_received"] >= 1
     info = asyncrpc.get_debug_info()
-    assert info["name"] == "driver" and info["world_size"] == 4
+    assert info["name"] == "driver"
+    assert info["world_size"] == 4

@@ -34,7 +34,7 @@ def test_remote_key_error_keeps_its_type_and_args(group: Group) -> None:
 
 
 def test_remote_os_error_keeps_errno(group: Group) -> None:
-    with pytest.raises(OSError) as info:
+    with pytest.raises(OSError, match="input/output") as info:
         asyncrpc.rpc_sync("w3", fns.raise_os_error)
     assert type(info.value) is OSError
     assert info.value.errno == 5

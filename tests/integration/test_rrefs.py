@@ -23,9 +23,7 @@ def _until_empty(worker: str, timeout: float = 10.0) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
         gc.collect()
-        info = (
-            asyncrpc.rpc_sync(worker, fns.rref_debug) if worker != "driver" else fns.rref_debug()
-        )
+        info = asyncrpc.rpc_sync(worker, fns.rref_debug) if worker != "driver" else fns.rref_debug()
         if all(v == 0 for v in info.values()) or time.monotonic() > deadline:
             return info
         time.sleep(0.02)
@@ -89,7 +87,8 @@ async def test_to_here_future_is_awaitable(group: Group) -> None:
 
 def test_local_owner_rref_passed_to_a_worker(group: Group) -> None:
     rref = asyncrpc.RRef(torch.arange(4))
-    assert rref.is_owner() and rref.confirmed_by_owner()
+    assert rref.is_owner()
+    assert rref.confirmed_by_owner()
     assert torch.equal(asyncrpc.rpc_sync("w1", fns.fetch, args=(rref,)), torch.arange(4))
     # Back to its owner: the owner sees its own value, not a copy.
     assert asyncrpc.rpc_sync("w1", fns.forward_to, args=(rref, "driver")).tolist() == [0, 1, 2, 3]
@@ -158,7 +157,7 @@ def test_parameter_server_updated_through_proxies_from_several_callers(group: Gr
     def local_trainer() -> None:
         try:
             fns.train_steps(ps, 5)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=local_trainer) for _ in range(2)]
