@@ -95,10 +95,17 @@ class Agent:
 
     @classmethod
     async def start(
-        cls, name: str, rank: int, world_size: int | None, options: RpcBackendOptions
+        cls,
+        name: str,
+        rank: int,
+        world_size: int | None,
+        options: RpcBackendOptions,
+        register: Callable[[Agent], None] | None = None,
     ) -> Agent:
         """Listen, rendezvous and return a ready agent on the running loop.
 
+        ``register`` runs on the loop right after joining, before any request can be
+        served, so the agent is already "current" when the first request arrives.
         Cancelling the start closes whatever was opened.
 
         Raises:
@@ -107,6 +114,8 @@ class Agent:
         agent = cls(name, options, asyncio.get_running_loop())
         try:
             await agent._join(rank, world_size)
+            if register is not None:
+                register(agent)
         except BaseException:
             await agent._close_transports(graceful=False)
             agent.pool.shutdown(wait=False, cancel_futures=True)
@@ -508,6 +517,3 @@ class Agent:
             **self.metrics(),
             **(self.rrefs.debug_info() if self.rrefs is not None else {}),
         }
-
-
-CallbackT = Callable[[], None]

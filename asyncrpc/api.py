@@ -11,7 +11,7 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, overload
 
 from asyncrpc._current import clear_agent, current_agent, set_agent
 from asyncrpc.agent import Agent
@@ -82,12 +82,11 @@ def init_rpc(
             raise InitError(f"this process already runs worker {current.name!r}")
         thread = LoopThread(name=f"asyncrpc-{name}")
         try:
-            agent = thread.run(Agent.start(name, rank, world_size, options))
+            agent = thread.run(Agent.start(name, rank, world_size, options, set_agent))
         except BaseException:
             thread.stop()
             raise
         _loop_threads[id(agent)] = thread
-        set_agent(agent)
 
 
 async def init_rpc_async(
@@ -106,8 +105,7 @@ async def init_rpc_async(
     options = coerce_options(rpc_backend_options)
     if _peek_agent() is not None:
         raise InitError(f"this process already runs worker {current_agent().name!r}")
-    agent = await Agent.start(name, rank, world_size, options)
-    set_agent(agent)
+    await Agent.start(name, rank, world_size, options, set_agent)
 
 
 def _peek_agent() -> Agent | None:
@@ -184,9 +182,17 @@ async def worker(
         await shutdown_async(graceful=graceful and ok)
 
 
+@overload
 async def call(
-    to: Any, func: Callable[P, R] | Callable[P, Awaitable[R]], /, *args: P.args, **kwargs: P.kwargs
-) -> R:
+    to: Any, func: Callable[P, Awaitable[R]], /, *args: P.args, **kwargs: P.kwargs
+) -> R: ...
+
+
+@overload
+async def call(to: Any, func: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R: ...
+
+
+async def call(to: Any, func: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result.
 
     The asyncio-native call; works from any running loop of the process. The default
@@ -210,11 +216,10 @@ async def call(
     """
     agent = current_agent()
     if asyncio.get_running_loop() is agent.loop:
-        result: R = await agent.call(to, func, args, kwargs, UNSET_RPC_TIMEOUT)
-        return result
+        return await agent.call(to, func, args, kwargs, UNSET_RPC_TIMEOUT)
     future = agent.call_future(to, func, args, kwargs, UNSET_RPC_TIMEOUT)
     try:
-        value: R = await future
+        value = await future
     except asyncio.CancelledError:
         future.cancel()
         raise

@@ -165,7 +165,10 @@ def join_group(
     if not 0 <= rank < world_size:
         raise InitError(f"rank {rank} is outside a world of size {world_size}")
     group = StoreGroup(store, rank, world_size)
-    group.publish(PeerAddress(name, rank, host, port, device_maps))
-    peers = group.gather(timeout)
+    try:
+        group.publish(PeerAddress(name, rank, host, port, device_maps))
+        peers = group.gather(timeout)
+    except (RuntimeError, OSError) as exc:  # torch's DistNetworkError: the store host died
+        raise InitError(f"the rendezvous store became unreachable: {exc}") from exc
     _log.debug("worker %r (rank %d) joined a group of %d", name, rank, world_size)
     return group, peers

@@ -265,7 +265,7 @@ class ParameterServer:
     def apply_grads(self, grads: dict[str, torch.Tensor], lr: float) -> int:
         with self.lock, torch.no_grad():
             for name, param in self.model.named_parameters():
-                param -= lr * grads[name]
+                param.sub_(lr * grads[name])
             self.updates += 1
             return self.updates
 
@@ -338,3 +338,33 @@ def train_steps(ps: asyncrpc.RRef[ParameterServer], steps: int) -> int:
         grads = {k: torch.ones_like(v) for k, v in weights.items()}
         last = ps.rpc_sync().apply_grads(grads, 0.01)
     return last
+
+
+# -- RRef fault scenarios (tests/integration/rref_scenarios.py) ----------------------------
+
+
+def fetch_held(index: int) -> Any:
+    """``to_here()`` of the RRef this worker holds at ``index`` (see ``hold``)."""
+    return _held[index].to_here()
+
+
+def forward_held(index: int, to: str) -> int:
+    """Pass the held RRef at ``index`` on to worker ``to``, which holds it too."""
+    return int(asyncrpc.rpc_sync(to, hold, args=(_held[index],)))
+
+
+def hold_remotes(to: str, count: int, pending_sleep: float = 0.0) -> int:
+    """Create ``count`` RRefs owned by ``to`` with remote() and hold them, each fetched once
+    (so confirmed); with ``pending_sleep`` > 0 also hold one whose value is still computing."""
+    for i in range(count):
+        rref = asyncrpc.remote(to, make_counter, args=(i,))
+        rref.to_here()
+        _held.append(rref)
+    if pending_sleep > 0:
+        _held.append(asyncrpc.remote(to, sleep, args=(pending_sleep,), timeout=0))
+    return len(_held)
+
+
+def storage_nbytes(t: torch.Tensor) -> int:
+    """Bytes of the storage the received tensor lives in (what actually crossed the wire)."""
+    return int(t.untyped_storage().nbytes())

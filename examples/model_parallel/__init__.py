@@ -1,0 +1,4 @@
+"""A model split across two workers, trained through RRef proxies.
+
+Run: ``python -m examples.model_parallel``.
+"""

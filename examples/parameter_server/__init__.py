@@ -1,0 +1,1 @@
+"""Batch-updating parameter server with async trainers: ``python -m examples.parameter_server``."""

@@ -1,0 +1,42 @@
+"""Run the program three ways and check they print the same result.
+
+``python -m examples.torch_migration`` runs ``torch_rpc`` (skipped when torch's RPC cannot
+start here: it needs numpy), ``asyncrpc_version`` and ``async_version`` as subprocesses.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+from examples._launch import ROOT
+
+VERSIONS = ("torch_rpc", "asyncrpc_version", "async_version")
+
+
+def run_version(name: str) -> str:
+    """Run one version; return its ``result:`` line (empty when it printed none)."""
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", f"examples.torch_migration.{name}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    return next((line for line in out.splitlines() if line.startswith("result:")), "")
+
+
+def main() -> int:
+    """Print each version's result; exit 0 when all that ran agree."""
+    results = {}
+    for name in VERSIONS:
+        if name == "torch_rpc" and importlib.util.find_spec("numpy") is None:
+            print(f"{name:17s} skipped (torch.distributed.rpc needs numpy to start)")
+            continue
+        results[name] = run_version(name)
+        print(f"{name:17s} {results[name]}", flush=True)
+    same = len(set(results.values())) == 1 and "" not in results.values()
+    print(f"all versions agree: {same}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
