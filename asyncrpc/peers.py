@@ -57,7 +57,8 @@ class PeerTable:
         self._make_connection = make_connection
         self.connect_timeout = connect_timeout
         self.peers = {r: Peer(a) for r, a in addresses.items() if r != rank}
-        self._handshakes: dict[Connection, asyncio.Future[HelloReply]] = {}
+        # Dialled connections awaiting their HelloReply, with the rank they should reach.
+        self._handshakes: dict[Connection, tuple[asyncio.Future[HelloReply], int]] = {}
 
     def open_connections(self) -> list[Connection]:
         return [p.conn for p in self.peers.values() if p.conn is not None and not p.conn.closed]
@@ -94,7 +95,7 @@ class PeerTable:
                 address.host, address.port, lambda: self._make_connection(True)
             )
             waiter = asyncio.get_running_loop().create_future()
-            self._handshakes[conn] = waiter
+            self._handshakes[conn] = (waiter, rank)
             send_message(conn, Hello(PROTOCOL_VERSION, self.name, self.rank))
             reply = await asyncio.wait_for(waiter, self.connect_timeout)
         except (OSError, TimeoutError, ConnectionError, RemoteProtocolError) as exc:
@@ -103,8 +104,8 @@ class PeerTable:
         finally:
             peer.dialing = False
         if reply.accepted:
-            self.adopt(peer, rank, conn)
-        elif peer.conn is None and reply.reason != _TIE_BREAK:
+            return  # adopted by on_hello_reply already
+        if peer.conn is None and reply.reason != _TIE_BREAK:
             conn.close()
             self._dial_failed(peer, PeerUnavailableError(address.name, reply.reason))
         else:
@@ -156,17 +157,26 @@ class PeerTable:
         return None
 
     def on_hello_reply(self, conn: Connection, reply: HelloReply) -> None:
-        waiter = self._handshakes.pop(conn, None)
-        if waiter is None:
+        entry = self._handshakes.pop(conn, None)
+        if entry is None:
             conn.abort(RemoteProtocolError("unexpected HelloReply"))
-        elif not waiter.done():
+            return
+        waiter, rank = entry
+        if reply.accepted and reply.rank != rank:
+            conn.abort(RemoteProtocolError(f"dialled rank {rank}, rank {reply.rank} answered"))
+            return
+        if reply.accepted:
+            # Adopt now, not in the dial task: the peer may send a request right behind its
+            # reply, and it can be in the same read as the reply itself.
+            self.adopt(self.peers[rank], rank, conn)
+        if not waiter.done():
             waiter.set_result(reply)
 
     def on_lost(self, conn: Connection, exc: BaseException | None) -> int | None:
         """Forget ``conn``; return its peer's rank when it was that peer's live connection."""
-        waiter = self._handshakes.pop(conn, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(exc or ConnectionResetError("connection closed in handshake"))
+        entry = self._handshakes.pop(conn, None)
+        if entry is not None and not entry[0].done():
+            entry[0].set_exception(exc or ConnectionResetError("connection closed in handshake"))
         rank = conn.peer
         if rank is None:
             return None

@@ -60,9 +60,10 @@ class Router:
         self.apply(owner, self.rc[owner].new_owner(rref_id, holder=caller, fork_id=fork_id))
         return rref_id, fork_id
 
-    def pass_user(self, rref_id: RRefId, fork_id: ForkId, src: int, dest: int) -> ForkId:
-        """src pickles its user fork for dest and dest unpickles it at once."""
-        owner = self.rc[src]._users[fork_id].owner
+    def pass_user(
+        self, rref_id: RRefId, fork_id: ForkId, src: int, dest: int, owner: int = 0
+    ) -> ForkId:
+        """src pickles its user fork of owner's RRef for dest, which unpickles it at once."""
         child = self.rc[src].fork_from_user(rref_id, fork_id, dest)
         if dest == owner:
             self.apply(dest, self.rc[dest].received_own(rref_id, child, src))
@@ -70,8 +71,12 @@ class Router:
             self.apply(dest, self.rc[dest].received_user(rref_id, child, owner, src))
         return child
 
-    def settled(self) -> bool:
-        return all(rc.quiescent() and rc.owner_leaks() == [] for rc in self.rc)
+    def settled(self, *dead: int) -> bool:
+        return all(
+            rc.quiescent() and rc.owner_leaks() == []
+            for rank, rc in enumerate(self.rc)
+            if rank not in dead
+        )
 
     def kinds(self) -> list[type]:
         return [type(message) for _, _, message in self.queue]
@@ -426,3 +431,25 @@ def test_RefCounter_messages_are_frozen() -> None:
         message.fork_id = ForkId(1, 3)  # type: ignore[misc]
     assert not hasattr(message, "__dict__")
     assert message == ForkRequest(RRefId(0, 1), ForkId(1, 2))
+
+
+def test_RefCounter_late_fork_request_after_failure_free_leaves_no_entry() -> None:
+    net = Router()
+    rref_id, root = net.remote(caller=1, owner=0)
+    net.drain()
+    fork_p = net.pass_user(rref_id, root, src=1, dest=2)
+    net.drain()
+    net.apply(1, net.rc[1].release_user(root))
+    net.drain()
+    child = net.rc[2].fork_from_user(rref_id, fork_p, 3)
+    net.apply(3, net.rc[3].received_user(rref_id, child, owner=0, parent=2))
+    net.apply(0, net.rc[0].peer_lost(2))  # the parent dies before its child registers
+    assert net.freed == [rref_id]
+    net.deliver()  # the child's ForkRequest names a value freed already
+    assert net.rc[0].owner_leaks() == []  # remembered as freed: no placeholder
+    net.apply(3, net.rc[3].peer_lost(2))
+    net.drain()
+    net.apply(3, net.rc[3].release_user(child))
+    net.drain()
+    assert net.freed == [rref_id]
+    assert net.settled(2)

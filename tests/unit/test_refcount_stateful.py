@@ -1,9 +1,10 @@
 """Model-based tests of asyncrpc.refcount: random workloads over a network that reorders.
 
 Every refcount message, pickled RRef and remote() request waits in flight until a rule
-delivers it; rules may take ANY element in flight (not only the oldest of its connection) and
-may deliver a refcount message twice. Real connections are FIFO and never duplicate, so this
-is stricter than production; the state machine is expected to stay safe and leak-free anyway.
+delivers it; rules may take ANY element in flight (not only the oldest of its connection),
+deliver a copy of a refcount message in flight, or replay any message delivered before.
+Real connections are FIFO and never duplicate, so this is stricter than production; the
+state machine stays safe and leak-free anyway, so no ordering restriction is needed.
 Pickled RRefs and remote() requests are never duplicated: they are payloads of user RPCs,
 which run user code, and a duplicated one would be a second unpickling of one fork.
 """
@@ -222,6 +223,14 @@ class RefcountMachine(RuleBasedStateMachine):
         src, dst, message = self.messages[pick % len(self.messages)]
         self.history.append((src, dst, message))
         self.apply(dst, self.rc[dst].on_message(src, message))
+
+    @precondition(lambda self: self.history)
+    @rule(pick=picks)
+    def replay(self, pick: int) -> None:
+        """A duplicate of a message delivered long ago arrives now."""
+        src, dst, message = self.history[pick % len(self.history)]
+        if self.connected(src, dst):
+            self.apply(dst, self.rc[dst].on_message(src, message))
 
     @precondition(lambda self: self.handles)
     @rule(pick=picks)

@@ -1,0 +1,384 @@
+"""Driver programs for integration tests that need a worker group of their own (test layer).
+
+``python -m tests.integration.scenarios NAME [options]`` joins its own group as a separate
+process (the pytest process already runs the shared group's "driver"), performs one scenario
+and prints one line ``RESULT {json}`` of observations. The test-side half, ``start`` and
+``ScenarioProcess``, launches such a process and parses that line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import asyncrpc
+from asyncrpc.errors import NotInitializedError
+
+RESULT_PREFIX = "RESULT "
+_ROOT = Path(__file__).resolve().parents[2]
+
+Observations = dict[str, Any]
+
+
+# -- scenario side: helpers ---------------------------------------------------------------
+
+
+def _options(args: argparse.Namespace) -> asyncrpc.RpcBackendOptions:
+    return asyncrpc.RpcBackendOptions(
+        init_method=args.init_method,
+        rpc_timeout=args.rpc_timeout,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+
+
+def _error(exc: BaseException | None) -> dict[str, Any] | None:
+    """Describe ``exc`` by type (the tests assert on types) and by the fields it carries."""
+    if exc is None:
+        return None
+    return {
+        "type": type(exc).__name__,
+        "mro": [cls.__name__ for cls in type(exc).__mro__],
+        "worker": getattr(exc, "worker", None),
+        "message": str(exc),
+    }
+
+
+def _attempt(fn: Callable[[], Any]) -> dict[str, Any]:
+    """Run ``fn``; return its value or its error, and how long it took."""
+    start = time.monotonic()
+    try:
+        value = fn()
+    except Exception as exc:  # the observation is the error itself
+        return {"value": None, "error": _error(exc), "elapsed": time.monotonic() - start}
+    return {"value": value, "error": None, "elapsed": time.monotonic() - start}
+
+
+def _report(observations: Observations) -> None:
+    print(RESULT_PREFIX + json.dumps(observations, default=repr), flush=True)
+
+
+def _poll(condition: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+# -- scenario: a peer is SIGKILLed in the middle of a call --------------------------------
+
+
+def kill_peer(args: argparse.Namespace) -> int:
+    """Rank 0 of {driver, w1, w2}: a long call to w1 is pending when the test kills w1.
+
+    Protocol: prints ``STARTED`` once the call runs on w1, then reads one line (the test
+    writes ``KILLED`` right after SIGKILL) and observes the pending call, a later call, calls
+    to w2 and ``shutdown``.
+    """
+    from tests.integration import remote_fns as fns
+
+    asyncrpc.init_rpc("driver", rank=0, world_size=3, rpc_backend_options=_options(args))
+    obs: Observations = {"w1_pid": asyncrpc.rpc_sync("w1", fns.pid)}
+    failed_at: list[float] = []
+    long_call = asyncrpc.rpc_async("w1", fns.sleep, args=(30.0,), timeout=0)
+    long_call.add_done_callback(lambda _: failed_at.append(time.monotonic()))
+    w2_in_flight = asyncrpc.rpc_async("w2", fns.sleep, args=(1.0,))
+    obs["running_on_w1"] = _poll(
+        lambda: asyncrpc.rpc_sync("w1", fns.metrics)["running_requests"] >= 1, 5.0
+    )
+    print("STARTED", flush=True)
+    obs["stdin"] = sys.stdin.readline().strip()
+    obs["pending"] = _attempt(lambda: long_call.wait(5.0))
+    obs["pending_failed_at"] = failed_at[0] if failed_at else None
+    obs["later_w1"] = _attempt(lambda: asyncrpc.rpc_sync("w1", fns.add, args=(1, 2)))
+    obs["w2_in_flight"] = _attempt(lambda: w2_in_flight.wait(5.0))
+    obs["later_w2"] = _attempt(lambda: asyncrpc.rpc_sync("w2", fns.add, args=(1, 2)))
+    obs["debug_lost_peers"] = asyncrpc.get_debug_info()["lost_peers"]
+    obs["shutdown"] = _attempt(lambda: asyncrpc.shutdown(graceful=args.graceful, timeout=5.0))
+    obs["not_initialized_after"] = _attempt(asyncrpc.get_worker_info)["error"]
+    _report(obs)
+    return 0
+
+
+# -- scenario: one member of a group (rendezvous variants, duplicates) ---------------------
+
+
+def _member_options(args: argparse.Namespace) -> object:
+    if not args.torch_options:
+        return _options(args)
+    import torch.distributed.rpc as torch_rpc
+
+    return torch_rpc.TensorPipeRpcBackendOptions(
+        init_method=args.init_method, rpc_timeout=args.rpc_timeout, num_worker_threads=8
+    )
+
+
+def _delay_registration(seconds: float) -> None:
+    """Fault injection: the thread that called init_rpc registers the new agent late.
+
+    Models that thread being descheduled between the agent's start (on its loop thread)
+    and ``set_agent``; nothing in the library is changed.
+    """
+    import asyncrpc.api
+    from asyncrpc._current import set_agent
+
+    def late(agent: Any) -> None:
+        time.sleep(seconds)
+        set_agent(agent)
+
+    vars(asyncrpc.api)["set_agent"] = late
+
+
+def member(args: argparse.Namespace) -> int:
+    """Join as ``--name``/``--rank``, call each ``--call`` peer, then shut down.
+
+    The call is ``--call-fn`` (``pid``, or ``whoami`` which needs the callee's agent
+    registered); each outcome is recorded, never raised.
+
+    Exits 1 when init_rpc fails (the error is in the JSON), 0 otherwise.
+    """
+    from tests.integration import remote_fns as fns
+
+    backend = None
+    if args.torch_options:
+        import torch.distributed.rpc as torch_rpc
+
+        backend = torch_rpc.BackendType.TENSORPIPE  # type: ignore[attr-defined]
+    if args.slow_register > 0:
+        _delay_registration(args.slow_register)
+    rank = -1 if args.rank is None else args.rank
+    init = _attempt(
+        lambda: asyncrpc.init_rpc(
+            args.name, backend, rank, args.world_size, rpc_backend_options=_member_options(args)
+        )
+    )
+    obs: Observations = {"init": init}
+    if init["error"] is not None:
+        _report(obs)
+        return 1
+    obs["rank"] = asyncrpc.get_worker_info().id
+    obs["world"] = [info.name for info in asyncrpc.get_worker_infos()]
+    obs["rpc_timeout"] = asyncrpc.get_rpc_timeout()
+    obs["thread_pool_size"] = asyncrpc.get_metrics()["thread_pool_size"]
+    fn = fns.whoami if args.call_fn == "whoami" else fns.pid
+    obs["pid"] = os.getpid()
+    obs["calls"] = {
+        peer: _attempt(functools.partial(asyncrpc.rpc_sync, peer, fn)) for peer in args.call
+    }
+    obs["shutdown"] = _attempt(lambda: asyncrpc.shutdown(timeout=args.shutdown_timeout))
+    _report(obs)
+    return 0 if obs["shutdown"]["error"] is None else 3
+
+
+# -- scenario: the asyncio style (the agent on the program's own loop) ---------------------
+
+
+async def _cancelled_remotely(tag: str) -> bool:
+    from tests.integration import remote_fns as fns
+
+    for _ in range(100):
+        if await asyncrpc.call("w1", fns.was_cancelled, tag):
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def _asyncio_checks(obs: Observations) -> None:
+    from asyncrpc._current import current_agent
+    from tests.integration import remote_fns as fns
+
+    agent = current_agent()
+    obs["agent_on_running_loop"] = agent.loop is asyncio.get_running_loop()
+    obs["agent_on_this_thread"] = agent.loop_thread_id == threading.get_ident()
+    obs["loop_threads"] = [t.name for t in threading.enumerate() if t.name == "asyncrpc-driver"]
+    obs["call"] = await asyncrpc.call("w1", fns.add, 20, 22)
+    try:
+        async with asyncio.timeout(0.3):
+            obs["finished"] = await asyncrpc.call(
+                "w1", fns.async_sleep_noting_cancel, 20.0, "asyncio-style"
+            )
+        obs["timeout_error"] = None
+    except TimeoutError as exc:
+        obs["timeout_error"] = _error(exc)
+    obs["remote_cancelled"] = await _cancelled_remotely("asyncio-style")
+    obs["blocking_on_loop"] = _attempt(lambda: asyncrpc.rpc_sync("w1", fns.add, args=(1, 1)))
+    obs["from_thread"] = await asyncio.to_thread(asyncrpc.rpc_sync, "w1", fns.add, (2, 3))
+    obs["call_after_thread"] = await asyncrpc.call("w1", fns.async_add, 1, 2)
+
+
+async def _asyncio_style(args: argparse.Namespace) -> Observations:
+    obs: Observations = {"threads_before": threading.active_count()}
+    async with asyncrpc.worker(
+        "driver", rank=0, world_size=2, rpc_backend_options=_options(args)
+    ) as info:
+        obs["info"] = [info.name, info.id]
+        obs["threads_inside"] = threading.active_count()
+        await _asyncio_checks(obs)
+    obs["shut_down"] = _attempt(asyncrpc.get_worker_info)["error"]
+    return obs
+
+
+def asyncio_style(args: argparse.Namespace) -> int:
+    """Rank 0 of {driver, w1} under ``async with asyncrpc.worker(...)`` on asyncio.run."""
+    _report(asyncio.run(_asyncio_style(args)))
+    return 0
+
+
+# -- scenario: the API before init_rpc and after shutdown ----------------------------------
+
+
+def not_initialized(args: argparse.Namespace) -> int:
+    """rpc_sync before init_rpc, a group of one, then rpc_sync after its shutdown."""
+    from tests.integration import remote_fns as fns
+
+    obs: Observations = {
+        "before": _attempt(lambda: asyncrpc.rpc_sync("solo", fns.add, args=(1, 2)))["error"]
+    }
+    asyncrpc.init_rpc("solo", rank=0, world_size=1, rpc_backend_options=_options(args))
+    obs["during"] = asyncrpc.rpc_sync("solo", fns.add, args=(1, 2))
+    asyncrpc.shutdown()
+    obs["after"] = _attempt(lambda: asyncrpc.rpc_sync("solo", fns.add, args=(1, 2)))["error"]
+    obs["is_runtime_error"] = isinstance(NotInitializedError(), RuntimeError)
+    _report(obs)
+    return 0
+
+
+SCENARIOS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "kill_peer": kill_peer,
+    "member": member,
+    "asyncio_style": asyncio_style,
+    "not_initialized": not_initialized,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    parser.add_argument("--init-method", default="env://")
+    parser.add_argument("--name", default="driver")
+    parser.add_argument("--rank", type=int, default=None)
+    parser.add_argument("--world-size", type=int, default=None)
+    parser.add_argument("--rpc-timeout", type=float, default=10.0)
+    parser.add_argument("--shutdown-timeout", type=float, default=10.0)
+    parser.add_argument("--graceful", type=int, default=1)
+    parser.add_argument("--torch-options", action="store_true")
+    parser.add_argument("--call", action="append", default=[])
+    parser.add_argument("--call-fn", choices=("pid", "whoami"), default="pid")
+    parser.add_argument("--slow-register", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    args.graceful = bool(args.graceful)
+    return SCENARIOS[args.scenario](args)
+
+
+# -- test side: start a scenario process and read its result ------------------------------
+
+
+class ScenarioProcess:
+    """A scenario process we started: its output lines arrive through a reader thread."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        self.process = process
+        self.output: list[str] = []
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.output.append(line)
+            self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)
+
+    def text(self) -> str:
+        return "".join(self.output)
+
+    def wait_line(self, wanted: str, timeout: float) -> None:
+        """Wait for an output line equal to ``wanted``; AssertionError with the output if not."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no {wanted!r} within {timeout} s:\n{self.text()}") from None
+            if line is None:
+                raise AssertionError(f"exited before {wanted!r}:\n{self.text()}")
+            if line == wanted:
+                return
+
+    def send(self, line: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+
+    def result(self, timeout: float) -> tuple[int, Observations]:
+        """Wait for the exit; return the exit code and the parsed ``RESULT`` line."""
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(
+                f"scenario still running after {timeout} s:\n{self.text()}"
+            ) from None
+        self._reader.join(5)
+        for line in self.output:
+            if line.startswith(RESULT_PREFIX):
+                return code, json.loads(line[len(RESULT_PREFIX) :])
+        raise AssertionError(f"no RESULT line (exit code {code}):\n{self.text()}")
+
+    def kill(self) -> None:
+        """SIGKILL the process (by the PID we started) if it still runs, reap it, close pipes."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(10)
+        self._reader.join(5)  # EOF once the process is gone: the pipe can then be closed
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+
+
+def start(scenario: str, *args: str, env: dict[str, str] | None = None) -> ScenarioProcess:
+    """Start ``python -m tests.integration.scenarios scenario *args`` from the repository root.
+
+    Args:
+        scenario: one of ``SCENARIOS``.
+        *args: its command-line options.
+        env: extra environment variables.
+
+    Returns:
+        The running process; the caller stops it with ``kill`` in a ``finally``.
+    """
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(_ROOT), full_env.get("PYTHONPATH", "")) if p
+    )
+    full_env["PYTHONUNBUFFERED"] = "1"
+    full_env.update(env or {})
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.scenarios", scenario, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=full_env,
+        cwd=_ROOT,
+    )
+    return ScenarioProcess(process)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""Faults between real processes: a peer SIGKILLed mid-call, and raw sockets sending garbage.
+
+The kill scenario needs a group of its own (``scenarios.kill_peer`` is its driver); the
+malformed-frame tests poke the shared group's workers, which must survive them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import signal
+import socket
+import struct
+import time
+from typing import Any
+
+import pytest
+
+import asyncrpc
+from asyncrpc._current import current_agent
+from asyncrpc.rendezvous import PeerAddress, StoreGroup
+from asyncrpc.serde import Serializer
+from asyncrpc.testing import free_port, spawn_worker, stop_workers
+from asyncrpc.wire import MAGIC, PROTOCOL_VERSION, Frame, FrameDecoder, encode_frame
+from asyncrpc.wire.messages import CallMode, Hello, HelloReply, Reply, Request, decode_message
+from tests.integration import remote_fns as fns
+from tests.integration import scenarios
+from tests.integration.conftest import Group
+
+pytestmark = pytest.mark.timeout(90)
+
+_PRELUDE = struct.Struct("!4sBBHIIQ")  # the wire prelude (asyncrpc/wire/frame.py)
+
+
+# -- a peer is SIGKILLed in the middle of a call --------------------------------------------
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["graceful", "not-graceful"])
+def killed_peer(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """Run ``kill_peer`` once per shutdown mode: kill w1 (by the PID we started) once its
+    call runs on it; yield the scenario's observations."""
+    graceful: bool = request.param
+    tmp_path = tmp_path_factory.mktemp("kill")
+    init = f"tcp://127.0.0.1:{free_port()}"
+    workers = [
+        spawn_worker(f"w{r}", r, 3, init, log_dir=tmp_path, rpc_timeout=10.0,
+                     shutdown_timeout=10.0)
+        for r in (1, 2)
+    ]  # fmt: skip
+    driver = scenarios.start("kill_peer", "--init-method", init, "--graceful", str(int(graceful)))
+    try:
+        driver.wait_line("STARTED", 30.0)
+        killed_at = time.monotonic()
+        workers[0].kill()
+        driver.send("KILLED")
+        code, obs = driver.result(30.0)
+    finally:
+        driver.kill()
+        codes = stop_workers(workers, timeout=15.0)
+    obs.update(graceful=graceful, code=code, killed_at=killed_at, w1_pid=workers[0].pid)
+    obs.update(worker_codes=codes, logs=driver.text() + "".join(w.log() for w in workers))
+    return obs
+
+
+def test_Agent_pending_call_to_killed_peer_fails_within_a_second(
+    killed_peer: dict[str, Any],
+) -> None:
+    obs = killed_peer
+    assert obs["code"] == 0, obs["logs"]
+    assert obs["running_on_w1"] is True
+    assert obs["stdin"] == "KILLED"
+    error = obs["pending"]["error"]
+    assert error is not None, obs["pending"]
+    assert error["type"] == "PeerLostError"
+    assert "ConnectionError" in error["mro"]
+    assert error["worker"] == "w1"
+    assert obs["pending_failed_at"] is not None
+    assert obs["pending_failed_at"] - obs["killed_at"] < 1.0
+
+
+def test_Agent_later_call_to_killed_peer_fails_fast(killed_peer: dict[str, Any]) -> None:
+    later = killed_peer["later_w1"]
+    assert later["error"] is not None, later
+    assert later["error"]["type"] == "PeerLostError"
+    assert later["error"]["worker"] == "w1"
+    assert later["elapsed"] < 0.5
+    assert killed_peer["debug_lost_peers"] == ["w1"]
+
+
+def test_Agent_other_peers_keep_working_after_a_kill(killed_peer: dict[str, Any]) -> None:
+    assert killed_peer["w2_in_flight"] == {
+        "value": "slept", "error": None, "elapsed": killed_peer["w2_in_flight"]["elapsed"]
+    }  # fmt: skip
+    assert killed_peer["later_w2"]["value"] == 3
+
+
+def test_shutdown_returns_despite_a_dead_peer(killed_peer: dict[str, Any]) -> None:
+    obs = killed_peer
+    result = obs["shutdown"]
+    if obs["graceful"]:
+        assert result["error"] is not None, result
+        assert result["error"]["type"] == "ShutdownError"
+        assert "'w1'" in result["error"]["message"]  # names the dead worker (a detail)
+        assert result["elapsed"] < 5.5  # the 5 s limit at worst; torch hangs forever here
+    else:
+        assert result["error"] is None, result
+        assert result["elapsed"] < 2.0
+    assert obs["not_initialized_after"]["type"] == "NotInitializedError"
+    # w1 was killed by us; w2 exits on its own (its shutdown fails: the group is broken).
+    assert obs["worker_codes"][0] == -signal.SIGKILL
+    assert obs["worker_codes"][1] not in (None, -signal.SIGKILL), obs["logs"]
+
+
+# -- raw sockets sending garbage to a worker of the shared group ----------------------------
+
+
+def _listening_port(rank: int) -> int:
+    # The port the worker published at rendezvous: the one every peer dials.
+    return current_agent().addresses[rank].port
+
+
+def _closed_by_peer(port: int, data: bytes, timeout: float = 5.0) -> tuple[bool, bytes]:
+    """Send ``data`` on a fresh raw connection; return (closed by the peer in time, bytes got)."""
+    received = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.settimeout(timeout)
+        sock.sendall(data)
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+        except ConnectionResetError:
+            return True, received
+        except TimeoutError:
+            return False, received
+    return True, received
+
+
+def _protocol_errors(worker: str) -> int:
+    return int(asyncrpc.rpc_sync(worker, fns.metrics)["protocol_errors"])
+
+
+def _wait_protocol_errors(worker: str, at_least: int, timeout: float = 2.0) -> int:
+    deadline = time.monotonic() + timeout
+    count = _protocol_errors(worker)
+    while count < at_least and time.monotonic() < deadline:
+        time.sleep(0.02)
+        count = _protocol_errors(worker)
+    return count
+
+
+def _request_before_hello() -> bytes:
+    request = Request(1, 0.0, CallMode.CALL, "tests.integration.remote_fns.noop")
+    return b"".join(bytes(p) for p in encode_frame(request.to_fields(), b"not a pickle"))
+
+
+def test_Connection_bad_magic_is_closed_and_worker_keeps_serving(group: Group) -> None:
+    closed, got = _closed_by_peer(_listening_port(1), b"GARBAGE!" * 8)
+    assert closed
+    assert got == b""
+    assert asyncrpc.rpc_sync("w1", fns.add, args=(1, 2)) == 3
+
+
+def test_Connection_oversized_frame_is_closed_before_allocating(group: Group) -> None:
+    prelude = _PRELUDE.pack(MAGIC, PROTOCOL_VERSION, 0, 0, 16, 0, 1 << 40)
+    started = time.monotonic()
+    closed, got = _closed_by_peer(_listening_port(3), prelude + b"\x90" * 16)
+    assert closed
+    assert got == b""
+    assert time.monotonic() - started < 5.0
+    assert asyncrpc.rpc_sync("w3", fns.add, args=(2, 3)) == 5
+    assert asyncrpc.rpc_sync("w3", fns.echo, args=(b"x" * 100_000,)) == b"x" * 100_000
+
+
+def test_Connection_message_before_hello_is_closed_and_counted(group: Group) -> None:
+    before = _protocol_errors("w2")
+    closed, got = _closed_by_peer(_listening_port(2), _request_before_hello())
+    assert closed
+    assert got == b""
+    assert _wait_protocol_errors("w2", before + 1) == before + 1
+    assert asyncrpc.rpc_sync("w2", fns.async_add, args=(1, 2)) == 3
+
+
+def test_Connection_frame_level_errors_are_counted(group: Group) -> None:
+    before = _protocol_errors("w1")
+    _closed_by_peer(_listening_port(1), b"GARBAGE!" * 8)
+    prelude = _PRELUDE.pack(MAGIC, PROTOCOL_VERSION, 0, 0, 16, 0, 1 << 40)
+    _closed_by_peer(_listening_port(1), prelude)
+    assert _wait_protocol_errors("w1", before + 2) == before + 2
+
+
+# -- a fake peer (raw socket) that a real worker dials ---------------------------------------
+
+
+class _FakePeer:
+    """Our side of a connection a real worker dialled: read frames, write frames."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.serializer = Serializer()
+        self.decoder = FrameDecoder(allocate=self.serializer.allocate)
+        self.frames: list[Frame] = []
+
+    def next_frame(self, timeout: float) -> Frame | None:
+        """The next frame, or None at EOF. Raises RuntimeError when nothing comes in time."""
+        self.sock.settimeout(timeout)
+        while not self.frames:
+            try:
+                data = self.sock.recv(65536)
+            except ConnectionResetError:
+                return None
+            except TimeoutError:
+                raise RuntimeError("the worker sent nothing and kept the connection") from None
+            if not data:
+                return None
+            self.frames.extend(self.decoder.feed(data))
+        return self.frames.pop(0)
+
+    def frame(self, message: Any, value: object = None) -> bytes:
+        payload, segments, _ = self.serializer.dumps(value) if value is not None else (b"", [], [])
+        return b"".join(bytes(p) for p in encode_frame(message.to_fields(), payload, segments))
+
+    def answer_until_reply(self, call_id: int, timeout: float) -> object:
+        """Answer the worker's requests (with 0) until it replies to ``call_id``; return
+        that reply's value, or ``"closed"`` when the worker closed the connection."""
+        deadline = time.monotonic() + timeout
+        while (frame := self.next_frame(max(0.1, deadline - time.monotonic()))) is not None:
+            message = decode_message(frame.fields)
+            if isinstance(message, Request):
+                self.sock.sendall(self.frame(Reply(message.call_id), 0))
+            elif isinstance(message, Reply) and message.call_id == call_id:
+                return self.serializer.loads(frame.payload, frame.segments)
+        return "closed"
+
+
+def test_PeerTable_dialer_accepts_a_request_right_behind_the_hello_reply() -> None:
+    import torch.distributed as dist
+
+    store_port = free_port()
+    args = ["--init-method", f"tcp://127.0.0.1:{store_port}", "--name", "m0", "--rank", "0"]
+    args += ["--world-size", "2", "--call", "fake", "--shutdown-timeout", "2"]
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        member = scenarios.start("member", *args)
+        try:
+            # We are rank 1, "fake": published through the library's own store records.
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                "127.0.0.1",
+                store_port,
+                world_size=2,  # counts as a client the store host waits for
+                is_master=False,
+                timeout=datetime.timedelta(seconds=30),
+            )
+            group = StoreGroup(store, 1, 2)
+            group.publish(PeerAddress("fake", 1, "127.0.0.1", listener.getsockname()[1]))
+            for tag in ("calls-done", "users-released", "closing", "left"):
+                group.arrive(tag)  # so that m0's graceful shutdown does not wait for us
+            listener.settimeout(30.0)
+            sock, _ = listener.accept()
+            with sock:
+                peer = _FakePeer(sock)
+                hello = peer.next_frame(10.0)
+                if hello is None or not isinstance(decode_message(hello.fields), Hello):
+                    raise RuntimeError(f"expected a Hello first:\n{member.text()}")
+                request = Request(77, 0.0, CallMode.CALL, "tests.integration.remote_fns.add")
+                sock.sendall(  # both frames in one write: they arrive back to back
+                    peer.frame(HelloReply(PROTOCOL_VERSION, "fake", 1, True, ""))
+                    + peer.frame(request, (fns.add, (2, 3), {}))
+                )
+                value = peer.answer_until_reply(77, 10.0)
+            del store
+        finally:
+            member.kill()
+    assert value == 5, member.text()
