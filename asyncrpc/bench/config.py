@@ -7,6 +7,7 @@ table lines up the items of every system that answer the same question.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -16,6 +17,8 @@ __all__ = [
     "KIB",
     "MIB",
     "PRIMARY_METRIC",
+    "PS_FLOATS",
+    "PS_SHAPES",
     "RPC_SYSTEMS",
     "WORKLOADS",
     "BenchConfig",
@@ -38,6 +41,10 @@ WORKLOADS = ("latency", "throughput", "echo", "remote", "ps")
 # The raw floor's stand-in for a small call: one frame of this many bytes each way (8-byte
 # length prefix included), about the size of asyncrpc's request frame for a no-op.
 FLOOR_CALL_BYTES = 96
+
+# The parameter server's model: a small MLP's tensors, 1,050,112 floats (4.2 MB).
+PS_SHAPES: tuple[tuple[int, ...], ...] = ((1024, 512), (1024,), (512, 1024), (512,))
+PS_FLOATS = sum(math.prod(shape) for shape in PS_SHAPES)
 
 # The figure each workload's tables and ratios are about, and which way is better.
 PRIMARY_METRIC: dict[str, tuple[str, str, bool]] = {
@@ -201,40 +208,71 @@ def _torch_keys(key: str) -> dict[str, str]:
 
 
 def rows_for(workload: str, config: BenchConfig) -> list[Row]:
-    """The table rows of ``workload`` (torch has no ``await`` style: those rows compare
-    asyncrpc's ``await call`` with torch's ``rpc_sync``)."""
-    if workload == "latency":
-        return [
-            Row(f"{_FN_LABELS[fn]}, {_STYLE_LABELS[style]}",
-                {"asyncrpc": f"{fn}/{style}", **_torch_keys(f"{fn}/sync"), "floor": "frame"})
-            for fn in ("sync", "async", "builtin") for style in ("sync", "await")
-        ]  # fmt: skip
-    if workload == "throughput":
-        rows = []
-        for n in config.inflight:
-            floor = {"floor": f"frame/{n}"}
-            rows += [
-                Row(f"{n:>3} in flight, def no-op, asyncrpc await call",
-                    {"asyncrpc": f"sync/{n}/await", **_torch_keys(f"sync/{n}/futures"), **floor}),
-                Row(f"{n:>3} in flight, def no-op, rpc_async window",
-                    {"asyncrpc": f"sync/{n}/futures", **_torch_keys(f"sync/{n}/futures"), **floor}),
-                Row(f"{n:>3} in flight, async no-op, asyncrpc await call",
-                    {"asyncrpc": f"async/{n}/await", **_torch_keys(f"async/{n}/futures"), **floor}),
-            ]  # fmt: skip
-        return rows
-    if workload == "echo":
-        return [
-            Row(f"float32 tensor, {format_size(s)}",
-                {"asyncrpc": str(s), **_torch_keys(str(s)), "floor": str(s)})
-            for s in config.sizes
-        ]  # fmt: skip
-    if workload == "remote":
-        return [
-            Row(f"remote()+to_here(), asyncrpc {label}",
-                {"asyncrpc": f"value/{style}", **_torch_keys("value/sync"), "floor": "frame"})
-            for style, label in (("sync", "sync"), ("await", "await"))
-        ]  # fmt: skip
+    """The table rows of ``workload``.
+
+    torch has no ``await`` style: those rows compare asyncrpc's ``await call`` with torch's
+    ``rpc_sync``; its ``async def`` stand-in is an ``@async_execution`` function.
+    """
+    return _ROW_BUILDERS[workload](config)
+
+
+def _latency_rows(config: BenchConfig) -> list[Row]:
     return [
-        Row(f"{config.ps_trainers} trainers, pull+push ~1M floats",
-            {"asyncrpc": "updates", **_torch_keys("updates")})
+        Row(
+            f"{_FN_LABELS[fn]}, {_STYLE_LABELS[style]}",
+            {"asyncrpc": f"{fn}/{style}", **_torch_keys(f"{fn}/sync"), "floor": "frame"},
+        )
+        for fn in ("sync", "async", "builtin")
+        for style in ("sync", "await")
     ]
+
+
+def _throughput_rows(config: BenchConfig) -> list[Row]:
+    rows = []
+    for n in config.inflight:
+        for fn, style in (("sync", "await"), ("sync", "futures"), ("async", "await")):
+            rows.append(
+                Row(
+                    f"{n:>3} in flight, {_FN_LABELS[fn]}, {_STYLE_LABELS[style]}",
+                    {
+                        "asyncrpc": f"{fn}/{n}/{style}",
+                        **_torch_keys(f"{fn}/{n}/futures"),
+                        "floor": f"frame/{n}",
+                    },
+                )
+            )
+    return rows
+
+
+def _echo_rows(config: BenchConfig) -> list[Row]:
+    return [
+        Row(
+            f"float32 tensor, {format_size(s)}",
+            {"asyncrpc": str(s), **_torch_keys(str(s)), "floor": str(s)},
+        )
+        for s in config.sizes
+    ]
+
+
+def _remote_rows(config: BenchConfig) -> list[Row]:
+    return [
+        Row(
+            f"remote(){label}",
+            {"asyncrpc": f"value/{style}", **_torch_keys("value/sync"), "floor": "frame"},
+        )
+        for style, label in (("sync", ".to_here()"), ("await", ", await to_here_future()"))
+    ]
+
+
+def _ps_rows(config: BenchConfig) -> list[Row]:
+    label = f"{config.ps_trainers} trainers, pull + push {PS_FLOATS / 1e6:.2f}M floats"
+    return [Row(label, {"asyncrpc": "updates", **_torch_keys("updates")})]
+
+
+_ROW_BUILDERS = {
+    "latency": _latency_rows,
+    "throughput": _throughput_rows,
+    "echo": _echo_rows,
+    "remote": _remote_rows,
+    "ps": _ps_rows,
+}

@@ -16,14 +16,14 @@ import time
 from typing import Any, cast
 
 from asyncrpc.bench.config import FLOOR_CALL_BYTES, MIB, Item
-from asyncrpc.bench.measure import (
+from asyncrpc.bench.stats import (
     echo_stats,
     latency_stats,
     min_echo_iterations,
     throughput_stats,
 )
 
-__all__ = ["FloorClient", "EchoServer", "connect", "run_floor_item", "serve"]
+__all__ = ["EchoServer", "FloorClient", "connect", "run_floor_item", "serve"]
 
 _PREFIX = struct.Struct("<Q")
 _SLACK = 256 * 1024  # receive-buffer room beyond the largest frame
@@ -146,21 +146,39 @@ class FloorClient(_Receiver):
         return time.perf_counter_ns() - t0
 
 
-async def serve(capacity: int) -> tuple[asyncio.Server, int]:
-    """Listen on 127.0.0.1 (a free port); return the server and its port."""
+async def serve(capacity: int, port: int = 0) -> tuple[asyncio.Server, int]:
+    """Listen on 127.0.0.1:``port`` (0: a free one); return the server and its port."""
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: EchoServer(capacity), "127.0.0.1", 0)
+    server = await loop.create_server(lambda: EchoServer(capacity), "127.0.0.1", port)
     return server, int(server.sockets[0].getsockname()[1])
 
 
-async def connect(port: int, capacity: int) -> FloorClient:
+async def connect(port: int, capacity: int, timeout: float = 60.0) -> FloorClient:
+    """Connect to the echo server, retrying while it starts; one round trip makes sure it
+    has set up its side.
+
+    Raises:
+        OSError: no server answered within ``timeout`` seconds.
+    """
     loop = asyncio.get_running_loop()
-    _, client = await loop.create_connection(lambda: FloorClient(capacity), "127.0.0.1", port)
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            _, client = await loop.create_connection(
+                lambda: FloorClient(capacity), "127.0.0.1", port
+            )
+            break
+        except ConnectionRefusedError:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+    await client.calls(1, 0.0, record=False)
     return client
 
 
-async def _echo_item(client: FloorClient, size: int, duration: float,
-                     payloads: dict[int, memoryview]) -> Any:  # fmt: skip
+async def _echo_item(
+    client: FloorClient, size: int, duration: float, payloads: dict[int, memoryview]
+) -> Any:
     if size not in payloads:
         payloads[size] = memoryview(bytearray(size))
     prefix, payload = _PREFIX.pack(size), payloads[size]

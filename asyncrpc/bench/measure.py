@@ -11,61 +11,23 @@ import asyncio
 import inspect
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from asyncrpc.bench import workloads
-from asyncrpc.bench.config import MIB, Item
+from asyncrpc.bench.config import Item
+from asyncrpc.bench.stats import echo_stats, latency_stats, min_echo_iterations, throughput_stats
 
-__all__ = [
-    "Unavailable",
-    "echo_stats",
-    "latency_stats",
-    "resolve_function",
-    "run_item_await",
-    "run_item_blocking",
-    "throughput_stats",
-]
+__all__ = ["Unavailable", "resolve_function", "run_item_await", "run_item_blocking"]
 
 MIN_LATENCY_SAMPLES = 20
 _clock = time.perf_counter_ns
 
 
-class Unavailable(Exception):  # noqa: N818 - a status, not a failure
+class Unavailable(Exception):
     """This system cannot run this item (e.g. ``asyncrpc.remote`` does not exist yet)."""
-
-
-# -- statistics ----------------------------------------------------------------------------
-
-
-def latency_stats(samples_ns: Sequence[int]) -> dict[str, float]:
-    """p50/p99/mean in microseconds of round-trip samples in nanoseconds."""
-    ordered = sorted(samples_ns)
-    n = len(ordered)
-    return {
-        "p50_us": ordered[n // 2] / 1e3,
-        "p99_us": ordered[min(n - 1, int(n * 0.99))] / 1e3,
-        "mean_us": sum(ordered) / n / 1e3,
-        "n": n,
-    }
-
-
-def throughput_stats(calls: int, elapsed_s: float) -> dict[str, float]:
-    return {"calls_per_s": calls / elapsed_s, "n": calls, "elapsed_s": elapsed_s}
-
-
-def echo_stats(size: int, times_ns: Sequence[int]) -> dict[str, float]:
-    """Median echo time, and bandwidth as 2 x bytes / median time (MB = 10^6 bytes)."""
-    ordered = sorted(times_ns)
-    median = ordered[len(ordered) // 2]
-    return {"p50_ms": median / 1e6, "mb_per_s": 2 * size / (median / 1e9) / 1e6,
-            "n": len(ordered)}  # fmt: skip
-
-
-def min_echo_iterations(size: int) -> int:
-    return 3 if size >= 16 * MIB else 10
 
 
 # -- what to call --------------------------------------------------------------------------
@@ -240,7 +202,10 @@ async def await_remote(to: str, duration: float) -> Any:
     end = _clock() + int(duration * 1e9)
     while True:
         t0 = _clock()
-        got = remote(to, workloads.value).to_here()
+        rref = remote(to, workloads.value)
+        # asyncrpc's asyncio-native fetch is to_here_future(); to_here() blocks.
+        fetch = getattr(rref, "to_here_future", None)
+        got = await fetch() if fetch is not None else rref.to_here()
         if inspect.isawaitable(got):
             got = await got
         t1 = _clock()

@@ -8,6 +8,7 @@ TensorPipe processes spin a core and would otherwise slow whatever runs beside t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -44,8 +45,12 @@ class ChildProcess:
         with open(log_path, "wb") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "asyncrpc.bench.child", *args],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, cwd=_ROOT,
-            )  # fmt: skip
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=env,
+                cwd=_ROOT,
+            )
         self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
         assert self.process.stdout is not None
         reader = threading.Thread(target=self._read, args=(self.process.stdout,), daemon=True)
@@ -101,10 +106,8 @@ class ChildProcess:
         """SIGKILL (by our PID) and reap; works on a stopped process too."""
         if self.process.poll() is None:
             os.kill(self.process.pid, signal.SIGKILL)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # the kernel owes us this
             self.process.wait(10)
-        except subprocess.TimeoutExpired:  # pragma: no cover - the kernel owes us this
-            pass
 
     def cpu_seconds(self) -> float | None:
         """User + system CPU time of all the process's threads so far (Linux only)."""
@@ -151,8 +154,9 @@ class SystemGroup:
         values = [c.cpu_seconds() for c in self.children.values()]
         return None if any(v is None for v in values) else sum(v or 0.0 for v in values)
 
-    def run(self, kind: str, items: list[dict[str, Any]], duration: float,
-            timeout: float) -> list[dict[str, Any]]:  # fmt: skip
+    def run(
+        self, kind: str, items: list[dict[str, Any]], duration: float, timeout: float
+    ) -> list[dict[str, Any]]:
         """Send one ``run`` command to every driver at once; return their answers.
 
         Raises:
@@ -168,22 +172,21 @@ class SystemGroup:
         """Ask every process to quit, wait up to ``timeout``, then kill what is left."""
         self.thaw()
         for child in self.children.values():
-            try:
+            with contextlib.suppress(ChildError):
                 child.send({"op": "quit"})
-            except ChildError:
-                pass
         deadline = time.monotonic() + timeout
         for child in self.children.values():
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 child.process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
             child.kill()
 
 
 def _spawn(system: str, role: str, log_dir: Path, extra: list[str]) -> ChildProcess:
-    return ChildProcess(f"{system}/{role}", ["--system", system, "--role", role, *extra],
-                        log_dir / f"{system}-{role}.log")  # fmt: skip
+    return ChildProcess(
+        f"{system}/{role}",
+        ["--system", system, "--role", role, *extra],
+        log_dir / f"{system}-{role}.log",
+    )
 
 
 def _await_ready(children: list[ChildProcess], timeout: float) -> list[dict[str, Any]]:
@@ -200,21 +203,17 @@ def start_group(system: str, config: BenchConfig, log_dir: Path) -> SystemGroup:
     children: dict[str, ChildProcess] = {}
     try:
         if system == "floor":
-            capacity = str(max((*config.sizes, MIB)))
-            children["server"] = _spawn(system, "server", log_dir, ["--capacity", capacity])
-            (ready,) = _await_ready([children["server"]], config.start_timeout)
-            extra = ["--capacity", capacity, "--port", str(ready["port"])]
-            children["client"] = _spawn(system, "client", log_dir, extra)
+            # Both ends start at once; the client retries until the server listens.
+            extra = ["--capacity", str(max((*config.sizes, MIB))), "--port", str(free_port())]
+            children = {role: _spawn(system, role, log_dir, extra) for role in ("server", "client")}
         else:
             assert system in RPC_SYSTEMS
             roles = ["server", "client"] + (["trainer"] if "ps" in config.workloads else [])
             init = f"tcp://127.0.0.1:{free_port()}"
             for rank, role in enumerate(roles):
-                extra = ["--rank", str(rank), "--world-size", str(len(roles)),
-                         "--init-method", init]  # fmt: skip
-                children[role] = _spawn(system, role, log_dir, extra)
-        waiting = [c for r, c in children.items() if not (system == "floor" and r == "server")]
-        _await_ready(waiting, config.start_timeout)
+                extra = ["--rank", str(rank), "--world-size", str(len(roles))]
+                children[role] = _spawn(system, role, log_dir, [*extra, "--init-method", init])
+        _await_ready(list(children.values()), config.start_timeout)
     except BaseException:
         for child in children.values():
             child.kill()

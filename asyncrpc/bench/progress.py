@@ -15,8 +15,9 @@ __all__ = ["Progress"]
 class Progress:
     """Counts steps towards ``total`` and redraws one line on each step."""
 
-    def __init__(self, total: int, *, enabled: bool = True, stream: TextIO | None = None,
-                 width: int = 28) -> None:  # fmt: skip
+    def __init__(
+        self, total: int, *, enabled: bool = True, stream: TextIO | None = None, width: int = 28
+    ) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled and self.stream.isatty()
         self.total = max(1, total)

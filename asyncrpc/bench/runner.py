@@ -8,6 +8,7 @@ machine noise lands on every system. While one system is measured the others are
 
 from __future__ import annotations
 
+import concurrent.futures
 import shutil
 import tempfile
 import time
@@ -46,7 +47,7 @@ def torch_rpc_unavailable() -> str | None:
     if not dist.is_available():
         return "this torch build has no torch.distributed"
     try:
-        import torch.distributed.rpc as rpc
+        from torch.distributed import rpc
     except ImportError as exc:  # pragma: no cover - depends on the torch build
         return f"torch.distributed.rpc cannot be imported ({exc})"
     if not rpc.is_available():
@@ -78,20 +79,25 @@ class _Orchestrator:
         self.result = RunResult(config)
 
     def start(self) -> None:
-        # Heavier systems last: a frozen group costs nothing while the next one starts.
-        for system in sorted(self.config.systems, key=lambda s: s.startswith("torch")):
-            if self.result.status.get(system):
-                continue
-            self.progress.step(f"starting {system}")
-            try:
-                group = start_group(system, self.config, self.log_dir)
-            except ChildError as exc:
-                self._drop(system, f"failed to start: {exc}")
-                continue
-            self.groups[system] = group
-            self.result.status[system] = "ok"
-            if self.config.freeze:
-                group.freeze()
+        # All systems start at once (importing torch dominates); each is frozen as soon
+        # as it is ready so that none disturbs another.
+        systems = [s for s in self.config.systems if not self.result.status.get(s)]
+        self.progress.step(f"starting {', '.join(systems)}")
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(systems))) as pool:
+            started = {s: pool.submit(self._start_one, s) for s in systems}
+            for system, future in started.items():
+                try:
+                    self.groups[system] = future.result()
+                except ChildError as exc:
+                    self._drop(system, f"failed to start: {exc}")
+                    continue
+                self.result.status[system] = "ok"
+
+    def _start_one(self, system: str) -> SystemGroup:
+        group = start_group(system, self.config, self.log_dir)
+        if self.config.freeze:
+            group.freeze()  # at once: idle TensorPipe would slow the others' start
+        return group
 
     def _drop(self, system: str, reason: str) -> None:
         self.result.status[system] = reason
@@ -150,8 +156,15 @@ class _Orchestrator:
             return min(self.config.ps_duration, 0.5) if warm else self.config.ps_duration
         return self.config.warmup if warm else self.config.duration
 
-    def _record(self, workload: str, system: str, answers: list[dict[str, Outcome]],
-                cpu0: float | None, cpu1: float | None, wall: float) -> None:  # fmt: skip
+    def _record(
+        self,
+        workload: str,
+        system: str,
+        answers: list[dict[str, Outcome]],
+        cpu0: float | None,
+        cpu1: float | None,
+        wall: float,
+    ) -> None:
         merged = _merge_ps(answers) if workload == "ps" else answers[0]
         per_item = self.result.raw.setdefault(system, {}).setdefault(workload, {})
         for key, outcome in merged.items():
@@ -163,16 +176,15 @@ class _Orchestrator:
             busy.append((cpu1 - cpu0) / wall)
 
     def close(self) -> None:
-        for group in self.groups.values():
-            group.close(timeout=20.0)
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(self.groups))) as pool:
+            for group in self.groups.values():
+                pool.submit(group.close, 20.0)
         self.groups.clear()
 
 
 def _total_steps(config: BenchConfig) -> int:
-    runs = sum(
-        1 for w in config.workloads for s in config.systems if items_for(w, s, config)
-    )
-    return 2 * len(config.systems) + (config.rounds + 1) * runs
+    runs = sum(1 for w in config.workloads for s in config.systems if items_for(w, s, config))
+    return 1 + len(config.systems) + (config.rounds + 1) * runs
 
 
 def run_bench(config: BenchConfig, *, progress: bool = True) -> RunResult:

@@ -12,9 +12,10 @@ from typing import Any, TypeVar
 
 import torch
 
+from asyncrpc.bench.config import PS_SHAPES
+
 __all__ = [
     "PS_LR",
-    "PS_SHAPES",
     "async_noop",
     "echo",
     "fake_grads",
@@ -46,7 +47,7 @@ async def async_noop() -> None:
     """An ``async def`` no-op (runs on asyncrpc's event loop)."""
 
 
-@_torch_async_execution
+@_torch_async_execution  # type: ignore[untyped-decorator]
 def torch_async_noop() -> torch.futures.Future[None]:
     """torch's nearest thing to an ``async def`` no-op: an ``@async_execution`` function
     whose future is already complete (torch cannot run coroutines)."""
@@ -67,8 +68,6 @@ def echo(tensor: torch.Tensor) -> torch.Tensor:
 
 # -- parameter server ----------------------------------------------------------------------
 
-# A small MLP's tensors: 1,050,112 floats (4.2 MB).
-PS_SHAPES: tuple[tuple[int, ...], ...] = ((1024, 512), (1024,), (512, 1024), (512,))
 PS_LR = 1e-3
 
 _ps_lock = threading.Lock()

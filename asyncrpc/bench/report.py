@@ -1,0 +1,373 @@
+"""Turn a run's measurements into tables, ratios, target checks, JSON and a plot.
+
+Part of ``asyncrpc.bench``. Each figure is the median over the measured rounds of that
+round's statistic (a round's p50 latency, its calls/s...), as in PERF_NOTES. Ratios are
+always asyncrpc's figure divided by the other system's, whichever way is better.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrpc.bench.config import MIB, PRIMARY_METRIC, rows_for
+from asyncrpc.bench.runner import RunResult
+
+__all__ = ["PlotUnavailableError", "check_plot_available", "render", "summarize", "write_plot"]
+
+TORCH_MODES = {
+    "torch": "torch.distributed.rpc, TensorPipe defaults (one host: shared-memory transport)",
+    "torch_tcp": 'torch.distributed.rpc, TensorPipe forced to TCP (_transports=["uv"], '
+    '_channels=["basic"])',
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A goal from the issue: asyncrpc's row ``key`` of ``workload``, ``ratio`` vs a bound."""
+
+    workload: str
+    key: str
+    ratio: str  # "asyncrpc/torch" or "asyncrpc/floor"
+    at_most: bool
+    bound: float
+    text: str
+
+
+TARGETS = (
+    Target(
+        "latency",
+        "sync/sync",
+        "asyncrpc/torch",
+        True,
+        0.25,
+        "small-call latency p50 (def no-op, rpc_sync) <= 0.25x torch",
+    ),
+    Target(
+        "latency",
+        "sync/await",
+        "asyncrpc/torch",
+        True,
+        0.25,
+        "small-call latency p50 (def no-op, await call) <= 0.25x torch",
+    ),
+    Target(
+        "latency",
+        "sync/sync",
+        "asyncrpc/floor",
+        True,
+        2.0,
+        "small-call latency p50 (def no-op, rpc_sync) within 2x of raw floor",
+    ),
+    Target(
+        "latency",
+        "sync/await",
+        "asyncrpc/floor",
+        True,
+        2.0,
+        "small-call latency p50 (def no-op, await call) within 2x of raw floor",
+    ),
+    Target(
+        "throughput",
+        "sync/256/await",
+        "asyncrpc/torch",
+        False,
+        4.0,
+        "throughput at 256 in flight (def no-op, await call) >= 4x torch",
+    ),
+    Target(
+        "echo", str(64 * MIB), "asyncrpc/torch", False, 1.5, "64 MiB echo bandwidth >= 1.5x torch"
+    ),
+    Target(
+        "echo",
+        str(64 * MIB),
+        "asyncrpc/floor",
+        False,
+        0.8,
+        "64 MiB echo bandwidth >= 0.8x raw floor",
+    ),
+    Target(
+        "remote",
+        "value/sync",
+        "asyncrpc/torch",
+        True,
+        0.3,
+        "remote()+to_here() p50 (sync) <= 0.3x torch",
+    ),
+    Target(
+        "remote",
+        "value/await",
+        "asyncrpc/torch",
+        True,
+        0.3,
+        "remote()+to_here() p50 (await) <= 0.3x torch",
+    ),
+)
+
+
+class PlotUnavailableError(RuntimeError):
+    """``--plot`` needs matplotlib, which is not installed."""
+
+
+# -- summary (the JSON document) ------------------------------------------------------------
+
+
+def _cell(result: RunResult, system: str, workload: str, key: str | None) -> dict[str, Any]:
+    if key is None or system not in result.config.systems:
+        return {"value": None, "note": "n/a"}
+    status = result.status.get(system, "not run")
+    outcomes = result.raw.get(system, {}).get(workload, {}).get(key, [])
+    if not outcomes:
+        return {"value": None, "note": status if status != "ok" else "not measured"}
+    for bad in ("unavailable", "error"):
+        found = next((o[bad] for o in outcomes if bad in o), None)
+        if found is not None:
+            return {"value": None, "note": f"{bad}: {found}"}
+    stats = [o["stats"] for o in outcomes]
+    medians = {
+        name: statistics.median(s[name] for s in stats)
+        for name, first in stats[0].items()
+        if isinstance(first, int | float)
+    }
+    metric = PRIMARY_METRIC[workload][0]
+    return {"value": medians[metric], "median": medians, "rounds": [s[metric] for s in stats]}
+
+
+def _ratio(values: dict[str, dict[str, Any]], other: str) -> float | None:
+    mine, theirs = values.get("asyncrpc", {}).get("value"), values.get(other, {}).get("value")
+    if mine is None or not theirs:
+        return None
+    return float(mine) / float(theirs)
+
+
+def _workload_summary(result: RunResult, workload: str) -> dict[str, Any]:
+    metric, unit, higher = PRIMARY_METRIC[workload]
+    rows = []
+    for row in rows_for(workload, result.config):
+        values = {s: _cell(result, s, workload, row.keys.get(s)) for s in result.config.systems}
+        ratios = {
+            f"asyncrpc/{o}": _ratio(values, o)
+            for o in ("torch", "torch_tcp", "floor")
+            if o in result.config.systems
+        }
+        rows.append({"label": row.label, "keys": row.keys, "values": values, "ratios": ratios})
+    return {"metric": metric, "unit": unit, "higher_is_better": higher, "rows": rows}
+
+
+def _targets(workloads: dict[str, Any]) -> list[dict[str, Any]]:
+    checks = []
+    for target in TARGETS:
+        rows = workloads.get(target.workload, {}).get("rows", [])
+        row = next((r for r in rows if r["keys"].get("asyncrpc") == target.key), None)
+        ratio = None if row is None else row["ratios"].get(target.ratio)
+        if ratio is None:
+            verdict = "not measured"
+        else:
+            met = ratio <= target.bound if target.at_most else ratio >= target.bound
+            verdict = "met" if met else "missed"
+        checks.append(
+            {"target": target.text, "ratio": ratio, "bound": target.bound, "verdict": verdict}
+        )
+    return checks
+
+
+def _machine() -> dict[str, Any]:
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            model = next(
+                (ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), ""
+            )
+    except OSError:
+        pass
+    import torch
+    import uvloop
+
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": model or platform.processor(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "uvloop": getattr(uvloop, "__version__", "?"),
+    }
+
+
+def summarize(result: RunResult, argv: list[str]) -> dict[str, Any]:
+    """The JSON document of a run (what ``--json`` writes)."""
+    workloads = {w: _workload_summary(result, w) for w in result.config.workloads}
+    return {
+        "meta": {
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+            "wall_s": result.wall_s,
+            "command": "python -m asyncrpc.bench " + " ".join(argv),
+            "machine": _machine(),
+            "torch_modes": {s: TORCH_MODES[s] for s in result.config.systems if s in TORCH_MODES},
+        },
+        "config": result.config.to_json(),
+        "status": result.status,
+        "workloads": workloads,
+        "cpu": {
+            "idle_cores": result.cpu_idle,
+            "busy_cores": {
+                s: {w: statistics.median(v) for w, v in per.items()}
+                for s, per in result.cpu_busy.items()
+            },
+        },
+        "targets": _targets(workloads),
+    }
+
+
+# -- text tables ----------------------------------------------------------------------------
+
+_TITLES = {
+    "latency": "latency: round trip of one small call",
+    "throughput": "throughput: calls completed per second",
+    "echo": "echo: a float32 tensor there and back, 2 x bytes / median time (MB = 10^6 B)",
+    "remote": "remote() + to_here(): one RRef created and fetched",
+    "ps": "parameter server: 1 server, trainers pulling and pushing a model",
+}
+
+
+def _number(value: float) -> str:
+    if value >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def _format_cell(cell: dict[str, Any], workload: str) -> str:
+    if cell["value"] is None:
+        return "n/a" if cell.get("note") == "n/a" else "-"
+    text = _number(cell["value"])
+    if workload in ("latency", "remote"):
+        text += " / " + _number(cell["median"]["p99_us"])
+    return text
+
+
+def _table(header: list[str], lines: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
+    fmt = [
+        r[0].ljust(widths[0])
+        + "  "
+        + "  ".join(c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True))
+        for r in [header, *lines]
+    ]
+    return [fmt[0], "-" * len(fmt[0]), *fmt[1:]]
+
+
+def _render_workload(name: str, summary: dict[str, Any], systems: list[str]) -> list[str]:
+    unit, higher = summary["unit"], summary["higher_is_better"]
+    what = f"{unit} p50 / p99" if name in ("latency", "remote") else unit
+    out = [f"== {_TITLES[name]} ({what}, {'higher' if higher else 'lower'} is better)"]
+    ratio_names = list(summary["rows"][0]["ratios"]) if summary["rows"] else []
+    header = ["", *systems, *ratio_names]
+    lines, notes = [], []
+    for row in summary["rows"]:
+        cells = [_format_cell(row["values"][s], name) for s in systems]
+        ratios = [f"{r:.2f}x" if r is not None else "-" for r in row["ratios"].values()]
+        lines.append([row["label"], *cells, *ratios])
+        notes += [
+            f"   {s}, {row['label']}: {row['values'][s]['note']}"
+            for s in systems
+            if row["values"][s]["value"] is None and row["values"][s].get("note") != "n/a"
+        ]
+    return [*out, *_table(header, lines), *dict.fromkeys(notes), ""]
+
+
+def _render_cpu(doc: dict[str, Any], systems: list[str], workloads: list[str]) -> list[str]:
+    header = ["system", "idle", *workloads]
+    lines = []
+    for system in systems:
+        idle = doc["cpu"]["idle_cores"].get(system)
+        busy = doc["cpu"]["busy_cores"].get(system, {})
+        cells = [f"{busy[w]:.2f}" if w in busy else "-" for w in workloads]
+        lines.append([system, "-" if idle is None else f"{idle:.2f}", *cells])
+    title = "== CPU use of each system's processes, in cores (1.00 = one core busy)"
+    return [title, *_table(header, lines), ""]
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The human-readable report of ``summarize``'s document."""
+    systems = list(doc["config"]["systems"])
+    out = [f"asyncrpc.bench: {doc['meta']['command']}"]
+    machine = doc["meta"]["machine"]
+    out.append(
+        f"machine: {machine['cpus']} CPUs, {machine['cpu_model']}; python "
+        f"{machine['python']}, torch {machine['torch']}"
+    )
+    out += [f"{s}: {m}" for s, m in doc["meta"]["torch_modes"].items()]
+    out += [f"{s}: {st}" for s, st in doc["status"].items() if st != "ok"]
+    out.append("")
+    for name, summary in doc["workloads"].items():
+        out += _render_workload(name, summary, systems)
+    out += _render_cpu(doc, systems, list(doc["workloads"]))
+    out.append("== targets (ratios from this run)")
+    for check in doc["targets"]:
+        ratio = "" if check["ratio"] is None else f": {check['ratio']:.2f}x"
+        out.append(f"  [{check['verdict']:>12}] {check['target']}{ratio}")
+    return "\n".join(out) + "\n"
+
+
+# -- plot -----------------------------------------------------------------------------------
+
+
+def check_plot_available() -> None:
+    """Raise ``PlotUnavailableError`` early when matplotlib is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise PlotUnavailableError(
+            "--plot needs matplotlib: pip install 'asyncrpc[plot]' (or matplotlib)"
+        ) from exc
+
+
+def write_plot(doc: dict[str, Any], path: str) -> None:
+    """One panel per workload: a horizontal bar per row and system, log scale."""
+    check_plot_available()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = list(doc["config"]["systems"])
+    names = list(doc["workloads"])
+    fig, axes = plt.subplots(
+        len(names),
+        1,
+        figsize=(
+            10,
+            2.2
+            + 0.9
+            * sum(len(doc["workloads"][n]["rows"]) for n in names)
+            / max(1, len(names))
+            * len(names),
+        ),
+        squeeze=False,
+    )
+    for ax, name in zip(axes[:, 0], names, strict=True):
+        _plot_panel(ax, name, doc["workloads"][name], systems)
+    fig.suptitle(doc["meta"]["command"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_panel(ax: Any, name: str, summary: dict[str, Any], systems: list[str]) -> None:
+    rows = summary["rows"]
+    height = 0.8 / max(1, len(systems))
+    for i, system in enumerate(systems):
+        ys = [r + i * height for r in range(len(rows))]
+        xs = [row["values"][system]["value"] or 0.0 for row in rows]
+        ax.barh(ys, xs, height=height, label=system)
+    ax.set_yticks([r + 0.4 - height / 2 for r in range(len(rows))])
+    ax.set_yticklabels([row["label"] for row in rows], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    better = "higher" if summary["higher_is_better"] else "lower"
+    ax.set_title(f"{name} ({summary['unit']}, {better} is better)", fontsize=9)
+    ax.legend(fontsize=7)

@@ -1,0 +1,86 @@
+"""``python -m asyncrpc.bench`` end to end: a tiny --quick run of every workload, and the CLI's
+errors. The run starts real processes for asyncrpc, torch.distributed.rpc and the raw floor."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncrpc.bench.cli import build_config, main
+from asyncrpc.bench.config import KIB, MIB, parse_size
+from asyncrpc.bench.runner import torch_rpc_unavailable
+
+ROOT = Path(__file__).resolve().parents[2]
+SYSTEMS = ("asyncrpc", "torch", "floor")
+WORKLOADS = ("latency", "throughput", "echo", "remote", "ps")
+TINY = [
+    "--quick", "--rounds", "1", "--duration", "0.05", "--warmup", "0.02",
+    "--sizes", "1KiB,1MiB", "--inflight", "1,8", "--ps-duration", "0.3", "--no-progress",
+]  # fmt: skip
+
+
+def _run_bench(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "asyncrpc.bench", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.timeout(240)
+def test_bench_quick_reports_every_workload_for_all_systems(tmp_path: Path) -> None:
+    reason = torch_rpc_unavailable()
+    if reason is not None:
+        pytest.skip(f"torch.distributed.rpc is needed for the comparison: {reason}")
+    out = tmp_path / "bench.json"
+    args = [*TINY, "--workloads", ",".join(WORKLOADS), "--json", str(out)]
+    args += ["--log-dir", str(tmp_path / "logs")]
+    proc = _run_bench(args, timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["status"] == dict.fromkeys(SYSTEMS, "ok"), doc["status"]
+    assert list(doc["workloads"]) == list(WORKLOADS)
+    for name, summary in doc["workloads"].items():
+        assert summary["rows"], name
+        for row in summary["rows"]:
+            for system in SYSTEMS:
+                cell = row["values"][system]
+                if name == "ps" and system == "floor":
+                    assert cell["value"] is None  # the floor has no RPC layer to serve it
+                    continue
+                assert isinstance(cell["value"], float), (name, row["label"], system, cell)
+                assert cell["value"] > 0
+            assert isinstance(row["ratios"]["asyncrpc/torch"], float)
+    assert {t["verdict"] for t in doc["targets"]} <= {"met", "missed", "not measured"}
+    assert "== latency" in proc.stdout
+
+
+def test_bench_plot_without_matplotlib_is_a_clear_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if importlib.util.find_spec("matplotlib") is not None:
+        pytest.skip("matplotlib is installed")
+    assert main(["--plot", str(tmp_path / "x.png"), "--workloads", "latency"]) == 2
+    assert "matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_bench_config_applies_explicit_options_over_the_quick_preset() -> None:
+    from asyncrpc.bench.cli import _parser
+
+    args = _parser().parse_args(["--quick", "--rounds", "2", "--sizes", "1KiB,2MiB", "--big"])
+    config = build_config(args)
+    assert config.quick
+    assert config.rounds == 2
+    assert config.sizes == (KIB, 2 * MIB, 256 * MIB)
+    assert config.systems == SYSTEMS
+
+
+@pytest.mark.parametrize("text", ["", "3", "1.5x", "-4"])
+def test_parse_size_rejects_what_is_not_a_float32_size(text: str) -> None:
+    with pytest.raises(ValueError):  # noqa: PT011 - ValueError is parse_size's only error
+        parse_size(text)
