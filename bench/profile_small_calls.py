@@ -14,7 +14,9 @@ text), and a summary of the hottest functions per process on stdout.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
+import concurrent.futures
 import cProfile
 import json
 import os
@@ -24,24 +26,66 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+import asyncrpc
+from asyncrpc._current import current_agent
+from asyncrpc.bench import measure, workloads
+from asyncrpc.bench.config import Item
+from asyncrpc.loopthread import new_event_loop
+from asyncrpc.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 _START = "profiling-starts-now"
-sys.path.insert(0, str(ROOT))
 
-import asyncrpc  # noqa: E402 - after the path set-up so the checkout is used
-from asyncrpc.bench import measure, workloads  # noqa: E402
-from asyncrpc.bench.config import Item  # noqa: E402
-from asyncrpc.loopthread import new_event_loop  # noqa: E402
-from asyncrpc.testing import free_port  # noqa: E402
+
+def _patch_default_write_limits() -> None:
+    # Experiment: keep the transport's default high-water mark instead of high=0. Only
+    # valid for calls without tensors (zero-copy keepalive is no longer tracked).
+    from asyncrpc import transport
+
+    made = transport.Connection.connection_made
+
+    def connection_made(self: transport.Connection, tp: asyncio.BaseTransport) -> None:
+        made(self, tp)
+        tp.set_write_buffer_limits()  # type: ignore[attr-defined]
+
+    transport.Connection.connection_made = connection_made  # type: ignore[method-assign]
+
+
+class _InlinePool:
+    """Experiment: run `def` functions on the loop thread instead of the thread pool."""
+
+    def __init__(self, pool: concurrent.futures.ThreadPoolExecutor) -> None:
+        self._pool = pool
+
+    def submit(self, fn: Any, *args: Any) -> concurrent.futures.Future[Any]:
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        done.set_result(fn(*args))
+        return done
+
+
+EXPERIMENTS = ("write-limits", "inline-def", "no-timeout", "switch-0.1ms")
+
+
+def _apply_experiments(names: list[str]) -> None:
+    if "write-limits" in names:
+        _patch_default_write_limits()
+    if "switch-0.1ms" in names:
+        sys.setswitchinterval(0.0001)
 
 
 async def _role_main(args: argparse.Namespace) -> None:
-    if args.switch_interval:
-        sys.setswitchinterval(args.switch_interval / 1e3)
+    _apply_experiments(args.experiment)
     rank = 0 if args.role == "server" else 1
-    options = asyncrpc.RpcBackendOptions(init_method=args.init_method, shutdown_timeout=300)
+    timeout = 0.0 if "no-timeout" in args.experiment else 60.0
+    options = asyncrpc.RpcBackendOptions(
+        init_method=args.init_method, shutdown_timeout=300, rpc_timeout=timeout
+    )
     await asyncrpc.init_rpc_async(args.role, rank=rank, world_size=2, rpc_backend_options=options)
+    if "inline-def" in args.experiment:
+        dispatcher = current_agent().dispatcher
+        dispatcher._pool = _InlinePool(dispatcher._pool)  # type: ignore[assignment]
     if args.role == "client":
         await _client(args)
     await asyncrpc.shutdown_async()
@@ -85,7 +129,7 @@ def _spawn(args: argparse.Namespace, role: str, init: str) -> subprocess.Popen[s
     me = [sys.executable, __file__, "--role", role, "--init-method", init, "--fn", args.fn,
           "--style", args.style, "--inflight", str(args.inflight), "--seconds",
           str(args.seconds), "--profiler", args.profiler, "--out", args.out,
-          "--switch-interval", str(args.switch_interval)]  # fmt: skip
+          *(f"--experiment={e}" for e in args.experiment)]  # fmt: skip
     return subprocess.Popen(me, cwd=ROOT, stdout=subprocess.PIPE, text=True)
 
 
@@ -189,10 +233,11 @@ def main() -> int:
     p.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     p.add_argument("--top", type=int, default=25)
     p.add_argument(
-        "--switch-interval",
-        type=float,
-        default=0.0,
-        help="sys.setswitchinterval in ms in both processes (0: Python's 5 ms)",
+        "--experiment",
+        action="append",
+        default=[],
+        choices=EXPERIMENTS,
+        help="patch both processes to estimate an optimisation's gain (repeatable)",
     )
     p.add_argument("--out", default="bench/profiles")
     args = p.parse_args()

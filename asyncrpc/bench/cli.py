@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--systems", type=_csv(ALL_SYSTEMS), help="comma list (default asyncrpc,torch,floor)")
     add("--torch-tcp", action="store_true", help="also run torch with TensorPipe forced to TCP")
     add("--rounds", type=int, help="measured rounds (default 5, quick 3)")
-    add("--duration", type=float, help="seconds per item per round (default 0.5, quick 0.15)")
+    add("--duration", type=float, help="seconds per item per round (default 0.5, quick 0.25)")
     add("--warmup", type=float, help="seconds per item in the warm-up round")
     add("--sizes", type=_sizes, help="echo sizes, e.g. 1KiB,1MiB,16MiB,64MiB")
     add("--big", action="store_true", help="add a 256 MiB echo")
@@ -91,7 +91,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
     config = BenchConfig()
     if args.quick:
         config = BenchConfig(
-            rounds=3, duration=0.15, warmup=0.05, ps_duration=1.0, idle_seconds=0.5, quick=True
+            rounds=3, duration=0.25, warmup=0.05, ps_duration=1.0, idle_seconds=0.5, quick=True
         )
     if args.systems:
         config.systems = tuple(s for s in ALL_SYSTEMS if s in args.systems)

@@ -53,8 +53,8 @@ class ChildProcess:
             )
         self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
         assert self.process.stdout is not None
-        reader = threading.Thread(target=self._read, args=(self.process.stdout,), daemon=True)
-        reader.start()
+        self._reader = threading.Thread(target=self._read, args=(self.process.stdout,), daemon=True)
+        self._reader.start()
 
     @property
     def pid(self) -> int:
@@ -87,13 +87,25 @@ class ChildProcess:
         Raises:
             ChildError: no answer in time, or the process exited.
         """
+        answer = self.try_receive(timeout)
+        if answer is None:
+            raise ChildError(
+                f"{self.name} did not answer within {timeout:.0f} s\n{self.log_tail()}"
+            )
+        return answer
+
+    def try_receive(self, timeout: float) -> dict[str, Any] | None:
+        """The next answer, or None when none came within ``timeout`` seconds.
+
+        Raises:
+            ChildError: the process exited.
+        """
         try:
             answer = self._answers.get(timeout=timeout)
         except queue.Empty:
-            raise ChildError(
-                f"{self.name} did not answer within {timeout:.0f} s\n{self.log_tail()}"
-            ) from None
+            return None
         if answer is None:
+            self._answers.put(None)  # stays at its end for later readers
             code = self.process.wait(5)
             raise ChildError(f"{self.name} exited with code {code}\n{self.log_tail()}")
         return answer
@@ -103,11 +115,16 @@ class ChildProcess:
             os.kill(self.process.pid, signum)
 
     def kill(self) -> None:
-        """SIGKILL (by our PID) and reap; works on a stopped process too."""
+        """SIGKILL (by our PID) and reap; works on a stopped process too. Closes the pipes."""
         if self.process.poll() is None:
             os.kill(self.process.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):  # the kernel owes us this
             self.process.wait(10)
+        self._reader.join(5)  # the pipe is at its end once the process is gone
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is not None and not self._reader.is_alive():
+                with contextlib.suppress(OSError):
+                    stream.close()
 
     def cpu_seconds(self) -> float | None:
         """User + system CPU time of all the process's threads so far (Linux only)."""
@@ -189,9 +206,18 @@ def _spawn(system: str, role: str, log_dir: Path, extra: list[str]) -> ChildProc
     )
 
 
-def _await_ready(children: list[ChildProcess], timeout: float) -> list[dict[str, Any]]:
+def _await_ready(children: list[ChildProcess], timeout: float) -> None:
+    # Poll them all, so that one dying fails the start at once rather than after the
+    # others have waited out the timeout in their rendezvous.
     deadline = time.monotonic() + timeout
-    return [c.receive(max(0.1, deadline - time.monotonic())) for c in children]
+    waiting = list(children)
+    while waiting:
+        for child in list(waiting):
+            if child.try_receive(0.05) is not None:
+                waiting.remove(child)
+        if waiting and time.monotonic() > deadline:
+            names = ", ".join(c.name for c in waiting)
+            raise ChildError(f"{names} not ready after {timeout:.0f} s\n{waiting[0].log_tail()}")
 
 
 def start_group(system: str, config: BenchConfig, log_dir: Path) -> SystemGroup:

@@ -327,7 +327,12 @@ def check_plot_available() -> None:
 
 
 def write_plot(doc: dict[str, Any], path: str) -> None:
-    """One panel per workload: a horizontal bar per row and system, log scale."""
+    """One panel per workload: a horizontal bar per row and system (log scale, shared
+    baseline per panel, so bar lengths compare as ratios), each labelled with its figure.
+
+    Raises:
+        PlotUnavailableError: matplotlib is not installed.
+    """
     check_plot_available()
     import matplotlib
 
@@ -336,38 +341,36 @@ def write_plot(doc: dict[str, Any], path: str) -> None:
 
     systems = list(doc["config"]["systems"])
     names = list(doc["workloads"])
-    fig, axes = plt.subplots(
-        len(names),
-        1,
-        figsize=(
-            10,
-            2.2
-            + 0.9
-            * sum(len(doc["workloads"][n]["rows"]) for n in names)
-            / max(1, len(names))
-            * len(names),
-        ),
-        squeeze=False,
-    )
+    heights = [1.2 + 0.22 * len(systems) * len(doc["workloads"][n]["rows"]) for n in names]
+    fig, axes = plt.subplots(len(names), 1, figsize=(11, 1.0 + sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})  # fmt: skip
     for ax, name in zip(axes[:, 0], names, strict=True):
         _plot_panel(ax, name, doc["workloads"][name], systems)
-    fig.suptitle(doc["meta"]["command"], fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    machine = doc["meta"]["machine"]
+    fig.suptitle(f"asyncrpc.bench, {doc['meta']['date']}, {machine['cpus']} CPUs, torch "
+                 f"{machine['torch']}", fontsize=9)  # fmt: skip
+    fig.tight_layout(rect=(0, 0, 1, 0.985))
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def _plot_panel(ax: Any, name: str, summary: dict[str, Any], systems: list[str]) -> None:
     rows = summary["rows"]
     height = 0.8 / max(1, len(systems))
+    values = [r["values"][s]["value"] for r in rows for s in systems]
+    low = min((v for v in values if v), default=1.0) / 2
     for i, system in enumerate(systems):
         ys = [r + i * height for r in range(len(rows))]
         xs = [row["values"][system]["value"] or 0.0 for row in rows]
-        ax.barh(ys, xs, height=height, label=system)
+        ax.barh(ys, [x - low if x else 0.0 for x in xs], left=low, height=height, label=system)
+        for y, x in zip(ys, xs, strict=True):
+            if x:
+                ax.text(x, y, " " + _number(x), va="center", fontsize=6)
     ax.set_yticks([r + 0.4 - height / 2 for r in range(len(rows))])
     ax.set_yticklabels([row["label"] for row in rows], fontsize=7)
     ax.invert_yaxis()
     ax.set_xscale("log")
+    ax.set_xlim(low, max((v for v in values if v), default=10.0) * 4)
     better = "higher" if summary["higher_is_better"] else "lower"
-    ax.set_title(f"{name} ({summary['unit']}, {better} is better)", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.set_title(f"{_TITLES[name]} ({summary['unit']}, {better} is better)", fontsize=8)
+    ax.legend(fontsize=7, loc="lower right")

@@ -121,6 +121,8 @@ class _Orchestrator:
 
     def run_rounds(self) -> None:
         systems = [s for s in self.config.systems if s in self.groups]
+        if not systems:
+            return
         for round_no in range(-1, self.config.rounds):
             order = systems[round_no % len(systems) :] + systems[: round_no % len(systems)]
             for workload in self.config.workloads:

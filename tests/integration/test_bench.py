@@ -84,3 +84,29 @@ def test_bench_config_applies_explicit_options_over_the_quick_preset() -> None:
 def test_parse_size_rejects_what_is_not_a_float32_size(text: str) -> None:
     with pytest.raises(ValueError):  # noqa: PT011 - ValueError is parse_size's only error
         parse_size(text)
+
+
+@pytest.mark.timeout(120)
+def test_bench_without_torch_rpc_runs_the_other_systems(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncrpc.bench import runner
+    from asyncrpc.bench.config import BenchConfig
+    from asyncrpc.bench.report import render, summarize
+
+    monkeypatch.setattr(runner, "torch_rpc_unavailable", lambda: "no RPC in this build")
+    config = BenchConfig(
+        workloads=("latency",), rounds=1, duration=0.05, warmup=0.02, idle_seconds=0.1,
+        log_dir=str(tmp_path),
+    )  # fmt: skip
+    result = runner.run_bench(config, progress=False)
+    assert result.status["asyncrpc"] == "ok"
+    assert result.status["floor"] == "ok"
+    assert result.status["torch"].startswith("unavailable")
+    doc = summarize(result, ["--workloads", "latency"])
+    row = doc["workloads"]["latency"]["rows"][0]
+    assert isinstance(row["values"]["asyncrpc"]["value"], float)
+    assert row["values"]["torch"]["value"] is None
+    assert row["ratios"]["asyncrpc/torch"] is None
+    assert isinstance(row["ratios"]["asyncrpc/floor"], float)
+    assert "no RPC in this build" in render(doc)
