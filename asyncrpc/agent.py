@@ -484,14 +484,16 @@ class Agent:
 
     def metrics(self) -> dict[str, Any]:
         """Counters and gauges of this worker (see ``asyncrpc.get_metrics``)."""
-        conns = [c for c in self._connections if c.peer is not None and not c.closed]
+        # One snapshot: callers read metrics from their own thread while the loop thread
+        # adds and removes connections (iterating the live set could fail mid-way).
+        conns = list(self._connections)
         return {
             **self.counters.as_dict(),
             "pending_calls": len(self.pending),
             "running_requests": len(self.dispatcher),
-            "bytes_in": sum(c.bytes_in for c in self._connections),
-            "bytes_out": sum(c.bytes_out for c in self._connections),
-            "open_connections": len(conns),
+            "bytes_in": sum(c.bytes_in for c in conns),
+            "bytes_out": sum(c.bytes_out for c in conns),
+            "open_connections": sum(1 for c in conns if c.peer is not None and not c.closed),
             "thread_pool_size": self.pool_gauge.size,
             "thread_pool_busy": self.pool_gauge.busy,
             "thread_pool_idle": self.pool_gauge.idle,

@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from asyncrpc.functions import per_callable_cache
 from asyncrpc.future import Future
 
 __all__ = ["PendingCall", "PendingCalls", "describe_function"]
@@ -82,25 +83,12 @@ class PendingCalls:
         return counts
 
 
-_names: dict[Any, str] = {}
-
-
+@per_callable_cache
 def describe_function(fn: Callable[..., Any] | Any) -> str:
     """Return ``module.qualname`` of ``fn`` for errors and metrics (cached per function)."""
-    try:
-        return _names[fn]
-    except (KeyError, TypeError):
-        pass
     module = getattr(fn, "__module__", None) or "?"
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
     if name is None:
         qualified = getattr(fn, "qualified_name", None)  # TorchScript functions
-        text = str(qualified) if qualified else type(fn).__name__
-    else:
-        text = f"{module}.{name}"
-    try:
-        if len(_names) < 4096:
-            _names[fn] = text
-    except TypeError:
-        pass  # unhashable callables are described every time
-    return text
+        return str(qualified) if qualified else type(fn).__name__
+    return f"{module}.{name}"

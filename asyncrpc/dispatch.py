@@ -210,6 +210,17 @@ class Dispatcher:
     ) -> None:
         if self._jobs.pop((peer, request.call_id), None) is None:
             return  # cancelled meanwhile: the caller no longer waits
+        self._deliver(conn, request, pieces, keep, error)
+
+    def _deliver(
+        self,
+        conn: Connection,
+        request: Request,
+        pieces: list[Any] | None,
+        keep: object,
+        error: BaseException | None,
+    ) -> None:
+        """Write a built reply, or the error that building it raised."""
         if error is not None:
             self._send_error(conn, request, error)
             return
@@ -226,13 +237,7 @@ class Dispatcher:
         if not ok:
             self._send_error(conn, request, value)
             return
-        pieces, keep, error = self._encode_reply(request, peer, value)
-        if error is not None:
-            self._send_error(conn, request, error)
-            return
-        assert pieces is not None
-        self._agent.write(conn, pieces, keep)
-        self._agent.counters.replies_sent += 1
+        self._deliver(conn, request, *self._encode_reply(request, peer, value))
 
     def _send_error(self, conn: Connection, request: Request, exc: BaseException) -> None:
         _log.debug("%s raised %r for %s", request.target, exc, conn.peer_name)

@@ -8,11 +8,17 @@ completes, without holding a pool thread meanwhile. Functions marked with torch'
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["async_execution", "is_async_execution", "is_coroutine_function"]
+__all__ = [
+    "async_execution",
+    "is_async_execution",
+    "is_coroutine_function",
+    "per_callable_cache",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _MARK = "_asyncrpc_async_execution"
@@ -40,21 +46,28 @@ def is_async_execution(fn: Any) -> bool:
     return bool(getattr(fn, _MARK, False)) or getattr(fn, _TORCH_MARK, None) is not None
 
 
-_coroutine_cache: dict[Any, bool] = {}
+R = TypeVar("R")
 
 
+def per_callable_cache(compute: Callable[[Any], R]) -> Callable[[Any], R]:
+    """Memoise ``compute(fn)`` per callable (bounded): it runs on every call's hot path.
+
+    Unhashable callables are computed every time.
+    """
+    cached = functools.lru_cache(maxsize=4096)(compute)
+
+    def lookup(fn: Any) -> R:
+        try:
+            return cached(fn)
+        except TypeError:  # unhashable: nothing to cache
+            return compute(fn)
+
+    return lookup
+
+
+@per_callable_cache
 def is_coroutine_function(fn: Any) -> bool:
     """True when calling ``fn`` returns a coroutine (``async def``), cached per function."""
-    try:
-        return _coroutine_cache[fn]
-    except (KeyError, TypeError):
-        pass
-    result = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
         getattr(fn, "__call__", None)  # noqa: B004 - objects with an async __call__
     )
-    try:
-        if len(_coroutine_cache) < 4096:
-            _coroutine_cache[fn] = result
-    except TypeError:
-        pass
-    return result

@@ -1,21 +1,7 @@
-"""Single-process asyncio tests run without an agent: hide the session group's loop."""
+"""Single-process asyncio tests run without an agent, like the unit tests."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from tests.unit.conftest import _no_agent_callback_loop
 
-import pytest
-
-from asyncrpc import future
-
-
-@pytest.fixture(autouse=True)
-def _no_agent_callback_loop() -> Iterator[None]:
-    # The integration group (a session fixture) may have registered its agent's loop;
-    # unit tests describe futures with no agent at all.
-    saved = future._default_loop, future._default_thread
-    future.set_default_callback_loop(None, None)
-    try:
-        yield
-    finally:
-        future.set_default_callback_loop(*saved)
+__all__ = ["_no_agent_callback_loop"]  # an autouse fixture, active here by being imported

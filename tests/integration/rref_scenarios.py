@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import json
 import os
 import subprocess
 import sys
@@ -24,7 +23,11 @@ from typing import Any, TypeVar
 import asyncrpc
 from asyncrpc._current import current_agent
 from tests.integration import remote_fns as fns
-from tests.integration.scenarios import RESULT_PREFIX, ScenarioProcess
+from tests.integration.scenarios import (
+    ScenarioProcess,
+    _attempt,
+    _report,
+)
 
 _ROOT = Path(__file__).resolve().parents[2]
 _DEBUG_KEYS = ("owner_rrefs", "user_rrefs", "pending_forks", "pending_users")
@@ -43,33 +46,6 @@ def _options(args: argparse.Namespace, rref_leaks: str = "warn") -> asyncrpc.Rpc
         shutdown_timeout=args.shutdown_timeout,
         rref_leaks=rref_leaks,
     )
-
-
-def _error(exc: BaseException | None) -> dict[str, Any] | None:
-    """Describe ``exc`` by type (the tests assert on types) and the fields it carries."""
-    if exc is None:
-        return None
-    return {
-        "type": type(exc).__name__,
-        "mro": [cls.__name__ for cls in type(exc).__mro__],
-        "owner": getattr(exc, "owner", None),
-        "worker": getattr(exc, "worker", None),
-        "message": str(exc),
-    }
-
-
-def _attempt(fn: Callable[[], Any]) -> dict[str, Any]:
-    """Run ``fn``; return its value (repr'd unless JSON-plain) or its error, and the time."""
-    start = time.monotonic()
-    try:
-        value = fn()
-    except Exception as exc:  # the observation is the error itself
-        return {"value": None, "error": _error(exc), "elapsed": time.monotonic() - start}
-    return {"value": value, "error": None, "elapsed": time.monotonic() - start}
-
-
-def _report(observations: Observations) -> None:
-    print(RESULT_PREFIX + json.dumps(observations, default=repr), flush=True)
 
 
 def _local_debug() -> dict[str, int]:

@@ -50,6 +50,7 @@ def _error(exc: BaseException | None) -> dict[str, Any] | None:
     return {
         "type": type(exc).__name__,
         "mro": [cls.__name__ for cls in type(exc).__mro__],
+        "owner": getattr(exc, "owner", None),  # RRef errors name the owner
         "worker": getattr(exc, "worker", None),
         "message": str(exc),
     }
