@@ -8,6 +8,7 @@ buffer its allocator made, without copying the bytes again.
 from __future__ import annotations
 
 import ctypes
+import mmap
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
@@ -104,8 +105,30 @@ def allocate(nbytes: int, tag: str) -> tuple[torch.Tensor, memoryview]:
         ``(owner, writable memoryview of exactly nbytes over the owner's memory)``.
     """
     del tag  # CPU memory for every tag: the bytes arrive over TCP.
-    owner = torch.empty(nbytes, dtype=_UINT8)
+    if nbytes >= _HUGE_PAGE_MIN and _HUGE_PAGES:
+        owner = _huge_page_buffer(nbytes)
+    else:
+        owner = torch.empty(nbytes, dtype=_UINT8)
     return owner, memory_view(owner.data_ptr(), nbytes, writable=True)
+
+
+# Fresh memory costs one page fault per 4 KiB page as the socket fills it: a 64 MiB receive
+# into ``torch.empty`` spent ~36 ms faulting, against ~3 ms in 2 MiB transparent huge pages.
+# Linux only grants those to mappings that ask (``madvise`` mode is the usual default).
+# Below 32 MiB (glibc's largest dynamic mmap threshold) malloc recycles freed heap memory,
+# which is cheaper still once warm, so smaller buffers stay with torch's allocator.
+_HUGE_PAGES: Final = hasattr(mmap, "MADV_HUGEPAGE")
+_HUGE_PAGE_MIN: Final = 32 << 20
+
+
+def _huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over a private anonymous mapping that asks for transparent huge pages.
+
+    The tensor holds the mapping; it is unmapped when the last view of the tensor goes.
+    """
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(region, dtype=_UINT8)
 
 
 def export_tensor(

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+import mmap
 import warnings
+import weakref
 from typing import Any
 
 import pytest
@@ -231,6 +234,32 @@ def test_Serializer_allocate_returns_writable_view_of_owner(serializer: Serializ
     assert view.nbytes == 16
     view[:] = bytes(range(16))
     assert owner.tolist() == list(range(16))
+
+
+def test_Serializer_allocate_large_buffer_roundtrips_and_is_freed(
+    serializer: Serializer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 40 MiB takes the huge-page mapping path: the bytes must land, stay writable, and the
+    # mapping must go when the last tensor viewing it goes.
+    regions: list[weakref.ref[mmap.mmap]] = []
+    real_mmap = mmap.mmap
+
+    def recording_mmap(*args: Any, **kwargs: Any) -> mmap.mmap:
+        region = real_mmap(*args, **kwargs)
+        regions.append(weakref.ref(region))
+        return region
+
+    monkeypatch.setattr(mmap, "mmap", recording_mmap)
+    tensor = torch.arange(10 << 20, dtype=torch.float32).reshape(-1, 1024).t()
+    sent = roundtrip(serializer, tensor)
+    assert len(regions) == 1
+    assert torch.equal(sent.value, tensor)
+    sent.value[0, 0] = -1.0
+    assert sent.value[0, 0].item() == -1.0
+    assert regions[0]() is not None
+    del sent
+    gc.collect()
+    assert regions[0]() is None
 
 
 def test_Serializer_allocate_zero_bytes(serializer: Serializer) -> None:
