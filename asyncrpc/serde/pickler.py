@@ -24,12 +24,15 @@ from asyncrpc.serde.reducers import (
 )
 from asyncrpc.serde.tensors import (
     HOOK_PID,
+    SMALL_TENSOR_BYTES,
     TENSOR_PID,
     Segment,
     TensorDescriptor,
     allocate,
     export_tensor,
     import_tensor,
+    is_small_tensor,
+    reduce_small_tensor,
     reduce_tensor_fallback,
 )
 
@@ -85,8 +88,10 @@ class _Pickler(pickle.Pickler):
         hook: PersistentDump | None,
         context: object,
         device_map: Mapping[str, str] | None,
+        inline_bytes: int,
     ) -> None:
         super().__init__(file, protocol=_PROTOCOL)
+        self._inline_bytes = inline_bytes
         self._reducers = reducers
         self._hook = hook
         self._context = context
@@ -106,6 +111,8 @@ class _Pickler(pickle.Pickler):
             return None
         self.last = obj
         if cls is _Tensor or cls is _Parameter:
+            if is_small_tensor(obj, self._inline_bytes):
+                return None  # reducer_override puts it in the pickle
             return self._tensor_id(obj)
         if self._hook is not None:
             pid = self._hook(obj, self._context)
@@ -131,6 +138,8 @@ class _Pickler(pickle.Pickler):
         if reduce_fn is not None:
             return reduce_fn(obj)
         if cls is _Tensor or cls is _Parameter:
+            if is_small_tensor(obj, self._inline_bytes):
+                return reduce_small_tensor(obj)
             reduced = reduce_tensor_fallback(obj)
             if reduced is not None:
                 return reduced
@@ -186,7 +195,7 @@ class Serializer:
     containers), then the reducer registry (exact type), then pickle's own rules.
     """
 
-    __slots__ = ("_persistent_dump", "_persistent_load", "_reducers")
+    __slots__ = ("_inline_bytes", "_persistent_dump", "_persistent_load", "_reducers")
 
     def __init__(
         self,
@@ -194,6 +203,7 @@ class Serializer:
         reducers: ReducerRegistry | None = None,
         persistent_dump: PersistentDump | None = None,
         persistent_load: PersistentLoad | None = None,
+        inline_tensor_bytes: int = SMALL_TENSOR_BYTES,
     ) -> None:
         """Configure a serializer.
 
@@ -202,7 +212,10 @@ class Serializer:
             persistent_dump: ``(obj, context) -> tuple | None``; a tuple replaces ``obj``
                 in the stream (the agent turns RRefs into fork descriptors here).
             persistent_load: ``(tuple, context) -> obj``, the inverse on the receiver.
+            inline_tensor_bytes: dense CPU tensors of at most this many bytes are copied
+                into the payload instead of travelling as segments; -1 for none.
         """
+        self._inline_bytes = inline_tensor_bytes
         self._reducers = (default_registry if reducers is None else reducers).table
         self._persistent_dump = persistent_dump
         self._persistent_load = persistent_load
@@ -233,7 +246,9 @@ class Serializer:
                 hooks or reducers propagate unchanged.
         """
         buffer = io.BytesIO()
-        pickler = _Pickler(buffer, self._reducers, self._persistent_dump, context, device_map)
+        pickler = _Pickler(
+            buffer, self._reducers, self._persistent_dump, context, device_map, self._inline_bytes
+        )
         try:
             pickler.dump(obj)
         except AsyncRpcError:

@@ -18,6 +18,7 @@ from asyncrpc.errors import SerializationError
 
 __all__ = [
     "HOOK_PID",
+    "SMALL_TENSOR_BYTES",
     "TENSOR_PID",
     "Allocator",
     "Segment",
@@ -25,8 +26,11 @@ __all__ = [
     "allocate",
     "export_tensor",
     "import_tensor",
+    "is_small_tensor",
     "memory_view",
+    "rebuild_small_tensor",
     "rebuild_sparse_tensor",
+    "reduce_small_tensor",
     "reduce_tensor_fallback",
 ]
 
@@ -44,6 +48,10 @@ TensorDescriptor = tuple[int, int, str, tuple[int, ...], tuple[int, ...], int, b
 # serializer's persistent_dump hook (whose own tuple is then the second field).
 TENSOR_PID: Final = 0
 HOOK_PID: Final = 1
+_SMALL_PID: Final = 2  # a small tensor's descriptor: its bytes are in the pickle
+
+SMALL_TENSOR_BYTES: Final = 4096
+"""Dense CPU tensors up to this size travel inside the pickle, not as segments."""
 
 _Parameter = torch.nn.Parameter
 _UINT8 = torch.uint8
@@ -164,6 +172,19 @@ def export_tensor(
         device = "cpu"
     else:
         device, tensor = _copy_to_host(tensor, device_map)
+    tensor, stride, view = _resolved_span(tensor)
+    shape = tuple(tensor.shape)
+    dtype = _DTYPE_NAMES[tensor.dtype]
+    descriptor = (TENSOR_PID, key, dtype, shape, stride, 0, requires_grad, is_param, device)
+    return descriptor, (view, device), tensor
+
+
+def _resolved_span(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], memoryview]:
+    """Resolve conjugate and negative bits; return the tensor, its strides and its bytes.
+
+    The bytes are the storage span the tensor touches, or the tensor made contiguous when
+    that span has gaps (see ``export_tensor``).
+    """
     if tensor.is_conj():
         tensor = tensor.resolve_conj()
     if tensor.is_neg():
@@ -174,11 +195,49 @@ def export_tensor(
         tensor = tensor.detach().contiguous()
         stride = tensor.stride()
         span = tensor.numel()
-    view = memory_view(tensor.data_ptr(), span * tensor.element_size(), writable=False)
-    shape = tuple(tensor.shape)
-    dtype = _DTYPE_NAMES[tensor.dtype]
-    descriptor = (TENSOR_PID, key, dtype, shape, stride, 0, requires_grad, is_param, device)
-    return descriptor, (view, device), tensor
+    nbytes = span * tensor.element_size()
+    return tensor, stride, memory_view(tensor.data_ptr(), nbytes, writable=False)
+
+
+def is_small_tensor(tensor: torch.Tensor, limit: int = SMALL_TENSOR_BYTES) -> bool:
+    """True for a dense CPU tensor of at most ``limit`` bytes: it goes in the pickle."""
+    return (
+        tensor.layout is _STRIDED
+        and tensor.is_cpu
+        and tensor.numel() * tensor.element_size() <= limit
+        and not tensor.is_quantized
+    )
+
+
+def reduce_small_tensor(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """Reduce a small dense CPU tensor (``is_small_tensor``) to a copy of its bytes.
+
+    Below a few KiB a segment costs more than the bytes: a buffer to allocate and map on
+    the receiver, a descriptor and a frame piece, about 10 µs a tensor. Inside the pickle,
+    pickle's memo still makes a tensor sent twice arrive as one object.
+    """
+    requires_grad = tensor.requires_grad
+    is_param = type(tensor) is _Parameter
+    tensor, stride, view = _resolved_span(tensor)
+    descriptor = (
+        _SMALL_PID,
+        0,
+        _DTYPE_NAMES[tensor.dtype],
+        tuple(tensor.shape),
+        stride,
+        0,
+        requires_grad,
+        is_param,
+        "cpu",
+    )
+    return rebuild_small_tensor, (descriptor, view.tobytes())
+
+
+def rebuild_small_tensor(descriptor: tuple[Any, ...], data: bytes) -> torch.Tensor:
+    """Rebuild a tensor ``reduce_small_tensor`` reduced (a copy of ``data``)."""
+    if descriptor[0] != _SMALL_PID:
+        raise SerializationError("malformed small-tensor descriptor")
+    return import_tensor(descriptor, bytearray(data))
 
 
 def _span(tensor: torch.Tensor, stride: tuple[int, ...]) -> int:

@@ -27,7 +27,11 @@ with warnings.catch_warnings():
         register_reducer,
     )
     from asyncrpc.serde.reducers import resolve_script_function
+    from asyncrpc.serde.tensors import SMALL_TENSOR_BYTES
     from tests.unit import _serde_helpers as helpers
+
+
+BIG = SMALL_TENSOR_BYTES  # float32 elements: 4x the inline limit in bytes
 
 
 @pytest.fixture
@@ -70,10 +74,11 @@ def test_Serializer_failed_dumps_leaves_no_state(serializer: Serializer) -> None
     for candidate in (serializer, hooked):
         with pytest.raises(SerializationError):
             candidate.dumps([torch.ones(3), lambda: None])
-        payload, segments, keepalive = candidate.dumps([torch.zeros(2)])
+        big = torch.zeros(BIG)  # over the inline limit: a segment
+        payload, segments, keepalive = candidate.dumps([big])
         assert len(segments) == 1
         assert len(keepalive) == 1
-        assert torch.equal(candidate.loads(payload, [bytes(segments[0][0])])[0], torch.zeros(2))
+        assert torch.equal(candidate.loads(payload, [bytes(segments[0][0])])[0], big)
     assert any(isinstance(seen, types.FunctionType) for seen in calls)
 
 
@@ -265,7 +270,7 @@ def test_Serializer_tensor_hook_runs_before_persistent_dump() -> None:
         seen.append(type(obj))
         return None
 
-    sent = helpers.wire_roundtrip(Serializer(persistent_dump=dump), [torch.ones(2)])
+    sent = helpers.wire_roundtrip(Serializer(persistent_dump=dump), [torch.ones(BIG)])
     assert torch.Tensor not in seen
     assert len(sent.segments) == 1
 
@@ -273,7 +278,7 @@ def test_Serializer_tensor_hook_runs_before_persistent_dump() -> None:
 def test_Serializer_persistent_tuple_may_carry_tensors() -> None:
     def dump(obj: object, context: object) -> tuple[Any, ...] | None:
         return (
-            ("h", torch.full((3,), float(obj.ident))) if isinstance(obj, helpers.Handle) else None
+            ("h", torch.full((BIG,), float(obj.ident))) if isinstance(obj, helpers.Handle) else None
         )
 
     def load(pid: tuple[Any, ...], context: object) -> object:
@@ -282,7 +287,7 @@ def test_Serializer_persistent_tuple_may_carry_tensors() -> None:
     serializer = Serializer(persistent_dump=dump, persistent_load=load)
     sent = helpers.wire_roundtrip(serializer, helpers.Handle(2))
     assert len(sent.segments) == 1
-    assert torch.equal(sent.value, torch.full((3,), 2.0))
+    assert torch.equal(sent.value, torch.full((BIG,), 2.0))
 
 
 def test_Serializer_persistent_reference_without_load_hook_raises() -> None:

@@ -17,7 +17,7 @@ with warnings.catch_warnings():
 
     from asyncrpc.errors import SerializationError
     from asyncrpc.serde import Serializer
-    from asyncrpc.serde.tensors import TENSOR_PID, import_tensor
+    from asyncrpc.serde.tensors import SMALL_TENSOR_BYTES, TENSOR_PID, import_tensor
     from tests.unit import _serde_helpers as helpers
 
 QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
@@ -29,7 +29,8 @@ PLAIN_DTYPES = [dtype for dtype in ALL_DTYPES if dtype not in QUANTIZED]
 
 @pytest.fixture
 def serializer() -> Serializer:
-    return Serializer()
+    # Every tensor as a segment, however small: most tests here are about segments.
+    return Serializer(inline_tensor_bytes=-1)
 
 
 def roundtrip(serializer: Serializer, obj: object, **kwargs: Any) -> helpers.Sent:
@@ -372,3 +373,58 @@ def test_Serializer_tensor_subclass_goes_through_torch(serializer: Serializer) -
     got = roundtrip(serializer, tagged).value
     assert type(got) is helpers.TaggedTensor
     assert torch.equal(got.as_subclass(torch.Tensor), torch.arange(4.0))
+
+
+# -- small tensors inside the payload ------------------------------------------------------
+
+
+@pytest.fixture
+def inlining() -> Serializer:
+    return Serializer()  # the default: tensors up to SMALL_TENSOR_BYTES go in the payload
+
+
+@pytest.mark.parametrize("dtype", PLAIN_DTYPES, ids=str)
+def test_Serializer_small_tensor_travels_in_payload_bit_exact(
+    inlining: Serializer, dtype: torch.dtype
+) -> None:
+    tensor = random_tensor(dtype, (3, 5))
+    sent = roundtrip(inlining, tensor)
+    assert sent.segments == []
+    assert sent.value.dtype == dtype
+    assert sent.value.view(torch.uint8).tolist() == tensor.view(torch.uint8).tolist()
+
+
+def test_Serializer_small_tensor_keeps_strides_and_flags(inlining: Serializer) -> None:
+    transposed = torch.arange(12.0).reshape(3, 4).t()
+    param = torch.nn.Parameter(torch.ones(2))
+    grad = torch.zeros(3, requires_grad=True)
+    value = roundtrip(inlining, [transposed, param, grad]).value
+    assert torch.equal(value[0], transposed)
+    assert value[0].stride() == transposed.stride()
+    assert type(value[1]) is torch.nn.Parameter
+    assert value[1].requires_grad
+    assert value[2].requires_grad
+
+
+def test_Serializer_small_tensor_twice_arrives_as_one_object(inlining: Serializer) -> None:
+    tensor = torch.ones(4)
+    value = roundtrip(inlining, {"a": tensor, "b": [tensor]}).value
+    assert value["a"] is value["b"][0]
+
+
+def test_Serializer_small_tensor_is_a_copy_resolving_conj_and_neg(inlining: Serializer) -> None:
+    base = torch.tensor([1 + 2j, 3 - 1j])
+    sent = roundtrip(inlining, [base.conj(), base.conj()._neg_view()])
+    assert torch.equal(sent.value[0], base.conj().resolve_conj())
+    assert torch.equal(sent.value[1], -base.conj().resolve_conj())
+    assert not sent.value[0].is_conj()
+    sent.value[0][0] = 0  # writable, and not the sender's memory
+    assert base[0] == 1 + 2j
+
+
+def test_Serializer_tensor_over_the_limit_goes_as_segment(inlining: Serializer) -> None:
+    limit = SMALL_TENSOR_BYTES // 4
+    sent = roundtrip(inlining, [torch.ones(limit), torch.ones(limit + 1)])
+    assert [view.nbytes for view, _ in sent.segments] == [(limit + 1) * 4]
+    assert torch.equal(sent.value[0], torch.ones(limit))
+    assert torch.equal(sent.value[1], torch.ones(limit + 1))
