@@ -10,7 +10,6 @@ or an ``asyncio.Future`` (coroutines on the agent's loop).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import itertools
 import logging
 import threading
@@ -29,7 +28,7 @@ from asyncrpc.errors import (
 )
 from asyncrpc.future import Future, set_default_callback_loop
 from asyncrpc.lifecycle import Lifecycle
-from asyncrpc.metrics import Counters, LagProbe, PoolGauge
+from asyncrpc.metrics import Counters, LagProbe
 from asyncrpc.options import UNSET_RPC_TIMEOUT, RpcBackendOptions, WorkerInfo
 from asyncrpc.peers import PeerTable
 from asyncrpc.rendezvous import PeerAddress, StoreGroup, join_group
@@ -48,6 +47,7 @@ from asyncrpc.wire.messages import (
     Request,
     decode_message,
 )
+from asyncrpc.workers import WorkerPool
 
 __all__ = ["Agent"]
 
@@ -67,16 +67,13 @@ class Agent:
         self.rank = -1
         self.world_size = 0
         self.counters = Counters()
-        self.pending = PendingCalls()
+        self.pending = PendingCalls(loop, self._expire)
         self._call_ids = itertools.count(1)
         # RRefs inside payloads become forks (see asyncrpc/rrefs.py).
         self.serializer = Serializer(
             persistent_dump=self._dump_rref, persistent_load=self._load_rref
         )
-        self.pool = concurrent.futures.ThreadPoolExecutor(
-            options.num_worker_threads, thread_name_prefix=f"asyncrpc-{name}"
-        )
-        self.pool_gauge = PoolGauge(options.num_worker_threads)
+        self.pool = WorkerPool(options.num_worker_threads, loop, name)
         self.dispatcher = Dispatcher(self, self.pool)
         self.lag = LagProbe(loop)
         self.peers: PeerTable | None = None
@@ -118,7 +115,7 @@ class Agent:
                 register(agent)
         except BaseException:
             await agent._close_transports(graceful=False)
-            agent.pool.shutdown(wait=False, cancel_futures=True)
+            agent.pool.shutdown()
             raise
         set_default_callback_loop(agent.loop, agent.loop_thread_id)
         agent.lag.start()
@@ -287,8 +284,6 @@ class Agent:
             return
         self.pending.add(call_id, call)
         self.counters.calls_sent += 1
-        if call.timeout > 0:
-            call.timer = self.loop.call_later(call.timeout, self._expire, call_id)
         self.send_to(call.peer, pieces, call_id, call.keepalive)
 
     def send_to(self, rank: int, pieces: list[Any], call_id: int = 0, keep: object = None) -> None:
@@ -329,7 +324,6 @@ class Agent:
         if call is None:
             return
         self.counters.calls_timed_out += 1
-        call.timer = None
         call.fail(RpcTimeoutError(self.addresses[call.peer].name, call.target, call.timeout))
         self._send_cancel(call.peer, call_id)
 
@@ -477,7 +471,7 @@ class Agent:
         if self.rrefs is not None:
             self.rrefs.close()
         await asyncio.sleep(0)  # let the transports flush and call connection_lost
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
         set_default_callback_loop(None, None)
 
     # -- introspection ---------------------------------------------------------------------
@@ -494,9 +488,9 @@ class Agent:
             "bytes_in": sum(c.bytes_in for c in conns),
             "bytes_out": sum(c.bytes_out for c in conns),
             "open_connections": sum(1 for c in conns if c.peer is not None and not c.closed),
-            "thread_pool_size": self.pool_gauge.size,
-            "thread_pool_busy": self.pool_gauge.busy,
-            "thread_pool_idle": self.pool_gauge.idle,
+            "thread_pool_size": self.pool.size,
+            "thread_pool_busy": self.pool.busy,
+            "thread_pool_idle": self.pool.size - self.pool.busy,
             "loop_lag_ms": round(self.lag.last_ms, 3),
             "loop_lag_max_ms": round(self.lag.max_ms, 3),
         }

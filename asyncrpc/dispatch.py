@@ -1,8 +1,8 @@
 """Runs received requests and sends their replies (layer L3, on the agent's loop).
 
-``async def`` functions run as tasks on the loop; synchronous ones run on a bounded thread
-pool so a blocking function never stalls the loop, and the pool thread also pickles the
-result and builds the reply frame. ``async_execution`` functions reply when the future
+``async def`` functions run as tasks on the loop; synchronous ones run on the agent's
+``WorkerPool`` so a blocking function never stalls the loop, and the pool thread also
+pickles the result and builds the reply frame. ``async_execution`` functions reply when the future
 they return completes. Every request can be cancelled by the caller (timeout or
 cancellation): a task is cancelled, a pool job that has not started is dropped.
 """
@@ -15,12 +15,14 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from asyncrpc.errors import FunctionNotFoundError, SerializationError
-from asyncrpc.functions import is_async_execution, is_coroutine_function
+from asyncrpc.errors import ClosedError, FunctionNotFoundError, SerializationError
+from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
 from asyncrpc.future import Future
 from asyncrpc.serde import MissingReferenceError, pack_exception
 from asyncrpc.wire import encode_frame
 from asyncrpc.wire.messages import CallMode, ErrorReply, Reply, Request
+from asyncrpc.workers import Job as PoolJob
+from asyncrpc.workers import WorkerPool
 
 if TYPE_CHECKING:
     from asyncrpc.agent import Agent
@@ -31,7 +33,7 @@ __all__ = ["Dispatcher", "await_async_result"]
 _log = logging.getLogger("asyncrpc.dispatch")
 
 # What runs a request: a task on the loop or a job in the pool (for cancellation).
-Job = asyncio.Task[Any] | concurrent.futures.Future[Any]
+Job = asyncio.Task[Any] | PoolJob
 # Receives the outcome of a request in REMOTE mode (the RRef owner's value).
 ValueSink = Callable[[Request, int, bool, Any], None]
 
@@ -66,7 +68,7 @@ def _is_future_like(value: Any) -> bool:
 class Dispatcher:
     """Executes requests for one agent."""
 
-    def __init__(self, agent: Agent, pool: concurrent.futures.ThreadPoolExecutor) -> None:
+    def __init__(self, agent: Agent, pool: WorkerPool) -> None:
         self._agent = agent
         self._loop = agent.loop
         self._pool = pool
@@ -98,10 +100,15 @@ class Dispatcher:
         if is_coroutine_function(fn):
             task = self._loop.create_task(self._run_coroutine(conn, request, fn, args, kwargs))
             self._jobs[key] = task
+        elif is_inline(fn):
+            self._run_inline(conn, request, peer, fn, args, kwargs)
         else:
-            self._jobs[key] = self._pool.submit(
-                self._run_in_thread, conn, request, peer, fn, args, kwargs
-            )
+            try:
+                self._jobs[key] = self._pool.submit(
+                    self._run_in_thread, conn, request, peer, fn, args, kwargs
+                )
+            except ClosedError as exc:  # shutting down: the caller learns it, nothing hangs
+                self._finish(conn, request, peer, False, exc)
 
     def _missing(self, request: Request, exc: MissingReferenceError) -> Exception:
         name = f"{exc.module}.{exc.qualname}"
@@ -142,31 +149,47 @@ class Dispatcher:
             return
         self._finish(conn, request, peer, True, result)
 
-    def _run_in_thread(
+    def _run_inline(
         self, conn: Connection, request: Request, peer: int, fn: Any, args: Any, kwargs: Any
     ) -> None:
-        gauge = self._agent.pool_gauge
-        gauge.enter()
         try:
             result = fn(*args, **kwargs)
         except BaseException as exc:
-            gauge.leave()
-            self._loop.call_soon_threadsafe(self._finish, conn, request, peer, False, exc)
+            self._finish(conn, request, peer, False, exc)
             return
-        gauge.leave()
         if is_async_execution(fn):
-            self._loop.call_soon_threadsafe(self._await_then_finish, conn, request, peer, result)
+            self._start_awaiting(conn, request, peer, result)
+        else:
+            self._finish(conn, request, peer, True, result)
+
+    def _run_in_thread(
+        self, conn: Connection, request: Request, peer: int, fn: Any, args: Any, kwargs: Any
+    ) -> None:
+        post = self._pool.post
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as exc:
+            post(self._finish, conn, request, peer, False, exc)
+            return
+        if is_async_execution(fn):
+            post(self._await_then_finish, conn, request, peer, result)
             return
         if request.mode != 0:  # REMOTE: the value stays here, no reply frame to build
-            self._loop.call_soon_threadsafe(self._finish, conn, request, peer, True, result)
+            post(self._finish, conn, request, peer, True, result)
             return
         # Pickle the result on this pool thread, off the loop.
         pieces, keep, error = self._encode_reply(request, peer, result)
-        self._loop.call_soon_threadsafe(self._send_built, conn, request, peer, pieces, keep, error)
+        post(self._send_built, conn, request, peer, pieces, keep, error)
 
     def _await_then_finish(
         self, conn: Connection, request: Request, peer: int, result: Any
     ) -> None:
+        if (peer, request.call_id) in self._jobs:  # else cancelled while the pool ran it
+            self._start_awaiting(conn, request, peer, result)
+
+    def _start_awaiting(self, conn: Connection, request: Request, peer: int, result: Any) -> None:
+        """Reply (or keep the value, in REMOTE mode) once ``result``, a future, completes."""
+
         async def run() -> None:
             try:
                 value = await await_async_result(result)
@@ -177,9 +200,7 @@ class Dispatcher:
                 return
             self._finish(conn, request, peer, True, value)
 
-        key = (peer, request.call_id)
-        if key in self._jobs:
-            self._jobs[key] = self._loop.create_task(run())
+        self._jobs[(peer, request.call_id)] = self._loop.create_task(run())
 
     # -- replying --------------------------------------------------------------------------
 

@@ -1,9 +1,10 @@
-"""Decorators for functions run remotely: ``async_execution`` (layer L2).
+"""Decorators for functions run remotely: ``async_execution`` and ``inline`` (layer L2).
 
 A function marked ``@async_execution`` returns a future (``asyncrpc.Future``,
 ``torch.futures.Future``, an asyncio future or a coroutine) and the callee replies when it
 completes, without holding a pool thread meanwhile. Functions marked with torch's own
-``torch.distributed.rpc.functions.async_execution`` are honoured too.
+``torch.distributed.rpc.functions.async_execution`` are honoured too. A function marked
+``@inline`` runs on the callee's event loop instead of its thread pool.
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ from typing import Any, TypeVar
 
 __all__ = [
     "async_execution",
+    "inline",
     "is_async_execution",
     "is_coroutine_function",
+    "is_inline",
     "per_callable_cache",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _MARK = "_asyncrpc_async_execution"
 _TORCH_MARK = "_wrapped_async_rpc_function"
+_INLINE_MARK = "_asyncrpc_inline"
 
 
 def async_execution(fn: F) -> F:
@@ -44,6 +48,31 @@ def async_execution(fn: F) -> F:
 def is_async_execution(fn: Any) -> bool:
     """True when ``fn`` (or the function under a bound method) is marked ``async_execution``."""
     return bool(getattr(fn, _MARK, False)) or getattr(fn, _TORCH_MARK, None) is not None
+
+
+def inline(fn: F) -> F:
+    """Run the synchronous ``fn`` on the callee's event loop, not on its thread pool.
+
+    For functions that return in microseconds and never block (read a counter, index a
+    dict, a small tensor op): the call skips two thread hand-offs, which is most of a small
+    call's cost. While ``fn`` runs, the callee serves nothing else, so a function that
+    sleeps, waits on a lock or makes a blocking RPC must not be marked (a blocking
+    ``rpc_sync`` inside it raises ``BlockingCallError``). Combines with
+    ``async_execution``; ``async def`` functions already run on the loop.
+
+    Args:
+        fn: the function to mark.
+
+    Returns:
+        ``fn``, marked (it still pickles by reference).
+    """
+    setattr(fn, _INLINE_MARK, True)
+    return fn
+
+
+def is_inline(fn: Any) -> bool:
+    """True when ``fn`` (or the function under a bound method) is marked ``inline``."""
+    return bool(getattr(fn, _INLINE_MARK, False))
 
 
 R = TypeVar("R")

@@ -1,17 +1,16 @@
 """Counters the agent keeps, and an event-loop lag probe (layer L2).
 
-Counters are plain ints bumped on the loop thread (or under the pool's lock for the
-thread pool), so reading them costs nothing on the hot path.
+Counters are plain ints bumped on the loop thread, so reading them costs nothing on the hot
+path (the thread pool counts its own busy threads).
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from dataclasses import asdict, dataclass
 
-__all__ = ["Counters", "LagProbe", "PoolGauge"]
+__all__ = ["Counters", "LagProbe"]
 
 
 @dataclass(slots=True)
@@ -31,33 +30,6 @@ class Counters:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
-
-
-class PoolGauge:
-    """How many of the pool's threads are running a function right now."""
-
-    __slots__ = ("_busy", "_lock", "size")
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._busy = 0
-        self._lock = threading.Lock()
-
-    def enter(self) -> None:
-        with self._lock:
-            self._busy += 1
-
-    def leave(self) -> None:
-        with self._lock:
-            self._busy -= 1
-
-    @property
-    def busy(self) -> int:
-        return self._busy
-
-    @property
-    def idle(self) -> int:
-        return self.size - self._busy
 
 
 class LagProbe:

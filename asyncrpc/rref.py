@@ -9,7 +9,6 @@ an RRef never does I/O: ``__del__`` hands the release to the agent's loop.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import functools
 import traceback
@@ -223,5 +222,4 @@ async def _invoke_method(
         from asyncrpc.dispatch import await_async_result
 
         return await await_async_result(method(*args, **kwargs))
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(agent.pool, functools.partial(method, *args, **kwargs))
+    return await agent.pool.run(functools.partial(method, *args, **kwargs))

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 import asyncrpc
-from asyncrpc.functions import async_execution
+from asyncrpc._current import current_agent
+from asyncrpc.functions import async_execution, inline
 
 
 class CustomError(Exception):
@@ -119,6 +120,33 @@ async def async_nested_add(to: str, a: Any, b: Any) -> Any:
 def call_back(caller: str) -> str:
     """Calls back into the worker that called us."""
     return str(asyncrpc.rpc_sync(caller, whoami))
+
+
+# -- inline --------------------------------------------------------------------------------
+def thread_kind() -> str:
+    """Which of the callee's threads runs this: its event loop or a pool thread."""
+    return "loop" if threading.get_ident() == current_agent().loop_thread_id else "pool"
+
+
+@inline
+def inline_thread_kind() -> str:
+    return thread_kind()
+
+
+@inline
+def inline_raises(message: str) -> None:
+    raise CustomError(message)
+
+
+@inline
+def inline_blocking_call(to: str) -> Any:
+    return asyncrpc.rpc_sync(to, noop)
+
+
+@inline
+@async_execution
+def inline_async_exec_add(to: str, a: Any, b: Any) -> asyncrpc.Future[Any]:
+    return asyncrpc.rpc_async(to, add, args=(a, b))
 
 
 # -- async_execution -----------------------------------------------------------------------

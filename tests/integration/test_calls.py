@@ -64,6 +64,23 @@ def test_async_execution_variants(group: Group) -> None:
     assert asyncrpc.rpc_sync("w2", fns.Calculator.class_async_exec, args=(7,)) == "Calculator:7"
 
 
+def test_inline_function_runs_on_the_callee_loop(group: Group) -> None:
+    assert asyncrpc.rpc_sync("w1", fns.thread_kind) == "pool"
+    assert asyncrpc.rpc_sync("w1", fns.inline_thread_kind) == "loop"
+    assert asyncrpc.rpc_sync("w2", fns.inline_thread_kind) == "loop"  # an init_rpc_async worker
+    assert asyncrpc.remote("w3", fns.inline_thread_kind).to_here() == "loop"
+    assert asyncrpc.rpc_sync("w3", fns.inline_async_exec_add, args=("w1", 2, 3)) == 5
+
+
+def test_inline_function_errors_reach_the_caller(group: Group) -> None:
+    with pytest.raises(fns.CustomError):
+        asyncrpc.rpc_sync("w1", fns.inline_raises, args=("from the loop",))
+    # A blocking call from the loop would deadlock it; it fails with a typed error instead.
+    with pytest.raises(asyncrpc.BlockingCallError):
+        asyncrpc.rpc_sync("w1", fns.inline_blocking_call, args=("w3",))
+    assert asyncrpc.rpc_sync("w1", fns.add, args=(1, 2)) == 3  # the callee still serves
+
+
 def test_nested_calls_including_back_to_the_caller(group: Group) -> None:
     assert asyncrpc.rpc_sync("w1", fns.nested_add, args=("w3", 10, 5)) == 15
     assert asyncrpc.rpc_sync("w2", fns.async_nested_add, args=("w1", 1, 2)) == 3

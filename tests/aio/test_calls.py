@@ -1,0 +1,97 @@
+"""asyncio tests of asyncrpc.calls: the pending-call table and its timeout wheel."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from asyncrpc.calls import Deadlines, PendingCall, PendingCalls
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(10)]
+
+
+class Expiry:
+    """Records expirations with the loop time they happened at."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.expired: list[tuple[int, float]] = []
+        self.event = asyncio.Event()
+
+    def __call__(self, call_id: int) -> None:
+        self.expired.append((call_id, self.loop.time()))
+        self.event.set()
+
+    async def next(self) -> None:
+        async with asyncio.timeout(5):
+            await self.event.wait()
+        self.event.clear()
+
+
+async def test_Deadlines_expires_after_the_timeout_never_before() -> None:
+    expiry = Expiry()
+    deadlines = Deadlines(expiry.loop, expiry)
+    start = expiry.loop.time()
+    deadlines.add(1, 0.05)
+    await expiry.next()
+    ((call_id, when),) = expiry.expired
+    assert call_id == 1
+    assert when - start >= 0.05 - 0.002  # loop timers may run up to ~1 ms early
+    assert when - start < 0.05 + Deadlines.RESOLUTION + 0.5
+
+
+async def test_Deadlines_discarded_call_never_expires() -> None:
+    expiry = Expiry()
+    deadlines = Deadlines(expiry.loop, expiry)
+    slot = deadlines.add(1, 0.02)
+    deadlines.discard(1, slot)
+    deadlines.add(2, 0.06)
+    await expiry.next()
+    assert [call_id for call_id, _ in expiry.expired] == [2]
+
+
+async def test_Deadlines_shorter_timeout_added_later_fires_first() -> None:
+    expiry = Expiry()
+    deadlines = Deadlines(expiry.loop, expiry)
+    deadlines.add(1, 30.0)
+    deadlines.add(2, 0.03)
+    await expiry.next()
+    assert [call_id for call_id, _ in expiry.expired] == [2]
+    deadlines.close()
+
+
+async def test_Deadlines_many_finished_calls_leave_one_timer_for_the_live_one() -> None:
+    expiry = Expiry()
+    deadlines = Deadlines(expiry.loop, expiry)
+    for call_id in range(1, 1001):  # steady traffic of calls that all completed
+        deadlines.discard(call_id, deadlines.add(call_id, 0.02 + call_id * 1e-5))
+    deadlines.add(5000, 0.2)
+    await expiry.next()
+    assert [call_id for call_id, _ in expiry.expired] == [5000]
+    assert not deadlines._slots  # every emptied slot was dropped, none left to fire
+
+
+async def test_PendingCalls_pop_stops_the_timeout() -> None:
+    expiry = Expiry()
+    calls = PendingCalls(expiry.loop, expiry)
+    waiter = expiry.loop.create_future()
+    calls.add(7, PendingCall(waiter, 1, "fn", 0.02))
+    calls.add(8, PendingCall(expiry.loop.create_future(), 1, "fn", 0.05))
+    popped = calls.pop(7)
+    assert popped is not None
+    popped.resolve("done")
+    await expiry.next()
+    assert [call_id for call_id, _ in expiry.expired] == [8]
+    assert waiter.result() == "done"
+
+
+async def test_PendingCalls_pop_peer_and_pop_all_return_each_call_once() -> None:
+    expiry = Expiry()
+    calls = PendingCalls(expiry.loop, expiry)
+    for call_id, peer in ((1, 1), (2, 2), (3, 1)):
+        calls.add(call_id, PendingCall(expiry.loop.create_future(), peer, "fn", 5.0))
+    assert calls.count_by_peer() == {1: 2, 2: 1}
+    assert sorted(c.peer for c in calls.pop_peer(1)) == [1, 1]
+    assert [c.peer for c in calls.pop_all()] == [2]
+    assert len(calls) == 0
