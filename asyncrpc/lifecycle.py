@@ -111,11 +111,14 @@ class Lifecycle:
             missing = await loop.run_in_executor(None, group.missing, tag)
             if not missing:
                 return
-            dead = [agent.addresses[r].name for r in missing if self._is_lost(r)]
-            if dead:
-                raise ShutdownError(
-                    f"worker(s) {', '.join(map(repr, dead))} died before shutdown ({tag})"
-                )
+            lost = [r for r in missing if self._is_lost(r)]
+            if lost:
+                # A peer may have arrived since the read above and then closed its
+                # connections: it is dead only if the store still misses it now.
+                still = set(await loop.run_in_executor(None, group.missing, tag))
+                dead = [repr(agent.addresses[r].name) for r in lost if r in still]
+                if dead:
+                    raise ShutdownError(f"worker(s) {', '.join(dead)} died before shutdown ({tag})")
             if time.monotonic() > deadline:
                 names = ", ".join(repr(agent.addresses[r].name) for r in missing)
                 raise ShutdownError(f"shutdown timed out waiting for {names} ({tag})")

@@ -79,6 +79,9 @@ class PeerTable:
             raise peer.lost
         if peer.ready is None or peer.ready.done():
             peer.ready = asyncio.get_running_loop().create_future()
+            # Dialling from now on, not from when the task first runs: a Hello that
+            # arrives in between must meet the tie-break, or both connections survive.
+            peer.dialing = True
             asyncio.get_running_loop().create_task(self._dial(peer, rank))
         try:
             return await asyncio.wait_for(asyncio.shield(peer.ready), self.connect_timeout)
@@ -89,7 +92,6 @@ class PeerTable:
 
     async def _dial(self, peer: Peer, rank: int) -> None:
         address = peer.address
-        peer.dialing = True
         try:
             conn = await open_connection(
                 address.host, address.port, lambda: self._make_connection(True)
