@@ -153,9 +153,10 @@ def items_for(workload: str, system: str, config: BenchConfig) -> list[Item]:
 def _latency_items(system: str, config: BenchConfig) -> list[Item]:
     if system == "floor":
         return [Item("frame", "latency", style="raw")]
-    fns = ("sync", "async", "builtin")
-    styles = ("sync", "await") if system == "asyncrpc" else ("sync",)
-    return [Item(f"{fn}/{style}", "latency", fn, style) for fn in fns for style in styles]
+    if system != "asyncrpc":  # torch has no @inline: its rows compare with its def no-op
+        return [Item(f"{fn}/sync", "latency", fn, "sync") for fn in ("sync", "async", "builtin")]
+    fns = ("sync", "inline", "async", "builtin")
+    return [Item(f"{fn}/{style}", "latency", fn, style) for fn in fns for style in _STYLES]
 
 
 def _throughput_items(system: str, config: BenchConfig) -> list[Item]:
@@ -166,6 +167,7 @@ def _throughput_items(system: str, config: BenchConfig) -> list[Item]:
         elif system == "asyncrpc":
             items.append(Item(f"sync/{n}/await", "throughput", "sync", "await", n))
             items.append(Item(f"sync/{n}/futures", "throughput", "sync", "futures", n))
+            items.append(Item(f"inline/{n}/await", "throughput", "inline", "await", n))
             items.append(Item(f"async/{n}/await", "throughput", "async", "await", n))
         else:
             items.append(Item(f"sync/{n}/futures", "throughput", "sync", "futures", n))
@@ -199,8 +201,25 @@ _ITEM_BUILDERS = {
     "ps": _ps_items,
 }
 
-_FN_LABELS = {"sync": "def no-op", "async": "async def no-op", "builtin": "torch.add"}
+_STYLES = ("sync", "await")
+_FN_LABELS = {
+    "sync": "def no-op",
+    "inline": "@inline def no-op",
+    "async": "async def no-op",
+    "builtin": "torch.add",
+}
 _STYLE_LABELS = {"sync": "rpc_sync", "await": "await call", "futures": "rpc_async window"}
+
+
+# torch's function for each asyncrpc one: @inline has no torch counterpart, so its rows
+# compare with torch's plain def no-op (what the same user code costs on torch).
+_TORCH_FN = {"sync": "sync", "inline": "sync", "async": "async", "builtin": "builtin"}
+_THROUGHPUT_KINDS = (
+    ("sync", "await"),
+    ("sync", "futures"),
+    ("inline", "await"),
+    ("async", "await"),
+)
 
 
 def _torch_keys(key: str) -> dict[str, str]:
@@ -220,23 +239,23 @@ def _latency_rows(config: BenchConfig) -> list[Row]:
     return [
         Row(
             f"{_FN_LABELS[fn]}, {_STYLE_LABELS[style]}",
-            {"asyncrpc": f"{fn}/{style}", **_torch_keys(f"{fn}/sync"), "floor": "frame"},
+            {"asyncrpc": f"{fn}/{style}", **_torch_keys(f"{_TORCH_FN[fn]}/sync"), "floor": "frame"},
         )
-        for fn in ("sync", "async", "builtin")
-        for style in ("sync", "await")
+        for fn in ("sync", "inline", "async", "builtin")
+        for style in _STYLES
     ]
 
 
 def _throughput_rows(config: BenchConfig) -> list[Row]:
     rows = []
     for n in config.inflight:
-        for fn, style in (("sync", "await"), ("sync", "futures"), ("async", "await")):
+        for fn, style in _THROUGHPUT_KINDS:
             rows.append(
                 Row(
                     f"{n:>3} in flight, {_FN_LABELS[fn]}, {_STYLE_LABELS[style]}",
                     {
                         "asyncrpc": f"{fn}/{n}/{style}",
-                        **_torch_keys(f"{fn}/{n}/futures"),
+                        **_torch_keys(f"{_TORCH_FN[fn]}/{n}/futures"),
                         "floor": f"frame/{n}",
                     },
                 )

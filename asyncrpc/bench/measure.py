@@ -37,6 +37,8 @@ def resolve_function(fn: str, system: str) -> tuple[Callable[..., Any], tuple[An
     """The remote function and arguments of item function ``fn`` for ``system``."""
     if fn == "sync":
         return workloads.noop, ()
+    if fn == "inline":
+        return (workloads.inline_noop if system == "asyncrpc" else workloads.noop), ()
     if fn == "async":
         # torch cannot run coroutines: its equivalent is an @async_execution function.
         return (workloads.async_noop if system == "asyncrpc" else workloads.torch_async_noop), ()

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import torch
 
 from asyncrpc.bench.config import PS_SHAPES
+from asyncrpc.functions import inline
 
 __all__ = [
     "PS_LR",
@@ -41,6 +42,11 @@ except ImportError:  # pragma: no cover - depends on the torch build
 
 def noop() -> None:
     """A synchronous no-op (runs on the callee's thread pool)."""
+
+
+@inline
+def inline_noop() -> None:
+    """A synchronous no-op marked ``@inline`` (runs on asyncrpc's event loop)."""
 
 
 async def async_noop() -> None:
