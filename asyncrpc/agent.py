@@ -472,6 +472,7 @@ class Agent:
             self.rrefs.close()
         await asyncio.sleep(0)  # let the transports flush and call connection_lost
         self.pool.shutdown()
+        await self.pool.stopped(timeout=1.0)
         set_default_callback_loop(None, None)
 
     # -- introspection ---------------------------------------------------------------------

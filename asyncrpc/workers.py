@@ -59,6 +59,7 @@ class WorkerPool:
         self._idle = 0
         self._queued = 0
         self._busy = 0
+        self._running = 0  # threads that have not exited
         self._closed = False
 
     @property
@@ -86,6 +87,7 @@ class WorkerPool:
             start = self._queued > self._idle and self._threads < self.size
             if start:
                 self._threads += 1
+                self._running += 1
                 self._idle += 1
         self._jobs.put(job)
         if start:
@@ -94,6 +96,7 @@ class WorkerPool:
             except RuntimeError as exc:  # "can't create new thread at interpreter shutdown"
                 with self._lock:
                     self._threads -= 1
+                    self._running -= 1
                     self._idle -= 1
                 job.cancel()
                 raise ClosedError(f"worker {self._name!r} cannot start a thread: {exc}") from exc
@@ -144,6 +147,23 @@ class WorkerPool:
         for _ in range(self._threads):
             self._jobs.put(None)
 
+    async def stopped(self, timeout: float) -> bool:
+        """After ``shutdown``: wait up to ``timeout`` s for the threads to exit.
+
+        Threads still running a job when the interpreter exits are daemon threads caught
+        mid-way; waiting for the idle ones here lets them leave cleanly. A job that blocks
+        forever is not waited for beyond ``timeout``.
+
+        Returns:
+            True when every thread has exited.
+        """
+        deadline = self._loop.time() + timeout
+        delay = 0.001
+        while self._running and self._loop.time() < deadline:  # bounded by the deadline
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        return not self._running
+
     def _drain(self) -> None:
         # Clear the flag before draining: an entry appended after this point either is
         # drained below or sees the flag clear and schedules another drain.
@@ -165,6 +185,13 @@ class WorkerPool:
         thread.start()
 
     def _work(self) -> None:
+        try:
+            self._take_jobs()
+        finally:
+            with self._lock:
+                self._running -= 1
+
+    def _take_jobs(self) -> None:
         jobs, lock = self._jobs, self._lock
         while True:  # until shutdown's sentinel or a job taken after shutdown
             job = jobs.get()

@@ -183,3 +183,24 @@ async def test_WorkerPool_thread_start_failure_raises_closed(
     monkeypatch.undo()
     assert await pool.run(int, "7") == 7  # a later submit starts a thread normally
     pool.shutdown()
+
+
+async def test_WorkerPool_stopped_waits_for_idle_threads_not_for_a_blocked_job() -> None:
+    pool = await _pool(4)
+    gate = threading.Event()
+    try:
+        await asyncio.gather(*(pool.run(int) for _ in range(3)))
+        pool.shutdown()
+        assert await pool.stopped(timeout=5.0)
+        assert not any(t.name.startswith("asyncrpc-test") for t in threading.enumerate())
+
+        blocked = await _pool(1)
+        started = threading.Event()
+        blocked.submit(lambda: (started.set(), gate.wait(5.0)))
+        assert await asyncio.to_thread(started.wait, 5.0)
+        blocked.shutdown()
+        assert not await blocked.stopped(timeout=0.05)
+        gate.set()
+        assert await blocked.stopped(timeout=5.0)
+    finally:
+        gate.set()
