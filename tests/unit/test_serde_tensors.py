@@ -17,7 +17,13 @@ with warnings.catch_warnings():
 
     from asyncrpc.errors import SerializationError
     from asyncrpc.serde import Serializer
-    from asyncrpc.serde.tensors import SMALL_TENSOR_BYTES, TENSOR_PID, import_tensor
+    from asyncrpc.serde.tensors import (
+        SMALL_TENSOR_BYTES,
+        TENSOR_PID,
+        import_tensor,
+        rebuild_small_tensor,
+        reduce_small_tensor,
+    )
     from tests.unit import _serde_helpers as helpers
 
 QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
@@ -428,3 +434,12 @@ def test_Serializer_tensor_over_the_limit_goes_as_segment(inlining: Serializer) 
     assert [view.nbytes for view, _ in sent.segments] == [(limit + 1) * 4]
     assert torch.equal(sent.value[0], torch.ones(limit))
     assert torch.equal(sent.value[1], torch.ones(limit + 1))
+
+
+def test_rebuild_small_tensor_malformed_raises_serialization_error() -> None:
+    _, (packed,) = reduce_small_tensor(torch.ones(2, 3))
+    assert torch.equal(rebuild_small_tensor(packed), torch.ones(2, 3))
+    with pytest.raises(SerializationError):
+        rebuild_small_tensor(packed[:5])  # cut inside the layout
+    with pytest.raises(SerializationError):
+        rebuild_small_tensor(b"\x03zzz" + packed[8:])  # an unknown dtype name
