@@ -16,6 +16,7 @@ from typing import Any, Final
 import torch
 
 from asyncrpc.errors import AsyncRpcError, SerializationError
+from asyncrpc.serde.buffers import ReceiveBuffers
 from asyncrpc.serde.reducers import (
     MissingReferenceError,
     ReduceFn,
@@ -28,10 +29,10 @@ from asyncrpc.serde.tensors import (
     TENSOR_PID,
     Segment,
     TensorDescriptor,
-    allocate,
     export_tensor,
     import_tensor,
     is_small_tensor,
+    memory_view,
     reduce_small_tensor,
     reduce_tensor_fallback,
 )
@@ -195,7 +196,7 @@ class Serializer:
     containers), then the reducer registry (exact type), then pickle's own rules.
     """
 
-    __slots__ = ("_inline_bytes", "_persistent_dump", "_persistent_load", "_reducers")
+    __slots__ = ("_buffers", "_inline_bytes", "_persistent_dump", "_persistent_load", "_reducers")
 
     def __init__(
         self,
@@ -216,6 +217,7 @@ class Serializer:
                 into the payload instead of travelling as segments; -1 for none.
         """
         self._inline_bytes = inline_tensor_bytes
+        self._buffers = ReceiveBuffers()
         self._reducers = (default_registry if reducers is None else reducers).table
         self._persistent_dump = persistent_dump
         self._persistent_load = persistent_load
@@ -290,18 +292,23 @@ class Serializer:
                 f"cannot unpickle the payload: {type(exc).__name__}: {exc}"
             ) from exc
 
-    @staticmethod
-    def allocate(nbytes: int, tag: str) -> tuple[object, memoryview]:
+    def allocate(self, nbytes: int, tag: str) -> tuple[object, memoryview]:
         """The wire's ``Allocator``: an uninitialized uint8 tensor and a view of its bytes.
+
+        Large buffers come from a pool and are recycled once no received tensor uses them
+        (see ``asyncrpc.serde.buffers``). Call it from one thread (the agent's loop).
 
         Args:
             nbytes: the segment's length.
-            tag: the segment's tag.
+            tag: the segment's tag (the target device); the bytes land in CPU memory either
+                way and ``loads`` moves them.
 
         Returns:
             ``(owner, writable memoryview of exactly nbytes)``; pass the owners to ``loads``.
         """
-        return allocate(nbytes, tag)
+        del tag  # CPU memory for every tag: the bytes arrive over TCP.
+        owner = self._buffers.allocate(nbytes)
+        return owner, memory_view(owner.data_ptr(), nbytes, writable=True)
 
 
 def _describe_failure(culprit: object, exc: Exception) -> str:

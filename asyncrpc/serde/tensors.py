@@ -8,7 +8,6 @@ buffer its allocator made, without copying the bytes again.
 from __future__ import annotations
 
 import ctypes
-import mmap
 import struct
 from collections.abc import Callable, Mapping
 from typing import Any, Final
@@ -24,7 +23,6 @@ __all__ = [
     "Allocator",
     "Segment",
     "TensorDescriptor",
-    "allocate",
     "export_tensor",
     "import_tensor",
     "is_small_tensor",
@@ -97,47 +95,6 @@ def memory_view(address: int, nbytes: int, *, writable: bool) -> memoryview:
         return memoryview(bytearray())
     view: memoryview = _from_memory(address, nbytes, _PYBUF_WRITE if writable else _PYBUF_READ)
     return view
-
-
-def allocate(nbytes: int, tag: str) -> tuple[torch.Tensor, memoryview]:
-    """Allocate a receive buffer for one segment: the wire's ``Allocator``.
-
-    ``torch.empty``, never zero-filled: the wire overwrites every byte. The owner is a flat
-    uint8 tensor, so ``import_tensor`` can view it as the sent tensor without a copy.
-
-    Args:
-        nbytes: the segment's length.
-        tag: the segment's tag (the target device); the bytes land in CPU memory either way
-            and ``import_tensor`` moves them.
-
-    Returns:
-        ``(owner, writable memoryview of exactly nbytes over the owner's memory)``.
-    """
-    del tag  # CPU memory for every tag: the bytes arrive over TCP.
-    if nbytes >= _HUGE_PAGE_MIN and _HUGE_PAGES:
-        owner = _huge_page_buffer(nbytes)
-    else:
-        owner = torch.empty(nbytes, dtype=_UINT8)
-    return owner, memory_view(owner.data_ptr(), nbytes, writable=True)
-
-
-# Fresh memory costs one page fault per 4 KiB page as the socket fills it: a 64 MiB receive
-# into ``torch.empty`` spent ~36 ms faulting, against ~3 ms in 2 MiB transparent huge pages.
-# Linux only grants those to mappings that ask (``madvise`` mode is the usual default).
-# Below 32 MiB (glibc's largest dynamic mmap threshold) malloc recycles freed heap memory,
-# which is cheaper still once warm, so smaller buffers stay with torch's allocator.
-_HUGE_PAGES: Final = hasattr(mmap, "MADV_HUGEPAGE")
-_HUGE_PAGE_MIN: Final = 32 << 20
-
-
-def _huge_page_buffer(nbytes: int) -> torch.Tensor:
-    """A uint8 tensor over a private anonymous mapping that asks for transparent huge pages.
-
-    The tensor holds the mapping; it is unmapped when the last view of the tensor goes.
-    """
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(region, dtype=_UINT8)
 
 
 def export_tensor(
