@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import gc
-import mmap
 import warnings
-import weakref
 from typing import Any
 
 import pytest
