@@ -116,7 +116,7 @@ class Future(Generic[T]):
     __slots__ = (
         "_callbacks",
         "_cancel_hook",
-        "_event",
+        "_gate",
         "_hooks",
         "_lock",
         "_loop",
@@ -136,7 +136,8 @@ class Future(Generic[T]):
         self._tb: types.TracebackType | None = None
         self._callbacks: list[Callable[[Future[T]], object]] | None = None
         self._hooks: list[_Hook[T]] | None = None
-        self._event: threading.Event | None = None
+        # Held (locked) while pending once a thread blocks on it; released on completion.
+        self._gate: threading.Lock | None = None
         self._loop = loop
         self._lock = threading.Lock()
         # Set by the agent to cancel the remote call when this future is cancelled.
@@ -201,15 +202,21 @@ class Future(Generic[T]):
         return self.wait(timeout)
 
     def _block(self, timeout: float | None) -> bool:
-        # The Event is made only when somebody really blocks: most futures are awaited.
+        # The gate is made only when somebody really blocks: most futures are awaited. A
+        # bare lock is the cheapest thing a thread can sleep on (an Event is a Condition,
+        # which allocates a lock per wait and takes two more).
         check_not_blocking_loop()
         with self._lock:
             if self._state != _PENDING:
                 return True
-            event = self._event
-            if event is None:
-                event = self._event = threading.Event()
-        return event.wait(timeout)
+            gate = self._gate
+            if gate is None:
+                gate = self._gate = threading.Lock()
+                gate.acquire()
+        if not gate.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            return False
+        gate.release()  # pass it on: other threads may be waiting on the same future
+        return True
 
     # -- completion ----------------------------------------------------------------------------
 
@@ -276,10 +283,10 @@ class Future(Generic[T]):
             self._state = state
             hooks = self._hooks
             self._hooks = None
-            event = self._event
+            gate = self._gate
             drain = self._callbacks is not None
-        if event is not None:
-            event.set()
+        if gate is not None:
+            gate.release()
         if hooks is not None:
             self._run_hooks(hooks)
         if drain:
