@@ -82,6 +82,8 @@ class Agent:
         self._ranks_by_name: dict[str, int] = {}
         self._early_hellos: list[tuple[Connection, Hello]] = []
         self._connections: set[Connection] = set()
+        # Frames waiting for a connection to be made, by peer, in the order they were sent.
+        self._unsent: dict[int, list[tuple[list[Any], int, object]]] = {}
         self._server: asyncio.Server | None = None
         self.closed = False
         self.lifecycle = Lifecycle(self)
@@ -287,30 +289,46 @@ class Agent:
         self.send_to(call.peer, pieces, call_id, call.keepalive)
 
     def send_to(self, rank: int, pieces: list[Any], call_id: int = 0, keep: object = None) -> None:
-        """Write a frame to ``rank``, connecting first if needed; failures fail ``call_id``."""
-        peer = self.peers.peers.get(rank) if self.peers is not None else None
+        """Write a frame to ``rank``, connecting first if needed; failures fail ``call_id``.
+
+        Frames to one peer leave in the order they were sent, also while the connection is
+        being made: a frame sent then waits behind the ones already waiting for it.
+        """
         if rank == self.rank:
             self.lifecycle.loopback.send(pieces)
             return
+        waiting = self._unsent.get(rank)
+        if waiting is not None:
+            waiting.append((pieces, call_id, keep))
+            return
+        peer = self.peers.peers.get(rank) if self.peers is not None else None
         if peer is not None and peer.conn is not None and not peer.conn.closed:
             peer.conn.send(pieces, keep)
             return
-        self.loop.create_task(self._send_when_connected(rank, pieces, call_id, keep))
+        self._unsent[rank] = [(pieces, call_id, keep)]
+        self.loop.create_task(self._send_when_connected(rank))
 
-    async def _send_when_connected(
-        self, rank: int, pieces: list[Any], call_id: int, keep: object
-    ) -> None:
+    async def _send_when_connected(self, rank: int) -> None:
         assert self.peers is not None
+        waiting, sent = self._unsent[rank], 0
         try:
             conn = await self.peers.connection(rank)
-            conn.send(pieces, keep)
+            for pieces, _, keep in waiting:  # no await inside: the list no longer grows
+                conn.send(pieces, keep)
+                sent += 1
         except (ConnectionError, OSError) as exc:
-            call = self.pending.pop(call_id)
-            if call is not None:
-                self.counters.calls_failed += 1
-                call.fail(exc)
-            else:
-                _log.warning("could not send to %s: %s", self.addresses[rank].name, exc)
+            for _, call_id, _ in waiting[sent:]:
+                self._fail_unsent(rank, call_id, exc)
+        finally:
+            del self._unsent[rank]  # from now on frames go straight to the connection
+
+    def _fail_unsent(self, rank: int, call_id: int, exc: BaseException) -> None:
+        call = self.pending.pop(call_id) if call_id else None
+        if call is not None:
+            self.counters.calls_failed += 1
+            call.fail(exc)
+        else:
+            _log.warning("could not send to %s: %s", self.addresses[rank].name, exc)
 
     def write(self, conn: Connection, pieces: list[Any], keep: object = None) -> None:
         """Write a frame on ``conn``; a closed connection drops it (the peer is gone)."""

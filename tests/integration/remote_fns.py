@@ -133,6 +133,19 @@ def inline_thread_kind() -> str:
     return thread_kind()
 
 
+_arrivals: list[int] = []
+
+
+@inline
+def inline_record(i: int) -> None:
+    """Record ``i`` in the order calls arrive (inline: run by the loop as they are read)."""
+    _arrivals.append(i)
+
+
+def arrivals() -> list[int]:
+    return list(_arrivals)
+
+
 @inline
 def inline_raises(message: str) -> None:
     raise CustomError(message)

@@ -184,6 +184,29 @@ def member(args: argparse.Namespace) -> int:
     return 0 if obs["shutdown"]["error"] is None else 3
 
 
+# -- scenario: calls sent while the first connection is being made ------------------------
+
+
+def first_calls_in_order(args: argparse.Namespace) -> int:
+    """Rank 0 of {driver, w1}: fire many calls to w1 before any connection to it exists.
+
+    The first ones wait for the connection; the later ones find it made. Observes the order
+    in which w1's loop ran them (an ``@inline`` function records each as it is read).
+    """
+    from tests.integration import remote_fns as fns
+
+    asyncrpc.init_rpc("driver", rank=0, world_size=2, rpc_backend_options=_options(args))
+    futures = []
+    for i in range(400):  # paced: the calls straddle the moment the connection is made
+        futures.append(asyncrpc.rpc_async("w1", fns.inline_record, args=(i,)))
+        time.sleep(0.0001)
+    obs: Observations = {"calls": _attempt(lambda: asyncrpc.wait_all(futures) and None)}
+    obs["arrivals"] = asyncrpc.rpc_sync("w1", fns.arrivals)
+    obs["shutdown"] = _attempt(lambda: asyncrpc.shutdown(timeout=args.shutdown_timeout))
+    _report(obs)
+    return 0
+
+
 # -- scenario: the asyncio style (the agent on the program's own loop) ---------------------
 
 
@@ -262,6 +285,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], int]] = {
     "member": member,
     "asyncio_style": asyncio_style,
     "not_initialized": not_initialized,
+    "first_calls_in_order": first_calls_in_order,
 }
 
 

@@ -222,3 +222,17 @@ def test_rpc_sync_before_init_and_after_shutdown_raises_not_initialized() -> Non
     assert "RuntimeError" in obs["before"]["mro"]  # torch raised RuntimeError here
     assert obs["during"] == 3
     assert obs["after"]["type"] == "NotInitializedError"
+
+
+def test_calls_sent_while_connecting_arrive_in_order(tmp_path: Path) -> None:
+    # Calls fired before the first connection exists wait for it; calls fired once it is
+    # made must not overtake them (a fetch must never arrive before its remote()).
+    init = f"tcp://127.0.0.1:{free_port()}"
+    worker = spawn_worker("w1", 1, 2, init, log_dir=tmp_path, rpc_timeout=10.0,
+                          shutdown_timeout=10.0)  # fmt: skip
+    with _started([("first_calls_in_order", ["--init-method", init], None)], [worker]) as ps:
+        code, obs = ps[0].result(30.0)
+    assert code == 0, ps[0].text()
+    assert obs["calls"]["error"] is None, obs
+    assert obs["arrivals"] == list(range(400))
+    assert obs["shutdown"]["error"] is None, obs
