@@ -121,8 +121,13 @@ class RRef(Generic[T]):
         self._ctx.check_usable(self)
         if self._value is not None:
             return self._value
-        call = self._ctx.agent.call_future(self._owner, _fetch, (self,), {}, timeout)
-        return call.then(functools.partial(_owner_lost_as_rref_error, self.owner_name()))
+        # By id, not by pickling the RRef: a fork to the owner would cost the owner an
+        # extra acknowledgement message and both sides reference-counting work. Frames to
+        # one peer arrive in order, so the owner has seen the remote() that made this id.
+        call = self._ctx.agent.call_future(self._owner, _fetch, tuple(self._rref_id), {}, timeout)
+        # The callback holds this RRef until the reply: its release (a message behind the
+        # fetch) must not let the owner free the value before the fetch has read it.
+        return call.then(functools.partial(_fetched, self.owner_name(), self))
 
     def to_here(self, timeout: float = UNSET_RPC_TIMEOUT) -> T:
         """Fetch a copy of the value, blocking (torch's ``to_here``).
@@ -195,12 +200,20 @@ async def _owner_value(value: Future[Any]) -> Any:
         raise copy.copy(exc).with_traceback(None) from None
 
 
-async def _fetch(rref: RRef[Any]) -> Any:
-    """Runs on the owner: the value behind ``rref`` once it exists."""
-    value = rref._value
-    assert value is not None
-    del rref  # see _owner_value: no frame of a failing fetch may hold the handle
-    return await _owner_value(value)
+def _fetched(owner: str, rref: RRef[Any], done: Future[Any]) -> Any:
+    del rref  # held only until the reply came
+    return _owner_lost_as_rref_error(owner, done)
+
+
+async def _fetch(worker_id: int, local_id: int) -> Any:
+    """Runs on the owner: the value of the RRef with this id, once it exists.
+
+    The caller holds a user reference until the reply, so the owner still counts it (or
+    the parent fork that is handing it over) and has not freed the value.
+    """
+    ctx = current_agent().rrefs
+    assert ctx is not None
+    return await _owner_value(ctx.owned_value(worker_id, local_id))
 
 
 async def _invoke_method(

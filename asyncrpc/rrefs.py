@@ -181,6 +181,20 @@ class RRefContext:
             traceback.clear_frames(value.__traceback__)
             future.set_exception(value)
 
+    def owned_value(self, worker_id: int, local_id: int) -> Future[Any]:
+        """The future of a value owned here, by its RRef id (``to_here`` fetches by id).
+
+        Raises:
+            RRefError: this worker owns no such value (freed, or never created here).
+        """
+        value = self._values.get(RRefId(worker_id, local_id))
+        if value is None:
+            raise RRefError(
+                f"worker {self.agent.name!r} owns no RRef {(worker_id, local_id)}: "
+                "it was freed or never created here"
+            )
+        return value
+
     # -- pickling (serializer hooks) -------------------------------------------------------
 
     def dump(self, obj: object, dest: object) -> tuple[Any, ...] | None:
