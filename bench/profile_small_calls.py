@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import concurrent.futures
 import cProfile
 import json
 import os
@@ -26,10 +25,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import asyncrpc
-from asyncrpc._current import current_agent
 from asyncrpc.bench import measure, workloads
 from asyncrpc.bench.config import Item
 from asyncrpc.loopthread import new_event_loop
@@ -53,19 +50,7 @@ def _patch_default_write_limits() -> None:
     transport.Connection.connection_made = connection_made  # type: ignore[method-assign]
 
 
-class _InlinePool:
-    """Experiment: run `def` functions on the loop thread instead of the thread pool."""
-
-    def __init__(self, pool: concurrent.futures.ThreadPoolExecutor) -> None:
-        self._pool = pool
-
-    def submit(self, fn: Any, *args: Any) -> concurrent.futures.Future[Any]:
-        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        done.set_result(fn(*args))
-        return done
-
-
-EXPERIMENTS = ("write-limits", "inline-def", "no-timeout", "switch-0.1ms")
+EXPERIMENTS = ("write-limits", "no-timeout", "switch-0.1ms")
 
 
 def _apply_experiments(names: list[str]) -> None:
@@ -83,9 +68,6 @@ async def _role_main(args: argparse.Namespace) -> None:
         init_method=args.init_method, shutdown_timeout=300, rpc_timeout=timeout
     )
     await asyncrpc.init_rpc_async(args.role, rank=rank, world_size=2, rpc_backend_options=options)
-    if "inline-def" in args.experiment:
-        dispatcher = current_agent().dispatcher
-        dispatcher._pool = _InlinePool(dispatcher._pool)  # type: ignore[assignment]
     if args.role == "client":
         await _client(args)
     await asyncrpc.shutdown_async()
@@ -223,7 +205,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--role", choices=("server", "client"), help=argparse.SUPPRESS)
     p.add_argument("--init-method", help=argparse.SUPPRESS)
-    p.add_argument("--fn", choices=("sync", "async", "builtin"), default="sync")
+    p.add_argument("--fn", choices=("sync", "inline", "async", "builtin"), default="sync")
     p.add_argument("--style", choices=("await", "sync"), default="await")
     p.add_argument("--inflight", type=int, default=1)
     p.add_argument("--seconds", type=float, default=10.0)

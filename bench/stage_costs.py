@@ -30,6 +30,7 @@ from asyncrpc.loopthread import new_event_loop
 from asyncrpc.testing import free_port
 from asyncrpc.wire import FrameDecoder, encode_frame
 from asyncrpc.wire.messages import Reply, Request, decode_message
+from asyncrpc.workers import WorkerPool
 
 N = 20000
 
@@ -96,9 +97,17 @@ async def handoff_stages() -> dict[str, float]:
         await fut
 
     async def via_pool() -> None:
-        # What the callee does for a `def` function: pool.submit, run, call_soon_threadsafe.
+        # What the callee did for a `def` function before WorkerPool: ThreadPoolExecutor.
         fut = loop.create_future()
         pool.submit(lambda: loop.call_soon_threadsafe(fut.set_result, None))
+        await fut
+
+    workers = WorkerPool(16, loop, "stages")
+
+    async def via_workers() -> None:
+        # What the callee does now: WorkerPool.submit, run, post back (batched wake-ups).
+        fut = loop.create_future()
+        workers.submit(lambda: workers.post(fut.set_result, None))
         await fut
 
     def thread_round_trips(n: int = 3000) -> float:
@@ -115,11 +124,14 @@ async def handoff_stages() -> dict[str, float]:
 
     result = {
         "loop only: create_future + call_soon + await": await _median_us(loop_only),
-        "callee def hop: loop -> pool thread -> loop (p50)": await _median_us(via_pool),
+        "callee def hop, ThreadPoolExecutor: loop -> thread -> loop (p50)":
+            await _median_us(via_pool),
+        "callee def hop, WorkerPool: loop -> thread -> loop (p50)": await _median_us(via_workers),
         "caller rpc_sync hop: thread -> loop -> Future.wait (p50)":
             await asyncio.to_thread(thread_round_trips),
     }  # fmt: skip
     pool.shutdown()
+    workers.shutdown()
     return result
 
 
