@@ -47,7 +47,6 @@ TensorDescriptor = tuple[int, int, str, tuple[int, ...], tuple[int, ...], int, b
 # serializer's persistent_dump hook (whose own tuple is then the second field).
 TENSOR_PID: Final = 0
 HOOK_PID: Final = 1
-_SMALL_PID: Final = 2  # a small tensor's descriptor: its bytes are in the pickle
 
 SMALL_TENSOR_BYTES: Final = 4096
 """Dense CPU tensors up to this size travel inside the pickle, not as segments."""
@@ -177,32 +176,54 @@ def reduce_small_tensor(tensor: torch.Tensor) -> tuple[Any, ...]:
     as one object.
     """
     flags = tensor.requires_grad | (type(tensor) is _Parameter) << 1
-    tensor, stride, view = _resolved_span(tensor)
+    if tensor.is_conj():
+        tensor = tensor.resolve_conj()
+    if tensor.is_neg():
+        tensor = tensor.resolve_neg()
+    stride: tuple[int, ...] = tensor.stride()
+    span = _span(tensor, stride)
+    if span > tensor.numel():
+        tensor = tensor.contiguous()
+        stride = tensor.stride()
+        span = tensor.numel()
     name = _DTYPE_NAMES[tensor.dtype].encode()
     ndim = tensor.dim()
     layout = struct.pack(f"<B{len(name)}sBB{2 * ndim}q", len(name), name, ndim, flags,
                          *tensor.shape, *stride)  # fmt: skip
-    return rebuild_small_tensor, (layout + view.tobytes(),)
+    data = ctypes.string_at(tensor.data_ptr(), span * tensor.element_size()) if span else b""
+    return rebuild_small_tensor, (layout + data,)
 
 
 def rebuild_small_tensor(packed: bytes) -> torch.Tensor:
     """Rebuild a tensor ``reduce_small_tensor`` packed (into a copy of its bytes).
+
+    Uses as few torch calls as it can: each goes through torch's dispatcher, which costs
+    several µs when its code is cold, as it is between two messages.
 
     Raises:
         SerializationError: the packed layout is malformed or names an unknown dtype.
     """
     try:
         name_len = packed[0]
-        name = packed[1 : 1 + name_len].decode()
+        dtype = _DTYPES[packed[1 : 1 + name_len].decode()]
         ndim, flags = packed[1 + name_len], packed[2 + name_len]
         offset = 3 + name_len
         dims = struct.unpack_from(f"<{2 * ndim}q", packed, offset)
-    except (IndexError, UnicodeDecodeError, struct.error) as exc:
+    except (IndexError, KeyError, UnicodeDecodeError, struct.error) as exc:
         raise SerializationError(f"malformed small tensor: {exc}") from exc
     shape, stride = dims[:ndim], dims[ndim:]
     data = bytearray(memoryview(packed)[offset + 16 * ndim :])
-    descriptor = (_SMALL_PID, 0, name, shape, stride, 0, bool(flags & 1), bool(flags & 2), "cpu")
-    return import_tensor(descriptor, data)
+    if not data:
+        tensor = torch.empty(shape, dtype=dtype).as_strided(shape, stride)
+    else:
+        tensor = torch.frombuffer(data, dtype=dtype)
+        if ndim != 1 or stride != (1,) or shape[0] != tensor.numel():
+            tensor = tensor.as_strided(shape, stride)
+    if flags & 2:
+        return _Parameter(tensor, requires_grad=bool(flags & 1))
+    if flags & 1:
+        tensor.requires_grad_(True)
+    return tensor
 
 
 def _span(tensor: torch.Tensor, stride: tuple[int, ...]) -> int:

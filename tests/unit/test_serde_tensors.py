@@ -434,3 +434,13 @@ def test_rebuild_small_tensor_malformed_raises_serialization_error() -> None:
         rebuild_small_tensor(packed[:5])  # cut inside the layout
     with pytest.raises(SerializationError):
         rebuild_small_tensor(b"\x03zzz" + packed[8:])  # an unknown dtype name
+
+
+def test_Serializer_small_tensor_edge_shapes(inlining: Serializer) -> None:
+    scalar, empty, gapped = torch.tensor(3.5), torch.empty(0, 3), torch.ones(4, 3)[:, 1]
+    sent = roundtrip(inlining, [scalar, empty, gapped])
+    assert sent.segments == []
+    assert sent.value[0].shape == ()
+    assert sent.value[0].item() == 3.5
+    assert sent.value[1].shape == (0, 3)
+    assert torch.equal(sent.value[2], gapped)
