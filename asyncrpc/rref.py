@@ -121,10 +121,16 @@ class RRef(Generic[T]):
         self._ctx.check_usable(self)
         if self._value is not None:
             return self._value
-        # By id, not by pickling the RRef: a fork to the owner would cost the owner an
-        # extra acknowledgement message and both sides reference-counting work. Frames to
-        # one peer arrive in order, so the owner has seen the remote() that made this id.
-        call = self._ctx.agent.call_future(self._owner, _fetch, tuple(self._rref_id), {}, timeout)
+        agent = self._ctx.agent
+        if self._rref_id.worker == agent.rank:
+            # We made it with remote(): fetch by id, not by pickling the RRef, whose fork
+            # to the owner costs an acknowledgement frame and bookkeeping on both sides.
+            # Frames to one peer arrive in order, so the owner has read our remote().
+            call = agent.call_future(self._owner, _fetch, tuple(self._rref_id), {}, timeout)
+        else:
+            # Made by another worker: its remote() may still be on the way to the owner
+            # (a large frame, another connection); the pickled fork waits for the value.
+            call = agent.call_future(self._owner, _fetch_forked, (self,), {}, timeout)
         # The callback holds this RRef until the reply: its release (a message behind the
         # fetch) must not let the owner free the value before the fetch has read it.
         return call.then(functools.partial(_fetched, self.owner_name(), self))
@@ -203,6 +209,14 @@ async def _owner_value(value: Future[Any]) -> Any:
 def _fetched(owner: str, rref: RRef[Any], done: Future[Any]) -> Any:
     del rref  # held only until the reply came
     return _owner_lost_as_rref_error(owner, done)
+
+
+async def _fetch_forked(rref: RRef[Any]) -> Any:
+    """Runs on the owner: the value behind ``rref`` (unpickled here as the owner's own)."""
+    value = rref._value
+    assert value is not None
+    del rref  # see _owner_value: no frame of a failing fetch may hold the handle
+    return await _owner_value(value)
 
 
 async def _fetch(worker_id: int, local_id: int) -> Any:

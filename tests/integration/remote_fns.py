@@ -319,6 +319,10 @@ def fetch(rref: asyncrpc.RRef[Any]) -> Any:
     return rref.to_here()
 
 
+def total(tensor: torch.Tensor) -> float:
+    return float(tensor.sum())
+
+
 def forward_to(rref: asyncrpc.RRef[Any], to: str) -> Any:
     """A user passes the RRef on to a third worker (a user-to-user fork)."""
     return asyncrpc.rpc_sync(to, fetch, args=(rref,))

@@ -118,6 +118,14 @@ def test_fork_user_to_user_to_third_then_dropped_everywhere(group: Group) -> Non
         ), worker
 
 
+def test_to_here_by_a_third_worker_while_the_remote_is_still_arriving(group: Group) -> None:
+    # w2 fetches an RRef the driver made while w1 is still reading the driver's 64 MiB
+    # remote() frame: w2's fetch must wait for the value, not fail on an unknown RRef.
+    rref = asyncrpc.remote("w1", fns.total, args=(torch.ones(16 << 20),))
+    assert asyncrpc.rpc_sync("w2", fns.fetch, args=(rref,)) == float(16 << 20)
+    assert rref.to_here() == float(16 << 20)  # and the creator fetches it by id
+
+
 def test_rrefs_inside_nested_containers(group: Group) -> None:
     tree = {
         "list": [asyncrpc.remote("w1", fns.add, args=(1, 1)), asyncrpc.RRef(3)],
