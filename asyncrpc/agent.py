@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -198,8 +199,16 @@ class Agent:
         return WorkerInfo(self.addresses[rank].name, rank)
 
     def effective_timeout(self, timeout: float) -> float:
-        """torch's rule: a negative timeout means the default, 0 means none."""
-        return self.options.rpc_timeout if timeout < 0 or timeout == UNSET_RPC_TIMEOUT else timeout
+        """torch's rule: a negative timeout means the default, 0 means none (so does inf).
+
+        Raises:
+            ValueError: the timeout is NaN.
+        """
+        if math.isnan(timeout):
+            raise ValueError("the timeout is NaN")
+        if timeout < 0 or timeout == UNSET_RPC_TIMEOUT:
+            return self.options.rpc_timeout
+        return 0.0 if math.isinf(timeout) else timeout
 
     def request_device_map(self, rank: int) -> dict[str, str] | None:
         maps = self.options.device_maps
@@ -313,9 +322,11 @@ class Agent:
         waiting, sent = self._unsent[rank], 0
         try:
             conn = await self.peers.connection(rank)
-            for pieces, _, keep in waiting:  # no await inside: the list no longer grows
-                conn.send(pieces, keep)
+            for pieces, call_id, keep in waiting:  # no await inside: the list stays as is
                 sent += 1
+                if call_id and call_id not in self.pending:
+                    continue  # timed out or cancelled while waiting: the callee never runs it
+                conn.send(pieces, keep)
         except (ConnectionError, OSError) as exc:
             for _, call_id, _ in waiting[sent:]:
                 self._fail_unsent(rank, call_id, exc)
@@ -355,6 +366,8 @@ class Agent:
         self._send_cancel(call.peer, call_id)
 
     def _send_cancel(self, rank: int, call_id: int) -> None:
+        if rank != self.rank and rank in self._unsent:
+            return  # its request still waits for the connection and will be skipped
         peer = self.peers.peers.get(rank) if self.peers is not None else None
         if rank == self.rank:
             self.lifecycle.loopback.send(encode_frame(Cancel(call_id).to_fields(), b""))

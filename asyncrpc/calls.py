@@ -38,12 +38,17 @@ class PendingCall:
 
     def resolve(self, value: Any) -> None:
         waiter = self.waiter
-        if not waiter.done():
+        if isinstance(waiter, Future):
+            # Not done()-then-set: the caller's thread may cancel it in between.
+            waiter._try_set_result(value)
+        elif not waiter.done():
             waiter.set_result(value)
 
     def fail(self, exc: BaseException) -> None:
         waiter = self.waiter
-        if not waiter.done():
+        if isinstance(waiter, Future):
+            waiter._try_set_exception(exc)
+        elif not waiter.done():
             waiter.set_exception(exc)
 
 
@@ -86,8 +91,16 @@ class Deadlines:
     def discard(self, call_id: int, slot: int) -> None:
         """The call ended: it no longer expires."""
         ids = self._slots.get(slot)
-        if ids is not None:
-            ids.discard(call_id)
+        if ids is None:
+            return
+        ids.discard(call_id)
+        if not ids:
+            # Memory follows the calls in flight, not the timeout's length: drop the slot,
+            # and rebuild the heap once most of its entries name dropped slots.
+            del self._slots[slot]
+            if len(self._order) > 2 * len(self._slots) + 64:
+                self._order = list(self._slots)
+                heapq.heapify(self._order)
 
     def close(self) -> None:
         if self._timer is not None:
@@ -105,15 +118,25 @@ class Deadlines:
     def _fire(self) -> None:
         self._timer = None
         due = (self._loop.time() + 0.001) / self.RESOLUTION  # loop timers may run ~1 ms early
-        order, slots = self._order, self._slots
-        while order and order[0] <= due:  # bounded by the heap
-            expired = slots.pop(heapq.heappop(order), None)
-            for call_id in sorted(expired or ()):
-                self._expire(call_id)  # pops the call; its discard finds no slot
-        while order and not slots.get(order[0]):  # drop emptied slots (bounded by the heap)
-            slots.pop(heapq.heappop(order), None)
-        if order:
-            self._arm(order[0])
+        try:
+            while self._order and self._order[0] <= due:  # bounded by the heap
+                expired = self._slots.pop(heapq.heappop(self._order), None)
+                for call_id in sorted(expired or ()):
+                    self._expire_one(call_id)
+        finally:  # whatever happened, the calls still pending keep a timer
+            order, slots = self._order, self._slots
+            while order and not slots.get(order[0]):  # drop emptied slots (bounded)
+                slots.pop(heapq.heappop(order), None)
+            if order and self._timer is None:
+                self._arm(order[0])
+
+    def _expire_one(self, call_id: int) -> None:
+        try:
+            self._expire(call_id)  # pops the call; its discard finds no slot
+        except Exception as exc:  # one failure must not strand the other calls' timeouts
+            self._loop.call_exception_handler(
+                {"message": f"asyncrpc: expiring call {call_id} failed", "exception": exc}
+            )
 
 
 class PendingCalls:
@@ -132,9 +155,12 @@ class PendingCalls:
         return len(self._calls)
 
     def add(self, call_id: int, call: PendingCall) -> None:
-        self._calls[call_id] = call
-        if call.timeout > 0:
+        if call.timeout > 0:  # first: a failure here leaves nothing registered
             call.slot = self.deadlines.add(call_id, call.timeout)
+        self._calls[call_id] = call
+
+    def __contains__(self, call_id: int) -> bool:
+        return call_id in self._calls
 
     def pop(self, call_id: int) -> PendingCall | None:
         call = self._calls.pop(call_id, None)

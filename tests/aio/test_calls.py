@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -95,3 +96,42 @@ async def test_PendingCalls_pop_peer_and_pop_all_return_each_call_once() -> None
     assert sorted(c.peer for c in calls.pop_peer(1)) == [1, 1]
     assert [c.peer for c in calls.pop_all()] == [2]
     assert len(calls) == 0
+
+
+async def test_Deadlines_memory_follows_calls_in_flight_not_the_timeout() -> None:
+    expiry = Expiry()
+    deadlines = Deadlines(expiry.loop, expiry)
+    for call_id in range(1, 5001):  # finished calls with a long timeout, 10 ms apart in slots
+        slot = deadlines.add(call_id, 3600.0 + call_id * Deadlines.RESOLUTION)
+        deadlines.discard(call_id, slot)
+    assert deadlines._slots == {}
+    assert len(deadlines._order) <= 64 + 1
+    deadlines.close()
+
+
+async def test_Deadlines_failing_expiry_does_not_strand_other_calls() -> None:
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    expired: list[int] = []
+    done = asyncio.Event()
+
+    def expire(call_id: int) -> None:
+        if call_id == 1:
+            raise RuntimeError("expiry failed")
+        expired.append(call_id)
+        if call_id == 3:
+            done.set()
+
+    deadlines = Deadlines(loop, expire)
+    try:
+        deadlines.add(1, 0.02)
+        deadlines.add(2, 0.02)  # (almost always) the failing call's slot
+        deadlines.add(3, 0.15)  # a later slot: needs the timer re-armed after the failure
+        async with asyncio.timeout(5):
+            await done.wait()
+        assert expired == [2, 3]
+        assert isinstance(errors[0]["exception"], RuntimeError)
+    finally:
+        loop.set_exception_handler(None)
+        deadlines.close()

@@ -69,6 +69,13 @@ def test_zero_timeout_means_none(group: Group) -> None:
     assert asyncrpc.rpc_sync("w3", fns.sleep, args=(0.3,), timeout=0) == "slept"
 
 
+def test_infinite_timeout_means_none_and_nan_is_refused(group: Group) -> None:
+    assert asyncrpc.rpc_sync("w3", fns.sleep, args=(0.05,), timeout=float("inf")) == "slept"
+    assert asyncrpc.remote("w3", fns.add, args=(1, 2), timeout=float("inf")).to_here() == 3
+    with pytest.raises(ValueError, match="NaN"):
+        asyncrpc.rpc_sync("w3", fns.add, args=(1, 2), timeout=float("nan"))
+
+
 def test_unknown_worker(group: Group) -> None:
     with pytest.raises(UnknownWorkerError):
         asyncrpc.rpc_sync("nobody", fns.add, args=(1, 2))
