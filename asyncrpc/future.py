@@ -213,10 +213,13 @@ class Future(Generic[T]):
             if gate is None:
                 gate = self._gate = threading.Lock()
                 gate.acquire()
-        if not gate.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
-            return False
-        gate.release()  # pass it on: other threads may be waiting on the same future
-        return True
+        acquired = False
+        try:
+            acquired = gate.acquire(timeout=-1 if timeout is None else max(timeout, 0.0))
+        finally:
+            if acquired:  # even if interrupted right after: never keep the gate
+                gate.release()  # pass it on: other threads may wait on the same future
+        return acquired
 
     # -- completion ----------------------------------------------------------------------------
 

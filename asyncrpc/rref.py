@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from asyncrpc._current import current_agent
 from asyncrpc.errors import PeerLostError, RRefError, RRefOwnerLostError
-from asyncrpc.functions import is_async_execution, is_coroutine_function
+from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
 from asyncrpc.future import Future
 from asyncrpc.options import UNSET_RPC_TIMEOUT, WorkerInfo
 
@@ -245,6 +245,13 @@ async def _invoke_method(
     method = getattr(value, name)
     if is_coroutine_function(method):
         return await method(*args, **kwargs)
+    if is_inline(method):
+        result = method(*args, **kwargs)
+        if is_async_execution(method):
+            from asyncrpc.dispatch import await_async_result
+
+            return await await_async_result(result)
+        return result
     if is_async_execution(method):
         from asyncrpc.dispatch import await_async_result
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import queue
 import threading
@@ -24,14 +25,18 @@ _log = logging.getLogger("asyncrpc.workers")
 
 
 class Job:
-    """A submitted function call; ``cancel()`` drops it if no thread has started it."""
+    """A submitted function call; ``cancel()`` drops it if no thread has started it.
 
-    __slots__ = ("args", "cancelled", "fn")
+    ``dropped``, if set, is posted to the loop when shutdown drops the job unrun.
+    """
+
+    __slots__ = ("args", "cancelled", "dropped", "fn")
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         self.fn = fn
         self.args = args
         self.cancelled = False
+        self.dropped: Callable[[], None] | None = None
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -134,6 +139,9 @@ class WorkerPool:
             self.post(settle, True, value)
 
         job = self.submit(work)
+        job.dropped = functools.partial(
+            settle, False, ClosedError(f"the thread pool of worker {self._name!r} shut down")
+        )
         try:
             return await future
         finally:
@@ -144,8 +152,19 @@ class WorkerPool:
         if self._closed:
             return
         self._closed = True
+        while True:  # bounded: nothing is queued once closed
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self._drop(job)
         for _ in range(self._threads):
             self._jobs.put(None)
+
+    def _drop(self, job: Job) -> None:
+        if not job.cancelled and job.dropped is not None:
+            self.post(job.dropped)
 
     async def stopped(self, timeout: float) -> bool:
         """After ``shutdown``: wait up to ``timeout`` s for the threads to exit.
@@ -169,14 +188,19 @@ class WorkerPool:
         # drained below or sees the flag clear and schedules another drain.
         self._wakeup_pending = False
         done = self._done
-        for _ in range(len(done)):  # bounded: later entries wait for the next drain
-            callback, args = done.popleft()
-            try:
-                callback(*args)
-            except Exception as exc:  # one failing callback must not strand the rest
-                self._loop.call_exception_handler(
-                    {"message": f"asyncrpc: {callback!r} failed", "exception": exc}
-                )
+        try:
+            for _ in range(len(done)):  # bounded: later entries wait for the next drain
+                callback, args = done.popleft()
+                try:
+                    callback(*args)
+                except Exception as exc:  # one failing callback must not strand the rest
+                    self._loop.call_exception_handler(
+                        {"message": f"asyncrpc: {callback!r} failed", "exception": exc}
+                    )
+        finally:  # a KeyboardInterrupt mid-way: what is left gets another drain
+            if done and not self._wakeup_pending:
+                self._wakeup_pending = True
+                self._loop.call_soon(self._drain)
 
     def _start_thread(self) -> None:
         thread = threading.Thread(
@@ -195,7 +219,10 @@ class WorkerPool:
         jobs, lock = self._jobs, self._lock
         while True:  # until shutdown's sentinel or a job taken after shutdown
             job = jobs.get()
-            if job is None or self._closed:
+            if job is None:
+                return
+            if self._closed:
+                self._drop(job)
                 return
             with lock:
                 self._queued -= 1

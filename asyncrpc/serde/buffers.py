@@ -11,6 +11,7 @@ recycles itself below 32 MiB (its largest dynamic mmap threshold).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import sys
 from typing import Final
@@ -95,5 +96,6 @@ def _unused(pooled: list[mmap.mmap], index: int) -> bool:
 def _new_region(size: int) -> mmap.mmap:
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if _HAS_HUGE_PAGES:
-        region.madvise(mmap.MADV_HUGEPAGE)
+        with contextlib.suppress(OSError):  # EINVAL where THP is compiled out: 4 KiB pages
+            region.madvise(mmap.MADV_HUGEPAGE)
     return region

@@ -204,3 +204,20 @@ async def test_WorkerPool_stopped_waits_for_idle_threads_not_for_a_blocked_job()
         assert await blocked.stopped(timeout=5.0)
     finally:
         gate.set()
+
+
+async def test_WorkerPool_run_fails_with_closed_when_shutdown_drops_its_job() -> None:
+    pool = await _pool(1)
+    gate = threading.Event()
+    started = threading.Event()
+    try:
+        pool.submit(lambda: (started.set(), gate.wait(5.0)))  # occupies the only thread
+        assert await asyncio.to_thread(started.wait, 5.0)
+        queued = asyncio.ensure_future(pool.run(int, "1"))
+        await asyncio.sleep(0.01)  # the run() job is queued behind the blocked one
+        pool.shutdown()
+        with pytest.raises(ClosedError):
+            async with asyncio.timeout(5):
+                await queued
+    finally:
+        gate.set()

@@ -279,6 +279,13 @@ class Counter:
     def value(self) -> int:
         return self.count
 
+    def runs_on(self) -> str:
+        return thread_kind()
+
+    @inline
+    def inline_runs_on(self) -> str:
+        return thread_kind()
+
     async def slow_value(self) -> int:
         await asyncio.sleep(0.01)
         return self.count

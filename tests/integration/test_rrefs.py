@@ -126,6 +126,13 @@ def test_to_here_by_a_third_worker_while_the_remote_is_still_arriving(group: Gro
     assert rref.to_here() == float(16 << 20)  # and the creator fetches it by id
 
 
+def test_proxy_runs_inline_methods_on_the_owner_loop(group: Group) -> None:
+    counter = asyncrpc.remote("w1", fns.make_counter, args=(0,))
+    assert counter.rpc_sync().runs_on() == "pool"
+    assert counter.rpc_sync().inline_runs_on() == "loop"
+    assert counter.rpc_async().inline_runs_on().wait() == "loop"
+
+
 def test_rrefs_inside_nested_containers(group: Group) -> None:
     tree = {
         "list": [asyncrpc.remote("w1", fns.add, args=(1, 1)), asyncrpc.RRef(3)],
