@@ -8,6 +8,7 @@ tensor segments travel beside the header and are not interpreted here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -232,10 +233,11 @@ def _decode_hello_reply(f: list[Any]) -> HelloReply:
 
 def _decode_request(f: list[Any]) -> Request:
     timeout = f[2]
-    if type(timeout) not in (int, float) or timeout < 0:
+    if type(timeout) not in (int, float) or not 0 <= timeout < math.inf:  # NaN fails too
         raise ValueError(f"bad timeout {timeout!r}")
     mode = _int(f[3])
-    CallMode(mode)
+    if mode not in _CALL_MODES:  # a set lookup: CallMode(mode) costs ~0.6 µs per request
+        raise ValueError(f"unknown call mode {mode!r}")
     return Request(
         _int(f[1]), float(timeout), mode, _str(f[4]), _optional_pair(f[5]), _optional_pair(f[6])
     )
@@ -243,8 +245,13 @@ def _decode_request(f: list[Any]) -> Request:
 
 def _decode_ref(f: list[Any]) -> RefMessage:
     op = _int(f[1])
-    RefOp(op)
+    if op not in _REF_OPS:
+        raise ValueError(f"unknown reference operation {op!r}")
     return RefMessage(op, _pair(f[2]), _pair(f[3]))
+
+
+_CALL_MODES = frozenset(int(mode) for mode in CallMode)
+_REF_OPS = frozenset(int(op) for op in RefOp)
 
 
 _DECODERS: dict[int, Any] = {
