@@ -129,18 +129,19 @@ def export_tensor(
         device = "cpu"
     else:
         device, tensor = _copy_to_host(tensor, device_map)
-    tensor, stride, view = _resolved_span(tensor)
+    tensor, stride, nbytes = _resolved_span(tensor)
+    view = memory_view(tensor.data_ptr(), nbytes, writable=False)
     shape = tuple(tensor.shape)
     dtype = _DTYPE_NAMES[tensor.dtype]
     descriptor = (TENSOR_PID, key, dtype, shape, stride, 0, requires_grad, is_param, device)
     return descriptor, (view, device), tensor
 
 
-def _resolved_span(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], memoryview]:
-    """Resolve conjugate and negative bits; return the tensor, its strides and its bytes.
+def _resolved_span(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], int]:
+    """Resolve conjugate and negative bits; return the tensor, its strides and its size.
 
-    The bytes are the storage span the tensor touches, or the tensor made contiguous when
-    that span has gaps (see ``export_tensor``).
+    The size, in bytes from ``data_ptr()``, is the storage span the tensor touches, or the
+    tensor made contiguous when that span has gaps (see ``export_tensor``).
     """
     if tensor.is_conj():
         tensor = tensor.resolve_conj()
@@ -152,8 +153,7 @@ def _resolved_span(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...],
         tensor = tensor.detach().contiguous()
         stride = tensor.stride()
         span = tensor.numel()
-    nbytes = span * tensor.element_size()
-    return tensor, stride, memory_view(tensor.data_ptr(), nbytes, writable=False)
+    return tensor, stride, span * tensor.element_size()
 
 
 def is_small_tensor(tensor: torch.Tensor, limit: int = SMALL_TENSOR_BYTES) -> bool:
@@ -176,21 +176,12 @@ def reduce_small_tensor(tensor: torch.Tensor) -> tuple[Any, ...]:
     as one object.
     """
     flags = tensor.requires_grad | (type(tensor) is _Parameter) << 1
-    if tensor.is_conj():
-        tensor = tensor.resolve_conj()
-    if tensor.is_neg():
-        tensor = tensor.resolve_neg()
-    stride: tuple[int, ...] = tensor.stride()
-    span = _span(tensor, stride)
-    if span > tensor.numel():
-        tensor = tensor.contiguous()
-        stride = tensor.stride()
-        span = tensor.numel()
+    tensor, stride, nbytes = _resolved_span(tensor)
     name = _DTYPE_NAMES[tensor.dtype].encode()
     ndim = tensor.dim()
     layout = struct.pack(f"<B{len(name)}sBB{2 * ndim}q", len(name), name, ndim, flags,
                          *tensor.shape, *stride)  # fmt: skip
-    data = ctypes.string_at(tensor.data_ptr(), span * tensor.element_size()) if span else b""
+    data = ctypes.string_at(tensor.data_ptr(), nbytes) if nbytes else b""
     return rebuild_small_tensor, (layout + data,)
 
 
