@@ -366,7 +366,7 @@ class Agent:
         self._send_cancel(call.peer, call_id)
 
     def _send_cancel(self, rank: int, call_id: int) -> None:
-        if rank != self.rank and rank in self._unsent:
+        if rank in self._unsent:
             return  # its request still waits for the connection and will be skipped
         peer = self.peers.peers.get(rank) if self.peers is not None else None
         if rank == self.rank:

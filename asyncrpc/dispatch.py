@@ -2,9 +2,10 @@
 
 ``async def`` functions run as tasks on the loop; synchronous ones run on the agent's
 ``WorkerPool`` so a blocking function never stalls the loop, and the pool thread also
-pickles the result and builds the reply frame. ``async_execution`` functions reply when the future
-they return completes. Every request can be cancelled by the caller (timeout or
-cancellation): a task is cancelled, a pool job that has not started is dropped.
+pickles the result and builds the reply frame; ``@inline`` ones run on the loop.
+``async_execution`` functions reply when the future they return completes. Every request
+can be cancelled by the caller (timeout or cancellation): a task is cancelled, a pool job
+that has not started is dropped.
 """
 
 from __future__ import annotations

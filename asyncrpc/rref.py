@@ -235,8 +235,8 @@ async def _invoke_method(
 ) -> Any:
     """Runs on the owner: ``value.name(*args, **kwargs)``.
 
-    ``async def`` and ``async_execution`` methods run on the loop; plain methods on the
-    agent's thread pool, so a slow method never stalls the loop.
+    ``async def``, ``async_execution`` and ``@inline`` methods run on the loop; plain
+    methods on the agent's thread pool, so a slow method never stalls the loop.
     """
     future, agent = rref._value, rref._ctx.agent
     assert future is not None
@@ -245,15 +245,11 @@ async def _invoke_method(
     method = getattr(value, name)
     if is_coroutine_function(method):
         return await method(*args, **kwargs)
-    if is_inline(method):
-        result = method(*args, **kwargs)
-        if is_async_execution(method):
-            from asyncrpc.dispatch import await_async_result
-
-            return await await_async_result(result)
-        return result
+    if not (is_inline(method) or is_async_execution(method)):
+        return await agent.pool.run(functools.partial(method, *args, **kwargs))
+    result = method(*args, **kwargs)  # on the loop: it returns at once
     if is_async_execution(method):
         from asyncrpc.dispatch import await_async_result
 
-        return await await_async_result(method(*args, **kwargs))
-    return await agent.pool.run(functools.partial(method, *args, **kwargs))
+        return await await_async_result(result)
+    return result
