@@ -13,13 +13,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, ParamSpec, TypeVar, overload
 
-from asyncrpc._current import clear_agent, current_agent, set_agent
-from asyncrpc.agent import Agent
+from asyncrpc.runtime.current import clear_agent, current_agent, set_agent
+from asyncrpc.runtime.agent import Agent
 from asyncrpc.errors import BlockingCallError, InitError
-from asyncrpc.future import Future
-from asyncrpc.loopthread import LoopThread
-from asyncrpc.options import UNSET_RPC_TIMEOUT, WorkerInfo, coerce_options
-from asyncrpc.rref import RRef
+from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.loopthread import LoopThread
+from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT, WorkerInfo, coerce_options
+from asyncrpc.rref.handle import RRef
 
 __all__ = [
     "call",

@@ -29,7 +29,7 @@ from pathlib import Path
 import asyncrpc
 from asyncrpc.bench import measure, workloads
 from asyncrpc.bench.config import Item
-from asyncrpc.loopthread import new_event_loop
+from asyncrpc.runtime.loopthread import new_event_loop
 from asyncrpc.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ _START = "profiling-starts-now"
 def _patch_default_write_limits() -> None:
     # Experiment: keep the transport's default high-water mark instead of high=0. Only
     # valid for calls without tensors (zero-copy keepalive is no longer tracked).
-    from asyncrpc import transport
+    from asyncrpc.runtime import transport
 
     made = transport.Connection.connection_made
 

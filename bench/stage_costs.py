@@ -23,14 +23,14 @@ from typing import Any
 import torch
 
 import asyncrpc
-from asyncrpc._current import current_agent
+from asyncrpc.runtime.current import current_agent
 from asyncrpc.bench import workloads
-from asyncrpc.future import Future
-from asyncrpc.loopthread import new_event_loop
+from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.loopthread import new_event_loop
 from asyncrpc.testing import free_port
-from asyncrpc.wire import FrameDecoder, encode_frame
-from asyncrpc.wire.messages import Reply, Request, decode_message
-from asyncrpc.workers import WorkerPool
+from asyncrpc.protocol.wire import FrameDecoder, encode_frame
+from asyncrpc.protocol.wire.messages import Reply, Request, decode_message
+from asyncrpc.runtime.threadpool import WorkerPool
 
 N = 20000
 

@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     channel = Channel()
     if args.system in ("torch", "torch_tcp"):
         return _torch_main(args, channel)
-    from asyncrpc.loopthread import new_event_loop
+    from asyncrpc.runtime.loopthread import new_event_loop
 
     loop = new_event_loop()
     try:

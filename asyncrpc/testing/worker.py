@@ -14,7 +14,7 @@ import sys
 
 import asyncrpc
 from asyncrpc.errors import ShutdownError
-from asyncrpc.loopthread import new_event_loop
+from asyncrpc.runtime.loopthread import new_event_loop
 
 
 def _options(args: argparse.Namespace) -> asyncrpc.RpcBackendOptions:

@@ -1,4 +1,4 @@
-"""asyncio tests of asyncrpc.future: awaiting from any loop, callback loops, blocking checks."""
+"""asyncio tests of asyncrpc.runtime.future: awaiting from any loop, callback loops, blocking checks."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import uvloop
 
 from asyncrpc.errors import BlockingCallError
-from asyncrpc.future import (
+from asyncrpc.runtime.future import (
     Future,
     check_not_blocking_loop,
     set_default_callback_loop,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from asyncrpc.errors import ShutdownError
-from asyncrpc.lifecycle import Lifecycle
+from asyncrpc.runtime.shutdown import Lifecycle
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(10)]
 

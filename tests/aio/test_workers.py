@@ -1,4 +1,4 @@
-"""asyncio tests of asyncrpc.workers.WorkerPool: real threads posting back to a real loop."""
+"""asyncio tests of asyncrpc.runtime.threadpool.WorkerPool: real threads posting back to a real loop."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from asyncrpc.errors import ClosedError
-from asyncrpc.workers import WorkerPool
+from asyncrpc.runtime.threadpool import WorkerPool
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(10)]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from asyncrpc.errors import SerializationError
-from asyncrpc.serde import Serializer
+from asyncrpc.protocol.serde import Serializer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

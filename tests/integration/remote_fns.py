@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 import asyncrpc
-from asyncrpc._current import current_agent
+from asyncrpc.runtime.current import current_agent
 from asyncrpc.functions import async_execution, inline
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import asyncrpc
-from asyncrpc._current import current_agent
+from asyncrpc.runtime.current import current_agent
 from tests.integration import remote_fns as fns
 from tests.integration.scenarios import (
     ScenarioProcess,

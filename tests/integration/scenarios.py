@@ -134,7 +134,7 @@ def _delay_registration(seconds: float) -> None:
     and ``set_agent``; nothing in the library is changed.
     """
     import asyncrpc.api
-    from asyncrpc._current import set_agent
+    from asyncrpc.runtime.current import set_agent
 
     def late(agent: Any) -> None:
         time.sleep(seconds)
@@ -221,7 +221,7 @@ async def _cancelled_remotely(tag: str) -> bool:
 
 
 async def _asyncio_checks(obs: Observations) -> None:
-    from asyncrpc._current import current_agent
+    from asyncrpc.runtime.current import current_agent
     from tests.integration import remote_fns as fns
 
     agent = current_agent()

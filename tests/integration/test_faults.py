@@ -16,19 +16,19 @@ from typing import Any
 import pytest
 
 import asyncrpc
-from asyncrpc._current import current_agent
-from asyncrpc.rendezvous import PeerAddress, StoreGroup
-from asyncrpc.serde import Serializer
+from asyncrpc.runtime.current import current_agent
+from asyncrpc.runtime.rendezvous import PeerAddress, StoreGroup
+from asyncrpc.protocol.serde import Serializer
 from asyncrpc.testing import free_port, spawn_worker, stop_workers
-from asyncrpc.wire import MAGIC, PROTOCOL_VERSION, Frame, FrameDecoder, encode_frame
-from asyncrpc.wire.messages import CallMode, Hello, HelloReply, Reply, Request, decode_message
+from asyncrpc.protocol.wire import MAGIC, PROTOCOL_VERSION, Frame, FrameDecoder, encode_frame
+from asyncrpc.protocol.wire.messages import CallMode, Hello, HelloReply, Reply, Request, decode_message
 from tests.integration import remote_fns as fns
 from tests.integration import scenarios
 from tests.integration.conftest import Group
 
 pytestmark = pytest.mark.timeout(90)
 
-_PRELUDE = struct.Struct("!4sBBHIIQ")  # the wire prelude (asyncrpc/wire/frame.py)
+_PRELUDE = struct.Struct("!4sBBHIIQ")  # the wire prelude (asyncrpc/protocol/wire/frame.py)
 
 
 # -- a peer is SIGKILLed in the middle of a call --------------------------------------------

@@ -68,7 +68,7 @@ def _init_error(obs: dict[str, Any]) -> str | None:
 def test_init_rpc_duplicate_fails_with_init_error_without_hanging(
     world_size: int, members: list[tuple[str, int]]
 ) -> None:
-    # rpc_timeout bounds the rendezvous (asyncrpc/agent.py _join): 5 s here.
+    # rpc_timeout bounds the rendezvous (asyncrpc/runtime/agent.py _join): 5 s here.
     common = ["--init-method", f"tcp://127.0.0.1:{free_port()}", "--rpc-timeout", "5"]
     common += ["--world-size", str(world_size)]
     results = _members([[*common, "--name", name, "--rank", str(rank)] for name, rank in members])

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from asyncrpc import future
+from asyncrpc.runtime import future
 
 
 @pytest.fixture(autouse=True)

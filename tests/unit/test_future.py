@@ -1,4 +1,4 @@
-"""Unit tests of asyncrpc.future with no event loop: completion, waiting, chaining, bridges."""
+"""Unit tests of asyncrpc.runtime.future with no event loop: completion, waiting, chaining, bridges."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from asyncrpc.errors import AsyncRpcError
-from asyncrpc.future import (
+from asyncrpc.runtime.future import (
     Future,
     FutureAlreadyDoneError,
     FutureNotDoneError,
@@ -240,7 +240,7 @@ def test_Future_callback_exception_is_logged_and_swallowed(
 
     fut.add_done_callback(bad)
     fut.add_done_callback(lambda f: seen.append(f.value()))
-    with caplog.at_level(logging.ERROR, logger="asyncrpc.future"):
+    with caplog.at_level(logging.ERROR, logger="asyncrpc.runtime.future"):
         fut.set_result(2)
     assert seen == [2]
     assert any(r.exc_info and r.exc_info[0] is ValueError for r in caplog.records)

@@ -1,22 +1,33 @@
-"""Layering checks: the sans-I/O bottom of asyncrpc imports nothing that does I/O or torch.
+"""Layering checks over the whole import graph of ``asyncrpc/``.
 
-Walks the AST (imports inside functions included) of every module of ``asyncrpc/wire/``,
-of ``asyncrpc/refcount.py`` when it exists, and of ``asyncrpc/errors.py``.
+Every import counts: top-level, inside functions, and under ``if TYPE_CHECKING``. The graph
+must have no circle, no module may import from a higher floor, and the sans-I/O floor
+(``asyncrpc/protocol/``) imports nothing that does I/O (and ``wire/`` and ``refcount.py`` not
+even torch). Modules are found by path, not by importing asyncrpc, so the check does not
+depend on the upper layers importing cleanly.
 """
 
 from __future__ import annotations
 
 import ast
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 
-# Found by path, not by importing asyncrpc: the check must not depend on the upper layers
-# importing cleanly.
 PACKAGE_DIR = Path(__file__).resolve().parents[2] / "asyncrpc"
-FORBIDDEN_ROOTS = frozenset({"asyncio", "socket", "threading", "selectors", "torch"})
-ALLOWED_OWN = ("asyncrpc.errors", "asyncrpc.wire")
+
+# The floors, lowest first: a module may import from its own floor or any lower one.
+FLOORS: list[tuple[int, tuple[str, ...]]] = [
+    (0, ("asyncrpc.errors", "asyncrpc.functions")),
+    (1, ("asyncrpc.protocol",)),
+    (2, ("asyncrpc.runtime",)),
+    (3, ("asyncrpc.rref", "asyncrpc.profiling")),
+    (4, ("asyncrpc.api", "asyncrpc.testing", "asyncrpc.bench", "asyncrpc")),
+]
+NO_IO = frozenset({"asyncio", "socket", "threading", "selectors", "concurrent"})
+NO_IO_OR_TORCH = NO_IO | {"torch"}
 
 
 def module_name(path: Path) -> str:
@@ -24,8 +35,12 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE_DIR.rglob("*.py"))}
+
+
 def imported_modules(source: str, module: str, is_package: bool) -> list[str]:
-    """Return the absolute names of every module ``source`` imports."""
+    """Return the absolute names of every module ``source`` imports (or may import)."""
     package = module if is_package else module.rpartition(".")[0]
     names: list[str] = []
     for node in ast.walk(ast.parse(source)):
@@ -38,38 +53,116 @@ def imported_modules(source: str, module: str, is_package: bool) -> list[str]:
                 anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join([*anchor, base] if base else anchor)
             names.append(base)
-            # `from asyncrpc import transport` imports the module asyncrpc.transport
+            # `from asyncrpc.runtime import agent` imports the module asyncrpc.runtime.agent
             names += [f"{base}.{alias.name}" for alias in node.names if alias.name != "*"]
     return names
 
 
-def layer_violations(source: str, module: str, is_package: bool = False) -> list[str]:
-    """Return the imports of an L1 module that break the layering."""
-    bad = []
-    for name in imported_modules(source, module, is_package):
-        root = name.partition(".")[0]
-        if root in FORBIDDEN_ROOTS or (
-            root == "asyncrpc"
-            and name != "asyncrpc"
-            and not any(name == ok or name.startswith(ok + ".") for ok in ALLOWED_OWN)
-        ):
-            bad.append(name)
-    return bad
+def floor_of(module: str) -> int:
+    for floor, prefixes in FLOORS:
+        if any(module == p or module.startswith(p + ".") for p in prefixes if p != "asyncrpc"):
+            return floor
+    return FLOORS[-1][0]  # the package itself and anything not yet placed: the top
 
 
-def l1_files() -> list[Path]:
-    files = sorted((PACKAGE_DIR / "wire").rglob("*.py"))
-    refcount = PACKAGE_DIR / "refcount.py"
-    if refcount.exists():
-        files.append(refcount)
-    return files
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """Edges between the modules of ``sources`` (name -> (source, is_package))."""
+    graph: dict[str, set[str]] = {}
+    for module, (source, is_package) in sources.items():
+        targets = set(imported_modules(source, module, is_package)) & sources.keys()
+        graph[module] = targets - {module}
+    return graph
 
 
-@pytest.mark.parametrize("path", l1_files(), ids=module_name)
-def test_layering_l1_modules_stay_sans_io(path: Path) -> None:
-    source = path.read_text(encoding="utf-8")
-    bad = layer_violations(source, module_name(path), path.name == "__init__.py")
-    assert bad == [], f"{module_name(path)} imports {bad}"
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return [
+        f"{m} (floor {floor_of(m)}) imports {t} (floor {floor_of(t)})"
+        for m, targets in sorted(graph.items())
+        for t in sorted(targets)
+        if floor_of(t) > floor_of(m)
+    ]
+
+
+def package_sources() -> dict[str, tuple[str, bool]]:
+    return {
+        name: (path.read_text(encoding="utf-8"), path.name == "__init__.py")
+        for name, path in all_modules().items()
+    }
+
+
+# -- the real package ------------------------------------------------------------------------
+
+
+def test_layering_import_graph_has_no_circle() -> None:
+    assert circles(import_graph(package_sources())) == []
+
+
+def test_layering_imports_point_down() -> None:
+    assert upward_imports(import_graph(package_sources())) == []
+
+
+def test_layering_every_module_is_on_a_floor() -> None:
+    top_level = {m for m in all_modules() if m.count(".") == 1}
+    placed = {p for _, prefixes in FLOORS for p in prefixes}
+    loose = {m for m in top_level if not any(m == p or m.startswith(p + ".") for p in placed)}
+    assert loose == set(), f"place these modules in a floor folder: {loose}"
+
+
+def _stray_imports(path: Path, forbidden: Iterable[str]) -> list[str]:
+    name = module_name(path)
+    names = imported_modules(path.read_text(encoding="utf-8"), name, path.name == "__init__.py")
+    return [n for n in names if n.partition(".")[0] in set(forbidden)]
+
+
+@pytest.mark.parametrize(
+    "path", sorted((PACKAGE_DIR / "protocol").rglob("*.py")), ids=module_name
+)
+def test_layering_protocol_is_sans_io(path: Path) -> None:
+    pure = "serde" not in path.parts  # serde builds tensors; wire and refcount not even that
+    assert _stray_imports(path, NO_IO_OR_TORCH if pure else NO_IO) == []
 
 
 def test_layering_errors_imports_only_the_stdlib() -> None:
@@ -79,40 +172,87 @@ def test_layering_errors_imports_only_the_stdlib() -> None:
     assert outside == set()
 
 
-def test_layering_wire_package_is_checked() -> None:
-    names = {module_name(p) for p in l1_files()}
-    assert {"asyncrpc.wire", "asyncrpc.wire.frame"} <= names
+def test_layering_protocol_floor_is_checked() -> None:
+    names = set(all_modules())
+    assert {"asyncrpc.protocol.wire.frame", "asyncrpc.protocol.refcount"} <= names
+
+
+# -- the checker itself ----------------------------------------------------------------------
+
+
+def test_layering_checker_finds_a_type_checking_circle() -> None:
+    graph = import_graph(
+        {
+            "asyncrpc.runtime.agent": ("from asyncrpc.runtime import dispatch", False),
+            "asyncrpc.runtime.dispatch": (
+                "from typing import TYPE_CHECKING\n"
+                "if TYPE_CHECKING:\n    from asyncrpc.runtime.agent import Agent",
+                False,
+            ),
+            "asyncrpc.runtime.peers": ("import asyncrpc.runtime.agent", False),
+        }
+    )
+    assert circles(graph) == [["asyncrpc.runtime.agent", "asyncrpc.runtime.dispatch"]]
+
+
+def test_layering_checker_finds_a_long_circle_made_in_a_function() -> None:
+    graph = import_graph(
+        {
+            "asyncrpc.rref.a": ("from asyncrpc.rref import b", False),
+            "asyncrpc.rref.b": ("from asyncrpc.rref.c import x", False),
+            "asyncrpc.rref.c": ("def f():\n    from . import a", False),
+        }
+    )
+    assert circles(graph) == [["asyncrpc.rref.a", "asyncrpc.rref.b", "asyncrpc.rref.c"]]
+
+
+def test_layering_checker_passes_a_tree() -> None:
+    graph = import_graph(
+        {
+            "asyncrpc.api": ("from asyncrpc.runtime import agent", False),
+            "asyncrpc.runtime.agent": ("from asyncrpc.protocol import wire", False),
+            "asyncrpc.protocol.wire": ("from asyncrpc.errors import X", True),
+            "asyncrpc.errors": ("import pickle", False),
+        }
+    )
+    assert circles(graph) == []
+    assert upward_imports(graph) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "source"),
+    [
+        ("asyncrpc.protocol.wire.frame", "from asyncrpc.runtime import transport"),
+        ("asyncrpc.protocol.serde.pickler", "from asyncrpc.rref.handle import RRef"),
+        ("asyncrpc.runtime.dispatch", "from asyncrpc.rref import context"),
+        ("asyncrpc.runtime.agent", "def f():\n    import asyncrpc.api"),
+        ("asyncrpc.errors", "from .protocol import wire"),
+    ],
+)
+def test_layering_checker_catches_an_upward_import(module: str, source: str) -> None:
+    graph = import_graph(
+        {
+            module: (source, False),
+            **{
+                m: ("", False)
+                for m in (
+                    "asyncrpc.runtime.transport",
+                    "asyncrpc.rref.handle",
+                    "asyncrpc.rref.context",
+                    "asyncrpc.api",
+                    "asyncrpc.protocol.wire",
+                )
+            },
+        }
+    )
+    assert upward_imports(graph) != []
 
 
 @pytest.mark.parametrize(
     "source",
-    [
-        "import asyncio",
-        "import torch.cuda",
-        "from socket import socket",
-        "import threading as t",
-        "def f():\n    import selectors",
-        "from asyncrpc import transport",
-        "from asyncrpc.agent import Agent",
-        "from .. import future",
-        "from ..serde import pickler",
-    ],
+    ["import asyncio", "import torch.cuda", "from socket import socket", "import threading as t"],
 )
-def test_layering_checker_catches_violations(source: str) -> None:
-    assert layer_violations(source, "asyncrpc.wire.frame") != []
-
-
-@pytest.mark.parametrize(
-    "source",
-    [
-        "import struct\nimport msgpack",
-        "from asyncrpc.errors import RemoteProtocolError",
-        "from asyncrpc import errors",
-        "from asyncrpc.wire.frame import Frame",
-        "from . import frame",
-        "from .messages import Hello",
-        "from ..errors import ProtocolError",
-    ],
-)
-def test_layering_checker_allows_clean_imports(source: str) -> None:
-    assert layer_violations(source, "asyncrpc.wire.frame") == []
+def test_layering_checker_catches_io_in_the_protocol(source: str) -> None:
+    path = PACKAGE_DIR / "protocol" / "wire" / "_probe.py"
+    names = imported_modules(source, module_name(path), False)
+    assert any(n.partition(".")[0] in NO_IO_OR_TORCH for n in names)

@@ -1,4 +1,4 @@
-"""Scripted scenarios of asyncrpc.refcount: several RefCounters joined by an in-memory router."""
+"""Scripted scenarios of asyncrpc.protocol.refcount: several RefCounters joined by an in-memory router."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from asyncrpc.errors import LocalProtocolError, RemoteProtocolError, RRefError, RRefOwnerLostError
-from asyncrpc.refcount import (
+from asyncrpc.protocol.refcount import (
     Action,
     ChildAccepted,
     ForkAccepted,

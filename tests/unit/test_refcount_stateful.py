@@ -1,4 +1,4 @@
-"""Model-based tests of asyncrpc.refcount: random workloads over a network that reorders.
+"""Model-based tests of asyncrpc.protocol.refcount: random workloads over a network that reorders.
 
 Every refcount message, pickled RRef and remote() request waits in flight until a rule
 delivers it; rules may take ANY element in flight (not only the oldest of its connection),
@@ -26,7 +26,7 @@ from hypothesis.stateful import (
 )
 
 from asyncrpc.errors import LocalProtocolError
-from asyncrpc.refcount import (
+from asyncrpc.protocol.refcount import (
     Action,
     ForkId,
     Free,

@@ -1,4 +1,4 @@
-"""Unit tests of asyncrpc.serde.buffers.ReceiveBuffers: the pool of large receive buffers."""
+"""Unit tests of asyncrpc.protocol.serde.buffers.ReceiveBuffers: the pool of large receive buffers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)
     import torch
 
-    from asyncrpc.serde.buffers import LARGE_BUFFER_BYTES, ReceiveBuffers
+    from asyncrpc.protocol.serde.buffers import LARGE_BUFFER_BYTES, ReceiveBuffers
 
 LARGE = LARGE_BUFFER_BYTES
 

@@ -1,4 +1,4 @@
-"""Unit tests of remote exceptions (asyncrpc.serde.exceptions): original types come back."""
+"""Unit tests of remote exceptions (asyncrpc.protocol.serde.exceptions): original types come back."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ with warnings.catch_warnings():
         SerializationError,
         UnknownWorkerError,
     )
-    from asyncrpc.serde import pack_exception, unpack_exception
+    from asyncrpc.protocol.serde import pack_exception, unpack_exception
     from tests.unit import _serde_helpers as helpers
 
 

@@ -19,15 +19,15 @@ with warnings.catch_warnings():
     import torch
 
     from asyncrpc.errors import RRefError, SerializationError
-    from asyncrpc.serde import (
+    from asyncrpc.protocol.serde import (
         MissingReferenceError,
         ReducerRegistry,
         Serializer,
         default_registry,
         register_reducer,
     )
-    from asyncrpc.serde.reducers import resolve_script_function
-    from asyncrpc.serde.tensors import SMALL_TENSOR_BYTES
+    from asyncrpc.protocol.serde.reducers import resolve_script_function
+    from asyncrpc.protocol.serde.tensors import SMALL_TENSOR_BYTES
     from tests.unit import _serde_helpers as helpers
 
 

@@ -1,4 +1,4 @@
-"""Unit tests of out-of-band tensors (asyncrpc.serde.tensors through Serializer)."""
+"""Unit tests of out-of-band tensors (asyncrpc.protocol.serde.tensors through Serializer)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ with warnings.catch_warnings():
     import torch
 
     from asyncrpc.errors import SerializationError
-    from asyncrpc.serde import Serializer
-    from asyncrpc.serde.tensors import (
+    from asyncrpc.protocol.serde import Serializer
+    from asyncrpc.protocol.serde.tensors import (
         SMALL_TENSOR_BYTES,
         TENSOR_PID,
         import_tensor,

@@ -1,4 +1,4 @@
-"""Unit tests of the sans-I/O frame codec (asyncrpc.wire.frame): no event loop, no sockets."""
+"""Unit tests of the sans-I/O frame codec (asyncrpc.protocol.wire.frame): no event loop, no sockets."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from asyncrpc.errors import (
     ProtocolError,
     RemoteProtocolError,
 )
-from asyncrpc.wire import (
+from asyncrpc.protocol.wire import (
     MAGIC,
     PRELUDE_SIZE,
     PROTOCOL_VERSION,

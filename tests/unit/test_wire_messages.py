@@ -1,4 +1,4 @@
-"""Unit tests of asyncrpc.wire.messages: header arrays to messages and back."""
+"""Unit tests of asyncrpc.protocol.wire.messages: header arrays to messages and back."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from asyncrpc.errors import RemoteProtocolError
-from asyncrpc.wire.messages import CallMode, RefMessage, Request, decode_message
+from asyncrpc.protocol.wire.messages import CallMode, RefMessage, Request, decode_message
 
 
 def test_decode_message_roundtrips_a_request() -> None:

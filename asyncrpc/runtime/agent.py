@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from asyncrpc.calls import PendingCall, PendingCalls, describe_function
-from asyncrpc.dispatch import Dispatcher
+from asyncrpc.runtime.pending import PendingCall, PendingCalls, describe_function
+from asyncrpc.runtime.dispatch import Dispatcher
 from asyncrpc.errors import (
     ClosedError,
     RemoteProtocolError,
@@ -27,17 +27,17 @@ from asyncrpc.errors import (
     ShutdownError,
     UnknownWorkerError,
 )
-from asyncrpc.future import Future, set_default_callback_loop
-from asyncrpc.lifecycle import Lifecycle
-from asyncrpc.metrics import Counters, LagProbe
-from asyncrpc.options import UNSET_RPC_TIMEOUT, RpcBackendOptions, WorkerInfo
-from asyncrpc.peers import PeerTable
-from asyncrpc.rendezvous import PeerAddress, StoreGroup, join_group
-from asyncrpc.rrefs import RRefContext
-from asyncrpc.serde import Serializer, unpack_exception
-from asyncrpc.transport import Connection, start_server
-from asyncrpc.wire import Frame, FrameDecoder, encode_frame
-from asyncrpc.wire.messages import (
+from asyncrpc.runtime.future import Future, set_default_callback_loop
+from asyncrpc.runtime.shutdown import Lifecycle
+from asyncrpc.runtime.metrics import Counters, LagProbe
+from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT, RpcBackendOptions, WorkerInfo
+from asyncrpc.runtime.peers import PeerTable
+from asyncrpc.runtime.rendezvous import PeerAddress, StoreGroup, join_group
+from asyncrpc.rref.context import RRefContext
+from asyncrpc.protocol.serde import Serializer, unpack_exception
+from asyncrpc.runtime.transport import Connection, start_server
+from asyncrpc.protocol.wire import Frame, FrameDecoder, encode_frame
+from asyncrpc.protocol.wire.messages import (
     CallMode,
     Cancel,
     Goodbye,
@@ -48,11 +48,11 @@ from asyncrpc.wire.messages import (
     Request,
     decode_message,
 )
-from asyncrpc.workers import WorkerPool
+from asyncrpc.runtime.threadpool import WorkerPool
 
 __all__ = ["Agent"]
 
-_log = logging.getLogger("asyncrpc.agent")
+_log = logging.getLogger("asyncrpc.runtime.agent")
 
 
 class Agent:
@@ -70,7 +70,7 @@ class Agent:
         self.counters = Counters()
         self.pending = PendingCalls(loop, self._expire)
         self._call_ids = itertools.count(1)
-        # RRefs inside payloads become forks (see asyncrpc/rrefs.py).
+        # RRefs inside payloads become forks (see asyncrpc/rref/context.py).
         self.serializer = Serializer(
             persistent_dump=self._dump_rref, persistent_load=self._load_rref
         )

@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
 from asyncrpc.errors import ClosedError, ProtocolError
-from asyncrpc.wire import Frame, FrameDecoder
+from asyncrpc.protocol.wire import Frame, FrameDecoder
 
 __all__ = ["Connection", "ConnectionHandler", "open_connection", "start_server"]
 
-_log = logging.getLogger("asyncrpc.transport")
+_log = logging.getLogger("asyncrpc.runtime.transport")
 
 
 class ConnectionHandler(Protocol):

@@ -16,14 +16,14 @@ from typing import Any, Final
 import torch
 
 from asyncrpc.errors import AsyncRpcError, SerializationError
-from asyncrpc.serde.buffers import ReceiveBuffers
-from asyncrpc.serde.reducers import (
+from asyncrpc.protocol.serde.buffers import ReceiveBuffers
+from asyncrpc.protocol.serde.reducers import (
     MissingReferenceError,
     ReduceFn,
     ReducerRegistry,
     default_registry,
 )
-from asyncrpc.serde.tensors import (
+from asyncrpc.protocol.serde.tensors import (
     HOOK_PID,
     SMALL_TENSOR_BYTES,
     TENSOR_PID,
@@ -296,7 +296,7 @@ class Serializer:
         """The wire's ``Allocator``: an uninitialized uint8 tensor and a view of its bytes.
 
         Large buffers come from a pool and are recycled once no received tensor uses them
-        (see ``asyncrpc.serde.buffers``). Call it from one thread (the agent's loop).
+        (see ``asyncrpc.protocol.serde.buffers``). Call it from one thread (the agent's loop).
 
         Args:
             nbytes: the segment's length.

@@ -21,7 +21,7 @@ from asyncrpc.errors import ClosedError
 
 __all__ = ["Job", "WorkerPool"]
 
-_log = logging.getLogger("asyncrpc.workers")
+_log = logging.getLogger("asyncrpc.runtime.threadpool")
 
 
 class Job:

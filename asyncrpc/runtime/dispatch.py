@@ -18,20 +18,20 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrpc.errors import ClosedError, FunctionNotFoundError, SerializationError
 from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
-from asyncrpc.future import Future
-from asyncrpc.serde import MissingReferenceError, pack_exception
-from asyncrpc.wire import encode_frame
-from asyncrpc.wire.messages import CallMode, ErrorReply, Reply, Request
-from asyncrpc.workers import Job as PoolJob
-from asyncrpc.workers import WorkerPool
+from asyncrpc.runtime.future import Future
+from asyncrpc.protocol.serde import MissingReferenceError, pack_exception
+from asyncrpc.protocol.wire import encode_frame
+from asyncrpc.protocol.wire.messages import CallMode, ErrorReply, Reply, Request
+from asyncrpc.runtime.threadpool import Job as PoolJob
+from asyncrpc.runtime.threadpool import WorkerPool
 
 if TYPE_CHECKING:
-    from asyncrpc.agent import Agent
-    from asyncrpc.transport import Connection
+    from asyncrpc.runtime.agent import Agent
+    from asyncrpc.runtime.transport import Connection
 
 __all__ = ["Dispatcher", "await_async_result"]
 
-_log = logging.getLogger("asyncrpc.dispatch")
+_log = logging.getLogger("asyncrpc.runtime.dispatch")
 
 # What runs a request: a task on the loop or a job in the pool (for cancellation).
 Job = asyncio.Task[Any] | PoolJob

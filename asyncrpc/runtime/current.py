@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from asyncrpc.errors import InitError, NotInitializedError
 
 if TYPE_CHECKING:
-    from asyncrpc.agent import Agent
+    from asyncrpc.runtime.agent import Agent
 
 __all__ = ["clear_agent", "current_agent", "set_agent"]
 

@@ -16,14 +16,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from asyncrpc.errors import ShutdownError
-from asyncrpc.wire import FrameDecoder
+from asyncrpc.protocol.wire import FrameDecoder
 
 if TYPE_CHECKING:
-    from asyncrpc.agent import Agent
+    from asyncrpc.runtime.agent import Agent
 
 __all__ = ["Lifecycle", "LoopbackConnection"]
 
-_log = logging.getLogger("asyncrpc.lifecycle")
+_log = logging.getLogger("asyncrpc.runtime.shutdown")
 _POLL_S = 0.005
 
 

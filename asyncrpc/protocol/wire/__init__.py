@@ -1,11 +1,11 @@
 """Sans-I/O wire protocol of asyncrpc (layer L1): frames in and out, no I/O, no torch.
 
-Re-exports the frame codec; see ``asyncrpc.wire.frame``.
+Re-exports the frame codec; see ``asyncrpc.protocol.wire.frame``.
 """
 
 from __future__ import annotations
 
-from asyncrpc.wire.frame import (
+from asyncrpc.protocol.wire.frame import (
     DEFAULT_MAX_FRAME_SIZE,
     DEFAULT_MAX_HEADER_SIZE,
     MAGIC,

@@ -14,15 +14,15 @@ import functools
 import traceback
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from asyncrpc._current import current_agent
+from asyncrpc.runtime.current import current_agent
 from asyncrpc.errors import PeerLostError, RRefError, RRefOwnerLostError
 from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
-from asyncrpc.future import Future
-from asyncrpc.options import UNSET_RPC_TIMEOUT, WorkerInfo
+from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT, WorkerInfo
 
 if TYPE_CHECKING:
-    from asyncrpc.refcount import ForkId, RRefId
-    from asyncrpc.rrefs import RRefContext
+    from asyncrpc.protocol.refcount import ForkId, RRefId
+    from asyncrpc.rref.context import RRefContext
 
 __all__ = ["RRef"]
 
@@ -249,7 +249,7 @@ async def _invoke_method(
         return await agent.pool.run(functools.partial(method, *args, **kwargs))
     result = method(*args, **kwargs)  # on the loop: it returns at once
     if is_async_execution(method):
-        from asyncrpc.dispatch import await_async_result
+        from asyncrpc.runtime.dispatch import await_async_result
 
         return await await_async_result(result)
     return result

@@ -33,7 +33,7 @@ __all__ = [
 T = TypeVar("T")
 S = TypeVar("S")
 
-logger = logging.getLogger("asyncrpc.future")
+logger = logging.getLogger("asyncrpc.runtime.future")
 
 # An internal completion hook: a callable run in the completing thread, or an awaiter's
 # asyncio future, set on its own loop.
@@ -314,7 +314,7 @@ class Future(Generic[T]):
 
         It runs on the callback loop (scheduled, also when the future is already done) or,
         with no loop, in the completing thread (here, if already done). Its exceptions are
-        logged on ``asyncrpc.future`` and swallowed.
+        logged on ``asyncrpc.runtime.future`` and swallowed.
 
         Args:
             callback: Called with this future.

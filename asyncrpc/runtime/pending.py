@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from asyncrpc.functions import per_callable_cache
-from asyncrpc.future import Future
+from asyncrpc.runtime.future import Future
 
 __all__ = ["Deadlines", "PendingCall", "PendingCalls", "describe_function"]
 

@@ -53,7 +53,7 @@ class CallMode(IntEnum):
 
 
 class RefOp(IntEnum):
-    """The reference-counting message a REF header carries (see asyncrpc/refcount.py)."""
+    """The reference-counting message a REF header carries (see asyncrpc/protocol/refcount.py)."""
 
     FORK_REQUEST = 1
     FORK_ACCEPTED = 2

@@ -1,7 +1,7 @@
 """The RRef context of one agent: owner values, and the refcount state machine driven
 from the agent's loop (layer L3).
 
-``RefCounter`` (asyncrpc/refcount.py) decides; this module carries out its actions: sends
+``RefCounter`` (asyncrpc/protocol/refcount.py) decides; this module carries out its actions: sends
 refcount messages, frees owner values, fails references whose owner is gone. RRefs are
 pickled on whatever thread makes a call, so every use of the state machine holds one lock
 (its methods are short and pure); its actions are then applied on the loop thread.
@@ -23,8 +23,8 @@ from asyncrpc.errors import (
     RRefTimeoutError,
     ShutdownError,
 )
-from asyncrpc.future import Future
-from asyncrpc.refcount import (
+from asyncrpc.runtime.future import Future
+from asyncrpc.protocol.refcount import (
     Action,
     ChildAccepted,
     ForkAccepted,
@@ -38,17 +38,17 @@ from asyncrpc.refcount import (
     UserDelete,
     UserState,
 )
-from asyncrpc.rref import RRef
-from asyncrpc.wire import encode_frame
-from asyncrpc.wire.messages import CallMode, RefMessage, RefOp, Request
+from asyncrpc.rref.handle import RRef
+from asyncrpc.protocol.wire import encode_frame
+from asyncrpc.protocol.wire.messages import CallMode, RefMessage, RefOp, Request
 
 if TYPE_CHECKING:
-    from asyncrpc.agent import Agent
+    from asyncrpc.runtime.agent import Agent
 
 __all__ = ["RRefContext"]
 
 _log = logging.getLogger("asyncrpc.rref")
-_TAG = "asyncrpc.rref"
+_TAG = "asyncrpc.rref.handle"
 
 _TO_WIRE = {ForkRequest: RefOp.FORK_REQUEST, ForkAccepted: RefOp.FORK_ACCEPTED,
             ChildAccepted: RefOp.CHILD_ACCEPTED, UserDelete: RefOp.USER_DELETE}  # fmt: skip

@@ -6,16 +6,16 @@ Re-exports only; see ``pickler`` (``Serializer``), ``tensors`` (segment layout),
 
 from __future__ import annotations
 
-from asyncrpc.serde.exceptions import pack_exception, unpack_exception
-from asyncrpc.serde.pickler import PersistentDump, PersistentLoad, Serializer
-from asyncrpc.serde.reducers import (
+from asyncrpc.protocol.serde.exceptions import pack_exception, unpack_exception
+from asyncrpc.protocol.serde.pickler import PersistentDump, PersistentLoad, Serializer
+from asyncrpc.protocol.serde.reducers import (
     MissingReferenceError,
     ReduceFn,
     ReducerRegistry,
     default_registry,
     register_reducer,
 )
-from asyncrpc.serde.tensors import Allocator, Segment
+from asyncrpc.protocol.serde.tensors import Allocator, Segment
 
 __all__ = [
     "Allocator",

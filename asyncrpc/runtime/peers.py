@@ -14,14 +14,14 @@ import logging
 from collections.abc import Callable
 
 from asyncrpc.errors import PeerLostError, PeerUnavailableError, RemoteProtocolError
-from asyncrpc.rendezvous import PeerAddress
-from asyncrpc.transport import Connection, open_connection
-from asyncrpc.wire import PROTOCOL_VERSION, encode_frame
-from asyncrpc.wire.messages import Hello, HelloReply
+from asyncrpc.runtime.rendezvous import PeerAddress
+from asyncrpc.runtime.transport import Connection, open_connection
+from asyncrpc.protocol.wire import PROTOCOL_VERSION, encode_frame
+from asyncrpc.protocol.wire.messages import Hello, HelloReply
 
 __all__ = ["Peer", "PeerTable"]
 
-_log = logging.getLogger("asyncrpc.peers")
+_log = logging.getLogger("asyncrpc.runtime.peers")
 
 
 class Peer:

@@ -22,7 +22,7 @@ from asyncrpc.errors import InitError, ShutdownError
 
 __all__ = ["PeerAddress", "StoreGroup", "join_group"]
 
-_log = logging.getLogger("asyncrpc.rendezvous")
+_log = logging.getLogger("asyncrpc.runtime.rendezvous")
 _PREFIX = "asyncrpc/"
 _POLL_S = 0.01
 
