@@ -43,10 +43,10 @@ from asyncrpc.errors import (
     ShutdownError,
     UnknownWorkerError,
 )
+from asyncrpc.protocol.serde import register_reducer
+from asyncrpc.rref.handle import RRef
 from asyncrpc.runtime.future import Future, collect_all, wait_all
 from asyncrpc.runtime.options import RpcBackendOptions, WorkerInfo
-from asyncrpc.rref.handle import RRef
-from asyncrpc.protocol.serde import register_reducer
 
 __all__ = [
     "AsyncRpcError",

@@ -13,13 +13,20 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, ParamSpec, TypeVar, overload
 
-from asyncrpc.runtime.current import clear_agent, current_agent, set_agent
-from asyncrpc.runtime.agent import Agent
 from asyncrpc.errors import BlockingCallError, InitError
+from asyncrpc.profiling import standing_hooks
+from asyncrpc.rref.context import RRefContext
+from asyncrpc.rref.handle import RRef, current_rrefs
+from asyncrpc.runtime.agent import Agent
+from asyncrpc.runtime.current import clear_agent, current_agent, set_agent
 from asyncrpc.runtime.future import Future
 from asyncrpc.runtime.loopthread import LoopThread
-from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT, WorkerInfo, coerce_options
-from asyncrpc.rref.handle import RRef
+from asyncrpc.runtime.options import (
+    UNSET_RPC_TIMEOUT,
+    RpcBackendOptions,
+    WorkerInfo,
+    coerce_options,
+)
 
 __all__ = [
     "call",
@@ -82,7 +89,7 @@ def init_rpc(
             raise InitError(f"this process already runs worker {current.name!r}")
         thread = LoopThread(name=f"asyncrpc-{name}")
         try:
-            agent = thread.run(Agent.start(name, rank, world_size, options, set_agent))
+            agent = thread.run(_start(name, rank, world_size, options))
         except BaseException:
             thread.stop()
             raise
@@ -105,7 +112,15 @@ async def init_rpc_async(
     options = coerce_options(rpc_backend_options)
     if _peek_agent() is not None:
         raise InitError(f"this process already runs worker {current_agent().name!r}")
-    await Agent.start(name, rank, world_size, options, set_agent)
+    await _start(name, rank, world_size, options)
+
+
+async def _start(name: str, rank: int, world_size: int | None, options: RpcBackendOptions) -> Agent:
+    # The composition root: the runtime's agent, with this package's RRef layer and the
+    # call pipeline's standing hooks (profiling) plugged in.
+    return await Agent.start(
+        name, rank, world_size, options, set_agent, rrefs=RRefContext, hooks=standing_hooks()
+    )
 
 
 def _peek_agent() -> Agent | None:
@@ -241,7 +256,9 @@ def rpc_async(
     Raises:
         UnknownWorkerError, SerializationError at once; other errors through the future.
     """
-    return current_agent().call_future(to, func, tuple(args or ()), dict(kwargs or {}), timeout)
+    return current_agent().call_future(
+        to, func, tuple(args or ()), dict(kwargs or {}), timeout, "async"
+    )
 
 
 def rpc_sync(
@@ -262,7 +279,9 @@ def rpc_sync(
         raise BlockingCallError(
             "rpc_sync() would block the agent's event loop; use `await asyncrpc.call(...)`"
         )
-    return agent.call_future(to, func, tuple(args or ()), dict(kwargs or {}), timeout).wait()
+    return agent.call_future(
+        to, func, tuple(args or ()), dict(kwargs or {}), timeout, "sync"
+    ).wait()
 
 
 def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:
@@ -314,6 +333,4 @@ def remote(
     Raises:
         UnknownWorkerError, SerializationError at once.
     """
-    rrefs = current_agent().rrefs
-    assert rrefs is not None
-    return rrefs.remote(to, func, tuple(args or ()), dict(kwargs or {}), timeout)
+    return current_rrefs().remote(to, func, tuple(args or ()), dict(kwargs or {}), timeout)

@@ -23,14 +23,14 @@ from typing import Any
 import torch
 
 import asyncrpc
-from asyncrpc.runtime.current import current_agent
 from asyncrpc.bench import workloads
-from asyncrpc.runtime.future import Future
-from asyncrpc.runtime.loopthread import new_event_loop
-from asyncrpc.testing import free_port
 from asyncrpc.protocol.wire import FrameDecoder, encode_frame
 from asyncrpc.protocol.wire.messages import Reply, Request, decode_message
+from asyncrpc.runtime.current import current_agent
+from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.loopthread import new_event_loop
 from asyncrpc.runtime.threadpool import WorkerPool
+from asyncrpc.testing import free_port
 
 N = 20000
 

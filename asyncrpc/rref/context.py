@@ -9,12 +9,13 @@ pickled on whatever thread makes a call, so every use of the state machine holds
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import threading
 import traceback
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from asyncrpc.errors import (
     LocalProtocolError,
@@ -23,7 +24,6 @@ from asyncrpc.errors import (
     RRefTimeoutError,
     ShutdownError,
 )
-from asyncrpc.runtime.future import Future
 from asyncrpc.protocol.refcount import (
     Action,
     ChildAccepted,
@@ -38,12 +38,13 @@ from asyncrpc.protocol.refcount import (
     UserDelete,
     UserState,
 )
-from asyncrpc.rref.handle import RRef
 from asyncrpc.protocol.wire import encode_frame
-from asyncrpc.protocol.wire.messages import CallMode, RefMessage, RefOp, Request
-
-if TYPE_CHECKING:
-    from asyncrpc.runtime.agent import Agent
+from asyncrpc.protocol.wire.messages import RefMessage, RefOp, Request
+from asyncrpc.rref.handle import RRef
+from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.options import RpcBackendOptions, WorkerInfo
+from asyncrpc.runtime.pending import describe_function
+from asyncrpc.runtime.threadpool import WorkerPool
 
 __all__ = ["RRefContext"]
 
@@ -55,10 +56,50 @@ _TO_WIRE = {ForkRequest: RefOp.FORK_REQUEST, ForkAccepted: RefOp.FORK_ACCEPTED,
 _FROM_WIRE: dict[int, Any] = {op: cls for cls, op in _TO_WIRE.items()}
 
 
+class Dispatch(Protocol):
+    def on_cancel(self, peer: int, call_id: int) -> None: ...
+
+
+class RRefHost(Protocol):
+    """What the RRef layer uses of its agent (the agent satisfies it structurally)."""
+
+    name: str
+    rank: int
+    loop: asyncio.AbstractEventLoop
+    loop_thread_id: int
+    options: RpcBackendOptions
+    pool: WorkerPool
+
+    @property
+    def dispatcher(self) -> Dispatch: ...
+
+    def worker_info(self, rank: int) -> WorkerInfo: ...
+
+    def resolve(self, to: Any) -> int: ...
+
+    def effective_timeout(self, timeout: float) -> float: ...
+
+    def call_future(
+        self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
+        kind: str = ..., target: str | None = ...,
+    ) -> Future[Any]: ...  # fmt: skip
+
+    def send_remote(
+        self, rank: int, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
+        register: Callable[[], tuple[tuple[int, int], tuple[int, int]]],
+    ) -> None: ...  # fmt: skip
+
+    def send_to(
+        self, rank: int, pieces: list[Any], call_id: int = ..., keep: object = ...
+    ) -> None: ...
+
+    def run_on_loop(self, fn: Callable[..., Any], *args: Any) -> None: ...
+
+
 class RRefContext:
     """Owner values and reference bookkeeping of one agent."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: RRefHost) -> None:
         self.agent = agent
         self.loop = agent.loop
         self.counter = RefCounter(agent.rank)
@@ -81,35 +122,35 @@ class RRefContext:
         return rref_id, future
 
     def remote(
-        self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float
-    ) -> RRef[Any]:
+        self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
+        target: str | None = None,
+    ) -> RRef[Any]:  # fmt: skip
         """Start ``fn(*args, **kwargs)`` on ``to``, keeping the result there; see ``remote``."""
         agent = self.agent
         rank = agent.resolve(to)
         timeout = agent.effective_timeout(timeout)
         if rank == agent.rank:
-            return self._remote_to_self(fn, args, kwargs, timeout)
-        # Pickle first: an unpicklable argument must leave no reference state behind.
-        payload, segments, keep = agent.serializer.dumps(
-            (fn, args, kwargs), context=rank, device_map=agent.request_device_map(rank)
-        )
-        with self._lock:
-            rref_id = self.counter.next_rref_id()
-            fork_id, _ = self.counter.new_user(rref_id, rank)
-        call_id, target = agent.next_call_id(), agent.describe(fn)
-        request = Request(call_id, timeout, CallMode.REMOTE, target, rref_id, fork_id)
-        pieces = encode_frame(request.to_fields(), payload, segments)
-        rref: RRef[Any] = RRef._make(self, rref_id, fork_id, rank, None)
-        self._on_loop(self._send_remote, rank, pieces, keep, fork_id, target, timeout)
-        return rref
+            return self._remote_to_self(fn, args, kwargs, timeout, target)
+        ids: list[tuple[RRefId, ForkId]] = []
 
-    def _send_remote(
-        self, rank: int, pieces: list[Any], keep: object, fork_id: ForkId, target: str,
-        timeout: float,
-    ) -> None:  # fmt: skip
-        self.agent.send_to(rank, pieces, 0, keep)
+        def register() -> tuple[RRefId, ForkId]:
+            # Called once the payload is pickled: an unpicklable argument must leave no
+            # reference state behind.
+            with self._lock:
+                rref_id = self.counter.next_rref_id()
+                fork_id, _ = self.counter.new_user(rref_id, rank)
+            ids.append((rref_id, fork_id))
+            return rref_id, fork_id
+
+        agent.send_remote(rank, fn, args, kwargs, timeout, register)
+        rref_id, fork_id = ids[0]
+        rref: RRef[Any] = RRef._make(self, rref_id, fork_id, rank, None)
         if timeout > 0:
-            self.loop.call_later(timeout, self._check_confirmed, fork_id, rank, target, timeout)
+            name = target or describe_function(fn)
+            agent.run_on_loop(
+                self.loop.call_later, timeout, self._check_confirmed, fork_id, rank, name, timeout
+            )
+        return rref
 
     def _check_confirmed(self, fork_id: ForkId, rank: int, target: str, timeout: float) -> None:
         with self._lock:
@@ -120,19 +161,22 @@ class RRefContext:
             except LocalProtocolError:
                 return  # released and deleted meanwhile
         self._timed_out[fork_id] = RRefTimeoutError(
-            self.agent.addresses[rank].name, target, timeout
+            self.agent.worker_info(rank).name, target, timeout
         )
         self.apply(actions)
 
     def _remote_to_self(
-        self, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float
-    ) -> RRef[Any]:
+        self, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
+        target: str | None,
+    ) -> RRef[Any]:  # fmt: skip
         with self._lock:
             rref_id = self.counter.next_rref_id()
             self.counter.new_owner(rref_id)
         value: Future[Any] = Future(loop=self.loop)
         self._values[rref_id] = value
-        call = self.agent.call_future(self.agent.rank, fn, args, kwargs, timeout)
+        call = self.agent.call_future(
+            self.agent.rank, fn, args, kwargs, timeout, kind="remote", target=target
+        )
         call.add_done_callback(lambda done: self._settle(value, done))
         return RRef._make(self, rref_id, None, self.agent.rank, value)
 
@@ -284,10 +328,25 @@ class RRefContext:
                 self._lost[action.rref_id] = action.worker
 
     def _on_loop(self, fn: Any, *args: Any) -> None:
-        if threading.get_ident() == self.agent.loop_thread_id:
-            fn(*args)
-        else:
-            self.loop.call_soon_threadsafe(fn, *args)
+        self.agent.run_on_loop(fn, *args)
+
+    # -- what RRef handles ask (see asyncrpc/rref/handle.py) ------------------------------
+
+    def worker_info(self, rank: int) -> WorkerInfo:
+        return self.agent.worker_info(rank)
+
+    @property
+    def rank(self) -> int:
+        return self.agent.rank
+
+    def call(
+        self, to: int, fn: Any, args: Sequence[Any], timeout: float, kind: str, target: str
+    ) -> Future[Any]:
+        """A call made on behalf of an RRef (to_here, proxies), named for the hooks."""
+        return self.agent.call_future(to, fn, args, {}, timeout, kind, target)
+
+    async def run_in_pool(self, fn: Callable[[], Any]) -> Any:
+        return await self.agent.pool.run(fn)
 
     # -- state queries for RRef ------------------------------------------------------------
 
@@ -298,7 +357,7 @@ class RRefContext:
             raise self._timed_out[fork_id]
         lost = self._lost.get(rref._rref_id)
         if lost is not None:
-            raise RRefOwnerLostError(self.agent.addresses[lost].name, "the owner died")
+            raise RRefOwnerLostError(self.agent.worker_info(lost).name, "the owner died")
         if self.closed:
             raise RRefError(f"worker {self.agent.name!r} is shut down")
 

@@ -12,21 +12,58 @@ from __future__ import annotations
 import copy
 import functools
 import traceback
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, Protocol, TypeVar, cast
 
-from asyncrpc.runtime.current import current_agent
 from asyncrpc.errors import PeerLostError, RRefError, RRefOwnerLostError
 from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
+from asyncrpc.protocol.refcount import ForkId, RRefId
+from asyncrpc.runtime.current import current_agent
+from asyncrpc.runtime.dispatch import await_async_result
 from asyncrpc.runtime.future import Future
 from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT, WorkerInfo
 
-if TYPE_CHECKING:
-    from asyncrpc.protocol.refcount import ForkId, RRefId
-    from asyncrpc.rref.context import RRefContext
-
-__all__ = ["RRef"]
+__all__ = ["RRef", "RRefBackend", "current_rrefs"]
 
 T = TypeVar("T")
+
+
+class RRefBackend(Protocol):
+    """What an RRef asks of its worker's RRef context (``asyncrpc/rref/context.py``)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    def worker_info(self, rank: int) -> WorkerInfo: ...
+
+    def check_usable(self, rref: RRef[Any]) -> None: ...
+
+    def confirmed(self, rref: RRef[Any]) -> bool: ...
+
+    def schedule_release(self, rref_id: RRefId, fork_id: ForkId | None) -> None: ...
+
+    def create_local(self, value: Any) -> tuple[RRefId, Future[Any]]: ...
+
+    def owned_value(self, worker_id: int, local_id: int) -> Future[Any]: ...
+
+    def remote(
+        self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
+        target: str | None = ...,
+    ) -> RRef[Any]: ...  # fmt: skip
+
+    def call(
+        self, to: int, fn: Any, args: Sequence[Any], timeout: float, kind: str, target: str
+    ) -> Future[Any]: ...
+
+    async def run_in_pool(self, fn: Callable[[], Any]) -> Any: ...
+
+
+def current_rrefs() -> RRefBackend:
+    rrefs = current_agent().rrefs
+    if rrefs is None:
+        raise RRefError("this worker has no RRef support (started without it)")
+    # The public API starts every agent with this layer's RRefContext as its RRef service.
+    return cast("RRefBackend", rrefs)
 
 
 class RRef(Generic[T]):
@@ -37,22 +74,20 @@ class RRef(Generic[T]):
 
     __slots__ = ("__weakref__", "_ctx", "_fork_id", "_owner", "_rref_id", "_value")
 
-    _ctx: RRefContext
+    _ctx: RRefBackend
     _rref_id: RRefId
     _fork_id: ForkId | None
     _owner: int
     _value: Future[T] | None
 
     def __init__(self, value: T) -> None:
-        agent = current_agent()
-        assert agent.rrefs is not None  # set once the agent has joined its group
-        self._ctx = agent.rrefs
+        self._ctx = current_rrefs()
         self._rref_id, self._value = self._ctx.create_local(value)
-        self._fork_id, self._owner = None, agent.rank
+        self._fork_id, self._owner = None, self._ctx.rank
 
     @classmethod
     def _make(
-        cls, ctx: RRefContext, rref_id: RRefId, fork_id: ForkId | None, owner: int,
+        cls, ctx: RRefBackend, rref_id: RRefId, fork_id: ForkId | None, owner: int,
         value: Future[Any] | None,
     ) -> RRef[Any]:  # fmt: skip
         rref: RRef[Any] = object.__new__(cls)
@@ -80,11 +115,11 @@ class RRef(Generic[T]):
 
     def owner(self) -> WorkerInfo:
         """``WorkerInfo`` of the owner."""
-        return self._ctx.agent.worker_info(self._owner)
+        return self._ctx.worker_info(self._owner)
 
     def owner_name(self) -> str:
         """Name of the owner."""
-        return self._ctx.agent.addresses[self._owner].name
+        return self._ctx.worker_info(self._owner).name
 
     def confirmed_by_owner(self) -> bool:
         """True once the owner has registered this reference (always True on the owner)."""
@@ -118,19 +153,22 @@ class RRef(Generic[T]):
             RRefOwnerLostError: the owner is gone (also through the future).
             RRefTimeoutError: the remote() that made this RRef timed out.
         """
-        self._ctx.check_usable(self)
+        return self._fetch(timeout, "async")
+
+    def _fetch(self, timeout: float, kind: str) -> Future[T]:
+        ctx = self._ctx
+        ctx.check_usable(self)
         if self._value is not None:
             return self._value
-        agent = self._ctx.agent
-        if self._rref_id.worker == agent.rank:
+        if self._rref_id.worker == ctx.rank:
             # We made it with remote(): fetch by id, not by pickling the RRef, whose fork
             # to the owner costs an acknowledgement frame and bookkeeping on both sides.
             # Frames to one peer arrive in order, so the owner has read our remote().
-            call = agent.call_future(self._owner, _fetch, tuple(self._rref_id), {}, timeout)
+            call = ctx.call(self._owner, _fetch, tuple(self._rref_id), timeout, kind, _TO_HERE)
         else:
             # Made by another worker: its remote() may still be on the way to the owner
             # (a large frame, another connection); the pickled fork waits for the value.
-            call = agent.call_future(self._owner, _fetch_forked, (self,), {}, timeout)
+            call = ctx.call(self._owner, _fetch_forked, (self,), timeout, kind, _TO_HERE)
         # The callback holds this RRef until the reply: its release (a message behind the
         # fetch) must not let the owner free the value before the fetch has read it.
         return call.then(functools.partial(_fetched, self.owner_name(), self))
@@ -144,7 +182,7 @@ class RRef(Generic[T]):
             BlockingCallError: called on the agent's loop thread before the value is here.
             The errors of ``to_here_future`` and the exception creating the value raised.
         """
-        return self.to_here_future(timeout).wait()
+        return self._fetch(timeout, "sync").wait()
 
     # -- proxies ---------------------------------------------------------------------------
 
@@ -175,15 +213,18 @@ class _Proxy:
         return functools.partial(self._invoke, name)
 
     def _invoke(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        rref = self._rref
-        rref._ctx.check_usable(rref)
-        agent = rref._ctx.agent
+        rref, ctx = self._rref, self._rref._ctx
+        ctx.check_usable(rref)
         call_args = (rref, name, args, kwargs)
+        target = f"RRef.{name}"  # what the hooks (and the profiler) call it
         if self._mode == "remote":
-            return rref._ctx.remote(rref._owner, _invoke_method, call_args, {}, self._timeout)
-        future = agent.call_future(rref._owner, _invoke_method, call_args, {}, self._timeout)
+            return ctx.remote(rref._owner, _invoke_method, call_args, {}, self._timeout, target)
+        future = ctx.call(rref._owner, _invoke_method, call_args, self._timeout, self._mode, target)
         future = future.then(functools.partial(_owner_lost_as_rref_error, rref.owner_name()))
         return future if self._mode == "async" else future.wait()
+
+
+_TO_HERE = "RRef.to_here"  # the name of fetches, for the hooks (and the profiler)
 
 
 def _owner_lost_as_rref_error(owner: str, done: Future[Any]) -> Any:
@@ -225,9 +266,7 @@ async def _fetch(worker_id: int, local_id: int) -> Any:
     The caller holds a user reference until the reply, so the owner still counts it (or
     the parent fork that is handing it over) and has not freed the value.
     """
-    ctx = current_agent().rrefs
-    assert ctx is not None
-    return await _owner_value(ctx.owned_value(worker_id, local_id))
+    return await _owner_value(current_rrefs().owned_value(worker_id, local_id))
 
 
 async def _invoke_method(
@@ -238,7 +277,7 @@ async def _invoke_method(
     ``async def``, ``async_execution`` and ``@inline`` methods run on the loop; plain
     methods on the agent's thread pool, so a slow method never stalls the loop.
     """
-    future, agent = rref._value, rref._ctx.agent
+    future, ctx = rref._value, rref._ctx
     assert future is not None
     del rref  # see _owner_value
     value = await _owner_value(future)
@@ -246,10 +285,8 @@ async def _invoke_method(
     if is_coroutine_function(method):
         return await method(*args, **kwargs)
     if not (is_inline(method) or is_async_execution(method)):
-        return await agent.pool.run(functools.partial(method, *args, **kwargs))
+        return await ctx.run_in_pool(functools.partial(method, *args, **kwargs))
     result = method(*args, **kwargs)  # on the loop: it returns at once
     if is_async_execution(method):
-        from asyncrpc.runtime.dispatch import await_async_result
-
         return await await_async_result(result)
     return result

@@ -1,10 +1,12 @@
-"""The event-loop agent: one worker's peers, calls, dispatch and lifecycle (layer L3).
+"""The event-loop agent: one worker's peers, calls, dispatch and lifecycle (layer L2).
 
 The agent lives on one asyncio loop (its own background thread for synchronous programs,
 or the program's loop for asyncio ones) and owns all of the worker's state. Callers on
 other threads pickle and frame their request on their own thread and hand the frame over
 with one ``call_soon_threadsafe``; replies complete an ``asyncrpc.Future`` (thread side)
-or an ``asyncio.Future`` (coroutines on the agent's loop).
+or an ``asyncio.Future`` (coroutines on the agent's loop). Every call, both ways, passes
+through the agent's call ``pipeline`` (see ``asyncrpc/runtime/pipeline.py``). RRefs live a
+floor above: the agent reaches them through the ``RRefService`` its starter builds.
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from asyncrpc.runtime.pending import PendingCall, PendingCalls, describe_function
-from asyncrpc.runtime.dispatch import Dispatcher
 from asyncrpc.errors import (
     ClosedError,
     RemoteProtocolError,
@@ -27,15 +27,7 @@ from asyncrpc.errors import (
     ShutdownError,
     UnknownWorkerError,
 )
-from asyncrpc.runtime.future import Future, set_default_callback_loop
-from asyncrpc.runtime.shutdown import Lifecycle
-from asyncrpc.runtime.metrics import Counters, LagProbe
-from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT, RpcBackendOptions, WorkerInfo
-from asyncrpc.runtime.peers import PeerTable
-from asyncrpc.runtime.rendezvous import PeerAddress, StoreGroup, join_group
-from asyncrpc.rref.context import RRefContext
 from asyncrpc.protocol.serde import Serializer, unpack_exception
-from asyncrpc.runtime.transport import Connection, start_server
 from asyncrpc.protocol.wire import Frame, FrameDecoder, encode_frame
 from asyncrpc.protocol.wire.messages import (
     CallMode,
@@ -47,10 +39,30 @@ from asyncrpc.protocol.wire.messages import (
     RefMessage,
     Request,
     decode_message,
+    optional_headers,
 )
+from asyncrpc.runtime.dispatch import Dispatcher
+from asyncrpc.runtime.future import Future, set_default_callback_loop
+from asyncrpc.runtime.loopback import LoopbackConnection
+from asyncrpc.runtime.metrics import Counters, LagProbe
+from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT, RpcBackendOptions, WorkerInfo
+from asyncrpc.runtime.peers import PeerTable
+from asyncrpc.runtime.pending import PendingCall, PendingCalls, describe_function
+from asyncrpc.runtime.pipeline import CallHook, OutgoingCall, Pipeline
+from asyncrpc.runtime.rendezvous import PeerAddress, StoreGroup, join_group
+from asyncrpc.runtime.services import RRefFactory, RRefService
+from asyncrpc.runtime.shutdown import GracefulShutdown
 from asyncrpc.runtime.threadpool import WorkerPool
+from asyncrpc.runtime.transport import Connection, start_server
 
-__all__ = ["Agent"]
+__all__ = ["Agent", "EncodedRequest"]
+
+# A request pickled and framed on the calling thread: its call id, the function's name,
+# the frame's pieces, what must live until they are written, and the pipeline hooks it
+# went through with their view of it (None when no hook was active).
+EncodedRequest = tuple[
+    int, str, list[Any], object, tuple[tuple[CallHook, ...], OutgoingCall] | None
+]
 
 _log = logging.getLogger("asyncrpc.runtime.agent")
 
@@ -75,7 +87,11 @@ class Agent:
             persistent_dump=self._dump_rref, persistent_load=self._load_rref
         )
         self.pool = WorkerPool(options.num_worker_threads, loop, name)
-        self.dispatcher = Dispatcher(self, self.pool)
+        self.pipeline = Pipeline()
+        self.dispatcher = Dispatcher(
+            name, loop, self.pool, self.serializer, self.write, self.reply_device_map,
+            self.counters, self.pipeline,
+        )  # fmt: skip
         self.lag = LagProbe(loop)
         self.peers: PeerTable | None = None
         self.group: StoreGroup | None = None
@@ -87,9 +103,9 @@ class Agent:
         self._unsent: dict[int, list[tuple[list[Any], int, object]]] = {}
         self._server: asyncio.Server | None = None
         self.closed = False
-        self.lifecycle = Lifecycle(self)
+        self._loopback: LoopbackConnection | None = None
         # Created once the rank is known (after the rendezvous).
-        self.rrefs: RRefContext | None = None
+        self.rrefs: RRefService | None = None
 
     # -- start -----------------------------------------------------------------------------
 
@@ -101,19 +117,25 @@ class Agent:
         world_size: int | None,
         options: RpcBackendOptions,
         register: Callable[[Agent], None] | None = None,
+        rrefs: RRefFactory | None = None,
+        hooks: Sequence[CallHook] = (),
     ) -> Agent:
         """Listen, rendezvous and return a ready agent on the running loop.
 
         ``register`` runs on the loop right after joining, before any request can be
         served, so the agent is already "current" when the first request arrives.
+        ``rrefs`` builds the RRef service once the rank is known (without it, requests in
+        REMOTE mode and RRefs in payloads are refused); ``hooks`` start the call pipeline.
         Cancelling the start closes whatever was opened.
 
         Raises:
             InitError: the rendezvous failed (duplicates, timeout, bad arguments).
         """
         agent = cls(name, options, asyncio.get_running_loop())
+        for hook in hooks:
+            agent.pipeline.add(hook)
         try:
-            await agent._join(rank, world_size)
+            await agent._join(rank, world_size, rrefs)
             if register is not None:
                 register(agent)
         except BaseException:
@@ -124,7 +146,7 @@ class Agent:
         agent.lag.start()
         return agent
 
-    async def _join(self, rank: int, world_size: int | None) -> None:
+    async def _join(self, rank: int, world_size: int | None, rrefs: RRefFactory | None) -> None:
         options = self.options
         self._server, port = await start_server(options.listen_host, self._accept)
         init_timeout = options.rpc_timeout if options.rpc_timeout > 0 else 300.0
@@ -143,8 +165,8 @@ class Agent:
         self.group = group
         self.rank, self.world_size = group.rank, group.world_size
         self._ranks_by_name = {a.name: r for r, a in self.addresses.items()}
-        self.rrefs = RRefContext(self)
-        self.dispatcher.value_sink = self.rrefs.on_value
+        self.rrefs = None if rrefs is None else rrefs(self)
+        self.dispatcher.rrefs = self.rrefs
         self.peers = PeerTable(self.name, self.rank, self.addresses, self._dial)
         for conn, hello in self._early_hellos:
             if not conn.closed:
@@ -229,42 +251,61 @@ class Agent:
         args: Sequence[Any],
         kwargs: dict[str, Any],
         timeout: float,
+        kind: str,
         mode: int = CallMode.CALL,
-        rref_ids: tuple[tuple[int, int], tuple[int, int]] | None = None,
-    ) -> tuple[int, str, list[Any], object]:
-        """Pickle and frame a request on the calling thread.
+        register: Callable[[], tuple[tuple[int, int], tuple[int, int]]] | None = None,
+        target: str | None = None,
+    ) -> EncodedRequest:
+        """Pickle and frame a request on the calling thread, through the call pipeline.
+
+        Args:
+            kind: torch's name of the call's mode for the hooks: "sync", "async", "remote".
+            register: for ``remote()``, makes the RRef and fork ids once the payload is
+                pickled and the hooks have run (so a failure leaves no RRef state).
+            target: the name the hooks and errors use (default: the function's).
 
         Raises:
             SerializationError: the function or an argument cannot be pickled.
         """
         self._check_open()
+        hooks = self.pipeline.active_hooks()
+        call = None
+        target = describe_function(fn) if target is None else target
+        if hooks:
+            call = OutgoingCall(
+                kind, self.name, self.addresses[rank].name, rank, fn, target, args, kwargs
+            )
         payload, segments, keep = self.serializer.dumps(
-            (fn, args, kwargs), context=rank, device_map=self.request_device_map(rank)
+            (fn, args, kwargs),
+            context=rank,
+            device_map=self.request_device_map(rank),
+            tensors=None if call is None else call.tensors,
         )
         call_id = next(self._call_ids)
-        target = describe_function(fn)
-        rref_id, fork_id = rref_ids if rref_ids is not None else (None, None)
-        request = Request(call_id, timeout, mode, target, rref_id, fork_id)
-        return call_id, target, encode_frame(request.to_fields(), payload, segments), keep
-
-    def next_call_id(self) -> int:
-        return next(self._call_ids)
-
-    @staticmethod
-    def describe(fn: Any) -> str:
-        return describe_function(fn)
+        headers = None
+        if call is not None:
+            call.call_id = call_id
+            Pipeline.outgoing(hooks, call)
+            headers = call.headers or None
+        rref_id, fork_id = register() if register is not None else (None, None)
+        request = Request(call_id, timeout, mode, target, rref_id, fork_id, headers)
+        pieces = encode_frame(request.to_fields(), payload, segments)
+        return call_id, target, pieces, keep, None if call is None else (hooks, call)
 
     def call_future(
-        self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float
-    ) -> Future[Any]:
+        self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
+        kind: str = "async", target: str | None = None,
+    ) -> Future[Any]:  # fmt: skip
         """Start a call from any thread and return its ``asyncrpc.Future``."""
         rank = self.resolve(to)
         timeout = self.effective_timeout(timeout)
-        call_id, target, pieces, keep = self.encode_request(rank, fn, args, kwargs, timeout)
+        call_id, target, pieces, keep, observed = self.encode_request(
+            rank, fn, args, kwargs, timeout, kind, target=target
+        )
         future: Future[Any] = Future(loop=self.loop)
         future._cancel_hook = lambda: self.loop.call_soon_threadsafe(self.cancel_call, call_id)
         call = PendingCall(future, rank, target, timeout)
-        call.keepalive = keep
+        call.keepalive, call.observed = keep, observed
         if threading.get_ident() == self.loop_thread_id:
             self.begin_call(call_id, call, pieces)
         else:
@@ -277,16 +318,48 @@ class Agent:
         """Call on the agent's own loop; cancelling the awaiting task cancels the remote work."""
         rank = self.resolve(to)
         timeout = self.effective_timeout(timeout)
-        call_id, target, pieces, keep = self.encode_request(rank, fn, args, kwargs, timeout)
+        call_id, target, pieces, keep, observed = self.encode_request(
+            rank, fn, args, kwargs, timeout, "async"
+        )
         waiter: asyncio.Future[Any] = self.loop.create_future()
         call = PendingCall(waiter, rank, target, timeout)
-        call.keepalive = keep
+        call.keepalive, call.observed = keep, observed
         self.begin_call(call_id, call, pieces)
         try:
             return await waiter
         except asyncio.CancelledError:
             self.cancel_call(call_id)
             raise
+
+    def send_remote(
+        self, rank: int, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
+        register: Callable[[], tuple[tuple[int, int], tuple[int, int]]],
+    ) -> None:  # fmt: skip
+        """Send a ``remote()`` request from any thread; the owner keeps the value.
+
+        Without pipeline hooks nothing waits for it here (the RRef protocol confirms it).
+        With hooks, the owner acknowledges the end of the function, and a pending call
+        tells the hooks.
+
+        Raises:
+            SerializationError: the function or an argument cannot be pickled.
+        """
+        call_id, target, pieces, keep, observed = self.encode_request(
+            rank, fn, args, kwargs, timeout, "remote", CallMode.REMOTE, register
+        )
+        if observed is None:
+            self.run_on_loop(self.send_to, rank, pieces, 0, keep)
+            return
+        call = PendingCall(Future(loop=self.loop), rank, target, timeout)
+        call.keepalive, call.observed = keep, observed
+        self.run_on_loop(self.begin_call, call_id, call, pieces)
+
+    def run_on_loop(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the agent's loop: now if this is the loop thread."""
+        if threading.get_ident() == self.loop_thread_id:
+            fn(*args)
+        else:
+            self.loop.call_soon_threadsafe(fn, *args)
 
     def begin_call(self, call_id: int, call: PendingCall, pieces: list[Any]) -> None:
         """Register ``call`` and write its frame (on the loop thread)."""
@@ -304,7 +377,7 @@ class Agent:
         being made: a frame sent then waits behind the ones already waiting for it.
         """
         if rank == self.rank:
-            self.lifecycle.loopback.send(pieces)
+            self.loopback.send(pieces)
             return
         waiting = self._unsent.get(rank)
         if waiting is not None:
@@ -370,7 +443,7 @@ class Agent:
             return  # its request still waits for the connection and will be skipped
         peer = self.peers.peers.get(rank) if self.peers is not None else None
         if rank == self.rank:
-            self.lifecycle.loopback.send(encode_frame(Cancel(call_id).to_fields(), b""))
+            self.loopback.send(encode_frame(Cancel(call_id).to_fields(), b""))
         elif peer is not None and peer.conn is not None and not peer.conn.closed:
             peer.conn.send(encode_frame(Cancel(call_id).to_fields(), b""))
 
@@ -395,7 +468,7 @@ class Agent:
             self.counters.calls_received += 1
             self.dispatcher.on_request(conn, message, frame.payload, frame.segments)
         elif kind == Kind.ERROR:
-            self._on_error(fields[1], frame)
+            self._on_error(fields, frame)
         elif kind == Kind.CANCEL:
             self.dispatcher.on_cancel(conn.peer, fields[1])
         elif isinstance(message, RefMessage) and self.rrefs is not None:
@@ -423,19 +496,21 @@ class Agent:
         if call is None:
             return  # timed out or cancelled meanwhile
         try:
+            headers = optional_headers(fields, 2) if len(fields) > 2 else None
             value = self.serializer.loads(frame.payload, frame.segments, context=call.peer)
         except Exception as exc:
             self.counters.calls_failed += 1
             call.fail(exc)
             return
-        call.resolve(value)
+        call.resolve(value, headers)
 
-    def _on_error(self, call_id: int, frame: Frame) -> None:
-        call = self.pending.pop(call_id)
+    def _on_error(self, fields: list[Any], frame: Frame) -> None:
+        call = self.pending.pop(fields[1])
         if call is None:
             return
         self.counters.calls_failed += 1
-        call.fail(unpack_exception(bytes(frame.payload)))
+        headers = optional_headers(fields, 2) if len(fields) > 2 else None
+        call.fail(unpack_exception(bytes(frame.payload)), headers)
 
     def on_protocol_error(self, conn: Connection, exc: BaseException) -> None:
         """The peer sent bytes that break the protocol; the connection is being aborted."""
@@ -464,6 +539,25 @@ class Agent:
 
     # -- stopping --------------------------------------------------------------------------
 
+    @property
+    def loopback(self) -> LoopbackConnection:
+        """The connection for calls to self, made on first use."""
+        if self._loopback is None:
+            self._loopback = LoopbackConnection(
+                self.rank, self.name, self.loop, self.serializer.allocate, self.on_frame
+            )
+        return self._loopback
+
+    def calls_in_flight(self) -> int:
+        return len(self.pending)
+
+    def requests_running(self) -> int:
+        return len(self.dispatcher)
+
+    def is_lost(self, rank: int) -> bool:
+        peers = self.peers
+        return peers is not None and rank in peers.peers and peers.is_lost(rank)
+
     def _check_open(self) -> None:
         if self.closed:
             raise ClosedError(f"worker {self.name!r} is shut down")
@@ -479,7 +573,7 @@ class Agent:
         failure: ShutdownError | None = None
         if graceful:
             try:
-                await self.lifecycle.graceful(time.monotonic() + limit)
+                await GracefulShutdown(self).run(time.monotonic() + limit)
             except ShutdownError as exc:
                 failure = exc
         await self._close_transports(graceful and failure is None)
@@ -498,7 +592,8 @@ class Agent:
             conn.close()
         for call in self.pending.pop_all():
             call.fail(ClosedError(f"worker {self.name!r} shut down before the reply came"))
-        self.lifecycle.close()
+        if self._loopback is not None:
+            self._loopback.close()
         if self.rrefs is not None:
             self.rrefs.close()
         await asyncio.sleep(0)  # let the transports flush and call connection_lost

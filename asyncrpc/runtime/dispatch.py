@@ -1,11 +1,12 @@
-"""Runs received requests and sends their replies (layer L3, on the agent's loop).
+"""Runs received requests and sends their replies (layer L2, on the agent's loop).
 
 ``async def`` functions run as tasks on the loop; synchronous ones run on the agent's
 ``WorkerPool`` so a blocking function never stalls the loop, and the pool thread also
 pickles the result and builds the reply frame; ``@inline`` ones run on the loop.
 ``async_execution`` functions reply when the future they return completes. Every request
 can be cancelled by the caller (timeout or cancellation): a task is cancelled, a pool job
-that has not started is dropped.
+that has not started is dropped. Requests that carry pipeline header fields (or every
+request, while a hook serves all) pass through the call pipeline's callee side.
 """
 
 from __future__ import annotations
@@ -13,21 +14,20 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 from asyncrpc.errors import ClosedError, FunctionNotFoundError, SerializationError
 from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
-from asyncrpc.runtime.future import Future
-from asyncrpc.protocol.serde import MissingReferenceError, pack_exception
+from asyncrpc.protocol.serde import MissingReferenceError, Serializer, pack_exception
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import CallMode, ErrorReply, Reply, Request
+from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.metrics import Counters
+from asyncrpc.runtime.pipeline import IncomingCall, Pipeline
+from asyncrpc.runtime.services import RRefService
 from asyncrpc.runtime.threadpool import Job as PoolJob
 from asyncrpc.runtime.threadpool import WorkerPool
-
-if TYPE_CHECKING:
-    from asyncrpc.runtime.agent import Agent
-    from asyncrpc.runtime.transport import Connection
 
 __all__ = ["Dispatcher", "await_async_result"]
 
@@ -35,8 +35,17 @@ _log = logging.getLogger("asyncrpc.runtime.dispatch")
 
 # What runs a request: a task on the loop or a job in the pool (for cancellation).
 Job = asyncio.Task[Any] | PoolJob
-# Receives the outcome of a request in REMOTE mode (the RRef owner's value).
-ValueSink = Callable[[Request, int, bool, Any], None]
+
+
+class Connection(Protocol):
+    """The side of a connection the dispatcher needs: who sent the request."""
+
+    peer: int | None
+    peer_name: str | None
+
+
+# Writes a frame on a connection (the agent's; a closed connection drops it).
+Writer = Callable[[Any, list[Any], object], None]
 
 
 async def await_async_result(result: Any) -> Any:
@@ -69,13 +78,30 @@ def _is_future_like(value: Any) -> bool:
 class Dispatcher:
     """Executes requests for one agent."""
 
-    def __init__(self, agent: Agent, pool: WorkerPool) -> None:
-        self._agent = agent
-        self._loop = agent.loop
+    def __init__(
+        self,
+        name: str,
+        loop: asyncio.AbstractEventLoop,
+        pool: WorkerPool,
+        serializer: Serializer,
+        write: Writer,
+        reply_device_map: Callable[[int], Mapping[str, str] | None],
+        counters: Counters,
+        pipeline: Pipeline,
+    ) -> None:
+        self._name = name
+        self._loop = loop
         self._pool = pool
-        self._serializer = agent.serializer
+        self._serializer = serializer
+        self._write = write
+        self._reply_device_map = reply_device_map
+        self._counters = counters
+        self._pipeline = pipeline
         self._jobs: dict[tuple[int, int], Job] = {}
-        self.value_sink: ValueSink | None = None
+        # Requests going through the pipeline, until their reply is built.
+        self._served: dict[tuple[int, int], IncomingCall] = {}
+        # Keeps the values of remote() requests; set once the agent knows its rank.
+        self.rrefs: RRefService | None = None
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -86,9 +112,8 @@ class Dispatcher:
         peer = conn.peer
         assert peer is not None
         if request.mode == CallMode.REMOTE:
-            rrefs = self._agent.rrefs
-            assert rrefs is not None
-            rrefs.on_remote_request(peer, request)
+            assert self.rrefs is not None
+            self.rrefs.on_remote_request(peer, request)
         try:
             fn, args, kwargs = self._serializer.loads(payload, segments, context=peer)
         except MissingReferenceError as exc:
@@ -97,30 +122,60 @@ class Dispatcher:
         except Exception as exc:
             self._finish(conn, request, peer, False, exc)
             return
+        # Decided on the function itself: a hook's wrapper may hide what kind it is.
+        run, async_exec = fn, is_async_execution(fn)
+        if self._pipeline.serves(request.headers):
+            try:
+                run = self._serve(conn, request, peer, fn, args, kwargs)
+            except Exception as exc:
+                self._finish(conn, request, peer, False, exc)
+                return
         key = (peer, request.call_id)
         if is_coroutine_function(fn):
-            task = self._loop.create_task(self._run_coroutine(conn, request, fn, args, kwargs))
-            self._jobs[key] = task
+            coro = self._run_coroutine(conn, request, run, async_exec, args, kwargs)
+            self._jobs[key] = self._loop.create_task(coro)
         elif is_inline(fn):
-            self._run_inline(conn, request, peer, fn, args, kwargs)
+            self._run_inline(conn, request, peer, run, async_exec, args, kwargs)
         else:
             try:
                 self._jobs[key] = self._pool.submit(
-                    self._run_in_thread, conn, request, peer, fn, args, kwargs
+                    self._run_in_thread, conn, request, peer, run, async_exec, args, kwargs
                 )
             except ClosedError as exc:  # shutting down: the caller learns it, nothing hangs
                 self._finish(conn, request, peer, False, exc)
 
+    def _serve(
+        self, conn: Connection, request: Request, peer: int, fn: Any, args: Any, kwargs: Any
+    ) -> Callable[..., Any]:
+        """Run the pipeline's callee side; returns the function wrapped by the hooks."""
+        served = IncomingCall(
+            conn.peer_name or str(peer), peer, self._name, request.call_id, request.target,
+            request.mode == CallMode.REMOTE, request.headers or {},
+        )  # fmt: skip
+        served.fn, served.args, served.kwargs = fn, args, kwargs
+        self._served[(peer, request.call_id)] = served
+        self._pipeline.incoming(served)
+        return served.wrapped(fn)
+
+    def _replying(self, request: Request, peer: int, ok: bool, value: Any) -> dict[str, Any] | None:
+        """The pipeline's last look at a served request; returns its reply header fields."""
+        served = self._served.pop((peer, request.call_id), None) if self._served else None
+        if served is None:
+            return None
+        self._pipeline.replying(served, ok, value)
+        return served.reply_headers or None
+
     def _missing(self, request: Request, exc: MissingReferenceError) -> Exception:
         name = f"{exc.module}.{exc.qualname}"
         if request.target.endswith(exc.qualname):
-            return FunctionNotFoundError(name, self._agent.name, exc.reason)
+            return FunctionNotFoundError(name, self._name, exc.reason)
         return SerializationError(
             f"{name} (used by the arguments of {request.target}) cannot be imported on worker "
-            f"{self._agent.name!r}: {exc.reason}"
+            f"{self._name!r}: {exc.reason}"
         )
 
     def on_cancel(self, peer: int, call_id: int) -> None:
+        self._served.pop((peer, call_id), None)
         job = self._jobs.pop((peer, call_id), None)
         if job is not None:
             job.cancel()
@@ -129,21 +184,25 @@ class Dispatcher:
         """The caller is gone: nobody will read these replies."""
         for key in [k for k in self._jobs if k[0] == peer]:
             self._jobs.pop(key).cancel()
+        for key in [k for k in self._served if k[0] == peer]:
+            del self._served[key]
 
     # -- running ---------------------------------------------------------------------------
 
     async def _run_coroutine(
-        self, conn: Connection, request: Request, fn: Any, args: Any, kwargs: Any
-    ) -> None:
+        self, conn: Connection, request: Request, fn: Any, async_exec: bool, args: Any,
+        kwargs: Any,
+    ) -> None:  # fmt: skip
         peer = conn.peer
         assert peer is not None
         try:
             result = await fn(*args, **kwargs)
             # An `async def` marked async_execution may return a value or yet another future.
-            if is_async_execution(fn) and _is_future_like(result):
+            if async_exec and _is_future_like(result):
                 result = await await_async_result(result)
         except asyncio.CancelledError:
             self._jobs.pop((peer, request.call_id), None)
+            self._served.pop((peer, request.call_id), None)
             raise
         except BaseException as exc:
             self._finish(conn, request, peer, False, exc)
@@ -151,28 +210,30 @@ class Dispatcher:
         self._finish(conn, request, peer, True, result)
 
     def _run_inline(
-        self, conn: Connection, request: Request, peer: int, fn: Any, args: Any, kwargs: Any
-    ) -> None:
+        self, conn: Connection, request: Request, peer: int, fn: Any, async_exec: bool,
+        args: Any, kwargs: Any,
+    ) -> None:  # fmt: skip
         try:
             result = fn(*args, **kwargs)
         except BaseException as exc:
             self._finish(conn, request, peer, False, exc)
             return
-        if is_async_execution(fn):
+        if async_exec:
             self._start_awaiting(conn, request, peer, result)
         else:
             self._finish(conn, request, peer, True, result)
 
     def _run_in_thread(
-        self, conn: Connection, request: Request, peer: int, fn: Any, args: Any, kwargs: Any
-    ) -> None:
+        self, conn: Connection, request: Request, peer: int, fn: Any, async_exec: bool,
+        args: Any, kwargs: Any,
+    ) -> None:  # fmt: skip
         post = self._pool.post
         try:
             result = fn(*args, **kwargs)
         except BaseException as exc:
             post(self._finish, conn, request, peer, False, exc)
             return
-        if is_async_execution(fn):
+        if async_exec:
             post(self._await_then_finish, conn, request, peer, result)
             return
         if request.mode != 0:  # REMOTE: the value stays here, no reply frame to build
@@ -208,18 +269,19 @@ class Dispatcher:
     def _encode_reply(
         self, request: Request, peer: int, result: Any
     ) -> tuple[list[Any] | None, object, BaseException | None]:
+        headers = self._replying(request, peer, True, result)
         try:
             payload, segments, keep = self._serializer.dumps(
-                result, context=peer, device_map=self._agent.reply_device_map(peer)
+                result, context=peer, device_map=self._reply_device_map(peer)
             )
         except Exception as exc:
             error = SerializationError(
-                f"the result of {request.target} on worker {self._agent.name!r} "
-                f"cannot be sent: {exc}"
+                f"the result of {request.target} on worker {self._name!r} cannot be sent: {exc}"
             )
             error.__cause__ = exc
             return None, None, error
-        return encode_frame(Reply(request.call_id).to_fields(), payload, segments), keep, None
+        reply = Reply(request.call_id, headers).to_fields()
+        return encode_frame(reply, payload, segments), keep, None
 
     def _send_built(
         self,
@@ -247,22 +309,39 @@ class Dispatcher:
             self._send_error(conn, request, error)
             return
         assert pieces is not None
-        self._agent.write(conn, pieces, keep)
-        self._agent.counters.replies_sent += 1
+        self._write(conn, pieces, keep)
+        self._counters.replies_sent += 1
 
     def _finish(self, conn: Connection, request: Request, peer: int, ok: bool, value: Any) -> None:
         self._jobs.pop((peer, request.call_id), None)
         if request.mode != 0:
-            if self.value_sink is not None:
-                self.value_sink(request, peer, ok, value)
+            if self.rrefs is not None:
+                self.rrefs.on_value(request, peer, ok, value)
+            if request.headers:
+                self._acknowledge(conn, request, peer, ok, value)
+            else:
+                self._replying(request, peer, ok, value)  # a hook serving all still sees it
             return
         if not ok:
             self._send_error(conn, request, value)
             return
         self._deliver(conn, request, *self._encode_reply(request, peer, value))
 
+    def _acknowledge(
+        self, conn: Connection, request: Request, peer: int, ok: bool, value: Any
+    ) -> None:
+        # A remote() request with pipeline fields: its caller's hooks wait for the end of
+        # the function (torch's remote profiling does too), so say so with an empty reply.
+        headers = self._replying(request, peer, ok, value)
+        payload, segments, keep = self._serializer.dumps(None)
+        reply = Reply(request.call_id, headers).to_fields()
+        self._write(conn, encode_frame(reply, payload, segments), keep)
+
     def _send_error(self, conn: Connection, request: Request, exc: BaseException) -> None:
         _log.debug("%s raised %r for %s", request.target, exc, conn.peer_name)
-        payload = pack_exception(exc, self._agent.name)
-        self._agent.write(conn, encode_frame(ErrorReply(request.call_id).to_fields(), payload))
-        self._agent.counters.errors_sent += 1
+        peer = conn.peer
+        headers = None if peer is None else self._replying(request, peer, False, exc)
+        payload = pack_exception(exc, self._name)
+        fields = ErrorReply(request.call_id, headers).to_fields()
+        self._write(conn, encode_frame(fields, payload), None)
+        self._counters.errors_sent += 1

@@ -14,10 +14,10 @@ import logging
 from collections.abc import Callable
 
 from asyncrpc.errors import PeerLostError, PeerUnavailableError, RemoteProtocolError
-from asyncrpc.runtime.rendezvous import PeerAddress
-from asyncrpc.runtime.transport import Connection, open_connection
 from asyncrpc.protocol.wire import PROTOCOL_VERSION, encode_frame
 from asyncrpc.protocol.wire.messages import Hello, HelloReply
+from asyncrpc.runtime.rendezvous import PeerAddress
+from asyncrpc.runtime.transport import Connection, open_connection
 
 __all__ = ["Peer", "PeerTable"]
 

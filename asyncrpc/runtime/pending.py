@@ -16,6 +16,7 @@ from typing import Any
 
 from asyncrpc.functions import per_callable_cache
 from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.pipeline import CallHook, OutgoingCall, Pipeline
 
 __all__ = ["Deadlines", "PendingCall", "PendingCalls", "describe_function"]
 
@@ -25,7 +26,7 @@ Waiter = Future[Any] | asyncio.Future[Any]
 class PendingCall:
     """One call in flight."""
 
-    __slots__ = ("keepalive", "peer", "slot", "target", "timeout", "waiter")
+    __slots__ = ("keepalive", "observed", "peer", "slot", "target", "timeout", "waiter")
 
     def __init__(self, waiter: Waiter, peer: int, target: str, timeout: float) -> None:
         self.waiter = waiter
@@ -35,8 +36,12 @@ class PendingCall:
         self.slot = 0  # its Deadlines slot; 0: no timeout
         # Tensors whose memory is being written; freed with the call, not before.
         self.keepalive: object = None
+        # The pipeline hooks this call went through, told when it ends (None: none).
+        self.observed: tuple[tuple[CallHook, ...], OutgoingCall] | None = None
 
-    def resolve(self, value: Any) -> None:
+    def resolve(self, value: Any, headers: dict[str, Any] | None = None) -> None:
+        if self.observed is not None:
+            Pipeline.completed(*self.observed, headers, None)
         waiter = self.waiter
         if isinstance(waiter, Future):
             # Not done()-then-set: the caller's thread may cancel it in between.
@@ -44,7 +49,9 @@ class PendingCall:
         elif not waiter.done():
             waiter.set_result(value)
 
-    def fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException, headers: dict[str, Any] | None = None) -> None:
+        if self.observed is not None:
+            Pipeline.completed(*self.observed, headers, exc)
         waiter = self.waiter
         if isinstance(waiter, Future):
             waiter._try_set_exception(exc)

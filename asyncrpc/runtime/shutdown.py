@@ -1,4 +1,4 @@
-"""Graceful shutdown barriers and the loopback connection for calls to self (layer L3).
+"""Graceful shutdown: rounds of work separated by store barriers (layer L2).
 
 Graceful shutdown runs in rounds separated by store barriers, each bounded by one
 deadline: (1) every worker finishes its own outstanding calls; (2) every worker releases
@@ -10,69 +10,44 @@ worker's connection is known to be lost, so a dead peer never hangs shutdown.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
 from asyncrpc.errors import ShutdownError
-from asyncrpc.protocol.wire import FrameDecoder
+from asyncrpc.runtime.rendezvous import PeerAddress, StoreGroup
+from asyncrpc.runtime.services import RRefService
 
-if TYPE_CHECKING:
-    from asyncrpc.runtime.agent import Agent
-
-__all__ = ["Lifecycle", "LoopbackConnection"]
-
-_log = logging.getLogger("asyncrpc.runtime.shutdown")
+__all__ = ["GracefulShutdown", "ShutdownHost"]
 _POLL_S = 0.005
 
 
-class LoopbackConnection:
-    """A connection from a worker to itself: frames are decoded and handled on a later
-    loop iteration, exactly as if they had crossed a socket (same pickling semantics)."""
+class ShutdownHost(Protocol):
+    """What the shutdown rounds read of their agent."""
 
-    def __init__(self, agent: Agent) -> None:
-        self._agent = agent
-        self._decoder = FrameDecoder(allocate=agent.serializer.allocate)
-        self.peer: int | None = agent.rank
-        self.peer_name: str | None = agent.name
-        self.closed = False
-        self.goodbye = False
-        self.bytes_in = 0
-        self.bytes_out = 0
+    rank: int
+    world_size: int
+    group: StoreGroup | None
+    addresses: dict[int, PeerAddress]
+    rrefs: RRefService | None
 
-    def send(self, pieces: list[Any], keepalive: object = None) -> None:
-        # Pieces are decoded (copied) right here, so keepalive needs no holding.
-        frames = []
-        for piece in pieces:
-            frames.extend(self._decoder.feed(piece))
-        for frame in frames:
-            self._agent.loop.call_soon(self._agent.on_frame, self, frame)  # type: ignore[arg-type]
+    def calls_in_flight(self) -> int: ...
 
-    def close(self) -> None:
-        self.closed = True
+    def requests_running(self) -> int: ...
 
-    def abort(self, reason: BaseException) -> None:
-        _log.error("loopback protocol error (a bug): %s", reason)
+    def is_lost(self, rank: int) -> bool: ...
 
 
-class Lifecycle:
+class GracefulShutdown:
     """The graceful-shutdown protocol of one agent."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: ShutdownHost) -> None:
         self._agent = agent
-        self._loopback: LoopbackConnection | None = None
 
-    @property
-    def loopback(self) -> LoopbackConnection:
-        if self._loopback is None:
-            self._loopback = LoopbackConnection(self._agent)
-        return self._loopback
-
-    async def graceful(self, deadline: float) -> None:
+    async def run(self, deadline: float) -> None:
         """Run the shutdown rounds; raise ``ShutdownError`` if one cannot complete."""
         agent = self._agent
-        await self._until(lambda: len(agent.pending) == 0, deadline, "finishing own calls")
+        await self._until(lambda: agent.calls_in_flight() == 0, deadline, "finishing own calls")
         await self._barrier("calls-done", deadline)
         rrefs = agent.rrefs
         if rrefs is not None:
@@ -85,7 +60,7 @@ class Lifecycle:
                 lambda: not rrefs.owner_leaks(), min(deadline, time.monotonic() + 1.0), None
             )
             rrefs.report_leaks()
-        await self._until(lambda: len(agent.dispatcher) == 0, deadline, "finishing requests")
+        await self._until(lambda: agent.requests_running() == 0, deadline, "finishing requests")
         await self._barrier("closing", deadline)
         await self._release_store(deadline)
 
@@ -111,7 +86,7 @@ class Lifecycle:
             missing = await loop.run_in_executor(None, group.missing, tag)
             if not missing:
                 return
-            lost = [r for r in missing if self._is_lost(r)]
+            lost = [r for r in missing if agent.is_lost(r)]
             if lost:
                 # A peer may have arrived since the read above and then closed its
                 # connections: it is dead only if the store still misses it now.
@@ -124,10 +99,6 @@ class Lifecycle:
                 raise ShutdownError(f"shutdown timed out waiting for {names} ({tag})")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
-
-    def _is_lost(self, rank: int) -> bool:
-        peers = self._agent.peers
-        return peers is not None and rank in peers.peers and peers.is_lost(rank)
 
     async def _release_store(self, deadline: float) -> None:
         # Rank 0 hosts the TCPStore: it waits until everyone has left the last barrier,
@@ -145,7 +116,3 @@ class Lifecycle:
             if time.monotonic() > limit:
                 return
             await asyncio.sleep(_POLL_S)
-
-    def close(self) -> None:
-        if self._loopback is not None:
-            self._loopback.close()

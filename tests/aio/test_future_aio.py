@@ -1,4 +1,4 @@
-"""asyncio tests of asyncrpc.runtime.future: awaiting from any loop, callback loops, blocking checks."""
+"""asyncio tests of asyncrpc.runtime.future: awaiting from any loop, callback loops, blocking."""
 
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 import asyncrpc
-from asyncrpc.runtime.current import current_agent
 from asyncrpc.functions import async_execution, inline
+from asyncrpc.runtime.current import current_agent
 
 
 class CustomError(Exception):

@@ -16,12 +16,19 @@ from typing import Any
 import pytest
 
 import asyncrpc
+from asyncrpc.protocol.serde import Serializer
+from asyncrpc.protocol.wire import MAGIC, PROTOCOL_VERSION, Frame, FrameDecoder, encode_frame
+from asyncrpc.protocol.wire.messages import (
+    CallMode,
+    Hello,
+    HelloReply,
+    Reply,
+    Request,
+    decode_message,
+)
 from asyncrpc.runtime.current import current_agent
 from asyncrpc.runtime.rendezvous import PeerAddress, StoreGroup
-from asyncrpc.protocol.serde import Serializer
 from asyncrpc.testing import free_port, spawn_worker, stop_workers
-from asyncrpc.protocol.wire import MAGIC, PROTOCOL_VERSION, Frame, FrameDecoder, encode_frame
-from asyncrpc.protocol.wire.messages import CallMode, Hello, HelloReply, Reply, Request, decode_message
 from tests.integration import remote_fns as fns
 from tests.integration import scenarios
 from tests.integration.conftest import Group

@@ -1,4 +1,4 @@
-"""Unit tests of asyncrpc.runtime.future with no event loop: completion, waiting, chaining, bridges."""
+"""Unit tests of asyncrpc.runtime.future with no event loop: completion, waiting, chaining."""
 
 from __future__ import annotations
 

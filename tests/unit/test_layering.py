@@ -157,9 +157,7 @@ def _stray_imports(path: Path, forbidden: Iterable[str]) -> list[str]:
     return [n for n in names if n.partition(".")[0] in set(forbidden)]
 
 
-@pytest.mark.parametrize(
-    "path", sorted((PACKAGE_DIR / "protocol").rglob("*.py")), ids=module_name
-)
+@pytest.mark.parametrize("path", sorted((PACKAGE_DIR / "protocol").rglob("*.py")), ids=module_name)
 def test_layering_protocol_is_sans_io(path: Path) -> None:
     pure = "serde" not in path.parts  # serde builds tensors; wire and refcount not even that
     assert _stray_imports(path, NO_IO_OR_TORCH if pure else NO_IO) == []
@@ -233,16 +231,16 @@ def test_layering_checker_catches_an_upward_import(module: str, source: str) -> 
     graph = import_graph(
         {
             module: (source, False),
-            **{
-                m: ("", False)
-                for m in (
+            **dict.fromkeys(
+                (
                     "asyncrpc.runtime.transport",
                     "asyncrpc.rref.handle",
                     "asyncrpc.rref.context",
                     "asyncrpc.api",
                     "asyncrpc.protocol.wire",
-                )
-            },
+                ),
+                ("", False),
+            ),
         }
     )
     assert upward_imports(graph) != []

@@ -1,4 +1,4 @@
-"""Scripted scenarios of asyncrpc.protocol.refcount: several RefCounters joined by an in-memory router."""
+"""Scripted scenarios of asyncrpc.protocol.refcount: RefCounters joined by an in-memory router."""
 
 from __future__ import annotations
 

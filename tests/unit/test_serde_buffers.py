@@ -1,4 +1,4 @@
-"""Unit tests of asyncrpc.protocol.serde.buffers.ReceiveBuffers: the pool of large receive buffers."""
+"""Unit tests of asyncrpc.protocol.serde.buffers.ReceiveBuffers: pooled large receive buffers."""
 
 from __future__ import annotations
 

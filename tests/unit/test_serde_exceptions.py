@@ -1,4 +1,4 @@
-"""Unit tests of remote exceptions (asyncrpc.protocol.serde.exceptions): original types come back."""
+"""Unit tests of remote exceptions (asyncrpc.protocol.serde.exceptions): original types."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Unit tests of the sans-I/O frame codec (asyncrpc.protocol.wire.frame): no event loop, no sockets."""
+"""Unit tests of the sans-I/O frame codec (asyncrpc.protocol.wire.frame): no loop, no sockets."""
 
 from __future__ import annotations
 

@@ -100,6 +100,8 @@ class _Pickler(pickle.Pickler):
         # id(tensor) -> its descriptor: the same tensor twice is one segment. The tensors
         # stay alive (the object being pickled holds them), so ids cannot be reused.
         self._exported: dict[int, TensorDescriptor] = {}
+        # Every tensor pickled, for the call pipeline's hooks (None: nobody asked).
+        self.tensors: list[torch.Tensor] | None = None
         self.segments: list[Segment] = []
         self.keepalive: list[object] = []
         # The last non-plain object seen; when pickling fails, it is the culprit (pickle
@@ -112,6 +114,8 @@ class _Pickler(pickle.Pickler):
             return None
         self.last = obj
         if cls is _Tensor or cls is _Parameter:
+            if self.tensors is not None:
+                self.tensors.append(obj)
             if is_small_tensor(obj, self._inline_bytes):
                 return None  # reducer_override puts it in the pickle
             return self._tensor_id(obj)
@@ -228,6 +232,7 @@ class Serializer:
         *,
         context: object = None,
         device_map: Mapping[str, str] | None = None,
+        tensors: list[torch.Tensor] | None = None,
     ) -> tuple[bytes, list[Segment], list[object]]:
         """Pickle ``obj``; its dense tensors become raw segments outside the payload.
 
@@ -235,6 +240,8 @@ class Serializer:
             obj: the value.
             context: handed to ``persistent_dump`` (e.g. the destination worker).
             device_map: sender CUDA device -> receiver device, as ``"cuda:0"`` strings.
+            tensors: when given, every tensor pickled is appended to it (each time it
+                is met: the same tensor twice appears twice).
 
         Returns:
             ``(payload, segments, keepalive)``: segments are ``(memoryview, tag)`` over the
@@ -251,6 +258,7 @@ class Serializer:
         pickler = _Pickler(
             buffer, self._reducers, self._persistent_dump, context, device_map, self._inline_bytes
         )
+        pickler.tensors = tensors
         try:
             pickler.dump(obj)
         except AsyncRpcError:

@@ -29,6 +29,7 @@ __all__ = [
     "Reply",
     "Request",
     "decode_message",
+    "optional_headers",
 ]
 
 
@@ -98,6 +99,8 @@ class Request:
     ``timeout`` is the caller's limit in seconds (0: none), so the callee can give up too.
     ``target`` names the function for errors and metrics. For ``CallMode.REMOTE`` the
     ``rref_id`` and ``fork_id`` pairs name the owner RRef to create and the caller's fork.
+    ``headers`` holds the call pipeline's fields (hook key -> msgpack value); it is left
+    off the wire entirely when no hook added one.
     """
 
     call_id: int
@@ -106,9 +109,10 @@ class Request:
     target: str
     rref_id: tuple[int, int] | None = None
     fork_id: tuple[int, int] | None = None
+    headers: dict[str, Any] | None = None
 
     def to_fields(self) -> list[Any]:
-        return [
+        fields = [
             Kind.REQUEST,
             self.call_id,
             self.timeout,
@@ -117,15 +121,21 @@ class Request:
             self.rref_id,
             self.fork_id,
         ]
+        if self.headers:
+            fields.append(self.headers)
+        return fields
 
 
 @dataclass(frozen=True, slots=True)
 class Reply:
-    """The pickled result of request ``call_id``."""
+    """The pickled result of request ``call_id``, with the pipeline's reply fields if any."""
 
     call_id: int
+    headers: dict[str, Any] | None = None
 
     def to_fields(self) -> list[Any]:
+        if self.headers:
+            return [Kind.REPLY, self.call_id, self.headers]
         return [Kind.REPLY, self.call_id]
 
 
@@ -134,8 +144,11 @@ class ErrorReply:
     """Request ``call_id`` raised; the payload is a packed exception."""
 
     call_id: int
+    headers: dict[str, Any] | None = None
 
     def to_fields(self) -> list[Any]:
+        if self.headers:
+            return [Kind.ERROR, self.call_id, self.headers]
         return [Kind.ERROR, self.call_id]
 
 
@@ -239,8 +252,28 @@ def _decode_request(f: list[Any]) -> Request:
     if mode not in _CALL_MODES:  # a set lookup: CallMode(mode) costs ~0.6 µs per request
         raise ValueError(f"unknown call mode {mode!r}")
     return Request(
-        _int(f[1]), float(timeout), mode, _str(f[4]), _optional_pair(f[5]), _optional_pair(f[6])
+        _int(f[1]),
+        float(timeout),
+        mode,
+        _str(f[4]),
+        _optional_pair(f[5]),
+        _optional_pair(f[6]),
+        optional_headers(f, 7),
     )
+
+
+def optional_headers(fields: list[Any], index: int) -> dict[str, Any] | None:
+    """The pipeline's header fields at ``index``: absent, or a map keyed by strings.
+
+    Raises:
+        TypeError: present but not such a map (the caller turns it into a protocol error).
+    """
+    if len(fields) <= index:
+        return None
+    headers = fields[index]
+    if type(headers) is not dict or not all(type(k) is str for k in headers):
+        raise TypeError(f"expected a map of header fields, got {headers!r}")
+    return headers
 
 
 def _decode_ref(f: list[Any]) -> RefMessage:
@@ -258,8 +291,8 @@ _DECODERS: dict[int, Any] = {
     Kind.HELLO: _decode_hello,
     Kind.HELLO_REPLY: _decode_hello_reply,
     Kind.REQUEST: _decode_request,
-    Kind.REPLY: lambda f: Reply(_int(f[1])),
-    Kind.ERROR: lambda f: ErrorReply(_int(f[1])),
+    Kind.REPLY: lambda f: Reply(_int(f[1]), optional_headers(f, 2)),
+    Kind.ERROR: lambda f: ErrorReply(_int(f[1]), optional_headers(f, 2)),
     Kind.CANCEL: lambda f: Cancel(_int(f[1])),
     Kind.REF: _decode_ref,
     Kind.GOODBYE: lambda f: Goodbye(_str(f[1])),

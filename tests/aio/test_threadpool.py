@@ -1,4 +1,4 @@
-"""asyncio tests of asyncrpc.runtime.threadpool.WorkerPool: real threads posting back to a real loop."""
+"""asyncio tests of asyncrpc.runtime.threadpool.WorkerPool: real threads posting to a real loop."""
 
 from __future__ import annotations
 

@@ -1,0 +1,35 @@
+"""Profiling RPCs with torch's profiler (layer L3): a call pipeline hook and its API.
+
+Inside ``with torch.profiler.profile() as prof:``, every RPC this process makes is a span
+named like torch's (``rpc_sync#module.fn(caller -> callee)``, ``rpc_async#...``,
+``rpc_remote#...``) covering the time until its future completes, and what the callee ran
+comes back with the reply, named ``<span>#remote_op: <event>``. ``enable_server_profiler``
+/ ``disable_server_profiler`` / ``server_profile`` record every request a worker serves.
+"""
+
+from __future__ import annotations
+
+from asyncrpc.profiling.hook import ProfilingHook
+from asyncrpc.profiling.names import REMOTE_OP, remote_event_name, rpc_span_name
+from asyncrpc.profiling.server import (
+    disable_server_profiler,
+    enable_server_profiler,
+    server_profile,
+)
+from asyncrpc.runtime.pipeline import CallHook
+
+__all__ = [
+    "REMOTE_OP",
+    "ProfilingHook",
+    "disable_server_profiler",
+    "enable_server_profiler",
+    "remote_event_name",
+    "rpc_span_name",
+    "server_profile",
+    "standing_hooks",
+]
+
+
+def standing_hooks() -> list[CallHook]:
+    """The hooks every worker started by the public API has, in order."""
+    return [ProfilingHook()]

@@ -1,0 +1,77 @@
+"""asyncio tests of the graceful shutdown's verdict on lost peers (a stub host and store)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from asyncrpc.errors import ShutdownError
+from asyncrpc.runtime.shutdown import GracefulShutdown, ShutdownHost
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(10)]
+
+
+class ScriptedGroup:
+    """A store group whose ``missing`` answers follow a script, then stay at the last one."""
+
+    def __init__(self, *answers: list[int]) -> None:
+        self._answers = list(answers)
+        self.arrived: list[str] = []
+
+    def arrive(self, tag: str) -> None:
+        self.arrived.append(tag)
+
+    def missing(self, tag: str) -> list[int]:
+        return self._answers.pop(0) if len(self._answers) > 1 else self._answers[0]
+
+
+class StubHost:
+    """A worker of rank 1 in a group of 3, with nothing in flight and no RRef service."""
+
+    rank = 1
+    world_size = 3
+    rrefs = None
+
+    def __init__(self, group: ScriptedGroup, lost: set[int]) -> None:
+        self.group: Any = group
+        self.addresses: Any = {1: SimpleNamespace(name="w1"), 2: SimpleNamespace(name="w2")}
+        self._lost = lost
+
+    def calls_in_flight(self) -> int:
+        return 0
+
+    def requests_running(self) -> int:
+        return 0
+
+    def is_lost(self, rank: int) -> bool:
+        return rank in self._lost
+
+
+def _shutdown(group: ScriptedGroup, lost: set[int]) -> GracefulShutdown:
+    host: ShutdownHost = StubHost(group, lost)
+    return GracefulShutdown(host)
+
+
+async def test_GracefulShutdown_peer_that_arrived_then_left_is_not_dead() -> None:
+    # w2 was missing at the first read, then arrived and closed its connections before
+    # the liveness check: the second read of the store shows it arrived.
+    group = ScriptedGroup([2], [])
+    await _shutdown(group, lost={2}).run(time.monotonic() + 5)
+    assert group.arrived == ["calls-done", "users-released", "closing", "left"]
+
+
+async def test_GracefulShutdown_lost_peer_still_missing_is_reported_dead() -> None:
+    group = ScriptedGroup([2])
+    with pytest.raises(ShutdownError, match="w2") as info:
+        await _shutdown(group, lost={2}).run(time.monotonic() + 5)
+    assert "calls-done" in str(info.value)
+    assert group.arrived == ["calls-done"]
+
+
+async def test_GracefulShutdown_waits_for_a_live_peer_until_the_deadline() -> None:
+    group = ScriptedGroup([1])
+    with pytest.raises(ShutdownError, match="timed out"):
+        await _shutdown(group, lost=set()).run(time.monotonic() + 0.1)
