@@ -62,7 +62,10 @@ def deliver(batch: RemoteBatch) -> None:
 def to_function_events(
     rows: list[list[Any]], name: Any, start_us: float, node_id: int
 ) -> list[FunctionEvent]:
-    """``FunctionEvent``s of ``rows``, named by ``name(row_name)``, shifted to ``start_us``."""
+    """``FunctionEvent``s of ``rows``, named by ``name(row_name)``, shifted to ``start_us``.
+
+    Their parents and children are not linked yet: build the tree of the list they go in.
+    """
     events = []
     for row_name, start, end, thread in rows:
         event = FunctionEvent(
@@ -71,11 +74,12 @@ def to_function_events(
             thread=int(thread),
             start_us=start_us + float(start),
             end_us=start_us + float(end),
+            input_shapes=[],
+            stack=[],
             is_remote=node_id >= 0,
             node_id=node_id,
         )
         events.append(event)
-    EventList(events)._build_tree()  # parents and children by time, for self times
     return events
 
 
@@ -116,7 +120,9 @@ def _merge(prof: Any) -> None:
             span = anchor.time_range
             start_us = span.start + max(span.end - span.start - remote_us, 0.0) / 2
         name = _namer(batch.span)
-        events.extend(to_function_events(batch.rows, name, start_us, batch.callee_rank))
+        remote = EventList(to_function_events(batch.rows, name, start_us, batch.callee_rank))
+        remote._build_tree()  # parents and children by time, for self times
+        events.extend(remote)
 
 
 def _namer(span: str) -> Any:

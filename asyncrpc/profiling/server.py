@@ -58,6 +58,7 @@ def disable_server_profiler() -> EventList:
             return span if event == target else event
 
         events.extend(to_function_events(rows, name, start_ns / 1000, -1))
+    events._build_tree()  # one clock for all requests: parents and children by time
     return events
 
 

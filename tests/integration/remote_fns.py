@@ -420,3 +420,26 @@ def hold_remotes(to: str, count: int, pending_sleep: float = 0.0) -> int:
 def storage_nbytes(t: torch.Tensor) -> int:
     """Bytes of the storage the received tensor lives in (what actually crossed the wire)."""
     return int(t.untyped_storage().nbytes())
+
+
+def torch_ops(x: torch.Tensor) -> torch.Tensor:
+    """A few torch ops, for the profiler tests to find on the callee."""
+    return torch.mm(x, x).add(1)
+
+
+async def async_torch_ops(x: torch.Tensor) -> torch.Tensor:
+    y = torch.mm(x, x)
+    await asyncio.sleep(0.01)  # other requests may run on the loop meanwhile
+    return y.sub(1)
+
+
+def torch_ops_then_fail(x: torch.Tensor) -> None:
+    torch.mm(x, x)
+    raise CustomError("failed after its ops")
+
+
+async def profile_await_call_here(to: str) -> list[str]:
+    """On an asyncio worker: profile an ``await call`` made on the agent's own loop."""
+    with torch.profiler.profile() as prof:
+        await asyncrpc.call(to, torch_ops, torch.ones(4, 4))
+    return [e.key for e in prof.key_averages()]

@@ -8,7 +8,15 @@ from typing import Any
 import pytest
 
 from asyncrpc.errors import RemoteProtocolError
-from asyncrpc.protocol.wire.messages import CallMode, RefMessage, Request, decode_message
+from asyncrpc.protocol.wire.messages import (
+    CallMode,
+    ErrorReply,
+    Kind,
+    RefMessage,
+    Reply,
+    Request,
+    decode_message,
+)
 
 
 def test_decode_message_roundtrips_a_request() -> None:
@@ -35,3 +43,24 @@ def test_decode_message_rejects_unknown_call_mode_and_ref_op() -> None:
     ref[1] = 99
     with pytest.raises(RemoteProtocolError):
         decode_message(ref)
+
+
+def test_decode_message_request_headers_roundtrip_and_stay_off_when_empty() -> None:
+    plain = Request(7, 1.0, CallMode.CALL, "m.f")
+    assert len(plain.to_fields()) == 7
+    assert len(Request(7, 1.0, CallMode.CALL, "m.f", headers={}).to_fields()) == 7
+    with_fields = Request(7, 1.0, int(CallMode.CALL), "m.f", headers={"p": 1, "ag": [3, 4]})
+    assert decode_message(with_fields.to_fields()) == with_fields
+    for reply in (Reply(3, {"p": [["aten::mm", 0.0, 1.5, 9]]}), ErrorReply(3, {"x": 1})):
+        assert decode_message(reply.to_fields()) == reply
+    assert Reply(3).to_fields() == [Kind.REPLY, 3]
+    assert ErrorReply(3, {}).to_fields() == [Kind.ERROR, 3]
+
+
+@pytest.mark.parametrize("headers", [[1, 2], "p", {1: "x"}, None])
+def test_decode_message_rejects_malformed_header_fields(headers: Any) -> None:
+    fields = [*Request(7, 1.0, CallMode.CALL, "m.f").to_fields(), headers]
+    if headers is None:
+        fields = [Kind.REPLY, 3, None]
+    with pytest.raises(RemoteProtocolError):
+        decode_message(fields)
