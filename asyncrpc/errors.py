@@ -9,8 +9,6 @@ Every error pickles, because errors travel between workers.
 
 from __future__ import annotations
 
-from typing import Any
-
 __all__ = [
     "AsyncRpcError",
     "BlockingCallError",
@@ -239,8 +237,3 @@ class RRefTimeoutError(RRefError, TimeoutError):
             f"remote() of {self.function} on worker {self.owner!r} timed out after "
             f"{self.timeout:g} s; this RRef is unusable"
         )
-
-
-def describe(exc: BaseException) -> dict[str, Any]:
-    """Return a plain summary of ``exc`` (type name and message) for logs and debug info."""
-    return {"type": f"{type(exc).__module__}.{type(exc).__qualname__}", "message": str(exc)}

@@ -1,4 +1,4 @@
-"""Decorators for functions run remotely: ``async_execution`` and ``inline`` (layer L2).
+"""Decorators for functions run remotely: ``async_execution`` and ``inline`` (layer L0).
 
 A function marked ``@async_execution`` returns a future (``asyncrpc.Future``,
 ``torch.futures.Future``, an asyncio future or a coroutine) and the callee replies when it

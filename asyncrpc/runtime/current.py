@@ -1,4 +1,4 @@
-"""The one place module-level API functions find the current agent (layer L3)."""
+"""The one place module-level API functions find the current agent (layer L2)."""
 
 from __future__ import annotations
 

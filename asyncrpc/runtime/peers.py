@@ -60,9 +60,6 @@ class PeerTable:
         # Dialled connections awaiting their HelloReply, with the rank they should reach.
         self._handshakes: dict[Connection, tuple[asyncio.Future[HelloReply], int]] = {}
 
-    def open_connections(self) -> list[Connection]:
-        return [p.conn for p in self.peers.values() if p.conn is not None and not p.conn.closed]
-
     async def connection(self, rank: int) -> Connection:
         """Return the live connection to ``rank``, dialling it first if needed.
 

@@ -185,6 +185,8 @@ class Pipeline:
         hooks = self._hooks
         if not hooks:
             return hooks
+        if len(hooks) == 1:  # the common case: no generator, no new tuple
+            return hooks if hooks[0].active() else ()
         return tuple(h for h in hooks if h.active())
 
     @staticmethod
@@ -210,9 +212,12 @@ class Pipeline:
     def serves(self, headers: dict[str, Any] | None) -> bool:
         """Whether a request with these header fields goes through the hooks."""
         hooks = self._hooks
-        if not hooks:
-            return False
-        return headers is not None or any(h.serves_all() for h in hooks)
+        if headers is not None:
+            return bool(hooks)
+        for hook in hooks:  # noqa: SIM110 (a loop, not any(): no generator per request)
+            if hook.serves_all():
+                return True
+        return False
 
     def incoming(self, call: IncomingCall) -> None:
         for hook in self._hooks:

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 from asyncrpc.errors import ClosedError, ProtocolError
 from asyncrpc.protocol.wire import Frame, FrameDecoder
@@ -52,7 +52,6 @@ class Connection(asyncio.BufferedProtocol):
         self._decoder = decoder
         self._transport: asyncio.Transport | None = None
         self._write_paused = False
-        self._drain_waiters: list[asyncio.Future[None]] = []
         self._closed = False
         # Tensors whose memory the transport may still be writing from (see send()).
         self._keepalive: list[object] = []
@@ -101,7 +100,6 @@ class Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self._keepalive.clear()
-        self._wake_drain_waiters(exc or ClosedError("connection closed"))
         if not self.connected.done():
             self.connected.set_exception(exc or ClosedError("connection closed"))
         self._handler.on_connection_lost(self, exc or self._abort_reason)
@@ -114,7 +112,6 @@ class Connection(asyncio.BufferedProtocol):
     def resume_writing(self) -> None:
         self._write_paused = False
         self._keepalive.clear()
-        self._wake_drain_waiters(None)
 
     # -- our API ---------------------------------------------------------------------------
 
@@ -142,31 +139,6 @@ class Connection(asyncio.BufferedProtocol):
         if self._write_paused and keepalive is not None:
             self._keepalive.append(keepalive)
 
-    @property
-    def write_paused(self) -> bool:
-        return self._write_paused
-
-    async def drain(self) -> None:
-        """Wait until the transport's write buffer is below its high-water mark.
-
-        Cancelling the wait leaves the written bytes in flight.
-        """
-        if not self._write_paused or self._closed:
-            return
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._drain_waiters.append(waiter)
-        await waiter
-
-    def _wake_drain_waiters(self, exc: BaseException | None) -> None:
-        waiters, self._drain_waiters = self._drain_waiters, []
-        for waiter in waiters:
-            if waiter.done():
-                continue
-            if exc is None:
-                waiter.set_result(None)
-            else:
-                waiter.set_exception(exc)
-
     def abort(self, reason: BaseException) -> None:
         """Close at once (a protocol error): pending writes are dropped."""
         _log.warning("closing connection to %s: %s", self.peer_name or "peer", reason)
@@ -178,10 +150,6 @@ class Connection(asyncio.BufferedProtocol):
         """Close after the pending writes are flushed."""
         if self._transport is not None and not self._transport.is_closing():
             self._transport.close()
-
-    @property
-    def sockname(self) -> Any:
-        return None if self._transport is None else self._transport.get_extra_info("sockname")
 
 
 async def start_server(
