@@ -13,8 +13,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, ParamSpec, TypeVar, overload
 
+from asyncrpc.autograd import AutogradHook
 from asyncrpc.errors import BlockingCallError, InitError
-from asyncrpc.profiling import standing_hooks
+from asyncrpc.profiling import ProfilingHook
 from asyncrpc.rref.context import RRefContext
 from asyncrpc.rref.handle import RRef, current_rrefs
 from asyncrpc.runtime.agent import Agent
@@ -117,10 +118,14 @@ async def init_rpc_async(
 
 async def _start(name: str, rank: int, world_size: int | None, options: RpcBackendOptions) -> Agent:
     # The composition root: the runtime's agent, with this package's RRef layer and the
-    # call pipeline's standing hooks (profiling) plugged in.
-    return await Agent.start(
-        name, rank, world_size, options, set_agent, rrefs=RRefContext, hooks=standing_hooks()
+    # call pipeline's hooks plugged in (profiling first: its span covers the others).
+    agents: list[Agent] = []
+    hooks = [ProfilingHook(), AutogradHook(lambda: agents[0].rank)]
+    agent = await Agent.start(
+        name, rank, world_size, options, set_agent, rrefs=RRefContext, hooks=hooks
     )
+    agents.append(agent)
+    return agent
 
 
 def _peek_agent() -> Agent | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 __all__ = [
     "AsyncRpcError",
+    "AutogradContextError",
     "BlockingCallError",
     "ClosedError",
     "ConnectionLostError",
@@ -205,6 +206,11 @@ class FrameTooLargeError(RemoteProtocolError):
 
 
 # -- remote references ---------------------------------------------------------------------
+
+
+class AutogradContextError(AsyncRpcError, RuntimeError):
+    """No distributed autograd context with that id on this worker (never seen, or
+    released), or none is active where one is needed."""
 
 
 class RRefError(AsyncRpcError, RuntimeError):

@@ -16,7 +16,6 @@ from asyncrpc.profiling.server import (
     enable_server_profiler,
     server_profile,
 )
-from asyncrpc.runtime.pipeline import CallHook
 
 __all__ = [
     "REMOTE_OP",
@@ -26,10 +25,4 @@ __all__ = [
     "remote_event_name",
     "rpc_span_name",
     "server_profile",
-    "standing_hooks",
 ]
-
-
-def standing_hooks() -> list[CallHook]:
-    """The hooks every worker started by the public API has, in order."""
-    return [ProfilingHook()]

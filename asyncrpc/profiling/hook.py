@@ -74,7 +74,7 @@ class ProfilingHook(CallHook):
             return
         recording = Recording(call.target)
         call.state[self] = recording
-        call.wrap(lambda fn: recorded(fn, recording))
+        call.wrap(lambda fn: recorded(fn, recording, call.coroutine))
 
     def replying(self, call: IncomingCall, ok: bool, value: Any) -> None:
         recording = call.state.pop(self, None)

@@ -21,8 +21,6 @@ from typing import Any
 
 from torch.autograd.profiler_legacy import profile as legacy_profile
 
-from asyncrpc.functions import is_coroutine_function
-
 __all__ = ["MAX_EVENTS", "Recording", "recorded"]
 
 # A reply carries at most this many events (a loop of small ops can make millions).
@@ -113,9 +111,10 @@ class _RecordedCoroutine:
             recording.finish()
 
 
-def recorded(fn: Callable[..., Any], recording: Recording) -> Callable[..., Any]:
-    """``fn`` wrapped to fill ``recording`` while it runs (same calling convention)."""
-    if is_coroutine_function(fn):
+def recorded(fn: Callable[..., Any], recording: Recording, coroutine: bool) -> Callable[..., Any]:
+    """``fn`` wrapped to fill ``recording`` while it runs (same calling convention:
+    ``coroutine`` says whether calling ``fn`` returns an awaitable)."""
+    if coroutine:
 
         def start_coroutine(*args: Any, **kwargs: Any) -> Awaitable[Any]:
             recording.begin()

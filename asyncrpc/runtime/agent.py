@@ -280,6 +280,7 @@ class Agent:
             context=rank,
             device_map=self.request_device_map(rank),
             tensors=None if call is None else call.tensors,
+            grads=None if call is None else call.grads,
         )
         call_id = next(self._call_ids)
         headers = None
@@ -495,14 +496,17 @@ class Agent:
         call = self.pending.pop(fields[1])
         if call is None:
             return  # timed out or cancelled meanwhile
+        grads: list[Any] | None = None if call.observed is None else []
         try:
             headers = optional_headers(fields, 2) if len(fields) > 2 else None
-            value = self.serializer.loads(frame.payload, frame.segments, context=call.peer)
+            value = self.serializer.loads(
+                frame.payload, frame.segments, context=call.peer, grads=grads
+            )
         except Exception as exc:
             self.counters.calls_failed += 1
             call.fail(exc)
             return
-        call.resolve(value, headers)
+        call.resolve(value, headers, grads)
 
     def _on_error(self, fields: list[Any], frame: Frame) -> None:
         call = self.pending.pop(fields[1])
@@ -639,4 +643,5 @@ class Agent:
             ),
             **self.metrics(),
             **(self.rrefs.debug_info() if self.rrefs is not None else {}),
+            **{k: v for hook in self.pipeline.hooks for k, v in hook.debug_info().items()},
         }

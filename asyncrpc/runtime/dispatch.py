@@ -114,8 +114,10 @@ class Dispatcher:
         if request.mode == CallMode.REMOTE:
             assert self.rrefs is not None
             self.rrefs.on_remote_request(peer, request)
+        serves = self._pipeline.serves(request.headers)
+        grads: list[Any] | None = [] if serves else None
         try:
-            fn, args, kwargs = self._serializer.loads(payload, segments, context=peer)
+            fn, args, kwargs = self._serializer.loads(payload, segments, context=peer, grads=grads)
         except MissingReferenceError as exc:
             self._finish(conn, request, peer, False, self._missing(request, exc))
             return
@@ -124,9 +126,9 @@ class Dispatcher:
             return
         # Decided on the function itself: a hook's wrapper may hide what kind it is.
         run, async_exec = fn, is_async_execution(fn)
-        if self._pipeline.serves(request.headers):
+        if serves:
             try:
-                run = self._serve(conn, request, peer, fn, args, kwargs)
+                run = self._serve(conn, request, peer, (fn, args, kwargs), grads or [])
             except Exception as exc:
                 self._finish(conn, request, peer, False, exc)
                 return
@@ -145,14 +147,15 @@ class Dispatcher:
                 self._finish(conn, request, peer, False, exc)
 
     def _serve(
-        self, conn: Connection, request: Request, peer: int, fn: Any, args: Any, kwargs: Any
+        self, conn: Connection, request: Request, peer: int, call: Any, grads: list[Any]
     ) -> Callable[..., Any]:
         """Run the pipeline's callee side; returns the function wrapped by the hooks."""
         served = IncomingCall(
             conn.peer_name or str(peer), peer, self._name, request.call_id, request.target,
             request.mode == CallMode.REMOTE, request.headers or {},
         )  # fmt: skip
-        served.fn, served.args, served.kwargs = fn, args, kwargs
+        fn, served.args, served.kwargs = call
+        served.fn, served.grads, served.coroutine = fn, grads, is_coroutine_function(fn)
         self._served[(peer, request.call_id)] = served
         self._pipeline.incoming(served)
         return served.wrapped(fn)
@@ -269,17 +272,21 @@ class Dispatcher:
     def _encode_reply(
         self, request: Request, peer: int, result: Any
     ) -> tuple[list[Any] | None, object, BaseException | None]:
-        headers = self._replying(request, peer, True, result)
+        served = self._served.get((peer, request.call_id)) if self._served else None
         try:
             payload, segments, keep = self._serializer.dumps(
-                result, context=peer, device_map=self._reply_device_map(peer)
+                result,
+                context=peer,
+                device_map=self._reply_device_map(peer),
+                grads=None if served is None else served.reply_grads,
             )
-        except Exception as exc:
+        except Exception as exc:  # the error reply tells the hooks (see _send_error)
             error = SerializationError(
                 f"the result of {request.target} on worker {self._name!r} cannot be sent: {exc}"
             )
             error.__cause__ = exc
             return None, None, error
+        headers = self._replying(request, peer, True, result)
         reply = Reply(request.call_id, headers).to_fields()
         return encode_frame(reply, payload, segments), keep, None
 

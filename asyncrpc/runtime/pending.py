@@ -39,9 +39,13 @@ class PendingCall:
         # The pipeline hooks this call went through, told when it ends (None: none).
         self.observed: tuple[tuple[CallHook, ...], OutgoingCall] | None = None
 
-    def resolve(self, value: Any, headers: dict[str, Any] | None = None) -> None:
+    def resolve(
+        self, value: Any, headers: dict[str, Any] | None = None, grads: list[Any] | None = None
+    ) -> None:
         if self.observed is not None:
-            Pipeline.completed(*self.observed, headers, None)
+            hooks, call = self.observed
+            call.result, call.reply_grads = value, grads or []
+            Pipeline.completed(hooks, call, headers, None)
         waiter = self.waiter
         if isinstance(waiter, Future):
             # Not done()-then-set: the caller's thread may cancel it in between.

@@ -9,16 +9,22 @@ and know nothing of what the hooks do.
 On the caller, for each outgoing call (``rpc_sync``, ``rpc_async``, ``await call``,
 ``remote``, RRef proxies and ``to_here``):
   1. ``outgoing(call)`` on the calling thread, after the payload is pickled: the hook sees
-     the function, arguments and every tensor pickled, and may add header fields
+     the function, arguments, every tensor pickled (``call.tensors``) and those that
+     require grad (``call.grads``, in segment order), and may add header fields
      (``call.headers[key] = ...``, msgpack-able values under a key the hook owns);
   2. ``completed(call, headers, error)`` on the agent's loop when the call ends (reply,
-     remote error, timeout, cancellation or lost peer), with the reply's header fields.
+     remote error, timeout, cancellation or lost peer), with the reply's header fields, and
+     for a reply its value (``call.result``) and tensors requiring grad (``call.reply_grads``).
 On the callee, for each request that carries header fields (or every request while a hook
 ``serves_all()``):
   3. ``incoming(call)`` on the loop, after the payload is unpickled: the hook sees the
-     headers, function and arguments, and may wrap the execution (``call.wrap(...)``);
-  4. ``replying(call, ok, value)`` on the thread that builds the reply, before it is
-     encoded: the hook sees the outcome and may add reply header fields.
+     headers, function, arguments and received tensors requiring grad (``call.grads``),
+     and may wrap the execution (``call.wrap(...)``);
+  4. ``replying(call, ok, value)`` on the thread that builds the reply, after its payload
+     is pickled (``call.reply_grads``) and before it is framed: the hook sees the outcome
+     and may add reply header fields.
+Requiring-grad tensors of calls that go through hooks always travel as segments, so both
+sides list them in the same order (see ``Serializer.dumps``).
 
 An empty or idle pipeline costs one truth test per call: no hook objects are made, and
 no header field goes on the wire.
@@ -49,9 +55,12 @@ class OutgoingCall:
         "callee_rank",
         "caller",
         "fn",
+        "grads",
         "headers",
         "kind",
         "kwargs",
+        "reply_grads",
+        "result",
         "state",
         "target",
         "tensors",
@@ -71,7 +80,10 @@ class OutgoingCall:
         self.kwargs = kwargs
         self.call_id = 0
         self.tensors: list[Any] = []  # every tensor the payload carries
+        self.grads: list[Any] = []  # those requiring grad, once each, in segment order
         self.headers: dict[str, Any] = {}
+        self.result: Any = None  # the reply's value, once it came
+        self.reply_grads: list[Any] = []  # its tensors requiring grad, in segment order
         # Per-hook state between outgoing() and completed(), keyed by the hook.
         self.state: dict[CallHook, Any] = {}
 
@@ -85,10 +97,13 @@ class IncomingCall:
         "callee",
         "caller",
         "caller_rank",
+        "coroutine",
         "fn",
+        "grads",
         "headers",
         "kwargs",
         "remote",
+        "reply_grads",
         "reply_headers",
         "state",
         "target",
@@ -106,6 +121,9 @@ class IncomingCall:
         self.target = target
         self.remote = remote  # a remote() request: the value stays here
         self.headers = headers
+        self.coroutine = False  # the function is an `async def` (wrappers must keep that)
+        self.grads: list[Any] = []  # received tensors requiring grad, in segment order
+        self.reply_grads: list[Any] = []  # the reply's, once it is pickled
         self.fn: Any = None
         self.args: Sequence[Any] = ()
         self.kwargs: dict[str, Any] = {}
@@ -152,7 +170,11 @@ class CallHook:
         """A request is about to run (agent's loop)."""
 
     def replying(self, call: IncomingCall, ok: bool, value: Any) -> None:
-        """The request finished; its reply is about to be encoded (any thread)."""
+        """The request finished; its reply is pickled and about to be framed (any thread)."""
+
+    def debug_info(self) -> dict[str, Any]:
+        """What this hook adds to ``get_debug_info()``."""
+        return {}
 
 
 class Pipeline:

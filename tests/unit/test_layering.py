@@ -23,8 +23,8 @@ FLOORS: list[tuple[int, tuple[str, ...]]] = [
     (0, ("asyncrpc.errors", "asyncrpc.functions")),
     (1, ("asyncrpc.protocol",)),
     (2, ("asyncrpc.runtime",)),
-    (3, ("asyncrpc.rref", "asyncrpc.profiling")),
-    (4, ("asyncrpc.api", "asyncrpc.testing", "asyncrpc.bench", "asyncrpc")),
+    (3, ("asyncrpc.rref", "asyncrpc.profiling", "asyncrpc.autograd")),
+    (4, ("asyncrpc.api", "asyncrpc.optim", "asyncrpc.testing", "asyncrpc.bench", "asyncrpc")),
 ]
 NO_IO = frozenset({"asyncio", "socket", "threading", "selectors", "concurrent"})
 NO_IO_OR_TORCH = NO_IO | {"torch"}

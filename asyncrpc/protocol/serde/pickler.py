@@ -102,6 +102,10 @@ class _Pickler(pickle.Pickler):
         self._exported: dict[int, TensorDescriptor] = {}
         # Every tensor pickled, for the call pipeline's hooks (None: nobody asked).
         self.tensors: list[torch.Tensor] | None = None
+        # Tensors requiring grad, each once, in segment order (None: not tracked). When
+        # tracked they always travel as segments, so the receiver lists them in the same
+        # order: distributed autograd matches the two lists by index.
+        self.grads: list[torch.Tensor] | None = None
         self.segments: list[Segment] = []
         self.keepalive: list[object] = []
         # The last non-plain object seen; when pickling fails, it is the culprit (pickle
@@ -116,6 +120,8 @@ class _Pickler(pickle.Pickler):
         if cls is _Tensor or cls is _Parameter:
             if self.tensors is not None:
                 self.tensors.append(obj)
+            if self.grads is not None and obj.requires_grad:
+                return self._tensor_id(obj)
             if is_small_tensor(obj, self._inline_bytes):
                 return None  # reducer_override puts it in the pickle
             return self._tensor_id(obj)
@@ -135,6 +141,8 @@ class _Pickler(pickle.Pickler):
             self.segments.append(segment)
             self.keepalive.append(keep)
             self._exported[id(tensor)] = descriptor
+            if self.grads is not None and tensor.requires_grad:
+                self.grads.append(tensor)
         return descriptor
 
     def reducer_override(self, obj: Any) -> Any:
@@ -167,6 +175,8 @@ class _Unpickler(pickle.Unpickler):
         self._context = context
         # segment index -> tensor: a tensor sent twice arrives as one object.
         self._tensors: dict[int, torch.Tensor] = {}
+        # Tensors requiring grad, each once, in segment order (see _Pickler.grads).
+        self.grads: list[torch.Tensor] | None = None
 
     def persistent_load(self, pid: Any) -> Any:
         kind = pid[0]
@@ -176,6 +186,8 @@ class _Unpickler(pickle.Unpickler):
             if tensor is None:
                 tensor = import_tensor(pid, self._owners[key])
                 self._tensors[key] = tensor
+                if self.grads is not None and tensor.requires_grad:
+                    self.grads.append(tensor)
             return tensor
         if kind == HOOK_PID and self._hook is not None:
             return self._hook(pid[1], self._context)
@@ -233,6 +245,7 @@ class Serializer:
         context: object = None,
         device_map: Mapping[str, str] | None = None,
         tensors: list[torch.Tensor] | None = None,
+        grads: list[torch.Tensor] | None = None,
     ) -> tuple[bytes, list[Segment], list[object]]:
         """Pickle ``obj``; its dense tensors become raw segments outside the payload.
 
@@ -242,6 +255,9 @@ class Serializer:
             device_map: sender CUDA device -> receiver device, as ``"cuda:0"`` strings.
             tensors: when given, every tensor pickled is appended to it (each time it
                 is met: the same tensor twice appears twice).
+            grads: when given, tensors that require grad travel as segments whatever
+                their size, and each is appended to it once, in segment order; ``loads``
+                with ``grads`` lists the rebuilt ones in the same order.
 
         Returns:
             ``(payload, segments, keepalive)``: segments are ``(memoryview, tag)`` over the
@@ -258,7 +274,7 @@ class Serializer:
         pickler = _Pickler(
             buffer, self._reducers, self._persistent_dump, context, device_map, self._inline_bytes
         )
-        pickler.tensors = tensors
+        pickler.tensors, pickler.grads = tensors, grads
         try:
             pickler.dump(obj)
         except AsyncRpcError:
@@ -273,6 +289,7 @@ class Serializer:
         segments: Sequence[object],
         *,
         context: object = None,
+        grads: list[torch.Tensor] | None = None,
     ) -> Any:
         """Unpickle a payload whose tensors arrived as ``segments``.
 
@@ -281,6 +298,8 @@ class Serializer:
             segments: the segment owners ``allocate`` made, in order (any bytes-like
                 object works too).
             context: handed to ``persistent_load`` (e.g. the sending worker).
+            grads: when given, each tensor rebuilt from a segment that requires grad is
+                appended to it once, in segment order (see ``dumps``).
 
         Returns:
             The value. CPU tensors are views of the segment owners' memory.
@@ -291,6 +310,7 @@ class Serializer:
             SerializationError: anything else fails (the cause is chained).
         """
         unpickler = _Unpickler(io.BytesIO(payload), segments, self._persistent_load, context)
+        unpickler.grads = grads
         try:
             return unpickler.load()
         except AsyncRpcError:

@@ -1,0 +1,158 @@
+"""Distributed autograd with torch's names (layer L3): ``from asyncrpc import autograd as
+dist_autograd`` where torch programs ``import torch.distributed.autograd as dist_autograd``.
+
+``with autograd.context() as context_id:`` (``async with`` in async code) opens a context;
+RPCs made inside it record their tensors requiring grad on both sides, and
+``backward(context_id, [loss])`` (``await backward_async(...)``) sends gradients back
+across every recorded edge. Gradients accumulate per context on the worker that owns the
+tensors (``get_gradients``), never into ``.grad``. Leaving the block releases the context
+on every worker it reached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from asyncrpc.autograd.context import context_table, current_context_id
+from asyncrpc.autograd.engine import propagate, release
+from asyncrpc.autograd.hook import AutogradHook
+from asyncrpc.errors import BlockingCallError
+from asyncrpc.runtime.agent import Agent
+
+__all__ = [
+    "AutogradHook",
+    "backward",
+    "backward_async",
+    "context",
+    "current_context",
+    "get_gradients",
+]
+
+
+class context:
+    """A distributed autograd context: ``with`` or ``async with``; yields its id.
+
+    Leaving it releases the context on every worker it reached: ``with`` waits for that
+    (bounded by the RPC timeout; on the agent's own loop it is scheduled instead), and
+    ``async with`` awaits it.
+    """
+
+    def __init__(self) -> None:
+        self._token: Any = None
+        self._id = 0
+
+    def _open(self) -> int:
+        agent, table = context_table()
+        self._id = table.create(agent.rank).id
+        self._token = current_context_id.set(self._id)
+        return self._id
+
+    def __enter__(self) -> int:
+        return self._open()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:  # fmt: skip
+        current_context_id.reset(self._token)
+        agent, table = context_table()
+        done = asyncio.run_coroutine_threadsafe(
+            release(agent, table, self._id, agent.rank), agent.loop
+        )
+        if threading.get_ident() != agent.loop_thread_id:
+            done.result()
+
+    async def __aenter__(self) -> int:
+        return self._open()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:  # fmt: skip
+        current_context_id.reset(self._token)
+        agent, table = context_table()
+        await _on_agent_loop(agent, release(agent, table, self._id, agent.rank))
+
+
+def current_context() -> int | None:
+    """The id of the context the calling code runs in, or None."""
+    return current_context_id.get()
+
+
+def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
+    """The gradients accumulated on this worker in context ``context_id``, by tensor.
+
+    Raises:
+        AutogradContextError: this worker has no such context.
+    """
+    _, table = context_table()
+    return table.get(context_id).gradients()
+
+
+def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False) -> None:
+    """Run the distributed backward pass from ``roots`` (torch's ``dist_autograd.backward``).
+
+    Blocks until every worker the gradients reach has finished.
+
+    Args:
+        context_id: the context the forward pass ran in (on this worker).
+        roots: scalar tensors requiring grad (usually the loss).
+        retain_graph: allow another backward in this context; without it, a second one
+            raises ``RuntimeError`` as torch's does.
+
+    Raises:
+        AutogradContextError: no such context on a worker the pass reaches.
+        BlockingCallError: called on the agent's loop thread (use ``backward_async``).
+        The original exception of any worker whose part of the pass failed, and
+        ``PeerLostError`` when one dies meanwhile.
+    """
+    agent, _ = context_table()
+    if threading.get_ident() == agent.loop_thread_id:
+        raise BlockingCallError("backward() would block the agent's loop; use backward_async()")
+    asyncio.run_coroutine_threadsafe(
+        _backward(agent, context_id, roots, retain_graph), agent.loop
+    ).result()
+
+
+async def backward_async(
+    context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False
+) -> None:
+    """``backward`` for async code, from any loop. Cancelling the wait does not stop the
+    pass (the workers finish it); the context stays usable."""
+    agent, _ = context_table()
+    await _on_agent_loop(agent, _backward(agent, context_id, roots, retain_graph))
+
+
+async def _on_agent_loop(agent: Agent, coro: Any) -> Any:
+    # Always a task of its own: it must not see (or change) the caller's current context.
+    if asyncio.get_running_loop() is agent.loop:
+        return await agent.loop.create_task(coro)
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, agent.loop))
+
+
+async def _backward(
+    agent: Agent, context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool
+) -> None:
+    current_context_id.set(None)  # the gradient hops are not part of the context
+    _, table = context_table()
+    context = table.get(context_id)
+    for root in roots:
+        if not isinstance(root, torch.Tensor) or not root.requires_grad:
+            raise ValueError("backward roots must be tensors that require grad")
+        if id(root) in context.released_roots:
+            raise RuntimeError(
+                "trying to backward through the graph a second time in autograd context "
+                f"{context_id}: pass retain_graph=True to the first backward"
+            )
+    # The graph itself is kept until the context is released (other hops may still need
+    # it); what torch's rule forbids is a second pass from the same root.
+    if not retain_graph:
+        context.released_roots.update((id(root), root) for root in roots)
+    grads = [torch.ones_like(root) for root in roots]
+    await propagate(agent, context, list(roots), grads)

@@ -1,0 +1,156 @@
+"""Distributed autograd contexts of one worker: what was sent and received with grad
+(layer L3).
+
+A context records, per message of the forward pass, the tensors requiring grad this worker
+sent (``sends``: the backward continues from them when the receiver returns their
+gradients) and those it received (``recvs``: leaves here whose gradients go back to the
+sender), keyed by a message id unique per sender. Gradients of this worker's own leaves
+accumulate per context (never into ``.grad``). The id of the context a call runs in is a
+``ContextVar``: a ``with``/``async with`` block, or the callee's wrapper, sets it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+import threading
+from typing import Any
+
+from asyncrpc.errors import AutogradContextError, NotInitializedError
+from asyncrpc.runtime.agent import Agent
+from asyncrpc.runtime.current import current_agent
+
+__all__ = ["AutogradContext", "ContextTable", "context_table", "current_context_id"]
+
+# Context ids and message ids carry the worker's rank in their top bits (torch's rule),
+# so they are unique in the group without coordination.
+_RANK_SHIFT = 48
+
+current_context_id: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "asyncrpc_autograd_context", default=None
+)
+
+
+class AutogradContext:
+    """One context on one worker. Its methods may run on any thread (one lock)."""
+
+    def __init__(self, context_id: int) -> None:
+        self.id = context_id
+        self._lock = threading.Lock()
+        self._messages = itertools.count(1)
+        self.sends: dict[int, tuple[int, list[Any]]] = {}  # message id -> (dest, tensors)
+        # id(received tensor) -> (sender rank, message id, index, count); the tensors
+        # themselves are kept alive in _received so those ids stay theirs.
+        self.recvs: dict[int, tuple[int, int, int, int]] = {}
+        self._received: list[Any] = []
+        self.grads: dict[Any, Any] = {}  # tensor -> accumulated gradient
+        self.peers: set[int] = set()  # workers this context exchanged messages with
+        # Roots of backward passes run without retain_graph: their graph counts as freed
+        # (torch raises on a second pass through it). Held, so their ids stay theirs.
+        self.released_roots: dict[int, Any] = {}
+
+    def next_message_id(self, rank: int) -> int:
+        return (rank << _RANK_SHIFT) | next(self._messages)
+
+    def record_send(self, message_id: int, dest: int, tensors: list[Any]) -> None:
+        with self._lock:
+            self.peers.add(dest)
+            if tensors:
+                self.sends[message_id] = (dest, list(tensors))
+
+    def record_recv(self, sender: int, message_id: int, tensors: list[Any]) -> None:
+        with self._lock:
+            self.peers.add(sender)
+            count = len(tensors)
+            for index, tensor in enumerate(tensors):
+                self.recvs[id(tensor)] = (sender, message_id, index, count)
+                self._received.append(tensor)
+
+    def sent(self, message_id: int) -> tuple[int, list[Any]]:
+        """The destination and tensors of message ``message_id`` this worker sent.
+
+        Raises:
+            AutogradContextError: this worker sent no such message with grad.
+        """
+        with self._lock:
+            found = self.sends.get(message_id)
+        if found is None:
+            raise AutogradContextError(
+                f"autograd context {self.id} has no message {message_id} sent with grad"
+            )
+        return found
+
+    def accumulate(self, tensor: Any, grad: Any) -> None:
+        with self._lock:
+            held = self.grads.get(tensor)
+            self.grads[tensor] = grad if held is None else held + grad
+
+    def gradients(self) -> dict[Any, Any]:
+        with self._lock:
+            return dict(self.grads)
+
+
+class ContextTable:
+    """The autograd contexts a worker takes part in, by id."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._contexts: dict[int, AutogradContext] = {}
+        self._serial = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self._contexts)
+
+    def create(self, rank: int) -> AutogradContext:
+        """A new context started on this worker."""
+        context = AutogradContext((rank << _RANK_SHIFT) | next(self._serial))
+        with self._lock:
+            self._contexts[context.id] = context
+        return context
+
+    def joined(self, context_id: int) -> AutogradContext:
+        """The context ``context_id`` as this worker takes part in it (made on first sight)."""
+        with self._lock:
+            context = self._contexts.get(context_id)
+            if context is None:
+                context = self._contexts[context_id] = AutogradContext(context_id)
+            return context
+
+    def get(self, context_id: int) -> AutogradContext:
+        """Raises: AutogradContextError: this worker has no such context."""
+        with self._lock:
+            context = self._contexts.get(context_id)
+        if context is None:
+            raise AutogradContextError(
+                f"no autograd context {context_id} on this worker (released, or never seen)"
+            )
+        return context
+
+    def current(self) -> AutogradContext | None:
+        context_id = current_context_id.get()
+        if context_id is None:
+            return None
+        with self._lock:
+            return self._contexts.get(context_id)
+
+    def pop(self, context_id: int) -> AutogradContext | None:
+        with self._lock:
+            return self._contexts.pop(context_id, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._contexts.clear()
+
+
+def context_table() -> tuple[Agent, ContextTable]:
+    """This process's agent and its autograd contexts (kept by its autograd hook).
+
+    Raises:
+        NotInitializedError: no worker runs here, or it has no autograd hook.
+    """
+    agent = current_agent()
+    for hook in agent.pipeline.hooks:
+        table = getattr(hook, "contexts", None)
+        if isinstance(table, ContextTable):
+            return agent, table
+    raise NotInitializedError("this worker was started without distributed autograd")

@@ -1,0 +1,135 @@
+"""The distributed backward pass (layer L3), torch's FAST mode.
+
+``backward`` runs the local graph from the roots on the calling worker; gradients that
+reach a tensor received from another worker are sent back to that worker, which runs its
+own graph on from the tensors it had sent, and so on. Each hop is an RPC that returns once
+everything downstream of it is done, so the caller's ``backward`` returns when the whole
+pass has finished, and an error on any worker reaches it with its original type (a worker
+that dies fails the pass with ``PeerLostError``).
+
+A worker may run its graph several times in one pass (once per batch of gradients that
+reaches it): backward is linear, so the per-context sums are the same as one run, and the
+graph is kept (``retain_graph``) until the context is released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from asyncrpc.autograd.context import (
+    AutogradContext,
+    ContextTable,
+    context_table,
+    current_context_id,
+)
+from asyncrpc.runtime.agent import Agent
+from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT
+
+__all__ = ["local_pass", "propagate", "reachable_leaves", "release"]
+
+# Gradients for the tensors of one message: (sender rank, message id) -> by index.
+Outgoing = dict[tuple[int, int], list[Any]]
+
+
+def reachable_leaves(roots: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The leaf tensors requiring grad that the graph of ``roots`` reaches."""
+    leaves: list[torch.Tensor] = []
+    seen: set[Any] = set()
+    stack: list[Any] = [r.grad_fn for r in roots if r.grad_fn is not None]
+    while stack:  # bounded by the graph: each node is expanded once
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+        if variable is not None:
+            leaves.append(variable)
+            continue
+        stack.extend(child for child, _ in node.next_functions)
+    return leaves
+
+
+def local_pass(
+    context: AutogradContext, roots: Sequence[torch.Tensor], grad_outputs: Sequence[Any]
+) -> Outgoing:
+    """Run this worker's graph from ``roots``; returns the gradients to send back.
+
+    Runs on a pool thread (it is CPU work). Leaves received from other workers collect
+    their gradients for sending; this worker's own leaves accumulate in ``context``.
+    """
+    routed: list[tuple[torch.Tensor, Any]] = []
+    graph_roots = [(r, g) for r, g in zip(roots, grad_outputs, strict=True) if r.grad_fn]
+    routed += [(r, g) for r, g in zip(roots, grad_outputs, strict=True) if not r.grad_fn]
+    leaves = reachable_leaves([r for r, _ in graph_roots])
+    if graph_roots and leaves:
+        grads = torch.autograd.grad(
+            [r for r, _ in graph_roots],
+            leaves,
+            [g for _, g in graph_roots],
+            retain_graph=True,  # freed with the context: other hops may need it again
+            allow_unused=True,
+        )
+        routed += list(zip(leaves, grads, strict=True))
+    outgoing: Outgoing = {}
+    for leaf, grad in routed:
+        if grad is None:
+            continue
+        received = context.recvs.get(id(leaf))
+        if received is None:
+            context.accumulate(leaf, grad)
+            continue
+        sender, message_id, index, count = received
+        slots = outgoing.setdefault((sender, message_id), [None] * count)
+        slots[index] = grad if slots[index] is None else slots[index] + grad
+    return outgoing
+
+
+async def propagate(
+    agent: Agent,
+    context: AutogradContext,
+    roots: Sequence[torch.Tensor],
+    grad_outputs: Sequence[Any],
+) -> None:
+    """Run the local pass, then hand its gradients to the workers that sent the tensors."""
+    outgoing = await agent.pool.run(functools.partial(local_pass, context, roots, grad_outputs))
+    hops = [
+        agent.call(sender, grads_arrived, (context.id, message_id, grads), {}, UNSET_RPC_TIMEOUT)
+        for (sender, message_id), grads in outgoing.items()
+    ]
+    if hops:
+        await asyncio.gather(*hops)
+
+
+async def grads_arrived(context_id: int, message_id: int, grads: list[Any]) -> None:
+    """Runs on the worker that sent message ``message_id``: the backward goes on here."""
+    agent, table = context_table()
+    context = table.get(context_id)
+    _, tensors = context.sent(message_id)
+    pairs = [(t, g) for t, g in zip(tensors, grads, strict=True) if g is not None]
+    await propagate(agent, context, [t for t, _ in pairs], [g for _, g in pairs])
+
+
+async def release(agent: Agent, table: ContextTable, context_id: int, sender: int) -> None:
+    """Drop the context here and on every worker it reached (each passes it on once)."""
+    context = table.pop(context_id)
+    if context is None:
+        return
+    current_context_id.set(None)  # these calls are not part of any context
+    peers = sorted(context.peers - {sender, agent.rank})
+    calls = [
+        agent.call(peer, release_here, (context_id, agent.rank), {}, UNSET_RPC_TIMEOUT)
+        for peer in peers
+    ]
+    # A peer that died has nothing left to release: its failure is not ours.
+    await asyncio.gather(*calls, return_exceptions=True)
+
+
+async def release_here(context_id: int, sender: int) -> None:
+    """Runs on a worker the context reached: release it here and onwards."""
+    agent, table = context_table()
+    await release(agent, table, context_id, sender)

@@ -1,0 +1,99 @@
+"""The distributed autograd hook of the call pipeline (layer L3).
+
+Inside a context, each outgoing call carries ``ag: [context id, message id]`` and records
+the tensors requiring grad it sent; the callee joins the context, records those it
+received, runs the function inside the context (so its own calls and its reply take part),
+and records its reply's tensors requiring grad under a message id of its own, which the
+reply's ``ag`` field names; the caller records them as received. Outside any context the
+hook adds nothing to a frame.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from asyncrpc.autograd.context import AutogradContext, ContextTable, current_context_id
+from asyncrpc.runtime.pipeline import CallHook, IncomingCall, OutgoingCall
+
+__all__ = ["FIELD", "AutogradHook"]
+
+FIELD = "ag"  # the header field this hook owns
+
+
+class AutogradHook(CallHook):
+    """Records the sends and receives of every call made in a distributed autograd context."""
+
+    def __init__(self, rank: Callable[[], int]) -> None:
+        self._rank = rank  # this worker's rank, known once it has joined its group
+        self.contexts = ContextTable()
+
+    def __repr__(self) -> str:
+        return "AutogradHook()"
+
+    # -- caller ----------------------------------------------------------------------------
+
+    def active(self) -> bool:
+        return current_context_id.get() is not None
+
+    def outgoing(self, call: OutgoingCall) -> None:
+        context = self.contexts.current()
+        if context is None:
+            return  # its id is set, but it was released (a call after the block ended)
+        message_id = context.next_message_id(self._rank())
+        context.record_send(message_id, call.callee_rank, call.grads)
+        call.headers[FIELD] = [context.id, message_id]
+        call.state[self] = context
+
+    def completed(
+        self, call: OutgoingCall, headers: dict[str, Any] | None, error: BaseException | None
+    ) -> None:
+        context = call.state.pop(self, None)
+        fields = None if headers is None else headers.get(FIELD)
+        if isinstance(context, AutogradContext) and fields and call.reply_grads:
+            context.record_recv(call.callee_rank, int(fields[1]), call.reply_grads)
+
+    # -- callee ----------------------------------------------------------------------------
+
+    def incoming(self, call: IncomingCall) -> None:
+        fields = call.headers.get(FIELD)
+        if not fields:
+            return
+        context_id, message_id = int(fields[0]), int(fields[1])
+        context = self.contexts.joined(context_id)
+        context.record_recv(call.caller_rank, message_id, call.grads)
+        call.state[self] = context
+        call.wrap(functools.partial(_within, context_id=context_id, coroutine=call.coroutine))
+
+    def replying(self, call: IncomingCall, ok: bool, value: Any) -> None:
+        context = call.state.pop(self, None)
+        if not isinstance(context, AutogradContext):
+            return
+        message_id = context.next_message_id(self._rank())
+        context.record_send(message_id, call.caller_rank, call.reply_grads)
+        call.reply_headers[FIELD] = [context.id, message_id]
+
+    def debug_info(self) -> dict[str, Any]:
+        return {"num_autograd_contexts": len(self.contexts)}
+
+
+def _within(fn: Callable[..., Any], context_id: int, coroutine: bool) -> Callable[..., Any]:
+    """``fn`` run inside autograd context ``context_id`` (same calling convention)."""
+    if coroutine:
+
+        async def run_coroutine(*args: Any, **kwargs: Any) -> Any:
+            # This runs in the request's own task, whose context is a copy: no reset.
+            current_context_id.set(context_id)
+            return await fn(*args, **kwargs)
+
+        return run_coroutine
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        token = current_context_id.set(context_id)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            current_context_id.reset(token)
+
+    return run

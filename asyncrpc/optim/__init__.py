@@ -1,0 +1,94 @@
+"""``DistributedOptimizer`` with torch's names and signature (layer L4).
+
+``DistributedOptimizer(optimizer_class, params_rref, *args, **kwargs)`` builds one local
+optimizer on each worker that owns some of the parameters; ``step(context_id)`` steps them
+all concurrently, each with the gradients its worker accumulated in that distributed
+autograd context.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from asyncrpc.api import remote, rpc_async
+from asyncrpc.autograd import get_gradients
+from asyncrpc.rref.handle import RRef
+from asyncrpc.runtime.future import Future, wait_all
+
+__all__ = ["DistributedOptimizer"]
+
+
+class DistributedOptimizer:
+    """Steps the parameters behind ``params_rref`` on their owners (torch's class).
+
+    Args:
+        optimizer_class: a ``torch.optim.Optimizer`` class, built on each owner as
+            ``optimizer_class(local_params, *args, **kwargs)``.
+        params_rref: RRefs of the parameters, on any workers (``RRef(param)`` on the
+            owner, or ``module.parameter_rrefs()``-style lists from remote modules).
+        *args, **kwargs: passed to ``optimizer_class``.
+
+    Raises:
+        The errors of ``remote``; building an optimizer that fails on its owner raises
+        on the first ``step`` (as the RRef's error).
+    """
+
+    def __init__(
+        self, optimizer_class: type[torch.optim.Optimizer], params_rref: Sequence[RRef[Any]],
+        *args: Any, **kwargs: Any,
+    ) -> None:  # fmt: skip
+        by_owner: dict[str, list[RRef[Any]]] = {}
+        for rref in params_rref:
+            by_owner.setdefault(rref.owner_name(), []).append(rref)
+        self._optimizers: list[RRef[LocalOptimizer]] = [
+            remote(owner, LocalOptimizer, args=(optimizer_class, rrefs, args, kwargs))
+            for owner, rrefs in by_owner.items()
+        ]
+
+    def step(self, context_id: int) -> None:
+        """Step every owner's optimizer with the gradients of ``context_id``; blocks.
+
+        Raises:
+            The first owner's error (with its original type), once all have finished.
+        """
+        wait_all(self.step_future(context_id))
+
+    def step_future(self, context_id: int) -> list[Future[None]]:
+        """Start the steps on every owner; returns their futures (await or wait them)."""
+        return [
+            rpc_async(optimizer.owner_name(), _step, args=(optimizer, context_id))
+            for optimizer in self._optimizers
+        ]
+
+
+class LocalOptimizer:
+    """The optimizer of the parameters one worker owns (runs on that worker)."""
+
+    def __init__(
+        self,
+        optimizer_class: type[torch.optim.Optimizer],
+        params_rref: Sequence[RRef[Any]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        self.params = [rref.local_value() for rref in params_rref]
+        self.optimizer = optimizer_class(self.params, *args, **kwargs)
+        # Trainers step concurrently: one step at a time, each with its own gradients.
+        self._lock = threading.Lock()
+
+    def step(self, context_id: int) -> None:
+        grads = get_gradients(context_id)
+        with self._lock:
+            for param in self.params:
+                param.grad = grads.get(param)
+            self.optimizer.step()
+            for param in self.params:
+                param.grad = None
+
+
+def _step(optimizer: RRef[LocalOptimizer], context_id: int) -> None:
+    optimizer.local_value().step(context_id)

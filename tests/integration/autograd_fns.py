@@ -1,0 +1,97 @@
+"""Functions the distributed autograd tests run on workers (importable on every worker)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from typing import Any
+
+import torch
+from torch import nn
+
+import asyncrpc
+from asyncrpc import autograd as dist_autograd
+from asyncrpc.rref.handle import RRef
+
+
+def make_linear(seed: int, n_in: int, n_out: int) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(n_in, n_out)
+
+
+def forward(module: RRef[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    return module.local_value()(x)
+
+
+async def async_forward(module: RRef[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    await asyncio.sleep(0.001)  # other requests may run meanwhile
+    return torch.tanh(module.local_value()(x))
+
+
+def forward_then(
+    module: RRef[nn.Module], x: torch.Tensor, next_worker: str, next_module: RRef[nn.Module]
+) -> torch.Tensor:
+    """A -> B -> C: run this worker's layer, then the next worker's, nested."""
+    h = torch.relu(module.local_value()(x))
+    return asyncrpc.rpc_sync(next_worker, forward, args=(next_module, h))
+
+
+def grads_of(context_id: int, module: RRef[nn.Module]) -> list[torch.Tensor | None]:
+    """The context's gradients of the module's parameters, on their owner."""
+    grads = dist_autograd.get_gradients(context_id)
+    return [grads.get(p) for p in module.local_value().parameters()]
+
+
+def params_have_no_grad(module: RRef[nn.Module]) -> bool:
+    return all(p.grad is None for p in module.local_value().parameters())
+
+
+def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a * b + b
+
+
+def echo(x: Any) -> Any:
+    return x
+
+
+def fail_in_backward(x: torch.Tensor) -> torch.Tensor:
+    return _FailBackward.apply(x)
+
+
+class _FailBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise KeyError("broken backward")
+
+
+def die_in_backward(x: torch.Tensor) -> torch.Tensor:
+    return _DieBackward.apply(x)
+
+
+class _DieBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return grad
+
+
+def num_contexts() -> int:
+    return int(asyncrpc.get_debug_info()["num_autograd_contexts"])
+
+
+def param_rrefs(module: RRef[nn.Module]) -> list[RRef[torch.Tensor]]:
+    """RRefs of the module's parameters, owned here (torch's ``parameter_rrefs``)."""
+    return [RRef(p) for p in module.local_value().parameters()]
+
+
+def weights(module: RRef[nn.Module]) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.local_value().parameters()]

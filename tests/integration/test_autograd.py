@@ -1,0 +1,302 @@
+"""Distributed autograd with real worker processes over 127.0.0.1: gradients equal
+single-process autograd, contexts are released everywhere, failures reach the caller.
+
+The driver (this process) runs forward and backward; w1 and w3 serve on thread pools, w2
+on its event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import asyncrpc
+from asyncrpc import autograd as dist_autograd
+from asyncrpc.errors import AutogradContextError
+from asyncrpc.optim import DistributedOptimizer
+from asyncrpc.protocol.wire import FrameDecoder
+from asyncrpc.runtime.current import current_agent
+from asyncrpc.runtime.pipeline import Pipeline
+from asyncrpc.testing import free_port, spawn_worker, stop_workers
+from tests.integration import autograd_fns as fns
+from tests.integration.conftest import WORLD, Group
+
+pytestmark = pytest.mark.timeout(90)
+
+WORKERS = [f"w{r}" for r in range(1, WORLD)]
+
+
+def contexts_everywhere() -> list[int]:
+    """Contexts per worker, asked from a thread of its own: calls made inside a context
+    would make the workers they reach join it."""
+    counts: list[int] = []
+
+    def ask() -> None:
+        counts.append(int(asyncrpc.get_debug_info()["num_autograd_contexts"]))
+        counts.extend(asyncrpc.rpc_sync(w, fns.num_contexts) for w in WORKERS)
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    thread.join(30)
+    return counts
+
+
+def assert_grads_match(
+    context_id: int, remote: list[tuple[str, asyncrpc.RRef[nn.Module]]], local: list[nn.Module]
+) -> None:
+    for (worker, rref), module in zip(remote, local, strict=True):
+        grads = asyncrpc.rpc_sync(worker, fns.grads_of, args=(context_id, rref))
+        for grad, param in zip(grads, module.parameters(), strict=True):
+            assert grad is not None
+            assert param.grad is not None
+            torch.testing.assert_close(grad, param.grad)
+
+
+@pytest.fixture
+def layers(group: Group) -> Iterator[Callable[[str, int, int, int], asyncrpc.RRef[nn.Module]]]:
+    made: list[asyncrpc.RRef[nn.Module]] = []
+
+    def make(worker: str, seed: int, n_in: int, n_out: int) -> asyncrpc.RRef[nn.Module]:
+        rref = asyncrpc.remote(worker, fns.make_linear, args=(seed, n_in, n_out))
+        made.append(rref)
+        return rref
+
+    yield make
+    del made[:]
+    assert contexts_everywhere() == [0] * WORLD
+
+
+def test_autograd_mlp_split_over_two_workers(group: Group, layers: Callable) -> None:
+    l1, l2 = layers("w1", 1, 4, 8), layers("w2", 2, 8, 3)
+    x = torch.randn(5, 4)
+    with dist_autograd.context() as context_id:
+        h = asyncrpc.rpc_sync("w1", fns.forward, args=(l1, x))
+        y = asyncrpc.rpc_sync("w2", fns.async_forward, args=(l2, h))  # an async def forward
+        dist_autograd.backward(context_id, [y.pow(2).sum()])
+        m1, m2 = fns.make_linear(1, 4, 8), fns.make_linear(2, 8, 3)
+        torch.tanh(m2(m1(x))).pow(2).sum().backward()
+        assert_grads_match(context_id, [("w1", l1), ("w2", l2)], [m1, m2])
+        assert contexts_everywhere() == [1, 1, 1, 0]  # w3 never saw this context
+        # Per context only: nothing went into .grad on the owners.
+        assert asyncrpc.rpc_sync("w1", fns.params_have_no_grad, args=(l1,))
+    assert contexts_everywhere() == [0] * WORLD
+
+
+def test_autograd_three_worker_chain_nested(group: Group, layers: Callable) -> None:
+    l1, l3 = layers("w1", 3, 4, 6), layers("w3", 4, 6, 2)
+    x = torch.randn(3, 4, requires_grad=True)  # the driver's own leaf takes part too
+    with dist_autograd.context() as context_id:
+        y = asyncrpc.rpc_sync("w1", fns.forward_then, args=(l1, x, "w3", l3))
+        dist_autograd.backward(context_id, [y.sum()])
+        grads = dist_autograd.get_gradients(context_id)
+        m1, m3 = fns.make_linear(3, 4, 6), fns.make_linear(4, 6, 2)
+        x_local = x.detach().clone().requires_grad_()
+        m3(torch.relu(m1(x_local))).sum().backward()
+        assert_grads_match(context_id, [("w1", l1), ("w3", l3)], [m1, m3])
+        torch.testing.assert_close(grads[x], x_local.grad)
+        assert x.grad is None
+
+
+def test_autograd_rref_proxy_forward_and_parameter_used_twice(
+    group: Group, layers: Callable
+) -> None:
+    layer = layers("w3", 5, 4, 4)
+    x = torch.randn(2, 4)
+    with dist_autograd.context() as context_id:
+        h = layer.rpc_sync().forward(x)  # a remote forward through the RRef's proxy
+        y = layer.rpc_async().forward(h).wait()  # the same parameters a second time
+        dist_autograd.backward(context_id, [y.sum()])
+        local = fns.make_linear(5, 4, 4)
+        local(local(x)).sum().backward()
+        assert_grads_match(context_id, [("w3", layer)], [local])
+
+
+def test_autograd_same_tensor_twice_in_one_call(group: Group) -> None:
+    a = torch.randn(3, requires_grad=True)  # small: still sent as a segment, once
+    with dist_autograd.context() as context_id:
+        y = asyncrpc.rpc_sync("w1", fns.product, args=(a, a))
+        dist_autograd.backward(context_id, [y.sum()])
+        grads = dist_autograd.get_gradients(context_id)
+    a_local = a.detach().clone().requires_grad_()
+    fns.product(a_local, a_local).sum().backward()
+    torch.testing.assert_close(grads[a], a_local.grad)
+
+
+def test_autograd_echo_returns_the_gradient_to_its_owner(group: Group) -> None:
+    a = torch.randn(4, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        back = asyncrpc.rpc_sync("w2", fns.echo, args=(a,))  # a leaf on w2, sent back
+        dist_autograd.backward(context_id, [(back * 3).sum()])
+        torch.testing.assert_close(
+            dist_autograd.get_gradients(context_id)[a], torch.full((4,), 3.0)
+        )
+
+
+def test_autograd_retain_graph_two_backwards_accumulate(group: Group, layers: Callable) -> None:
+    layer = layers("w1", 6, 3, 3)
+    x = torch.randn(2, 3)
+    with dist_autograd.context() as context_id:
+        loss = asyncrpc.rpc_sync("w1", fns.forward, args=(layer, x)).sum()
+        dist_autograd.backward(context_id, [loss], retain_graph=True)
+        dist_autograd.backward(context_id, [loss])
+        local = fns.make_linear(6, 3, 3)
+        (local(x).sum() * 2).backward()
+        assert_grads_match(context_id, [("w1", layer)], [local])
+        with pytest.raises(RuntimeError, match="second time"):
+            dist_autograd.backward(context_id, [loss])  # that graph was not retained
+
+
+def test_autograd_concurrent_trainers_never_mix_gradients(group: Group, layers: Callable) -> None:
+    layer = layers("w2", 7, 4, 2)
+    inputs = [torch.randn(3, 4) for _ in range(4)]
+    results: dict[int, list[torch.Tensor | None]] = {}
+    errors: list[BaseException] = []
+
+    def trainer(index: int) -> None:
+        try:
+            with dist_autograd.context() as context_id:
+                for _ in range(3):  # several steps interleave with the other trainers
+                    y = asyncrpc.rpc_sync("w2", fns.forward, args=(layer, inputs[index]))
+                    dist_autograd.backward(context_id, [(y * (index + 1)).sum()])
+                results[index] = asyncrpc.rpc_sync("w2", fns.grads_of, args=(context_id, layer))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=trainer, args=(i,)) for i in range(len(inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    for index, grads in results.items():
+        local = fns.make_linear(7, 4, 2)
+        for _ in range(3):
+            (local(inputs[index]) * (index + 1)).sum().backward()
+        for grad, param in zip(grads, local.parameters(), strict=True):
+            torch.testing.assert_close(grad, param.grad)
+
+
+def test_autograd_async_context_and_backward(group: Group, layers: Callable) -> None:
+    layer = layers("w3", 8, 2, 2)
+    x = torch.randn(2, 2)
+
+    async def step() -> list[torch.Tensor | None]:
+        async with dist_autograd.context() as context_id:
+            y = await asyncrpc.call("w3", fns.forward, layer, x)
+            await dist_autograd.backward_async(context_id, [y.sum()])
+            return await asyncrpc.call("w3", fns.grads_of, context_id, layer)
+
+    grads = asyncio.run(step())
+    local = fns.make_linear(8, 2, 2)
+    local(x).sum().backward()
+    for grad, param in zip(grads, local.parameters(), strict=True):
+        torch.testing.assert_close(grad, param.grad)
+
+
+def test_autograd_remote_and_to_here(group: Group, layers: Callable) -> None:
+    layer = layers("w1", 9, 3, 3)
+    x = torch.randn(2, 3)
+    with dist_autograd.context() as context_id:
+        out = asyncrpc.remote("w1", fns.forward, args=(layer, x))  # the value stays on w1
+        dist_autograd.backward(context_id, [out.to_here().sum()])
+        local = fns.make_linear(9, 3, 3)
+        local(x).sum().backward()
+        assert_grads_match(context_id, [("w1", layer)], [local])
+        del out
+
+
+def test_autograd_error_in_remote_backward_keeps_its_type(group: Group) -> None:
+    a = torch.randn(2, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        y = asyncrpc.rpc_sync("w3", fns.fail_in_backward, args=(a,))
+        with pytest.raises(KeyError, match="broken backward") as info:
+            dist_autograd.backward(context_id, [y.sum()])
+        assert info.value.remote_worker == "w3"  # type: ignore[attr-defined]
+
+
+def test_autograd_unknown_context_and_blocking_misuse(group: Group) -> None:
+    with pytest.raises(AutogradContextError):
+        dist_autograd.get_gradients(12345)
+    with pytest.raises(AutogradContextError):
+        dist_autograd.backward(12345, [torch.ones(1, requires_grad=True).sum()])
+    assert dist_autograd.current_context() is None
+    with dist_autograd.context() as context_id:
+        assert dist_autograd.current_context() == context_id
+    assert dist_autograd.current_context() is None
+
+
+def test_autograd_field_only_inside_a_context(group: Group) -> None:
+    agent = current_agent()
+    tensor = torch.ones(2, requires_grad=True)
+
+    def request_fields() -> list[Any]:
+        _, _, pieces, _, observed = agent.encode_request(1, fns.echo, (tensor,), {}, 5.0, "sync")
+        if observed is not None:  # never sent: tell the hooks it ended
+            Pipeline.completed(*observed, None, None)
+        decoder = FrameDecoder()
+        return next(f for piece in pieces for f in decoder.feed(piece)).fields
+
+    assert len(request_fields()) == 7  # no pipeline field outside a context
+    with dist_autograd.context() as context_id:
+        fields = request_fields()
+        assert fields[7]["ag"][0] == context_id
+    assert len(request_fields()) == 7
+
+
+def test_autograd_worker_killed_during_backward(tmp_path: Path) -> None:
+    """In a group of its own: the victim dies inside its part of the backward pass."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    workers = [
+        spawn_worker(f"k{r}", r, 3, init, log_dir=tmp_path, rpc_timeout=20.0) for r in (1, 2)
+    ]
+    try:
+        driver = subprocess.run(
+            [sys.executable, "-m", "tests.integration.autograd_scenarios", init],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=Path(__file__).parents[2],
+        )
+        assert driver.returncode == 0, driver.stdout + driver.stderr
+        outcome = json.loads(driver.stdout.strip().splitlines()[-1])
+        assert outcome["error"] == "PeerLostError"
+        # Found by the lost connection, not by a timeout (rpc_timeout is 20 s).
+        assert outcome["seconds"] < 10
+        assert outcome["contexts_left"] == {"k0": 0, "k1": 0}
+    finally:
+        stop_workers(workers, timeout=5)
+
+
+def test_distributed_optimizer_matches_local_sgd(group: Group, layers: Callable) -> None:
+    l1, l2 = layers("w1", 11, 4, 6), layers("w3", 12, 6, 1)
+    params = asyncrpc.rpc_sync("w1", fns.param_rrefs, args=(l1,))
+    params += asyncrpc.rpc_sync("w3", fns.param_rrefs, args=(l2,))
+    optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=0.05, momentum=0.9)
+    m1, m2 = fns.make_linear(11, 4, 6), fns.make_linear(12, 6, 1)
+    local = torch.optim.SGD([*m1.parameters(), *m2.parameters()], lr=0.05, momentum=0.9)
+    batches = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(3)]
+    for x, target in batches:
+        with dist_autograd.context() as context_id:
+            h = asyncrpc.rpc_sync("w1", fns.forward, args=(l1, x))
+            y = asyncrpc.rpc_sync("w3", fns.forward, args=(l2, torch.relu(h)))
+            dist_autograd.backward(context_id, [(y - target).pow(2).mean()])
+            optimizer.step(context_id)
+        local.zero_grad()
+        (m2(torch.relu(m1(x))) - target).pow(2).mean().backward()
+        local.step()
+    for worker, rref, module in (("w1", l1, m1), ("w3", l2, m2)):
+        remote_weights = asyncrpc.rpc_sync(worker, fns.weights, args=(rref,))
+        for got, want in zip(remote_weights, module.parameters(), strict=True):
+            torch.testing.assert_close(got, want.detach())
+    del params, optimizer
