@@ -5,13 +5,18 @@ the tensors requiring grad it sent; the callee joins the context, records those 
 received, runs the function inside the context (so its own calls and its reply take part),
 and records its reply's tensors requiring grad under a message id of its own, which the
 reply's ``ag`` field names; the caller records them as received. Outside any context the
-hook adds nothing to a frame.
+hook adds nothing to a frame; inside one, neither does a call of a builtin op (``torch.add``)
+that sends no tensor requiring grad: its result cannot require grad and it makes no calls.
+Python functions always carry the field (torch forces grad recording for them too): their
+result may come from parameters that live on the callee.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from types import BuiltinFunctionType
 from typing import Any
 
 from asyncrpc.autograd.context import AutogradContext, ContextTable, current_context_id
@@ -41,6 +46,8 @@ class AutogradHook(CallHook):
         context = self.contexts.current()
         if context is None:
             return  # its id is set, but it was released (a call after the block ended)
+        if not call.grads and isinstance(call.fn, BuiltinFunctionType):
+            return
         message_id = context.next_message_id(self._rank())
         context.record_send(message_id, call.callee_rank, call.grads)
         call.headers[FIELD] = [context.id, message_id]
@@ -92,8 +99,17 @@ def _within(fn: Callable[..., Any], context_id: int, coroutine: bool) -> Callabl
     def run(*args: Any, **kwargs: Any) -> Any:
         token = current_context_id.set(context_id)
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
         finally:
             current_context_id.reset(token)
+        if asyncio.iscoroutine(result):  # an @async_execution function's coroutine
+            return _awaited_within(result, context_id)
+        return result
 
     return run
+
+
+async def _awaited_within(coro: Coroutine[Any, Any, Any], context_id: int) -> Any:
+    # Awaited in a task of its own later: the context goes with it.
+    current_context_id.set(context_id)
+    return await coro

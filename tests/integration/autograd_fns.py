@@ -12,6 +12,7 @@ from torch import nn
 
 import asyncrpc
 from asyncrpc import autograd as dist_autograd
+from asyncrpc.functions import async_execution
 from asyncrpc.rref.handle import RRef
 
 
@@ -95,3 +96,14 @@ def param_rrefs(module: RRef[nn.Module]) -> list[RRef[torch.Tensor]]:
 
 def weights(module: RRef[nn.Module]) -> list[torch.Tensor]:
     return [p.detach().clone() for p in module.local_value().parameters()]
+
+
+@async_execution
+def scaled_by_peer(to: str, x: torch.Tensor) -> Any:
+    """An @async_execution function whose coroutine makes a nested call in the context."""
+
+    async def run() -> torch.Tensor:
+        y = await asyncrpc.call(to, product, x, x)
+        return y * 2
+
+    return run()

@@ -239,8 +239,9 @@ def test_autograd_field_only_inside_a_context(group: Group) -> None:
     agent = current_agent()
     tensor = torch.ones(2, requires_grad=True)
 
-    def request_fields() -> list[Any]:
-        _, _, pieces, _, observed = agent.encode_request(1, fns.echo, (tensor,), {}, 5.0, "sync")
+    def request_fields(fn: Any = fns.echo, *args: Any) -> list[Any]:
+        args = args or (tensor,)
+        _, _, pieces, _, observed = agent.encode_request(1, fn, args, {}, 5.0, "sync")
         if observed is not None:  # never sent: tell the hooks it ended
             Pipeline.completed(*observed, None, None)
         decoder = FrameDecoder()
@@ -250,6 +251,9 @@ def test_autograd_field_only_inside_a_context(group: Group) -> None:
     with dist_autograd.context() as context_id:
         fields = request_fields()
         assert fields[7]["ag"][0] == context_id
+        # torch's rule: a builtin op sending no tensor requiring grad records nothing.
+        assert len(request_fields(torch.add, torch.ones(2), 1)) == 7
+        assert request_fields(torch.add, tensor, 1)[7]["ag"][0] == context_id
     assert len(request_fields()) == 7
 
 
@@ -300,3 +304,14 @@ def test_distributed_optimizer_matches_local_sgd(group: Group, layers: Callable)
         for got, want in zip(remote_weights, module.parameters(), strict=True):
             torch.testing.assert_close(got, want.detach())
     del params, optimizer
+
+
+def test_autograd_through_an_async_execution_coroutine(group: Group) -> None:
+    a = torch.randn(3, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        y = asyncrpc.rpc_sync("w1", fns.scaled_by_peer, args=("w3", a))  # w1 -> w3 nested
+        dist_autograd.backward(context_id, [y.sum()])
+        grad = dist_autograd.get_gradients(context_id)[a]
+    a_local = a.detach().clone().requires_grad_()
+    (fns.product(a_local, a_local) * 2).sum().backward()
+    torch.testing.assert_close(grad, a_local.grad)
