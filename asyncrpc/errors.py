@@ -11,6 +11,7 @@ from __future__ import annotations
 
 __all__ = [
     "AsyncRpcError",
+    "AuthenticationError",
     "AutogradContextError",
     "BlockingCallError",
     "ClosedError",
@@ -191,6 +192,10 @@ class LocalProtocolError(ProtocolError):
 
 class RemoteProtocolError(ProtocolError):
     """The peer sent bytes that break the protocol; that connection is closed."""
+
+
+class AuthenticationError(RemoteProtocolError, PermissionError):
+    """The peer did not prove it holds the group's key; that connection is closed."""
 
 
 class FrameTooLargeError(RemoteProtocolError):

@@ -21,15 +21,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from asyncrpc.errors import (
+    AuthenticationError,
     ClosedError,
+    InitError,
     RemoteProtocolError,
     RpcTimeoutError,
     ShutdownError,
     UnknownWorkerError,
 )
+from asyncrpc.protocol import auth
 from asyncrpc.protocol.serde import Serializer, unpack_exception
 from asyncrpc.protocol.wire import Frame, FrameDecoder, encode_frame
 from asyncrpc.protocol.wire.messages import (
+    Auth,
     CallMode,
     Cancel,
     Goodbye,
@@ -44,7 +48,7 @@ from asyncrpc.protocol.wire.messages import (
 from asyncrpc.runtime.dispatch import Dispatcher
 from asyncrpc.runtime.future import Future, set_default_callback_loop
 from asyncrpc.runtime.loopback import LoopbackConnection
-from asyncrpc.runtime.metrics import Counters, LagProbe
+from asyncrpc.runtime.metrics import Counters, LagProbe, RateLimitedLog
 from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT, RpcBackendOptions, WorkerInfo
 from asyncrpc.runtime.peers import PeerTable
 from asyncrpc.runtime.pending import PendingCall, PendingCalls, describe_function
@@ -55,7 +59,11 @@ from asyncrpc.runtime.shutdown import GracefulShutdown
 from asyncrpc.runtime.threadpool import WorkerPool
 from asyncrpc.runtime.transport import Connection, start_server
 
-__all__ = ["Agent", "EncodedRequest"]
+__all__ = ["HANDSHAKE_MAX_FRAME", "Agent", "EncodedRequest"]
+
+# The largest frame (and header) a connection takes before its peer has authenticated:
+# handshake messages are a few dozen bytes; a name may be long, but not this long.
+HANDSHAKE_MAX_FRAME = 4096
 
 # A request pickled and framed on the calling thread: its call id, the function's name,
 # the frame's pieces, what must live until they are written, and the pipeline hooks it
@@ -80,6 +88,7 @@ class Agent:
         self.rank = -1
         self.world_size = 0
         self.counters = Counters()
+        self._auth_log = RateLimitedLog(_log, interval=10.0)
         self.pending = PendingCalls(loop, self._expire)
         self._call_ids = itertools.count(1)
         # RRefs inside payloads become forks (see asyncrpc/rref/context.py).
@@ -150,7 +159,11 @@ class Agent:
         options = self.options
         self._server, port = await start_server(options.listen_host, self._accept)
         init_timeout = options.rpc_timeout if options.rpc_timeout > 0 else 300.0
-        group, self.addresses = await self.loop.run_in_executor(
+        try:
+            configured_key = auth.key_bytes(options.auth_key)
+        except ValueError as exc:
+            raise InitError(str(exc)) from None
+        group, self.addresses, key = await self.loop.run_in_executor(
             None,
             join_group,
             options.init_method,
@@ -161,26 +174,50 @@ class Agent:
             port,
             init_timeout,
             options.device_maps,
+            configured_key,
         )
         self.group = group
         self.rank, self.world_size = group.rank, group.world_size
         self._ranks_by_name = {a.name: r for r, a in self.addresses.items()}
         self.rrefs = None if rrefs is None else rrefs(self)
         self.dispatcher.rrefs = self.rrefs
-        self.peers = PeerTable(self.name, self.rank, self.addresses, self._dial)
+        self.peers = PeerTable(
+            self.name, self.rank, self.addresses, self._dial, key, options.max_frame_size,
+            self._refuse,
+        )  # fmt: skip
         for conn, hello in self._early_hellos:
             if not conn.closed:
                 self.peers.on_hello(conn, hello)
         self._early_hellos.clear()
 
     def _new_connection(self, initiated: bool) -> Connection:
+        # Until the peer proves the key: handshake frames only, small, one per read pass
+        # (PeerTable.adopt lifts the limits), and a deadline for accepted connections.
         decoder = FrameDecoder(
-            max_frame_size=self.options.max_frame_size, allocate=self.serializer.allocate
+            max_frame_size=HANDSHAKE_MAX_FRAME,
+            max_header_size=HANDSHAKE_MAX_FRAME,
+            allocate=self.serializer.allocate,
+            handshaking=True,
         )
         conn = Connection(self, decoder, initiated=initiated)
         self._connections.add(conn)
         self.counters.connections_opened += 1
+        if not initiated:
+            self.loop.call_later(self.options.handshake_timeout, self._handshake_deadline, conn)
         return conn
+
+    def _handshake_deadline(self, conn: Connection) -> None:
+        if conn.peer is None and not conn.closed:
+            limit = self.options.handshake_timeout
+            self._refuse(
+                conn, AuthenticationError(f"no authenticated handshake within {limit:g} s")
+            )
+
+    def _refuse(self, conn: Connection, error: AuthenticationError) -> None:
+        """A connection failed to authenticate: count it, log it (rate-limited), close it."""
+        self.counters.auth_failures += 1
+        self._auth_log.warning("worker %r refused a connection: %s", self.name, error)
+        conn.abort(error)
 
     def _accept(self) -> Connection:
         return self._new_connection(False)
@@ -488,6 +525,8 @@ class Agent:
                 self.peers.on_hello(conn, message)
         elif isinstance(message, HelloReply) and self.peers is not None:
             self.peers.on_hello_reply(conn, message)
+        elif isinstance(message, Auth) and self.peers is not None:
+            self.peers.on_auth(conn, message)
         else:
             self.counters.protocol_errors += 1
             conn.abort(RemoteProtocolError(f"{type(message).__name__} before the handshake"))

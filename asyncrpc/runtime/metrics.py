@@ -1,4 +1,4 @@
-"""Counters the agent keeps, and an event-loop lag probe (layer L2).
+"""Counters the agent keeps, an event-loop lag probe, a rate-limited log (layer L2).
 
 Counters are plain ints bumped on the loop thread, so reading them costs nothing on the hot
 path (the thread pool counts its own busy threads).
@@ -7,10 +7,11 @@ path (the thread pool counts its own busy threads).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import asdict, dataclass
 
-__all__ = ["Counters", "LagProbe"]
+__all__ = ["Counters", "LagProbe", "RateLimitedLog"]
 
 
 @dataclass(slots=True)
@@ -27,6 +28,7 @@ class Counters:
     connections_opened: int = 0
     connections_lost: int = 0
     protocol_errors: int = 0
+    auth_failures: int = 0  # handshakes refused: wrong key, or none within the deadline
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -60,3 +62,26 @@ class LagProbe:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+
+
+class RateLimitedLog:
+    """At most one record per ``interval`` seconds; the next one says how many were skipped.
+
+    For events a stranger can cause at will (refused connections): the log must not flood.
+    """
+
+    def __init__(self, logger: logging.Logger, interval: float) -> None:
+        self._logger = logger
+        self._interval = interval
+        self._next = 0.0
+        self._skipped = 0
+
+    def warning(self, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            self._skipped += 1
+            return
+        if self._skipped:
+            message += f" (and {self._skipped} more in the last {self._interval:g} s)"
+        self._skipped, self._next = 0, now + self._interval
+        self._logger.warning(message, *args)

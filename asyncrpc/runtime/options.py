@@ -61,6 +61,11 @@ class RpcBackendOptions:
         shutdown_timeout: bound on a graceful shutdown when ``shutdown`` is given none.
         rref_leaks: what a graceful shutdown does with owner RRefs still referenced
             elsewhere: "warn" (log a warning), "error" (raise ShutdownError) or "ignore".
+        auth_key: the group's shared secret (bytes or str); every worker must be given
+            the same. None reads ``ASYNCRPC_AUTH_KEY``; without either, rank 0 makes a
+            random key and the others read it from the rendezvous store (which must then
+            be trusted: set a key for any run that spans hosts).
+        handshake_timeout: seconds an accepted connection has to authenticate.
     """
 
     init_method: str = DEFAULT_INIT_METHOD
@@ -72,6 +77,8 @@ class RpcBackendOptions:
     max_frame_size: int = 1 << 34
     shutdown_timeout: float = 60.0
     rref_leaks: str = "warn"
+    auth_key: bytes | str | None = field(default=None, repr=False)
+    handshake_timeout: float = 5.0
     _extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -81,6 +88,8 @@ class RpcBackendOptions:
             raise InitError(
                 f"rref_leaks must be 'warn', 'error' or 'ignore', got {self.rref_leaks!r}"
             )
+        if not self.handshake_timeout > 0:
+            raise InitError(f"handshake_timeout must be > 0 seconds, got {self.handshake_timeout}")
         if self.num_worker_threads < 1:
             raise InitError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
         if self.device_maps is not None:

@@ -1,10 +1,14 @@
 """The connections of one agent: one multiplexed connection per peer (layer L2).
 
-Connections open lazily on first use. A connection starts with a Hello/HelloReply
-handshake (protocol version and identity). When two workers dial each other at the same
-moment, both apply one rule, so exactly one connection survives: the one dialled by the
-lower rank. No request is ever sent before the handshake, so the losing connection carries
-nothing and is simply closed.
+Connections open lazily on first use. A connection starts with an authenticated handshake:
+the dialer's Hello (protocol version, identity, nonce), the acceptor's HelloReply (its
+nonce and its proof of the group key), the dialer's Auth (its proof); see
+``asyncrpc/protocol/auth.py``. A connection is adopted as the peer's only when the other
+side has proven the key: the dialer on a valid HelloReply, the acceptor on a valid Auth.
+Until then the connection takes handshake frames only, under small limits, and nothing is
+unpickled. When two workers dial each other at the same moment, both apply one rule, so
+exactly one connection survives: the one dialled by the lower rank. No request is ever
+sent before the handshake, so the losing connection carries nothing and is simply closed.
 """
 
 from __future__ import annotations
@@ -13,9 +17,15 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from asyncrpc.errors import PeerLostError, PeerUnavailableError, RemoteProtocolError
+from asyncrpc.errors import (
+    AuthenticationError,
+    PeerLostError,
+    PeerUnavailableError,
+    RemoteProtocolError,
+)
+from asyncrpc.protocol import auth
 from asyncrpc.protocol.wire import PROTOCOL_VERSION, encode_frame
-from asyncrpc.protocol.wire.messages import Hello, HelloReply
+from asyncrpc.protocol.wire.messages import Auth, Hello, HelloReply
 from asyncrpc.runtime.rendezvous import PeerAddress
 from asyncrpc.runtime.transport import Connection, open_connection
 
@@ -37,7 +47,7 @@ class Peer:
         self.lost: BaseException | None = None
 
 
-def send_message(conn: Connection, message: Hello | HelloReply) -> None:
+def send_message(conn: Connection, message: Hello | HelloReply | Auth) -> None:
     conn.send(encode_frame(message.to_fields(), b""))
 
 
@@ -50,15 +60,24 @@ class PeerTable:
         rank: int,
         addresses: dict[int, PeerAddress],
         make_connection: Callable[[bool], Connection],
+        key: bytes,
+        max_frame_size: int,
+        on_auth_failure: Callable[[Connection, AuthenticationError], None],
         connect_timeout: float = 30.0,
     ) -> None:
         self.name = name
         self.rank = rank
         self._make_connection = make_connection
+        self._key = key
+        self._max_frame_size = max_frame_size
+        self._on_auth_failure = on_auth_failure
         self.connect_timeout = connect_timeout
         self.peers = {r: Peer(a) for r, a in addresses.items() if r != rank}
-        # Dialled connections awaiting their HelloReply, with the rank they should reach.
-        self._handshakes: dict[Connection, tuple[asyncio.Future[HelloReply], int]] = {}
+        # Dialled connections awaiting their HelloReply: the rank they should reach and
+        # the nonce this side sent.
+        self._handshakes: dict[Connection, tuple[asyncio.Future[HelloReply], int, bytes]] = {}
+        # Accepted connections awaiting the dialer's Auth: its rank and the proof expected.
+        self._challenges: dict[Connection, tuple[int, bytes]] = {}
 
     async def connection(self, rank: int) -> Connection:
         """Return the live connection to ``rank``, dialling it first if needed.
@@ -94,8 +113,9 @@ class PeerTable:
                 address.host, address.port, lambda: self._make_connection(True)
             )
             waiter = asyncio.get_running_loop().create_future()
-            self._handshakes[conn] = (waiter, rank)
-            send_message(conn, Hello(PROTOCOL_VERSION, self.name, self.rank))
+            nonce = auth.new_nonce()
+            self._handshakes[conn] = (waiter, rank, nonce)
+            send_message(conn, Hello(PROTOCOL_VERSION, self.name, self.rank, nonce))
             reply = await asyncio.wait_for(waiter, self.connect_timeout)
         except (OSError, TimeoutError, ConnectionError, RemoteProtocolError) as exc:
             self._dial_failed(peer, PeerUnavailableError(address.name, str(exc) or repr(exc)))
@@ -120,6 +140,7 @@ class PeerTable:
         peer.ready = None  # a later call may try again
 
     def adopt(self, peer: Peer, rank: int, conn: Connection) -> None:
+        conn.open(self._max_frame_size)  # authenticated: the handshake's limits are lifted
         conn.peer = rank
         conn.peer_name = peer.address.name
         peer.conn = conn
@@ -129,16 +150,39 @@ class PeerTable:
         _log.debug("%s connected to %s", self.name, peer.address.name)
 
     def on_hello(self, conn: Connection, hello: Hello) -> None:
-        """Decide whether an incoming connection becomes the one to its peer."""
+        """Answer a dialer: refuse it, or challenge it (adopted once its Auth proves the key)."""
         reason = self._refusal(hello)
-        if reason is None:
-            self.adopt(self.peers[hello.rank], hello.rank, conn)
-        send_message(
-            conn, HelloReply(PROTOCOL_VERSION, self.name, self.rank, reason is None, reason or "")
-        )
-        if reason is not None and reason != _TIE_BREAK:
-            _log.warning("refused a connection claiming to be %r: %s", hello.name, reason)
-            conn.close()
+        if reason is not None:
+            send_message(conn, HelloReply(PROTOCOL_VERSION, self.name, self.rank, False, reason))
+            if reason != _TIE_BREAK:
+                _log.warning("refused a connection claiming to be %r: %s", hello.name, reason)
+                conn.close()
+            return
+        nonce = auth.new_nonce()
+        dialer, me = (hello.name, hello.rank), (self.name, self.rank)
+        mine = auth.proof(self._key, auth.ACCEPTOR, hello.nonce, nonce, dialer, me)
+        expected = auth.proof(self._key, auth.DIALER, hello.nonce, nonce, dialer, me)
+        self._challenges[conn] = (hello.rank, expected)
+        reply = HelloReply(PROTOCOL_VERSION, self.name, self.rank, True, "", nonce, mine)
+        send_message(conn, reply)
+
+    def on_auth(self, conn: Connection, message: Auth) -> None:
+        """The dialer's proof: adopt its connection, or refuse it."""
+        entry = self._challenges.pop(conn, None)
+        if entry is None:
+            conn.abort(RemoteProtocolError("Auth without an accepted Hello"))
+            return
+        rank, expected = entry
+        peer = self.peers[rank]
+        if not auth.verify(expected, message.proof):
+            error = AuthenticationError(f"a dialer claiming to be {peer.address.name!r} "
+                                        "gave a wrong proof of the group key")  # fmt: skip
+            self._on_auth_failure(conn, error)
+            return
+        if peer.conn is not None and not peer.conn.closed:
+            conn.close()  # another authenticated connection won the race
+            return
+        self.adopt(peer, rank, conn)
 
     def _refusal(self, hello: Hello) -> str | None:
         if hello.version != PROTOCOL_VERSION:
@@ -160,14 +204,27 @@ class PeerTable:
         if entry is None:
             conn.abort(RemoteProtocolError("unexpected HelloReply"))
             return
-        waiter, rank = entry
-        if reply.accepted and reply.rank != rank:
-            conn.abort(RemoteProtocolError(f"dialled rank {rank}, rank {reply.rank} answered"))
-            return
+        waiter, rank, nonce = entry
         if reply.accepted:
+            peer = self.peers[rank]
+            if reply.rank != rank or reply.name != peer.address.name:
+                conn.abort(RemoteProtocolError(f"dialled rank {rank}, rank {reply.rank} answered"))
+                return
+            me, acceptor = (self.name, self.rank), (reply.name, reply.rank)
+            expected = auth.proof(self._key, auth.ACCEPTOR, nonce, reply.nonce, me, acceptor)
+            if not auth.verify(expected, reply.proof):
+                error = AuthenticationError(
+                    f"{peer.address.name!r} gave a wrong proof of the group key"
+                )
+                self._on_auth_failure(conn, error)
+                if not waiter.done():
+                    waiter.set_exception(error)
+                return
+            proof = auth.proof(self._key, auth.DIALER, nonce, reply.nonce, me, acceptor)
+            send_message(conn, Auth(proof))
             # Adopt now, not in the dial task: the peer may send a request right behind its
             # reply, and it can be in the same read as the reply itself.
-            self.adopt(self.peers[rank], rank, conn)
+            self.adopt(peer, rank, conn)
         if not waiter.done():
             waiter.set_result(reply)
 
@@ -176,6 +233,7 @@ class PeerTable:
         entry = self._handshakes.pop(conn, None)
         if entry is not None and not entry[0].done():
             entry[0].set_exception(exc or ConnectionResetError("connection closed in handshake"))
+        self._challenges.pop(conn, None)
         rank = conn.peer
         if rank is None:
             return None

@@ -19,6 +19,7 @@ from typing import Any
 import msgpack
 
 from asyncrpc.errors import InitError, ShutdownError
+from asyncrpc.protocol import auth
 
 __all__ = ["PeerAddress", "StoreGroup", "join_group"]
 
@@ -73,8 +74,14 @@ class StoreGroup:
             self.store.set(_PREFIX + "abort", message)
             raise InitError(message)
 
-    def publish(self, address: PeerAddress) -> None:
-        """Claim this worker's rank and name, then publish its address."""
+    def publish(self, address: PeerAddress, share_key: bool = False) -> None:
+        """Claim this worker's rank and name, then publish its address.
+
+        With ``share_key`` (rank 0, when no key is configured) a random group key is
+        published first, so it is there before anyone can have gathered every address.
+        """
+        if share_key:
+            self.store.set(_PREFIX + "auth_key", auth.new_key())
         self._claim(f"rank/{address.rank}", uuid.uuid4().hex, f"rank {address.rank}")
         self._claim(f"name/{address.name}", str(address.rank), f"worker name {address.name!r}")
         record = msgpack.packb(
@@ -91,6 +98,10 @@ class StoreGroup:
             name, rank, host, port, maps = msgpack.unpackb(self.store.get(key))
             peers[rank] = PeerAddress(name, rank, host, port, maps)
         return peers
+
+    def shared_key(self) -> bytes:
+        """The group key rank 0 published (call after ``gather``)."""
+        return bytes(self.store.get(_PREFIX + "auth_key"))
 
     def _aborted(self) -> str | None:
         if self.store.check([_PREFIX + "abort"]):
@@ -135,7 +146,8 @@ def join_group(
     port: int,
     timeout: float,
     device_maps: dict[str, dict[str, str]] | None = None,
-) -> tuple[StoreGroup, dict[int, PeerAddress]]:
+    auth_key: bytes | None = None,
+) -> tuple[StoreGroup, dict[int, PeerAddress], bytes]:
     """Rendezvous, publish this worker and gather every peer's address (blocking).
 
     Args:
@@ -147,9 +159,10 @@ def join_group(
         port: the port this worker listens on.
         timeout: bound on the whole rendezvous, in seconds.
         device_maps: this worker's device maps, published for its callees.
+        auth_key: the configured group key; None to share a random one through the store.
 
     Returns:
-        The store group and every worker's address by rank.
+        The store group, every worker's address by rank, and the group key.
 
     Raises:
         InitError: bad arguments, duplicate name or rank, unreachable store, or timeout.
@@ -166,9 +179,11 @@ def join_group(
         raise InitError(f"rank {rank} is outside a world of size {world_size}")
     group = StoreGroup(store, rank, world_size)
     try:
-        group.publish(PeerAddress(name, rank, host, port, device_maps))
+        address = PeerAddress(name, rank, host, port, device_maps)
+        group.publish(address, share_key=auth_key is None and rank == 0)
         peers = group.gather(timeout)
+        key = auth_key if auth_key is not None else group.shared_key()
     except (RuntimeError, OSError) as exc:  # torch's DistNetworkError: the store host died
         raise InitError(f"the rendezvous store became unreachable: {exc}") from exc
     _log.debug("worker %r (rank %d) joined a group of %d", name, rank, world_size)
-    return group, peers
+    return group, peers, key

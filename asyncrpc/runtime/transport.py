@@ -84,15 +84,24 @@ class Connection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.bytes_in += nbytes
-        try:
-            frames = self._decoder.buffer_updated(nbytes)
-        except ProtocolError as exc:
-            self._handler.on_protocol_error(self, exc)
-            self.abort(exc)
-            return
-        handler = self._handler
-        for frame in frames:
-            handler.on_frame(self, frame)
+        decoder, handler = self._decoder, self._handler
+        while True:  # once, unless handshaking: then one frame per pass (bounded by bytes)
+            handshaking = decoder.handshaking
+            try:
+                frames = decoder.buffer_updated(nbytes)
+            except ProtocolError as exc:
+                handler.on_protocol_error(self, exc)
+                self.abort(exc)
+                return
+            for frame in frames:
+                handler.on_frame(self, frame)
+            if not handshaking or not frames or self.closed:
+                return
+            nbytes = 0  # parse what is already received, under the limits now in force
+
+    def open(self, max_frame_size: int) -> None:
+        """The peer is authenticated: lift the handshake's limits on this connection."""
+        self._decoder.open(max_frame_size)
 
     def eof_received(self) -> bool:
         return False  # close our side too

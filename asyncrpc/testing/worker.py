@@ -23,6 +23,7 @@ def _options(args: argparse.Namespace) -> asyncrpc.RpcBackendOptions:
         rpc_timeout=args.rpc_timeout,
         shutdown_timeout=args.shutdown_timeout,
         num_worker_threads=args.threads,
+        handshake_timeout=args.handshake_timeout,
     )
 
 
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rpc-timeout", type=float, default=60.0)
     parser.add_argument("--shutdown-timeout", type=float, default=600.0)
     parser.add_argument("--threads", type=int, default=16)
+    parser.add_argument("--handshake-timeout", type=float, default=5.0)
     parser.add_argument(
         "--import",
         dest="imports",

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import asyncrpc
+from asyncrpc.protocol import auth
 from asyncrpc.protocol.serde import Serializer
 from asyncrpc.protocol.wire import MAGIC, PROTOCOL_VERSION, Frame, FrameDecoder, encode_frame
 from asyncrpc.protocol.wire.messages import (
@@ -266,12 +267,17 @@ def test_PeerTable_dialer_accepts_a_request_right_behind_the_hello_reply() -> No
             with sock:
                 peer = _FakePeer(sock)
                 hello = peer.next_frame(10.0)
-                if hello is None or not isinstance(decode_message(hello.fields), Hello):
+                message = None if hello is None else decode_message(hello.fields)
+                if not isinstance(message, Hello):
                     raise RuntimeError(f"expected a Hello first:\n{member.text()}")
+                # We hold the group key (read from the trusted store), so we may answer.
+                key, nonce = group.shared_key(), auth.new_nonce()
+                dialer, me = (message.name, message.rank), ("fake", 1)
+                mine = auth.proof(key, auth.ACCEPTOR, message.nonce, nonce, dialer, me)
+                reply = HelloReply(PROTOCOL_VERSION, "fake", 1, True, "", nonce, mine)
                 request = Request(77, 0.0, CallMode.CALL, "tests.integration.remote_fns.add")
                 sock.sendall(  # both frames in one write: they arrive back to back
-                    peer.frame(HelloReply(PROTOCOL_VERSION, "fake", 1, True, ""))
-                    + peer.frame(request, (fns.add, (2, 3), {}))
+                    peer.frame(reply) + peer.frame(request, (fns.add, (2, 3), {}))
                 )
                 value = peer.answer_until_reply(77, 10.0)
             del store

@@ -377,7 +377,7 @@ GOOD_HEADER = msgpack.packb([1, []])
 
 MALFORMED: dict[str, bytes] = {
     "bad_magic": raw_frame(GOOD_HEADER, magic=b"HTTP"),
-    "bad_version": raw_frame(GOOD_HEADER, version=2),
+    "bad_version": raw_frame(GOOD_HEADER, version=PROTOCOL_VERSION + 1),
     "flags_set": raw_frame(GOOD_HEADER, flags=1),
     "header_not_msgpack": raw_frame(b"\xc1"),
     "header_truncated_msgpack": raw_frame(b"\x93\x01"),
@@ -415,7 +415,8 @@ def test_FrameDecoder_rejects_malformed_frame(case: str, chunk: int | None) -> N
 def test_FrameDecoder_error_names_bad_magic_and_versions() -> None:
     with pytest.raises(RemoteProtocolError, match="HTTP"):
         small_decoder().feed(MALFORMED["bad_magic"])
-    with pytest.raises(RemoteProtocolError, match=r"version 2\b.*\b1\b"):
+    theirs, ours = PROTOCOL_VERSION + 1, PROTOCOL_VERSION
+    with pytest.raises(RemoteProtocolError, match=rf"version {theirs}\b.*\b{ours}\b"):
         small_decoder().feed(MALFORMED["bad_version"])
 
 
@@ -433,7 +434,7 @@ def test_FrameDecoder_reports_oversize_before_allocating() -> None:
 def test_FrameDecoder_refuses_huge_announced_sizes_without_allocating() -> None:
     alloc = RecordingAllocator()
     decoder = small_decoder(allocate=alloc)
-    prelude = struct.pack("!4sBBHIIQ", MAGIC, 1, 0, 0, 10, 0xFFFFFFFF, (1 << 64) - 1)
+    prelude = struct.pack("!4sBBHIIQ", MAGIC, PROTOCOL_VERSION, 0, 0, 10, 0xFFFFFFFF, (1 << 64) - 1)
     with pytest.raises(FrameTooLargeError):
         decoder.feed(prelude)
     assert alloc.calls == []
@@ -538,3 +539,20 @@ def test_FrameDecoder_property_round_trip(
     for frame, (fields, payload, segments) in zip(frames, frames_in, strict=True):
         assert_frame(frame, fields, payload, segments)
     assert decoder.at_frame_boundary()
+
+
+def test_FrameDecoder_handshaking_returns_one_frame_until_opened() -> None:
+    data = wire_bytes([1], b"") + wire_bytes([2], b"") + wire_bytes([3], b"x" * 5000)
+    decoder = FrameDecoder(max_frame_size=4096, max_header_size=4096, handshaking=True)
+    first = decoder.feed(data[: len(data) - 5000 - 1])  # the big frame is not complete yet
+    assert [f.fields for f in first] == [[1]]
+    assert [f.fields for f in decoder.buffer_updated(0)] == [[2]]
+    decoder.open(max_frame_size=1 << 20)
+    rest = decoder.feed(data[len(data) - 5000 - 1 :])
+    assert [(f.fields, bytes(f.payload)) for f in rest] == [([3], b"x" * 5000)]
+
+
+def test_FrameDecoder_handshaking_limits_refuse_a_big_frame() -> None:
+    decoder = FrameDecoder(max_frame_size=4096, max_header_size=4096, handshaking=True)
+    with pytest.raises(FrameTooLargeError):
+        decoder.feed(wire_bytes([1], b"x" * 10_000))

@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 MAGIC: Final = b"ARPC"
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2  # 2: the authenticated handshake
 # magic, version, flags, reserved, header_len, payload_len, buffers_len (network byte order).
 _PRELUDE: Final = struct.Struct("!4sBBHIIQ")
 PRELUDE_SIZE: Final = _PRELUDE.size  # 24
@@ -268,6 +268,7 @@ class FrameDecoder:
         "_tags",
         "_threshold",
         "_view",
+        "handshaking",
     )
 
     def __init__(
@@ -278,6 +279,7 @@ class FrameDecoder:
         staging_size: int = 256 * 1024,
         direct_threshold: int = 64 * 1024,
         max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
+        handshaking: bool = False,
     ) -> None:
         """Create a decoder.
 
@@ -289,6 +291,9 @@ class FrameDecoder:
                 straight into their destination; payloads below it are copied out of
                 staging. Between 1 and ``staging_size``.
             max_header_size: Largest msgpack header accepted, in bytes.
+            handshaking: Return at most one frame per call, so that the limits can be
+                raised (``open``) between the frame that authenticates the peer and the
+                frames behind it in the same read. Pass small limits with it.
 
         Raises:
             ValueError: The sizes are inconsistent.
@@ -300,6 +305,7 @@ class FrameDecoder:
             )
         self._max_frame_size = max_frame_size
         self._max_header_size = max_header_size
+        self.handshaking = handshaking
         self._allocate = allocate
         self._threshold = direct_threshold
         self._size = staging_size
@@ -323,6 +329,15 @@ class FrameDecoder:
         self._sizes: list[int] = []
         self._tags: list[str] = []
         self._seg_index = 0
+
+    def open(self, max_frame_size: int, max_header_size: int = DEFAULT_MAX_HEADER_SIZE) -> None:
+        """The peer is authenticated: take frames up to these limits, all at once.
+
+        Bytes already received are parsed on the next ``buffer_updated`` (``0`` will do).
+        """
+        self._max_frame_size = max_frame_size
+        self._max_header_size = max_header_size
+        self.handshaking = False
 
     @property
     def buffered(self) -> int:
@@ -468,6 +483,8 @@ class FrameDecoder:
                     frames.append(_new_frame(self._fields, self._payload, self._owners, self._tags))
                     self._state = _PRELUDE_STATE
                     self._consumed = 0
+                    if self.handshaking:
+                        return frames
                 continue
             start = self._start
             end = self._end
@@ -501,6 +518,8 @@ class FrameDecoder:
             _SET_SEGMENTS(frame, [self._allocate_segment(0, t)[0] for t in tags] if sizes else [])
             _SET_TAGS(frame, tags)
             frames.append(frame)
+            if self.handshaking:
+                return frames
 
     def _reject_prelude(self, start: int) -> NoReturn:
         """Raise the error that the prelude at ``start`` deserves (it failed a check)."""

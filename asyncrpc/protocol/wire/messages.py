@@ -16,6 +16,7 @@ from typing import Any
 from asyncrpc.errors import RemoteProtocolError
 
 __all__ = [
+    "Auth",
     "CallMode",
     "Cancel",
     "ErrorReply",
@@ -44,6 +45,7 @@ class Kind(IntEnum):
     CANCEL = 6
     REF = 7
     GOODBYE = 8
+    AUTH = 9
 
 
 class CallMode(IntEnum):
@@ -64,32 +66,54 @@ class RefOp(IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class Hello:
-    """Opens a connection: who is calling and which protocol they speak.
-
-    ``token`` leaves room for authentication; it is carried but not checked yet.
-    """
+    """Opens a connection: who is calling, which protocol they speak, and the dialer's
+    fresh nonce for the authentication challenge (see ``asyncrpc/protocol/auth.py``)."""
 
     version: int
     name: str
     rank: int
-    token: str | None = None
+    nonce: bytes = b""
 
     def to_fields(self) -> list[Any]:
-        return [Kind.HELLO, self.version, self.name, self.rank, self.token]
+        return [Kind.HELLO, self.version, self.name, self.rank, self.nonce]
 
 
 @dataclass(frozen=True, slots=True)
 class HelloReply:
-    """Answers a Hello. ``accepted`` is False when the other side keeps its own connection."""
+    """Answers a Hello. ``accepted`` is False when the other side keeps its own connection.
+
+    An accepting reply carries the acceptor's nonce and its proof of the key.
+    """
 
     version: int
     name: str
     rank: int
     accepted: bool
     reason: str = ""
+    nonce: bytes = b""
+    proof: bytes = b""
 
     def to_fields(self) -> list[Any]:
-        return [Kind.HELLO_REPLY, self.version, self.name, self.rank, self.accepted, self.reason]
+        return [
+            Kind.HELLO_REPLY,
+            self.version,
+            self.name,
+            self.rank,
+            self.accepted,
+            self.reason,
+            self.nonce,
+            self.proof,
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class Auth:
+    """The dialer's proof of the key, answering an accepting HelloReply."""
+
+    proof: bytes
+
+    def to_fields(self) -> list[Any]:
+        return [Kind.AUTH, self.proof]
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +208,7 @@ class Goodbye:
         return [Kind.GOODBYE, self.reason]
 
 
-Message = Hello | HelloReply | Request | Reply | ErrorReply | Cancel | RefMessage | Goodbye
+Message = Hello | HelloReply | Auth | Request | Reply | ErrorReply | Cancel | RefMessage | Goodbye
 
 
 def decode_message(fields: list[Any]) -> Message:
@@ -233,15 +257,20 @@ def _optional_pair(value: Any) -> tuple[int, int] | None:
     return None if value is None else _pair(value)
 
 
+def _bytes(value: Any, limit: int = 64) -> bytes:
+    if type(value) is not bytes or len(value) > limit:
+        raise TypeError(f"expected at most {limit} bytes, got {value!r:.80}")
+    return value
+
+
 def _decode_hello(f: list[Any]) -> Hello:
-    token = f[4]
-    if token is not None:
-        token = _str(token)
-    return Hello(_int(f[1]), _str(f[2]), _int(f[3]), token)
+    return Hello(_int(f[1]), _str(f[2]), _int(f[3]), _bytes(f[4]))
 
 
 def _decode_hello_reply(f: list[Any]) -> HelloReply:
-    return HelloReply(_int(f[1]), _str(f[2]), _int(f[3]), bool(f[4]), _str(f[5]))
+    return HelloReply(
+        _int(f[1]), _str(f[2]), _int(f[3]), bool(f[4]), _str(f[5]), _bytes(f[6]), _bytes(f[7])
+    )
 
 
 def _decode_request(f: list[Any]) -> Request:
@@ -296,4 +325,5 @@ _DECODERS: dict[int, Any] = {
     Kind.CANCEL: lambda f: Cancel(_int(f[1])),
     Kind.REF: _decode_ref,
     Kind.GOODBYE: lambda f: Goodbye(_str(f[1])),
+    Kind.AUTH: lambda f: Auth(_bytes(f[1])),
 }
