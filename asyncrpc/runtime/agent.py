@@ -23,6 +23,7 @@ from typing import Any
 from asyncrpc.errors import (
     AuthenticationError,
     ClosedError,
+    ConnectionLostError,
     InitError,
     RemoteProtocolError,
     RpcTimeoutError,
@@ -40,6 +41,8 @@ from asyncrpc.protocol.wire.messages import (
     Hello,
     HelloReply,
     Kind,
+    Ping,
+    Pong,
     RefMessage,
     Request,
     decode_message,
@@ -47,6 +50,7 @@ from asyncrpc.protocol.wire.messages import (
 )
 from asyncrpc.runtime.dispatch import Dispatcher
 from asyncrpc.runtime.future import Future, set_default_callback_loop
+from asyncrpc.runtime.heartbeat import Heartbeat, Watched
 from asyncrpc.runtime.loopback import LoopbackConnection
 from asyncrpc.runtime.metrics import Counters, LagProbe, RateLimitedLog
 from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT, RpcBackendOptions, WorkerInfo
@@ -102,6 +106,10 @@ class Agent:
             self.counters, self.pipeline,
         )  # fmt: skip
         self.lag = LagProbe(loop)
+        self.heartbeat = Heartbeat(
+            loop, options.heartbeat_interval, options.heartbeat_timeout,
+            lambda: self._connections, self._ping, self._silent,
+        )  # fmt: skip
         self.peers: PeerTable | None = None
         self.group: StoreGroup | None = None
         self.addresses: dict[int, PeerAddress] = {}
@@ -153,6 +161,7 @@ class Agent:
             raise
         set_default_callback_loop(agent.loop, agent.loop_thread_id)
         agent.lag.start()
+        agent.heartbeat.start()
         return agent
 
     async def _join(self, rank: int, world_size: int | None, rrefs: RRefFactory | None) -> None:
@@ -212,6 +221,14 @@ class Agent:
             self._refuse(
                 conn, AuthenticationError(f"no authenticated handshake within {limit:g} s")
             )
+
+    def _ping(self, conn: Watched) -> None:
+        conn.send(encode_frame(Ping().to_fields(), b""))
+
+    def _silent(self, conn: Watched, seconds: float) -> None:
+        assert isinstance(conn, Connection)
+        # Its pending calls fail through on_connection_lost, as for a closed socket.
+        conn.abort(ConnectionLostError(f"no sign of life for {seconds:.1f} s"))
 
     def _refuse(self, conn: Connection, error: AuthenticationError) -> None:
         """A connection failed to authenticate: count it, log it (rate-limited), close it."""
@@ -511,6 +528,10 @@ class Agent:
             self.dispatcher.on_cancel(conn.peer, fields[1])
         elif isinstance(message, RefMessage) and self.rrefs is not None:
             self.rrefs.on_message(conn.peer, message)
+        elif kind == Kind.PING:
+            self.write(conn, encode_frame(Pong().to_fields(), b""))
+        elif kind == Kind.PONG:
+            pass  # its bytes were the sign of life the heartbeat looks for
         elif isinstance(message, Goodbye):
             conn.goodbye = True
         else:
@@ -626,6 +647,7 @@ class Agent:
     async def _close_transports(self, graceful: bool) -> None:
         self.closed = True
         self.lag.stop()
+        self.heartbeat.stop()
         if self._server is not None:
             self._server.close()
         goodbye = encode_frame(Goodbye("shutdown").to_fields(), b"")

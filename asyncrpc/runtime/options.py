@@ -66,6 +66,10 @@ class RpcBackendOptions:
             random key and the others read it from the rendezvous store (which must then
             be trusted: set a key for any run that spans hosts).
         handshake_timeout: seconds an accepted connection has to authenticate.
+        heartbeat_interval: seconds of silence after which an idle connection is pinged
+            (0 turns heartbeats off).
+        heartbeat_timeout: seconds of silence after which a peer is declared lost: its
+            pending calls fail with ``PeerLostError``, even those with no timeout.
     """
 
     init_method: str = DEFAULT_INIT_METHOD
@@ -79,6 +83,8 @@ class RpcBackendOptions:
     rref_leaks: str = "warn"
     auth_key: bytes | str | None = field(default=None, repr=False)
     handshake_timeout: float = 5.0
+    heartbeat_interval: float = 2.0
+    heartbeat_timeout: float = 10.0
     _extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -90,6 +96,13 @@ class RpcBackendOptions:
             )
         if not self.handshake_timeout > 0:
             raise InitError(f"handshake_timeout must be > 0 seconds, got {self.handshake_timeout}")
+        if self.heartbeat_interval < 0 or (
+            self.heartbeat_interval > 0 and not self.heartbeat_timeout > self.heartbeat_interval
+        ):
+            raise InitError(
+                "need heartbeat_interval >= 0 and, when it is on, heartbeat_timeout > interval "
+                f"(got {self.heartbeat_interval} and {self.heartbeat_timeout})"
+            )
         if self.num_worker_threads < 1:
             raise InitError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
         if self.device_maps is not None:

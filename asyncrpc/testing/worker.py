@@ -24,6 +24,8 @@ def _options(args: argparse.Namespace) -> asyncrpc.RpcBackendOptions:
         shutdown_timeout=args.shutdown_timeout,
         num_worker_threads=args.threads,
         handshake_timeout=args.handshake_timeout,
+        heartbeat_interval=args.heartbeat_interval,
+        heartbeat_timeout=args.heartbeat_timeout,
     )
 
 
@@ -62,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shutdown-timeout", type=float, default=600.0)
     parser.add_argument("--threads", type=int, default=16)
     parser.add_argument("--handshake-timeout", type=float, default=5.0)
+    parser.add_argument("--heartbeat-interval", type=float, default=2.0)
+    parser.add_argument("--heartbeat-timeout", type=float, default=10.0)
     parser.add_argument(
         "--import",
         dest="imports",

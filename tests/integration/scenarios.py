@@ -114,6 +114,43 @@ def kill_peer(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- scenario: a peer hangs (SIGSTOP) with calls pending ----------------------------------
+
+
+def hang_peer(args: argparse.Namespace) -> int:
+    """Rank 0 of {driver, w1, w2}, heartbeats every 0.2 s, silence limit 1 s.
+
+    Protocol: prints ``STARTED`` once a call with no timeout runs on w1, reads one line (the
+    test writes ``STOPPED`` right after SIGSTOP), then observes that call, a later call,
+    w2 (under load meanwhile: no false positive), and a graceful shutdown.
+    """
+    from tests.integration import remote_fns as fns
+
+    options = _options(args)
+    options.heartbeat_interval, options.heartbeat_timeout = 0.2, 1.0
+    asyncrpc.init_rpc("driver", rank=0, world_size=3, rpc_backend_options=options)
+    obs: Observations = {}
+    stuck = asyncrpc.rpc_async("w1", fns.sleep, args=(60.0,), timeout=0)
+    obs["running_on_w1"] = _poll(
+        lambda: asyncrpc.rpc_sync("w1", fns.metrics)["running_requests"] >= 1, 5.0
+    )
+    print("STARTED", flush=True)
+    obs["stdin"] = sys.stdin.readline().strip()
+    stopped_at = time.monotonic()
+    # w2 stays busy with a long call and many short ones: it must not be declared lost.
+    w2_long = asyncrpc.rpc_async("w2", fns.sleep, args=(3.0,), timeout=0)
+    w2_calls = [asyncrpc.rpc_async("w2", fns.add, args=(i, 1)) for i in range(256)]
+    obs["pending"] = _attempt(lambda: stuck.wait(30.0))
+    obs["detected_after"] = time.monotonic() - stopped_at
+    obs["later_w1"] = _attempt(lambda: asyncrpc.rpc_sync("w1", fns.add, args=(1, 2)))
+    obs["w2_long"] = _attempt(lambda: w2_long.wait(10.0))
+    obs["w2_calls_ok"] = asyncrpc.wait_all(w2_calls) == [i + 1 for i in range(256)]
+    obs["debug_lost_peers"] = asyncrpc.get_debug_info()["lost_peers"]
+    obs["shutdown"] = _attempt(lambda: asyncrpc.shutdown(timeout=5.0))
+    _report(obs)
+    return 0
+
+
 # -- scenario: one member of a group (rendezvous variants, duplicates) ---------------------
 
 
@@ -282,6 +319,7 @@ def not_initialized(args: argparse.Namespace) -> int:
 
 SCENARIOS: dict[str, Callable[[argparse.Namespace], int]] = {
     "kill_peer": kill_peer,
+    "hang_peer": hang_peer,
     "member": member,
     "asyncio_style": asyncio_style,
     "not_initialized": not_initialized,

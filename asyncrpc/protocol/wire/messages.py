@@ -25,6 +25,8 @@ __all__ = [
     "HelloReply",
     "Kind",
     "Message",
+    "Ping",
+    "Pong",
     "RefMessage",
     "RefOp",
     "Reply",
@@ -46,6 +48,8 @@ class Kind(IntEnum):
     REF = 7
     GOODBYE = 8
     AUTH = 9
+    PING = 10
+    PONG = 11
 
 
 class CallMode(IntEnum):
@@ -208,7 +212,35 @@ class Goodbye:
         return [Kind.GOODBYE, self.reason]
 
 
-Message = Hello | HelloReply | Auth | Request | Reply | ErrorReply | Cancel | RefMessage | Goodbye
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """Are you alive? (sent on an idle connection; answered with a Pong at once)."""
+
+    def to_fields(self) -> list[Any]:
+        return [Kind.PING]
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    """Alive."""
+
+    def to_fields(self) -> list[Any]:
+        return [Kind.PONG]
+
+
+Message = (
+    Hello
+    | HelloReply
+    | Auth
+    | Request
+    | Reply
+    | ErrorReply
+    | Cancel
+    | RefMessage
+    | Goodbye
+    | Ping
+    | Pong
+)
 
 
 def decode_message(fields: list[Any]) -> Message:
@@ -326,4 +358,6 @@ _DECODERS: dict[int, Any] = {
     Kind.REF: _decode_ref,
     Kind.GOODBYE: lambda f: Goodbye(_str(f[1])),
     Kind.AUTH: lambda f: Auth(_bytes(f[1])),
+    Kind.PING: lambda f: Ping(),
+    Kind.PONG: lambda f: Pong(),
 }
