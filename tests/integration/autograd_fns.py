@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 from typing import Any
 
 import torch
@@ -16,9 +17,15 @@ from asyncrpc.functions import async_execution
 from asyncrpc.rref.handle import RRef
 
 
+# Pool threads may build layers concurrently: seeding torch's one global generator and
+# drawing the initial weights must be one step, or two layers could share draws.
+_SEEDED = threading.Lock()
+
+
 def make_linear(seed: int, n_in: int, n_out: int) -> nn.Linear:
-    torch.manual_seed(seed)
-    return nn.Linear(n_in, n_out)
+    with _SEEDED:
+        torch.manual_seed(seed)
+        return nn.Linear(n_in, n_out)
 
 
 def forward(module: RRef[nn.Module], x: torch.Tensor) -> torch.Tensor:
