@@ -16,7 +16,6 @@ from asyncrpc import autograd as dist_autograd
 from asyncrpc.functions import async_execution
 from asyncrpc.rref.handle import RRef
 
-
 # Pool threads may build layers concurrently: seeding torch's one global generator and
 # drawing the initial weights must be one step, or two layers could share draws.
 _SEEDED = threading.Lock()
