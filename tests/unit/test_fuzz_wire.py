@@ -1,0 +1,229 @@
+"""Fuzzing the bytes a stranger controls: the frame decoder and the handshake messages.
+
+Hypothesis builds valid frames, mutates them (flipped bytes, truncation, insertion,
+duplication) and feeds them in random chunk sizes, to a decoder in handshake mode under the
+pre-auth limits and to one with the normal limits. The only error allowed out is
+``RemoteProtocolError`` (the connection is then closed); a valid stream decodes to exactly
+what was sent. Every message decoded from fuzzed bytes before authentication is checked to
+be a handshake message, and ``decode_message`` on arbitrary arrays raises nothing else.
+``FUZZ_EXAMPLES`` sets the number of cases (CI keeps the default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from asyncrpc.errors import RemoteProtocolError
+from asyncrpc.protocol import auth
+from asyncrpc.protocol.wire import PROTOCOL_VERSION, FrameDecoder, encode_frame
+from asyncrpc.protocol.wire.messages import Auth, Hello, HelloReply, Message, decode_message
+from asyncrpc.runtime.agent import HANDSHAKE_MAX_FRAME, Agent
+from asyncrpc.runtime.options import RpcBackendOptions
+
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "300"))
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,
+    ],
+)
+
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=False),
+    st.text(max_size=20), st.binary(max_size=40),
+)  # fmt: skip
+fields_strategy = st.lists(
+    st.recursive(scalars, lambda inner: st.lists(inner, max_size=4), max_leaves=8), max_size=8
+)
+segments_strategy = st.lists(
+    st.tuples(st.binary(max_size=300), st.sampled_from(["cpu", "cuda:0"])), max_size=3
+)
+handshake_messages = st.one_of(
+    st.builds(Hello, st.just(PROTOCOL_VERSION), st.text(max_size=30), st.integers(0, 64),
+              st.binary(min_size=32, max_size=32)),
+    st.builds(HelloReply, st.just(PROTOCOL_VERSION), st.text(max_size=30), st.integers(0, 64),
+              st.booleans(), st.text(max_size=30), st.binary(max_size=32),
+              st.binary(max_size=32)),
+    st.builds(Auth, st.binary(min_size=32, max_size=32)),
+)  # fmt: skip
+
+
+def frame_bytes(fields: list[Any], payload: bytes, segments: list[tuple[bytes, str]]) -> bytes:
+    views = [(memoryview(data), tag) for data, tag in segments]
+    return b"".join(bytes(piece) for piece in encode_frame(fields, payload, views))
+
+
+@st.composite
+def mutated(draw: st.DrawFn, frames: st.SearchStrategy[bytes]) -> bytes:
+    data = bytearray(b"".join(draw(st.lists(frames, min_size=1, max_size=3))))
+    for _ in range(draw(st.integers(0, 4))):  # bounded: a few mutations per case
+        kind = draw(st.sampled_from(["flip", "truncate", "insert", "duplicate"]))
+        at = draw(st.integers(0, max(len(data) - 1, 0)))
+        if kind == "flip" and data:
+            data[at] ^= draw(st.integers(1, 255))
+        elif kind == "truncate":
+            del data[at:]
+        elif kind == "insert":
+            data[at:at] = draw(st.binary(min_size=1, max_size=16))
+        else:
+            data += data[at : at + draw(st.integers(1, 64))]
+    return bytes(data)
+
+
+any_frame = st.builds(frame_bytes, fields_strategy, st.binary(max_size=500), segments_strategy)
+handshake_frame = handshake_messages.map(lambda m: frame_bytes(m.to_fields(), b"", []))
+
+
+def feed_in_chunks(decoder: FrameDecoder, data: bytes, sizes: list[int]) -> list[Any]:
+    """Feed ``data``; return the frames, or stop at the first protocol error."""
+    frames: list[Any] = []
+    pos, i = 0, 0
+    try:
+        while pos < len(data):  # bounded by len(data): every step consumes >= 1 byte
+            size = sizes[i % len(sizes)]
+            frames += decoder.feed(data[pos : pos + size])
+            frames += _drain(decoder)
+            pos, i = pos + size, i + 1
+    except RemoteProtocolError:
+        pass
+    return frames
+
+
+def _drain(decoder: FrameDecoder) -> list[Any]:
+    frames: list[Any] = []
+    while decoder.handshaking:  # one frame per pass: collect what is already received
+        more = decoder.buffer_updated(0)
+        if not more:
+            break
+        frames += more
+    return frames
+
+
+@FUZZ
+@given(mutated(any_frame), st.lists(st.integers(1, 97), min_size=1, max_size=5))
+def test_fuzz_FrameDecoder_raises_only_protocol_errors(data: bytes, sizes: list[int]) -> None:
+    feed_in_chunks(FrameDecoder(), data, sizes)
+    pre_auth = FrameDecoder(
+        max_frame_size=HANDSHAKE_MAX_FRAME, max_header_size=HANDSHAKE_MAX_FRAME, handshaking=True
+    )
+    for frame in feed_in_chunks(pre_auth, data, sizes):
+        assert len(frame.payload) + sum(len(s) for s in frame.segments) <= HANDSHAKE_MAX_FRAME
+
+
+@FUZZ
+@given(
+    st.lists(st.tuples(fields_strategy, st.binary(max_size=500), segments_strategy), max_size=4),
+    st.lists(st.integers(1, 97), min_size=1, max_size=5),
+)
+def test_fuzz_FrameDecoder_valid_stream_decodes_to_what_was_sent(
+    sent: list[tuple[list[Any], bytes, list[tuple[bytes, str]]]], sizes: list[int]
+) -> None:
+    data = b"".join(frame_bytes(*frame) for frame in sent)
+    frames = feed_in_chunks(FrameDecoder(), data, sizes)
+    got = [(f.fields, bytes(f.payload), [bytes(s) for s in f.segments]) for f in frames]
+    expected = [
+        (msgpack.unpackb(msgpack.packb(fields)), payload, [d for d, _ in segments])
+        for fields, payload, segments in sent
+    ]
+    assert got == expected
+
+
+class _UnauthenticatedConnection:
+    """A connection whose peer has not authenticated: records what the agent does to it."""
+
+    def __init__(self) -> None:
+        self.peer: int | None = None
+        self.peer_name: str | None = None
+        self.closed = False
+        self.goodbye = False
+        self.aborted: list[BaseException] = []
+
+    def abort(self, reason: BaseException) -> None:
+        self.aborted.append(reason)
+        self.closed = True
+
+    def send(self, pieces: Any, keepalive: object = None) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _NoUnpickling:
+    """Stands in for the agent's serializer: any unpickling fails the test."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def loads(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a payload was unpickled before authentication")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+@pytest.fixture(scope="module")
+def agent() -> Iterator[Agent]:
+    loop = asyncio.new_event_loop()
+    agent = Agent("fuzzed", RpcBackendOptions(), loop)
+
+    spy: Any = _NoUnpickling(agent.serializer)
+    agent.serializer = spy  # both places that unpickle: replies and requests
+    agent.dispatcher._serializer = spy
+    yield agent
+    agent.pool.shutdown()
+    loop.close()
+
+
+@FUZZ
+@given(mutated(st.one_of(handshake_frame, any_frame)), st.lists(st.integers(1, 97), min_size=1))
+def test_fuzz_Agent_unauthenticated_frames_never_reach_unpickling(
+    agent: Agent, data: bytes, sizes: list[int]
+) -> None:
+    decoder = FrameDecoder(
+        max_frame_size=HANDSHAKE_MAX_FRAME, max_header_size=HANDSHAKE_MAX_FRAME, handshaking=True
+    )
+    for frame in feed_in_chunks(decoder, data, sizes):
+        conn = _UnauthenticatedConnection()
+        agent.on_frame(conn, frame)  # type: ignore[arg-type]
+        assert conn.peer is None  # nothing here can adopt it: the agent has no peers yet
+        if isinstance(_decoded(frame.fields), Hello):
+            assert conn.aborted == []  # kept for the handshake (the agent is still joining)
+        else:
+            assert conn.aborted, frame.fields  # anything else closes the connection
+    agent._early_hellos.clear()
+
+
+def _decoded(fields: list[Any]) -> Message | None:
+    try:
+        return decode_message(fields)
+    except RemoteProtocolError:
+        return None
+
+
+@FUZZ
+@given(st.lists(st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)), max_size=9))
+def test_fuzz_decode_message_raises_only_protocol_errors(fields: list[Any]) -> None:
+    with contextlib.suppress(RemoteProtocolError):
+        decode_message(fields)
+
+
+def test_fuzz_auth_proof_of_a_mutated_handshake_never_verifies() -> None:
+    key, d, a = b"k" * 32, auth.new_nonce(), auth.new_nonce()
+    good = auth.proof(key, auth.DIALER, d, a, ("w1", 1), ("w2", 2))
+    for i in range(len(good)):  # every single-byte change of the proof is refused
+        bad = bytearray(good)
+        bad[i] ^= 0x01
+        assert not auth.verify(good, bytes(bad))
