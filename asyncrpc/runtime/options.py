@@ -56,7 +56,11 @@ class RpcBackendOptions:
         num_worker_threads: size of the thread pool that runs synchronous functions.
         device_maps: per callee name, a map of this worker's CUDA devices to the callee's.
         devices: the CUDA devices this worker may send from or receive to.
-        listen_host: the address the worker listens on (loopback by default).
+        listen_host: the address the worker listens on (loopback by default; "0.0.0.0"
+            for every interface).
+        advertise_host: the address other workers dial to reach this one, when it is not
+            ``listen_host`` (listening on every interface, containers, NAT).
+        advertise_port: the port they dial, when a proxy or NAT maps the listening port.
         max_frame_size: the largest frame accepted from a peer, checked before allocating.
         shutdown_timeout: bound on a graceful shutdown when ``shutdown`` is given none.
         rref_leaks: what a graceful shutdown does with owner RRefs still referenced
@@ -78,6 +82,8 @@ class RpcBackendOptions:
     device_maps: dict[str, dict[str, str]] | None = None
     devices: list[str] | None = None
     listen_host: str = "127.0.0.1"
+    advertise_host: str | None = None
+    advertise_port: int | None = None
     max_frame_size: int = 1 << 34
     shutdown_timeout: float = 60.0
     rref_leaks: str = "warn"

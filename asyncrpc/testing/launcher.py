@@ -65,11 +65,13 @@ def spawn_worker(
     shutdown_timeout: float = 600.0,
     extra_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
+    prefix: Sequence[str] = (),
 ) -> WorkerProcess:
     """Start ``python -m asyncrpc.testing.worker`` as rank ``rank`` of a group.
 
     The worker joins, serves until every worker calls shutdown, then exits 0 (or 3 when
-    the shutdown failed).
+    the shutdown failed). ``prefix`` goes before the command, for a launcher that execs it
+    in place (``ip netns exec NS``: the PID stays the worker's).
     """
     log_path = log_dir / f"{name}.log"
     full_env = dict(os.environ)
@@ -77,7 +79,7 @@ def spawn_worker(
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, full_env.get("PYTHONPATH", "")) if p)
     full_env.update(env or {})
     cmd = [
-        sys.executable, "-m", "asyncrpc.testing.worker",
+        *prefix, sys.executable, "-m", "asyncrpc.testing.worker",
         "--name", name, "--rank", str(rank), "--world-size", str(world_size),
         "--init-method", init_method, "--mode", mode,
         "--rpc-timeout", str(rpc_timeout), "--shutdown-timeout", str(shutdown_timeout),

@@ -26,6 +26,8 @@ def _options(args: argparse.Namespace) -> asyncrpc.RpcBackendOptions:
         handshake_timeout=args.handshake_timeout,
         heartbeat_interval=args.heartbeat_interval,
         heartbeat_timeout=args.heartbeat_timeout,
+        listen_host=args.listen_host,
+        advertise_host=args.advertise_host,
     )
 
 
@@ -66,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--handshake-timeout", type=float, default=5.0)
     parser.add_argument("--heartbeat-interval", type=float, default=2.0)
     parser.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    parser.add_argument("--listen-host", default="127.0.0.1")
+    parser.add_argument("--advertise-host", default=None)
     parser.add_argument(
         "--import",
         dest="imports",

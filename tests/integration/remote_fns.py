@@ -443,3 +443,8 @@ async def profile_await_call_here(to: str) -> list[str]:
     with torch.profiler.profile() as prof:
         await asyncrpc.call(to, torch_ops, torch.ones(4, 4))
     return [e.key for e in prof.key_averages()]
+
+
+def rref_sum(rref: asyncrpc.RRef[torch.Tensor]) -> float:
+    """Fetch an RRef owned by another worker and sum it (a call between two callees)."""
+    return float(rref.to_here().sum().item())

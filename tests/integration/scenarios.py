@@ -151,6 +151,36 @@ def hang_peer(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- scenario: three hosts (network namespaces) ---------------------------------------------
+
+
+def multi_host(args: argparse.Namespace) -> int:
+    """Rank 0 ("h0") of {h0, h1, h2}, each on a host of its own: calls, RRefs held across
+    hosts, a call between the two other hosts, and a graceful shutdown."""
+    import torch
+
+    from tests.integration import remote_fns as fns
+
+    options = _options(args)
+    options.listen_host = args.listen_host
+    asyncrpc.init_rpc("h0", rank=0, world_size=3, rpc_backend_options=options)
+    obs: Observations = {}
+    obs["h1_add"] = _attempt(lambda: asyncrpc.rpc_sync("h1", fns.add, args=(2, 3)))
+    obs["h2_whoami"] = _attempt(lambda: asyncrpc.rpc_sync("h2", fns.whoami))
+    holder = [asyncrpc.remote("h2", torch.ones, args=(4,))]
+    obs["rref_to_here"] = _attempt(lambda: holder[0].to_here().sum().item())
+    # h1 fetches the RRef owned by h2: a connection between the two other hosts.
+    obs["h1_fetches_from_h2"] = _attempt(
+        lambda: asyncrpc.rpc_sync("h1", fns.rref_sum, args=(holder[0],))
+    )
+    infos = asyncrpc.get_worker_infos()
+    obs["peers"] = {i.name: asyncrpc.rpc_sync(i.name, fns.whoami) for i in infos}
+    holder.clear()  # released before the shutdown, which checks for leaks
+    obs["shutdown"] = _attempt(lambda: asyncrpc.shutdown(timeout=30.0))
+    _report(obs)
+    return 0
+
+
 # -- scenario: one member of a group (rendezvous variants, duplicates) ---------------------
 
 
@@ -320,6 +350,7 @@ def not_initialized(args: argparse.Namespace) -> int:
 SCENARIOS: dict[str, Callable[[argparse.Namespace], int]] = {
     "kill_peer": kill_peer,
     "hang_peer": hang_peer,
+    "multi_host": multi_host,
     "member": member,
     "asyncio_style": asyncio_style,
     "not_initialized": not_initialized,
@@ -341,6 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--call", action="append", default=[])
     parser.add_argument("--call-fn", choices=("pid", "whoami"), default="pid")
     parser.add_argument("--slow-register", type=float, default=0.0)
+    parser.add_argument("--listen-host", default="127.0.0.1")
     args = parser.parse_args(argv)
     args.graceful = bool(args.graceful)
     return SCENARIOS[args.scenario](args)
@@ -414,13 +446,16 @@ class ScenarioProcess:
                     pipe.close()
 
 
-def start(scenario: str, *args: str, env: dict[str, str] | None = None) -> ScenarioProcess:
+def start(
+    scenario: str, *args: str, env: dict[str, str] | None = None, prefix: Sequence[str] = ()
+) -> ScenarioProcess:
     """Start ``python -m tests.integration.scenarios scenario *args`` from the repository root.
 
     Args:
         scenario: one of ``SCENARIOS``.
         *args: its command-line options.
         env: extra environment variables.
+        prefix: a launcher that execs the command in place (``ip netns exec NS``).
 
     Returns:
         The running process; the caller stops it with ``kill`` in a ``finally``.
@@ -432,7 +467,7 @@ def start(scenario: str, *args: str, env: dict[str, str] | None = None) -> Scena
     full_env["PYTHONUNBUFFERED"] = "1"
     full_env.update(env or {})
     process = subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.scenarios", scenario, *args],
+        [*prefix, sys.executable, "-m", "tests.integration.scenarios", scenario, *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
