@@ -61,6 +61,7 @@ from asyncrpc.runtime.rendezvous import PeerAddress, StoreGroup, join_group
 from asyncrpc.runtime.services import RRefFactory, RRefService
 from asyncrpc.runtime.shutdown import GracefulShutdown
 from asyncrpc.runtime.threadpool import WorkerPool
+from asyncrpc.runtime.tls import TlsContexts, tls_contexts
 from asyncrpc.runtime.transport import Connection, start_server
 
 __all__ = ["HANDSHAKE_MAX_FRAME", "Agent", "EncodedRequest"]
@@ -121,6 +122,7 @@ class Agent:
         self._server: asyncio.Server | None = None
         self.closed = False
         self._loopback: LoopbackConnection | None = None
+        self.tls: TlsContexts | None = None
         # Created once the rank is known (after the rendezvous).
         self.rrefs: RRefService | None = None
 
@@ -166,7 +168,11 @@ class Agent:
 
     async def _join(self, rank: int, world_size: int | None, rrefs: RRefFactory | None) -> None:
         options = self.options
-        self._server, port = await start_server(options.listen_host, self._accept)
+        if options.tls_cert is not None and options.tls_key is not None and options.tls_ca:
+            self.tls = tls_contexts(options.tls_cert, options.tls_key, options.tls_ca)
+        self._server, port = await start_server(
+            options.listen_host, self._accept, ssl_context=self.tls.server if self.tls else None
+        )
         init_timeout = options.rpc_timeout if options.rpc_timeout > 0 else 300.0
         try:
             configured_key = auth.key_bytes(options.auth_key)
@@ -192,7 +198,7 @@ class Agent:
         self.dispatcher.rrefs = self.rrefs
         self.peers = PeerTable(
             self.name, self.rank, self.addresses, self._dial, key, options.max_frame_size,
-            self._refuse,
+            self._refuse, ssl_context=self.tls.client if self.tls else None,
         )  # fmt: skip
         for conn, hello in self._early_hellos:
             if not conn.closed:

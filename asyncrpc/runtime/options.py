@@ -70,6 +70,9 @@ class RpcBackendOptions:
             random key and the others read it from the rendezvous store (which must then
             be trusted: set a key for any run that spans hosts).
         handshake_timeout: seconds an accepted connection has to authenticate.
+        tls_cert, tls_key, tls_ca: PEM paths of this worker's certificate, its key, and the
+            CA that signs every worker's: all three turn on mutual TLS for every
+            connection (the key handshake still runs inside it).
         heartbeat_interval: seconds of silence after which an idle connection is pinged
             (0 turns heartbeats off).
         heartbeat_timeout: seconds of silence after which a peer is declared lost: its
@@ -89,6 +92,9 @@ class RpcBackendOptions:
     rref_leaks: str = "warn"
     auth_key: bytes | str | None = field(default=None, repr=False)
     handshake_timeout: float = 5.0
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
     heartbeat_interval: float = 2.0
     heartbeat_timeout: float = 10.0
     _extra: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -109,6 +115,9 @@ class RpcBackendOptions:
                 "need heartbeat_interval >= 0 and, when it is on, heartbeat_timeout > interval "
                 f"(got {self.heartbeat_interval} and {self.heartbeat_timeout})"
             )
+        tls = (self.tls_cert, self.tls_key, self.tls_ca)
+        if any(p is not None for p in tls) and not all(p is not None for p in tls):
+            raise InitError("TLS needs all of tls_cert, tls_key and tls_ca")
         if self.num_worker_threads < 1:
             raise InitError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
         if self.device_maps is not None:

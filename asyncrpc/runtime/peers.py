@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Callable
 
 from asyncrpc.errors import (
@@ -64,6 +65,7 @@ class PeerTable:
         max_frame_size: int,
         on_auth_failure: Callable[[Connection, AuthenticationError], None],
         connect_timeout: float = 30.0,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.name = name
         self.rank = rank
@@ -72,6 +74,7 @@ class PeerTable:
         self._max_frame_size = max_frame_size
         self._on_auth_failure = on_auth_failure
         self.connect_timeout = connect_timeout
+        self._ssl = ssl_context  # mutual TLS for the connections this side dials
         self.peers = {r: Peer(a) for r, a in addresses.items() if r != rank}
         # Dialled connections awaiting their HelloReply: the rank they should reach and
         # the nonce this side sent.
@@ -110,7 +113,7 @@ class PeerTable:
         address = peer.address
         try:
             conn = await open_connection(
-                address.host, address.port, lambda: self._make_connection(True)
+                address.host, address.port, lambda: self._make_connection(True), self._ssl
             )
             waiter = asyncio.get_running_loop().create_future()
             nonce = auth.new_nonce()

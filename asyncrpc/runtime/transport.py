@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 from collections.abc import Callable, Sequence
 from typing import Protocol, cast
 
@@ -162,21 +163,38 @@ class Connection(asyncio.BufferedProtocol):
 
 
 async def start_server(
-    host: str, factory: Callable[[], Connection], port: int = 0
+    host: str,
+    factory: Callable[[], Connection],
+    port: int = 0,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> tuple[asyncio.Server, int]:
-    """Listen on ``host:port`` (0: a free port); return the server and the bound port."""
+    """Listen on ``host:port`` (0: a free port); return the server and the bound port.
+
+    With ``ssl_context``, every accepted connection is TLS (its handshake runs before the
+    protocol sees a byte).
+    """
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(factory, host, port, reuse_address=True, backlog=1024)
+    server = await loop.create_server(
+        factory, host, port, reuse_address=True, backlog=1024, ssl=ssl_context
+    )
     bound = server.sockets[0].getsockname()[1]
     return server, int(bound)
 
 
-async def open_connection(host: str, port: int, factory: Callable[[], Connection]) -> Connection:
-    """Dial ``host:port`` and return the connected protocol object.
+async def open_connection(
+    host: str,
+    port: int,
+    factory: Callable[[], Connection],
+    ssl_context: ssl.SSLContext | None = None,
+) -> Connection:
+    """Dial ``host:port`` (over TLS with ``ssl_context``); return the connected protocol.
 
     Raises:
-        OSError: the connection could not be made.
+        OSError: the connection could not be made (``ssl.SSLError`` is one).
     """
     loop = asyncio.get_running_loop()
-    _, protocol = await loop.create_connection(factory, host, port)
+    hostname = None if ssl_context is None else host
+    _, protocol = await loop.create_connection(
+        factory, host, port, ssl=ssl_context, server_hostname=hostname
+    )
     return protocol

@@ -28,6 +28,9 @@ def _options(args: argparse.Namespace) -> asyncrpc.RpcBackendOptions:
         heartbeat_timeout=args.heartbeat_timeout,
         listen_host=args.listen_host,
         advertise_host=args.advertise_host,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_ca=args.tls_ca,
     )
 
 
@@ -70,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heartbeat-timeout", type=float, default=10.0)
     parser.add_argument("--listen-host", default="127.0.0.1")
     parser.add_argument("--advertise-host", default=None)
+    parser.add_argument("--tls-cert", default=None)
+    parser.add_argument("--tls-key", default=None)
+    parser.add_argument("--tls-ca", default=None)
     parser.add_argument(
         "--import",
         dest="imports",

@@ -181,6 +181,43 @@ def multi_host(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- scenario: mutual TLS -------------------------------------------------------------------
+
+
+def tls(args: argparse.Namespace) -> int:
+    """Rank 0 ("t0") of {t0, t1}, mutual TLS with the certificates in ``--tls-dir``."""
+    import torch
+
+    from tests.integration import remote_fns as fns
+
+    options = _options(args)
+    tls_dir = Path(args.tls_dir)
+    options.tls_cert, options.tls_key = str(tls_dir / "worker.pem"), str(tls_dir / "worker.key")
+    options.tls_ca = str(tls_dir / "ca.pem")
+    asyncrpc.init_rpc("t0", rank=0, world_size=2, rpc_backend_options=options)
+    big = torch.arange(4 << 20, dtype=torch.float32)  # 16 MiB
+    obs: Observations = {
+        "add": _attempt(lambda: asyncrpc.rpc_sync("t1", fns.add, args=(2, 3))),
+        "echo_ok": _attempt(
+            lambda: bool(torch.equal(asyncrpc.rpc_sync("t1", fns.echo, args=(big,)), big))
+        ),
+        "t1_address": list(_address_of(1)),
+    }
+    print("READY " + json.dumps(obs["t1_address"]), flush=True)
+    obs["stdin"] = sys.stdin.readline().strip()  # the test has poked t1 meanwhile
+    obs["still_serves"] = _attempt(lambda: asyncrpc.rpc_sync("t1", fns.add, args=(1, 1)))
+    obs["shutdown"] = _attempt(lambda: asyncrpc.shutdown(timeout=10.0))
+    _report(obs)
+    return 0
+
+
+def _address_of(rank: int) -> tuple[str, int]:
+    from asyncrpc.runtime.current import current_agent
+
+    address = current_agent().addresses[rank]
+    return address.host, address.port
+
+
 # -- scenario: one member of a group (rendezvous variants, duplicates) ---------------------
 
 
@@ -351,6 +388,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], int]] = {
     "kill_peer": kill_peer,
     "hang_peer": hang_peer,
     "multi_host": multi_host,
+    "tls": tls,
     "member": member,
     "asyncio_style": asyncio_style,
     "not_initialized": not_initialized,
@@ -373,6 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--call-fn", choices=("pid", "whoami"), default="pid")
     parser.add_argument("--slow-register", type=float, default=0.0)
     parser.add_argument("--listen-host", default="127.0.0.1")
+    parser.add_argument("--tls-dir", default="")
     args = parser.parse_args(argv)
     args.graceful = bool(args.graceful)
     return SCENARIOS[args.scenario](args)
@@ -401,8 +440,9 @@ class ScenarioProcess:
     def text(self) -> str:
         return "".join(self.output)
 
-    def wait_line(self, wanted: str, timeout: float) -> None:
-        """Wait for an output line equal to ``wanted``; AssertionError with the output if not."""
+    def wait_line(self, wanted: str, timeout: float) -> str:
+        """Wait for an output line that is ``wanted`` or starts with it and a space; return
+        it. AssertionError with the output if none comes."""
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -411,8 +451,8 @@ class ScenarioProcess:
                 raise AssertionError(f"no {wanted!r} within {timeout} s:\n{self.text()}") from None
             if line is None:
                 raise AssertionError(f"exited before {wanted!r}:\n{self.text()}")
-            if line == wanted:
-                return
+            if line == wanted or line.startswith(wanted + " "):
+                return line
 
     def send(self, line: str) -> None:
         assert self.process.stdin is not None
