@@ -1,10 +1,11 @@
 """``python -m asyncrpc.bench.child``: one process of one system under test.
 
 Part of ``asyncrpc.bench``. Roles: ``server`` (serves calls, or echoes for the floor),
-``client`` and ``trainer`` (run measurements on command). Commands arrive as JSON lines on
-stdin; answers go out as JSON lines on the original stdout, prefixed with ``MARK``. Anything
-else the process prints (torch warnings included) goes to stderr, which the orchestrator
-sends to a log file.
+``client`` and ``trainer`` (run measurements on command; like every RPC process they serve
+calls too, so the trainer also owns dist-autograd's second layer). Commands arrive as JSON
+lines on stdin; answers go out as JSON lines on the original stdout, prefixed with
+``MARK``. Anything else the process prints (torch warnings included) goes to stderr, which
+the orchestrator sends to a log file.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ from typing import Any
 
 __all__ = [
     "ALL_SYSTEMS",
+    "AUTOGRAD_BATCH",
+    "AUTOGRAD_FEATURES",
+    "AUTOGRAD_OWNERS",
     "FLOOR_CALL_BYTES",
     "KIB",
     "MIB",
@@ -36,7 +39,7 @@ MIB = 1024 * KIB
 # Systems, in table order. torch_tcp is TensorPipe forced onto plain TCP (opt-in).
 ALL_SYSTEMS = ("asyncrpc", "torch", "torch_tcp", "floor")
 RPC_SYSTEMS = ("asyncrpc", "torch", "torch_tcp")
-WORKLOADS = ("latency", "throughput", "echo", "remote", "ps")
+WORKLOADS = ("latency", "throughput", "echo", "remote", "ps", "dist-autograd")
 
 # The raw floor's stand-in for a small call: one frame of this many bytes each way (8-byte
 # length prefix included), about the size of asyncrpc's request frame for a no-op.
@@ -46,6 +49,15 @@ FLOOR_CALL_BYTES = 96
 PS_SHAPES: tuple[tuple[int, ...], ...] = ((1024, 512), (1024,), (512, 1024), (512,))
 PS_FLOATS = sum(math.prod(shape) for shape in PS_SHAPES)
 
+# dist-autograd's model: Linear(64, 64) on one server, ReLU on the client, Linear(64, 64) on
+# another, trained on one fixed batch. The owners are worker names (the child processes'
+# roles): the server, and the third process, which ps uses as its second trainer and which
+# serves calls like any worker between its own commands; sharing it keeps the process
+# count, and so the other workloads' conditions, unchanged.
+AUTOGRAD_FEATURES = 64
+AUTOGRAD_BATCH = 32
+AUTOGRAD_OWNERS = ("server", "trainer")
+
 # The figure each workload's tables and ratios are about, and which way is better.
 PRIMARY_METRIC: dict[str, tuple[str, str, bool]] = {
     # workload: (stat key, unit, higher is better)
@@ -54,6 +66,7 @@ PRIMARY_METRIC: dict[str, tuple[str, str, bool]] = {
     "echo": ("mb_per_s", "MB/s", True),
     "remote": ("p50_us", "µs", False),
     "ps": ("updates_per_s", "updates/s", True),
+    "dist-autograd": ("steps_per_s", "steps/s", True),
 }
 
 
@@ -101,7 +114,7 @@ class BenchConfig:
     systems: tuple[str, ...] = ("asyncrpc", "torch", "floor")
     workloads: tuple[str, ...] = WORKLOADS
     rounds: int = 5
-    duration: float = 0.5  # seconds per latency/throughput/echo item per round
+    duration: float = 0.5  # seconds per item per round (all workloads but ps)
     warmup: float = 0.2  # seconds per item in the uncounted warm-up round
     sizes: tuple[int, ...] = (KIB, MIB, 16 * MIB, 64 * MIB)
     inflight: tuple[int, ...] = (1, 32, 256)
@@ -193,12 +206,19 @@ def _ps_items(system: str, config: BenchConfig) -> list[Item]:
     return [Item("updates", "ps", style="sync")]
 
 
+def _autograd_items(system: str, config: BenchConfig) -> list[Item]:
+    if system == "floor":
+        return []  # the floor has no RPC layer, let alone distributed autograd
+    return [Item("steps", "dist-autograd", style="sync")]
+
+
 _ITEM_BUILDERS = {
     "latency": _latency_items,
     "throughput": _throughput_items,
     "echo": _echo_items,
     "remote": _remote_items,
     "ps": _ps_items,
+    "dist-autograd": _autograd_items,
 }
 
 _STYLES = ("sync", "await")
@@ -288,10 +308,17 @@ def _ps_rows(config: BenchConfig) -> list[Row]:
     return [Row(label, {"asyncrpc": "updates", **_torch_keys("updates")})]
 
 
+def _autograd_rows(config: BenchConfig) -> list[Row]:
+    width = AUTOGRAD_FEATURES
+    label = f"2 x Linear({width}, {width}) on 2 servers, batch {AUTOGRAD_BATCH}, rpc_sync + SGD"
+    return [Row(label, {"asyncrpc": "steps", **_torch_keys("steps")})]
+
+
 _ROW_BUILDERS = {
     "latency": _latency_rows,
     "throughput": _throughput_rows,
     "echo": _echo_rows,
     "remote": _remote_rows,
     "ps": _ps_rows,
+    "dist-autograd": _autograd_rows,
 }

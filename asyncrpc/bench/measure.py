@@ -17,12 +17,19 @@ from typing import Any
 import torch
 
 from asyncrpc.bench import workloads
-from asyncrpc.bench.config import Item
+from asyncrpc.bench.config import AUTOGRAD_OWNERS, Item
 from asyncrpc.bench.stats import echo_stats, latency_stats, min_echo_iterations, throughput_stats
 
-__all__ = ["Unavailable", "resolve_function", "run_item_await", "run_item_blocking"]
+__all__ = [
+    "Unavailable",
+    "autograd_train",
+    "resolve_function",
+    "run_item_await",
+    "run_item_blocking",
+]
 
 MIN_LATENCY_SAMPLES = 20
+MIN_AUTOGRAD_STEPS = 5
 _clock = time.perf_counter_ns
 
 
@@ -128,6 +135,73 @@ def ps_train(rpc: Any, to: str, duration: float) -> dict[str, float]:
     return {"updates": updates, "elapsed_s": time.perf_counter() - start}
 
 
+def _autograd_api(system: str) -> tuple[Any, Any, Callable[..., Any]]:
+    """``system``'s distributed autograd module, DistributedOptimizer and parameter-RRef maker
+    (the same names torch users import; asyncrpc's are drop-ins)."""
+    if system == "asyncrpc":
+        from asyncrpc import autograd
+        from asyncrpc.optim import DistributedOptimizer
+
+        return autograd, DistributedOptimizer, workloads.parameter_rrefs
+    import torch.distributed.autograd as torch_autograd
+    from torch.distributed.optim import DistributedOptimizer as TorchDistributedOptimizer
+
+    return torch_autograd, TorchDistributedOptimizer, workloads.torch_parameter_rrefs
+
+
+def _autograd_model(rpc: Any, param_rrefs: Callable[..., Any]) -> tuple[list[Any], list[Any]]:
+    """A fresh layer on each of ``AUTOGRAD_OWNERS`` (RRefs), and the RRefs of all their
+    parameters, fetched from the owners."""
+    layers = [rpc.remote(owner, workloads.make_layer) for owner in AUTOGRAD_OWNERS]
+    params = []
+    for owner, layer in zip(AUTOGRAD_OWNERS, layers, strict=True):
+        params += rpc.rpc_sync(owner, param_rrefs, (layer,))
+    return layers, params
+
+
+def _autograd_step(
+    rpc: Any, dist_autograd: Any, optimizer: Any, layers: list[Any], batch: tuple[Any, Any]
+) -> float:
+    """One training step, as torch's distributed training tutorials write it; its loss."""
+    (owner_a, owner_b), (layer_a, layer_b), (x, target) = AUTOGRAD_OWNERS, layers, batch
+    with dist_autograd.context() as context_id:
+        h = rpc.rpc_sync(owner_a, workloads.forward, (layer_a, x))
+        y = rpc.rpc_sync(owner_b, workloads.forward, (layer_b, torch.relu(h)))
+        loss = (y - target).pow(2).mean()
+        dist_autograd.backward(context_id, [loss])
+        optimizer.step(context_id)
+    return float(loss.item())
+
+
+def autograd_train(rpc: Any, system: str, duration: float) -> dict[str, float]:
+    """Train a fresh two-layer model, one layer on each of ``AUTOGRAD_OWNERS``; count steps.
+
+    A step is the forward through both layers (one ``rpc_sync`` each), the loss on the
+    client, ``dist_autograd.backward`` and ``DistributedOptimizer.step``. Building the model
+    is not timed (``setup_s`` reports it).
+    """
+    dist_autograd, optimizer_class, param_rrefs = _autograd_api(system)
+    setup_start = time.perf_counter()
+    layers, params = _autograd_model(rpc, param_rrefs)
+    optimizer = optimizer_class(torch.optim.SGD, params, lr=workloads.AUTOGRAD_LR)
+    batch = workloads.autograd_batch()
+    start = time.perf_counter()
+    losses = [_autograd_step(rpc, dist_autograd, optimizer, layers, batch)]
+    while len(losses) < MIN_AUTOGRAD_STEPS or time.perf_counter() - start < duration:
+        losses.append(_autograd_step(rpc, dist_autograd, optimizer, layers, batch))
+    elapsed = time.perf_counter() - start
+    # A loss that did not go down means the gradients or the step never reached the owners.
+    if not losses[-1] < losses[0]:
+        raise RuntimeError(f"training did not lower the loss ({losses[0]} -> {losses[-1]})")
+    return {
+        "steps_per_s": len(losses) / elapsed,
+        "steps": len(losses),
+        "elapsed_s": elapsed,
+        "loss": losses[-1],
+        "setup_s": start - setup_start,
+    }
+
+
 def run_item_blocking(
     rpc: Any, system: str, item: Item, to: str, duration: float, tensors: dict[int, torch.Tensor]
 ) -> Any:
@@ -138,6 +212,8 @@ def run_item_blocking(
         return blocking_remote(rpc, to, duration)
     if item.kind == "ps":
         return ps_train(rpc, to, duration)
+    if item.kind == "dist-autograd":
+        return autograd_train(rpc, system, duration)
     fn, args = resolve_function(item.fn, system)
     if item.kind == "latency":
         return blocking_latency(rpc, to, fn, args, duration)

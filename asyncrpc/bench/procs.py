@@ -145,7 +145,8 @@ class ChildProcess:
 
 
 class SystemGroup:
-    """The processes of one system: a server, a client and (for ``ps``) a trainer."""
+    """The processes of one system: a server, a client and (for ``ps`` and
+    ``dist-autograd``) a trainer; dist-autograd's client drives the server and trainer."""
 
     def __init__(self, system: str, children: dict[str, ChildProcess]) -> None:
         self.system = system
@@ -234,7 +235,9 @@ def start_group(system: str, config: BenchConfig, log_dir: Path) -> SystemGroup:
             children = {role: _spawn(system, role, log_dir, extra) for role in ("server", "client")}
         else:
             assert system in RPC_SYSTEMS
-            roles = ["server", "client"] + (["trainer"] if "ps" in config.workloads else [])
+            # ps trains from the third process; dist-autograd puts its second layer there.
+            third = {"ps", "dist-autograd"} & set(config.workloads)
+            roles = ["server", "client"] + (["trainer"] if third else [])
             init = f"tcp://127.0.0.1:{free_port()}"
             for rank, role in enumerate(roles):
                 extra = ["--rank", str(rank), "--world-size", str(len(roles))]

@@ -139,6 +139,14 @@ TARGETS = (
         0.3,
         "remote()+to_here() p50 (await) <= 0.3x torch",
     ),
+    Target(
+        "dist-autograd",
+        "steps",
+        "asyncrpc/torch",
+        False,
+        2.0,
+        "distributed training steps/s >= 2x torch",
+    ),
 )
 
 
@@ -263,6 +271,8 @@ _TITLES = {
     "echo": "echo: a float32 tensor there and back, 2 x bytes / median time (MB = 10^6 B)",
     "remote": "remote() + to_here(): one RRef created and fetched",
     "ps": "parameter server: 1 server, trainers pulling and pushing a model",
+    "dist-autograd": "distributed training: forward over 2 servers, dist_autograd.backward, "
+    "DistributedOptimizer.step",
 }
 
 

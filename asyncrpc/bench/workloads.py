@@ -1,7 +1,8 @@
 """The functions the benchmark calls remotely, and the parameter server's state.
 
 Part of ``asyncrpc.bench``. Both RPC systems pickle these by reference, so the server
-processes import this module; nothing here depends on which RPC system runs it.
+processes import this module; nothing here depends on which RPC system runs it, except the
+parameter-RRef makers of dist-autograd, one per system (each builds its own RRef type).
 """
 
 from __future__ import annotations
@@ -11,19 +12,27 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+from torch import nn
 
-from asyncrpc.bench.config import PS_SHAPES
+from asyncrpc import RRef
+from asyncrpc.bench.config import AUTOGRAD_BATCH, AUTOGRAD_FEATURES, PS_SHAPES
 from asyncrpc.functions import inline
 
 __all__ = [
+    "AUTOGRAD_LR",
     "PS_LR",
     "async_noop",
+    "autograd_batch",
     "echo",
     "fake_grads",
+    "forward",
+    "make_layer",
     "noop",
+    "parameter_rrefs",
     "ps_pull",
     "ps_push",
     "torch_async_noop",
+    "torch_parameter_rrefs",
     "value",
 ]
 
@@ -107,3 +116,41 @@ def ps_push(grads: list[torch.Tensor]) -> int:
 def fake_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Gradients of the same shapes as ``params`` (cheap but real arithmetic)."""
     return [p.mul(1e-2) for p in params]
+
+
+# -- distributed autograd ------------------------------------------------------------------
+
+AUTOGRAD_LR = 0.01
+
+
+def make_layer() -> nn.Linear:
+    """One layer of the dist-autograd model, created on its owner by ``remote()``."""
+    return nn.Linear(AUTOGRAD_FEATURES, AUTOGRAD_FEATURES)
+
+
+def forward(layer: Any, x: torch.Tensor) -> torch.Tensor:
+    """Apply the layer behind RRef ``layer`` (run on its owner) to ``x``."""
+    module: nn.Module = layer.local_value()
+    out: torch.Tensor = module(x)
+    return out
+
+
+def parameter_rrefs(layer: Any) -> list[RRef[torch.Tensor]]:
+    """asyncrpc RRefs of the parameters of the layer behind ``layer`` (run on its owner)."""
+    module: nn.Module = layer.local_value()
+    return [RRef(p) for p in module.parameters()]
+
+
+def torch_parameter_rrefs(layer: Any) -> list[Any]:
+    """torch.distributed.rpc RRefs of the layer's parameters (run on its owner)."""
+    from torch.distributed.rpc import RRef as TorchRRef
+
+    module: nn.Module = layer.local_value()
+    return [TorchRRef(p) for p in module.parameters()]
+
+
+def autograd_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed input and target the client trains on (the same for every system)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(AUTOGRAD_BATCH, AUTOGRAD_FEATURES, generator=gen)
+    return x, torch.randn(AUTOGRAD_BATCH, AUTOGRAD_FEATURES, generator=gen)

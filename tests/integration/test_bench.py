@@ -17,7 +17,8 @@ from asyncrpc.bench.runner import torch_rpc_unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEMS = ("asyncrpc", "torch", "floor")
-WORKLOADS = ("latency", "throughput", "echo", "remote", "ps")
+WORKLOADS = ("latency", "throughput", "echo", "remote", "ps", "dist-autograd")
+NO_FLOOR = ("ps", "dist-autograd")  # workloads the floor has no RPC layer to run
 TINY = [
     "--quick", "--rounds", "1", "--duration", "0.05", "--warmup", "0.02",
     "--sizes", "1KiB,1MiB", "--inflight", "1,8", "--ps-duration", "0.3", "--no-progress",
@@ -49,14 +50,42 @@ def test_bench_quick_reports_every_workload_for_all_systems(tmp_path: Path) -> N
         for row in summary["rows"]:
             for system in SYSTEMS:
                 cell = row["values"][system]
-                if name == "ps" and system == "floor":
-                    assert cell["value"] is None  # the floor has no RPC layer to serve it
+                if name in NO_FLOOR and system == "floor":
+                    assert cell["value"] is None
                     continue
                 assert isinstance(cell["value"], float), (name, row["label"], system, cell)
                 assert cell["value"] > 0
             assert isinstance(row["ratios"]["asyncrpc/torch"], float)
     assert {t["verdict"] for t in doc["targets"]} <= {"met", "missed", "not measured"}
     assert "== latency" in proc.stdout
+
+
+@pytest.mark.timeout(180)
+def test_bench_dist_autograd_trains_on_both_rpc_systems(tmp_path: Path) -> None:
+    reason = torch_rpc_unavailable()
+    if reason is not None:
+        pytest.skip(f"torch.distributed.rpc is needed for the comparison: {reason}")
+    out = tmp_path / "bench.json"
+    # Two rounds (a later option wins over TINY's), so the figure is a median of two.
+    args = [*TINY, "--rounds", "2", "--duration", "0.1", "--workloads", "dist-autograd"]
+    args += ["--json", str(out), "--log-dir", str(tmp_path / "logs")]
+    proc = _run_bench(args, timeout=150)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["status"] == dict.fromkeys(SYSTEMS, "ok"), doc["status"]
+    (row,) = doc["workloads"]["dist-autograd"]["rows"]
+    assert doc["workloads"]["dist-autograd"]["metric"] == "steps_per_s"
+    for system in ("asyncrpc", "torch"):
+        cell = row["values"][system]
+        assert isinstance(cell["value"], float), (system, cell)
+        assert cell["value"] > 0
+        assert len(cell["rounds"]) == 2
+        assert cell["median"]["steps"] >= 5  # the loop's minimum, however slow the machine
+    assert row["values"]["floor"] == {"value": None, "note": "n/a"}
+    assert isinstance(row["ratios"]["asyncrpc/torch"], float)
+    (target,) = [t for t in doc["targets"] if t["target"].startswith("distributed training")]
+    assert target["verdict"] in ("met", "missed")
+    assert "== distributed training" in proc.stdout
 
 
 def test_bench_plot_without_matplotlib_is_a_clear_usage_error(
