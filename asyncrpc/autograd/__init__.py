@@ -38,9 +38,8 @@ __all__ = [
 class context:
     """A distributed autograd context: ``with`` or ``async with``; yields its id.
 
-    Leaving it releases the context on every worker it reached: ``with`` waits for that
-    (bounded by the RPC timeout; on the agent's own loop it is scheduled instead), and
-    ``async with`` awaits it.
+    Leaving it releases the context on every worker it reached, in the background (as
+    torch's does): the recorded graphs and gradients are dropped there soon after.
     """
 
     def __init__(self) -> None:
@@ -62,11 +61,7 @@ class context:
     ) -> None:  # fmt: skip
         current_context_id.reset(self._token)
         agent, table = context_table()
-        done = asyncio.run_coroutine_threadsafe(
-            release(agent, table, self._id, agent.rank), agent.loop
-        )
-        if threading.get_ident() != agent.loop_thread_id:
-            done.result()
+        agent.run_on_loop(_start_release, agent, table, self._id)
 
     async def __aenter__(self) -> int:
         return self._open()
@@ -77,7 +72,12 @@ class context:
     ) -> None:  # fmt: skip
         current_context_id.reset(self._token)
         agent, table = context_table()
-        await _on_agent_loop(agent, release(agent, table, self._id, agent.rank))
+        agent.run_on_loop(_start_release, agent, table, self._id)
+
+
+def _start_release(agent: Agent, table: Any, context_id: int) -> None:
+    # On the agent's loop; a task of its own, outside the context being released.
+    agent.loop.create_task(release(agent, table, context_id, agent.rank))
 
 
 def current_context() -> int | None:

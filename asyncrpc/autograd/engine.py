@@ -27,7 +27,9 @@ from asyncrpc.autograd.context import (
     context_table,
     current_context_id,
 )
+from asyncrpc.functions import async_execution
 from asyncrpc.runtime.agent import Agent
+from asyncrpc.runtime.future import Future, collect_all
 from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT
 
 __all__ = ["local_pass", "propagate", "reachable_leaves", "release"]
@@ -105,17 +107,40 @@ async def propagate(
         await asyncio.gather(*hops)
 
 
-async def grads_arrived(context_id: int, message_id: int, grads: list[Any]) -> None:
-    """Runs on the worker that sent message ``message_id``: the backward goes on here."""
+@async_execution
+def grads_arrived(context_id: int, message_id: int, grads: list[Any]) -> Future[Any]:
+    """Runs on the worker that sent message ``message_id``: the backward goes on here.
+
+    On a pool thread (the local pass is CPU work), and an ``@async_execution`` function: the
+    thread is free again while the hops further down run; the reply waits for them.
+    """
     agent, table = context_table()
     context = table.get(context_id)
     _, tensors = context.sent(message_id)
     pairs = [(t, g) for t, g in zip(tensors, grads, strict=True) if g is not None]
-    await propagate(agent, context, [t for t, _ in pairs], [g for _, g in pairs])
+    outgoing = local_pass(context, [t for t, _ in pairs], [g for _, g in pairs])
+    hops = [
+        agent.call_future(sender, grads_arrived, (context.id, msg, g), {}, UNSET_RPC_TIMEOUT)
+        for (sender, msg), g in outgoing.items()
+    ]
+    done: Future[Any] = Future()
+    if not hops:
+        done.set_result(None)
+        return done
+    return collect_all(hops).then(_raise_first_error)
+
+
+def _raise_first_error(done: Future[list[Future[Any]]]) -> None:
+    for hop in done.value():
+        hop.value()  # raises the hop's error, with its original type
 
 
 async def release(agent: Agent, table: ContextTable, context_id: int, sender: int) -> None:
-    """Drop the context here and on every worker it reached (each passes it on once)."""
+    """Drop the context here and on every worker it reached (each passes it on once).
+
+    Leaving a context schedules this and does not wait for it (as torch's release does):
+    the next step's calls need not wait for the last step's cleanup.
+    """
     context = table.pop(context_id)
     if context is None:
         return

@@ -16,7 +16,7 @@ import torch
 
 from asyncrpc.api import remote, rpc_async
 from asyncrpc.autograd import get_gradients
-from asyncrpc.rref.handle import RRef
+from asyncrpc.rref.handle import RRef, current_rrefs
 from asyncrpc.runtime.future import Future, wait_all
 
 __all__ = ["DistributedOptimizer"]
@@ -59,8 +59,10 @@ class DistributedOptimizer:
 
     def step_future(self, context_id: int) -> list[Future[None]]:
         """Start the steps on every owner; returns their futures (await or wait them)."""
+        # By RRef id: pickling the RRef itself would fork it (and acknowledge the fork)
+        # on every step. This object holds the RRefs, so the owners keep the optimizers.
         return [
-            rpc_async(optimizer.owner_name(), _step, args=(optimizer, context_id))
+            rpc_async(optimizer.owner_name(), _step, args=(optimizer.id(), context_id))
             for optimizer in self._optimizers
         ]
 
@@ -90,5 +92,7 @@ class LocalOptimizer:
                 param.grad = None
 
 
-def _step(optimizer: RRef[LocalOptimizer], context_id: int) -> None:
-    optimizer.local_value().step(context_id)
+def _step(optimizer_id: tuple[int, int], context_id: int) -> None:
+    # wait(): the remote() that builds it may still be running (on a pool thread here).
+    optimizer: LocalOptimizer = current_rrefs().owned_value(*optimizer_id).wait()
+    optimizer.step(context_id)

@@ -109,6 +109,10 @@ class RRef(Generic[T]):
 
     # -- identity --------------------------------------------------------------------------
 
+    def id(self) -> tuple[int, int]:
+        """The RRef's id (creator rank, serial): its owner finds the value by it."""
+        return tuple(self._rref_id)  # type: ignore[return-value]
+
     def is_owner(self) -> bool:
         """True when this worker owns the value."""
         return self._fork_id is None

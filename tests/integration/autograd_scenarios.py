@@ -32,10 +32,15 @@ def main(init_method: str) -> int:
         except Exception as exc:
             outcome["error"] = type(exc).__name__
         outcome["seconds"] = round(time.monotonic() - started, 3)
-    outcome["contexts_left"] = {
-        "k0": asyncrpc.get_debug_info()["num_autograd_contexts"],
-        "k1": asyncrpc.rpc_sync("k1", fns.num_contexts),
-    }
+    deadline = time.monotonic() + 10.0  # released in the background: poll, bounded
+    while True:
+        outcome["contexts_left"] = {
+            "k0": asyncrpc.get_debug_info()["num_autograd_contexts"],
+            "k1": asyncrpc.rpc_sync("k1", fns.num_contexts),
+        }
+        if outcome["contexts_left"] == {"k0": 0, "k1": 0} or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
     asyncrpc.shutdown(graceful=False)
     print(json.dumps(outcome), flush=True)
     return 0
