@@ -55,13 +55,16 @@ class context:
     def __enter__(self) -> int:
         return self._open()
 
+    def _close(self) -> None:
+        current_context_id.reset(self._token)
+        agent, table = context_table()
+        agent.run_on_loop(_start_release, agent, table, self._id)
+
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:  # fmt: skip
-        current_context_id.reset(self._token)
-        agent, table = context_table()
-        agent.run_on_loop(_start_release, agent, table, self._id)
+        self._close()
 
     async def __aenter__(self) -> int:
         return self._open()
@@ -70,9 +73,7 @@ class context:
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:  # fmt: skip
-        current_context_id.reset(self._token)
-        agent, table = context_table()
-        agent.run_on_loop(_start_release, agent, table, self._id)
+        self._close()
 
 
 def _start_release(agent: Agent, table: Any, context_id: int) -> None:
