@@ -171,7 +171,10 @@ class Agent:
         if options.tls_cert is not None and options.tls_key is not None and options.tls_ca:
             self.tls = tls_contexts(options.tls_cert, options.tls_key, options.tls_ca)
         self._server, port = await start_server(
-            options.listen_host, self._accept, ssl_context=self.tls.server if self.tls else None
+            options.listen_host,
+            self._accept,
+            options.listen_port,
+            ssl_context=self.tls.server if self.tls else None,
         )
         init_timeout = options.rpc_timeout if options.rpc_timeout > 0 else 300.0
         try:

@@ -58,6 +58,7 @@ class RpcBackendOptions:
         devices: the CUDA devices this worker may send from or receive to.
         listen_host: the address the worker listens on (loopback by default; "0.0.0.0"
             for every interface).
+        listen_port: the port to listen on (0: any free one).
         advertise_host: the address other workers dial to reach this one, when it is not
             ``listen_host`` (listening on every interface, containers, NAT).
         advertise_port: the port they dial, when a proxy or NAT maps the listening port.
@@ -85,6 +86,7 @@ class RpcBackendOptions:
     device_maps: dict[str, dict[str, str]] | None = None
     devices: list[str] | None = None
     listen_host: str = "127.0.0.1"
+    listen_port: int = 0
     advertise_host: str | None = None
     advertise_port: int | None = None
     max_frame_size: int = 1 << 34

@@ -28,6 +28,8 @@ def _options(args: argparse.Namespace) -> asyncrpc.RpcBackendOptions:
         heartbeat_timeout=args.heartbeat_timeout,
         listen_host=args.listen_host,
         advertise_host=args.advertise_host,
+        listen_port=args.listen_port,
+        advertise_port=args.advertise_port,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_ca=args.tls_ca,
@@ -73,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heartbeat-timeout", type=float, default=10.0)
     parser.add_argument("--listen-host", default="127.0.0.1")
     parser.add_argument("--advertise-host", default=None)
+    parser.add_argument("--listen-port", type=int, default=0)
+    parser.add_argument("--advertise-port", type=int, default=None)
     parser.add_argument("--tls-cert", default=None)
     parser.add_argument("--tls-key", default=None)
     parser.add_argument("--tls-ca", default=None)

@@ -218,6 +218,103 @@ def _address_of(rank: int) -> tuple[str, int]:
     return address.host, address.port
 
 
+# -- scenario: faults injected by a proxy in front of each worker ---------------------------
+
+
+class _Ledger:
+    """Every call made, how it ended, and whether its reply was its own payload."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def echo(self, worker: str, tag: str, size: int = 16, timeout: float = 0) -> Any:
+        import torch
+
+        from tests.integration import remote_fns as fns
+
+        payload = {"tag": tag, "data": torch.full((size,), float(len(self.calls)))}
+        entry: dict[str, Any] = {"ended": 0, "ok": None, "error": None}
+        self.calls[tag] = entry
+
+        def ended(done: Any) -> None:
+            with self._lock:
+                entry["ended"] += 1
+                exc = done.exception()
+                if exc is None:
+                    back = done.value()
+                    entry["ok"] = back["tag"] == tag and bool(
+                        torch.equal(back["data"], payload["data"])
+                    )
+                else:
+                    entry["error"] = type(exc).__name__
+
+        future = asyncrpc.rpc_async(worker, fns.echo, args=(payload,), timeout=timeout)
+        future.add_done_callback(ended)
+        return future
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "calls": len(self.calls),
+            "ended_once": all(e["ended"] == 1 for e in self.calls.values()),
+            "mismatched": sum(1 for e in self.calls.values() if e["ok"] is False),
+            "by_tag": self.calls,
+        }
+
+
+def faults(args: argparse.Namespace) -> int:
+    """Rank 0 of {driver, f1..f4}; fi listens on a fixed port behind a FaultProxy that this
+    process runs (``--proxies`` lists listen:proxy ports). f1 is delayed, f2 black-holed,
+    f3 dropped, f4 cut mid-frame; heartbeats every 0.2 s, silence limit 1 s."""
+    from asyncrpc.testing.faultproxy import FaultProxy
+    from tests.integration import remote_fns as fns
+
+    pairs = [tuple(int(p) for p in item.split(":")) for item in args.proxies.split(",")]
+    proxies = {f"f{i + 1}": FaultProxy(target, port) for i, (target, port) in enumerate(pairs)}
+    options = _options(args)
+    options.heartbeat_interval, options.heartbeat_timeout = 0.2, 1.0
+    asyncrpc.init_rpc("driver", rank=0, world_size=5, rpc_backend_options=options)
+    ledger, obs = _Ledger(), {}
+    for name in proxies:  # connect through each proxy first
+        ledger.echo(name, f"{name}-warm").wait(10)
+    # Delay: calls are slow, not lost.
+    proxies["f1"].delay(0.3)
+    started = time.monotonic()
+    ledger.echo("f1", "f1-delayed").wait(10)
+    obs["f1_delayed_s"] = time.monotonic() - started
+    proxies["f1"].heal()
+    # Black hole: only heartbeats can tell; the pending call fails typed.
+    pending = [ledger.echo("f2", f"f2-{i}") for i in range(3)]
+    proxies["f2"].blackhole()
+    stuck = asyncrpc.rpc_async("f2", fns.sleep, args=(30.0,), timeout=0)
+    started = time.monotonic()
+    obs["f2_stuck"] = _attempt(lambda: stuck.wait(20))
+    obs["f2_detected_s"] = time.monotonic() - started
+    # Drop: a reset; the call in flight fails at once.
+    slow = asyncrpc.rpc_async("f3", fns.sleep, args=(30.0,), timeout=0)
+    time.sleep(0.2)
+    proxies["f3"].drop()
+    started = time.monotonic()
+    obs["f3_pending"] = _attempt(lambda: slow.wait(20))
+    obs["f3_detected_s"] = time.monotonic() - started
+    # Truncate: the next frame towards f4 is cut in the middle (a 1 MiB payload).
+    proxies["f4"].truncate(1000)
+    cut = ledger.echo("f4", "f4-cut", size=1 << 18)
+    obs["f4_cut"] = _attempt(lambda: cut.wait(20))
+    obs["later_f4"] = _attempt(lambda: ledger.echo("f4", "f4-later").wait(5))
+    obs["f1_after"] = _attempt(lambda: ledger.echo("f1", "f1-after").wait(10) is not None)
+    for future in pending:
+        with contextlib.suppress(Exception):
+            future.wait(5)
+    time.sleep(0.2)  # done callbacks run on the agent's loop
+    obs["ledger"] = ledger.summary()
+    asyncrpc.shutdown(graceful=False)
+    for proxy in proxies.values():
+        proxy.close()
+    _report(obs)
+    return 0
+
+
 # -- scenario: one member of a group (rendezvous variants, duplicates) ---------------------
 
 
@@ -389,6 +486,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], int]] = {
     "hang_peer": hang_peer,
     "multi_host": multi_host,
     "tls": tls,
+    "faults": faults,
     "member": member,
     "asyncio_style": asyncio_style,
     "not_initialized": not_initialized,
@@ -412,6 +510,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--slow-register", type=float, default=0.0)
     parser.add_argument("--listen-host", default="127.0.0.1")
     parser.add_argument("--tls-dir", default="")
+    parser.add_argument("--proxies", default="")
     args = parser.parse_args(argv)
     args.graceful = bool(args.graceful)
     return SCENARIOS[args.scenario](args)
