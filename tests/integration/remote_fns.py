@@ -448,3 +448,10 @@ async def profile_await_call_here(to: str) -> list[str]:
 def rref_sum(rref: asyncrpc.RRef[torch.Tensor]) -> float:
     """Fetch an RRef owned by another worker and sum it (a call between two callees)."""
     return float(rref.to_here().sum().item())
+
+
+def call_everyone(names: list[str]) -> int:
+    """Call every other worker once, all at the same time; return how many answered right."""
+    me = asyncrpc.get_worker_info().name
+    futures = {n: asyncrpc.rpc_async(n, whoami) for n in names if n != me}
+    return sum(1 for n, f in futures.items() if f.wait() == n)

@@ -315,6 +315,31 @@ def faults(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- scenario: a big world on one host -----------------------------------------------------
+
+
+def big_world(args: argparse.Namespace) -> int:
+    """Rank 0 of ``--world-size`` workers named b0..bN: every worker calls every other
+    once (all pairs, both ways, concurrently), then a graceful shutdown."""
+    from tests.integration import remote_fns as fns
+
+    size = args.world_size
+    started = time.monotonic()
+    asyncrpc.init_rpc("b0", rank=0, world_size=size, rpc_backend_options=_options(args))
+    obs: Observations = {"init_s": time.monotonic() - started}
+    names = [f"b{r}" for r in range(size)]
+    started = time.monotonic()
+    answered = [asyncrpc.rpc_async(n, fns.call_everyone, args=(names,)) for n in names[1:]]
+    answered.append(asyncrpc.rpc_async("b0", fns.call_everyone, args=(names,)))
+    obs["answers"] = _attempt(lambda: asyncrpc.wait_all(answered))
+    obs["calls_s"] = time.monotonic() - started
+    started = time.monotonic()
+    obs["shutdown"] = _attempt(lambda: asyncrpc.shutdown(timeout=120.0))
+    obs["shutdown_s"] = time.monotonic() - started
+    _report(obs)
+    return 0
+
+
 # -- scenario: one member of a group (rendezvous variants, duplicates) ---------------------
 
 
@@ -487,6 +512,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], int]] = {
     "multi_host": multi_host,
     "tls": tls,
     "faults": faults,
+    "big_world": big_world,
     "member": member,
     "asyncio_style": asyncio_style,
     "not_initialized": not_initialized,
