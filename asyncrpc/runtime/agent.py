@@ -15,8 +15,10 @@ import asyncio
 import itertools
 import logging
 import math
+import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,12 +59,12 @@ from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT, RpcBackendOptions, Worke
 from asyncrpc.runtime.peers import PeerTable
 from asyncrpc.runtime.pending import PendingCall, PendingCalls, describe_function
 from asyncrpc.runtime.pipeline import CallHook, OutgoingCall, Pipeline
-from asyncrpc.runtime.rendezvous import PeerAddress, StoreGroup, join_group
+from asyncrpc.runtime.rendezvous import PeerAddress, StoreGroup, join_group, this_host_id
 from asyncrpc.runtime.services import RRefFactory, RRefService
 from asyncrpc.runtime.shutdown import GracefulShutdown
 from asyncrpc.runtime.threadpool import WorkerPool
 from asyncrpc.runtime.tls import TlsContexts, tls_contexts
-from asyncrpc.runtime.transport import Connection, start_server
+from asyncrpc.runtime.transport import Connection, start_server, start_unix_server
 
 __all__ = ["HANDSHAKE_MAX_FRAME", "Agent", "EncodedRequest"]
 
@@ -120,6 +122,7 @@ class Agent:
         # Frames waiting for a connection to be made, by peer, in the order they were sent.
         self._unsent: dict[int, list[tuple[list[Any], int, object]]] = {}
         self._server: asyncio.Server | None = None
+        self._unix_server: asyncio.AbstractServer | None = None
         self.closed = False
         self._loopback: LoopbackConnection | None = None
         self.tls: TlsContexts | None = None
@@ -176,6 +179,11 @@ class Agent:
             options.listen_port,
             ssl_context=self.tls.server if self.tls else None,
         )
+        unix_path = None
+        if options.unix_sockets and self.tls is None and sys.platform == "linux":
+            # Abstract namespace (leading NUL): nothing to clean up, even after a SIGKILL.
+            unix_path = f"\0asyncrpc-{uuid.uuid4().hex}"
+            self._unix_server = await start_unix_server(unix_path, self._accept)
         init_timeout = options.rpc_timeout if options.rpc_timeout > 0 else 300.0
         try:
             configured_key = auth.key_bytes(options.auth_key)
@@ -193,6 +201,7 @@ class Agent:
             init_timeout,
             options.device_maps,
             configured_key,
+            unix_path,
         )
         self.group = group
         self.rank, self.world_size = group.rank, group.world_size
@@ -202,6 +211,7 @@ class Agent:
         self.peers = PeerTable(
             self.name, self.rank, self.addresses, self._dial, key, options.max_frame_size,
             self._refuse, ssl_context=self.tls.client if self.tls else None,
+            host_id=this_host_id() if unix_path else None,
         )  # fmt: skip
         for conn, hello in self._early_hellos:
             if not conn.closed:
@@ -659,6 +669,8 @@ class Agent:
         self.heartbeat.stop()
         if self._server is not None:
             self._server.close()
+        if self._unix_server is not None:
+            self._unix_server.close()
         goodbye = encode_frame(Goodbye("shutdown").to_fields(), b"")
         for conn in list(self._connections):
             if graceful and conn.peer is not None and not conn.closed:
@@ -689,6 +701,9 @@ class Agent:
             "bytes_in": sum(c.bytes_in for c in conns),
             "bytes_out": sum(c.bytes_out for c in conns),
             "open_connections": sum(1 for c in conns if c.peer is not None and not c.closed),
+            "open_unix_connections": sum(
+                1 for c in conns if c.peer is not None and not c.closed and c.is_unix
+            ),
             "thread_pool_size": self.pool.size,
             "thread_pool_busy": self.pool.busy,
             "thread_pool_idle": self.pool.size - self.pool.busy,

@@ -59,6 +59,8 @@ class RpcBackendOptions:
         listen_host: the address the worker listens on (loopback by default; "0.0.0.0"
             for every interface).
         listen_port: the port to listen on (0: any free one).
+        unix_sockets: also listen on a Unix socket, and reach peers on the same host
+            (same boot id and host name) through theirs, falling back to TCP. Off with TLS.
         advertise_host: the address other workers dial to reach this one, when it is not
             ``listen_host`` (listening on every interface, containers, NAT).
         advertise_port: the port they dial, when a proxy or NAT maps the listening port.
@@ -87,6 +89,7 @@ class RpcBackendOptions:
     devices: list[str] | None = None
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
+    unix_sockets: bool = True
     advertise_host: str | None = None
     advertise_port: int | None = None
     max_frame_size: int = 1 << 34

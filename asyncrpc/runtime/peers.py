@@ -14,6 +14,7 @@ sent before the handshake, so the losing connection carries nothing and is simpl
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import ssl
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from asyncrpc.protocol import auth
 from asyncrpc.protocol.wire import PROTOCOL_VERSION, encode_frame
 from asyncrpc.protocol.wire.messages import Auth, Hello, HelloReply
 from asyncrpc.runtime.rendezvous import PeerAddress
-from asyncrpc.runtime.transport import Connection, open_connection
+from asyncrpc.runtime.transport import Connection, open_connection, open_unix_connection
 
 __all__ = ["Peer", "PeerTable"]
 
@@ -66,6 +67,7 @@ class PeerTable:
         on_auth_failure: Callable[[Connection, AuthenticationError], None],
         connect_timeout: float = 30.0,
         ssl_context: ssl.SSLContext | None = None,
+        host_id: str | None = None,
     ) -> None:
         self.name = name
         self.rank = rank
@@ -75,6 +77,7 @@ class PeerTable:
         self._on_auth_failure = on_auth_failure
         self.connect_timeout = connect_timeout
         self._ssl = ssl_context  # mutual TLS for the connections this side dials
+        self._host_id = host_id  # this host, when peers on it may be reached by Unix socket
         self.peers = {r: Peer(a) for r, a in addresses.items() if r != rank}
         # Dialled connections awaiting their HelloReply: the rank they should reach and
         # the nonce this side sent.
@@ -112,9 +115,7 @@ class PeerTable:
     async def _dial(self, peer: Peer, rank: int) -> None:
         address = peer.address
         try:
-            conn = await open_connection(
-                address.host, address.port, lambda: self._make_connection(True), self._ssl
-            )
+            conn = await self._open(address)
             waiter = asyncio.get_running_loop().create_future()
             nonce = auth.new_nonce()
             self._handshakes[conn] = (waiter, rank, nonce)
@@ -134,6 +135,16 @@ class PeerTable:
             # The peer keeps the connection it dialled to us; it is adopted (or will be)
             # when its Hello reaches us, which resolves ``peer.ready``.
             conn.close()
+
+    async def _open(self, address: PeerAddress) -> Connection:
+        """The Unix socket of a peer on this host if it answers, else TCP (TLS if set)."""
+        factory = functools.partial(self._make_connection, True)
+        if address.unix_path and self._host_id and address.host_id == self._host_id:
+            try:
+                return await open_unix_connection(address.unix_path, factory)
+            except OSError as exc:  # same kernel, other container or network namespace
+                _log.debug("Unix socket of %s: %s; using TCP", address.name, exc)
+        return await open_connection(address.host, address.port, factory, self._ssl)
 
     def _dial_failed(self, peer: Peer, exc: BaseException) -> None:
         _log.debug("dial to %s failed: %s", peer.address.name, exc)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -38,6 +39,20 @@ class PeerAddress:
     port: int
     # This worker's CUDA device maps by callee name; callees invert them for replies.
     device_maps: dict[str, dict[str, str]] | None = None
+    # Same host: the machine's identity (boot id and host name) and a Unix socket address
+    # to try before TCP (None: the worker takes no Unix connections).
+    host_id: str = ""
+    unix_path: str | None = None
+
+
+def this_host_id() -> str:
+    """Boot id and host name: equal for processes of one running kernel and host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as boot:
+            boot_id = boot.read().strip()
+    except OSError:
+        boot_id = "?"
+    return f"{boot_id}/{socket.gethostname()}"
 
 
 def _open_store(init_method: str, rank: int, world_size: int | None, timeout: float) -> Any:
@@ -85,8 +100,9 @@ class StoreGroup:
         self._claim(f"rank/{address.rank}", uuid.uuid4().hex, f"rank {address.rank}")
         self._claim(f"name/{address.name}", str(address.rank), f"worker name {address.name!r}")
         record = msgpack.packb(
-            [address.name, address.rank, address.host, address.port, address.device_maps]
-        )
+            [address.name, address.rank, address.host, address.port, address.device_maps,
+             address.host_id, address.unix_path]
+        )  # fmt: skip
         self.store.set(f"{_PREFIX}worker/{address.rank}", record)
 
     def gather(self, timeout: float) -> dict[int, PeerAddress]:
@@ -95,8 +111,8 @@ class StoreGroup:
         self._wait_for(keys, timeout, "joining the group")
         peers = {}
         for key in keys:
-            name, rank, host, port, maps = msgpack.unpackb(self.store.get(key))
-            peers[rank] = PeerAddress(name, rank, host, port, maps)
+            name, rank, host, port, maps, host_id, unix_path = msgpack.unpackb(self.store.get(key))
+            peers[rank] = PeerAddress(name, rank, host, port, maps, host_id, unix_path)
         return peers
 
     def shared_key(self) -> bytes:
@@ -147,6 +163,7 @@ def join_group(
     timeout: float,
     device_maps: dict[str, dict[str, str]] | None = None,
     auth_key: bytes | None = None,
+    unix_path: str | None = None,
 ) -> tuple[StoreGroup, dict[int, PeerAddress], bytes]:
     """Rendezvous, publish this worker and gather every peer's address (blocking).
 
@@ -160,6 +177,7 @@ def join_group(
         timeout: bound on the whole rendezvous, in seconds.
         device_maps: this worker's device maps, published for its callees.
         auth_key: the configured group key; None to share a random one through the store.
+        unix_path: the Unix socket this worker also listens on, for peers on its host.
 
     Returns:
         The store group, every worker's address by rank, and the group key.
@@ -179,7 +197,7 @@ def join_group(
         raise InitError(f"rank {rank} is outside a world of size {world_size}")
     group = StoreGroup(store, rank, world_size)
     try:
-        address = PeerAddress(name, rank, host, port, device_maps)
+        address = PeerAddress(name, rank, host, port, device_maps, this_host_id(), unix_path)
         group.publish(address, share_key=auth_key is None and rank == 0)
         peers = group.gather(timeout)
         key = auth_key if auth_key is not None else group.shared_key()

@@ -18,7 +18,14 @@ from typing import Protocol, cast
 from asyncrpc.errors import ClosedError, ProtocolError
 from asyncrpc.protocol.wire import Frame, FrameDecoder
 
-__all__ = ["Connection", "ConnectionHandler", "open_connection", "start_server"]
+__all__ = [
+    "Connection",
+    "ConnectionHandler",
+    "open_connection",
+    "open_unix_connection",
+    "start_server",
+    "start_unix_server",
+]
 
 _log = logging.getLogger("asyncrpc.runtime.transport")
 
@@ -60,6 +67,7 @@ class Connection(asyncio.BufferedProtocol):
         self.peer: int | None = None
         self.peer_name: str | None = None
         self.goodbye = False  # the peer said it is closing on purpose
+        self.is_unix = False  # a Unix socket (a peer on this host), not TCP
         self.bytes_in = 0
         self.bytes_out = 0
         self.connected: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -70,6 +78,7 @@ class Connection(asyncio.BufferedProtocol):
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self._transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
+        self.is_unix = sock is not None and sock.family == socket.AF_UNIX
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             # Small RPC frames must not wait for Nagle's algorithm.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -197,4 +206,38 @@ async def open_connection(
     _, protocol = await loop.create_connection(
         factory, host, port, ssl=ssl_context, server_hostname=hostname
     )
+    return protocol
+
+
+async def start_unix_server(path: str, factory: Callable[[], Connection]) -> asyncio.AbstractServer:
+    """Listen on the Unix socket ``path`` (a leading NUL: Linux's abstract namespace, which
+    leaves no file behind)."""
+    # Bound here, not by the loop: uvloop refuses abstract-namespace paths, Python's socket
+    # module takes them.
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        sock.listen(1024)
+        sock.setblocking(False)
+        return await asyncio.get_running_loop().create_unix_server(factory, sock=sock)
+    except BaseException:
+        sock.close()
+        raise
+
+
+async def open_unix_connection(path: str, factory: Callable[[], Connection]) -> Connection:
+    """Dial the Unix socket ``path``; return the connected protocol.
+
+    Raises:
+        OSError: nothing listens there (another host, container or network namespace).
+    """
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        await loop.sock_connect(sock, path)
+        _, protocol = await loop.create_unix_connection(factory, sock=sock)
+    except BaseException:
+        sock.close()
+        raise
     return protocol

@@ -273,6 +273,7 @@ def faults(args: argparse.Namespace) -> int:
     proxies = {f"f{i + 1}": FaultProxy(target, port) for i, (target, port) in enumerate(pairs)}
     options = _options(args)
     options.heartbeat_interval, options.heartbeat_timeout = 0.2, 1.0
+    options.unix_sockets = False  # through the proxies, which sit on TCP
     asyncrpc.init_rpc("driver", rank=0, world_size=5, rpc_backend_options=options)
     ledger, obs = _Ledger(), {}
     for name in proxies:  # connect through each proxy first

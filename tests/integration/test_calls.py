@@ -177,3 +177,9 @@ def test_metrics_count_calls_and_bytes(group: Group) -> None:
     info = asyncrpc.get_debug_info()
     assert info["name"] == "driver"
     assert info["world_size"] == 4
+
+
+def test_same_host_peers_talk_over_unix_sockets(group: Group) -> None:
+    assert asyncrpc.rpc_sync("w3", fns.add, args=(1, 2)) == 3
+    assert asyncrpc.get_metrics()["open_unix_connections"] >= 1
+    assert asyncrpc.rpc_sync("w3", fns.metrics)["open_unix_connections"] >= 1
