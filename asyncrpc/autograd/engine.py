@@ -99,12 +99,7 @@ async def propagate(
 ) -> None:
     """Run the local pass, then hand its gradients to the workers that sent the tensors."""
     outgoing = await agent.pool.run(functools.partial(local_pass, context, roots, grad_outputs))
-    hops = [
-        agent.call(sender, grads_arrived, (context.id, message_id, grads), {}, UNSET_RPC_TIMEOUT)
-        for (sender, message_id), grads in outgoing.items()
-    ]
-    if hops:
-        await asyncio.gather(*hops)
+    await _hand_back(agent, context.id, outgoing)
 
 
 @async_execution
@@ -119,12 +114,18 @@ def grads_arrived(context_id: int, message_id: int, grads: list[Any]) -> Future[
     _, tensors = context.sent(message_id)
     pairs = [(t, g) for t, g in zip(tensors, grads, strict=True) if g is not None]
     outgoing = local_pass(context, [t for t, _ in pairs], [g for _, g in pairs])
+    return _hand_back(agent, context.id, outgoing)
+
+
+def _hand_back(agent: Agent, context_id: int, outgoing: Outgoing) -> Future[Any]:
+    """Send each batch of gradients to the worker that sent those tensors (any thread);
+    the future completes when every hop has, and fails with the first hop's error."""
     hops = [
-        agent.call_future(sender, grads_arrived, (context.id, msg, g), {}, UNSET_RPC_TIMEOUT)
+        agent.call_future(sender, grads_arrived, (context_id, msg, g), {}, UNSET_RPC_TIMEOUT)
         for (sender, msg), g in outgoing.items()
     ]
-    done: Future[Any] = Future()
     if not hops:
+        done: Future[Any] = Future()
         done.set_result(None)
         return done
     return collect_all(hops).then(_raise_first_error)

@@ -49,7 +49,7 @@ from asyncrpc.runtime.threadpool import WorkerPool
 __all__ = ["RRefContext"]
 
 _log = logging.getLogger("asyncrpc.rref")
-_TAG = "asyncrpc.rref.handle"
+_TAG = "asyncrpc.rref"
 
 _TO_WIRE = {ForkRequest: RefOp.FORK_REQUEST, ForkAccepted: RefOp.FORK_ACCEPTED,
             ChildAccepted: RefOp.CHILD_ACCEPTED, UserDelete: RefOp.USER_DELETE}  # fmt: skip
@@ -66,7 +66,6 @@ class RRefHost(Protocol):
     name: str
     rank: int
     loop: asyncio.AbstractEventLoop
-    loop_thread_id: int
     options: RpcBackendOptions
     pool: WorkerPool
 
@@ -311,12 +310,11 @@ class RRefContext:
         self.apply(actions)
 
     def apply(self, actions: list[Action]) -> None:
-        """Carry out the state machine's actions (on the loop thread)."""
-        if not actions:
-            return
-        if threading.get_ident() != self.agent.loop_thread_id:
-            self._on_loop(self.apply, actions)
-            return
+        """Carry out the state machine's actions, on the loop thread (now, if this is it)."""
+        if actions:
+            self.agent.run_on_loop(self._carry_out, actions)
+
+    def _carry_out(self, actions: list[Action]) -> None:
         for action in actions:
             if isinstance(action, Send):
                 message = action.message
@@ -326,9 +324,6 @@ class RRefContext:
                 self._values.pop(action.rref_id, None)
             elif isinstance(action, RRefLost):
                 self._lost[action.rref_id] = action.worker
-
-    def _on_loop(self, fn: Any, *args: Any) -> None:
-        self.agent.run_on_loop(fn, *args)
 
     # -- what RRef handles ask (see asyncrpc/rref/handle.py) ------------------------------
 

@@ -59,7 +59,7 @@ from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT, RpcBackendOptions, Worke
 from asyncrpc.runtime.peers import PeerTable
 from asyncrpc.runtime.pending import PendingCall, PendingCalls, describe_function
 from asyncrpc.runtime.pipeline import CallHook, OutgoingCall, Pipeline
-from asyncrpc.runtime.rendezvous import PeerAddress, StoreGroup, join_group, this_host_id
+from asyncrpc.runtime.rendezvous import PeerAddress, StoreGroup, join_group
 from asyncrpc.runtime.services import RRefFactory, RRefService
 from asyncrpc.runtime.shutdown import GracefulShutdown
 from asyncrpc.runtime.threadpool import WorkerPool
@@ -211,7 +211,7 @@ class Agent:
         self.peers = PeerTable(
             self.name, self.rank, self.addresses, self._dial, key, options.max_frame_size,
             self._refuse, ssl_context=self.tls.client if self.tls else None,
-            host_id=this_host_id() if unix_path else None,
+            host_id=self.addresses[self.rank].host_id if unix_path else None,
         )  # fmt: skip
         for conn, hello in self._early_hellos:
             if not conn.closed:
@@ -380,10 +380,7 @@ class Agent:
         future._cancel_hook = lambda: self.loop.call_soon_threadsafe(self.cancel_call, call_id)
         call = PendingCall(future, rank, target, timeout)
         call.keepalive, call.observed = keep, observed
-        if threading.get_ident() == self.loop_thread_id:
-            self.begin_call(call_id, call, pieces)
-        else:
-            self.loop.call_soon_threadsafe(self.begin_call, call_id, call, pieces)
+        self.run_on_loop(self.begin_call, call_id, call, pieces)
         return future
 
     async def call(
@@ -577,7 +574,7 @@ class Agent:
             return  # timed out or cancelled meanwhile
         grads: list[Any] | None = None if call.observed is None else []
         try:
-            headers = optional_headers(fields, 2) if len(fields) > 2 else None
+            headers = optional_headers(fields, 2)
             value = self.serializer.loads(
                 frame.payload, frame.segments, context=call.peer, grads=grads
             )
@@ -592,8 +589,7 @@ class Agent:
         if call is None:
             return
         self.counters.calls_failed += 1
-        headers = optional_headers(fields, 2) if len(fields) > 2 else None
-        call.fail(unpack_exception(bytes(frame.payload)), headers)
+        call.fail(unpack_exception(bytes(frame.payload)), optional_headers(fields, 2))
 
     def on_protocol_error(self, conn: Connection, exc: BaseException) -> None:
         """The peer sent bytes that break the protocol; the connection is being aborted."""

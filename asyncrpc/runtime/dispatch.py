@@ -115,9 +115,11 @@ class Dispatcher:
             assert self.rrefs is not None
             self.rrefs.on_remote_request(peer, request)
         serves = self._pipeline.serves(request.headers)
-        grads: list[Any] | None = [] if serves else None
+        grads: list[Any] = []  # filled only for a request the pipeline serves
         try:
-            fn, args, kwargs = self._serializer.loads(payload, segments, context=peer, grads=grads)
+            fn, args, kwargs = self._serializer.loads(
+                payload, segments, context=peer, grads=grads if serves else None
+            )
         except MissingReferenceError as exc:
             self._finish(conn, request, peer, False, self._missing(request, exc))
             return
@@ -128,7 +130,7 @@ class Dispatcher:
         run, async_exec = fn, is_async_execution(fn)
         if serves:
             try:
-                run = self._serve(conn, request, peer, (fn, args, kwargs), grads or [])
+                run = self._serve(conn, request, peer, (fn, args, kwargs), grads)
             except Exception as exc:
                 self._finish(conn, request, peer, False, exc)
                 return
