@@ -47,6 +47,7 @@ from asyncrpc.protocol.wire.messages import (
     Pong,
     RefMessage,
     Request,
+    ShmMessage,
     decode_message,
     optional_headers,
 )
@@ -61,6 +62,7 @@ from asyncrpc.runtime.pending import PendingCall, PendingCalls, describe_functio
 from asyncrpc.runtime.pipeline import CallHook, OutgoingCall, Pipeline
 from asyncrpc.runtime.rendezvous import PeerAddress, StoreGroup, join_group
 from asyncrpc.runtime.services import RRefFactory, RRefService
+from asyncrpc.runtime.shm import SHM_TAG_PREFIX, SharedMemory
 from asyncrpc.runtime.shutdown import GracefulShutdown
 from asyncrpc.runtime.threadpool import WorkerPool
 from asyncrpc.runtime.tls import TlsContexts, tls_contexts
@@ -98,9 +100,16 @@ class Agent:
         self._auth_log = RateLimitedLog(_log, interval=10.0)
         self.pending = PendingCalls(loop, self._expire)
         self._call_ids = itertools.count(1)
-        # RRefs inside payloads become forks (see asyncrpc/rref/context.py).
+        self.shm = SharedMemory(
+            loop, options.shm_threshold, options.shm_arena_bytes, self._shares_memory,
+            self._send_control,
+        )  # fmt: skip
+        # RRefs inside payloads become forks (see asyncrpc/rref/context.py); large tensors
+        # for a peer on this host may go through shared memory (asyncrpc/runtime/shm.py).
         self.serializer = Serializer(
-            persistent_dump=self._dump_rref, persistent_load=self._load_rref
+            persistent_dump=self._dump_rref,
+            persistent_load=self._load_rref,
+            place=self.shm.place if options.shared_memory else None,
         )
         self.pool = WorkerPool(options.num_worker_threads, loop, name)
         self.pipeline = Pipeline()
@@ -224,7 +233,7 @@ class Agent:
         decoder = FrameDecoder(
             max_frame_size=HANDSHAKE_MAX_FRAME,
             max_header_size=HANDSHAKE_MAX_FRAME,
-            allocate=self.serializer.allocate,
+            allocate=lambda nbytes, tag: self._allocate(conn, nbytes, tag),
             handshaking=True,
         )
         conn = Connection(self, decoder, initiated=initiated)
@@ -233,6 +242,35 @@ class Agent:
         if not initiated:
             self.loop.call_later(self.options.handshake_timeout, self._handshake_deadline, conn)
         return conn
+
+    def _allocate(self, conn: Connection, nbytes: int, tag: str) -> tuple[object, memoryview]:
+        """Receive memory for a segment: a fresh buffer, or the sender's shared chunk."""
+        if tag.startswith(SHM_TAG_PREFIX):
+            return self.shm.allocate(conn.peer, nbytes, tag)
+        return self.serializer.allocate(nbytes, tag)
+
+    def _shares_memory(self, rank: int) -> bool:
+        """May ``rank`` and this worker share memory? (Same host, allowed by the options.)"""
+        address, mine = self.addresses.get(rank), self.addresses.get(self.rank)
+        return (
+            self.options.shared_memory
+            and self.tls is None
+            and sys.platform == "linux"
+            and rank != self.rank
+            and address is not None
+            and mine is not None
+            and bool(address.host_id)
+            and address.host_id == mine.host_id
+        )
+
+    def _send_control(self, rank: int, pieces: list[Any], connect: bool = False) -> None:
+        """Write a bookkeeping frame to ``rank``: if it is connected, or else ``connect``."""
+        if connect:
+            self.send_to(rank, pieces)
+            return
+        peer = self.peers.peers.get(rank) if self.peers is not None else None
+        if peer is not None and peer.conn is not None and not peer.conn.closed:
+            self.write(peer.conn, pieces)
 
     def _handshake_deadline(self, conn: Connection) -> None:
         if conn.peer is None and not conn.closed:
@@ -357,13 +395,17 @@ class Agent:
         )
         call_id = next(self._call_ids)
         headers = None
-        if call is not None:
-            call.call_id = call_id
-            Pipeline.outgoing(hooks, call)
-            headers = call.headers or None
-        rref_id, fork_id = register() if register is not None else (None, None)
-        request = Request(call_id, timeout, mode, target, rref_id, fork_id, headers)
-        pieces = encode_frame(request.to_fields(), payload, segments)
+        try:
+            if call is not None:
+                call.call_id = call_id
+                Pipeline.outgoing(hooks, call)
+                headers = call.headers or None
+            rref_id, fork_id = register() if register is not None else (None, None)
+            request = Request(call_id, timeout, mode, target, rref_id, fork_id, headers)
+            pieces = encode_frame(request.to_fields(), payload, segments)
+        except BaseException:
+            self.shm.unlend(keep)  # no frame: no peer will give its shared chunks back
+            raise
         return call_id, target, pieces, keep, None if call is None else (hooks, call)
 
     def call_future(
@@ -469,6 +511,7 @@ class Agent:
             for pieces, call_id, keep in waiting:  # no await inside: the list stays as is
                 sent += 1
                 if call_id and call_id not in self.pending:
+                    self.shm.unlend(keep)
                     continue  # timed out or cancelled while waiting: the callee never runs it
                 conn.send(pieces, keep)
         except (ConnectionError, OSError) as exc:
@@ -548,6 +591,8 @@ class Agent:
             self.write(conn, encode_frame(Pong().to_fields(), b""))
         elif kind == Kind.PONG:
             pass  # its bytes were the sign of life the heartbeat looks for
+        elif isinstance(message, ShmMessage):
+            self.shm.on_message(conn.peer, message)
         elif isinstance(message, Goodbye):
             conn.goodbye = True
         else:
@@ -613,6 +658,7 @@ class Agent:
             self.counters.calls_failed += 1
             call.fail(lost)
         self.dispatcher.cancel_peer(rank)
+        self.shm.on_peer_lost(rank)
         if self.rrefs is not None:
             self.rrefs.on_peer_lost(rank)
 
@@ -678,6 +724,7 @@ class Agent:
             self._loopback.close()
         if self.rrefs is not None:
             self.rrefs.close()
+        self.shm.close()
         await asyncio.sleep(0)  # let the transports flush and call connection_lost
         self.pool.shutdown()
         await self.pool.stopped(timeout=1.0)
@@ -705,6 +752,7 @@ class Agent:
             "thread_pool_idle": self.pool.size - self.pool.busy,
             "loop_lag_ms": round(self.lag.last_ms, 3),
             "loop_lag_max_ms": round(self.lag.max_ms, 3),
+            **self.shm.stats(),
         }
 
     def debug_info(self) -> dict[str, Any]:

@@ -61,6 +61,12 @@ class RpcBackendOptions:
         listen_port: the port to listen on (0: any free one).
         unix_sockets: also listen on a Unix socket, and reach peers on the same host
             (same boot id and host name) through theirs, falling back to TCP. Off with TLS.
+        shared_memory: send large tensors to peers on the same host through shared memory
+            (one copy into a pooled memfd arena; the receiver maps it, no copy), once the
+            peer has shown it can map this worker's memory. Off with TLS.
+        shm_threshold: segments of at least this many bytes take shared memory.
+        shm_arena_bytes: bytes of shared memory this worker lends at most; a segment that
+            finds no room goes over the socket.
         advertise_host: the address other workers dial to reach this one, when it is not
             ``listen_host`` (listening on every interface, containers, NAT).
         advertise_port: the port they dial, when a proxy or NAT maps the listening port.
@@ -90,6 +96,9 @@ class RpcBackendOptions:
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
     unix_sockets: bool = True
+    shared_memory: bool = True
+    shm_threshold: int = 256 << 10
+    shm_arena_bytes: int = 1 << 30
     advertise_host: str | None = None
     advertise_port: int | None = None
     max_frame_size: int = 1 << 34

@@ -33,6 +33,8 @@ def _options(args: argparse.Namespace) -> asyncrpc.RpcBackendOptions:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_ca=args.tls_ca,
+        shared_memory=bool(args.shared_memory),
+        shm_arena_bytes=args.shm_arena_bytes,
     )
 
 
@@ -80,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tls-cert", default=None)
     parser.add_argument("--tls-key", default=None)
     parser.add_argument("--tls-ca", default=None)
+    parser.add_argument("--shared-memory", type=int, choices=(0, 1), default=1)
+    parser.add_argument("--shm-arena-bytes", type=int, default=1 << 30)
     parser.add_argument(
         "--import",
         dest="imports",

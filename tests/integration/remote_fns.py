@@ -455,3 +455,29 @@ def call_everyone(names: list[str]) -> int:
     me = asyncrpc.get_worker_info().name
     futures = {n: asyncrpc.rpc_async(n, whoami) for n in names if n != me}
     return sum(1 for n, f in futures.items() if f.wait() == n)
+
+
+# -- shared memory (tests/integration/test_shared_memory.py) -------------------------------
+
+
+def filled(numel: int, value: float) -> torch.Tensor:
+    return torch.full((numel,), value)
+
+
+def held_sums() -> list[float]:
+    return [float(t.sum()) for t in _held if isinstance(t, torch.Tensor)]
+
+
+def scale_in_place(t: torch.Tensor, factor: float) -> float:
+    """Write into a received tensor (shared memory is mapped writable) and sum it."""
+    t.mul_(factor)
+    return float(t.sum())
+
+
+def mapped_chunks_of(pid: int) -> int:
+    """How many of worker ``pid``'s shared-memory chunks this process maps now."""
+    import gc
+
+    gc.collect()
+    with open("/proc/self/maps") as maps:
+        return sum(1 for line in maps if f"asyncrpc-{pid}-" in line)

@@ -15,6 +15,8 @@ from asyncrpc.protocol.wire.messages import (
     RefMessage,
     Reply,
     Request,
+    ShmMessage,
+    ShmOp,
     decode_message,
 )
 
@@ -64,3 +66,19 @@ def test_decode_message_rejects_malformed_header_fields(headers: Any) -> None:
         fields = [Kind.REPLY, 3, None]
     with pytest.raises(RemoteProtocolError):
         decode_message(fields)
+
+
+def test_decode_message_shm_roundtrips_and_rejects_malformed() -> None:
+    for op in ShmOp:
+        message = ShmMessage(int(op), (1, 2, 3))
+        assert decode_message(message.to_fields()) == message
+    assert decode_message(ShmMessage(ShmOp.RELEASE, ()).to_fields()) == ShmMessage(3, ())
+    for bad in (
+        [Kind.SHM, 99, [1]],  # unknown op
+        [Kind.SHM, ShmOp.RELEASE, 7],  # not a list
+        [Kind.SHM, ShmOp.RELEASE, [1, "2"]],  # not integers
+        [Kind.SHM, ShmOp.RELEASE, [True]],  # a bool is not an id
+        [Kind.SHM, ShmOp.RELEASE],  # missing
+    ):
+        with pytest.raises(RemoteProtocolError):
+            decode_message(bad)

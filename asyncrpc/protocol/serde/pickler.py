@@ -37,13 +37,22 @@ from asyncrpc.protocol.serde.tensors import (
     reduce_tensor_fallback,
 )
 
-__all__ = ["PersistentDump", "PersistentLoad", "Serializer"]
+__all__ = ["PersistentDump", "PersistentLoad", "Place", "Serializer"]
 
 PersistentDump = Callable[[object, object], tuple[Any, ...] | None]
 """``persistent_dump(obj, context)``: a picklable tuple standing for ``obj``, or None."""
 
 PersistentLoad = Callable[[tuple[Any, ...], object], object]
 """``persistent_load(tuple, context)``: the object a ``persistent_dump`` tuple stands for."""
+
+Place = Callable[[list[Segment], list[object], object], list[Segment]]
+"""``place(segments, keepalive, context)``: where a pickled value's segments travel.
+
+Called once per ``dumps`` that made segments, after pickling succeeded; ``keepalive[i]``
+is the tensor whose memory ``segments[i]`` views. It returns the segments to send (the
+agent moves large ones into shared memory for a peer on the same host) and may append to
+``keepalive`` what must live as long as the frame.
+"""
 
 _PROTOCOL: Final = 5
 _Tensor = torch.Tensor
@@ -212,7 +221,14 @@ class Serializer:
     containers), then the reducer registry (exact type), then pickle's own rules.
     """
 
-    __slots__ = ("_buffers", "_inline_bytes", "_persistent_dump", "_persistent_load", "_reducers")
+    __slots__ = (
+        "_buffers",
+        "_inline_bytes",
+        "_persistent_dump",
+        "_persistent_load",
+        "_place",
+        "_reducers",
+    )
 
     def __init__(
         self,
@@ -221,6 +237,7 @@ class Serializer:
         persistent_dump: PersistentDump | None = None,
         persistent_load: PersistentLoad | None = None,
         inline_tensor_bytes: int = SMALL_TENSOR_BYTES,
+        place: Place | None = None,
     ) -> None:
         """Configure a serializer.
 
@@ -231,8 +248,11 @@ class Serializer:
             persistent_load: ``(tuple, context) -> obj``, the inverse on the receiver.
             inline_tensor_bytes: dense CPU tensors of at most this many bytes are copied
                 into the payload instead of travelling as segments; -1 for none.
+            place: decides where segments travel (see ``Place``); None sends them as they
+                are.
         """
         self._inline_bytes = inline_tensor_bytes
+        self._place = place
         self._buffers = ReceiveBuffers()
         self._reducers = (default_registry if reducers is None else reducers).table
         self._persistent_dump = persistent_dump
@@ -281,7 +301,10 @@ class Serializer:
             raise
         except Exception as exc:
             raise SerializationError(_describe_failure(pickler.last, exc)) from exc
-        return buffer.getvalue(), pickler.segments, pickler.keepalive
+        segments = pickler.segments
+        if segments and self._place is not None:
+            segments = self._place(segments, pickler.keepalive, context)
+        return buffer.getvalue(), segments, pickler.keepalive
 
     def loads(
         self,

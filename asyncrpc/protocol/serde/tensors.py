@@ -260,14 +260,17 @@ def import_tensor(descriptor: tuple[Any, ...], owner: object) -> torch.Tensor:
     Args:
         descriptor: the tuple ``export_tensor`` made.
         owner: what ``allocate`` returned for the segment (a uint8 tensor), or any
-            bytes-like object holding the segment.
+            bytes-like object holding the segment; an exception stands for a segment that
+            could not be received (e.g. shared memory that is gone) and is raised here.
 
     Returns:
         The tensor, an ``nn.Parameter`` when one was sent, with its requires_grad flag.
 
     Raises:
-        SerializationError: an unknown dtype name.
+        SerializationError: an unknown dtype name, or the segment could not be received.
     """
+    if isinstance(owner, BaseException):
+        raise SerializationError(f"a tensor could not be received: {owner}") from owner
     _, _, dtype_name, shape, stride, offset, requires_grad, is_param, device = descriptor
     dtype = _DTYPES.get(dtype_name)
     if dtype is None:

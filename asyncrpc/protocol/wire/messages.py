@@ -31,6 +31,8 @@ __all__ = [
     "RefOp",
     "Reply",
     "Request",
+    "ShmMessage",
+    "ShmOp",
     "decode_message",
     "optional_headers",
 ]
@@ -50,6 +52,7 @@ class Kind(IntEnum):
     AUTH = 9
     PING = 10
     PONG = 11
+    SHM = 12
 
 
 class CallMode(IntEnum):
@@ -66,6 +69,15 @@ class RefOp(IntEnum):
     FORK_ACCEPTED = 2
     CHILD_ACCEPTED = 3
     USER_DELETE = 4
+
+
+class ShmOp(IntEnum):
+    """What a SHM header says about shared memory (see asyncrpc/runtime/shm.py)."""
+
+    OFFER = 1  # values: the offerer's pid, and the fd, device and inode of its probe file
+    ANSWER = 2  # values: [1] when the offer's file could be opened and matched, else [0]
+    RELEASE = 3  # values: ids of chunks the receiver no longer uses (back to the arena)
+    RETIRE = 4  # values: ids of chunks the sender closed (the receiver unmaps them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +240,17 @@ class Pong:
         return [Kind.PONG]
 
 
+@dataclass(frozen=True, slots=True)
+class ShmMessage:
+    """Shared-memory bookkeeping between two workers on one host: an op and its integers."""
+
+    op: int
+    values: tuple[int, ...]
+
+    def to_fields(self) -> list[Any]:
+        return [Kind.SHM, int(self.op), list(self.values)]
+
+
 Message = (
     Hello
     | HelloReply
@@ -240,6 +263,7 @@ Message = (
     | Goodbye
     | Ping
     | Pong
+    | ShmMessage
 )
 
 
@@ -344,8 +368,19 @@ def _decode_ref(f: list[Any]) -> RefMessage:
     return RefMessage(op, _pair(f[2]), _pair(f[3]))
 
 
+def _decode_shm(f: list[Any]) -> ShmMessage:
+    op = _int(f[1])
+    if op not in _SHM_OPS:
+        raise ValueError(f"unknown shared-memory operation {op!r}")
+    values = f[2]
+    if type(values) is not list:
+        raise TypeError(f"expected a list of integers, got {values!r:.80}")
+    return ShmMessage(op, tuple(_int(v) for v in values))
+
+
 _CALL_MODES = frozenset(int(mode) for mode in CallMode)
 _REF_OPS = frozenset(int(op) for op in RefOp)
+_SHM_OPS = frozenset(int(op) for op in ShmOp)
 
 
 _DECODERS: dict[int, Any] = {
@@ -360,4 +395,5 @@ _DECODERS: dict[int, Any] = {
     Kind.AUTH: lambda f: Auth(_bytes(f[1])),
     Kind.PING: lambda f: Ping(),
     Kind.PONG: lambda f: Pong(),
+    Kind.SHM: _decode_shm,
 }
