@@ -22,6 +22,7 @@ from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inl
 from asyncrpc.protocol.serde import MissingReferenceError, Serializer, pack_exception
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import CallMode, ErrorReply, Reply, Request
+from asyncrpc.runtime.builtins import runs_on_loop
 from asyncrpc.runtime.future import Future
 from asyncrpc.runtime.metrics import Counters
 from asyncrpc.runtime.pipeline import IncomingCall, Pipeline
@@ -136,9 +137,11 @@ class Dispatcher:
                 return
         key = (peer, request.call_id)
         if is_coroutine_function(fn):
+            self._counters.calls_on_loop += 1
             coro = self._run_coroutine(conn, request, run, async_exec, args, kwargs)
             self._jobs[key] = self._loop.create_task(coro)
-        elif is_inline(fn):
+        elif is_inline(fn) or runs_on_loop(fn, args, kwargs):
+            self._counters.calls_on_loop += 1
             self._run_inline(conn, request, peer, run, async_exec, args, kwargs)
         else:
             try:

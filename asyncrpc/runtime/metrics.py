@@ -20,6 +20,7 @@ class Counters:
 
     calls_sent: int = 0
     calls_received: int = 0
+    calls_on_loop: int = 0  # requests run on the event loop (async def, inline, small ops)
     replies_sent: int = 0
     errors_sent: int = 0
     calls_failed: int = 0

@@ -183,3 +183,15 @@ def test_same_host_peers_talk_over_unix_sockets(group: Group) -> None:
     assert asyncrpc.rpc_sync("w3", fns.add, args=(1, 2)) == 3
     assert asyncrpc.get_metrics()["open_unix_connections"] >= 1
     assert asyncrpc.rpc_sync("w3", fns.metrics)["open_unix_connections"] >= 1
+
+
+def test_small_builtin_ops_run_on_the_callee_loop(group: Group) -> None:
+    """torch.add on small tensors skips the callee's pool; on large ones it does not."""
+    small, large = torch.arange(6.0).reshape(2, 3), torch.ones(1 << 16)
+    before = asyncrpc.rpc_sync("w1", fns.metrics)["calls_on_loop"]
+    assert torch.equal(asyncrpc.rpc_sync("w1", torch.add, args=(small, small)), small * 2)
+    assert asyncrpc.rpc_sync("w1", torch.add, args=(large, 1)).sum() == 2 * (1 << 16)
+    after = asyncrpc.rpc_sync("w1", fns.metrics)["calls_on_loop"]
+    assert after - before == 1  # the metrics calls themselves are plain def functions
+    with pytest.raises(RuntimeError):  # the op's own error, raised on the loop
+        asyncrpc.rpc_sync("w1", torch.add, args=(torch.ones(3), torch.ones(4)))
