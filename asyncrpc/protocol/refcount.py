@@ -414,6 +414,24 @@ class RefCounter:
         entry.local += 1
         return actions
 
+    def returned_home(self, rref_id: RRefId) -> list[Action]:
+        """This owner unpickled its own RRef, sent home by a user without a fork.
+
+        The user kept its own fork (see ``send_home``); the unpickled object counts as one
+        local handle, as in ``received_own``, and nobody waits for an acknowledgement.
+
+        Returns:
+            ``[]``, or ``[RRefLost(rref_id, self.rank)]`` with no handle added when the value
+            was already freed (only after a peer failure).
+        """
+        entry = self._owned.get(rref_id)
+        if entry is None:
+            if self._known_freed(rref_id):
+                return [RRefLost(rref_id, self.rank)]
+            entry = self._owned[rref_id] = _Owned(created=False)  # remote() still on its way
+        entry.local += 1
+        return []
+
     # -- user role -------------------------------------------------------------------------
 
     def new_user(self, rref_id: RRefId, owner: int) -> tuple[ForkId, list[Action]]:
@@ -438,6 +456,27 @@ class RefCounter:
         fork_id = self._next_fork_id()
         self._users[fork_id] = _UserFork(rref_id, owner, None, confirmed=False)
         return fork_id, []
+
+    def send_home(self, rref_id: RRefId, fork_id: ForkId) -> int:
+        """This user pickles its fork for the owner itself: no new fork is made.
+
+        The owner counts what it unpickles as a local handle (``returned_home``). Nothing
+        has to keep the value alive in between: this user's fork does, and its UserDelete
+        can only leave after the message that carries the RRef home (both go to the owner,
+        whose frames arrive in the order they were sent). That saves the fork's bookkeeping
+        on both sides and the owner's ChildAccepted.
+
+        Returns:
+            The owner's rank.
+
+        Raises:
+            LocalProtocolError: unknown or released fork, ``rref_id`` mismatch.
+            RRefOwnerLostError: the owner is gone.
+            RRefError: the fork timed out.
+        """
+        entry = self._usable(rref_id, fork_id)
+        self._check_alive(entry.owner)
+        return entry.owner
 
     def fork_from_user(self, rref_id: RRefId, parent_fork: ForkId, dest: int) -> ForkId:
         """This user pickles its fork ``parent_fork`` for ``dest`` (which may be the owner).

@@ -50,6 +50,7 @@ __all__ = ["RRefContext"]
 
 _log = logging.getLogger("asyncrpc.rref")
 _TAG = "asyncrpc.rref"
+_HOME_TAG = "asyncrpc.rref.home"  # a user's RRef pickled for its owner: no fork
 
 _TO_WIRE = {ForkRequest: RefOp.FORK_REQUEST, ForkAccepted: RefOp.FORK_ACCEPTED,
             ChildAccepted: RefOp.CHILD_ACCEPTED, UserDelete: RefOp.USER_DELETE}  # fmt: skip
@@ -251,15 +252,26 @@ class RRefContext:
         with self._lock:
             if obj._fork_id is None:
                 fork_id = self.counter.fork_from_owner(obj._rref_id, dest)
+            elif dest == obj._owner:
+                self.counter.send_home(obj._rref_id, obj._fork_id)
+                return (_HOME_TAG, *obj._rref_id)
             else:
                 fork_id = self.counter.fork_from_user(obj._rref_id, obj._fork_id, dest)
         return (_TAG, *obj._rref_id, *fork_id, obj._owner, self.agent.rank)
 
     def load(self, pid: tuple[Any, ...], sender: object) -> RRef[Any]:
         """The RRef a ``dump`` tuple stands for, unpickled here."""
+        me = self.agent.rank
+        if pid[0] == _HOME_TAG:
+            _tag, rw, rl = pid
+            rref_id = RRefId(rw, rl)
+            with self._lock:
+                actions = self.counter.returned_home(rref_id)
+            self.apply(actions)
+            value = self._values.setdefault(rref_id, Future(loop=self.loop))
+            return RRef._make(self, rref_id, None, me, value)
         _tag, rw, rl, fw, fl, owner, parent = pid
         rref_id, fork_id = RRefId(rw, rl), ForkId(fw, fl)
-        me = self.agent.rank
         with self._lock:
             if owner == me:
                 actions = self.counter.received_own(rref_id, fork_id, parent)

@@ -140,6 +140,42 @@ def test_RefCounter_user_sends_back_to_owner() -> None:
     assert net.settled()
 
 
+def test_RefCounter_user_sends_home_without_a_fork() -> None:
+    net = Router()
+    rref_id, fork = net.remote(caller=1, owner=0)
+    # Sent home before the confirmation arrived: the owner's entry exists already.
+    assert net.rc[1].send_home(rref_id, fork) == 0
+    assert net.rc[0].returned_home(rref_id) == []  # no ChildAccepted to wait for
+    net.drain()
+    net.apply(1, net.rc[1].release_user(fork))
+    assert net.kinds() == [UserDelete]  # not deferred: no pending child
+    net.drain()
+    assert net.freed == []  # the owner's local handle keeps it
+    net.apply(0, net.rc[0].drop_local_handle(rref_id))
+    assert net.freed == [rref_id]
+    assert net.settled()
+
+
+def test_RefCounter_send_home_refuses_unusable_forks_and_freed_values() -> None:
+    net = Router()
+    rref_id, fork = net.remote(caller=1, owner=0)
+    net.drain()
+    net.apply(1, net.rc[1].release_user(fork))
+    with pytest.raises(LocalProtocolError):
+        net.rc[1].send_home(rref_id, fork)  # released
+    net.drain()
+    assert net.freed == [rref_id]
+    # A late arrival at the owner after the value was freed: a dead handle, not a new entry.
+    lost = net.rc[0].returned_home(rref_id)
+    assert lost == [RRefLost(rref_id, 0)]
+    assert net.settled()
+    other, fork2 = net.remote(caller=2, owner=3)
+    net.drain()
+    net.apply(2, net.rc[2].peer_lost(3))
+    with pytest.raises(RRefOwnerLostError):
+        net.rc[2].send_home(other, fork2)
+
+
 def test_RefCounter_release_before_confirmation_defers_delete() -> None:
     net = Router()
     rref_id, fork = net.remote(caller=1, owner=0)
