@@ -9,7 +9,6 @@ SIGKILL of either side.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +31,7 @@ def _shm(metrics: dict[str, Any]) -> dict[str, int]:
 
 
 def _wait(condition: Any, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
+    return scenarios._poll(condition, timeout)
 
 
 @pytest.fixture
