@@ -212,7 +212,12 @@ class SharedMemory:
         else:
             sender.maps.move_to_end(chunk_id)
         owner = torch.frombuffer(view[:length], dtype=_UINT8)
-        weakref.finalize(owner.untyped_storage(), self._queue_release, rank, chunk_id, sender.epoch)
+        # The storage object outlives every view of it (torch keeps one Python object per
+        # storage), so this runs when the last tensor on the chunk dies, on that thread.
+        released = weakref.finalize(
+            owner.untyped_storage(), self._queue_release, rank, chunk_id, sender.epoch
+        )
+        released.atexit = False  # a process that is ending has nobody to tell
         self.segments_received += 1
         return owner, _EMPTY
 
