@@ -176,7 +176,7 @@ class RRefContext:
         call = self.agent.call_future(
             self.agent.rank, fn, args, kwargs, timeout, kind="remote", target=target
         )
-        call.add_done_callback(lambda done: self._settle(value, done))
+        call._add_callback(lambda done: self._settle(value, done))
         return RRef._make(self, rref_id, None, self.agent.rank, value)
 
     @staticmethod

@@ -175,7 +175,7 @@ class RRef(Generic[T]):
             call = ctx.call(self._owner, _fetch_forked, (self,), timeout, kind, _TO_HERE)
         # The callback holds this RRef until the reply: its release (a message behind the
         # fetch) must not let the owner free the value before the fetch has read it.
-        return call.then(functools.partial(_fetched, self.owner_name(), self))
+        return call._then(functools.partial(_fetched, self.owner_name(), self))
 
     def to_here(self, timeout: float = UNSET_RPC_TIMEOUT) -> T:
         """Fetch a copy of the value, blocking (torch's ``to_here``).
@@ -224,7 +224,7 @@ class _Proxy:
         if self._mode == "remote":
             return ctx.remote(rref._owner, _invoke_method, call_args, {}, self._timeout, target)
         future = ctx.call(rref._owner, _invoke_method, call_args, self._timeout, self._mode, target)
-        future = future.then(functools.partial(_owner_lost_as_rref_error, rref.owner_name()))
+        future = future._then(functools.partial(_owner_lost_as_rref_error, rref.owner_name()))
         return future if self._mode == "async" else future.wait()
 
 

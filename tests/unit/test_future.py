@@ -495,3 +495,49 @@ def test_Future_callbacks_added_while_completing_each_run_once() -> None:
         for thread in threads:
             thread.join(5)
         assert counts == [1] * 400
+
+
+# -- torch interoperability ---------------------------------------------------------------------
+
+
+def test_Future_is_a_torch_future() -> None:
+    assert isinstance(Future(), torch.futures.Future)
+
+
+def test_Future_works_with_torch_wait_all() -> None:
+    futs: list[Future[int]] = [Future() for _ in range(3)]
+    threads = [_complete_later(f, i, delay=0.01 * i) for i, f in enumerate(futs)]
+    assert torch.futures.wait_all(futs) == [0, 1, 2]
+    for thread in threads:
+        thread.join()
+
+
+def test_Future_error_raises_from_torch_wait_all() -> None:
+    ok: Future[int] = Future()
+    ok.set_result(1)
+    bad: Future[int] = Future()
+    bad.set_exception(BoomError("boom"))
+    with pytest.raises(BoomError, match="boom"):
+        torch.futures.wait_all([ok, bad])
+
+
+def test_Future_works_with_torch_collect_all() -> None:
+    futs: list[Future[int]] = [Future() for _ in range(2)]
+    collected = torch.futures.collect_all(futs)
+    assert not collected.done()
+    futs[0].set_result(5)
+    futs[1].set_result(6)
+    assert [f.wait() for f in collected.wait()] == [5, 6]
+
+
+def test_Future_pickling_is_refused_like_torch() -> None:
+    fut: Future[int] = Future()
+    with pytest.raises(RuntimeError, match=r"Can not pickle torch\.futures\.Future"):
+        pickle.dumps(fut)
+
+
+@pytest.mark.parametrize("register", ["then", "add_done_callback"])
+def test_Future_non_callable_callback_is_a_type_error(register: str) -> None:
+    fut: Future[int] = Future()
+    with pytest.raises(TypeError):
+        getattr(fut, register)(None)
