@@ -4,20 +4,26 @@ Every error says who broke what: protocol errors are split into ours (local) and
 peer's (remote); a connection we closed is a ``ClosedError``, one the network or the peer
 broke is a ``ConnectionLostError``. Timeouts also subclass the builtin ``TimeoutError`` and
 connection failures the builtin ``ConnectionError``, so generic handlers keep working.
+Where torch.distributed.rpc raises ``RuntimeError``, ours subclass ``RuntimeError`` too,
+and their messages carry torch's wording, so code written for torch
+(``except RuntimeError``, ``"..." in str(e)``) keeps working unchanged.
 Every error pickles, because errors travel between workers.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "AsyncExecutionError",
     "AsyncRpcError",
     "AuthenticationError",
     "AutogradContextError",
+    "BadDestinationError",
     "BlockingCallError",
     "ClosedError",
     "ConnectionLostError",
     "FrameTooLargeError",
     "FunctionNotFoundError",
+    "InitArgumentError",
     "InitError",
     "LocalProtocolError",
     "NotInitializedError",
@@ -33,6 +39,7 @@ __all__ = [
     "SerializationError",
     "ShutdownError",
     "UnknownWorkerError",
+    "WorkerNameError",
 ]
 
 
@@ -46,15 +53,24 @@ class AsyncRpcError(Exception):
 # -- lifecycle -----------------------------------------------------------------------------
 
 
-class InitError(AsyncRpcError):
+class InitError(AsyncRpcError, RuntimeError):
     """``init_rpc`` failed: bad options, duplicate name or rank, rendezvous trouble."""
+
+
+class InitArgumentError(InitError, TypeError):
+    """An ``init_rpc`` argument has the wrong type (a backend or options object asyncrpc
+    cannot use)."""
+
+
+class WorkerNameError(InitError, ValueError):
+    """A worker name is empty, too long, or has characters outside ``[A-Za-z0-9_:-]``."""
 
 
 class NotInitializedError(AsyncRpcError, RuntimeError):
     """An RPC API was used before ``init_rpc`` or after ``shutdown``."""
 
 
-class ShutdownError(AsyncRpcError):
+class ShutdownError(AsyncRpcError, RuntimeError):
     """A graceful shutdown could not complete (a peer died or the timeout ran out)."""
 
 
@@ -68,7 +84,7 @@ class BlockingCallError(AsyncRpcError, RuntimeError):
 # -- addressing and arguments --------------------------------------------------------------
 
 
-class UnknownWorkerError(AsyncRpcError, LookupError):
+class UnknownWorkerError(AsyncRpcError, LookupError, RuntimeError):
     """The destination names no worker of this group."""
 
     def __init__(self, worker: object, known: tuple[str, ...] = ()) -> None:
@@ -78,10 +94,23 @@ class UnknownWorkerError(AsyncRpcError, LookupError):
 
     def __str__(self) -> str:
         known = ", ".join(self.known) if self.known else "none"
-        return f"unknown worker {self.worker!r} (known workers: {known})"
+        return (
+            f"unknown worker {self.worker!r}: could not find destination in this group "
+            f"(known workers: {known})"
+        )
 
 
-class SerializationError(AsyncRpcError, TypeError):
+class BadDestinationError(UnknownWorkerError, ValueError):
+    """The destination is not a worker name, a rank or a ``WorkerInfo`` (a float, say)."""
+
+    def __str__(self) -> str:
+        return (
+            f"bad destination {self.worker!r}: pass a worker name, a rank or a WorkerInfo "
+            "(not a valid worker id)"
+        )
+
+
+class SerializationError(AsyncRpcError, TypeError, RuntimeError):
     """A value could not be pickled or unpickled.
 
     Raised at the caller, before anything is sent, for unpicklable arguments; sent back by
@@ -89,7 +118,12 @@ class SerializationError(AsyncRpcError, TypeError):
     """
 
 
-class FunctionNotFoundError(AsyncRpcError, LookupError):
+class AsyncExecutionError(AsyncRpcError, TypeError, RuntimeError):
+    """An ``@async_execution`` function returned something that is not a future or a
+    coroutine."""
+
+
+class FunctionNotFoundError(AsyncRpcError, LookupError, RuntimeError):
     """The callee could not import the function it was asked to run."""
 
     def __init__(self, function: str, worker: str, reason: str) -> None:
@@ -101,15 +135,15 @@ class FunctionNotFoundError(AsyncRpcError, LookupError):
     def __str__(self) -> str:
         return (
             f"function {self.function} cannot be found on worker {self.worker!r} "
-            f"({self.reason}); define it at module level in a module importable on both "
-            "the caller and the callee"
+            f"({self.reason}); the RPC pickler does not serialize function code: define it "
+            "at module level in a module importable on both the caller and the callee"
         )
 
 
 # -- remote failures -----------------------------------------------------------------------
 
 
-class RemoteError(AsyncRpcError):
+class RemoteError(AsyncRpcError, RuntimeError):
     """A remote exception that could not be rebuilt as its own type.
 
     Keeps the remote type's name, its message, the remote traceback and the worker.
@@ -124,12 +158,14 @@ class RemoteError(AsyncRpcError):
 
     def __str__(self) -> str:
         return (
-            f"{self.type_name}: {self.message} (raised on worker {self.remote_worker!r})\n"
+            f"{self.type_name}: {self.message} (raised on worker {self.remote_worker!r}; "
+            f"it could not be rebuilt here. Original exception on remote side was "
+            f"{self.type_name})\n"
             f"Remote traceback:\n{self.remote_traceback}"
         )
 
 
-class RpcTimeoutError(AsyncRpcError, TimeoutError):
+class RpcTimeoutError(AsyncRpcError, TimeoutError, RuntimeError):
     """A call did not finish within its limit. Names the worker, the function and the limit."""
 
     def __init__(self, worker: str, function: str, timeout: float) -> None:
@@ -140,18 +176,19 @@ class RpcTimeoutError(AsyncRpcError, TimeoutError):
 
     def __str__(self) -> str:
         return (
-            f"call to {self.function} on worker {self.worker!r} timed out after {self.timeout:g} s"
+            f"call to {self.function} on worker {self.worker!r} timed out after "
+            f"{self.timeout:g} s (RPC ran for more than the set timeout)"
         )
 
 
 # -- connections ---------------------------------------------------------------------------
 
 
-class ClosedError(AsyncRpcError, ConnectionError):
+class ClosedError(AsyncRpcError, ConnectionError, RuntimeError):
     """The connection or agent was closed by this side; nothing more can be sent on it."""
 
 
-class ConnectionLostError(AsyncRpcError, ConnectionError):
+class ConnectionLostError(AsyncRpcError, ConnectionError, RuntimeError):
     """The network or the peer broke the connection (the cause is chained)."""
 
 
@@ -246,5 +283,5 @@ class RRefTimeoutError(RRefError, TimeoutError):
     def __str__(self) -> str:
         return (
             f"remote() of {self.function} on worker {self.owner!r} timed out after "
-            f"{self.timeout:g} s; this RRef is unusable"
+            f"{self.timeout:g} s (RPC ran for more than the set timeout); this RRef is unusable"
         )

@@ -41,7 +41,7 @@ from asyncrpc.protocol.refcount import (
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import RefMessage, RefOp, Request
 from asyncrpc.rref.handle import RRef
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.future import Future, collect_all
 from asyncrpc.runtime.options import RpcBackendOptions, WorkerInfo
 from asyncrpc.runtime.pending import describe_function
 from asyncrpc.runtime.threadpool import WorkerPool
@@ -106,6 +106,11 @@ class RRefContext:
         self._values: dict[RRefId, Future[Any]] = {}
         self._lost: dict[RRefId, int] = {}
         self._timed_out: dict[ForkId, RRefTimeoutError] = {}
+        # Forks received from a worker other than the owner, until the owner accepts them
+        # (by owner rank); `_loaded` lists those of the request being unpickled, so that
+        # the dispatcher runs it once they are confirmed, as torch does.
+        self._confirming: dict[ForkId, tuple[int, Future[None]]] = {}
+        self._loaded: list[Future[None]] = []
         self.closed = False
 
     # -- creating --------------------------------------------------------------------------
@@ -265,6 +270,10 @@ class RRefContext:
                 actions = self.counter.received_own(rref_id, fork_id, parent)
             else:
                 actions = self.counter.received_user(rref_id, fork_id, owner, parent)
+                if parent != owner and fork_id not in self._confirming:
+                    confirming: Future[None] = Future(loop=self.loop)
+                    self._confirming[fork_id] = (owner, confirming)
+                    self._loaded.append(confirming)
         self.apply(actions)
         if owner == me:
             value = self._values.setdefault(rref_id, Future(loop=self.loop))
@@ -302,12 +311,29 @@ class RRefContext:
         ref_message = cls(RRefId(*message.rref_id), ForkId(*message.fork_id))
         with self._lock:
             actions = self.counter.on_message(peer, ref_message)
+            confirmed = None
+            if cls is ForkAccepted:
+                confirmed = self._confirming.pop(ref_message.fork_id, None)
         self.apply(actions)
+        if confirmed is not None:
+            confirmed[1]._try_set_result(None)
 
     def on_peer_lost(self, rank: int) -> None:
         with self._lock:
             actions = self.counter.peer_lost(rank)
+            lost = [fork for fork, (owner, _) in self._confirming.items() if owner == rank]
+            waiting = [self._confirming.pop(fork)[1] for fork in lost]
         self.apply(actions)
+        for confirming in waiting:  # the calls run, and meet the owner's loss themselves
+            confirming._try_set_result(None)
+
+    def take_unconfirmed(self) -> Future[Any] | None:
+        """A future done once every fork unpickled since the last call is confirmed by its
+        owner, or None if all are (the dispatcher runs a request's function after that)."""
+        with self._lock:
+            loaded, self._loaded = self._loaded, []
+        pending = [f for f in loaded if not f.done()]
+        return collect_all(pending) if pending else None
 
     def apply(self, actions: list[Action]) -> None:
         """Carry out the state machine's actions, on the loop thread (now, if this is it)."""
@@ -354,7 +380,10 @@ class RRefContext:
         if lost is not None:
             raise RRefOwnerLostError(self.agent.worker_info(lost).name, "the owner died")
         if self.closed:
-            raise RRefError(f"worker {self.agent.name!r} is shut down")
+            raise RRefError(
+                f"worker {self.agent.name!r} is shut down and this RRef was deleted with it: "
+                "Cannot call to_here() on it after deletion."
+            )
 
     def confirmed(self, rref: RRef[Any]) -> bool:
         if rref._fork_id is None:
@@ -400,6 +429,11 @@ class RRefContext:
 
     def close(self) -> None:
         self.closed = True
+        with self._lock:
+            waiting = [confirming for _, confirming in self._confirming.values()]
+            self._confirming.clear()
+        for confirming in waiting:
+            confirming._try_set_result(None)
         error = RRefError(f"worker {self.agent.name!r} shut down")
         for value in self._values.values():
             if not value.done():

@@ -586,14 +586,18 @@ class _MayBlock:
 
 def _check_callable(callback: object) -> None:
     if not callable(callback):
-        raise TypeError(f"a Future callback must be callable, got {type(callback).__name__}")
+        raise TypeError(
+            f"a Future callback must be callable, got {type(callback).__name__} "
+            "(incompatible function arguments.)"
+        )
 
 
 def _caller_may_block(loop: asyncio.AbstractEventLoop | None) -> bool:
     # The rule for callbacks: registered where no event loop runs (plain synchronous code,
     # a pool thread) while the agent runs, a callback may block, so it does not run on the
-    # agent loop. Callbacks of futures with their own loop= always run on that loop.
-    return loop is None and _default_loop is not None and _running_loop() is None
+    # agent loop. Callbacks of futures bound to another loop always run on that loop.
+    default = _default_loop
+    return default is not None and (loop is None or loop is default) and _running_loop() is None
 
 
 def _callback_pool() -> concurrent.futures.ThreadPoolExecutor:
