@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import types
+import weakref
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from functools import partial
 from typing import Any, TypeAlias, TypeVar, cast, overload
@@ -127,7 +128,8 @@ class Future(torch.futures.Future[T]):
     no loop, in the completing thread right after completion. Those registered from
     synchronous code (no running loop in the thread) while the agent runs go to a thread pool
     instead, where they may block on other futures, as torch's callbacks may; among
-    themselves they keep registration order.
+    themselves they keep registration order. A future made with another ``loop=`` than
+    the agent's runs every callback on that loop.
     """
 
     # _value holds the result or the exception (the state says which); _tb is the traceback the
@@ -324,10 +326,14 @@ class Future(torch.futures.Future[T]):
     def _complete_torch(self, state: int, value: object) -> None:
         # Complete the C future before waking anyone: whoever sees ours done may hand it to
         # torch.futures.wait_all, which waits on the C side. torch stores an exception as the
-        # value plus an unwrap function that raises it (as torch.futures.Future does).
+        # value plus an unwrap function that raises it (as torch.futures.Future does). Ours
+        # stores a weak reference to this future instead of the exception: what C++ holds
+        # is invisible to the garbage collector, and an exception's traceback often leads
+        # back here (frames holding this future, or RRefs), a cycle never collected.
         try:
             if state == _EXCEPTION:
-                _c_set_unwrap(self, _raise_value)
+                _c_set_unwrap(self, _raise_stored)
+                value = weakref.ref(self)
             _c_set_result(self, value)
         except Exception:  # only if somebody completed the C side behind our back
             logger.exception("could not complete the torch side of %r", self)
@@ -630,9 +636,12 @@ def _submit(invoke: Callable[[Any], None], callbacks: list[Any]) -> None:
         invoke(callbacks)
 
 
-def _raise_value(exc: BaseException) -> None:
+def _raise_stored(ref: weakref.ref[Future[Any]]) -> None:
     # torch's unwrap function for a future holding an exception: waiting on it raises it.
-    raise exc
+    fut = ref()
+    if fut is None:  # only C++ holds the future now: nobody waits on it in Python
+        raise RuntimeError("the asyncrpc future that failed was garbage-collected")
+    fut.value()
 
 
 def _wake_waiter(waiter: asyncio.Future[None]) -> None:

@@ -9,6 +9,7 @@ import pickle
 import threading
 import time
 import warnings
+import weakref
 from functools import partial
 from typing import Any
 
@@ -541,3 +542,14 @@ def test_Future_non_callable_callback_is_a_type_error(register: str) -> None:
     fut: Future[int] = Future()
     with pytest.raises(TypeError):
         getattr(fut, register)(None)
+
+
+def test_Future_failed_with_an_exception_referring_to_it_is_collected() -> None:
+    # The exception leads back to the future (as tracebacks do through frames): C++ must not
+    # hold the exception, or the garbage collector could never free the pair.
+    fut: Future[int] = Future()
+    fut.set_exception(BoomError(fut))
+    ref = weakref.ref(fut)
+    del fut
+    gc.collect()
+    assert ref() is None
