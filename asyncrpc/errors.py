@@ -12,6 +12,8 @@ Every error pickles, because errors travel between workers.
 
 from __future__ import annotations
 
+from typing import cast
+
 __all__ = [
     "AsyncExecutionError",
     "AsyncRpcError",
@@ -19,6 +21,7 @@ __all__ = [
     "AutogradContextError",
     "BadDestinationError",
     "BlockingCallError",
+    "CallbackError",
     "ClosedError",
     "ConnectionLostError",
     "FrameTooLargeError",
@@ -40,6 +43,7 @@ __all__ = [
     "ShutdownError",
     "UnknownWorkerError",
     "WorkerNameError",
+    "as_callback_error",
 ]
 
 
@@ -248,6 +252,62 @@ class FrameTooLargeError(RemoteProtocolError):
 
 
 # -- remote references ---------------------------------------------------------------------
+
+
+class CallbackError(AsyncRpcError, RuntimeError):
+    """Base of what a ``Future.then`` callback's exception becomes: torch reports those as
+    ``RuntimeError``. ``as_callback_error`` makes a copy that is both a ``RuntimeError`` and
+    an instance of the exception's own type (``except TypeError`` still catches it); the
+    original is its ``__cause__``."""
+
+
+_callback_types: dict[type, type[BaseException]] = {}
+
+
+def as_callback_error(exc: BaseException) -> BaseException:
+    """Return ``exc`` as torch reports a callback's exception: also a ``RuntimeError``.
+
+    A ``RuntimeError`` (or a ``BaseException`` that is no ``Exception``) is returned as is.
+    Otherwise the copy's class derives from both ``type(exc)`` and ``CallbackError``,
+    keeps ``args``, attributes, message and traceback, and pickles as that pair.
+    """
+    if isinstance(exc, RuntimeError) or not isinstance(exc, Exception):
+        return exc
+    try:
+        copy = _rebuild_callback_error(type(exc), exc.args, getattr(exc, "__dict__", {}))
+    except Exception:  # a class that cannot be paired (a layout conflict, a strict __new__)
+        return exc
+    copy.__cause__ = exc
+    copy.__suppress_context__ = True
+    return copy.with_traceback(exc.__traceback__)
+
+
+def _callback_type(cls: type) -> type[BaseException]:
+    dual = _callback_types.get(cls)
+    if dual is None:
+        namespace = {"__module__": cls.__module__, "__reduce__": _reduce_callback_error}
+        dual = cast("type[BaseException]", type(cls.__name__, (cls, CallbackError), namespace))
+        dual.__qualname__ = cls.__qualname__
+        _callback_types[cls] = dual
+    return dual
+
+
+def _reduce_callback_error(self: BaseException) -> tuple[object, ...]:
+    original = type(self).__mro__[1]
+    return (_rebuild_callback_error, (original, self.args, dict(self.__dict__)))
+
+
+def _rebuild_callback_error(
+    cls: type, args: tuple[object, ...], state: dict[str, object]
+) -> BaseException:
+    dual = _callback_type(cls)
+    try:
+        copy: BaseException = dual(*args)  # __init__ sets what str() reads
+    except Exception:  # an __init__ that does not take its own args back
+        copy = dual.__new__(dual, *args)
+        copy.args = args
+    copy.__dict__.update(state)
+    return copy
 
 
 class AutogradContextError(AsyncRpcError, RuntimeError):

@@ -126,6 +126,13 @@ class RRef(Generic[T]):
         role = "OwnerRRef" if self.is_owner() else "UserRRef"
         return f"{role}(rref_id={tuple(self._rref_id)}, owner={self.owner_name()!r})"
 
+    def __str__(self) -> str:
+        # torch's text for its RRefs, which code written for torch may parse or print.
+        rref_id = _guid(self._rref_id)
+        if self._fork_id is None:
+            return f"OwnerRRef({rref_id})"
+        return f"UserRRef(RRefId = {rref_id}, ForkId = {_guid(self._fork_id)})"
+
     # -- identity --------------------------------------------------------------------------
 
     def id(self) -> tuple[int, int]:
@@ -158,8 +165,11 @@ class RRef(Generic[T]):
             The exception that creating the value raised.
         """
         if self._value is None:
+            me, owner = self._ctx.worker_info(self._ctx.rank), self.owner()
             raise RRefError(
-                f"local_value() is for the owner; this RRef is owned by {self.owner_name()!r}"
+                f"local_value() is for the owner; this RRef is owned by {owner.name!r} (For "
+                f"UserRRef(rref_id={_guid(self._rref_id)}, fork_id={_guid(self._fork_id)}), "
+                f"can't call localValue() on user {me}. Call it on owner {owner})"
             )
         return self._value.wait()
 
@@ -323,6 +333,11 @@ async def _fetch_forked(rref: RRef[Any]) -> Any:
     assert value is not None
     del rref  # see _owner_value: no frame of a failing fetch may hold the handle
     return await _owner_value(value)
+
+
+def _guid(key: RRefId | ForkId | None) -> str:
+    # An id as torch prints its GloballyUniqueId.
+    return "None" if key is None else f"GloballyUniqueId(created_on={key[0]}, local_id={key[1]})"
 
 
 def _type_of(done: Future[Any]) -> type:

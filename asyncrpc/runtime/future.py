@@ -19,7 +19,12 @@ from typing import Any, TypeAlias, TypeVar, cast, overload
 import torch
 import torch.futures
 
-from asyncrpc.errors import AsyncRpcError, BlockingCallError, NotInitializedError
+from asyncrpc.errors import (
+    AsyncRpcError,
+    BlockingCallError,
+    NotInitializedError,
+    as_callback_error,
+)
 
 __all__ = [
     "Future",
@@ -460,7 +465,9 @@ class Future(torch.futures.Future[T]):
     def then(self, callback: Callable[[Future[T]], Any]) -> Future[Any]:
         """Return a future of ``callback(self)``, run like any done callback.
 
-        If the callback raises, the new future holds that exception. If it returns a future
+        If the callback raises, the new future holds that exception, made a ``RuntimeError``
+        too as torch reports it (``errors.as_callback_error``: still an instance of its own
+        type, the original as its cause). If it returns a future
         (ours, ``torch.futures.Future``, asyncio or concurrent.futures) or a coroutine, the new
         future completes with that one's outcome: never a future of a future.
 
@@ -477,14 +484,14 @@ class Future(torch.futures.Future[T]):
         """
         _check_callable(callback)
         child: Future[Any] = Future(loop=self._loop)
-        job = partial(_run_then, callback, child)
+        job = partial(_run_then, callback, child, as_callback_error)
         self._add_callback(_MayBlock(job) if _caller_may_block(self._loop) else job)
         return child
 
     def _then(self, callback: Callable[[Future[T]], Any]) -> Future[Any]:
         # Internal `then`: the callback runs on the callback loop whoever registers it.
         child: Future[Any] = Future(loop=self._loop)
-        self._add_callback(partial(_run_then, callback, child))
+        self._add_callback(partial(_run_then, callback, child, None))
         return child
 
     def _copy_from(self, source: Future[Any]) -> None:
@@ -663,12 +670,15 @@ def _set_waiter(waiter: asyncio.Future[None]) -> None:
 
 
 def _run_then(
-    callback: Callable[[Future[Any]], object], child: Future[Any], parent: Future[Any]
+    callback: Callable[[Future[Any]], object],
+    child: Future[Any],
+    convert: Callable[[BaseException], BaseException] | None,
+    parent: Future[Any],
 ) -> None:
     try:
         outcome = callback(parent)
     except BaseException as exc:
-        child._try_set_exception(exc)
+        child._try_set_exception(exc if convert is None else convert(exc))
         if isinstance(exc, SystemExit | KeyboardInterrupt):
             raise
         return

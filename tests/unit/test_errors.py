@@ -45,6 +45,7 @@ RUNTIME_ERRORS = [
     "PeerLostError",
     "RRefError",
     "RRefTimeoutError",
+    "CallbackError",
 ]
 
 
@@ -53,7 +54,10 @@ def _make(name: str) -> BaseException:
     return cls(*SAMPLES.get(name, ("detail",)))  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("name", errors.__all__)
+ERROR_NAMES = [name for name in errors.__all__ if name[0].isupper()]
+
+
+@pytest.mark.parametrize("name", ERROR_NAMES)
 def test_error_pickles_with_its_type_and_text(name: str) -> None:
     exc = _make(name)
     back = pickle.loads(pickle.dumps(exc))
@@ -121,3 +125,33 @@ def test_coerce_options_takes_ours_and_torchs() -> None:
     assert coerce_options(ours) is ours
     theirs = torch_rpc.TensorPipeRpcBackendOptions(init_method="tcp://127.0.0.1:2")
     assert coerce_options(theirs).init_method == "tcp://127.0.0.1:2"
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        TypeError("bad arg"),
+        KeyError("k"),
+        OSError(2, "gone"),
+        UnicodeDecodeError("utf-8", b"x", 0, 1, "no"),
+    ],
+)
+def test_as_callback_error_is_both_types_and_pickles(exc: Exception) -> None:
+    dual = errors.as_callback_error(exc)
+    assert isinstance(dual, type(exc))
+    assert isinstance(dual, RuntimeError)
+    assert isinstance(dual, errors.CallbackError)
+    assert str(dual) == str(exc)
+    assert dual.__cause__ is exc
+    back = pickle.loads(pickle.dumps(dual))
+    assert type(back) is type(dual)
+    assert str(back) == str(exc)
+
+
+def test_as_callback_error_leaves_runtime_errors_and_base_exceptions() -> None:
+    runtime = ValueError("v")
+    assert errors.as_callback_error(runtime) is not runtime
+    same = RuntimeError("r")
+    assert errors.as_callback_error(same) is same
+    interrupt = KeyboardInterrupt()
+    assert errors.as_callback_error(interrupt) is interrupt
