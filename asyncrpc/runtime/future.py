@@ -115,7 +115,9 @@ def check_not_blocking_loop() -> None:
     if tid is not None and tid == threading.get_ident():
         raise BlockingCallError(
             "a blocking call (Future.wait, wait_all, rpc_sync...) was made on the agent's event "
-            "loop thread; it would deadlock: await the future instead"
+            "loop thread; it would deadlock: await the future instead (a then() callback "
+            "registered from async code runs on this loop; one registered from synchronous "
+            "code runs on a thread pool, where it may block)"
         )
 
 
@@ -546,7 +548,7 @@ class Future(torch.futures.Future[T]):
         (torch only stores ``Exception``s), its cause the ``CancelledError``.
         """
         tfut: torch.futures.Future[T] = torch.futures.Future()
-        self.add_done_callback(partial(_copy_to_torch, tfut))
+        self._add_callback(partial(_copy_to_torch, tfut))
         return tfut
 
     @classmethod
