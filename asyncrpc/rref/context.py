@@ -95,6 +95,11 @@ class RRefHost(Protocol):
     def run_on_loop(self, fn: Callable[..., Any], *args: Any) -> None: ...
 
 
+# Forks unpickled outside requests (in replies) pile up in RRefContext._loaded until the
+# next request; past this many, the confirmed ones are dropped.
+_LOADED_LIMIT = 256
+
+
 class RRefContext:
     """Owner values and reference bookkeeping of one agent."""
 
@@ -273,6 +278,8 @@ class RRefContext:
                 if parent != owner and fork_id not in self._confirming:
                     confirming: Future[None] = Future(loop=self.loop)
                     self._confirming[fork_id] = (owner, confirming)
+                    if len(self._loaded) >= _LOADED_LIMIT:  # no request took them: replies
+                        self._loaded = [f for f in self._loaded if not f.done()]
                     self._loaded.append(confirming)
         self.apply(actions)
         if owner == me:
