@@ -241,6 +241,28 @@ class RRef(Generic[T]):
             self._type = fut
         return fut.wait() if blocking else fut
 
+    def _get_future(self) -> Future[None]:
+        """A future done once the owner has made the value (torch's ``RRef._get_future``).
+
+        Returns:
+            A Future of None; it fails as making the value failed (a timed-out ``remote()``
+            fails it with ``RRefTimeoutError``). No copy of the value travels.
+
+        Cancellation: cancelling it leaves the value be.
+        """
+        if self._value is not None:
+            return self._value._then(_made)
+        try:
+            self._ctx.check_usable(self)
+        except RRefError as exc:
+            failed: Future[None] = Future()
+            failed.set_exception(exc)
+            return failed
+        call = self._ctx.call(
+            self._owner, _made_on_owner, (self,), UNSET_RPC_TIMEOUT, "async", "RRef._get_future"
+        )
+        return call._then(functools.partial(_owner_lost_as_rref_error, self.owner_name()))
+
     # -- proxies ---------------------------------------------------------------------------
 
     def rpc_sync(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
@@ -338,6 +360,20 @@ async def _fetch_forked(rref: RRef[Any]) -> Any:
 def _guid(key: RRefId | ForkId | None) -> str:
     # An id as torch prints its GloballyUniqueId.
     return "None" if key is None else f"GloballyUniqueId(created_on={key[0]}, local_id={key[1]})"
+
+
+def _made(done: Future[Any]) -> None:
+    exc = done.exception()
+    if exc is not None:  # a copy: the stored exception is shared (see _owner_value)
+        raise copy.copy(exc).with_traceback(None) from None
+
+
+async def _made_on_owner(rref: RRef[Any]) -> None:
+    """Runs on the owner: returns once the value behind ``rref`` is made."""
+    value = rref._value
+    assert value is not None
+    del rref  # see _owner_value
+    await _owner_value(value)
 
 
 def _type_of(done: Future[Any]) -> type:
