@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-fast lint bench bench-full example check clean
+.PHONY: install test test-fast lint bench bench-full example check clean conformance conformance-ci
 
 $(STAMP): pyproject.toml .ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,10 +28,19 @@ bench: $(STAMP)
 bench-full: $(STAMP)
 	$(PY) -m asyncrpc.bench --json bench/results.json
 
+# torch's own RPC test suites (RpcTest and its examples) against asyncrpc; see
+# tests/conformance/. Fails on a failure not in expected_failures.txt and on a listed pass.
+conformance: $(STAMP)
+	$(PY) -m tests.conformance.run --json conformance-report.json
+
+# The fixed subset CI runs (tests/conformance/ci_subset.txt, about a minute).
+conformance-ci: $(STAMP)
+	$(PY) -m tests.conformance.run --ci --json conformance-report.json
+
 example: $(STAMP)
 	$(PY) -m examples.parameter_server
 
-check: lint test
+check: lint test conformance-ci
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache conformance-report.json

@@ -23,11 +23,14 @@ from asyncrpc.api import (
     worker,
 )
 from asyncrpc.errors import (
+    AsyncExecutionError,
     AsyncRpcError,
+    BadDestinationError,
     BlockingCallError,
     ClosedError,
     ConnectionLostError,
     FunctionNotFoundError,
+    InitArgumentError,
     InitError,
     NotInitializedError,
     PeerLostError,
@@ -42,6 +45,7 @@ from asyncrpc.errors import (
     SerializationError,
     ShutdownError,
     UnknownWorkerError,
+    WorkerNameError,
 )
 from asyncrpc.protocol.serde import register_reducer
 from asyncrpc.rref.handle import RRef
@@ -49,12 +53,15 @@ from asyncrpc.runtime.future import Future, collect_all, wait_all
 from asyncrpc.runtime.options import RpcBackendOptions, WorkerInfo
 
 __all__ = [
+    "AsyncExecutionError",
     "AsyncRpcError",
+    "BadDestinationError",
     "BlockingCallError",
     "ClosedError",
     "ConnectionLostError",
     "FunctionNotFoundError",
     "Future",
+    "InitArgumentError",
     "InitError",
     "NotInitializedError",
     "PeerLostError",
@@ -72,6 +79,7 @@ __all__ = [
     "ShutdownError",
     "UnknownWorkerError",
     "WorkerInfo",
+    "WorkerNameError",
     "call",
     "collect_all",
     "functions",

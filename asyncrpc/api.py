@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from typing import Any, ParamSpec, TypeVar, overload
 
 from asyncrpc.autograd import AutogradHook
-from asyncrpc.errors import BlockingCallError, InitError
+from asyncrpc.errors import BlockingCallError, InitArgumentError, InitError
 from asyncrpc.profiling import ProfilingHook
 from asyncrpc.rref.context import RRefContext
 from asyncrpc.rref.handle import RRef, current_rrefs
@@ -26,6 +26,7 @@ from asyncrpc.runtime.options import (
     UNSET_RPC_TIMEOUT,
     RpcBackendOptions,
     WorkerInfo,
+    check_worker_name,
     coerce_options,
 )
 
@@ -55,9 +56,15 @@ _lifecycle_lock = threading.Lock()
 
 
 def _check_name(name: str, backend: object) -> None:
-    if not isinstance(name, str) or not name:
-        raise InitError(f"worker name must be a non-empty string, got {name!r}")
-    if backend is not None and "TENSORPIPE" not in str(backend).upper():
+    check_worker_name(name)
+    if backend is None:
+        return
+    if type(backend).__name__ != "BackendType":  # torch's enum; a plain string is refused
+        raise InitArgumentError(
+            f"Argument backend must be a member of BackendType (torch's "
+            f"BackendType.TENSORPIPE) or None, got {type(backend).__name__}"
+        )
+    if "TENSORPIPE" not in str(backend).upper():
         raise InitError(f"unsupported backend {backend!r}: asyncrpc has one backend")
 
 
@@ -83,11 +90,11 @@ def init_rpc(
             already running in this process.
     """
     _check_name(name, backend)
-    options = coerce_options(rpc_backend_options)
+    options = coerce_options(rpc_backend_options, backend)
     with _lifecycle_lock:
         current = _peek_agent()
         if current is not None:
-            raise InitError(f"this process already runs worker {current.name!r}")
+            raise InitError(f"RPC is already initialized: this process runs {current.name!r}")
         thread = LoopThread(name=f"asyncrpc-{name}")
         try:
             agent = thread.run(_start(name, rank, world_size, options))
@@ -110,9 +117,9 @@ async def init_rpc_async(
     what was opened.
     """
     _check_name(name, backend)
-    options = coerce_options(rpc_backend_options)
+    options = coerce_options(rpc_backend_options, backend)
     if _peek_agent() is not None:
-        raise InitError(f"this process already runs worker {current_agent().name!r}")
+        raise InitError(f"RPC is already initialized: this process runs {current_agent().name!r}")
     await _start(name, rank, world_size, options)
 
 

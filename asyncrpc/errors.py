@@ -4,20 +4,29 @@ Every error says who broke what: protocol errors are split into ours (local) and
 peer's (remote); a connection we closed is a ``ClosedError``, one the network or the peer
 broke is a ``ConnectionLostError``. Timeouts also subclass the builtin ``TimeoutError`` and
 connection failures the builtin ``ConnectionError``, so generic handlers keep working.
+Where torch.distributed.rpc raises ``RuntimeError``, ours subclass ``RuntimeError`` too,
+and their messages carry torch's wording, so code written for torch
+(``except RuntimeError``, ``"..." in str(e)``) keeps working unchanged.
 Every error pickles, because errors travel between workers.
 """
 
 from __future__ import annotations
 
+from typing import cast
+
 __all__ = [
+    "AsyncExecutionError",
     "AsyncRpcError",
     "AuthenticationError",
     "AutogradContextError",
+    "BadDestinationError",
     "BlockingCallError",
+    "CallbackError",
     "ClosedError",
     "ConnectionLostError",
     "FrameTooLargeError",
     "FunctionNotFoundError",
+    "InitArgumentError",
     "InitError",
     "LocalProtocolError",
     "NotInitializedError",
@@ -33,6 +42,8 @@ __all__ = [
     "SerializationError",
     "ShutdownError",
     "UnknownWorkerError",
+    "WorkerNameError",
+    "as_callback_error",
 ]
 
 
@@ -46,15 +57,24 @@ class AsyncRpcError(Exception):
 # -- lifecycle -----------------------------------------------------------------------------
 
 
-class InitError(AsyncRpcError):
+class InitError(AsyncRpcError, RuntimeError):
     """``init_rpc`` failed: bad options, duplicate name or rank, rendezvous trouble."""
+
+
+class InitArgumentError(InitError, TypeError):
+    """An ``init_rpc`` argument has the wrong type (a backend or options object asyncrpc
+    cannot use)."""
+
+
+class WorkerNameError(InitError, ValueError):
+    """A worker name is empty, too long, or has characters outside ``[A-Za-z0-9_:-]``."""
 
 
 class NotInitializedError(AsyncRpcError, RuntimeError):
     """An RPC API was used before ``init_rpc`` or after ``shutdown``."""
 
 
-class ShutdownError(AsyncRpcError):
+class ShutdownError(AsyncRpcError, RuntimeError):
     """A graceful shutdown could not complete (a peer died or the timeout ran out)."""
 
 
@@ -68,7 +88,7 @@ class BlockingCallError(AsyncRpcError, RuntimeError):
 # -- addressing and arguments --------------------------------------------------------------
 
 
-class UnknownWorkerError(AsyncRpcError, LookupError):
+class UnknownWorkerError(AsyncRpcError, LookupError, RuntimeError):
     """The destination names no worker of this group."""
 
     def __init__(self, worker: object, known: tuple[str, ...] = ()) -> None:
@@ -78,10 +98,23 @@ class UnknownWorkerError(AsyncRpcError, LookupError):
 
     def __str__(self) -> str:
         known = ", ".join(self.known) if self.known else "none"
-        return f"unknown worker {self.worker!r} (known workers: {known})"
+        return (
+            f"unknown worker {self.worker!r}: could not find destination in this group "
+            f"(known workers: {known})"
+        )
 
 
-class SerializationError(AsyncRpcError, TypeError):
+class BadDestinationError(UnknownWorkerError, ValueError):
+    """The destination is not a worker name, a rank or a ``WorkerInfo`` (a float, say)."""
+
+    def __str__(self) -> str:
+        return (
+            f"bad destination {self.worker!r}: pass a worker name, a rank or a WorkerInfo "
+            "(not a valid worker id)"
+        )
+
+
+class SerializationError(AsyncRpcError, TypeError, RuntimeError):
     """A value could not be pickled or unpickled.
 
     Raised at the caller, before anything is sent, for unpicklable arguments; sent back by
@@ -89,7 +122,12 @@ class SerializationError(AsyncRpcError, TypeError):
     """
 
 
-class FunctionNotFoundError(AsyncRpcError, LookupError):
+class AsyncExecutionError(AsyncRpcError, TypeError, RuntimeError):
+    """An ``@async_execution`` function returned something that is not a future or a
+    coroutine."""
+
+
+class FunctionNotFoundError(AsyncRpcError, LookupError, RuntimeError):
     """The callee could not import the function it was asked to run."""
 
     def __init__(self, function: str, worker: str, reason: str) -> None:
@@ -101,15 +139,15 @@ class FunctionNotFoundError(AsyncRpcError, LookupError):
     def __str__(self) -> str:
         return (
             f"function {self.function} cannot be found on worker {self.worker!r} "
-            f"({self.reason}); define it at module level in a module importable on both "
-            "the caller and the callee"
+            f"({self.reason}); the RPC pickler does not serialize function code: define it "
+            "at module level in a module importable on both the caller and the callee"
         )
 
 
 # -- remote failures -----------------------------------------------------------------------
 
 
-class RemoteError(AsyncRpcError):
+class RemoteError(AsyncRpcError, RuntimeError):
     """A remote exception that could not be rebuilt as its own type.
 
     Keeps the remote type's name, its message, the remote traceback and the worker.
@@ -124,12 +162,14 @@ class RemoteError(AsyncRpcError):
 
     def __str__(self) -> str:
         return (
-            f"{self.type_name}: {self.message} (raised on worker {self.remote_worker!r})\n"
+            f"{self.type_name}: {self.message} (raised on worker {self.remote_worker!r}; "
+            f"it could not be rebuilt here. Original exception on remote side was "
+            f"{self.type_name})\n"
             f"Remote traceback:\n{self.remote_traceback}"
         )
 
 
-class RpcTimeoutError(AsyncRpcError, TimeoutError):
+class RpcTimeoutError(AsyncRpcError, TimeoutError, RuntimeError):
     """A call did not finish within its limit. Names the worker, the function and the limit."""
 
     def __init__(self, worker: str, function: str, timeout: float) -> None:
@@ -140,18 +180,19 @@ class RpcTimeoutError(AsyncRpcError, TimeoutError):
 
     def __str__(self) -> str:
         return (
-            f"call to {self.function} on worker {self.worker!r} timed out after {self.timeout:g} s"
+            f"call to {self.function} on worker {self.worker!r} timed out after "
+            f"{self.timeout:g} s (RPC ran for more than the set timeout)"
         )
 
 
 # -- connections ---------------------------------------------------------------------------
 
 
-class ClosedError(AsyncRpcError, ConnectionError):
+class ClosedError(AsyncRpcError, ConnectionError, RuntimeError):
     """The connection or agent was closed by this side; nothing more can be sent on it."""
 
 
-class ConnectionLostError(AsyncRpcError, ConnectionError):
+class ConnectionLostError(AsyncRpcError, ConnectionError, RuntimeError):
     """The network or the peer broke the connection (the cause is chained)."""
 
 
@@ -213,6 +254,62 @@ class FrameTooLargeError(RemoteProtocolError):
 # -- remote references ---------------------------------------------------------------------
 
 
+class CallbackError(AsyncRpcError, RuntimeError):
+    """Base of what a ``Future.then`` callback's exception becomes: torch reports those as
+    ``RuntimeError``. ``as_callback_error`` makes a copy that is both a ``RuntimeError`` and
+    an instance of the exception's own type (``except TypeError`` still catches it); the
+    original is its ``__cause__``."""
+
+
+_callback_types: dict[type, type[BaseException]] = {}
+
+
+def as_callback_error(exc: BaseException) -> BaseException:
+    """Return ``exc`` as torch reports a callback's exception: also a ``RuntimeError``.
+
+    A ``RuntimeError`` (or a ``BaseException`` that is no ``Exception``) is returned as is.
+    Otherwise the copy's class derives from both ``type(exc)`` and ``CallbackError``,
+    keeps ``args``, attributes, message and traceback, and pickles as that pair.
+    """
+    if isinstance(exc, RuntimeError) or not isinstance(exc, Exception):
+        return exc
+    try:
+        copy = _rebuild_callback_error(type(exc), exc.args, getattr(exc, "__dict__", {}))
+    except Exception:  # a class that cannot be paired (a layout conflict, a strict __new__)
+        return exc
+    copy.__cause__ = exc
+    copy.__suppress_context__ = True
+    return copy.with_traceback(exc.__traceback__)
+
+
+def _callback_type(cls: type) -> type[BaseException]:
+    dual = _callback_types.get(cls)
+    if dual is None:
+        namespace = {"__module__": cls.__module__, "__reduce__": _reduce_callback_error}
+        dual = cast("type[BaseException]", type(cls.__name__, (cls, CallbackError), namespace))
+        dual.__qualname__ = cls.__qualname__
+        _callback_types[cls] = dual
+    return dual
+
+
+def _reduce_callback_error(self: BaseException) -> tuple[object, ...]:
+    original = type(self).__mro__[1]
+    return (_rebuild_callback_error, (original, self.args, dict(self.__dict__)))
+
+
+def _rebuild_callback_error(
+    cls: type, args: tuple[object, ...], state: dict[str, object]
+) -> BaseException:
+    dual = _callback_type(cls)
+    try:
+        copy: BaseException = dual(*args)  # __init__ sets what str() reads
+    except Exception:  # an __init__ that does not take its own args back
+        copy = dual.__new__(dual, *args)
+        copy.args = args
+    copy.__dict__.update(state)
+    return copy
+
+
 class AutogradContextError(AsyncRpcError, RuntimeError):
     """No distributed autograd context with that id on this worker (never seen, or
     released), or none is active where one is needed."""
@@ -246,5 +343,5 @@ class RRefTimeoutError(RRefError, TimeoutError):
     def __str__(self) -> str:
         return (
             f"remote() of {self.function} on worker {self.owner!r} timed out after "
-            f"{self.timeout:g} s; this RRef is unusable"
+            f"{self.timeout:g} s (RPC ran for more than the set timeout); this RRef is unusable"
         )

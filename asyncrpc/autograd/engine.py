@@ -128,7 +128,7 @@ def _hand_back(agent: Agent, context_id: int, outgoing: Outgoing) -> Future[Any]
         done: Future[Any] = Future()
         done.set_result(None)
         return done
-    return collect_all(hops).then(_raise_first_error)
+    return collect_all(hops)._then(_raise_first_error)
 
 
 def _raise_first_error(done: Future[list[Future[Any]]]) -> None:

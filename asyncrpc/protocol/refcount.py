@@ -256,12 +256,14 @@ class RefCounter:
         Returns:
             A new id, unique in the group.
         """
-        self._serial += 1
-        return RRefId(self.rank, self._serial)
+        serial = self._serial  # from 0, one counter for RRefs and forks, as torch numbers them
+        self._serial = serial + 1
+        return RRefId(self.rank, serial)
 
     def _next_fork_id(self) -> ForkId:
-        self._serial += 1
-        return ForkId(self.rank, self._serial)
+        serial = self._serial
+        self._serial = serial + 1
+        return ForkId(self.rank, serial)
 
     # -- owner role ------------------------------------------------------------------------
 

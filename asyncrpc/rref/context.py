@@ -41,7 +41,7 @@ from asyncrpc.protocol.refcount import (
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import RefMessage, RefOp, Request
 from asyncrpc.rref.handle import RRef
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.future import Future, collect_all
 from asyncrpc.runtime.options import RpcBackendOptions, WorkerInfo
 from asyncrpc.runtime.pending import describe_function
 from asyncrpc.runtime.threadpool import WorkerPool
@@ -96,6 +96,11 @@ class RRefHost(Protocol):
     def run_on_loop(self, fn: Callable[..., Any], *args: Any) -> None: ...
 
 
+# Forks unpickled outside requests (in replies) pile up in RRefContext._loaded until the
+# next request; past this many, the confirmed ones are dropped.
+_LOADED_LIMIT = 256
+
+
 class RRefContext:
     """Owner values and reference bookkeeping of one agent."""
 
@@ -107,6 +112,11 @@ class RRefContext:
         self._values: dict[RRefId, Future[Any]] = {}
         self._lost: dict[RRefId, int] = {}
         self._timed_out: dict[ForkId, RRefTimeoutError] = {}
+        # Forks received from a worker other than the owner, until the owner accepts them
+        # (by owner rank); `_loaded` lists those of the request being unpickled, so that
+        # the dispatcher runs it once they are confirmed, as torch does.
+        self._confirming: dict[ForkId, tuple[int, Future[None]]] = {}
+        self._loaded: list[Future[None]] = []
         self.closed = False
 
     # -- creating --------------------------------------------------------------------------
@@ -177,7 +187,7 @@ class RRefContext:
         call = self.agent.call_future(
             self.agent.rank, fn, args, kwargs, timeout, kind="remote", target=target
         )
-        call.add_done_callback(lambda done: self._settle(value, done))
+        call._add_callback(lambda done: self._settle(value, done))
         return RRef._make(self, rref_id, None, self.agent.rank, value)
 
     @staticmethod
@@ -277,6 +287,12 @@ class RRefContext:
                 actions = self.counter.received_own(rref_id, fork_id, parent)
             else:
                 actions = self.counter.received_user(rref_id, fork_id, owner, parent)
+                if parent != owner and fork_id not in self._confirming:
+                    confirming: Future[None] = Future(loop=self.loop)
+                    self._confirming[fork_id] = (owner, confirming)
+                    if len(self._loaded) >= _LOADED_LIMIT:  # no request took them: replies
+                        self._loaded = [f for f in self._loaded if not f.done()]
+                    self._loaded.append(confirming)
         self.apply(actions)
         if owner == me:
             value = self._values.setdefault(rref_id, Future(loop=self.loop))
@@ -314,12 +330,29 @@ class RRefContext:
         ref_message = cls(RRefId(*message.rref_id), ForkId(*message.fork_id))
         with self._lock:
             actions = self.counter.on_message(peer, ref_message)
+            confirmed = None
+            if cls is ForkAccepted:
+                confirmed = self._confirming.pop(ref_message.fork_id, None)
         self.apply(actions)
+        if confirmed is not None:
+            confirmed[1]._try_set_result(None)
 
     def on_peer_lost(self, rank: int) -> None:
         with self._lock:
             actions = self.counter.peer_lost(rank)
+            lost = [fork for fork, (owner, _) in self._confirming.items() if owner == rank]
+            waiting = [self._confirming.pop(fork)[1] for fork in lost]
         self.apply(actions)
+        for confirming in waiting:  # the calls run, and meet the owner's loss themselves
+            confirming._try_set_result(None)
+
+    def take_unconfirmed(self) -> Future[Any] | None:
+        """A future done once every fork unpickled since the last call is confirmed by its
+        owner, or None if all are (the dispatcher runs a request's function after that)."""
+        with self._lock:
+            loaded, self._loaded = self._loaded, []
+        pending = [f for f in loaded if not f.done()]
+        return collect_all(pending) if pending else None
 
     def apply(self, actions: list[Action]) -> None:
         """Carry out the state machine's actions, on the loop thread (now, if this is it)."""
@@ -366,7 +399,10 @@ class RRefContext:
         if lost is not None:
             raise RRefOwnerLostError(self.agent.worker_info(lost).name, "the owner died")
         if self.closed:
-            raise RRefError(f"worker {self.agent.name!r} is shut down")
+            raise RRefError(
+                f"worker {self.agent.name!r} is shut down and this RRef was deleted with it: "
+                "Cannot call to_here() on it after deletion."
+            )
 
     def confirmed(self, rref: RRef[Any]) -> bool:
         if rref._fork_id is None:
@@ -412,6 +448,11 @@ class RRefContext:
 
     def close(self) -> None:
         self.closed = True
+        with self._lock:
+            waiting = [confirming for _, confirming in self._confirming.values()]
+            self._confirming.clear()
+        for confirming in waiting:
+            confirming._try_set_result(None)
         error = RRefError(f"worker {self.agent.name!r} shut down")
         for value in self._values.values():
             if not value.done():

@@ -9,6 +9,7 @@ an RRef never does I/O: ``__del__`` hands the release to the agent's loop.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import functools
 import traceback
@@ -72,18 +73,33 @@ class RRef(Generic[T]):
     ``RRef(value)`` makes an owner reference to a local value. ``RRef[T]`` works as a type.
     """
 
-    __slots__ = ("__weakref__", "_ctx", "_fork_id", "_owner", "_rref_id", "_value")
+    __slots__ = ("__weakref__", "_ctx", "_fork_id", "_owner", "_rref_id", "_type", "_value")
 
     _ctx: RRefBackend
     _rref_id: RRefId
     _fork_id: ForkId | None
     _owner: int
     _value: Future[T] | None
+    _type: Future[type] | None
 
-    def __init__(self, value: T) -> None:
+    def __init__(self, value: T, type_hint: type | None = None) -> None:
+        """Make an owner reference to ``value``.
+
+        Args:
+            value: the value, owned by this worker.
+            type_hint: the value's type, as torch's constructor takes it (for TorchScript);
+                ``_get_type`` answers with it.
+
+        Raises:
+            NotInitializedError: RPC is not initialized in this process.
+        """
         self._ctx = current_rrefs()
         self._rref_id, self._value = self._ctx.create_local(value)
         self._fork_id, self._owner = None, self._ctx.rank
+        self._type = None
+        if type_hint is not None:
+            self._type = Future()
+            self._type.set_result(type_hint)
 
     @classmethod
     def _make(
@@ -92,7 +108,7 @@ class RRef(Generic[T]):
     ) -> RRef[Any]:  # fmt: skip
         rref: RRef[Any] = object.__new__(cls)
         rref._ctx, rref._rref_id, rref._fork_id = ctx, rref_id, fork_id
-        rref._owner, rref._value = owner, value
+        rref._owner, rref._value, rref._type = owner, value, None
         return rref
 
     def __del__(self) -> None:
@@ -101,11 +117,21 @@ class RRef(Generic[T]):
             ctx.schedule_release(self._rref_id, self._fork_id)
 
     def __reduce__(self) -> Any:
-        raise RRefError("an RRef can only be pickled by asyncrpc, as part of an RPC")
+        raise RRefError(
+            "Can not pickle rref in python pickler: an RRef can only be pickled by asyncrpc, "
+            "as part of an RPC"
+        )
 
     def __repr__(self) -> str:
         role = "OwnerRRef" if self.is_owner() else "UserRRef"
         return f"{role}(rref_id={tuple(self._rref_id)}, owner={self.owner_name()!r})"
+
+    def __str__(self) -> str:
+        # torch's text for its RRefs, which code written for torch may parse or print.
+        rref_id = _guid(self._rref_id)
+        if self._fork_id is None:
+            return f"OwnerRRef({rref_id})"
+        return f"UserRRef(RRefId = {rref_id}, ForkId = {_guid(self._fork_id)})"
 
     # -- identity --------------------------------------------------------------------------
 
@@ -139,8 +165,11 @@ class RRef(Generic[T]):
             The exception that creating the value raised.
         """
         if self._value is None:
+            me, owner = self._ctx.worker_info(self._ctx.rank), self.owner()
             raise RRefError(
-                f"local_value() is for the owner; this RRef is owned by {self.owner_name()!r}"
+                f"local_value() is for the owner; this RRef is owned by {owner.name!r} (For "
+                f"UserRRef(rref_id={_guid(self._rref_id)}, fork_id={_guid(self._fork_id)}), "
+                f"can't call localValue() on user {me}. Call it on owner {owner})"
             )
         return self._value.wait()
 
@@ -175,7 +204,7 @@ class RRef(Generic[T]):
             call = ctx.call(self._owner, _fetch_forked, (self,), timeout, kind, _TO_HERE)
         # The callback holds this RRef until the reply: its release (a message behind the
         # fetch) must not let the owner free the value before the fetch has read it.
-        return call.then(functools.partial(_fetched, self.owner_name(), self))
+        return call._then(functools.partial(_fetched, self.owner_name(), self))
 
     def to_here(self, timeout: float = UNSET_RPC_TIMEOUT) -> T:
         """Fetch a copy of the value, blocking (torch's ``to_here``).
@@ -187,6 +216,52 @@ class RRef(Generic[T]):
             The errors of ``to_here_future`` and the exception creating the value raised.
         """
         return self._fetch(timeout, "sync").wait()
+
+    def _get_type(self, timeout: float = UNSET_RPC_TIMEOUT, blocking: bool = True) -> Any:
+        """The type of the value (torch's ``RRef._get_type``), asked of the owner once.
+
+        Args:
+            timeout: seconds for the owner to answer; -1 means the default rpc timeout.
+            blocking: True returns the type; False a Future of it (the same Future on every
+                call once asked).
+
+        Raises:
+            RpcTimeoutError: the owner did not answer in time (the next call asks again).
+            The exception that creating the value raised.
+        """
+        fut = self._type
+        if fut is None or (fut.done() and fut.exception() is not None):
+            if self._value is not None:
+                fut = self._value._then(_type_of)
+            else:
+                self._ctx.check_usable(self)
+                fut = self._ctx.call(
+                    self._owner, _type_on_owner, (self,), timeout, "async", "RRef._get_type"
+                )._then(functools.partial(_owner_lost_as_rref_error, self.owner_name()))
+            self._type = fut
+        return fut.wait() if blocking else fut
+
+    def _get_future(self) -> Future[None]:
+        """A future done once the owner has made the value (torch's ``RRef._get_future``).
+
+        Returns:
+            A Future of None; it fails as making the value failed (a timed-out ``remote()``
+            fails it with ``RRefTimeoutError``). No copy of the value travels.
+
+        Cancellation: cancelling it leaves the value be.
+        """
+        if self._value is not None:
+            return self._value._then(_made)
+        try:
+            self._ctx.check_usable(self)
+        except RRefError as exc:
+            failed: Future[None] = Future()
+            failed.set_exception(exc)
+            return failed
+        call = self._ctx.call(
+            self._owner, _made_on_owner, (self,), UNSET_RPC_TIMEOUT, "async", "RRef._get_future"
+        )
+        return call._then(functools.partial(_owner_lost_as_rref_error, self.owner_name()))
 
     # -- proxies ---------------------------------------------------------------------------
 
@@ -222,10 +297,28 @@ class _Proxy:
         call_args = (rref, name, args, kwargs)
         target = f"RRef.{name}"  # what the hooks (and the profiler) call it
         if self._mode == "remote":
+            _check_method(rref, name, self._timeout)
             return ctx.remote(rref._owner, _invoke_method, call_args, {}, self._timeout, target)
         future = ctx.call(rref._owner, _invoke_method, call_args, self._timeout, self._mode, target)
-        future = future.then(functools.partial(_owner_lost_as_rref_error, rref.owner_name()))
+        future = future._then(functools.partial(_owner_lost_as_rref_error, rref.owner_name()))
         return future if self._mode == "async" else future.wait()
+
+
+def _check_method(rref: RRef[Any], name: str, timeout: float) -> None:
+    # As torch does before a remote() through a proxy: the value's type must have the
+    # method, else AttributeError now rather than an RRef of the failure. The type is asked
+    # of the owner once per handle; in async code (no blocking) the check is left out.
+    if asyncio._get_running_loop() is not None:
+        return
+    value_type = rref._get_type(timeout)
+    if not hasattr(value_type, name) and not _is_script_module(value_type):
+        raise AttributeError(f"type object {value_type.__name__!r} has no attribute {name!r}")
+
+
+def _is_script_module(value_type: type) -> bool:
+    import torch  # ScriptModules resolve their methods at run time
+
+    return issubclass(value_type, torch.jit.ScriptModule | torch._C.ScriptModule)
 
 
 _TO_HERE = "RRef.to_here"  # the name of fetches, for the hooks (and the profiler)
@@ -262,6 +355,37 @@ async def _fetch_forked(rref: RRef[Any]) -> Any:
     assert value is not None
     del rref  # see _owner_value: no frame of a failing fetch may hold the handle
     return await _owner_value(value)
+
+
+def _guid(key: RRefId | ForkId | None) -> str:
+    # An id as torch prints its GloballyUniqueId.
+    return "None" if key is None else f"GloballyUniqueId(created_on={key[0]}, local_id={key[1]})"
+
+
+def _made(done: Future[Any]) -> None:
+    exc = done.exception()
+    if exc is not None:  # a copy: the stored exception is shared (see _owner_value)
+        raise copy.copy(exc).with_traceback(None) from None
+
+
+async def _made_on_owner(rref: RRef[Any]) -> None:
+    """Runs on the owner: returns once the value behind ``rref`` is made."""
+    value = rref._value
+    assert value is not None
+    del rref  # see _owner_value
+    await _owner_value(value)
+
+
+def _type_of(done: Future[Any]) -> type:
+    return type(done.value())
+
+
+async def _type_on_owner(rref: RRef[Any]) -> type:
+    """Runs on the owner: the type of the value behind ``rref``."""
+    value = rref._value
+    assert value is not None
+    del rref  # see _owner_value
+    return type(await _owner_value(value))
 
 
 async def _fetch(worker_id: int, local_id: int) -> Any:

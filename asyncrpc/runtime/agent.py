@@ -24,6 +24,7 @@ from typing import Any
 
 from asyncrpc.errors import (
     AuthenticationError,
+    BadDestinationError,
     ClosedError,
     ConnectionLostError,
     InitError,
@@ -323,7 +324,9 @@ class Agent:
             rank = to if to in self.addresses else None
         else:
             name = getattr(to, "name", None)  # torch's WorkerInfo
-            rank = self._ranks_by_name.get(name) if isinstance(name, str) else None
+            if not isinstance(name, str):
+                raise BadDestinationError(to, tuple(self._ranks_by_name))
+            rank = self._ranks_by_name.get(name)
         if rank is None:
             raise UnknownWorkerError(to, tuple(self._ranks_by_name))
         return rank

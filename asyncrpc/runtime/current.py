@@ -21,7 +21,10 @@ def current_agent() -> Agent:
         NotInitializedError: ``init_rpc`` has not been called, or ``shutdown`` has.
     """
     if _agent is None:
-        raise NotInitializedError("RPC is not initialized: call asyncrpc.init_rpc() first")
+        raise NotInitializedError(
+            "RPC has not been initialized: call asyncrpc.init_rpc() first "
+            "(Current RPC agent is not set! Did you initialize the RPC framework?)"
+        )
     return _agent
 
 

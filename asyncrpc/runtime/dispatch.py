@@ -15,9 +15,15 @@ import asyncio
 import concurrent.futures
 import logging
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any, Protocol
 
-from asyncrpc.errors import ClosedError, FunctionNotFoundError, SerializationError
+from asyncrpc.errors import (
+    AsyncExecutionError,
+    ClosedError,
+    FunctionNotFoundError,
+    SerializationError,
+)
 from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
 from asyncrpc.protocol.serde import MissingReferenceError, Serializer, pack_exception
 from asyncrpc.protocol.wire import encode_frame
@@ -61,9 +67,10 @@ async def await_async_result(result: Any) -> Any:
 
     if isinstance(result, torch.futures.Future):
         return await Future.from_torch(result)
-    raise TypeError(
-        f"an @async_execution function must return a future or a coroutine, "
-        f"got {type(result).__name__}"
+    raise AsyncExecutionError(
+        f"an @async_execution function must return a future or a coroutine, got "
+        f"{type(result).__name__} (Functions decorated with @rpc.async_function must return "
+        "a torch.futures.Future object, or with asyncrpc a coroutine)"
     )
 
 
@@ -117,6 +124,9 @@ class Dispatcher:
             self.rrefs.on_remote_request(peer, request)
         serves = self._pipeline.serves(request.headers)
         grads: list[Any] = []  # filled only for a request the pipeline serves
+        rrefs = self.rrefs
+        if rrefs is not None:
+            rrefs.take_unconfirmed()  # forget forks unpickled elsewhere (replies)
         try:
             fn, args, kwargs = self._serializer.loads(
                 payload, segments, context=peer, grads=grads if serves else None
@@ -127,11 +137,31 @@ class Dispatcher:
         except Exception as exc:
             self._finish(conn, request, peer, False, exc)
             return
+        # RRefs in the arguments forked by a worker other than their owner: the function
+        # runs once their owners confirmed them (as in torch), so they are usable there.
+        unconfirmed = rrefs.take_unconfirmed() if rrefs is not None else None
+        call = (fn, args, kwargs)
+        if unconfirmed is not None:
+            start = partial(self._start, conn, request, peer, call, serves, grads)
+            unconfirmed._add_hook(lambda _: self._loop.call_soon_threadsafe(start))
+            return
+        self._start(conn, request, peer, call, serves, grads)
+
+    def _start(
+        self,
+        conn: Connection,
+        request: Request,
+        peer: int,
+        call: tuple[Any, Any, Any],
+        serves: bool,
+        grads: list[Any],
+    ) -> None:
+        fn, args, kwargs = call
         # Decided on the function itself: a hook's wrapper may hide what kind it is.
         run, async_exec = fn, is_async_execution(fn)
         if serves:
             try:
-                run = self._serve(conn, request, peer, (fn, args, kwargs), grads)
+                run = self._serve(conn, request, peer, call, grads)
             except Exception as exc:
                 self._finish(conn, request, peer, False, exc)
                 return

@@ -1,6 +1,6 @@
-"""asyncrpc's Future: torch JitFuture semantics, awaitable from any loop, waitable from threads.
+"""asyncrpc's Future: a ``torch.futures.Future`` that is also awaitable from any loop.
 
-Layer L2: imports asyncio and threading; torch is imported lazily, only by the bridges.
+Layer L2: imports asyncio, threading and torch (the class derives from torch's future).
 """
 
 from __future__ import annotations
@@ -8,17 +8,23 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import sys
+import os
 import threading
 import types
+import weakref
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, Generic, TypeAlias, TypeVar, cast, overload
+from typing import Any, TypeAlias, TypeVar, cast, overload
 
-from asyncrpc.errors import AsyncRpcError, BlockingCallError, NotInitializedError
+import torch
+import torch.futures
 
-if TYPE_CHECKING:  # for annotations only: torch is imported lazily at run time
-    import torch
+from asyncrpc.errors import (
+    AsyncRpcError,
+    BlockingCallError,
+    NotInitializedError,
+    as_callback_error,
+)
 
 __all__ = [
     "Future",
@@ -52,6 +58,21 @@ _EXCEPTION = 2
 # one reference, replaced whole; a reader that sees a stale loop finds it not running.
 _default_loop: asyncio.AbstractEventLoop | None = None
 _default_thread: int | None = None
+
+# torch's future, reached through its C base: torch.futures.wait_all/collect_all read the C
+# future's own state, so every completion of ours completes it too (see Future._complete).
+_CFuture = torch._C.Future
+_c_init = _CFuture.__init__
+_c_set_result = _CFuture.set_result
+_c_set_unwrap = _CFuture._set_unwrap_func
+_NO_DEVICES: list[torch.device] = []
+
+# Callbacks registered from synchronous code may block (torch runs callbacks on its RPC
+# threads, where waiting on another future is allowed). They run on this pool, made on first
+# use; its threads are started as jobs arrive, up to the size.
+CALLBACK_POOL_SIZE = 16
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
 class FutureNotDoneError(AsyncRpcError, RuntimeError):
@@ -94,18 +115,28 @@ def check_not_blocking_loop() -> None:
     if tid is not None and tid == threading.get_ident():
         raise BlockingCallError(
             "a blocking call (Future.wait, wait_all, rpc_sync...) was made on the agent's event "
-            "loop thread; it would deadlock: await the future instead"
+            "loop thread; it would deadlock: await the future instead (a then() callback "
+            "registered from async code runs on this loop; one registered from synchronous "
+            "code runs on a thread pool, where it may block)"
         )
 
 
-class Future(Generic[T]):
-    """The result of an asynchronous operation (torch.futures.Future semantics).
+class Future(torch.futures.Future[T]):
+    """The result of an asynchronous operation: a ``torch.futures.Future`` you can also await.
 
     Completed once, from any thread, by ``set_result``/``set_exception``. Wait for it with
     ``wait()`` from a plain thread, ``await`` it from any asyncio loop of the process, or chain
-    work with ``then``/``add_done_callback``. Callbacks never run inside the completing call's
-    critical section: they run in registration order on the callback loop (``loop=`` or the
-    registered agent loop) or, with no loop, in the completing thread right after completion.
+    work with ``then``/``add_done_callback``. It is a ``torch.futures.Future`` too:
+    ``torch.futures.wait_all`` and ``collect_all`` take it.
+
+    Callbacks never run inside the completing call's critical section. Those registered from
+    a thread running an event loop (async code, the agent) run in registration order on the
+    callback loop (``loop=`` or the registered agent loop), where they must not block; with
+    no loop, in the completing thread right after completion. Those registered from
+    synchronous code (no running loop in the thread) while the agent runs go to a thread pool
+    instead, where they may block on other futures, as torch's callbacks may; among
+    themselves they keep registration order. A future made with another ``loop=`` than
+    the agent's runs every callback on that loop.
     """
 
     # _value holds the result or the exception (the state says which); _tb is the traceback the
@@ -131,6 +162,7 @@ class Future(Generic[T]):
         With ``loop=None`` they run on the agent loop registered with
         ``set_default_callback_loop`` while it runs, else in the completing thread.
         """
+        _c_init(self, _NO_DEVICES)
         self._state = _PENDING
         self._value: Any = None
         self._tb: types.TracebackType | None = None
@@ -232,7 +264,8 @@ class Future(Generic[T]):
         if not self._complete(_RESULT, result, None):
             raise FutureAlreadyDoneError("a Future can only be marked completed once")
 
-    def set_exception(self, exc: BaseException) -> None:
+    # torch annotates the argument as T; it takes an exception, as ours does.
+    def set_exception(self, exc: BaseException) -> None:  # type: ignore[override]
         """Complete the future with the exception instance ``exc``; waiters raise it.
 
         Raises:
@@ -288,6 +321,7 @@ class Future(Generic[T]):
             self._hooks = None
             gate = self._gate
             drain = self._callbacks is not None
+        self._complete_torch(state, value)
         if gate is not None:
             gate.release()
         if hooks is not None:
@@ -295,6 +329,21 @@ class Future(Generic[T]):
         if drain:
             self._schedule_drain()
         return True
+
+    def _complete_torch(self, state: int, value: object) -> None:
+        # Complete the C future before waking anyone: whoever sees ours done may hand it to
+        # torch.futures.wait_all, which waits on the C side. torch stores an exception as the
+        # value plus an unwrap function that raises it (as torch.futures.Future does). Ours
+        # stores a weak reference to this future instead of the exception: what C++ holds
+        # is invisible to the garbage collector, and an exception's traceback often leads
+        # back here (frames holding this future, or RRefs), a cycle never collected.
+        try:
+            if state == _EXCEPTION:
+                _c_set_unwrap(self, _raise_stored)
+                value = weakref.ref(self)
+            _c_set_result(self, value)
+        except Exception:  # only if somebody completed the C side behind our back
+            logger.exception("could not complete the torch side of %r", self)
 
     def _run_hooks(self, hooks: list[_Hook[T]]) -> None:
         # An asyncio future in the list is an awaiter's waiter (no partial per await).
@@ -321,7 +370,15 @@ class Future(Generic[T]):
 
         Cancellation: a cancelled future is done, so the callback runs and sees
         ``asyncio.CancelledError`` from ``value()``.
+
+        Raises:
+            TypeError: ``callback`` is not callable.
         """
+        _check_callable(callback)
+        self._add_callback(_MayBlock(callback) if _caller_may_block(self._loop) else callback)
+
+    def _add_callback(self, callback: Callable[[Future[T]], object]) -> None:
+        # Internal: add a callback that runs on the callback loop whoever registers it.
         with self._lock:
             callbacks = self._callbacks
             if callbacks is not None:
@@ -367,6 +424,7 @@ class Future(Generic[T]):
     def _run_callbacks(self) -> None:
         # Drains in batches: callbacks added while a batch runs (from a callback or another
         # thread) join the list and run in the next batch, so order is registration order.
+        # On a loop, a run of callbacks that may block goes to the pool as one job.
         while True:
             with self._lock:
                 callbacks = self._callbacks
@@ -374,17 +432,31 @@ class Future(Generic[T]):
                     self._callbacks = None
                     return
                 self._callbacks = []
+            on_loop = _running_loop() is not None
+            blocking: list[Callable[[Future[T]], object]] = []
             for callback in callbacks:
-                try:
-                    callback(self)
-                except (SystemExit, KeyboardInterrupt):
-                    # The process is going down: drop the rest but leave a state in which
-                    # later callbacks still get a drain of their own.
-                    with self._lock:
-                        self._callbacks = None
-                    raise
-                except BaseException:
-                    logger.exception("callback %r of %r raised", callback, self)
+                if type(callback) is _MayBlock and on_loop:
+                    blocking.append(callback.callback)
+                    continue
+                if blocking:
+                    _submit(self._invoke, blocking)
+                    blocking = []
+                self._invoke((callback,))
+            if blocking:
+                _submit(self._invoke, blocking)
+
+    def _invoke(self, callbacks: Sequence[Callable[[Future[T]], object]]) -> None:
+        for callback in callbacks:
+            try:
+                callback(self)
+            except (SystemExit, KeyboardInterrupt):
+                # The process is going down: drop the rest but leave a state in which
+                # later callbacks still get a drain of their own.
+                with self._lock:
+                    self._callbacks = None
+                raise
+            except BaseException:
+                logger.exception("callback %r of %r raised", callback, self)
 
     @overload
     def then(self, callback: Callable[[Future[T]], Awaitable[S]]) -> Future[S]: ...
@@ -395,7 +467,9 @@ class Future(Generic[T]):
     def then(self, callback: Callable[[Future[T]], Any]) -> Future[Any]:
         """Return a future of ``callback(self)``, run like any done callback.
 
-        If the callback raises, the new future holds that exception. If it returns a future
+        If the callback raises, the new future holds that exception, made a ``RuntimeError``
+        too as torch reports it (``errors.as_callback_error``: still an instance of its own
+        type, the original as its cause). If it returns a future
         (ours, ``torch.futures.Future``, asyncio or concurrent.futures) or a coroutine, the new
         future completes with that one's outcome: never a future of a future.
 
@@ -405,10 +479,21 @@ class Future(Generic[T]):
         Returns:
             A future on the same callback loop.
 
+        Raises:
+            TypeError: ``callback`` is not callable.
+
         Cancellation: cancelling the returned future does not cancel this one.
         """
+        _check_callable(callback)
         child: Future[Any] = Future(loop=self._loop)
-        self.add_done_callback(partial(_run_then, callback, child))
+        job = partial(_run_then, callback, child, as_callback_error)
+        self._add_callback(_MayBlock(job) if _caller_may_block(self._loop) else job)
+        return child
+
+    def _then(self, callback: Callable[[Future[T]], Any]) -> Future[Any]:
+        # Internal `then`: the callback runs on the callback loop whoever registers it.
+        child: Future[Any] = Future(loop=self._loop)
+        self._add_callback(partial(_run_then, callback, child, None))
         return child
 
     def _copy_from(self, source: Future[Any]) -> None:
@@ -462,10 +547,8 @@ class Future(Generic[T]):
         Cancellation: a cancelled future completes the torch one with a ``RuntimeError``
         (torch only stores ``Exception``s), its cause the ``CancelledError``.
         """
-        import torch
-
         tfut: torch.futures.Future[T] = torch.futures.Future()
-        self.add_done_callback(partial(_copy_to_torch, tfut))
+        self._add_callback(partial(_copy_to_torch, tfut))
         return tfut
 
     @classmethod
@@ -491,8 +574,7 @@ class Future(Generic[T]):
             return _from_asyncio(obj, loop)
         if isinstance(obj, concurrent.futures.Future):
             return _from_concurrent(obj, loop)
-        torch_type = _torch_future_type()
-        if torch_type is not None and isinstance(obj, torch_type):
+        if isinstance(obj, _CFuture):
             return cls.from_torch(cast(Any, obj))
         if isinstance(obj, Awaitable):
             return _from_awaitable(obj, loop)
@@ -500,6 +582,75 @@ class Future(Generic[T]):
 
 
 # -- helpers (module level: partials over them are cheaper than closures) ----------------------
+
+
+class _MayBlock:
+    """A callback registered from synchronous code: on a loop, it is sent to the pool."""
+
+    __slots__ = ("callback",)
+
+    def __init__(self, callback: Callable[[Any], object]) -> None:
+        self.callback = callback
+
+    def __call__(self, fut: Any) -> object:
+        return self.callback(fut)
+
+    def __repr__(self) -> str:
+        return f"<may block: {self.callback!r}>"
+
+
+def _check_callable(callback: object) -> None:
+    if not callable(callback):
+        raise TypeError(
+            f"a Future callback must be callable, got {type(callback).__name__} "
+            "(incompatible function arguments.)"
+        )
+
+
+def _caller_may_block(loop: asyncio.AbstractEventLoop | None) -> bool:
+    # The rule for callbacks: registered where no event loop runs (plain synchronous code,
+    # a pool thread) while the agent runs, a callback may block, so it does not run on the
+    # agent loop. Callbacks of futures bound to another loop always run on that loop.
+    default = _default_loop
+    return default is not None and (loop is None or loop is default) and _running_loop() is None
+
+
+def _callback_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    pool = _pool
+    if pool is None:
+        with _pool_lock:
+            pool = _pool
+            if pool is None:
+                pool = _pool = concurrent.futures.ThreadPoolExecutor(
+                    CALLBACK_POOL_SIZE, thread_name_prefix="asyncrpc-callback"
+                )
+    return pool
+
+
+def _forget_pool() -> None:
+    # A forked child has none of the parent's threads: it makes its own pool on first use.
+    global _pool, _pool_lock
+    _pool = None
+    _pool_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _submit(invoke: Callable[[Any], None], callbacks: list[Any]) -> None:
+    try:
+        _callback_pool().submit(invoke, callbacks)
+    except RuntimeError:  # the interpreter is exiting: run them here rather than lose them
+        invoke(callbacks)
+
+
+def _raise_stored(ref: weakref.ref[Future[Any]]) -> None:
+    # torch's unwrap function for a future holding an exception: waiting on it raises it.
+    fut = ref()
+    if fut is None:  # only C++ holds the future now: nobody waits on it in Python
+        raise RuntimeError("the asyncrpc future that failed was garbage-collected")
+    fut.value()
 
 
 def _wake_waiter(waiter: asyncio.Future[None]) -> None:
@@ -521,12 +672,15 @@ def _set_waiter(waiter: asyncio.Future[None]) -> None:
 
 
 def _run_then(
-    callback: Callable[[Future[Any]], object], child: Future[Any], parent: Future[Any]
+    callback: Callable[[Future[Any]], object],
+    child: Future[Any],
+    convert: Callable[[BaseException], BaseException] | None,
+    parent: Future[Any],
 ) -> None:
     try:
         outcome = callback(parent)
     except BaseException as exc:
-        child._try_set_exception(exc)
+        child._try_set_exception(exc if convert is None else convert(exc))
         if isinstance(exc, SystemExit | KeyboardInterrupt):
             raise
         return
@@ -546,26 +700,13 @@ def _settle(child: Future[Any], outcome: object) -> None:
             return
         source._add_hook(child._copy_from)
         return
-    torch_type = _torch_future_type()
-    if torch_type is not None and isinstance(outcome, torch_type):
+    if isinstance(outcome, _CFuture):
         cast(Any, outcome).add_done_callback(partial(_copy_from_torch, child))
         return
     child._try_set_result(outcome)
 
 
 _FLATTEN_TYPES = (Future, asyncio.Future, concurrent.futures.Future, types.CoroutineType)
-_torch_future: type | None = None
-
-
-def _torch_future_type() -> type | None:
-    # torch.futures.Future subclasses torch._C.Future. Looked up only once torch is imported:
-    # before that no object can be a torch future, and this module must not import torch.
-    global _torch_future
-    if _torch_future is None:
-        torch = sys.modules.get("torch")
-        c_module = getattr(torch, "_C", None)
-        _torch_future = getattr(c_module, "Future", None)
-    return _torch_future
 
 
 def _copy_from_torch(ours: Future[Any], tfut: Any) -> None:

@@ -7,11 +7,12 @@ field by field by ``coerce_options``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrpc.errors import InitError
+from asyncrpc.errors import InitArgumentError, InitError, WorkerNameError
 
 __all__ = [
     "DEFAULT_INIT_METHOD",
@@ -19,6 +20,7 @@ __all__ = [
     "UNSET_RPC_TIMEOUT",
     "RpcBackendOptions",
     "WorkerInfo",
+    "check_worker_name",
     "coerce_options",
 ]
 
@@ -27,6 +29,30 @@ DEFAULT_INIT_METHOD = "env://"
 # torch's sentinels: -1 means "use the default timeout", 0 means "no timeout".
 UNSET_RPC_TIMEOUT = -1.0
 
+# Worker names as torch accepts them: letters, digits, '_', ':' and '-', under 128 chars.
+MAX_NAME_LEN = 128
+_NAME = re.compile(r"[A-Za-z0-9_:\-]+")
+
+
+def check_worker_name(name: object) -> None:
+    """Reject a worker name torch would reject too.
+
+    Raises:
+        WorkerNameError: ``name`` is not a string, is empty, is 128 characters or longer,
+            or has characters outside ``[A-Za-z0-9_:-]``.
+    """
+    if not isinstance(name, str) or not name:
+        raise WorkerNameError(f"worker name {name!r}: a worker name must be non-empty")
+    if len(name) >= MAX_NAME_LEN:
+        raise WorkerNameError(
+            f"worker name {name[:20]!r}... ({len(name)} characters) must be shorter than "
+            f"{MAX_NAME_LEN}"
+        )
+    if _NAME.fullmatch(name) is None:
+        raise WorkerNameError(
+            f"worker name {name!r} is not valid: Worker name must match [A-Za-z0-9_:-]+"
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerInfo:
@@ -34,6 +60,9 @@ class WorkerInfo:
 
     name: str
     id: int
+
+    def __post_init__(self) -> None:
+        check_worker_name(self.name)
 
     def __str__(self) -> str:
         return f"WorkerInfo(id={self.id}, name={self.name})"
@@ -155,27 +184,42 @@ class RpcBackendOptions:
         self.devices = [_device_key(d) for d in devices]
 
 
-def coerce_options(options: object | None) -> RpcBackendOptions:
+def coerce_options(options: object | None, backend: object = None) -> RpcBackendOptions:
     """Return asyncrpc options for ``options``: ours, torch's, or None for the defaults.
 
     Args:
-        options: ``RpcBackendOptions``, a torch ``TensorPipeRpcBackendOptions`` (or any object
-            with its fields), or None.
+        options: ``RpcBackendOptions``, a torch ``TensorPipeRpcBackendOptions``, or None.
+        backend: the ``backend`` argument of ``init_rpc``, already checked.
 
     Returns:
         A fresh ``RpcBackendOptions``.
 
     Raises:
-        InitError: the object is neither kind, or a field has a bad value.
+        InitArgumentError: the object is neither kind (a TypeError).
+        InitError: a field has a bad value.
     """
     if options is None:
         return RpcBackendOptions()
     if isinstance(options, RpcBackendOptions):
         return options
     if not hasattr(options, "init_method") or not hasattr(options, "rpc_timeout"):
-        raise InitError(
-            f"rpc_backend_options must be asyncrpc.RpcBackendOptions or torch's "
-            f"TensorPipeRpcBackendOptions, got {type(options).__name__}"
+        raise InitArgumentError(
+            f"Argument rpc_backend_options must be an instance of RpcBackendOptions: "
+            f"asyncrpc.RpcBackendOptions or torch's TensorPipeRpcBackendOptions, "
+            f"got {type(options).__name__}"
+        )
+    names = {cls.__name__ for cls in type(options).__mro__}
+    if "TensorPipeRpcBackendOptions" not in names:
+        # torch infers the backend from the options' class, and the TensorPipe backend
+        # takes only its own class: another kind of options is refused, in torch's words.
+        if backend is None:
+            raise InitArgumentError(
+                f"Could not infer backend for options of type {type(options).__name__}: "
+                "pass asyncrpc.RpcBackendOptions or torch's TensorPipeRpcBackendOptions"
+            )
+        raise InitArgumentError(
+            f"`rpc_backend_options` must be a `TensorPipeRpcBackendOptions` (or "
+            f"asyncrpc.RpcBackendOptions), got {type(options).__name__}"
         )
     return RpcBackendOptions(
         init_method=str(options.init_method),

@@ -85,7 +85,7 @@ class StoreGroup:
     def _claim(self, key: str, value: str, what: str) -> None:
         current = self.store.compare_set(_PREFIX + key, "", value)
         if current != value.encode():
-            message = f"{what} is already taken by another worker"
+            message = f"{what} is already taken by another worker: it is not unique"
             self.store.set(_PREFIX + "abort", message)
             raise InitError(message)
 

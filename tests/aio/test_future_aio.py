@@ -200,7 +200,27 @@ async def test_Future_callbacks_on_running_loop_are_scheduled_in_order() -> None
     assert order == list(range(101))
 
 
-def test_Future_default_loop_runs_callbacks_of_loopless_futures(agent_loop: LoopThread) -> None:
+def test_Future_callbacks_registered_on_agent_loop_run_there(agent_loop: LoopThread) -> None:
+    fut: Future[int] = Future()
+    seen: list[int] = []
+    ran = threading.Event()
+
+    def record(f: Future[int]) -> None:
+        seen.extend([f.value(), threading.get_ident()])
+        ran.set()
+
+    async def register() -> None:  # async code: the callbacks stay on the loop
+        fut.then(lambda f: f.value() + 1).add_done_callback(record)
+
+    asyncio.run_coroutine_threadsafe(register(), agent_loop.loop).result(5)
+    fut.set_result(1)
+    assert ran.wait(5)
+    assert seen == [2, agent_loop.ident]
+
+
+def test_Future_callbacks_registered_in_sync_code_run_off_agent_loop(
+    agent_loop: LoopThread,
+) -> None:
     fut: Future[int] = Future()
     seen: list[int] = []
     ran = threading.Event()
@@ -210,9 +230,35 @@ def test_Future_default_loop_runs_callbacks_of_loopless_futures(agent_loop: Loop
         ran.set()
 
     fut.then(lambda f: f.value() + 1).add_done_callback(record)
-    fut.set_result(1)
+    agent_loop.loop.call_soon_threadsafe(fut.set_result, 1)
     assert ran.wait(5)
-    assert seen == [2, agent_loop.ident]
+    assert seen[0] == 2
+    assert seen[1] not in (agent_loop.ident, threading.get_ident())
+
+
+def test_Future_callback_from_sync_code_may_wait_on_another_future(
+    agent_loop: LoopThread,
+) -> None:
+    first: Future[int] = Future()
+    second: Future[int] = Future()
+    # Completed only by the loop, after `first`'s callback has started waiting on it.
+    chained = first.then(lambda f: f.value() + second.wait(5))
+    agent_loop.loop.call_soon_threadsafe(first.set_result, 1)
+    agent_loop.loop.call_soon_threadsafe(agent_loop.loop.call_later, 0.05, second.set_result, 2)
+    assert chained.wait(5) == 3
+
+
+def test_Future_callbacks_from_sync_code_keep_registration_order(
+    agent_loop: LoopThread,
+) -> None:
+    fut: Future[int] = Future()
+    order: list[int] = []
+    for i in range(50):
+        fut.add_done_callback(partial(_append, order, i))
+    last = fut.then(lambda f: None)
+    agent_loop.loop.call_soon_threadsafe(fut.set_result, 0)
+    last.wait(5)
+    assert order == list(range(50))
 
 
 def test_Future_then_returning_coroutine_runs_it_on_callback_loop(loop_thread: LoopThread) -> None:

@@ -185,3 +185,39 @@ def test_parameter_server_updated_through_proxies_from_several_callers(group: Gr
     after = ps.rpc_sync().get_weights()
     # 4 callers x 5 steps, each subtracting 0.01 from every parameter.
     assert torch.allclose(after["bias"], before["bias"] - 20 * 0.01, atol=1e-5)
+
+
+def test_rref_get_type_asks_the_owner_once(group: Group) -> None:
+    rref = asyncrpc.remote("w1", fns.add, args=(20, 22))
+    assert rref._get_type() is int
+    first = rref._get_type(blocking=False)
+    assert first is rref._get_type(blocking=False)  # cached: one question to the owner
+    assert first.wait() is int
+    assert asyncrpc.RRef(torch.ones(1))._get_type() is torch.Tensor
+    assert asyncrpc.RRef(3, type_hint=float)._get_type() is float
+
+
+def test_rref_get_future_completes_once_the_value_is_made(group: Group) -> None:
+    made = asyncrpc.remote("w1", fns.add, args=(1, 2))
+    assert made._get_future().wait(10) is None
+    failing = asyncrpc.remote("w1", fns.raise_key_error, args=("k",))
+    with pytest.raises(KeyError):
+        failing._get_future().wait(10)
+    with pytest.raises(KeyError):
+        failing._get_type()
+
+
+def test_remote_proxy_of_a_missing_method_raises_attribute_error_at_once(group: Group) -> None:
+    counter = asyncrpc.remote("w1", fns.make_counter, args=(7,))
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        counter.remote().nope()
+    assert counter.remote().value().to_here() == 7
+
+
+def test_rref_str_uses_torchs_words(group: Group) -> None:
+    owned = asyncrpc.RRef(1)
+    assert str(owned).startswith("OwnerRRef(GloballyUniqueId(created_on=0, local_id=")
+    user = asyncrpc.remote("w1", fns.add, args=(1, 1))
+    assert str(user).startswith("UserRRef(RRefId = GloballyUniqueId(created_on=0, local_id=")
+    with pytest.raises(RRefError, match=r"can't call localValue\(\) on user"):
+        user.local_value()

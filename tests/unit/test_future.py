@@ -9,6 +9,7 @@ import pickle
 import threading
 import time
 import warnings
+import weakref
 from functools import partial
 from typing import Any
 
@@ -265,7 +266,10 @@ def test_Future_then_callback_raising_fails_the_new_future() -> None:
 
     chained = fut.then(bad)
     fut.set_result(1)
-    assert isinstance(chained.exception(), KeyError)
+    exc = chained.exception()
+    assert isinstance(exc, KeyError)
+    assert isinstance(exc, RuntimeError)  # as torch reports a callback's error
+    assert isinstance(exc.__cause__, KeyError)
 
 
 def test_Future_then_propagates_parent_exception_through_value() -> None:
@@ -495,3 +499,60 @@ def test_Future_callbacks_added_while_completing_each_run_once() -> None:
         for thread in threads:
             thread.join(5)
         assert counts == [1] * 400
+
+
+# -- torch interoperability ---------------------------------------------------------------------
+
+
+def test_Future_is_a_torch_future() -> None:
+    assert isinstance(Future(), torch.futures.Future)
+
+
+def test_Future_works_with_torch_wait_all() -> None:
+    futs: list[Future[int]] = [Future() for _ in range(3)]
+    threads = [_complete_later(f, i, delay=0.01 * i) for i, f in enumerate(futs)]
+    assert torch.futures.wait_all(futs) == [0, 1, 2]
+    for thread in threads:
+        thread.join()
+
+
+def test_Future_error_raises_from_torch_wait_all() -> None:
+    ok: Future[int] = Future()
+    ok.set_result(1)
+    bad: Future[int] = Future()
+    bad.set_exception(BoomError("boom"))
+    with pytest.raises(BoomError, match="boom"):
+        torch.futures.wait_all([ok, bad])
+
+
+def test_Future_works_with_torch_collect_all() -> None:
+    futs: list[Future[int]] = [Future() for _ in range(2)]
+    collected = torch.futures.collect_all(futs)
+    assert not collected.done()
+    futs[0].set_result(5)
+    futs[1].set_result(6)
+    assert [f.wait() for f in collected.wait()] == [5, 6]
+
+
+def test_Future_pickling_is_refused_like_torch() -> None:
+    fut: Future[int] = Future()
+    with pytest.raises(RuntimeError, match=r"Can not pickle torch\.futures\.Future"):
+        pickle.dumps(fut)
+
+
+@pytest.mark.parametrize("register", ["then", "add_done_callback"])
+def test_Future_non_callable_callback_is_a_type_error(register: str) -> None:
+    fut: Future[int] = Future()
+    with pytest.raises(TypeError):
+        getattr(fut, register)(None)
+
+
+def test_Future_failed_with_an_exception_referring_to_it_is_collected() -> None:
+    # The exception leads back to the future (as tracebacks do through frames): C++ must not
+    # hold the exception, or the garbage collector could never free the pair.
+    fut: Future[int] = Future()
+    fut.set_exception(BoomError(fut))
+    ref = weakref.ref(fut)
+    del fut
+    gc.collect()
+    assert ref() is None

@@ -444,3 +444,12 @@ def test_Serializer_small_tensor_edge_shapes(inlining: Serializer) -> None:
     assert sent.value[0].item() == 3.5
     assert sent.value[1].shape == (0, 3)
     assert torch.equal(sent.value[2], gapped)
+
+
+def test_Serializer_view_with_small_gaps_keeps_its_strides(serializer: Serializer) -> None:
+    t = torch.rand(5, 5)
+    view = t.narrow(1, 2, 2)  # two columns: gaps of three elements per row
+    sent = roundtrip(serializer, view)
+    assert not sent.value.is_contiguous()
+    assert sent.value.stride() == view.stride()
+    assert torch.equal(sent.value, view)

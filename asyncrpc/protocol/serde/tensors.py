@@ -103,10 +103,11 @@ def export_tensor(
 
     Layout rule: the segment is the smallest storage span the tensor touches, sent with the
     tensor's own strides (a transpose or permute keeps its strides, an expanded tensor sends
-    only its distinct elements). When that span is larger than the tensor itself (a view
-    with gaps, such as ``x[:, 0]`` of a big matrix) the tensor is sent ``.contiguous()``
-    instead, so a segment is never bigger than ``numel * element_size``. Conjugate and
-    negative bits are resolved first.
+    only its distinct elements). A view with gaps keeps its strides too while the gaps
+    are small (at most the tensor's size, or ``GAP_BYTES``); past that (``x[:, 0]`` of a
+    big matrix) the tensor is sent ``.contiguous()`` instead, so a segment is never
+    bigger than twice ``numel * element_size`` plus ``GAP_BYTES``. Conjugate and negative
+    bits are resolved first.
 
     Args:
         tensor: a ``torch.Tensor`` or ``nn.Parameter`` (exact types).
@@ -149,7 +150,10 @@ def _resolved_span(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...],
         tensor = tensor.resolve_neg()
     stride: tuple[int, ...] = tensor.stride()
     span = _span(tensor, stride)
-    if span > tensor.numel():
+    numel = tensor.numel()
+    # A view with gaps keeps its strides (as torch sends it) while the gaps cost little:
+    # at most the tensor's own size, or GAP_BYTES. Past that it is sent contiguous.
+    if span > 2 * numel and (span - numel) * tensor.element_size() > GAP_BYTES:
         tensor = tensor.detach().contiguous()
         stride = tensor.stride()
         span = tensor.numel()
@@ -215,6 +219,10 @@ def rebuild_small_tensor(packed: bytes) -> torch.Tensor:
     if flags & 1:
         tensor.requires_grad_(True)
     return tensor
+
+
+# Gaps a strided view may carry over the wire (see _resolved_span).
+GAP_BYTES = 4096
 
 
 def _span(tensor: torch.Tensor, stride: tuple[int, ...]) -> int:

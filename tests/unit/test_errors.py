@@ -1,0 +1,157 @@
+"""Unit tests of asyncrpc.errors and the argument checks: torch's base types, torch's words."""
+
+from __future__ import annotations
+
+import pickle
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from asyncrpc import errors
+from asyncrpc.runtime.options import RpcBackendOptions, WorkerInfo, coerce_options
+
+# One instance of every error, with the arguments its constructor takes.
+SAMPLES: dict[str, tuple[Any, ...]] = {
+    "UnknownWorkerError": ("w9", ("w0", "w1")),
+    "BadDestinationError": (0.5, ("w0",)),
+    "FunctionNotFoundError": ("m.f", "w1", "no attribute f"),
+    "RemoteError": ("m.Custom", "boom", "Traceback ...", "w1"),
+    "RpcTimeoutError": ("w1", "m.f", 0.5),
+    "PeerLostError": ("w1",),
+    "PeerUnavailableError": ("w1", "refused"),
+    "FrameTooLargeError": (10, 5),
+    "RRefOwnerLostError": ("w1",),
+    "RRefTimeoutError": ("w1", "m.f", 0.5),
+}
+
+# Where torch raises RuntimeError, ours are RuntimeErrors too.
+RUNTIME_ERRORS = [
+    "InitError",
+    "InitArgumentError",
+    "WorkerNameError",
+    "NotInitializedError",
+    "ShutdownError",
+    "BlockingCallError",
+    "UnknownWorkerError",
+    "BadDestinationError",
+    "SerializationError",
+    "AsyncExecutionError",
+    "FunctionNotFoundError",
+    "RemoteError",
+    "RpcTimeoutError",
+    "ClosedError",
+    "ConnectionLostError",
+    "PeerLostError",
+    "RRefError",
+    "RRefTimeoutError",
+    "CallbackError",
+]
+
+
+def _make(name: str) -> BaseException:
+    cls = getattr(errors, name)
+    return cls(*SAMPLES.get(name, ("detail",)))  # type: ignore[no-any-return]
+
+
+ERROR_NAMES = [name for name in errors.__all__ if name[0].isupper()]
+
+
+@pytest.mark.parametrize("name", ERROR_NAMES)
+def test_error_pickles_with_its_type_and_text(name: str) -> None:
+    exc = _make(name)
+    back = pickle.loads(pickle.dumps(exc))
+    assert type(back) is type(exc)
+    assert str(back) == str(exc)
+
+
+@pytest.mark.parametrize("name", RUNTIME_ERRORS)
+def test_error_is_a_RuntimeError_like_torch(name: str) -> None:
+    assert isinstance(_make(name), RuntimeError)
+
+
+def test_typed_errors_keep_their_builtin_bases() -> None:
+    assert isinstance(_make("RpcTimeoutError"), TimeoutError)
+    assert isinstance(_make("PeerLostError"), ConnectionError)
+    assert isinstance(_make("SerializationError"), TypeError)
+    assert isinstance(_make("InitArgumentError"), TypeError)
+    assert isinstance(_make("BadDestinationError"), ValueError)
+    assert isinstance(_make("BadDestinationError"), errors.UnknownWorkerError)
+
+
+@pytest.mark.parametrize(
+    ("name", "words"),
+    [
+        ("RpcTimeoutError", "RPC ran for more than"),
+        ("UnknownWorkerError", "could not find destination"),
+        ("RemoteError", "Original exception on remote side was"),
+        ("FunctionNotFoundError", "RPC pickler does not serialize"),
+    ],
+)
+def test_error_text_carries_torchs_words(name: str, words: str) -> None:
+    assert words in str(_make(name))
+
+
+@pytest.mark.parametrize(
+    ("name", "words"),
+    [("abc*", "must match"), (" ", "must match"), ("", "non-empty"), ("a" * 500, "shorter")],
+)
+def test_WorkerInfo_refuses_names_torch_refuses(name: str, words: str) -> None:
+    with pytest.raises(errors.WorkerNameError, match=words):
+        WorkerInfo(name, 0)
+
+
+def test_WorkerInfo_accepts_names_torch_accepts() -> None:
+    assert WorkerInfo("trainer-0:a_b", 3).name == "trainer-0:a_b"
+
+
+def test_coerce_options_refuses_a_dict() -> None:
+    with pytest.raises(errors.InitArgumentError, match="must be an instance of RpcBackendOptions"):
+        coerce_options({"init_method": "env://"})
+
+
+def test_coerce_options_refuses_unknown_options_class() -> None:
+    foreign = SimpleNamespace(init_method="env://", rpc_timeout=5.0)
+    with pytest.raises(errors.InitArgumentError, match="Could not infer backend"):
+        coerce_options(foreign)
+    with pytest.raises(errors.InitArgumentError, match="TensorPipeRpcBackendOptions"):
+        coerce_options(foreign, backend="TENSORPIPE")
+
+
+def test_coerce_options_takes_ours_and_torchs() -> None:
+    import torch.distributed.rpc as torch_rpc
+
+    ours = RpcBackendOptions(init_method="tcp://127.0.0.1:1")
+    assert coerce_options(ours) is ours
+    theirs = torch_rpc.TensorPipeRpcBackendOptions(init_method="tcp://127.0.0.1:2")
+    assert coerce_options(theirs).init_method == "tcp://127.0.0.1:2"
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        TypeError("bad arg"),
+        KeyError("k"),
+        OSError(2, "gone"),
+        UnicodeDecodeError("utf-8", b"x", 0, 1, "no"),
+    ],
+)
+def test_as_callback_error_is_both_types_and_pickles(exc: Exception) -> None:
+    dual = errors.as_callback_error(exc)
+    assert isinstance(dual, type(exc))
+    assert isinstance(dual, RuntimeError)
+    assert isinstance(dual, errors.CallbackError)
+    assert str(dual) == str(exc)
+    assert dual.__cause__ is exc
+    back = pickle.loads(pickle.dumps(dual))
+    assert type(back) is type(dual)
+    assert str(back) == str(exc)
+
+
+def test_as_callback_error_leaves_runtime_errors_and_base_exceptions() -> None:
+    runtime = ValueError("v")
+    assert errors.as_callback_error(runtime) is not runtime
+    same = RuntimeError("r")
+    assert errors.as_callback_error(same) is same
+    interrupt = KeyboardInterrupt()
+    assert errors.as_callback_error(interrupt) is interrupt
