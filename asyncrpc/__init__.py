@@ -27,6 +27,7 @@ from asyncrpc.errors import (
     BlockingCallError,
     ClosedError,
     ConnectionLostError,
+    FrameTooLargeError,
     FunctionNotFoundError,
     InitError,
     NotInitializedError,
@@ -41,6 +42,7 @@ from asyncrpc.errors import (
     RRefTimeoutError,
     SerializationError,
     ShutdownError,
+    ThreadPoolExhaustedError,
     UnknownWorkerError,
 )
 from asyncrpc.protocol.serde import register_reducer
@@ -53,6 +55,7 @@ __all__ = [
     "BlockingCallError",
     "ClosedError",
     "ConnectionLostError",
+    "FrameTooLargeError",
     "FunctionNotFoundError",
     "Future",
     "InitError",
@@ -70,6 +73,7 @@ __all__ = [
     "RpcTimeoutError",
     "SerializationError",
     "ShutdownError",
+    "ThreadPoolExhaustedError",
     "UnknownWorkerError",
     "WorkerInfo",
     "call",

@@ -32,6 +32,7 @@ __all__ = [
     "RpcTimeoutError",
     "SerializationError",
     "ShutdownError",
+    "ThreadPoolExhaustedError",
     "UnknownWorkerError",
 ]
 
@@ -66,6 +67,24 @@ class BlockingCallError(AsyncRpcError, RuntimeError):
 
 
 # -- addressing and arguments --------------------------------------------------------------
+
+
+class ThreadPoolExhaustedError(AsyncRpcError, RuntimeError):
+    """Every thread of a worker's pool, up to its hard cap (``max_worker_threads``), is
+    blocked waiting on an RPC reply: a queued synchronous function cannot run (nested
+    blocking calls deeper than the cap)."""
+
+    def __init__(self, worker: str, cap: int) -> None:
+        super().__init__(worker, cap)
+        self.worker = worker
+        self.cap = cap
+
+    def __str__(self) -> str:
+        return (
+            f"worker {self.worker!r}: all {self.cap} pool threads are blocked waiting on RPC "
+            "replies (nested blocking calls deeper than max_worker_threads); use async "
+            "functions or raise max_worker_threads"
+        )
 
 
 class UnknownWorkerError(AsyncRpcError, LookupError):

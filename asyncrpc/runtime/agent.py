@@ -102,7 +102,7 @@ class Agent:
         self.serializer = Serializer(
             persistent_dump=self._dump_rref, persistent_load=self._load_rref
         )
-        self.pool = WorkerPool(options.num_worker_threads, loop, name)
+        self.pool = WorkerPool(options.num_worker_threads, loop, name, options.max_worker_threads)
         self.pipeline = Pipeline()
         self.dispatcher = Dispatcher(
             name, loop, self.pool, self.serializer, self.write, self.reply_device_map,
@@ -703,6 +703,9 @@ class Agent:
             "thread_pool_size": self.pool.size,
             "thread_pool_busy": self.pool.busy,
             "thread_pool_idle": self.pool.size - self.pool.busy,
+            "thread_pool_threads": self.pool.threads,
+            "thread_pool_blocked": self.pool.blocked,
+            "thread_pool_refused": self.pool.refused,
             "loop_lag_ms": round(self.lag.last_ms, 3),
             "loop_lag_max_ms": round(self.lag.max_ms, 3),
         }

@@ -13,11 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from asyncrpc.errors import ClosedError, FunctionNotFoundError, SerializationError
+from asyncrpc.errors import (
+    ClosedError,
+    FunctionNotFoundError,
+    SerializationError,
+    ThreadPoolExhaustedError,
+)
 from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
 from asyncrpc.protocol.serde import MissingReferenceError, Serializer, pack_exception
 from asyncrpc.protocol.wire import encode_frame
@@ -142,11 +148,14 @@ class Dispatcher:
             self._run_inline(conn, request, peer, run, async_exec, args, kwargs)
         else:
             try:
-                self._jobs[key] = self._pool.submit(
+                job = self._pool.submit(
                     self._run_in_thread, conn, request, peer, run, async_exec, args, kwargs
                 )
-            except ClosedError as exc:  # shutting down: the caller learns it, nothing hangs
+            except (ClosedError, ThreadPoolExhaustedError) as exc:  # the caller learns it
                 self._finish(conn, request, peer, False, exc)
+                return
+            job.refused = functools.partial(self._refused, conn, request, peer)
+            self._jobs[key] = job
 
     def _serve(
         self, conn: Connection, request: Request, peer: int, call: Any, grads: list[Any]
@@ -320,6 +329,11 @@ class Dispatcher:
         assert pieces is not None
         self._write(conn, pieces, keep)
         self._counters.replies_sent += 1
+
+    def _refused(self, conn: Connection, request: Request, peer: int, exc: BaseException) -> None:
+        # The exhausted pool dropped the job unrun (see WorkerPool._refuse_queued).
+        if (peer, request.call_id) in self._jobs:  # else cancelled meanwhile
+            self._finish(conn, request, peer, False, exc)
 
     def _finish(self, conn: Connection, request: Request, peer: int, ok: bool, value: Any) -> None:
         self._jobs.pop((peer, request.call_id), None)

@@ -16,6 +16,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeAlias, TypeVar, cast, overload
 
 from asyncrpc.errors import AsyncRpcError, BlockingCallError, NotInitializedError
+from asyncrpc.runtime.blocking import blocking
 
 if TYPE_CHECKING:  # for annotations only: torch is imported lazily at run time
     import torch
@@ -215,7 +216,9 @@ class Future(Generic[T]):
                 gate.acquire()
         acquired = False
         try:
-            acquired = gate.acquire(timeout=-1 if timeout is None else max(timeout, 0.0))
+            # A pool thread that blocks here lets its pool start a stand-in (no deadlock).
+            with blocking():
+                acquired = gate.acquire(timeout=-1 if timeout is None else max(timeout, 0.0))
         finally:
             if acquired:  # even if interrupted right after: never keep the gate
                 gate.release()  # pass it on: other threads may wait on the same future

@@ -54,6 +54,11 @@ class RpcBackendOptions:
         init_method: rendezvous URL: ``env://``, ``tcp://host:port`` or ``file://path``.
         rpc_timeout: default per-call timeout in seconds (0 disables it).
         num_worker_threads: size of the thread pool that runs synchronous functions.
+        max_worker_threads: hard cap on that pool's threads. A pool thread blocked on an
+            RPC reply (``rpc_sync`` inside a remote function) does not count against
+            ``num_worker_threads``: a stand-in starts, up to this cap, so nested blocking
+            calls deeper than the pool complete. With all of them blocked, further
+            synchronous functions fail with ``ThreadPoolExhaustedError``.
         device_maps: per callee name, a map of this worker's CUDA devices to the callee's.
         devices: the CUDA devices this worker may send from or receive to.
         listen_host: the address the worker listens on (loopback by default; "0.0.0.0"
@@ -85,6 +90,7 @@ class RpcBackendOptions:
     init_method: str = DEFAULT_INIT_METHOD
     rpc_timeout: float = DEFAULT_RPC_TIMEOUT
     num_worker_threads: int = 16
+    max_worker_threads: int = 512
     device_maps: dict[str, dict[str, str]] | None = None
     devices: list[str] | None = None
     listen_host: str = "127.0.0.1"
@@ -125,6 +131,11 @@ class RpcBackendOptions:
             raise InitError("TLS needs all of tls_cert, tls_key and tls_ca")
         if self.num_worker_threads < 1:
             raise InitError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
+        if self.max_worker_threads < self.num_worker_threads:
+            raise InitError(
+                f"max_worker_threads ({self.max_worker_threads}) must be >= "
+                f"num_worker_threads ({self.num_worker_threads})"
+            )
         if self.device_maps is not None:
             self.device_maps = {
                 str(callee): {_device_key(k): _device_key(v) for k, v in mapping.items()}

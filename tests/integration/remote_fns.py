@@ -240,6 +240,14 @@ def metrics() -> dict[str, Any]:
     return asyncrpc.get_metrics()
 
 
+def chain(depth: int, here: str, there: str) -> int:
+    """A blocking ``def`` that calls ``there``, which calls back here...: ``depth`` nested
+    ``rpc_sync`` calls, each holding a pool thread while it waits."""
+    if depth <= 0:
+        return 0
+    return int(asyncrpc.rpc_sync(there, chain, args=(depth - 1, there, here))) + 1
+
+
 class Unrebuildable(Exception):
     """Its __init__ signature does not match its args, so it cannot be unpickled."""
 

@@ -613,15 +613,20 @@ class ScenarioProcess:
 
 
 def start(
-    scenario: str, *args: str, env: dict[str, str] | None = None, prefix: Sequence[str] = ()
+    scenario: str,
+    *args: str,
+    env: dict[str, str] | None = None,
+    prefix: Sequence[str] = (),
+    module: str = "tests.integration.scenarios",
 ) -> ScenarioProcess:
     """Start ``python -m tests.integration.scenarios scenario *args`` from the repository root.
 
     Args:
-        scenario: one of ``SCENARIOS``.
+        scenario: one of ``SCENARIOS`` (of ``module``).
         *args: its command-line options.
         env: extra environment variables.
         prefix: a launcher that execs the command in place (``ip netns exec NS``).
+        module: the scenario module to run.
 
     Returns:
         The running process; the caller stops it with ``kill`` in a ``finally``.
@@ -633,7 +638,7 @@ def start(
     full_env["PYTHONUNBUFFERED"] = "1"
     full_env.update(env or {})
     process = subprocess.Popen(
-        [*prefix, sys.executable, "-m", "tests.integration.scenarios", scenario, *args],
+        [*prefix, sys.executable, "-m", module, scenario, *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
