@@ -26,6 +26,7 @@ from asyncrpc.errors import (
     AuthenticationError,
     ClosedError,
     ConnectionLostError,
+    FrameTooLargeError,
     InitError,
     RemoteProtocolError,
     RpcTimeoutError,
@@ -456,7 +457,7 @@ class Agent:
             return
         peer = self.peers.peers.get(rank) if self.peers is not None else None
         if peer is not None and peer.conn is not None and not peer.conn.closed:
-            peer.conn.send(pieces, keep)
+            self._send_checked(peer.conn, rank, pieces, call_id, keep)
             return
         self._unsent[rank] = [(pieces, call_id, keep)]
         self.loop.create_task(self._send_when_connected(rank))
@@ -470,12 +471,20 @@ class Agent:
                 sent += 1
                 if call_id and call_id not in self.pending:
                     continue  # timed out or cancelled while waiting: the callee never runs it
-                conn.send(pieces, keep)
+                self._send_checked(conn, rank, pieces, call_id, keep)
         except (ConnectionError, OSError) as exc:
             for _, call_id, _ in waiting[sent:]:
                 self._fail_unsent(rank, call_id, exc)
         finally:
             del self._unsent[rank]  # from now on frames go straight to the connection
+
+    def _send_checked(
+        self, conn: Connection, rank: int, pieces: list[Any], call_id: int, keep: object
+    ) -> None:
+        try:
+            conn.send(pieces, keep)
+        except FrameTooLargeError as exc:  # nothing was written: the call fails alone
+            self._fail_unsent(rank, call_id, exc)
 
     def _fail_unsent(self, rank: int, call_id: int, exc: BaseException) -> None:
         call = self.pending.pop(call_id) if call_id else None

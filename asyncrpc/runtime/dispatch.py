@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from asyncrpc.errors import (
     ClosedError,
+    FrameTooLargeError,
     FunctionNotFoundError,
     SerializationError,
     ThreadPoolExhaustedError,
@@ -327,7 +328,11 @@ class Dispatcher:
             self._send_error(conn, request, error)
             return
         assert pieces is not None
-        self._write(conn, pieces, keep)
+        try:
+            self._write(conn, pieces, keep)
+        except FrameTooLargeError as exc:  # over the caller's limit: it gets this instead
+            self._send_error(conn, request, exc)
+            return
         self._counters.replies_sent += 1
 
     def _refused(self, conn: Connection, request: Request, peer: int, exc: BaseException) -> None:

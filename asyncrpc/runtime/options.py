@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrpc.errors import InitError
+from asyncrpc.protocol.wire import DEFAULT_MAX_FRAME_SIZE
 
 __all__ = [
     "DEFAULT_INIT_METHOD",
@@ -69,7 +70,10 @@ class RpcBackendOptions:
         advertise_host: the address other workers dial to reach this one, when it is not
             ``listen_host`` (listening on every interface, containers, NAT).
         advertise_port: the port they dial, when a proxy or NAT maps the listening port.
-        max_frame_size: the largest frame accepted from a peer, checked before allocating.
+        max_frame_size: the largest frame (header, pickle and tensor bytes of one message)
+            accepted from a peer, checked before allocating; 4 GiB by default. Peers learn
+            it at the handshake: a larger message fails at its sender with
+            ``FrameTooLargeError`` before any byte is written, and the connection stays up.
         shutdown_timeout: bound on a graceful shutdown when ``shutdown`` is given none.
         rref_leaks: what a graceful shutdown does with owner RRefs still referenced
             elsewhere: "warn" (log a warning), "error" (raise ShutdownError) or "ignore".
@@ -98,7 +102,7 @@ class RpcBackendOptions:
     unix_sockets: bool = True
     advertise_host: str | None = None
     advertise_port: int | None = None
-    max_frame_size: int = 1 << 34
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     shutdown_timeout: float = 60.0
     rref_leaks: str = "warn"
     auth_key: bytes | str | None = field(default=None, repr=False)

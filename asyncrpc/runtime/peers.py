@@ -82,8 +82,9 @@ class PeerTable:
         # Dialled connections awaiting their HelloReply: the rank they should reach and
         # the nonce this side sent.
         self._handshakes: dict[Connection, tuple[asyncio.Future[HelloReply], int, bytes]] = {}
-        # Accepted connections awaiting the dialer's Auth: its rank and the proof expected.
-        self._challenges: dict[Connection, tuple[int, bytes]] = {}
+        # Accepted connections awaiting the dialer's Auth: its rank, the proof expected and
+        # the largest frame it takes.
+        self._challenges: dict[Connection, tuple[int, bytes, int]] = {}
 
     async def connection(self, rank: int) -> Connection:
         """Return the live connection to ``rank``, dialling it first if needed.
@@ -119,7 +120,8 @@ class PeerTable:
             waiter = asyncio.get_running_loop().create_future()
             nonce = auth.new_nonce()
             self._handshakes[conn] = (waiter, rank, nonce)
-            send_message(conn, Hello(PROTOCOL_VERSION, self.name, self.rank, nonce))
+            hello = Hello(PROTOCOL_VERSION, self.name, self.rank, nonce, self._max_frame_size)
+            send_message(conn, hello)
             reply = await asyncio.wait_for(waiter, self.connect_timeout)
         except (OSError, TimeoutError, ConnectionError, RemoteProtocolError) as exc:
             self._dial_failed(peer, PeerUnavailableError(address.name, str(exc) or repr(exc)))
@@ -153,8 +155,9 @@ class PeerTable:
             peer.ready.exception()  # mark retrieved: waiters may all have given up
         peer.ready = None  # a later call may try again
 
-    def adopt(self, peer: Peer, rank: int, conn: Connection) -> None:
+    def adopt(self, peer: Peer, rank: int, conn: Connection, peer_max_frame: int) -> None:
         conn.open(self._max_frame_size)  # authenticated: the handshake's limits are lifted
+        conn.peer_max_frame = peer_max_frame  # what we send is checked against it
         conn.peer = rank
         conn.peer_name = peer.address.name
         peer.conn = conn
@@ -176,8 +179,10 @@ class PeerTable:
         dialer, me = (hello.name, hello.rank), (self.name, self.rank)
         mine = auth.proof(self._key, auth.ACCEPTOR, hello.nonce, nonce, dialer, me)
         expected = auth.proof(self._key, auth.DIALER, hello.nonce, nonce, dialer, me)
-        self._challenges[conn] = (hello.rank, expected)
-        reply = HelloReply(PROTOCOL_VERSION, self.name, self.rank, True, "", nonce, mine)
+        self._challenges[conn] = (hello.rank, expected, hello.max_frame_size)
+        reply = HelloReply(
+            PROTOCOL_VERSION, self.name, self.rank, True, "", nonce, mine, self._max_frame_size
+        )
         send_message(conn, reply)
 
     def on_auth(self, conn: Connection, message: Auth) -> None:
@@ -186,7 +191,7 @@ class PeerTable:
         if entry is None:
             conn.abort(RemoteProtocolError("Auth without an accepted Hello"))
             return
-        rank, expected = entry
+        rank, expected, peer_max_frame = entry
         peer = self.peers[rank]
         if not auth.verify(expected, message.proof):
             error = AuthenticationError(f"a dialer claiming to be {peer.address.name!r} "
@@ -196,7 +201,7 @@ class PeerTable:
         if peer.conn is not None and not peer.conn.closed:
             conn.close()  # another authenticated connection won the race
             return
-        self.adopt(peer, rank, conn)
+        self.adopt(peer, rank, conn, peer_max_frame)
 
     def _refusal(self, hello: Hello) -> str | None:
         if hello.version != PROTOCOL_VERSION:
@@ -238,7 +243,7 @@ class PeerTable:
             send_message(conn, Auth(proof))
             # Adopt now, not in the dial task: the peer may send a request right behind its
             # reply, and it can be in the same read as the reply itself.
-            self.adopt(peer, rank, conn)
+            self.adopt(peer, rank, conn, reply.max_frame_size)
         if not waiter.done():
             waiter.set_result(reply)
 

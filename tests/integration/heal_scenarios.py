@@ -53,7 +53,39 @@ def nested(args: argparse.Namespace) -> int:
     return 0
 
 
-SCENARIOS: dict[str, Callable[[argparse.Namespace], int]] = {"nested": nested}
+# -- frame limits known to both sides -------------------------------------------------------
+
+MIB = 1 << 20
+
+
+def frames(args: argparse.Namespace) -> int:
+    """Rank 0 of {driver, m1}; both take frames of at most 1 MiB. Oversized messages both
+    ways, each followed by normal calls on the same connection."""
+    import torch
+
+    _init(args, max_frame_size=MIB, heartbeat_interval=0.0)  # no pings between the counts
+    obs: Observations = {}
+    obs["warm"] = _attempt(lambda: asyncrpc.rpc_sync("m1", fns.add, args=(1, 2)))
+    before = asyncrpc.get_metrics()
+    big = torch.zeros(2 * MIB, dtype=torch.uint8)
+    obs["send_big"] = _attempt(lambda: asyncrpc.rpc_sync("m1", fns.storage_nbytes, args=(big,)))
+    after = asyncrpc.get_metrics()
+    obs["bytes_written"] = after["bytes_out"] - before["bytes_out"]
+    obs["connections_lost"] = after["connections_lost"]
+    half = torch.zeros(MIB // 2, dtype=torch.uint8)
+    obs["send_half"] = _attempt(lambda: asyncrpc.rpc_sync("m1", fns.storage_nbytes, args=(half,)))
+    obs["reply_big"] = _attempt(lambda: asyncrpc.rpc_sync("m1", fns.zeros, args=(2 * MIB,)))
+    obs["reply_half"] = _attempt(
+        lambda: int(asyncrpc.rpc_sync("m1", fns.zeros, args=(MIB // 2,)).numel())
+    )
+    obs["connections_opened"] = asyncrpc.get_metrics()["connections_opened"]
+    obs["m1_metrics"] = asyncrpc.rpc_sync("m1", fns.metrics)
+    obs["shutdown"] = _attempt(lambda: asyncrpc.shutdown(timeout=20.0))
+    _report(obs)
+    return 0
+
+
+SCENARIOS: dict[str, Callable[[argparse.Namespace], int]] = {"nested": nested, "frames": frames}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

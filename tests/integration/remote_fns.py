@@ -240,6 +240,10 @@ def metrics() -> dict[str, Any]:
     return asyncrpc.get_metrics()
 
 
+def zeros(nbytes: int) -> torch.Tensor:
+    return torch.zeros(nbytes, dtype=torch.uint8)
+
+
 def chain(depth: int, here: str, there: str) -> int:
     """A blocking ``def`` that calls ``there``, which calls back here...: ``depth`` nested
     ``rpc_sync`` calls, each holding a pool thread while it waits."""

@@ -92,3 +92,41 @@ def test_WorkerPool_stand_in_threads_exit_once_the_chains_are_done(
         assert nested["metrics"][name]["thread_pool_blocked"] == 0
     assert nested["shutdown"]["error"] is None, nested["shutdown"]
     assert nested["worker_codes"] == [0, 0, 0, 0], nested["logs"]
+
+
+# -- frame limits known to both sides ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def frames(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    workers = [("m1", ["--max-frame-size", str(1 << 20)])]
+    return run_scenario("frames", tmp_path_factory.mktemp("frames"), workers)
+
+
+def test_Agent_oversized_request_fails_at_the_sender_before_any_byte(
+    frames: dict[str, Any],
+) -> None:
+    assert frames["code"] == 0, frames["logs"]
+    error = frames["send_big"]["error"]
+    assert error is not None, frames["send_big"]
+    assert error["type"] == "FrameTooLargeError"
+    assert error["worker"] == "m1"
+    assert str(1 << 20) in error["message"]  # names the limit (a detail)
+    assert frames["bytes_written"] == 0
+
+
+def test_Agent_oversized_reply_fails_typed_at_the_callee(frames: dict[str, Any]) -> None:
+    error = frames["reply_big"]["error"]
+    assert error is not None, frames["reply_big"]
+    assert error["type"] == "FrameTooLargeError"
+    assert error["worker"] == "driver"
+
+
+def test_Agent_oversized_messages_leave_the_connection_untouched(frames: dict[str, Any]) -> None:
+    assert frames["send_half"]["value"] == (1 << 20) // 2, frames["send_half"]
+    assert frames["reply_half"]["value"] == (1 << 20) // 2, frames["reply_half"]
+    assert frames["connections_lost"] == 0
+    assert frames["connections_opened"] == 1
+    assert frames["m1_metrics"]["connections_lost"] == 0
+    assert frames["shutdown"]["error"] is None, frames["shutdown"]
+    assert frames["worker_codes"] == [0], frames["logs"]
