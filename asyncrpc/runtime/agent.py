@@ -28,6 +28,7 @@ from asyncrpc.errors import (
     ConnectionLostError,
     FrameTooLargeError,
     InitError,
+    PeerLostError,
     RemoteProtocolError,
     RpcTimeoutError,
     ShutdownError,
@@ -60,6 +61,7 @@ from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT, RpcBackendOptions, Worke
 from asyncrpc.runtime.peers import PeerTable
 from asyncrpc.runtime.pending import PendingCall, PendingCalls, describe_function
 from asyncrpc.runtime.pipeline import CallHook, OutgoingCall, Pipeline
+from asyncrpc.runtime.reflog import RefLog
 from asyncrpc.runtime.rendezvous import PeerAddress, StoreGroup, join_group
 from asyncrpc.runtime.services import RRefFactory, RRefService
 from asyncrpc.runtime.shutdown import GracefulShutdown
@@ -122,6 +124,8 @@ class Agent:
         self._connections: set[Connection] = set()
         # Frames waiting for a connection to be made, by peer, in the order they were sent.
         self._unsent: dict[int, list[tuple[list[Any], int, object]]] = {}
+        # Refcount frames by peer, until the peer has surely read them (see reflog.py).
+        self._ref_logs: dict[int, RefLog] = {}
         self._server: asyncio.Server | None = None
         self._unix_server: asyncio.AbstractServer | None = None
         self.closed = False
@@ -213,6 +217,7 @@ class Agent:
             self.name, self.rank, self.addresses, self._dial, key, options.max_frame_size,
             self._refuse, ssl_context=self.tls.client if self.tls else None,
             host_id=self.addresses[self.rank].host_id if unix_path else None,
+            on_adopted=self._on_adopted, on_declared_lost=self._on_declared_lost,
         )  # fmt: skip
         for conn, hello in self._early_hellos:
             if not conn.closed:
@@ -244,11 +249,18 @@ class Agent:
 
     def _ping(self, conn: Watched) -> None:
         conn.send(encode_frame(Ping().to_fields(), b""))
+        log = self._ref_logs.get(conn.peer) if conn.peer is not None else None
+        if log is not None:
+            log.pinged(conn)  # its Pong acknowledges the refcount frames sent before it
 
     def _silent(self, conn: Watched, seconds: float) -> None:
         assert isinstance(conn, Connection)
-        # Its pending calls fail through on_connection_lost, as for a closed socket.
-        conn.abort(ConnectionLostError(f"no sign of life for {seconds:.1f} s"))
+        reason = f"no sign of life for {seconds:.1f} s"
+        if conn.peer is not None and self.peers is not None:
+            # Evidence that the peer is gone, not only this connection: declared lost.
+            name = self.addresses[conn.peer].name
+            self.peers.declare_lost(conn.peer, PeerLostError(name, reason))
+        conn.abort(ConnectionLostError(reason))
 
     def _refuse(self, conn: Connection, error: AuthenticationError) -> None:
         """A connection failed to authenticate: count it, log it (rate-limited), close it."""
@@ -462,6 +474,43 @@ class Agent:
         self._unsent[rank] = [(pieces, call_id, keep)]
         self.loop.create_task(self._send_when_connected(rank))
 
+    def send_ref(self, rank: int, pieces: list[Any]) -> None:
+        """Send a refcount frame; it is sent again on a new connection until acknowledged."""
+        if rank != self.rank and self.peers is not None and rank in self.peers.peers:
+            log = self._ref_logs.setdefault(rank, RefLog())
+            if log.add(pieces):
+                peer = self.peers.peers[rank]
+                if peer.conn is not None and not peer.conn.closed:
+                    self._ping(peer.conn)
+        self.send_to(rank, pieces)
+
+    def _on_adopted(self, rank: int, conn: Connection) -> None:
+        """A new connection to ``rank``: refcount frames it may have missed go first."""
+        log = self._ref_logs.get(rank)
+        if log is None or not len(log):
+            return
+        try:
+            for pieces in log.replay():  # bounded by the log
+                conn.send(pieces)
+        except ClosedError:
+            pass  # the next connection replays them
+
+    def _on_declared_lost(self, rank: int) -> None:
+        """``rank`` is gone for good: fail everything bound for it, forget its RRefs."""
+        lost = self.peers.peers[rank].lost if self.peers is not None else None
+        assert lost is not None
+        if self.closed:
+            _log.debug("worker %r: %s", self.name, lost)
+        else:
+            _log.warning("worker %r: %s", self.name, lost)
+        self._ref_logs.pop(rank, None)
+        for call in self.pending.pop_peer(rank):
+            self.counters.calls_failed += 1
+            call.fail(lost)
+        self.dispatcher.cancel_peer(rank)
+        if self.rrefs is not None:
+            self.rrefs.on_peer_lost(rank)
+
     async def _send_when_connected(self, rank: int) -> None:
         assert self.peers is not None
         waiting, sent = self._unsent[rank], 0
@@ -485,6 +534,11 @@ class Agent:
             conn.send(pieces, keep)
         except FrameTooLargeError as exc:  # nothing was written: the call fails alone
             self._fail_unsent(rank, call_id, exc)
+            return
+        if call_id:
+            call = self.pending.get(call_id)
+            if call is not None:
+                call.sent_on = conn  # losing this connection fails it
 
     def _fail_unsent(self, rank: int, call_id: int, exc: BaseException) -> None:
         call = self.pending.pop(call_id) if call_id else None
@@ -556,7 +610,11 @@ class Agent:
         elif kind == Kind.PING:
             self.write(conn, encode_frame(Pong().to_fields(), b""))
         elif kind == Kind.PONG:
-            pass  # its bytes were the sign of life the heartbeat looks for
+            # Its bytes were the sign of life the heartbeat looks for; it also acknowledges
+            # the refcount frames sent before its Ping.
+            log = self._ref_logs.get(conn.peer)
+            if log is not None:
+                log.ponged(conn)
         elif isinstance(message, Goodbye):
             conn.goodbye = True
         else:
@@ -605,6 +663,8 @@ class Agent:
         self.counters.protocol_errors += 1
 
     def on_connection_lost(self, conn: Connection, exc: BaseException | None) -> None:
+        """A connection closed. The calls written on it fail; its peer stays reachable (the
+        next call dials again) unless it is declared lost (see ``peers.py``)."""
         self._connections.discard(conn)
         if self.peers is None:
             return
@@ -612,18 +672,30 @@ class Agent:
         if rank is None:
             return
         self.counters.connections_lost += 1
-        lost = self.peers.peers[rank].lost
-        assert lost is not None
-        if self.closed or conn.goodbye:
-            _log.debug("worker %r: %s", self.name, lost)
-        else:
-            _log.warning("worker %r: %s", self.name, lost)
-        for call in self.pending.pop_peer(rank):
+        log = self._ref_logs.get(rank)
+        if log is not None:
+            log.lost(conn)
+        peer = self.peers.peers[rank]
+        error = peer.lost or PeerLostError(peer.address.name, f"connection lost ({exc or 'EOF'})")
+        if peer.lost is None and not self.closed:
+            _log.warning("worker %r: %s; the next call reconnects", self.name, error)
+        # Calls that came on it are cancelled (nobody reads their replies); remote()
+        # requests run on: their value must still land here.
+        for call in self.pending.pop_peer(rank, sent_on=conn):
             self.counters.calls_failed += 1
-            call.fail(lost)
-        self.dispatcher.cancel_peer(rank)
-        if self.rrefs is not None:
-            self.rrefs.on_peer_lost(rank)
+            call.fail(error)
+        self.dispatcher.cancel_connection(conn)
+        if peer.lost is None and not self.closed and peer.conn is None:
+            # Dial again now, not at the next call: the link heals before it is needed, and
+            # a dead peer is found (refused) and declared lost, which frees its RRefs.
+            self.loop.create_task(self._redial(rank))
+
+    async def _redial(self, rank: int) -> None:
+        assert self.peers is not None
+        try:
+            await self.peers.connection(rank)
+        except (ConnectionError, OSError) as exc:  # declared lost, or not reachable yet
+            _log.debug("worker %r: redial of rank %d failed: %s", self.name, rank, exc)
 
     # -- stopping --------------------------------------------------------------------------
 
@@ -735,6 +807,7 @@ class Agent:
                 if p.lost is not None
             ),
             **self.metrics(),
+            "unacked_ref_frames": sum(len(log) for log in list(self._ref_logs.values())),
             **(self.rrefs.debug_info() if self.rrefs is not None else {}),
             **{k: v for hook in self.pipeline.hooks for k, v in hook.debug_info().items()},
         }

@@ -105,6 +105,9 @@ class Dispatcher:
         self._counters = counters
         self._pipeline = pipeline
         self._jobs: dict[tuple[int, int], Job] = {}
+        # The connection each call (not remote()) came on: when it drops, nobody is left
+        # to read the reply, so the call is cancelled (remote() values must still land).
+        self._came_on: dict[tuple[int, int], Connection] = {}
         # Requests going through the pipeline, until their reply is built.
         self._served: dict[tuple[int, int], IncomingCall] = {}
         # Keeps the values of remote() requests; set once the agent knows its rank.
@@ -145,6 +148,8 @@ class Dispatcher:
         if is_coroutine_function(fn):
             coro = self._run_coroutine(conn, request, run, async_exec, args, kwargs)
             self._jobs[key] = self._loop.create_task(coro)
+            if not request.mode:
+                self._came_on[key] = conn
         elif is_inline(fn):
             self._run_inline(conn, request, peer, run, async_exec, args, kwargs)
         else:
@@ -157,6 +162,8 @@ class Dispatcher:
                 return
             job.refused = functools.partial(self._refused, conn, request, peer)
             self._jobs[key] = job
+            if not request.mode:
+                self._came_on[key] = conn
 
     def _serve(
         self, conn: Connection, request: Request, peer: int, call: Any, grads: list[Any]
@@ -191,14 +198,29 @@ class Dispatcher:
 
     def on_cancel(self, peer: int, call_id: int) -> None:
         self._served.pop((peer, call_id), None)
-        job = self._jobs.pop((peer, call_id), None)
+        job = self._drop_job((peer, call_id))
         if job is not None:
             job.cancel()
+
+    def _drop_job(self, key: tuple[int, int]) -> Job | None:
+        if self._came_on:
+            self._came_on.pop(key, None)
+        return self._jobs.pop(key, None)
+
+    def cancel_connection(self, conn: Connection) -> None:
+        """``conn`` dropped: the calls that came on it have nobody to reply to."""
+        for key in [k for k, c in self._came_on.items() if c is conn]:
+            self._served.pop(key, None)
+            job = self._drop_job(key)
+            if job is not None:
+                job.cancel()
 
     def cancel_peer(self, peer: int) -> None:
         """The caller is gone: nobody will read these replies."""
         for key in [k for k in self._jobs if k[0] == peer]:
-            self._jobs.pop(key).cancel()
+            job = self._drop_job(key)
+            assert job is not None
+            job.cancel()
         for key in [k for k in self._served if k[0] == peer]:
             del self._served[key]
 
@@ -216,7 +238,7 @@ class Dispatcher:
             if async_exec and _is_future_like(result):
                 result = await await_async_result(result)
         except asyncio.CancelledError:
-            self._jobs.pop((peer, request.call_id), None)
+            self._drop_job((peer, request.call_id))
             self._served.pop((peer, request.call_id), None)
             raise
         except BaseException as exc:
@@ -311,7 +333,7 @@ class Dispatcher:
         keep: object,
         error: BaseException | None,
     ) -> None:
-        if self._jobs.pop((peer, request.call_id), None) is None:
+        if self._drop_job((peer, request.call_id)) is None:
             return  # cancelled meanwhile: the caller no longer waits
         self._deliver(conn, request, pieces, keep, error)
 
@@ -341,7 +363,7 @@ class Dispatcher:
             self._finish(conn, request, peer, False, exc)
 
     def _finish(self, conn: Connection, request: Request, peer: int, ok: bool, value: Any) -> None:
-        self._jobs.pop((peer, request.call_id), None)
+        self._drop_job((peer, request.call_id))
         if request.mode != 0:
             if self.rrefs is not None:
                 self.rrefs.on_value(request, peer, ok, value)

@@ -9,6 +9,12 @@ Until then the connection takes handshake frames only, under small limits, and n
 unpickled. When two workers dial each other at the same moment, both apply one rule, so
 exactly one connection survives: the one dialled by the lower rank. No request is ever
 sent before the handshake, so the losing connection carries nothing and is simply closed.
+
+A connection is not the peer. Losing one fails what was written on it, and the next call
+dials again. A peer is declared lost (for good: its calls fail at once) only on evidence:
+its address refuses connections after a few retries, it said Goodbye, or its heartbeats
+stopped (the agent says so with ``declare_lost``). A stranger cannot make a worker lost: a
+connection becomes a peer's only once it proves the group key.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import functools
 import logging
 import ssl
 from collections.abc import Callable
+from typing import Final
 
 from asyncrpc.errors import (
     AuthenticationError,
@@ -31,9 +38,15 @@ from asyncrpc.protocol.wire.messages import Auth, Hello, HelloReply
 from asyncrpc.runtime.rendezvous import PeerAddress
 from asyncrpc.runtime.transport import Connection, open_connection, open_unix_connection
 
-__all__ = ["Peer", "PeerTable"]
+__all__ = ["DIAL_RETRY_DELAYS", "Peer", "PeerTable"]
 
 _log = logging.getLogger("asyncrpc.runtime.peers")
+
+# Pauses before the retries of a dial that failed at the socket (refused, reset during the
+# handshake) or met a peer that has not yet seen its old connection close. A peer whose
+# address still refuses after them is declared lost: a dead process refuses at once, and
+# callers must learn that in well under a second.
+DIAL_RETRY_DELAYS: Final = (0.05, 0.15)
 
 
 class Peer:
@@ -46,7 +59,7 @@ class Peer:
         self.conn: Connection | None = None
         self.ready: asyncio.Future[Connection] | None = None
         self.dialing = False
-        self.lost: BaseException | None = None
+        self.lost: PeerLostError | None = None
 
 
 def send_message(conn: Connection, message: Hello | HelloReply | Auth) -> None:
@@ -68,6 +81,8 @@ class PeerTable:
         connect_timeout: float = 30.0,
         ssl_context: ssl.SSLContext | None = None,
         host_id: str | None = None,
+        on_adopted: Callable[[int, Connection], None] | None = None,
+        on_declared_lost: Callable[[int], None] | None = None,
     ) -> None:
         self.name = name
         self.rank = rank
@@ -78,6 +93,8 @@ class PeerTable:
         self.connect_timeout = connect_timeout
         self._ssl = ssl_context  # mutual TLS for the connections this side dials
         self._host_id = host_id  # this host, when peers on it may be reached by Unix socket
+        self._on_adopted = on_adopted
+        self._on_declared_lost = on_declared_lost
         self.peers = {r: Peer(a) for r, a in addresses.items() if r != rank}
         # Dialled connections awaiting their HelloReply: the rank they should reach and
         # the nonce this side sent.
@@ -92,8 +109,8 @@ class PeerTable:
         Cancelling the wait does not stop a dial in progress; later callers share it.
 
         Raises:
-            PeerLostError: the peer was connected once and is gone.
-            PeerUnavailableError: it cannot be reached.
+            PeerLostError: the peer is declared lost (see the module's docstring).
+            PeerUnavailableError: it cannot be reached now.
         """
         peer = self.peers[rank]
         if peer.conn is not None and not peer.conn.closed:
@@ -114,29 +131,64 @@ class PeerTable:
             ) from None
 
     async def _dial(self, peer: Peer, rank: int) -> None:
-        address = peer.address
+        """Dial ``rank``, retrying a few times (see ``DIAL_RETRY_DELAYS``), within one
+        ``connect_timeout`` in all."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.connect_timeout
+        name = peer.address.name
         try:
-            conn = await self._open(address)
-            waiter = asyncio.get_running_loop().create_future()
-            nonce = auth.new_nonce()
-            self._handshakes[conn] = (waiter, rank, nonce)
-            hello = Hello(PROTOCOL_VERSION, self.name, self.rank, nonce, self._max_frame_size)
-            send_message(conn, hello)
-            reply = await asyncio.wait_for(waiter, self.connect_timeout)
-        except (OSError, TimeoutError, ConnectionError, RemoteProtocolError) as exc:
-            self._dial_failed(peer, PeerUnavailableError(address.name, str(exc) or repr(exc)))
-            return
+            for attempt, delay in enumerate((*DIAL_RETRY_DELAYS, None), 1):
+                try:
+                    if await self._dial_once(peer, rank, deadline):
+                        return
+                except (TimeoutError, ssl.SSLError, RemoteProtocolError) as exc:
+                    self._dial_failed(peer, PeerUnavailableError(name, str(exc) or repr(exc)))
+                    return
+                except OSError as exc:  # refused, reset: a blip, or a dead process
+                    if delay is None or loop.time() + delay > deadline:
+                        reason = f"unreachable after {attempt} attempts ({exc or repr(exc)})"
+                        self.declare_lost(rank, PeerLostError(name, reason))
+                        return
+                if peer.conn is not None and not peer.conn.closed:
+                    return  # adopted meanwhile, dialled by the peer
+                if delay is None or loop.time() + delay > deadline:
+                    self._dial_failed(peer, PeerUnavailableError(name, _ALREADY_CONNECTED))
+                    return
+                await asyncio.sleep(delay)
         finally:
             peer.dialing = False
+
+    async def _dial_once(self, peer: Peer, rank: int, deadline: float) -> bool:
+        """One dial and handshake; True when done (adopted, or failed for good: the
+        waiters know), False to try again (the peer still holds an old connection).
+
+        Raises:
+            OSError: the socket failed (``TimeoutError``: no answer by ``deadline``).
+            RemoteProtocolError: the peer answered wrongly.
+        """
+        loop = asyncio.get_running_loop()
+        conn = await asyncio.wait_for(self._open(peer.address), max(deadline - loop.time(), 0))
+        waiter = loop.create_future()
+        nonce = auth.new_nonce()
+        self._handshakes[conn] = (waiter, rank, nonce)
+        hello = Hello(PROTOCOL_VERSION, self.name, self.rank, nonce, self._max_frame_size)
+        send_message(conn, hello)
+        try:
+            reply = await asyncio.wait_for(waiter, max(deadline - loop.time(), 0))
+        except BaseException:
+            self._handshakes.pop(conn, None)
+            conn.close()
+            raise
         if reply.accepted:
-            return  # adopted by on_hello_reply already
+            return True  # adopted by on_hello_reply already
+        conn.close()
+        if reply.reason == _ALREADY_CONNECTED:
+            return False  # it has not seen our old connection close yet
         if peer.conn is None and reply.reason != _TIE_BREAK:
-            conn.close()
-            self._dial_failed(peer, PeerUnavailableError(address.name, reply.reason))
-        else:
-            # The peer keeps the connection it dialled to us; it is adopted (or will be)
-            # when its Hello reaches us, which resolves ``peer.ready``.
-            conn.close()
+            self._dial_failed(peer, PeerUnavailableError(peer.address.name, reply.reason))
+        # Else the peer keeps the connection it dialled to us; it is adopted (or will be)
+        # when its Hello reaches us, which resolves ``peer.ready``.
+        return True
 
     async def _open(self, address: PeerAddress) -> Connection:
         """The Unix socket of a peer on this host if it answers, else TCP (TLS if set)."""
@@ -147,6 +199,16 @@ class PeerTable:
             except OSError as exc:  # same kernel, other container or network namespace
                 _log.debug("Unix socket of %s: %s; using TCP", address.name, exc)
         return await open_connection(address.host, address.port, factory, self._ssl)
+
+    def declare_lost(self, rank: int, error: PeerLostError) -> None:
+        """``rank`` is gone for good (evidence: see the module's docstring); idempotent."""
+        peer = self.peers[rank]
+        if peer.lost is not None:
+            return
+        peer.lost = error
+        self._dial_failed(peer, error)
+        if self._on_declared_lost is not None:
+            self._on_declared_lost(rank)
 
     def _dial_failed(self, peer: Peer, exc: BaseException) -> None:
         _log.debug("dial to %s failed: %s", peer.address.name, exc)
@@ -160,18 +222,22 @@ class PeerTable:
         conn.peer_max_frame = peer_max_frame  # what we send is checked against it
         conn.peer = rank
         conn.peer_name = peer.address.name
-        peer.conn = conn
+        old, peer.conn = peer.conn, conn
         if peer.ready is None or peer.ready.done():
             peer.ready = asyncio.get_running_loop().create_future()
         peer.ready.set_result(conn)
         _log.debug("%s connected to %s", self.name, peer.address.name)
+        if self._on_adopted is not None:
+            self._on_adopted(rank, conn)
+        if old is not None and not old.closed:  # the peer dialled anew: it saw this one die
+            old.abort(ConnectionResetError("replaced by a newer connection from the peer"))
 
     def on_hello(self, conn: Connection, hello: Hello) -> None:
         """Answer a dialer: refuse it, or challenge it (adopted once its Auth proves the key)."""
         reason = self._refusal(hello)
         if reason is not None:
             send_message(conn, HelloReply(PROTOCOL_VERSION, self.name, self.rank, False, reason))
-            if reason != _TIE_BREAK:
+            if reason not in (_TIE_BREAK, _ALREADY_CONNECTED):
                 _log.warning("refused a connection claiming to be %r: %s", hello.name, reason)
                 conn.close()
             return
@@ -212,8 +278,10 @@ class PeerTable:
         peer = self.peers.get(hello.rank)
         if peer is None or peer.address.name != hello.name:
             return f"no worker named {hello.name!r} has rank {hello.rank} in this group"
+        if peer.lost is not None:
+            return f"declared lost ({peer.lost.reason})"
         if peer.conn is not None and not peer.conn.closed:
-            return "already connected"
+            return _ALREADY_CONNECTED
         if peer.dialing and self.rank < hello.rank:
             return _TIE_BREAK
         return None
@@ -248,20 +316,23 @@ class PeerTable:
             waiter.set_result(reply)
 
     def on_lost(self, conn: Connection, exc: BaseException | None) -> int | None:
-        """Forget ``conn``; return its peer's rank when it was that peer's live connection."""
+        """Forget ``conn``; return its peer's rank when it was authenticated.
+
+        The peer stays reachable (the next call dials again) unless it said Goodbye.
+        """
         entry = self._handshakes.pop(conn, None)
         if entry is not None and not entry[0].done():
-            entry[0].set_exception(exc or ConnectionResetError("connection closed in handshake"))
+            error = exc if isinstance(exc, OSError) else None
+            entry[0].set_exception(error or ConnectionResetError("connection closed in handshake"))
         self._challenges.pop(conn, None)
         rank = conn.peer
         if rank is None:
             return None
         peer = self.peers[rank]
-        if peer.conn is not conn:
-            return None
-        peer.conn = None
-        reason = "the worker shut down" if conn.goodbye else f"connection lost ({exc or 'EOF'})"
-        peer.lost = PeerLostError(peer.address.name, reason)
+        if peer.conn is conn:
+            peer.conn = None
+        if conn.goodbye:
+            self.declare_lost(rank, PeerLostError(peer.address.name, "the worker shut down"))
         return rank
 
     def is_lost(self, rank: int) -> bool:
@@ -269,3 +340,4 @@ class PeerTable:
 
 
 _TIE_BREAK = "both sides dialled; the connection dialled by the lower rank is kept"
+_ALREADY_CONNECTED = "already connected"

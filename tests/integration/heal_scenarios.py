@@ -9,11 +9,19 @@ whose helpers and test-side half it shares).
 from __future__ import annotations
 
 import argparse
+import gc
+import os
+import random
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import asyncrpc
+from asyncrpc.protocol import auth
+from asyncrpc.protocol.wire import PROTOCOL_VERSION, encode_frame
+from asyncrpc.protocol.wire.messages import Hello
 from tests.integration import remote_fns as fns
 from tests.integration.scenarios import Observations, _attempt, _options, _poll, _report
 
@@ -85,7 +93,166 @@ def frames(args: argparse.Namespace) -> int:
     return 0
 
 
-SCENARIOS: dict[str, Callable[[argparse.Namespace], int]] = {"nested": nested, "frames": frames}
+# -- connections that drop and heal ---------------------------------------------------------
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _stray(port: int, claim: str, rank: int) -> None:
+    """A stranger connects, claims to be worker ``claim`` and hangs up."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        hello = Hello(PROTOCOL_VERSION, claim, rank, auth.new_nonce())
+        sock.sendall(b"".join(bytes(p) for p in encode_frame(hello.to_fields(), b"")))
+
+
+def _settled(name: str) -> Callable[[], bool]:
+    def check() -> bool:
+        gc.collect()
+        here = asyncrpc.get_debug_info()
+        there = asyncrpc.rpc_sync(name, fns.rref_debug)
+        keys = ("owner_rrefs", "user_rrefs", "pending_forks", "pending_users")
+        return all(here[k] == 0 and there[k] == 0 for k in keys)
+
+    return check
+
+
+class _Soak:
+    """Calls both ways while the connection is dropped; each future must end, once."""
+
+    def __init__(self, proxies: list[Any]) -> None:
+        self.proxies = proxies
+        self.ok = self.typed = self.hung = self.wrong = 0
+        self.errors: dict[str, int] = {}
+
+    def drop(self) -> None:
+        for proxy in self.proxies:
+            proxy.drop()
+        for proxy in self.proxies:
+            proxy.heal()
+
+    def settle(self, future: Any, expected: Any) -> None:
+        try:
+            value = future.wait(10.0)
+        except asyncrpc.AsyncRpcError as exc:  # RpcTimeoutError included: typed
+            self.typed += 1
+            self.errors[type(exc).__name__] = self.errors.get(type(exc).__name__, 0) + 1
+            return
+        except TimeoutError:  # the future itself did not end: a hang
+            self.hung += 1
+            return
+        if expected is not None and value != expected:
+            self.wrong += 1
+        else:
+            self.ok += 1
+
+    def round(self, i: int) -> None:
+        futures = [
+            (asyncrpc.rpc_async("r1", fns.echo, args=(i,)), i),
+            (asyncrpc.rpc_async("r1", fns.sleep, args=(0.02,)), "slept"),
+            (asyncrpc.rpc_async("r1", fns.call_back, args=("driver",)), "driver"),
+        ]
+        rref = asyncrpc.remote("r1", fns.add, args=(i, 1), timeout=2.0)
+        held = asyncrpc.rpc_async("r1", fns.hold, args=(asyncrpc.RRef(i),))
+        time.sleep(random.uniform(0.0, 0.01))
+        self.drop()
+        for future, expected in futures:
+            self.settle(future, expected)
+        self.settle(held, None)
+        try:
+            self.settle(rref.to_here_future(timeout=5.0), i + 1)
+        except asyncrpc.AsyncRpcError:  # unusable already (timed out): typed
+            self.typed += 1
+        del rref
+
+    def summary(self) -> dict[str, Any]:
+        return {"ok": self.ok, "typed": self.typed, "hung": self.hung, "wrong": self.wrong,
+                "errors": self.errors}  # fmt: skip
+
+
+def heal(args: argparse.Namespace) -> int:
+    """Rank 0 of {driver, r1}; each listens behind a FaultProxy run here (``--port`` and
+    ``--proxy-port`` are r1's), so every connection between them crosses a proxy. Drops a
+    live connection mid-call, calls again, holds RRefs across a drop, lets strangers claim
+    each name, then soaks ``--drops`` drops; graceful shutdown at the end."""
+    from asyncrpc.testing import free_port
+    from asyncrpc.testing.faultproxy import FaultProxy
+
+    mine, my_proxy = free_port(), free_port()
+    proxies = [FaultProxy(args.port, args.proxy_port), FaultProxy(mine, my_proxy)]
+    _init(args, listen_port=mine, advertise_port=my_proxy, unix_sockets=False,
+          heartbeat_interval=0.5, heartbeat_timeout=5.0)  # fmt: skip
+    soak = _Soak(proxies)
+    obs: Observations = {}
+    obs["warm"] = _attempt(lambda: asyncrpc.rpc_sync("r1", fns.add, args=(1, 2)))
+    # RRefs held across the drop: one r1 owns, one we own that r1 holds.
+    kept = [asyncrpc.remote("r1", fns.add, args=(20, 22)), asyncrpc.RRef("driver's")]
+    obs["kept_before"] = _attempt(lambda: kept[0].to_here(timeout=5.0))
+    asyncrpc.rpc_sync("r1", fns.hold, args=(kept[1],))
+    baseline = {"driver": _fds(), "r1": asyncrpc.rpc_sync("r1", fns.open_fds)}
+    # A live connection dropped in the middle of a call.
+    slow = asyncrpc.rpc_async("r1", fns.sleep, args=(30.0,), timeout=0)
+    time.sleep(0.2)
+    soak.drop()
+    obs["in_flight"] = _attempt(lambda: slow.wait(10.0))
+    obs["next_call"] = _attempt(lambda: asyncrpc.rpc_sync("r1", fns.add, args=(2, 3)))
+    obs["call_back"] = _attempt(lambda: asyncrpc.rpc_sync("r1", fns.call_back, args=("driver",)))
+    obs["kept_after"] = _attempt(lambda: kept[0].to_here(timeout=5.0))
+    # Strangers claim each name and hang up: nobody becomes lost.
+    _stray(args.proxy_port, "driver", 0)
+    _stray(my_proxy, "r1", 1)
+    time.sleep(0.2)
+    obs["after_strays"] = _attempt(lambda: asyncrpc.rpc_sync("r1", fns.add, args=(3, 4)))
+    obs["lost_after_strays"] = asyncrpc.get_debug_info()["lost_peers"]
+    # The soak.
+    started = time.monotonic()
+    for i in range(args.drops):
+        soak.round(i)
+    obs["soak_s"] = time.monotonic() - started
+    obs["soak"] = soak.summary()
+    obs["after_soak"] = _attempt(lambda: asyncrpc.rpc_sync("r1", fns.add, args=(4, 5)))
+    # Back to baseline: RRefs released everywhere, descriptors, pool threads.
+    kept.clear()
+    asyncrpc.rpc_sync("r1", fns.drop_held)
+    obs["rrefs_settled"] = _poll(_settled("r1"), 15.0)
+    obs["rref_debug"] = {
+        "driver": asyncrpc.get_debug_info(),
+        "r1": asyncrpc.rpc_sync("r1", fns.rref_debug),
+    }
+    obs["ref_log_acked"] = _poll(
+        lambda: (
+            asyncrpc.get_debug_info()["unacked_ref_frames"] == 0
+            and asyncrpc.rpc_sync("r1", fns.debug_info)["unacked_ref_frames"] == 0
+        ),
+        10.0,
+    )
+    obs["fds_back"] = _poll(
+        lambda: (
+            _fds() == baseline["driver"] and asyncrpc.rpc_sync("r1", fns.open_fds) == baseline["r1"]
+        ),
+        10.0,
+    )
+    obs["fds"] = {
+        "baseline": baseline,
+        "driver": _fds(),
+        "r1": asyncrpc.rpc_sync("r1", fns.open_fds),
+    }
+    obs["r1_metrics"] = asyncrpc.rpc_sync("r1", fns.metrics)
+    obs["metrics"] = asyncrpc.get_metrics()
+    obs["lost_peers"] = asyncrpc.get_debug_info()["lost_peers"]
+    obs["shutdown"] = _attempt(lambda: asyncrpc.shutdown(timeout=20.0))
+    for proxy in proxies:
+        proxy.close()
+    _report(obs)
+    return 0
+
+
+SCENARIOS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "nested": nested,
+    "frames": frames,
+    "heal": heal,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -97,6 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shutdown-timeout", type=float, default=20.0)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--proxy-port", type=int, default=0)
+    parser.add_argument("--drops", type=int, default=100)
     args = parser.parse_args(argv)
     started = time.monotonic()
     code = SCENARIOS[args.scenario](args)

@@ -240,6 +240,14 @@ def metrics() -> dict[str, Any]:
     return asyncrpc.get_metrics()
 
 
+def debug_info() -> dict[str, Any]:
+    return asyncrpc.get_debug_info()
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
 def zeros(nbytes: int) -> torch.Tensor:
     return torch.zeros(nbytes, dtype=torch.uint8)
 

@@ -130,3 +130,65 @@ def test_Agent_oversized_messages_leave_the_connection_untouched(frames: dict[st
     assert frames["m1_metrics"]["connections_lost"] == 0
     assert frames["shutdown"]["error"] is None, frames["shutdown"]
     assert frames["worker_codes"] == [0], frames["logs"]
+
+
+# -- connections that drop and heal ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def healed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    port, proxy = free_port(), free_port()
+    extra = ["--listen-port", str(port), "--advertise-port", str(proxy),
+             "--heartbeat-interval", "0.5", "--heartbeat-timeout", "5"]  # fmt: skip
+    return run_scenario(
+        "heal", tmp_path_factory.mktemp("heal"), [("r1", extra)],
+        "--port", str(port), "--proxy-port", str(proxy), "--drops", "100",
+    )  # fmt: skip
+
+
+def test_Agent_dropped_connection_fails_the_call_in_flight_typed(healed: dict[str, Any]) -> None:
+    assert healed["code"] == 0, healed["logs"]
+    error = healed["in_flight"]["error"]
+    assert error is not None, healed["in_flight"]
+    assert error["type"] == "PeerLostError"
+    assert "ConnectionError" in error["mro"]
+
+
+def test_Agent_next_call_after_a_dropped_connection_reconnects(healed: dict[str, Any]) -> None:
+    assert healed["next_call"]["value"] == 5, healed["next_call"]
+    assert healed["next_call"]["elapsed"] < 5.0  # bounded; the figure is in bench/RESULTS.md
+    assert healed["call_back"]["value"] == "driver", healed["call_back"]
+
+
+def test_Agent_rref_held_across_a_dropped_connection_still_works(healed: dict[str, Any]) -> None:
+    assert healed["kept_before"]["value"] == 42
+    assert healed["kept_after"]["value"] == 42, healed["kept_after"]
+
+
+def test_Agent_stranger_claiming_a_name_makes_nobody_lost(healed: dict[str, Any]) -> None:
+    assert healed["after_strays"]["value"] == 7, healed["after_strays"]
+    assert healed["lost_after_strays"] == []
+
+
+def test_Agent_soak_of_100_drops_ends_every_call_typed_or_right(healed: dict[str, Any]) -> None:
+    soak = healed["soak"]
+    assert soak["hung"] == 0, soak
+    assert soak["wrong"] == 0, soak
+    assert soak["ok"] + soak["typed"] == 100 * 5, soak
+    assert soak["ok"] > 0
+    assert healed["after_soak"]["value"] == 9, healed["after_soak"]
+
+
+def test_Agent_soak_leaks_no_rref_descriptor_or_thread(healed: dict[str, Any]) -> None:
+    assert healed["rrefs_settled"] is True, healed["rref_debug"]
+    assert healed["ref_log_acked"] is True  # refcount frames kept for resending: none left
+    assert healed["fds_back"] is True, healed["fds"]
+    metrics = healed["r1_metrics"]
+    assert metrics["thread_pool_blocked"] == 0
+    assert metrics["thread_pool_threads"] <= metrics["thread_pool_size"]
+
+
+def test_Agent_graceful_shutdown_after_drops_reports_nobody_dead(healed: dict[str, Any]) -> None:
+    assert healed["lost_peers"] == []
+    assert healed["shutdown"]["error"] is None, healed["shutdown"]
+    assert healed["worker_codes"] == [0], healed["logs"]
