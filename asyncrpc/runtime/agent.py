@@ -718,6 +718,15 @@ class Agent:
         peers = self.peers
         return peers is not None and rank in peers.peers and peers.is_lost(rank)
 
+    def probe(self, rank: int) -> None:
+        """Dial ``rank`` unless connected or lost: a dead peer refuses and is declared lost."""
+        peers = self.peers
+        if peers is None or rank not in peers.peers:
+            return
+        peer = peers.peers[rank]
+        if peer.lost is None and (peer.conn is None or peer.conn.closed) and not peer.dialing:
+            self.loop.create_task(self._redial(rank))
+
     def _check_open(self) -> None:
         if self.closed:
             raise ClosedError(f"worker {self.name!r} is shut down")

@@ -248,7 +248,25 @@ def heal(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- shutdown with a dead peer never contacted ----------------------------------------------
+
+
+def dead_peer(args: argparse.Namespace) -> int:
+    """Rank 0 of {driver, d1, d2}. Prints ``STARTED`` once joined, without calling anybody;
+    the test then SIGKILLs d1 and writes ``KILLED``; then a graceful shutdown with the
+    default 60 s limit."""
+    args.shutdown_timeout = 60.0
+    _init(args)
+    obs: Observations = {}
+    print("STARTED", flush=True)
+    obs["stdin"] = sys.stdin.readline().strip()
+    obs["shutdown"] = _attempt(asyncrpc.shutdown)
+    _report(obs)
+    return 0
+
+
 SCENARIOS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "dead_peer": dead_peer,
     "nested": nested,
     "frames": frames,
     "heal": heal,

@@ -192,3 +192,36 @@ def test_Agent_graceful_shutdown_after_drops_reports_nobody_dead(healed: dict[st
     assert healed["lost_peers"] == []
     assert healed["shutdown"]["error"] is None, healed["shutdown"]
     assert healed["worker_codes"] == [0], healed["logs"]
+
+
+# -- shutdown with a dead peer never contacted ----------------------------------------------
+
+
+def test_shutdown_finds_a_never_contacted_dead_peer_within_seconds(tmp_path: Path) -> None:
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = [
+        spawn_worker(f"d{r}", r, 3, init, log_dir=tmp_path, shutdown_timeout=60.0,
+                     extra_args=_IMPORT)
+        for r in (1, 2)
+    ]  # fmt: skip
+    driver = scenarios.start(
+        "dead_peer", "--init-method", init, "--world-size", "3",
+        module="tests.integration.heal_scenarios",
+    )  # fmt: skip
+    try:
+        driver.wait_line("STARTED", 60.0)
+        procs[0].kill()
+        driver.send("KILLED")
+        code, obs = driver.result(90.0)
+    finally:
+        driver.kill()
+        codes = stop_workers(procs, timeout=20.0)
+    logs = driver.text() + "".join(p.log() for p in procs)
+    assert code == 0, logs
+    assert obs["stdin"] == "KILLED"
+    error = obs["shutdown"]["error"]
+    assert error is not None, obs["shutdown"]
+    assert error["type"] == "ShutdownError"
+    assert "'d1'" in error["message"]  # names the dead worker (a detail)
+    assert obs["shutdown"]["elapsed"] < 5.0, obs["shutdown"]  # not the 60 s limit
+    assert codes[1] not in (None, -9), logs  # d2 exits on its own, its shutdown failed too
