@@ -114,7 +114,7 @@ class Agent:
         self.lag = LagProbe(loop)
         self.heartbeat = Heartbeat(
             loop, options.heartbeat_interval, options.heartbeat_timeout,
-            lambda: self._connections, self._ping, self._silent,
+            lambda: self._connections, self._ping, self._silent, self._ask_acks,
         )  # fmt: skip
         self.peers: PeerTable | None = None
         self.group: StoreGroup | None = None
@@ -126,6 +126,7 @@ class Agent:
         self._unsent: dict[int, list[tuple[list[Any], int, object]]] = {}
         # Refcount frames by peer, until the peer has surely read them (see reflog.py).
         self._ref_logs: dict[int, RefLog] = {}
+        self._linked: set[int] = set()  # peers connected at least once
         self._server: asyncio.Server | None = None
         self._unix_server: asyncio.AbstractServer | None = None
         self.closed = False
@@ -241,7 +242,9 @@ class Agent:
         return conn
 
     def _handshake_deadline(self, conn: Connection) -> None:
+        # Idle, or stalled in the middle of its Hello or Auth: closed either way.
         if conn.peer is None and not conn.closed:
+            self.counters.handshake_timeouts += 1
             limit = self.options.handshake_timeout
             self._refuse(
                 conn, AuthenticationError(f"no authenticated handshake within {limit:g} s")
@@ -253,9 +256,23 @@ class Agent:
         if log is not None:
             log.pinged(conn)  # its Pong acknowledges the refcount frames sent before it
 
+    def _ask_acks(self) -> None:
+        """Ping busy links too (the heartbeat pings idle ones) while refcount frames wait
+        for an acknowledgement, so that the logs empty (see reflog.py)."""
+        if self.peers is None:
+            return
+        for rank, log in list(self._ref_logs.items()):  # bounded by the peers
+            conn = self.peers.peers[rank].conn
+            if conn is not None and not conn.closed and log.awaiting_ack():
+                self._ping(conn)
+
     def _silent(self, conn: Watched, seconds: float) -> None:
         assert isinstance(conn, Connection)
+        self.counters.silent_connections += 1
         reason = f"no sign of life for {seconds:.1f} s"
+        if conn.mid_frame:
+            self.counters.stalled_frames += 1
+            reason += " (in the middle of a frame)"
         if conn.peer is not None and self.peers is not None:
             # Evidence that the peer is gone, not only this connection: declared lost.
             name = self.addresses[conn.peer].name
@@ -486,6 +503,9 @@ class Agent:
 
     def _on_adopted(self, rank: int, conn: Connection) -> None:
         """A new connection to ``rank``: refcount frames it may have missed go first."""
+        if rank in self._linked:
+            self.counters.reconnects += 1
+        self._linked.add(rank)
         log = self._ref_logs.get(rank)
         if log is None or not len(log):
             return

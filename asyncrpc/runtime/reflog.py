@@ -9,8 +9,9 @@ arrive is harmless.
 
 The acknowledgement costs nothing new: a connection is FIFO both ways and a peer answers
 every Ping with a Pong in order, so a Pong proves that everything sent before its Ping was
-read. Every Ping sent (the heartbeat's, or one sent here once ``ack_every`` messages wait)
-marks the log; its Pong trims the log up to that mark. No asyncio here: the agent calls in.
+read. Every Ping sent (the heartbeat's, one sent once ``ack_every`` messages wait, or one
+per heartbeat tick while frames wait) marks the log; its Pong trims the log up to that
+mark. No asyncio here: the agent calls in.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ class RefLog:
         self._seq += 1
         since = self._seq - (self._marks[-1][1] if self._marks else self._entries[0][0])
         return since >= self._ack_every
+
+    def awaiting_ack(self) -> bool:
+        """Whether frames are logged that no Ping in flight covers."""
+        return bool(self._entries) and (not self._marks or self._marks[-1][1] < self._seq)
 
     def pinged(self, conn: object) -> None:
         """A Ping went out on ``conn``: its Pong acknowledges everything logged so far."""

@@ -136,6 +136,11 @@ class Connection(asyncio.BufferedProtocol):
     # -- our API ---------------------------------------------------------------------------
 
     @property
+    def mid_frame(self) -> bool:
+        """Whether part of a frame has been received and the rest has not."""
+        return not self._decoder.at_frame_boundary()
+
+    @property
     def closed(self) -> bool:
         return self._closed or self._transport is None or self._transport.is_closing()
 

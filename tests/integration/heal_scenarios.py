@@ -107,6 +107,27 @@ def _stray(port: int, claim: str, rank: int) -> None:
         sock.sendall(b"".join(bytes(p) for p in encode_frame(hello.to_fields(), b"")))
 
 
+def _closed_by_peer(sock: socket.socket, timeout: float) -> bool:
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def _stalled(port: int) -> tuple[bool, bool]:
+    """Open one connection that sends nothing and one that sends half a prelude; return
+    whether the worker closed each within 5 s (its handshake deadline is 0.5 s)."""
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=5) as idle,
+        socket.create_connection(("127.0.0.1", port), timeout=5) as stalled,
+    ):
+        stalled.sendall(b"ARPC\x02\x00")
+        return _closed_by_peer(idle, 5.0), _closed_by_peer(stalled, 5.0)
+
+
 def _settled(name: str) -> Callable[[], bool]:
     def check() -> bool:
         gc.collect()
@@ -205,6 +226,8 @@ def heal(args: argparse.Namespace) -> int:
     time.sleep(0.2)
     obs["after_strays"] = _attempt(lambda: asyncrpc.rpc_sync("r1", fns.add, args=(3, 4)))
     obs["lost_after_strays"] = asyncrpc.get_debug_info()["lost_peers"]
+    # Strangers that never finish a handshake: idle, and stalled in the middle of a prelude.
+    obs["idle_closed"], obs["stalled_closed"] = _stalled(args.port)
     # The soak.
     started = time.monotonic()
     for i in range(args.drops):

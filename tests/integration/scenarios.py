@@ -309,6 +309,7 @@ def faults(args: argparse.Namespace) -> int:
             future.wait(5)
     time.sleep(0.2)  # done callbacks run on the agent's loop
     obs["ledger"] = ledger.summary()
+    obs["metrics"] = asyncrpc.get_metrics()
     asyncrpc.shutdown(graceful=False)
     for proxy in proxies.values():
         proxy.close()

@@ -55,6 +55,7 @@ def test_FaultProxy_black_hole_is_found_by_heartbeats(faults: dict[str, Any]) ->
     assert faults["f2_stuck"]["error"]["type"] == "PeerLostError", faults["f2_stuck"]
     assert "no sign of life" in faults["f2_stuck"]["error"]["message"]
     assert faults["f2_detected_s"] < 10.0  # the 1 s silence limit, not the 30 s call
+    assert faults["metrics"]["silent_connections"] >= 1
 
 
 def test_FaultProxy_reset_fails_the_call_in_flight(faults: dict[str, Any]) -> None:

@@ -139,7 +139,8 @@ def test_Agent_oversized_messages_leave_the_connection_untouched(frames: dict[st
 def healed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     port, proxy = free_port(), free_port()
     extra = ["--listen-port", str(port), "--advertise-port", str(proxy),
-             "--heartbeat-interval", "0.5", "--heartbeat-timeout", "5"]  # fmt: skip
+             "--heartbeat-interval", "0.5", "--heartbeat-timeout", "5",
+             "--handshake-timeout", "0.5"]  # fmt: skip
     return run_scenario(
         "heal", tmp_path_factory.mktemp("heal"), [("r1", extra)],
         "--port", str(port), "--proxy-port", str(proxy), "--drops", "100",
@@ -170,6 +171,15 @@ def test_Agent_stranger_claiming_a_name_makes_nobody_lost(healed: dict[str, Any]
     assert healed["lost_after_strays"] == []
 
 
+def test_Agent_closes_idle_and_stalled_handshakes_and_counts_them(
+    healed: dict[str, Any],
+) -> None:
+    assert healed["idle_closed"] is True
+    assert healed["stalled_closed"] is True
+    assert healed["r1_metrics"]["handshake_timeouts"] >= 2
+    assert healed["lost_after_strays"] == []
+
+
 def test_Agent_soak_of_100_drops_ends_every_call_typed_or_right(healed: dict[str, Any]) -> None:
     soak = healed["soak"]
     assert soak["hung"] == 0, soak
@@ -177,6 +187,7 @@ def test_Agent_soak_of_100_drops_ends_every_call_typed_or_right(healed: dict[str
     assert soak["ok"] + soak["typed"] == 100 * 5, soak
     assert soak["ok"] > 0
     assert healed["after_soak"]["value"] == 9, healed["after_soak"]
+    assert healed["metrics"]["reconnects"] >= 100
 
 
 def test_Agent_soak_leaks_no_rref_descriptor_or_thread(healed: dict[str, Any]) -> None:

@@ -47,3 +47,14 @@ def test_RefLog_asks_for_a_ping_every_ack_every_frames() -> None:
     assert asks == [False, False, True]
     log.pinged(conn)
     assert [log.add(frame(i)) for i in range(3, 6)] == [False, False, True]
+
+
+def test_RefLog_awaits_an_ack_until_a_ping_covers_the_last_frame() -> None:
+    log, conn = RefLog(), object()
+    assert not log.awaiting_ack()
+    log.add(frame(0))
+    assert log.awaiting_ack()
+    log.pinged(conn)
+    assert not log.awaiting_ack()  # the Ping in flight covers it
+    log.add(frame(1))
+    assert log.awaiting_ack()
