@@ -220,6 +220,13 @@ def heal(args: argparse.Namespace) -> int:
     obs["next_call"] = _attempt(lambda: asyncrpc.rpc_sync("r1", fns.add, args=(2, 3)))
     obs["call_back"] = _attempt(lambda: asyncrpc.rpc_sync("r1", fns.call_back, args=("driver",)))
     obs["kept_after"] = _attempt(lambda: kept[0].to_here(timeout=5.0))
+    # Calls made once the link is known down leave, in order, on the new one.
+    lost = asyncrpc.get_metrics()["connections_lost"]
+    soak.drop()
+    _poll(lambda: asyncrpc.get_metrics()["connections_lost"] > lost, 5.0)
+    ordered = [asyncrpc.rpc_async("r1", fns.inline_record, args=(i,)) for i in range(50)]
+    obs["ordered"] = _attempt(lambda: asyncrpc.wait_all(ordered))
+    obs["arrivals"] = asyncrpc.rpc_sync("r1", fns.arrivals)
     # Strangers claim each name and hang up: nobody becomes lost.
     _stray(args.proxy_port, "driver", 0)
     _stray(my_proxy, "r1", 1)

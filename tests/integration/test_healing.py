@@ -161,6 +161,11 @@ def test_Agent_next_call_after_a_dropped_connection_reconnects(healed: dict[str,
     assert healed["call_back"]["value"] == "driver", healed["call_back"]
 
 
+def test_Agent_calls_made_while_the_link_is_down_arrive_in_order(healed: dict[str, Any]) -> None:
+    assert healed["ordered"]["error"] is None, healed["ordered"]
+    assert healed["arrivals"] == list(range(50))
+
+
 def test_Agent_rref_held_across_a_dropped_connection_still_works(healed: dict[str, Any]) -> None:
     assert healed["kept_before"]["value"] == 42
     assert healed["kept_after"]["value"] == 42, healed["kept_after"]
