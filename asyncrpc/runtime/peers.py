@@ -38,15 +38,17 @@ from asyncrpc.protocol.wire.messages import Auth, Hello, HelloReply
 from asyncrpc.runtime.rendezvous import PeerAddress
 from asyncrpc.runtime.transport import Connection, open_connection, open_unix_connection
 
-__all__ = ["DIAL_RETRY_DELAYS", "Peer", "PeerTable"]
+__all__ = ["DIAL_RETRY_DELAYS", "REFUSED_RETRY_DELAYS", "Peer", "PeerTable"]
 
 _log = logging.getLogger("asyncrpc.runtime.peers")
 
-# Pauses before the retries of a dial that failed at the socket (refused, reset during the
-# handshake) or met a peer that has not yet seen its old connection close. A peer whose
-# address still refuses after them is declared lost: a dead process refuses at once, and
-# callers must learn that in well under a second.
-DIAL_RETRY_DELAYS: Final = (0.05, 0.15)
+# Pauses before the retries of a dial. A peer whose address refuses connections after
+# REFUSED_RETRY_DELAYS is declared lost: a dead process refuses at once, and callers must
+# learn that in well under a second. Other failures (a reset in the handshake, a peer that
+# has not yet seen its old connection close) prove nothing: the dial retries after each of
+# DIAL_RETRY_DELAYS, then fails with PeerUnavailableError, and a later call tries again.
+REFUSED_RETRY_DELAYS: Final = (0.05, 0.15)
+DIAL_RETRY_DELAYS: Final = (0.05, 0.1, 0.2, 0.4, 0.8)
 
 
 class Peer:
@@ -119,10 +121,15 @@ class PeerTable:
             raise peer.lost
         if peer.ready is None or peer.ready.done():
             peer.ready = asyncio.get_running_loop().create_future()
-            # Dialling from now on, not from when the task first runs: a Hello that
-            # arrives in between must meet the tie-break, or both connections survive.
-            peer.dialing = True
-            asyncio.get_running_loop().create_task(self._dial(peer, rank))
+            if not self._challenged(rank):
+                self._start_dial(peer, rank)
+            else:
+                # The peer is dialling us: its Auth will resolve ``ready`` within a round
+                # trip, and dialling too could leave each side with a different connection.
+                # If that handshake fails (or is a stranger's), we dial: at once when it
+                # closes, at the latest after _CHALLENGE_WAIT_S.
+                loop = asyncio.get_running_loop()
+                loop.call_later(_CHALLENGE_WAIT_S, self._dial_if_waiting, rank)
         try:
             return await asyncio.wait_for(asyncio.shield(peer.ready), self.connect_timeout)
         except TimeoutError:
@@ -130,29 +137,51 @@ class PeerTable:
                 peer.address.name, f"no connection within {self.connect_timeout:g} s"
             ) from None
 
+    def _challenged(self, rank: int) -> bool:
+        """Whether a connection from ``rank`` awaits its Auth (bounded: handshakes)."""
+        return any(entry[0] == rank for entry in self._challenges.values())
+
+    def _start_dial(self, peer: Peer, rank: int) -> None:
+        # Dialling from now on, not from when the task first runs: a Hello that arrives
+        # in between must meet the tie-break, or both connections survive.
+        peer.dialing = True
+        asyncio.get_running_loop().create_task(self._dial(peer, rank))
+
     async def _dial(self, peer: Peer, rank: int) -> None:
-        """Dial ``rank``, retrying a few times (see ``DIAL_RETRY_DELAYS``), within one
-        ``connect_timeout`` in all."""
+        """Dial ``rank``, retrying (see ``DIAL_RETRY_DELAYS``) within ``connect_timeout``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.connect_timeout
         name = peer.address.name
+        refused = others = 0
         try:
-            for attempt, delay in enumerate((*DIAL_RETRY_DELAYS, None), 1):
+            while peer.lost is None:  # bounded: each pass counts one try; the counts are capped
+                error: BaseException | None = None
                 try:
                     if await self._dial_once(peer, rank, deadline):
                         return
+                    others += 1  # it still holds an old connection
                 except (TimeoutError, ssl.SSLError, RemoteProtocolError) as exc:
                     self._dial_failed(peer, PeerUnavailableError(name, str(exc) or repr(exc)))
                     return
-                except OSError as exc:  # refused, reset: a blip, or a dead process
-                    if delay is None or loop.time() + delay > deadline:
-                        reason = f"unreachable after {attempt} attempts ({exc or repr(exc)})"
-                        self.declare_lost(rank, PeerLostError(name, reason))
-                        return
+                except ConnectionRefusedError as exc:  # a dead process, or not yet listening
+                    refused, error = refused + 1, exc
+                except OSError as exc:  # a reset in the handshake: proves nothing
+                    others, error = others + 1, exc
                 if peer.conn is not None and not peer.conn.closed:
                     return  # adopted meanwhile, dialled by the peer
+                if refused > len(REFUSED_RETRY_DELAYS):
+                    reason = f"connection refused {refused} times ({error})"
+                    self.declare_lost(rank, PeerLostError(name, reason))
+                    return
+                if isinstance(error, ConnectionRefusedError):
+                    delay: float | None = REFUSED_RETRY_DELAYS[refused - 1]
+                else:
+                    delay = (
+                        DIAL_RETRY_DELAYS[others - 1] if others <= len(DIAL_RETRY_DELAYS) else None
+                    )
                 if delay is None or loop.time() + delay > deadline:
-                    self._dial_failed(peer, PeerUnavailableError(name, _ALREADY_CONNECTED))
+                    reason = f"{refused + others} tries: {error or _ALREADY_CONNECTED}"
+                    self._dial_failed(peer, PeerUnavailableError(name, reason))
                     return
                 await asyncio.sleep(delay)
         finally:
@@ -182,12 +211,21 @@ class PeerTable:
         if reply.accepted:
             return True  # adopted by on_hello_reply already
         conn.close()
+        if reply.reason == _TIE_BREAK:
+            # It keeps the connection it dials to us, adopted when its Auth comes. If that
+            # does not happen within _TIE_BREAK_WAIT_S (its dial failed), ours tries again.
+            ready = peer.ready
+            if ready is None:
+                return False
+            try:
+                await asyncio.wait_for(asyncio.shield(ready), _TIE_BREAK_WAIT_S)
+            except (TimeoutError, ConnectionError):
+                return False
+            return True
         if reply.reason == _ALREADY_CONNECTED:
             return False  # it has not seen our old connection close yet
-        if peer.conn is None and reply.reason != _TIE_BREAK:
+        if peer.conn is None:
             self._dial_failed(peer, PeerUnavailableError(peer.address.name, reply.reason))
-        # Else the peer keeps the connection it dialled to us; it is adopted (or will be)
-        # when its Hello reaches us, which resolves ``peer.ready``.
         return True
 
     async def _open(self, address: PeerAddress) -> Connection:
@@ -222,15 +260,13 @@ class PeerTable:
         conn.peer_max_frame = peer_max_frame  # what we send is checked against it
         conn.peer = rank
         conn.peer_name = peer.address.name
-        old, peer.conn = peer.conn, conn
+        peer.conn = conn
         if peer.ready is None or peer.ready.done():
             peer.ready = asyncio.get_running_loop().create_future()
         peer.ready.set_result(conn)
         _log.debug("%s connected to %s", self.name, peer.address.name)
         if self._on_adopted is not None:
             self._on_adopted(rank, conn)
-        if old is not None and not old.closed:  # the peer dialled anew: it saw this one die
-            old.abort(ConnectionResetError("replaced by a newer connection from the peer"))
 
     def on_hello(self, conn: Connection, hello: Hello) -> None:
         """Answer a dialer: refuse it, or challenge it (adopted once its Auth proves the key)."""
@@ -263,6 +299,7 @@ class PeerTable:
             error = AuthenticationError(f"a dialer claiming to be {peer.address.name!r} "
                                         "gave a wrong proof of the group key")  # fmt: skip
             self._on_auth_failure(conn, error)
+            self._challenge_failed(rank)
             return
         if peer.conn is not None and not peer.conn.closed:
             conn.close()  # another authenticated connection won the race
@@ -294,6 +331,14 @@ class PeerTable:
         waiter, rank, nonce = entry
         if reply.accepted:
             peer = self.peers[rank]
+            if peer.conn is not None and not peer.conn.closed:
+                # The peer's own dial was adopted meanwhile: the first authenticated
+                # connection wins on both sides (the peer drops its challenge when this
+                # one closes before our Auth).
+                conn.close()
+                if not waiter.done():
+                    waiter.set_result(reply)
+                return
             if reply.rank != rank or reply.name != peer.address.name:
                 conn.abort(RemoteProtocolError(f"dialled rank {rank}, rank {reply.rank} answered"))
                 return
@@ -324,7 +369,9 @@ class PeerTable:
         if entry is not None and not entry[0].done():
             error = exc if isinstance(exc, OSError) else None
             entry[0].set_exception(error or ConnectionResetError("connection closed in handshake"))
-        self._challenges.pop(conn, None)
+        challenge = self._challenges.pop(conn, None)
+        if challenge is not None:
+            self._challenge_failed(challenge[0])
         rank = conn.peer
         if rank is None:
             return None
@@ -335,9 +382,25 @@ class PeerTable:
             self.declare_lost(rank, PeerLostError(peer.address.name, "the worker shut down"))
         return rank
 
+    def _challenge_failed(self, rank: int) -> None:
+        # Callers waiting for this handshake instead of dialling (see ``connection``) dial.
+        if not self._challenged(rank):
+            self._dial_if_waiting(rank)
+
+    def _dial_if_waiting(self, rank: int) -> None:
+        peer = self.peers.get(rank)
+        if peer is None or peer.ready is None or peer.ready.done() or peer.dialing:
+            return
+        if peer.lost is None and (peer.conn is None or peer.conn.closed):
+            self._start_dial(peer, rank)
+
     def is_lost(self, rank: int) -> bool:
         return self.peers[rank].lost is not None
 
 
 _TIE_BREAK = "both sides dialled; the connection dialled by the lower rank is kept"
 _ALREADY_CONNECTED = "already connected"
+# How long a dial that lost the tie-break waits for the peer's own dial to reach it.
+_TIE_BREAK_WAIT_S = 2.0
+# How long a caller waits for a peer's handshake in progress before dialling itself.
+_CHALLENGE_WAIT_S = 0.25

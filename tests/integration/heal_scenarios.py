@@ -119,7 +119,7 @@ def _closed_by_peer(sock: socket.socket, timeout: float) -> bool:
 
 def _stalled(port: int) -> tuple[bool, bool]:
     """Open one connection that sends nothing and one that sends half a prelude; return
-    whether the worker closed each within 5 s (its handshake deadline is 0.5 s)."""
+    whether the worker closed each within 5 s (its handshake deadline is 1.5 s)."""
     with (
         socket.create_connection(("127.0.0.1", port), timeout=5) as idle,
         socket.create_connection(("127.0.0.1", port), timeout=5) as stalled,
@@ -128,11 +128,22 @@ def _stalled(port: int) -> tuple[bool, bool]:
         return _closed_by_peer(idle, 5.0), _closed_by_peer(stalled, 5.0)
 
 
+def _on_r1(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on r1, or None if the call failed typed (a poll then tries again)."""
+    try:
+        return asyncrpc.rpc_sync("r1", fn)
+    except asyncrpc.AsyncRpcError:
+        return None
+
+
 def _settled(name: str) -> Callable[[], bool]:
     def check() -> bool:
         gc.collect()
         here = asyncrpc.get_debug_info()
-        there = asyncrpc.rpc_sync(name, fns.rref_debug)
+        try:
+            there = asyncrpc.rpc_sync(name, fns.rref_debug)
+        except asyncrpc.AsyncRpcError:  # typed: try again (the poll is bounded)
+            return False
         keys = ("owner_rrefs", "user_rrefs", "pending_forks", "pending_users")
         return all(here[k] == 0 and there[k] == 0 for k in keys)
 
@@ -192,6 +203,20 @@ class _Soak:
                 "errors": self.errors}  # fmt: skip
 
 
+def _next_call_after(soak: _Soak) -> dict[str, Any]:
+    """Drop the link; time until a call succeeds again (a call racing the drop may fail
+    typed: it went out on the dying connection), and how many attempts it took."""
+    soak.drop()
+    started = time.monotonic()
+    for attempt in range(1, 11):  # bounded
+        try:
+            asyncrpc.rpc_sync("r1", fns.add, args=(1, 1), timeout=5.0)
+        except asyncrpc.AsyncRpcError:
+            continue
+        return {"s": time.monotonic() - started, "attempts": attempt}
+    return {"s": None, "attempts": 10}
+
+
 def heal(args: argparse.Namespace) -> int:
     """Rank 0 of {driver, r1}; each listens behind a FaultProxy run here (``--port`` and
     ``--proxy-port`` are r1's), so every connection between them crosses a proxy. Drops a
@@ -235,6 +260,7 @@ def heal(args: argparse.Namespace) -> int:
     obs["lost_after_strays"] = asyncrpc.get_debug_info()["lost_peers"]
     # Strangers that never finish a handshake: idle, and stalled in the middle of a prelude.
     obs["idle_closed"], obs["stalled_closed"] = _stalled(args.port)
+    obs["next_call_after_drop"] = [_next_call_after(soak) for _ in range(20)]
     # The soak.
     started = time.monotonic()
     for i in range(args.drops):
@@ -246,29 +272,19 @@ def heal(args: argparse.Namespace) -> int:
     kept.clear()
     asyncrpc.rpc_sync("r1", fns.drop_held)
     obs["rrefs_settled"] = _poll(_settled("r1"), 15.0)
-    obs["rref_debug"] = {
-        "driver": asyncrpc.get_debug_info(),
-        "r1": asyncrpc.rpc_sync("r1", fns.rref_debug),
-    }
+    obs["rref_debug"] = {"driver": asyncrpc.get_debug_info(), "r1": _on_r1(fns.rref_debug)}
     obs["ref_log_acked"] = _poll(
         lambda: (
             asyncrpc.get_debug_info()["unacked_ref_frames"] == 0
-            and asyncrpc.rpc_sync("r1", fns.debug_info)["unacked_ref_frames"] == 0
+            and (_on_r1(fns.debug_info) or {}).get("unacked_ref_frames") == 0
         ),
         10.0,
     )
     obs["fds_back"] = _poll(
-        lambda: (
-            _fds() == baseline["driver"] and asyncrpc.rpc_sync("r1", fns.open_fds) == baseline["r1"]
-        ),
-        10.0,
+        lambda: _fds() == baseline["driver"] and _on_r1(fns.open_fds) == baseline["r1"], 10.0
     )
-    obs["fds"] = {
-        "baseline": baseline,
-        "driver": _fds(),
-        "r1": asyncrpc.rpc_sync("r1", fns.open_fds),
-    }
-    obs["r1_metrics"] = asyncrpc.rpc_sync("r1", fns.metrics)
+    obs["fds"] = {"baseline": baseline, "driver": _fds(), "r1": _on_r1(fns.open_fds)}
+    obs["r1_metrics"] = _on_r1(fns.metrics)
     obs["metrics"] = asyncrpc.get_metrics()
     obs["lost_peers"] = asyncrpc.get_debug_info()["lost_peers"]
     obs["shutdown"] = _attempt(lambda: asyncrpc.shutdown(timeout=20.0))
