@@ -699,11 +699,13 @@ class Agent:
         error = peer.lost or PeerLostError(peer.address.name, f"connection lost ({exc or 'EOF'})")
         if peer.lost is None and not self.closed:
             _log.warning("worker %r: %s; the next call reconnects", self.name, error)
-        # Calls that came on it are cancelled (nobody reads their replies); remote()
-        # requests run on: their value must still land here.
+        # Calls written on it may or may not have run: they fail, typed; calls still
+        # waiting for a connection are sent on the next one.
         for call in self.pending.pop_peer(rank, sent_on=conn):
             self.counters.calls_failed += 1
             call.fail(error)
+        # Calls that came on it are cancelled (nobody reads their replies); remote()
+        # requests run on: their value must still land here.
         self.dispatcher.cancel_connection(conn)
         if peer.lost is None and not self.closed and peer.conn is None:
             # Dial again now, not at the next call: the link heals before it is needed, and
