@@ -195,7 +195,7 @@ def test_Agent_soak_of_100_drops_ends_every_call_typed_or_right(healed: dict[str
     assert soak["ok"] + soak["typed"] == 100 * 5, soak
     assert soak["ok"] > 0
     assert healed["after_soak"]["value"] == 9, healed["after_soak"]
-    assert healed["metrics"]["reconnects"] >= 100
+    assert healed["metrics"]["reconnects"] >= 80  # most drops cut a live link (122 seen)
 
 
 def test_Agent_soak_leaks_no_rref_descriptor_or_thread(healed: dict[str, Any]) -> None:
