@@ -41,6 +41,7 @@ __all__ = [
     "RpcTimeoutError",
     "SerializationError",
     "ShutdownError",
+    "ThreadPoolExhaustedError",
     "UnknownWorkerError",
     "WorkerNameError",
     "as_callback_error",
@@ -86,6 +87,24 @@ class BlockingCallError(AsyncRpcError, RuntimeError):
 
 
 # -- addressing and arguments --------------------------------------------------------------
+
+
+class ThreadPoolExhaustedError(AsyncRpcError, RuntimeError):
+    """Every thread of a worker's pool, up to its hard cap (``max_worker_threads``), is
+    blocked waiting on an RPC reply: a queued synchronous function cannot run (nested
+    blocking calls deeper than the cap)."""
+
+    def __init__(self, worker: str, cap: int) -> None:
+        super().__init__(worker, cap)
+        self.worker = worker
+        self.cap = cap
+
+    def __str__(self) -> str:
+        return (
+            f"worker {self.worker!r}: all {self.cap} pool threads are blocked waiting on RPC "
+            "replies (nested blocking calls deeper than max_worker_threads); use async "
+            "functions or raise max_worker_threads"
+        )
 
 
 class UnknownWorkerError(AsyncRpcError, LookupError, RuntimeError):
@@ -240,15 +259,23 @@ class AuthenticationError(RemoteProtocolError, PermissionError):
 
 
 class FrameTooLargeError(RemoteProtocolError):
-    """A frame announced a size above the configured maximum (checked before allocating)."""
+    """A frame is larger than the receiver's ``max_frame_size``.
 
-    def __init__(self, size: int, limit: int) -> None:
-        super().__init__(size, limit)
+    Raised by the receiver for a frame a peer announced (checked before allocating; that
+    connection is closed), and by the sender, before writing a byte, for a message larger
+    than the limit its peer declared in the handshake (``worker`` names that peer; the
+    connection is untouched and the call fails alone).
+    """
+
+    def __init__(self, size: int, limit: int, worker: str | None = None) -> None:
+        super().__init__(size, limit, worker)
         self.size = size
         self.limit = limit
+        self.worker = worker
 
     def __str__(self) -> str:
-        return f"frame of {self.size} bytes exceeds the maximum frame size of {self.limit} bytes"
+        whose = "the" if self.worker is None else f"worker {self.worker!r}'s"
+        return f"frame of {self.size} bytes exceeds {whose} maximum frame size ({self.limit} bytes)"
 
 
 # -- remote references ---------------------------------------------------------------------

@@ -89,9 +89,7 @@ class RRefHost(Protocol):
         register: Callable[[], tuple[tuple[int, int], tuple[int, int]]],
     ) -> None: ...  # fmt: skip
 
-    def send_to(
-        self, rank: int, pieces: list[Any], call_id: int = ..., keep: object = ...
-    ) -> None: ...
+    def send_ref(self, rank: int, pieces: list[Any]) -> None: ...
 
     def run_on_loop(self, fn: Callable[..., Any], *args: Any) -> None: ...
 
@@ -364,7 +362,7 @@ class RRefContext:
             if isinstance(action, Send):
                 message = action.message
                 fields = RefMessage(_TO_WIRE[type(message)], message.rref_id, message.fork_id)
-                self.agent.send_to(action.dest, encode_frame(fields.to_fields(), b""))
+                self.agent.send_ref(action.dest, encode_frame(fields.to_fields(), b""))
             elif isinstance(action, Free):
                 self._values.pop(action.rref_id, None)
             elif isinstance(action, RRefLost):

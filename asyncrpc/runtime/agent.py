@@ -27,7 +27,9 @@ from asyncrpc.errors import (
     BadDestinationError,
     ClosedError,
     ConnectionLostError,
+    FrameTooLargeError,
     InitError,
+    PeerLostError,
     RemoteProtocolError,
     RpcTimeoutError,
     ShutdownError,
@@ -61,6 +63,7 @@ from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT, RpcBackendOptions, Worke
 from asyncrpc.runtime.peers import PeerTable
 from asyncrpc.runtime.pending import PendingCall, PendingCalls, describe_function
 from asyncrpc.runtime.pipeline import CallHook, OutgoingCall, Pipeline
+from asyncrpc.runtime.reflog import RefLog
 from asyncrpc.runtime.rendezvous import PeerAddress, StoreGroup, join_group
 from asyncrpc.runtime.services import RRefFactory, RRefService
 from asyncrpc.runtime.shm import SHM_TAG_PREFIX, SharedMemory
@@ -112,7 +115,7 @@ class Agent:
             persistent_load=self._load_rref,
             place=self.shm.place if options.shared_memory else None,
         )
-        self.pool = WorkerPool(options.num_worker_threads, loop, name)
+        self.pool = WorkerPool(options.num_worker_threads, loop, name, options.max_worker_threads)
         self.pipeline = Pipeline()
         self.dispatcher = Dispatcher(
             name, loop, self.pool, self.serializer, self.write, self.reply_device_map,
@@ -121,7 +124,7 @@ class Agent:
         self.lag = LagProbe(loop)
         self.heartbeat = Heartbeat(
             loop, options.heartbeat_interval, options.heartbeat_timeout,
-            lambda: self._connections, self._ping, self._silent,
+            lambda: self._connections, self._ping, self._silent, self._ask_acks,
         )  # fmt: skip
         self.peers: PeerTable | None = None
         self.group: StoreGroup | None = None
@@ -131,6 +134,9 @@ class Agent:
         self._connections: set[Connection] = set()
         # Frames waiting for a connection to be made, by peer, in the order they were sent.
         self._unsent: dict[int, list[tuple[list[Any], int, object]]] = {}
+        # Refcount frames by peer, until the peer has surely read them (see reflog.py).
+        self._ref_logs: dict[int, RefLog] = {}
+        self._linked: set[int] = set()  # peers connected at least once
         self._server: asyncio.Server | None = None
         self._unix_server: asyncio.AbstractServer | None = None
         self.closed = False
@@ -222,6 +228,7 @@ class Agent:
             self.name, self.rank, self.addresses, self._dial, key, options.max_frame_size,
             self._refuse, ssl_context=self.tls.client if self.tls else None,
             host_id=self.addresses[self.rank].host_id if unix_path else None,
+            on_adopted=self._on_adopted, on_declared_lost=self._on_declared_lost,
         )  # fmt: skip
         for conn, hello in self._early_hellos:
             if not conn.closed:
@@ -274,7 +281,9 @@ class Agent:
             self.write(peer.conn, pieces)
 
     def _handshake_deadline(self, conn: Connection) -> None:
+        # Idle, or stalled in the middle of its Hello or Auth: closed either way.
         if conn.peer is None and not conn.closed:
+            self.counters.handshake_timeouts += 1
             limit = self.options.handshake_timeout
             self._refuse(
                 conn, AuthenticationError(f"no authenticated handshake within {limit:g} s")
@@ -282,11 +291,32 @@ class Agent:
 
     def _ping(self, conn: Watched) -> None:
         conn.send(encode_frame(Ping().to_fields(), b""))
+        log = self._ref_logs.get(conn.peer) if conn.peer is not None else None
+        if log is not None:
+            log.pinged(conn)  # its Pong acknowledges the refcount frames sent before it
+
+    def _ask_acks(self) -> None:
+        """Ping busy links too (the heartbeat pings idle ones) while refcount frames wait
+        for an acknowledgement, so that the logs empty (see reflog.py)."""
+        if self.peers is None:
+            return
+        for rank, log in list(self._ref_logs.items()):  # bounded by the peers
+            conn = self.peers.peers[rank].conn
+            if conn is not None and not conn.closed and log.awaiting_ack():
+                self._ping(conn)
 
     def _silent(self, conn: Watched, seconds: float) -> None:
         assert isinstance(conn, Connection)
-        # Its pending calls fail through on_connection_lost, as for a closed socket.
-        conn.abort(ConnectionLostError(f"no sign of life for {seconds:.1f} s"))
+        self.counters.silent_connections += 1
+        reason = f"no sign of life for {seconds:.1f} s"
+        if conn.mid_frame:
+            self.counters.stalled_frames += 1
+            reason += " (in the middle of a frame)"
+        if conn.peer is not None and self.peers is not None:
+            # Evidence that the peer is gone, not only this connection: declared lost.
+            name = self.addresses[conn.peer].name
+            self.peers.declare_lost(conn.peer, PeerLostError(name, reason))
+        conn.abort(ConnectionLostError(reason))
 
     def _refuse(self, conn: Connection, error: AuthenticationError) -> None:
         """A connection failed to authenticate: count it, log it (rate-limited), close it."""
@@ -501,10 +531,52 @@ class Agent:
             return
         peer = self.peers.peers.get(rank) if self.peers is not None else None
         if peer is not None and peer.conn is not None and not peer.conn.closed:
-            peer.conn.send(pieces, keep)
+            self._send_checked(peer.conn, rank, pieces, call_id, keep)
             return
         self._unsent[rank] = [(pieces, call_id, keep)]
         self.loop.create_task(self._send_when_connected(rank))
+
+    def send_ref(self, rank: int, pieces: list[Any]) -> None:
+        """Send a refcount frame; it is sent again on a new connection until acknowledged."""
+        if rank != self.rank and self.peers is not None and rank in self.peers.peers:
+            log = self._ref_logs.setdefault(rank, RefLog())
+            if log.add(pieces):
+                peer = self.peers.peers[rank]
+                if peer.conn is not None and not peer.conn.closed:
+                    self._ping(peer.conn)
+        self.send_to(rank, pieces)
+
+    def _on_adopted(self, rank: int, conn: Connection) -> None:
+        """A new connection to ``rank``: refcount frames it may have missed go first."""
+        if rank in self._linked:
+            self.counters.reconnects += 1
+            self.shm.on_peer_lost(rank)  # whatever the old link had lent, it ends here
+        self._linked.add(rank)
+        log = self._ref_logs.get(rank)
+        if log is None or not len(log):
+            return
+        try:
+            for pieces in log.replay():  # bounded by the log
+                conn.send(pieces)
+        except ClosedError:
+            pass  # the next connection replays them
+
+    def _on_declared_lost(self, rank: int) -> None:
+        """``rank`` is gone for good: fail everything bound for it, forget its RRefs."""
+        lost = self.peers.peers[rank].lost if self.peers is not None else None
+        assert lost is not None
+        if self.closed:
+            _log.debug("worker %r: %s", self.name, lost)
+        else:
+            _log.warning("worker %r: %s", self.name, lost)
+        self._ref_logs.pop(rank, None)
+        for call in self.pending.pop_peer(rank):
+            self.counters.calls_failed += 1
+            call.fail(lost)
+        self.dispatcher.cancel_peer(rank)
+        self.shm.on_peer_lost(rank)
+        if self.rrefs is not None:
+            self.rrefs.on_peer_lost(rank)
 
     async def _send_when_connected(self, rank: int) -> None:
         assert self.peers is not None
@@ -516,12 +588,25 @@ class Agent:
                 if call_id and call_id not in self.pending:
                     self.shm.unlend(keep)
                     continue  # timed out or cancelled while waiting: the callee never runs it
-                conn.send(pieces, keep)
+                self._send_checked(conn, rank, pieces, call_id, keep)
         except (ConnectionError, OSError) as exc:
             for _, call_id, _ in waiting[sent:]:
                 self._fail_unsent(rank, call_id, exc)
         finally:
             del self._unsent[rank]  # from now on frames go straight to the connection
+
+    def _send_checked(
+        self, conn: Connection, rank: int, pieces: list[Any], call_id: int, keep: object
+    ) -> None:
+        try:
+            conn.send(pieces, keep)
+        except FrameTooLargeError as exc:  # nothing was written: the call fails alone
+            self._fail_unsent(rank, call_id, exc)
+            return
+        if call_id:
+            call = self.pending.get(call_id)
+            if call is not None:
+                call.sent_on = conn  # losing this connection fails it
 
     def _fail_unsent(self, rank: int, call_id: int, exc: BaseException) -> None:
         call = self.pending.pop(call_id) if call_id else None
@@ -588,14 +673,23 @@ class Agent:
             self._on_error(fields, frame)
         elif kind == Kind.CANCEL:
             self.dispatcher.on_cancel(conn.peer, fields[1])
-        elif isinstance(message, RefMessage) and self.rrefs is not None:
-            self.rrefs.on_message(conn.peer, message)
-        elif kind == Kind.PING:
+        else:
+            self._on_bookkeeping(conn, conn.peer, message)
+
+    def _on_bookkeeping(self, conn: Connection, peer: int, message: Any) -> None:
+        """The frames that are not calls: references, liveness, shared memory, goodbye."""
+        if isinstance(message, RefMessage) and self.rrefs is not None:
+            self.rrefs.on_message(peer, message)
+        elif isinstance(message, Ping):
             self.write(conn, encode_frame(Pong().to_fields(), b""))
-        elif kind == Kind.PONG:
-            pass  # its bytes were the sign of life the heartbeat looks for
+        elif isinstance(message, Pong):
+            # Its bytes were the sign of life the heartbeat looks for; it also acknowledges
+            # the refcount frames sent before its Ping.
+            log = self._ref_logs.get(peer)
+            if log is not None:
+                log.ponged(conn)
         elif isinstance(message, ShmMessage):
-            self.shm.on_message(conn.peer, message)
+            self.shm.on_message(peer, message)
         elif isinstance(message, Goodbye):
             conn.goodbye = True
         else:
@@ -644,6 +738,8 @@ class Agent:
         self.counters.protocol_errors += 1
 
     def on_connection_lost(self, conn: Connection, exc: BaseException | None) -> None:
+        """A connection closed. The calls written on it fail; its peer stays reachable (the
+        next call dials again) unless it is declared lost (see ``peers.py``)."""
         self._connections.discard(conn)
         if self.peers is None:
             return
@@ -651,19 +747,35 @@ class Agent:
         if rank is None:
             return
         self.counters.connections_lost += 1
-        lost = self.peers.peers[rank].lost
-        assert lost is not None
-        if self.closed or conn.goodbye:
-            _log.debug("worker %r: %s", self.name, lost)
-        else:
-            _log.warning("worker %r: %s", self.name, lost)
-        for call in self.pending.pop_peer(rank):
+        log = self._ref_logs.get(rank)
+        if log is not None:
+            log.lost(conn)
+        peer = self.peers.peers[rank]
+        error = peer.lost or PeerLostError(peer.address.name, f"connection lost ({exc or 'EOF'})")
+        if peer.lost is None and not self.closed:
+            _log.warning("worker %r: %s; the next call reconnects", self.name, error)
+        # Calls written on it may or may not have run: they fail, typed; calls still
+        # waiting for a connection are sent on the next one.
+        for call in self.pending.pop_peer(rank, sent_on=conn):
             self.counters.calls_failed += 1
-            call.fail(lost)
-        self.dispatcher.cancel_peer(rank)
+            call.fail(error)
+        # Calls that came on it are cancelled (nobody reads their replies); remote()
+        # requests run on: their value must still land here.
+        self.dispatcher.cancel_connection(conn)
+        # Shared memory ends with the connection: chunks lent on it are closed, not
+        # reused, and the peer's mappings dropped; the next connection probes again.
         self.shm.on_peer_lost(rank)
-        if self.rrefs is not None:
-            self.rrefs.on_peer_lost(rank)
+        if peer.lost is None and not self.closed and peer.conn is None:
+            # Dial again now, not at the next call: the link heals before it is needed, and
+            # a dead peer is found (refused) and declared lost, which frees its RRefs.
+            self.loop.create_task(self._redial(rank))
+
+    async def _redial(self, rank: int) -> None:
+        assert self.peers is not None
+        try:
+            await self.peers.connection(rank)
+        except (ConnectionError, OSError) as exc:  # declared lost, or not reachable yet
+            _log.debug("worker %r: redial of rank %d failed: %s", self.name, rank, exc)
 
     # -- stopping --------------------------------------------------------------------------
 
@@ -685,6 +797,15 @@ class Agent:
     def is_lost(self, rank: int) -> bool:
         peers = self.peers
         return peers is not None and rank in peers.peers and peers.is_lost(rank)
+
+    def probe(self, rank: int) -> None:
+        """Dial ``rank`` unless connected or lost: a dead peer refuses and is declared lost."""
+        peers = self.peers
+        if peers is None or rank not in peers.peers:
+            return
+        peer = peers.peers[rank]
+        if peer.lost is None and (peer.conn is None or peer.conn.closed) and not peer.dialing:
+            self.loop.create_task(self._redial(rank))
 
     def _check_open(self) -> None:
         if self.closed:
@@ -753,6 +874,9 @@ class Agent:
             "thread_pool_size": self.pool.size,
             "thread_pool_busy": self.pool.busy,
             "thread_pool_idle": self.pool.size - self.pool.busy,
+            "thread_pool_threads": self.pool.threads,
+            "thread_pool_blocked": self.pool.blocked,
+            "thread_pool_refused": self.pool.refused,
             "loop_lag_ms": round(self.lag.last_ms, 3),
             "loop_lag_max_ms": round(self.lag.max_ms, 3),
             **self.shm.stats(),
@@ -774,6 +898,7 @@ class Agent:
                 if p.lost is not None
             ),
             **self.metrics(),
+            "unacked_ref_frames": sum(len(log) for log in list(self._ref_logs.values())),
             **(self.rrefs.debug_info() if self.rrefs is not None else {}),
             **{k: v for hook in self.pipeline.hooks for k, v in hook.debug_info().items()},
         }

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from functools import partial
@@ -21,8 +22,10 @@ from typing import Any, Protocol
 from asyncrpc.errors import (
     AsyncExecutionError,
     ClosedError,
+    FrameTooLargeError,
     FunctionNotFoundError,
     SerializationError,
+    ThreadPoolExhaustedError,
 )
 from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
 from asyncrpc.protocol.serde import MissingReferenceError, Serializer, pack_exception
@@ -106,6 +109,9 @@ class Dispatcher:
         self._counters = counters
         self._pipeline = pipeline
         self._jobs: dict[tuple[int, int], Job] = {}
+        # The connection each call (not remote()) came on: when it drops, nobody is left
+        # to read the reply, so the call is cancelled (remote() values must still land).
+        self._came_on: dict[tuple[int, int], Connection] = {}
         # Requests going through the pipeline, until their reply is built.
         self._served: dict[tuple[int, int], IncomingCall] = {}
         # Keeps the values of remote() requests; set once the agent knows its rank.
@@ -170,16 +176,23 @@ class Dispatcher:
             self._counters.calls_on_loop += 1
             coro = self._run_coroutine(conn, request, run, async_exec, args, kwargs)
             self._jobs[key] = self._loop.create_task(coro)
+            if not request.mode:
+                self._came_on[key] = conn
         elif is_inline(fn) or runs_on_loop(fn, args, kwargs):
             self._counters.calls_on_loop += 1
             self._run_inline(conn, request, peer, run, async_exec, args, kwargs)
         else:
             try:
-                self._jobs[key] = self._pool.submit(
+                job = self._pool.submit(
                     self._run_in_thread, conn, request, peer, run, async_exec, args, kwargs
                 )
-            except ClosedError as exc:  # shutting down: the caller learns it, nothing hangs
+            except (ClosedError, ThreadPoolExhaustedError) as exc:  # the caller learns it
                 self._finish(conn, request, peer, False, exc)
+                return
+            job.refused = functools.partial(self._refused, conn, request, peer)
+            self._jobs[key] = job
+            if not request.mode:
+                self._came_on[key] = conn
 
     def _serve(
         self, conn: Connection, request: Request, peer: int, call: Any, grads: list[Any]
@@ -214,14 +227,29 @@ class Dispatcher:
 
     def on_cancel(self, peer: int, call_id: int) -> None:
         self._served.pop((peer, call_id), None)
-        job = self._jobs.pop((peer, call_id), None)
+        job = self._drop_job((peer, call_id))
         if job is not None:
             job.cancel()
+
+    def _drop_job(self, key: tuple[int, int]) -> Job | None:
+        if self._came_on:
+            self._came_on.pop(key, None)
+        return self._jobs.pop(key, None)
+
+    def cancel_connection(self, conn: Connection) -> None:
+        """``conn`` dropped: the calls that came on it have nobody to reply to."""
+        for key in [k for k, c in self._came_on.items() if c is conn]:
+            self._served.pop(key, None)
+            job = self._drop_job(key)
+            if job is not None:
+                job.cancel()
 
     def cancel_peer(self, peer: int) -> None:
         """The caller is gone: nobody will read these replies."""
         for key in [k for k in self._jobs if k[0] == peer]:
-            self._jobs.pop(key).cancel()
+            job = self._drop_job(key)
+            assert job is not None
+            job.cancel()
         for key in [k for k in self._served if k[0] == peer]:
             del self._served[key]
 
@@ -239,7 +267,7 @@ class Dispatcher:
             if async_exec and _is_future_like(result):
                 result = await await_async_result(result)
         except asyncio.CancelledError:
-            self._jobs.pop((peer, request.call_id), None)
+            self._drop_job((peer, request.call_id))
             self._served.pop((peer, request.call_id), None)
             raise
         except BaseException as exc:
@@ -334,7 +362,7 @@ class Dispatcher:
         keep: object,
         error: BaseException | None,
     ) -> None:
-        if self._jobs.pop((peer, request.call_id), None) is None:
+        if self._drop_job((peer, request.call_id)) is None:
             return  # cancelled meanwhile: the caller no longer waits
         self._deliver(conn, request, pieces, keep, error)
 
@@ -351,11 +379,20 @@ class Dispatcher:
             self._send_error(conn, request, error)
             return
         assert pieces is not None
-        self._write(conn, pieces, keep)
+        try:
+            self._write(conn, pieces, keep)
+        except FrameTooLargeError as exc:  # over the caller's limit: it gets this instead
+            self._send_error(conn, request, exc)
+            return
         self._counters.replies_sent += 1
 
+    def _refused(self, conn: Connection, request: Request, peer: int, exc: BaseException) -> None:
+        # The exhausted pool dropped the job unrun (see WorkerPool._refuse_queued).
+        if (peer, request.call_id) in self._jobs:  # else cancelled meanwhile
+            self._finish(conn, request, peer, False, exc)
+
     def _finish(self, conn: Connection, request: Request, peer: int, ok: bool, value: Any) -> None:
-        self._jobs.pop((peer, request.call_id), None)
+        self._drop_job((peer, request.call_id))
         if request.mode != 0:
             if self.rrefs is not None:
                 self.rrefs.on_value(request, peer, ok, value)

@@ -25,6 +25,7 @@ from asyncrpc.errors import (
     NotInitializedError,
     as_callback_error,
 )
+from asyncrpc.runtime.blocking import blocking
 
 __all__ = [
     "Future",
@@ -247,7 +248,9 @@ class Future(torch.futures.Future[T]):
                 gate.acquire()
         acquired = False
         try:
-            acquired = gate.acquire(timeout=-1 if timeout is None else max(timeout, 0.0))
+            # A pool thread that blocks here lets its pool start a stand-in (no deadlock).
+            with blocking():
+                acquired = gate.acquire(timeout=-1 if timeout is None else max(timeout, 0.0))
         finally:
             if acquired:  # even if interrupted right after: never keep the gate
                 gate.release()  # pass it on: other threads may wait on the same future

@@ -39,6 +39,7 @@ class Heartbeat:
         connections: Callable[[], Iterable[Watched]],
         ping: Callable[[Watched], None],
         on_silent: Callable[[Watched, float], None],
+        on_tick: Callable[[], None] | None = None,
     ) -> None:
         self._loop = loop
         self._interval = interval
@@ -46,6 +47,7 @@ class Heartbeat:
         self._connections = connections
         self._ping = ping
         self._on_silent = on_silent
+        self._on_tick = on_tick  # more periodic work of the agent's (acknowledgements)
         # Per connection: the byte count last seen, and when it last changed.
         self._heard: dict[Watched, tuple[int, float]] = {}
         self._timer: asyncio.TimerHandle | None = None
@@ -77,3 +79,5 @@ class Heartbeat:
             elif silent >= self._interval:
                 self._ping(conn)
         self._heard = heard  # forgets connections that closed
+        if self._on_tick is not None:
+            self._on_tick()

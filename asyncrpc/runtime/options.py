@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrpc.errors import InitArgumentError, InitError, WorkerNameError
+from asyncrpc.protocol.wire import DEFAULT_MAX_FRAME_SIZE
 
 __all__ = [
     "DEFAULT_INIT_METHOD",
@@ -83,6 +84,11 @@ class RpcBackendOptions:
         init_method: rendezvous URL: ``env://``, ``tcp://host:port`` or ``file://path``.
         rpc_timeout: default per-call timeout in seconds (0 disables it).
         num_worker_threads: size of the thread pool that runs synchronous functions.
+        max_worker_threads: hard cap on that pool's threads. A pool thread blocked on an
+            RPC reply (``rpc_sync`` inside a remote function) does not count against
+            ``num_worker_threads``: a stand-in starts, up to this cap, so nested blocking
+            calls deeper than the pool complete. With all of them blocked, further
+            synchronous functions fail with ``ThreadPoolExhaustedError``.
         device_maps: per callee name, a map of this worker's CUDA devices to the callee's.
         devices: the CUDA devices this worker may send from or receive to.
         listen_host: the address the worker listens on (loopback by default; "0.0.0.0"
@@ -99,7 +105,10 @@ class RpcBackendOptions:
         advertise_host: the address other workers dial to reach this one, when it is not
             ``listen_host`` (listening on every interface, containers, NAT).
         advertise_port: the port they dial, when a proxy or NAT maps the listening port.
-        max_frame_size: the largest frame accepted from a peer, checked before allocating.
+        max_frame_size: the largest frame (header, pickle and tensor bytes of one message)
+            accepted from a peer, checked before allocating; 4 GiB by default. Peers learn
+            it at the handshake: a larger message fails at its sender with
+            ``FrameTooLargeError`` before any byte is written, and the connection stays up.
         shutdown_timeout: bound on a graceful shutdown when ``shutdown`` is given none.
         rref_leaks: what a graceful shutdown does with owner RRefs still referenced
             elsewhere: "warn" (log a warning), "error" (raise ShutdownError) or "ignore".
@@ -120,6 +129,7 @@ class RpcBackendOptions:
     init_method: str = DEFAULT_INIT_METHOD
     rpc_timeout: float = DEFAULT_RPC_TIMEOUT
     num_worker_threads: int = 16
+    max_worker_threads: int = 512
     device_maps: dict[str, dict[str, str]] | None = None
     devices: list[str] | None = None
     listen_host: str = "127.0.0.1"
@@ -130,7 +140,7 @@ class RpcBackendOptions:
     shm_arena_bytes: int = 1 << 30
     advertise_host: str | None = None
     advertise_port: int | None = None
-    max_frame_size: int = 1 << 34
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     shutdown_timeout: float = 60.0
     rref_leaks: str = "warn"
     auth_key: bytes | str | None = field(default=None, repr=False)
@@ -163,6 +173,11 @@ class RpcBackendOptions:
             raise InitError("TLS needs all of tls_cert, tls_key and tls_ca")
         if self.num_worker_threads < 1:
             raise InitError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
+        if self.max_worker_threads < self.num_worker_threads:
+            raise InitError(
+                f"max_worker_threads ({self.max_worker_threads}) must be >= "
+                f"num_worker_threads ({self.num_worker_threads})"
+            )
         if self.device_maps is not None:
             self.device_maps = {
                 str(callee): {_device_key(k): _device_key(v) for k, v in mapping.items()}

@@ -9,6 +9,12 @@ Until then the connection takes handshake frames only, under small limits, and n
 unpickled. When two workers dial each other at the same moment, both apply one rule, so
 exactly one connection survives: the one dialled by the lower rank. No request is ever
 sent before the handshake, so the losing connection carries nothing and is simply closed.
+
+A connection is not the peer. Losing one fails what was written on it, and the next call
+dials again. A peer is declared lost (for good: its calls fail at once) only on evidence:
+its address refuses connections after a few retries, it said Goodbye, or its heartbeats
+stopped (the agent says so with ``declare_lost``). A stranger cannot make a worker lost: a
+connection becomes a peer's only once it proves the group key.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import functools
 import logging
 import ssl
 from collections.abc import Callable
+from typing import Final
 
 from asyncrpc.errors import (
     AuthenticationError,
@@ -31,9 +38,17 @@ from asyncrpc.protocol.wire.messages import Auth, Hello, HelloReply
 from asyncrpc.runtime.rendezvous import PeerAddress
 from asyncrpc.runtime.transport import Connection, open_connection, open_unix_connection
 
-__all__ = ["Peer", "PeerTable"]
+__all__ = ["DIAL_RETRY_DELAYS", "REFUSED_RETRY_DELAYS", "Peer", "PeerTable"]
 
 _log = logging.getLogger("asyncrpc.runtime.peers")
+
+# Pauses before the retries of a dial. A peer whose address refuses connections after
+# REFUSED_RETRY_DELAYS is declared lost: a dead process refuses at once, and callers must
+# learn that in well under a second. Other failures (a reset in the handshake, a peer that
+# has not yet seen its old connection close) prove nothing: the dial retries after each of
+# DIAL_RETRY_DELAYS, then fails with PeerUnavailableError, and a later call tries again.
+REFUSED_RETRY_DELAYS: Final = (0.05, 0.15)
+DIAL_RETRY_DELAYS: Final = (0.05, 0.1, 0.2, 0.4, 0.8)
 
 
 class Peer:
@@ -46,7 +61,7 @@ class Peer:
         self.conn: Connection | None = None
         self.ready: asyncio.Future[Connection] | None = None
         self.dialing = False
-        self.lost: BaseException | None = None
+        self.lost: PeerLostError | None = None
 
 
 def send_message(conn: Connection, message: Hello | HelloReply | Auth) -> None:
@@ -68,6 +83,8 @@ class PeerTable:
         connect_timeout: float = 30.0,
         ssl_context: ssl.SSLContext | None = None,
         host_id: str | None = None,
+        on_adopted: Callable[[int, Connection], None] | None = None,
+        on_declared_lost: Callable[[int], None] | None = None,
     ) -> None:
         self.name = name
         self.rank = rank
@@ -78,12 +95,15 @@ class PeerTable:
         self.connect_timeout = connect_timeout
         self._ssl = ssl_context  # mutual TLS for the connections this side dials
         self._host_id = host_id  # this host, when peers on it may be reached by Unix socket
+        self._on_adopted = on_adopted
+        self._on_declared_lost = on_declared_lost
         self.peers = {r: Peer(a) for r, a in addresses.items() if r != rank}
         # Dialled connections awaiting their HelloReply: the rank they should reach and
         # the nonce this side sent.
         self._handshakes: dict[Connection, tuple[asyncio.Future[HelloReply], int, bytes]] = {}
-        # Accepted connections awaiting the dialer's Auth: its rank and the proof expected.
-        self._challenges: dict[Connection, tuple[int, bytes]] = {}
+        # Accepted connections awaiting the dialer's Auth: its rank, the proof expected and
+        # the largest frame it takes.
+        self._challenges: dict[Connection, tuple[int, bytes, int]] = {}
 
     async def connection(self, rank: int) -> Connection:
         """Return the live connection to ``rank``, dialling it first if needed.
@@ -91,8 +111,8 @@ class PeerTable:
         Cancelling the wait does not stop a dial in progress; later callers share it.
 
         Raises:
-            PeerLostError: the peer was connected once and is gone.
-            PeerUnavailableError: it cannot be reached.
+            PeerLostError: the peer is declared lost (see the module's docstring).
+            PeerUnavailableError: it cannot be reached now.
         """
         peer = self.peers[rank]
         if peer.conn is not None and not peer.conn.closed:
@@ -101,10 +121,15 @@ class PeerTable:
             raise peer.lost
         if peer.ready is None or peer.ready.done():
             peer.ready = asyncio.get_running_loop().create_future()
-            # Dialling from now on, not from when the task first runs: a Hello that
-            # arrives in between must meet the tie-break, or both connections survive.
-            peer.dialing = True
-            asyncio.get_running_loop().create_task(self._dial(peer, rank))
+            if not self._challenged(rank):
+                self._start_dial(peer, rank)
+            else:
+                # The peer is dialling us: its Auth will resolve ``ready`` within a round
+                # trip, and dialling too could leave each side with a different connection.
+                # If that handshake fails (or is a stranger's), we dial: at once when it
+                # closes, at the latest after _CHALLENGE_WAIT_S.
+                loop = asyncio.get_running_loop()
+                loop.call_later(_CHALLENGE_WAIT_S, self._dial_if_waiting, rank)
         try:
             return await asyncio.wait_for(asyncio.shield(peer.ready), self.connect_timeout)
         except TimeoutError:
@@ -112,29 +137,96 @@ class PeerTable:
                 peer.address.name, f"no connection within {self.connect_timeout:g} s"
             ) from None
 
+    def _challenged(self, rank: int) -> bool:
+        """Whether a connection from ``rank`` awaits its Auth (bounded: handshakes)."""
+        return any(entry[0] == rank for entry in self._challenges.values())
+
+    def _start_dial(self, peer: Peer, rank: int) -> None:
+        # Dialling from now on, not from when the task first runs: a Hello that arrives
+        # in between must meet the tie-break, or both connections survive.
+        peer.dialing = True
+        asyncio.get_running_loop().create_task(self._dial(peer, rank))
+
     async def _dial(self, peer: Peer, rank: int) -> None:
-        address = peer.address
+        """Dial ``rank``, retrying (see ``DIAL_RETRY_DELAYS``) within ``connect_timeout``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.connect_timeout
+        name = peer.address.name
+        refused = others = 0
         try:
-            conn = await self._open(address)
-            waiter = asyncio.get_running_loop().create_future()
-            nonce = auth.new_nonce()
-            self._handshakes[conn] = (waiter, rank, nonce)
-            send_message(conn, Hello(PROTOCOL_VERSION, self.name, self.rank, nonce))
-            reply = await asyncio.wait_for(waiter, self.connect_timeout)
-        except (OSError, TimeoutError, ConnectionError, RemoteProtocolError) as exc:
-            self._dial_failed(peer, PeerUnavailableError(address.name, str(exc) or repr(exc)))
-            return
+            while peer.lost is None:  # bounded: each pass counts one try; the counts are capped
+                error: BaseException | None = None
+                try:
+                    if await self._dial_once(peer, rank, deadline):
+                        return
+                    others += 1  # it still holds an old connection
+                except (TimeoutError, ssl.SSLError, RemoteProtocolError) as exc:
+                    self._dial_failed(peer, PeerUnavailableError(name, str(exc) or repr(exc)))
+                    return
+                except ConnectionRefusedError as exc:  # a dead process, or not yet listening
+                    refused, error = refused + 1, exc
+                except OSError as exc:  # a reset in the handshake: proves nothing
+                    others, error = others + 1, exc
+                if peer.conn is not None and not peer.conn.closed:
+                    return  # adopted meanwhile, dialled by the peer
+                if refused > len(REFUSED_RETRY_DELAYS):
+                    reason = f"connection refused {refused} times ({error})"
+                    self.declare_lost(rank, PeerLostError(name, reason))
+                    return
+                if isinstance(error, ConnectionRefusedError):
+                    delay: float | None = REFUSED_RETRY_DELAYS[refused - 1]
+                else:
+                    delay = (
+                        DIAL_RETRY_DELAYS[others - 1] if others <= len(DIAL_RETRY_DELAYS) else None
+                    )
+                if delay is None or loop.time() + delay > deadline:
+                    reason = f"{refused + others} tries: {error or _ALREADY_CONNECTED}"
+                    self._dial_failed(peer, PeerUnavailableError(name, reason))
+                    return
+                await asyncio.sleep(delay)
         finally:
             peer.dialing = False
+
+    async def _dial_once(self, peer: Peer, rank: int, deadline: float) -> bool:
+        """One dial and handshake; True when done (adopted, or failed for good: the
+        waiters know), False to try again (the peer still holds an old connection).
+
+        Raises:
+            OSError: the socket failed (``TimeoutError``: no answer by ``deadline``).
+            RemoteProtocolError: the peer answered wrongly.
+        """
+        loop = asyncio.get_running_loop()
+        conn = await asyncio.wait_for(self._open(peer.address), max(deadline - loop.time(), 0))
+        waiter = loop.create_future()
+        nonce = auth.new_nonce()
+        self._handshakes[conn] = (waiter, rank, nonce)
+        hello = Hello(PROTOCOL_VERSION, self.name, self.rank, nonce, self._max_frame_size)
+        send_message(conn, hello)
+        try:
+            reply = await asyncio.wait_for(waiter, max(deadline - loop.time(), 0))
+        except BaseException:
+            self._handshakes.pop(conn, None)
+            conn.close()
+            raise
         if reply.accepted:
-            return  # adopted by on_hello_reply already
-        if peer.conn is None and reply.reason != _TIE_BREAK:
-            conn.close()
-            self._dial_failed(peer, PeerUnavailableError(address.name, reply.reason))
-        else:
-            # The peer keeps the connection it dialled to us; it is adopted (or will be)
-            # when its Hello reaches us, which resolves ``peer.ready``.
-            conn.close()
+            return True  # adopted by on_hello_reply already
+        conn.close()
+        if reply.reason == _TIE_BREAK:
+            # It keeps the connection it dials to us, adopted when its Auth comes. If that
+            # does not happen within _TIE_BREAK_WAIT_S (its dial failed), ours tries again.
+            ready = peer.ready
+            if ready is None:
+                return False
+            try:
+                await asyncio.wait_for(asyncio.shield(ready), _TIE_BREAK_WAIT_S)
+            except (TimeoutError, ConnectionError):
+                return False
+            return True
+        if reply.reason == _ALREADY_CONNECTED:
+            return False  # it has not seen our old connection close yet
+        if peer.conn is None:
+            self._dial_failed(peer, PeerUnavailableError(peer.address.name, reply.reason))
+        return True
 
     async def _open(self, address: PeerAddress) -> Connection:
         """The Unix socket of a peer on this host if it answers, else TCP (TLS if set)."""
@@ -146,6 +238,16 @@ class PeerTable:
                 _log.debug("Unix socket of %s: %s; using TCP", address.name, exc)
         return await open_connection(address.host, address.port, factory, self._ssl)
 
+    def declare_lost(self, rank: int, error: PeerLostError) -> None:
+        """``rank`` is gone for good (evidence: see the module's docstring); idempotent."""
+        peer = self.peers[rank]
+        if peer.lost is not None:
+            return
+        peer.lost = error
+        self._dial_failed(peer, error)
+        if self._on_declared_lost is not None:
+            self._on_declared_lost(rank)
+
     def _dial_failed(self, peer: Peer, exc: BaseException) -> None:
         _log.debug("dial to %s failed: %s", peer.address.name, exc)
         if peer.ready is not None and not peer.ready.done():
@@ -153,8 +255,9 @@ class PeerTable:
             peer.ready.exception()  # mark retrieved: waiters may all have given up
         peer.ready = None  # a later call may try again
 
-    def adopt(self, peer: Peer, rank: int, conn: Connection) -> None:
+    def adopt(self, peer: Peer, rank: int, conn: Connection, peer_max_frame: int) -> None:
         conn.open(self._max_frame_size)  # authenticated: the handshake's limits are lifted
+        conn.peer_max_frame = peer_max_frame  # what we send is checked against it
         conn.peer = rank
         conn.peer_name = peer.address.name
         peer.conn = conn
@@ -162,13 +265,15 @@ class PeerTable:
             peer.ready = asyncio.get_running_loop().create_future()
         peer.ready.set_result(conn)
         _log.debug("%s connected to %s", self.name, peer.address.name)
+        if self._on_adopted is not None:
+            self._on_adopted(rank, conn)
 
     def on_hello(self, conn: Connection, hello: Hello) -> None:
         """Answer a dialer: refuse it, or challenge it (adopted once its Auth proves the key)."""
         reason = self._refusal(hello)
         if reason is not None:
             send_message(conn, HelloReply(PROTOCOL_VERSION, self.name, self.rank, False, reason))
-            if reason != _TIE_BREAK:
+            if reason not in (_TIE_BREAK, _ALREADY_CONNECTED):
                 _log.warning("refused a connection claiming to be %r: %s", hello.name, reason)
                 conn.close()
             return
@@ -176,8 +281,10 @@ class PeerTable:
         dialer, me = (hello.name, hello.rank), (self.name, self.rank)
         mine = auth.proof(self._key, auth.ACCEPTOR, hello.nonce, nonce, dialer, me)
         expected = auth.proof(self._key, auth.DIALER, hello.nonce, nonce, dialer, me)
-        self._challenges[conn] = (hello.rank, expected)
-        reply = HelloReply(PROTOCOL_VERSION, self.name, self.rank, True, "", nonce, mine)
+        self._challenges[conn] = (hello.rank, expected, hello.max_frame_size)
+        reply = HelloReply(
+            PROTOCOL_VERSION, self.name, self.rank, True, "", nonce, mine, self._max_frame_size
+        )
         send_message(conn, reply)
 
     def on_auth(self, conn: Connection, message: Auth) -> None:
@@ -186,17 +293,18 @@ class PeerTable:
         if entry is None:
             conn.abort(RemoteProtocolError("Auth without an accepted Hello"))
             return
-        rank, expected = entry
+        rank, expected, peer_max_frame = entry
         peer = self.peers[rank]
         if not auth.verify(expected, message.proof):
             error = AuthenticationError(f"a dialer claiming to be {peer.address.name!r} "
                                         "gave a wrong proof of the group key")  # fmt: skip
             self._on_auth_failure(conn, error)
+            self._challenge_failed(rank)
             return
         if peer.conn is not None and not peer.conn.closed:
             conn.close()  # another authenticated connection won the race
             return
-        self.adopt(peer, rank, conn)
+        self.adopt(peer, rank, conn, peer_max_frame)
 
     def _refusal(self, hello: Hello) -> str | None:
         if hello.version != PROTOCOL_VERSION:
@@ -207,8 +315,10 @@ class PeerTable:
         peer = self.peers.get(hello.rank)
         if peer is None or peer.address.name != hello.name:
             return f"no worker named {hello.name!r} has rank {hello.rank} in this group"
+        if peer.lost is not None:
+            return f"declared lost ({peer.lost.reason})"
         if peer.conn is not None and not peer.conn.closed:
-            return "already connected"
+            return _ALREADY_CONNECTED
         if peer.dialing and self.rank < hello.rank:
             return _TIE_BREAK
         return None
@@ -221,6 +331,14 @@ class PeerTable:
         waiter, rank, nonce = entry
         if reply.accepted:
             peer = self.peers[rank]
+            if peer.conn is not None and not peer.conn.closed:
+                # The peer's own dial was adopted meanwhile: the first authenticated
+                # connection wins on both sides (the peer drops its challenge when this
+                # one closes before our Auth).
+                conn.close()
+                if not waiter.done():
+                    waiter.set_result(reply)
+                return
             if reply.rank != rank or reply.name != peer.address.name:
                 conn.abort(RemoteProtocolError(f"dialled rank {rank}, rank {reply.rank} answered"))
                 return
@@ -238,29 +356,51 @@ class PeerTable:
             send_message(conn, Auth(proof))
             # Adopt now, not in the dial task: the peer may send a request right behind its
             # reply, and it can be in the same read as the reply itself.
-            self.adopt(peer, rank, conn)
+            self.adopt(peer, rank, conn, reply.max_frame_size)
         if not waiter.done():
             waiter.set_result(reply)
 
     def on_lost(self, conn: Connection, exc: BaseException | None) -> int | None:
-        """Forget ``conn``; return its peer's rank when it was that peer's live connection."""
+        """Forget ``conn``; return its peer's rank when it was authenticated.
+
+        The peer stays reachable (the next call dials again) unless it said Goodbye.
+        """
         entry = self._handshakes.pop(conn, None)
         if entry is not None and not entry[0].done():
-            entry[0].set_exception(exc or ConnectionResetError("connection closed in handshake"))
-        self._challenges.pop(conn, None)
+            error = exc if isinstance(exc, OSError) else None
+            entry[0].set_exception(error or ConnectionResetError("connection closed in handshake"))
+        challenge = self._challenges.pop(conn, None)
+        if challenge is not None:
+            self._challenge_failed(challenge[0])
         rank = conn.peer
         if rank is None:
             return None
         peer = self.peers[rank]
-        if peer.conn is not conn:
-            return None
-        peer.conn = None
-        reason = "the worker shut down" if conn.goodbye else f"connection lost ({exc or 'EOF'})"
-        peer.lost = PeerLostError(peer.address.name, reason)
+        if peer.conn is conn:
+            peer.conn = None
+        if conn.goodbye:
+            self.declare_lost(rank, PeerLostError(peer.address.name, "the worker shut down"))
         return rank
+
+    def _challenge_failed(self, rank: int) -> None:
+        # Callers waiting for this handshake instead of dialling (see ``connection``) dial.
+        if not self._challenged(rank):
+            self._dial_if_waiting(rank)
+
+    def _dial_if_waiting(self, rank: int) -> None:
+        peer = self.peers.get(rank)
+        if peer is None or peer.ready is None or peer.ready.done() or peer.dialing:
+            return
+        if peer.lost is None and (peer.conn is None or peer.conn.closed):
+            self._start_dial(peer, rank)
 
     def is_lost(self, rank: int) -> bool:
         return self.peers[rank].lost is not None
 
 
 _TIE_BREAK = "both sides dialled; the connection dialled by the lower rank is kept"
+_ALREADY_CONNECTED = "already connected"
+# How long a dial that lost the tie-break waits for the peer's own dial to reach it.
+_TIE_BREAK_WAIT_S = 2.0
+# How long a caller waits for a peer's handshake in progress before dialling itself.
+_CHALLENGE_WAIT_S = 0.25

@@ -26,7 +26,9 @@ Waiter = Future[Any] | asyncio.Future[Any]
 class PendingCall:
     """One call in flight."""
 
-    __slots__ = ("keepalive", "observed", "peer", "slot", "target", "timeout", "waiter")
+    __slots__ = (
+        "keepalive", "observed", "peer", "sent_on", "slot", "target", "timeout", "waiter",
+    )  # fmt: skip
 
     def __init__(self, waiter: Waiter, peer: int, target: str, timeout: float) -> None:
         self.waiter = waiter
@@ -34,6 +36,9 @@ class PendingCall:
         self.target = target
         self.timeout = timeout
         self.slot = 0  # its Deadlines slot; 0: no timeout
+        # The connection its request was written on (None: still waiting for one); losing
+        # that connection fails the call, losing another one does not.
+        self.sent_on: object = None
         # Tensors whose memory is being written; freed with the call, not before.
         self.keepalive: object = None
         # The pipeline hooks this call went through, told when it ends (None: none).
@@ -179,9 +184,17 @@ class PendingCalls:
             self.deadlines.discard(call_id, call.slot)
         return call
 
-    def pop_peer(self, peer: int) -> Iterator[PendingCall]:
-        """Remove and yield every call waiting on ``peer`` (the peer is gone)."""
-        lost = [cid for cid, call in self._calls.items() if call.peer == peer]
+    def get(self, call_id: int) -> PendingCall | None:
+        return self._calls.get(call_id)
+
+    def pop_peer(self, peer: int, sent_on: object = None) -> Iterator[PendingCall]:
+        """Remove and yield every call waiting on ``peer`` (the peer is gone), or only those
+        written on the connection ``sent_on`` (that connection is gone)."""
+        lost = [
+            cid
+            for cid, call in self._calls.items()
+            if call.peer == peer and (sent_on is None or call.sent_on is sent_on)
+        ]
         for call_id in lost:
             call = self.pop(call_id)
             assert call is not None

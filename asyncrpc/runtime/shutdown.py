@@ -4,7 +4,9 @@ Graceful shutdown runs in rounds separated by store barriers, each bounded by on
 deadline: (1) every worker finishes its own outstanding calls; (2) every worker releases
 its user RRefs and waits for the owners to hear of it; (3) owners drain their deletes and
 report leaks; then connections close. A barrier fails fast, naming the peer, when a missing
-worker's connection is known to be lost, so a dead peer never hangs shutdown.
+worker is known to be lost, so a dead peer never hangs shutdown. A worker still missing after
+``PROBE_AFTER_S`` is probed (dialled): a dead one, even one never contacted, refuses and is
+declared lost within a fraction of a second.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ from asyncrpc.errors import ShutdownError
 from asyncrpc.runtime.rendezvous import PeerAddress, StoreGroup
 from asyncrpc.runtime.services import RRefService
 
-__all__ = ["GracefulShutdown", "ShutdownHost"]
+__all__ = ["PROBE_AFTER_S", "GracefulShutdown", "ShutdownHost"]
 _POLL_S = 0.005
+# How long a barrier waits for a missing worker before probing it: long enough that a
+# healthy group (its barriers take milliseconds) opens no connection for it.
+PROBE_AFTER_S = 1.0
 
 
 class ShutdownHost(Protocol):
@@ -36,6 +41,9 @@ class ShutdownHost(Protocol):
     def requests_running(self) -> int: ...
 
     def is_lost(self, rank: int) -> bool: ...
+
+    def probe(self, rank: int) -> None:
+        """Dial ``rank`` if not connected: it is declared lost if it refuses (no wait)."""
 
 
 class GracefulShutdown:
@@ -82,10 +90,15 @@ class GracefulShutdown:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, group.arrive, tag)
         delay = _POLL_S
+        probe_at = time.monotonic() + PROBE_AFTER_S
         while True:
             missing = await loop.run_in_executor(None, group.missing, tag)
             if not missing:
                 return
+            if time.monotonic() > probe_at:
+                for rank in missing:
+                    agent.probe(rank)
+                probe_at = time.monotonic() + PROBE_AFTER_S
             lost = [r for r in missing if agent.is_lost(r)]
             if lost:
                 # A peer may have arrived since the read above and then closed its

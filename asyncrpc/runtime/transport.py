@@ -15,8 +15,8 @@ import ssl
 from collections.abc import Callable, Sequence
 from typing import Protocol, cast
 
-from asyncrpc.errors import ClosedError, ProtocolError
-from asyncrpc.protocol.wire import Frame, FrameDecoder
+from asyncrpc.errors import ClosedError, FrameTooLargeError, ProtocolError
+from asyncrpc.protocol.wire import PRELUDE_SIZE, Frame, FrameDecoder
 
 __all__ = [
     "Connection",
@@ -67,6 +67,7 @@ class Connection(asyncio.BufferedProtocol):
         self.peer: int | None = None
         self.peer_name: str | None = None
         self.goodbye = False  # the peer said it is closing on purpose
+        self.peer_max_frame = 0  # the largest frame the peer takes (handshake; 0: unknown)
         self.is_unix = False  # a Unix socket (a peer on this host), not TCP
         self.bytes_in = 0
         self.bytes_out = 0
@@ -135,6 +136,11 @@ class Connection(asyncio.BufferedProtocol):
     # -- our API ---------------------------------------------------------------------------
 
     @property
+    def mid_frame(self) -> bool:
+        """Whether part of a frame has been received and the rest has not."""
+        return not self._decoder.at_frame_boundary()
+
+    @property
     def closed(self) -> bool:
         return self._closed or self._transport is None or self._transport.is_closing()
 
@@ -148,12 +154,18 @@ class Connection(asyncio.BufferedProtocol):
 
         Raises:
             ClosedError: the connection is closed.
+            FrameTooLargeError: the frame is over the peer's limit; nothing was written.
         """
         transport = self._transport
         if self._closed or transport is None or transport.is_closing():
             raise ClosedError(f"connection to {self.peer_name or 'peer'} is closed")
+        size = 0
         for piece in pieces:
-            self.bytes_out += piece.nbytes if isinstance(piece, memoryview) else len(piece)
+            size += piece.nbytes if isinstance(piece, memoryview) else len(piece)
+        limit = self.peer_max_frame
+        if limit and size - PRELUDE_SIZE > limit:
+            raise FrameTooLargeError(size - PRELUDE_SIZE, limit, self.peer_name)
+        self.bytes_out += size
         transport.writelines(pieces)
         if self._write_paused and keepalive is not None:
             self._keepalive.append(keepalive)

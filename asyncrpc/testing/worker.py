@@ -23,6 +23,7 @@ def _options(args: argparse.Namespace) -> asyncrpc.RpcBackendOptions:
         rpc_timeout=args.rpc_timeout,
         shutdown_timeout=args.shutdown_timeout,
         num_worker_threads=args.threads,
+        max_worker_threads=args.max_threads,
         handshake_timeout=args.handshake_timeout,
         heartbeat_interval=args.heartbeat_interval,
         heartbeat_timeout=args.heartbeat_timeout,
@@ -35,6 +36,7 @@ def _options(args: argparse.Namespace) -> asyncrpc.RpcBackendOptions:
         tls_ca=args.tls_ca,
         shared_memory=bool(args.shared_memory),
         shm_arena_bytes=args.shm_arena_bytes,
+        **({} if args.max_frame_size is None else {"max_frame_size": args.max_frame_size}),
     )
 
 
@@ -72,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rpc-timeout", type=float, default=60.0)
     parser.add_argument("--shutdown-timeout", type=float, default=600.0)
     parser.add_argument("--threads", type=int, default=16)
+    parser.add_argument("--max-threads", type=int, default=512)
+    parser.add_argument("--max-frame-size", type=int, default=None)
     parser.add_argument("--handshake-timeout", type=float, default=5.0)
     parser.add_argument("--heartbeat-interval", type=float, default=2.0)
     parser.add_argument("--heartbeat-timeout", type=float, default=10.0)

@@ -1,5 +1,6 @@
 """asyncio tests of how PeerTable dials: a peer on this host by its Unix socket, falling
-back to TCP when nothing answers there (another container or network namespace)."""
+back to TCP when nothing answers there (another container or network namespace); what
+counts as evidence that a peer is dead (refusals) and what does not (resets)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ from typing import Any
 
 import pytest
 
+from asyncrpc.errors import PeerLostError, PeerUnavailableError
 from asyncrpc.protocol.wire import FrameDecoder
 from asyncrpc.runtime.peers import PeerTable
 from asyncrpc.runtime.rendezvous import PeerAddress, this_host_id
 from asyncrpc.runtime.transport import Connection, start_server, start_unix_server
+from asyncrpc.testing import free_port
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(10)]
 
@@ -61,4 +64,38 @@ async def test_PeerTable_falls_back_to_tcp_when_the_unix_socket_is_not_there() -
         conn.close()
     finally:
         tcp.close()
+        await asyncio.sleep(0)
+
+
+async def test_PeerTable_declares_lost_a_peer_whose_address_refuses() -> None:
+    address = PeerAddress("peer", 1, "127.0.0.1", free_port(), None, None, None)
+    peers = table(address, None)
+    with pytest.raises(PeerLostError, match="refused"):
+        await peers.connection(1)
+    assert peers.is_lost(1)
+    with pytest.raises(PeerLostError):  # for good: no new dial
+        await peers.connection(1)
+
+
+async def test_PeerTable_reset_in_the_handshake_is_not_evidence_of_death() -> None:
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()  # a middlebox (or a restarting peer) that resets every connection
+
+    class Router(Sink):  # what the agent does: a lost connection goes to the table
+        def on_connection_lost(self, conn: Any, exc: Any) -> None:
+            peers.on_lost(conn, exc)
+
+    def routed(initiated: bool) -> Connection:
+        return Connection(Router(), FrameDecoder(), initiated=initiated)
+
+    server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    try:
+        port = server.sockets[0].getsockname()[1]
+        address = PeerAddress("peer", 1, "127.0.0.1", port, None, None, None)
+        peers = PeerTable("me", 0, {1: address}, routed, b"k", 1 << 20, lambda c, e: None)
+        with pytest.raises(PeerUnavailableError):
+            await peers.connection(1)
+        assert not peers.is_lost(1)  # a later call dials again
+    finally:
+        server.close()
         await asyncio.sleep(0)

@@ -39,6 +39,7 @@ class StubHost:
         self.group: Any = group
         self.addresses: Any = {1: SimpleNamespace(name="w1"), 2: SimpleNamespace(name="w2")}
         self._lost = lost
+        self.probed: list[int] = []
 
     def calls_in_flight(self) -> int:
         return 0
@@ -48,6 +49,10 @@ class StubHost:
 
     def is_lost(self, rank: int) -> bool:
         return rank in self._lost
+
+    def probe(self, rank: int) -> None:
+        self.probed.append(rank)
+        self._lost.add(rank)  # as if it refused the connection
 
 
 def _shutdown(group: ScriptedGroup, lost: set[int]) -> GracefulShutdown:
@@ -69,6 +74,17 @@ async def test_GracefulShutdown_lost_peer_still_missing_is_reported_dead() -> No
         await _shutdown(group, lost={2}).run(time.monotonic() + 5)
     assert "calls-done" in str(info.value)
     assert group.arrived == ["calls-done"]
+
+
+async def test_GracefulShutdown_probes_a_worker_missing_too_long() -> None:
+    # w2 was never contacted: nothing says it is lost until the probe finds it dead.
+    group = ScriptedGroup([2])
+    host = StubHost(group, lost=set())
+    started = time.monotonic()
+    with pytest.raises(ShutdownError, match="w2"):
+        await GracefulShutdown(host).run(time.monotonic() + 5)
+    assert host.probed == [2]
+    assert time.monotonic() - started < 3.0  # the probe, not the 5 s deadline
 
 
 async def test_GracefulShutdown_waits_for_a_live_peer_until_the_deadline() -> None:

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from asyncrpc.errors import ClosedError
+from asyncrpc.errors import ClosedError, ThreadPoolExhaustedError
+from asyncrpc.runtime.future import Future
 from asyncrpc.runtime.threadpool import WorkerPool
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(10)]
@@ -221,3 +222,58 @@ async def test_WorkerPool_run_fails_with_closed_when_shutdown_drops_its_job() ->
                 await queued
     finally:
         gate.set()
+
+
+async def test_WorkerPool_thread_blocked_on_a_future_gets_a_stand_in() -> None:
+    # One thread, blocked on a future that only the next job completes: a stand-in runs it.
+    pool = WorkerPool(1, asyncio.get_running_loop(), "test", max_threads=3)
+    fut: Future[int] = Future()
+    try:
+        first = asyncio.ensure_future(pool.run(fut.wait, 5.0))
+        await pool.run(fut.set_result, 7)
+        assert await first == 7
+        assert pool.blocked == 0
+    finally:
+        pool.shutdown()
+
+
+async def test_WorkerPool_at_its_cap_with_every_thread_blocked_refuses_jobs() -> None:
+    pool = WorkerPool(1, asyncio.get_running_loop(), "test", max_threads=1)
+    fut: Future[int] = Future()
+    try:
+        first = asyncio.ensure_future(pool.run(fut.wait, 5.0))
+        for _ in range(200):  # bounded: until the thread blocks
+            if pool.blocked:
+                break
+            await asyncio.sleep(0.005)
+        with pytest.raises(ThreadPoolExhaustedError) as info:
+            await pool.run(fut.set_result, 7)
+        assert info.value.cap == 1
+        assert pool.refused == 1
+        fut.set_result(8)
+        assert await first == 8
+        assert await pool.run(pow, 2, 3) == 8  # usable again once the wait is over
+    finally:
+        pool.shutdown()
+
+
+async def test_WorkerPool_stand_ins_exit_when_their_job_is_done() -> None:
+    pool = WorkerPool(1, asyncio.get_running_loop(), "test", max_threads=8)
+    futs: list[Future[int]] = [Future() for _ in range(4)]
+    try:
+        waits = [asyncio.ensure_future(pool.run(f.wait, 5.0)) for f in futs]
+        for _ in range(400):  # bounded: until all four block
+            if pool.blocked == 4:
+                break
+            await asyncio.sleep(0.005)
+        assert pool.threads == 4
+        for i, f in enumerate(futs):
+            f.set_result(i)
+        assert await asyncio.gather(*waits) == [0, 1, 2, 3]
+        for _ in range(400):  # bounded: the surplus threads leave after their job
+            if pool.threads == 1:
+                break
+            await asyncio.sleep(0.005)
+        assert pool.threads == 1
+    finally:
+        pool.shutdown()

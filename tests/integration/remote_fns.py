@@ -240,6 +240,26 @@ def metrics() -> dict[str, Any]:
     return asyncrpc.get_metrics()
 
 
+def debug_info() -> dict[str, Any]:
+    return asyncrpc.get_debug_info()
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def zeros(nbytes: int) -> torch.Tensor:
+    return torch.zeros(nbytes, dtype=torch.uint8)
+
+
+def chain(depth: int, here: str, there: str) -> int:
+    """A blocking ``def`` that calls ``there``, which calls back here...: ``depth`` nested
+    ``rpc_sync`` calls, each holding a pool thread while it waits."""
+    if depth <= 0:
+        return 0
+    return int(asyncrpc.rpc_sync(there, chain, args=(depth - 1, there, here))) + 1
+
+
 class Unrebuildable(Exception):
     """Its __init__ signature does not match its args, so it cannot be unpickled."""
 

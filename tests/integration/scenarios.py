@@ -309,6 +309,7 @@ def faults(args: argparse.Namespace) -> int:
             future.wait(5)
     time.sleep(0.2)  # done callbacks run on the agent's loop
     obs["ledger"] = ledger.summary()
+    obs["metrics"] = asyncrpc.get_metrics()
     asyncrpc.shutdown(graceful=False)
     for proxy in proxies.values():
         proxy.close()
@@ -622,7 +623,7 @@ def start(
     """Start ``python -m tests.integration.scenarios scenario *args`` from the repository root.
 
     Args:
-        scenario: one of ``SCENARIOS``.
+        scenario: one of ``SCENARIOS`` (of ``module``).
         *args: its command-line options.
         env: extra environment variables.
         prefix: a launcher that execs the command in place (``ip netns exec NS``).

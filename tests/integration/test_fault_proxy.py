@@ -55,6 +55,7 @@ def test_FaultProxy_black_hole_is_found_by_heartbeats(faults: dict[str, Any]) ->
     assert faults["f2_stuck"]["error"]["type"] == "PeerLostError", faults["f2_stuck"]
     assert "no sign of life" in faults["f2_stuck"]["error"]["message"]
     assert faults["f2_detected_s"] < 10.0  # the 1 s silence limit, not the 30 s call
+    assert faults["metrics"]["silent_connections"] >= 1
 
 
 def test_FaultProxy_reset_fails_the_call_in_flight(faults: dict[str, Any]) -> None:
@@ -64,7 +65,15 @@ def test_FaultProxy_reset_fails_the_call_in_flight(faults: dict[str, Any]) -> No
 
 def test_FaultProxy_frame_cut_mid_way_fails_typed(faults: dict[str, Any]) -> None:
     assert faults["f4_cut"]["error"]["type"] == "PeerLostError", faults["f4_cut"]
-    assert faults["later_f4"]["error"]["type"] == "PeerLostError"
+    # The proxy cuts every new connection through it in its handshake: a reset proves
+    # nothing about f4 itself (alive behind the proxy), so f4 is not declared lost. Either
+    # f4 heals the link by dialling us (no proxy in front of the driver), or, when our own
+    # dial wins the tie-break and keeps being cut, the call fails as unavailable.
+    later = faults["later_f4"]
+    if later["error"] is None:
+        assert later["value"] is not None, later
+    else:
+        assert later["error"]["type"] == "PeerUnavailableError", later
 
 
 def test_FaultProxy_ledger_nothing_lost_twice_or_mixed(faults: dict[str, Any]) -> None:

@@ -375,6 +375,74 @@ class FailureMachine(RefcountMachine):
         super().settle()
 
 
+class ReconnectMachine(RefcountMachine):
+    """Also drops connections between live workers: the refcount messages in flight
+    between the two are lost, and each side sends its unacknowledged ones again on the
+    next connection (what ``asyncrpc/runtime/reflog.py`` does). An acknowledgement (a Pong)
+    trims a log's prefix that has been delivered.
+
+    Calls carrying pickled RRefs and remote() requests fail with their connection in
+    production; they are left in flight here (delivered later), as that is the call
+    layer's business, not the refcount log's.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unacked: dict[tuple[int, int], list[Message]] = {}
+        self.drops = 0
+
+    def send(self, src: int, dest: int, message: Message) -> None:
+        super().send(src, dest, message)
+        self.unacked.setdefault((src, dest), []).append(message)
+
+    @precondition(lambda self: any(self.unacked.values()))
+    @rule(pick=picks)
+    def acknowledge(self, pick: int) -> None:
+        links = sorted(link for link, log in self.unacked.items() if log)
+        link = links[pick % len(links)]
+        in_flight = [m for s, d, m in self.messages if (s, d) == link]
+        log = self.unacked[link]
+        while log and not any(m is log[0] for m in in_flight):  # bounded by the log
+            log.pop(0)
+
+    @rule(a=workers, b=workers)
+    def drop_connection(self, a: int, b: int) -> None:
+        if a == b:
+            return
+        self.drops += 1
+        self.messages = [(s, d, m) for s, d, m in self.messages if {s, d} != {a, b}]
+        for link in ((a, b), (b, a)):
+            for message in self.unacked.get(link, []):  # resent on the new connection
+                RefcountMachine.send(self, link[0], link[1], message)
+
+
+def test_RefCounter_survives_dropped_connections_with_resent_logs() -> None:
+    run_state_machine_as_test(ReconnectMachine, settings=SETTINGS)
+
+
+def test_RefCounter_leaks_when_dropped_messages_are_not_resent() -> None:
+    """The test above can fail: without the resent log, a drop loses a message for good."""
+    rc = [RefCounter(rank) for rank in range(2)]
+    rref_id = rc[0].next_rref_id()
+    fork_id, _ = rc[0].new_user(rref_id, 1)
+    created = rc[1].new_owner(rref_id, holder=0, fork_id=fork_id)  # Send(0, ForkAccepted)
+    assert [type(a) for a in created] == [Send]
+    # The ForkAccepted is dropped with the connection and never resent: the user cannot
+    # release its fork, and the owner keeps the value for good.
+    assert rc[0].release_user(fork_id) == []
+    assert rc[1].owner_leaks() == [rref_id]
+    assert not rc[0].quiescent()
+    # Resent on the next connection: both settle.
+    (send,) = created
+    assert isinstance(send, Send)
+    released = rc[0].on_message(1, send.message)  # the deferred UserDelete goes now
+    for action in released:
+        if isinstance(action, Send):
+            rc[1].on_message(0, action.message)
+    assert rc[1].owner_leaks() == []
+    assert rc[0].quiescent()
+
+
 def test_RefCounter_safe_and_leak_free_under_reordering_and_duplicates() -> None:
     run_state_machine_as_test(RefcountMachine, settings=SETTINGS)
 

@@ -11,6 +11,8 @@ from asyncrpc.errors import RemoteProtocolError
 from asyncrpc.protocol.wire.messages import (
     CallMode,
     ErrorReply,
+    Hello,
+    HelloReply,
     Kind,
     RefMessage,
     Reply,
@@ -19,6 +21,19 @@ from asyncrpc.protocol.wire.messages import (
     ShmOp,
     decode_message,
 )
+
+
+def test_decode_message_roundtrips_the_frame_limit_of_the_handshake() -> None:
+    hello = Hello(2, "w1", 1, b"n" * 16, 1 << 20)
+    reply = HelloReply(2, "w0", 0, True, "", b"m" * 16, b"p" * 32, 1 << 30)
+    assert decode_message(hello.to_fields()) == hello
+    assert decode_message(reply.to_fields()) == reply
+    # Absent: 0, "not said" (the sender then checks nothing against it).
+    assert decode_message(hello.to_fields()[:5]) == Hello(2, "w1", 1, b"n" * 16, 0)
+    fields = hello.to_fields()
+    fields[5] = -1
+    with pytest.raises(RemoteProtocolError):
+        decode_message(fields)
 
 
 def test_decode_message_roundtrips_a_request() -> None:

@@ -36,7 +36,10 @@ PROTOCOL_VERSION: Final = 2  # 2: the authenticated handshake
 # magic, version, flags, reserved, header_len, payload_len, buffers_len (network byte order).
 _PRELUDE: Final = struct.Struct("!4sBBHIIQ")
 PRELUDE_SIZE: Final = _PRELUDE.size  # 24
-DEFAULT_MAX_FRAME_SIZE: Final = 1 << 34  # 16 GiB
+# 4 GiB: larger than any one message of a usual training job, small enough that a bug or a
+# bad peer cannot make a worker allocate tens of GiB for one frame. The handshake tells each
+# side the other's limit, so an oversized message fails at its sender, before any byte.
+DEFAULT_MAX_FRAME_SIZE: Final = 1 << 32
 # msgpack can turn one header byte into one Python object (an empty dict is ~64 bytes), so
 # the header gets its own, much smaller limit than the frame: 16 MiB of header is at most
 # about 1 GiB of Python objects, and still room for ~300k tensor descriptors.

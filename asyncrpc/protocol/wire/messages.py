@@ -83,22 +83,28 @@ class ShmOp(IntEnum):
 @dataclass(frozen=True, slots=True)
 class Hello:
     """Opens a connection: who is calling, which protocol they speak, and the dialer's
-    fresh nonce for the authentication challenge (see ``asyncrpc/protocol/auth.py``)."""
+    fresh nonce for the authentication challenge (see ``asyncrpc/protocol/auth.py``).
+
+    ``max_frame_size`` is the largest frame the dialer accepts (0: not said), so that the
+    other side refuses an oversized message before sending it.
+    """
 
     version: int
     name: str
     rank: int
     nonce: bytes = b""
+    max_frame_size: int = 0
 
     def to_fields(self) -> list[Any]:
-        return [Kind.HELLO, self.version, self.name, self.rank, self.nonce]
+        return [Kind.HELLO, self.version, self.name, self.rank, self.nonce, self.max_frame_size]
 
 
 @dataclass(frozen=True, slots=True)
 class HelloReply:
     """Answers a Hello. ``accepted`` is False when the other side keeps its own connection.
 
-    An accepting reply carries the acceptor's nonce and its proof of the key.
+    An accepting reply carries the acceptor's nonce and its proof of the key, and the
+    largest frame the acceptor accepts (0: not said).
     """
 
     version: int
@@ -108,6 +114,7 @@ class HelloReply:
     reason: str = ""
     nonce: bytes = b""
     proof: bytes = b""
+    max_frame_size: int = 0
 
     def to_fields(self) -> list[Any]:
         return [
@@ -119,6 +126,7 @@ class HelloReply:
             self.reason,
             self.nonce,
             self.proof,
+            self.max_frame_size,
         ]
 
 
@@ -320,13 +328,22 @@ def _bytes(value: Any, limit: int = 64) -> bytes:
 
 
 def _decode_hello(f: list[Any]) -> Hello:
-    return Hello(_int(f[1]), _str(f[2]), _int(f[3]), _bytes(f[4]))
+    return Hello(_int(f[1]), _str(f[2]), _int(f[3]), _bytes(f[4]), _frame_limit(f, 5))
 
 
 def _decode_hello_reply(f: list[Any]) -> HelloReply:
     return HelloReply(
-        _int(f[1]), _str(f[2]), _int(f[3]), bool(f[4]), _str(f[5]), _bytes(f[6]), _bytes(f[7])
-    )
+        _int(f[1]), _str(f[2]), _int(f[3]), bool(f[4]), _str(f[5]), _bytes(f[6]), _bytes(f[7]),
+        _frame_limit(f, 8),
+    )  # fmt: skip
+
+
+def _frame_limit(f: list[Any], index: int) -> int:
+    # Optional (0 when absent): a peer that does not say its limit is not checked against.
+    limit = _int(f[index]) if len(f) > index else 0
+    if limit < 0:
+        raise ValueError(f"negative frame limit {limit}")
+    return limit
 
 
 def _decode_request(f: list[Any]) -> Request:

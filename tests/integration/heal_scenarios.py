@@ -1,0 +1,340 @@
+"""Driver programs for the tests of issue 15: connections that heal, bounded waits, nested
+blocking calls (test layer).
+
+``python -m tests.integration.heal_scenarios NAME [options]`` joins a group of its own as
+rank 0 ("driver"), runs one scenario and prints ``RESULT {json}`` (see ``scenarios.py``,
+whose helpers and test-side half it shares).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import asyncrpc
+from asyncrpc.protocol import auth
+from asyncrpc.protocol.wire import PROTOCOL_VERSION, encode_frame
+from asyncrpc.protocol.wire.messages import Hello
+from tests.integration import remote_fns as fns
+from tests.integration.scenarios import Observations, _attempt, _options, _poll, _report
+
+
+def _init(args: argparse.Namespace, **overrides: object) -> None:
+    options = _options(args)
+    for key, value in overrides.items():
+        setattr(options, key, value)
+    asyncrpc.init_rpc("driver", rank=0, world_size=args.world_size, rpc_backend_options=options)
+
+
+# -- nested blocking calls deeper than the pool --------------------------------------------
+
+
+def nested(args: argparse.Namespace) -> int:
+    """Rank 0 of {driver, n1, n2, n3, n4}, all workers with 4 pool threads; n3 and n4 also
+    cap their pools at 4. Chains of nested ``rpc_sync`` between n1 and n2 (1 x 32, 8 x 8),
+    then one too deep for the capped pair."""
+    _init(args)
+    obs: Observations = {}
+    obs["deep"] = _attempt(lambda: asyncrpc.rpc_sync("n1", fns.chain, args=(32, "n1", "n2")))
+    chains = [
+        asyncrpc.rpc_async(f"n{1 + i % 2}", fns.chain, args=(8, f"n{1 + i % 2}", f"n{2 - i % 2}"))
+        for i in range(8)
+    ]
+    obs["eight"] = _attempt(lambda: asyncrpc.wait_all(chains))
+    obs["capped"] = _attempt(lambda: asyncrpc.rpc_sync("n3", fns.chain, args=(16, "n3", "n4")))
+    obs["capped_after"] = _attempt(lambda: asyncrpc.rpc_sync("n3", fns.chain, args=(2, "n3", "n4")))
+
+    def settled(name: str) -> Callable[[], bool]:
+        return lambda: asyncrpc.rpc_sync(name, fns.metrics)["thread_pool_threads"] <= 4
+
+    obs["threads_back"] = all(_poll(settled(n), 10.0) for n in ("n1", "n2"))
+    obs["metrics"] = {n: asyncrpc.rpc_sync(n, fns.metrics) for n in ("n1", "n2", "n3", "n4")}
+    obs["shutdown"] = _attempt(lambda: asyncrpc.shutdown(timeout=20.0))
+    _report(obs)
+    return 0
+
+
+# -- frame limits known to both sides -------------------------------------------------------
+
+MIB = 1 << 20
+
+
+def frames(args: argparse.Namespace) -> int:
+    """Rank 0 of {driver, m1}; both take frames of at most 1 MiB. Oversized messages both
+    ways, each followed by normal calls on the same connection."""
+    import torch
+
+    _init(args, max_frame_size=MIB, heartbeat_interval=0.0)  # no pings between the counts
+    obs: Observations = {}
+    obs["warm"] = _attempt(lambda: asyncrpc.rpc_sync("m1", fns.add, args=(1, 2)))
+    before = asyncrpc.get_metrics()
+    big = torch.zeros(2 * MIB, dtype=torch.uint8)
+    obs["send_big"] = _attempt(lambda: asyncrpc.rpc_sync("m1", fns.storage_nbytes, args=(big,)))
+    after = asyncrpc.get_metrics()
+    obs["bytes_written"] = after["bytes_out"] - before["bytes_out"]
+    obs["connections_lost"] = after["connections_lost"]
+    half = torch.zeros(MIB // 2, dtype=torch.uint8)
+    obs["send_half"] = _attempt(lambda: asyncrpc.rpc_sync("m1", fns.storage_nbytes, args=(half,)))
+    obs["reply_big"] = _attempt(lambda: asyncrpc.rpc_sync("m1", fns.zeros, args=(2 * MIB,)))
+    obs["reply_half"] = _attempt(
+        lambda: int(asyncrpc.rpc_sync("m1", fns.zeros, args=(MIB // 2,)).numel())
+    )
+    obs["connections_opened"] = asyncrpc.get_metrics()["connections_opened"]
+    obs["m1_metrics"] = asyncrpc.rpc_sync("m1", fns.metrics)
+    obs["shutdown"] = _attempt(lambda: asyncrpc.shutdown(timeout=20.0))
+    _report(obs)
+    return 0
+
+
+# -- connections that drop and heal ---------------------------------------------------------
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _stray(port: int, claim: str, rank: int) -> None:
+    """A stranger connects, claims to be worker ``claim`` and hangs up."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        hello = Hello(PROTOCOL_VERSION, claim, rank, auth.new_nonce())
+        sock.sendall(b"".join(bytes(p) for p in encode_frame(hello.to_fields(), b"")))
+
+
+def _closed_by_peer(sock: socket.socket, timeout: float) -> bool:
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def _stalled(port: int) -> tuple[bool, bool]:
+    """Open one connection that sends nothing and one that sends half a prelude; return
+    whether the worker closed each within 5 s (its handshake deadline is 1.5 s)."""
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=5) as idle,
+        socket.create_connection(("127.0.0.1", port), timeout=5) as stalled,
+    ):
+        stalled.sendall(b"ARPC\x02\x00")
+        return _closed_by_peer(idle, 5.0), _closed_by_peer(stalled, 5.0)
+
+
+def _on_r1(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on r1, or None if the call failed typed (a poll then tries again)."""
+    try:
+        return asyncrpc.rpc_sync("r1", fn)
+    except asyncrpc.AsyncRpcError:
+        return None
+
+
+def _settled(name: str) -> Callable[[], bool]:
+    def check() -> bool:
+        gc.collect()
+        here = asyncrpc.get_debug_info()
+        try:
+            there = asyncrpc.rpc_sync(name, fns.rref_debug)
+        except asyncrpc.AsyncRpcError:  # typed: try again (the poll is bounded)
+            return False
+        keys = ("owner_rrefs", "user_rrefs", "pending_forks", "pending_users")
+        return all(here[k] == 0 and there[k] == 0 for k in keys)
+
+    return check
+
+
+class _Soak:
+    """Calls both ways while the connection is dropped; each future must end, once."""
+
+    def __init__(self, proxies: list[Any]) -> None:
+        self.proxies = proxies
+        self.ok = self.typed = self.hung = self.wrong = 0
+        self.errors: dict[str, int] = {}
+
+    def drop(self) -> None:
+        for proxy in self.proxies:
+            proxy.drop()
+        for proxy in self.proxies:
+            proxy.heal()
+
+    def settle(self, future: Any, expected: Any) -> None:
+        try:
+            value = future.wait(10.0)
+        except asyncrpc.AsyncRpcError as exc:  # RpcTimeoutError included: typed
+            self.typed += 1
+            self.errors[type(exc).__name__] = self.errors.get(type(exc).__name__, 0) + 1
+            return
+        except TimeoutError:  # the future itself did not end: a hang
+            self.hung += 1
+            return
+        if expected is not None and value != expected:
+            self.wrong += 1
+        else:
+            self.ok += 1
+
+    def round(self, i: int) -> None:
+        futures = [
+            (asyncrpc.rpc_async("r1", fns.echo, args=(i,)), i),
+            (asyncrpc.rpc_async("r1", fns.sleep, args=(0.02,)), "slept"),
+            (asyncrpc.rpc_async("r1", fns.call_back, args=("driver",)), "driver"),
+        ]
+        rref = asyncrpc.remote("r1", fns.add, args=(i, 1), timeout=2.0)
+        held = asyncrpc.rpc_async("r1", fns.hold, args=(asyncrpc.RRef(i),))
+        time.sleep(random.uniform(0.0, 0.01))
+        self.drop()
+        for future, expected in futures:
+            self.settle(future, expected)
+        self.settle(held, None)
+        try:
+            self.settle(rref.to_here_future(timeout=5.0), i + 1)
+        except asyncrpc.AsyncRpcError:  # unusable already (timed out): typed
+            self.typed += 1
+        del rref
+
+    def summary(self) -> dict[str, Any]:
+        return {"ok": self.ok, "typed": self.typed, "hung": self.hung, "wrong": self.wrong,
+                "errors": self.errors}  # fmt: skip
+
+
+def _next_call_after(soak: _Soak) -> dict[str, Any]:
+    """Drop the link; time until a call succeeds again (a call racing the drop may fail
+    typed: it went out on the dying connection), and how many attempts it took."""
+    soak.drop()
+    started = time.monotonic()
+    for attempt in range(1, 11):  # bounded
+        try:
+            asyncrpc.rpc_sync("r1", fns.add, args=(1, 1), timeout=5.0)
+        except asyncrpc.AsyncRpcError:
+            continue
+        return {"s": time.monotonic() - started, "attempts": attempt}
+    return {"s": None, "attempts": 10}
+
+
+def heal(args: argparse.Namespace) -> int:
+    """Rank 0 of {driver, r1}; each listens behind a FaultProxy run here (``--port`` and
+    ``--proxy-port`` are r1's), so every connection between them crosses a proxy. Drops a
+    live connection mid-call, calls again, holds RRefs across a drop, lets strangers claim
+    each name, then soaks ``--drops`` drops; graceful shutdown at the end."""
+    from asyncrpc.testing import free_port
+    from asyncrpc.testing.faultproxy import FaultProxy
+
+    mine, my_proxy = free_port(), free_port()
+    proxies = [FaultProxy(args.port, args.proxy_port), FaultProxy(mine, my_proxy)]
+    _init(args, listen_port=mine, advertise_port=my_proxy, unix_sockets=False,
+          heartbeat_interval=0.5, heartbeat_timeout=5.0)  # fmt: skip
+    soak = _Soak(proxies)
+    obs: Observations = {}
+    obs["warm"] = _attempt(lambda: asyncrpc.rpc_sync("r1", fns.add, args=(1, 2)))
+    # RRefs held across the drop: one r1 owns, one we own that r1 holds.
+    kept = [asyncrpc.remote("r1", fns.add, args=(20, 22)), asyncrpc.RRef("driver's")]
+    obs["kept_before"] = _attempt(lambda: kept[0].to_here(timeout=5.0))
+    asyncrpc.rpc_sync("r1", fns.hold, args=(kept[1],))
+    baseline = {"driver": _fds(), "r1": asyncrpc.rpc_sync("r1", fns.open_fds)}
+    # A live connection dropped in the middle of a call.
+    slow = asyncrpc.rpc_async("r1", fns.sleep, args=(30.0,), timeout=0)
+    time.sleep(0.2)
+    soak.drop()
+    obs["in_flight"] = _attempt(lambda: slow.wait(10.0))
+    obs["next_call"] = _attempt(lambda: asyncrpc.rpc_sync("r1", fns.add, args=(2, 3)))
+    obs["call_back"] = _attempt(lambda: asyncrpc.rpc_sync("r1", fns.call_back, args=("driver",)))
+    obs["kept_after"] = _attempt(lambda: kept[0].to_here(timeout=5.0))
+    # Calls made once the link is known down leave, in order, on the new one.
+    lost = asyncrpc.get_metrics()["connections_lost"]
+    soak.drop()
+    _poll(lambda: asyncrpc.get_metrics()["connections_lost"] > lost, 5.0)
+    ordered = [asyncrpc.rpc_async("r1", fns.inline_record, args=(i,)) for i in range(50)]
+    obs["ordered"] = _attempt(lambda: asyncrpc.wait_all(ordered))
+    obs["arrivals"] = asyncrpc.rpc_sync("r1", fns.arrivals)
+    # Strangers claim each name and hang up: nobody becomes lost.
+    _stray(args.proxy_port, "driver", 0)
+    _stray(my_proxy, "r1", 1)
+    time.sleep(0.2)
+    obs["after_strays"] = _attempt(lambda: asyncrpc.rpc_sync("r1", fns.add, args=(3, 4)))
+    obs["lost_after_strays"] = asyncrpc.get_debug_info()["lost_peers"]
+    # Strangers that never finish a handshake: idle, and stalled in the middle of a prelude.
+    obs["idle_closed"], obs["stalled_closed"] = _stalled(args.port)
+    obs["next_call_after_drop"] = [_next_call_after(soak) for _ in range(20)]
+    # The soak.
+    started = time.monotonic()
+    for i in range(args.drops):
+        soak.round(i)
+    obs["soak_s"] = time.monotonic() - started
+    obs["soak"] = soak.summary()
+    obs["after_soak"] = _attempt(lambda: asyncrpc.rpc_sync("r1", fns.add, args=(4, 5)))
+    # Back to baseline: RRefs released everywhere, descriptors, pool threads.
+    kept.clear()
+    asyncrpc.rpc_sync("r1", fns.drop_held)
+    obs["rrefs_settled"] = _poll(_settled("r1"), 15.0)
+    obs["rref_debug"] = {"driver": asyncrpc.get_debug_info(), "r1": _on_r1(fns.rref_debug)}
+    obs["ref_log_acked"] = _poll(
+        lambda: (
+            asyncrpc.get_debug_info()["unacked_ref_frames"] == 0
+            and (_on_r1(fns.debug_info) or {}).get("unacked_ref_frames") == 0
+        ),
+        10.0,
+    )
+    obs["fds_back"] = _poll(
+        lambda: _fds() == baseline["driver"] and _on_r1(fns.open_fds) == baseline["r1"], 10.0
+    )
+    obs["fds"] = {"baseline": baseline, "driver": _fds(), "r1": _on_r1(fns.open_fds)}
+    obs["r1_metrics"] = _on_r1(fns.metrics)
+    obs["metrics"] = asyncrpc.get_metrics()
+    obs["lost_peers"] = asyncrpc.get_debug_info()["lost_peers"]
+    obs["shutdown"] = _attempt(lambda: asyncrpc.shutdown(timeout=20.0))
+    for proxy in proxies:
+        proxy.close()
+    _report(obs)
+    return 0
+
+
+# -- shutdown with a dead peer never contacted ----------------------------------------------
+
+
+def dead_peer(args: argparse.Namespace) -> int:
+    """Rank 0 of {driver, d1, d2}. Prints ``STARTED`` once joined, without calling anybody;
+    the test then SIGKILLs d1 and writes ``KILLED``; then a graceful shutdown with the
+    default 60 s limit."""
+    args.shutdown_timeout = 60.0
+    _init(args)
+    obs: Observations = {}
+    print("STARTED", flush=True)
+    obs["stdin"] = sys.stdin.readline().strip()
+    obs["shutdown"] = _attempt(asyncrpc.shutdown)
+    _report(obs)
+    return 0
+
+
+SCENARIOS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "dead_peer": dead_peer,
+    "nested": nested,
+    "frames": frames,
+    "heal": heal,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    parser.add_argument("--init-method", required=True)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--rpc-timeout", type=float, default=20.0)
+    parser.add_argument("--shutdown-timeout", type=float, default=20.0)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--proxy-port", type=int, default=0)
+    parser.add_argument("--drops", type=int, default=100)
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    code = SCENARIOS[args.scenario](args)
+    print(f"scenario {args.scenario} took {time.monotonic() - started:.1f} s", flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

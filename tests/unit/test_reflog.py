@@ -1,0 +1,60 @@
+"""Unit tests of asyncrpc.runtime.reflog.RefLog: refcount frames kept until a Pong."""
+
+from __future__ import annotations
+
+from asyncrpc.runtime.reflog import RefLog
+
+
+def frame(i: int) -> list[bytes]:
+    return [str(i).encode()]
+
+
+def test_RefLog_replays_everything_not_acknowledged() -> None:
+    log = RefLog()
+    for i in range(3):
+        log.add(frame(i))
+    assert log.replay() == [frame(0), frame(1), frame(2)]
+
+
+def test_RefLog_pong_trims_what_its_ping_covered() -> None:
+    log, conn = RefLog(), object()
+    log.add(frame(0))
+    log.add(frame(1))
+    log.pinged(conn)
+    log.add(frame(2))
+    log.ponged(conn)
+    assert log.replay() == [frame(2)]
+    log.ponged(conn)  # a Pong with no Ping outstanding changes nothing
+    assert log.replay() == [frame(2)]
+
+
+def test_RefLog_ignores_pongs_of_a_lost_connection() -> None:
+    log, old, new = RefLog(), object(), object()
+    log.add(frame(0))
+    log.pinged(old)
+    log.lost(old)
+    log.add(frame(1))
+    log.pinged(new)
+    log.ponged(old)  # late, from the old connection: it proves nothing now
+    assert len(log) == 2
+    log.ponged(new)
+    assert len(log) == 0
+
+
+def test_RefLog_asks_for_a_ping_every_ack_every_frames() -> None:
+    log, conn = RefLog(ack_every=3), object()
+    asks = [log.add(frame(i)) for i in range(3)]
+    assert asks == [False, False, True]
+    log.pinged(conn)
+    assert [log.add(frame(i)) for i in range(3, 6)] == [False, False, True]
+
+
+def test_RefLog_awaits_an_ack_until_a_ping_covers_the_last_frame() -> None:
+    log, conn = RefLog(), object()
+    assert not log.awaiting_ack()
+    log.add(frame(0))
+    assert log.awaiting_ack()
+    log.pinged(conn)
+    assert not log.awaiting_ack()  # the Ping in flight covers it
+    log.add(frame(1))
+    assert log.awaiting_ack()
