@@ -71,7 +71,9 @@ def frames(args: argparse.Namespace) -> int:
     ways, each followed by normal calls on the same connection."""
     import torch
 
-    _init(args, max_frame_size=MIB, heartbeat_interval=0.0)  # no pings between the counts
+    # No pings between the counts, and every byte on the socket (shared memory would carry
+    # the large tensors beside the frames, where the frame limit does not apply).
+    _init(args, max_frame_size=MIB, heartbeat_interval=0.0, shared_memory=False)
     obs: Observations = {}
     obs["warm"] = _attempt(lambda: asyncrpc.rpc_sync("m1", fns.add, args=(1, 2)))
     before = asyncrpc.get_metrics()

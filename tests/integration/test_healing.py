@@ -99,7 +99,7 @@ def test_WorkerPool_stand_in_threads_exit_once_the_chains_are_done(
 
 @pytest.fixture(scope="module")
 def frames(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    workers = [("m1", ["--max-frame-size", str(1 << 20)])]
+    workers = [("m1", ["--max-frame-size", str(1 << 20), "--shared-memory", "0"])]
     return run_scenario("frames", tmp_path_factory.mktemp("frames"), workers)
 
 

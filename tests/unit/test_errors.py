@@ -21,6 +21,7 @@ SAMPLES: dict[str, tuple[Any, ...]] = {
     "PeerLostError": ("w1",),
     "PeerUnavailableError": ("w1", "refused"),
     "FrameTooLargeError": (10, 5),
+    "ThreadPoolExhaustedError": ("w1", 4),
     "RRefOwnerLostError": ("w1",),
     "RRefTimeoutError": ("w1", "m.f", 0.5),
 }
