@@ -60,7 +60,7 @@ from asyncrpc.runtime.heartbeat import Heartbeat, Watched
 from asyncrpc.runtime.loopback import LoopbackConnection
 from asyncrpc.runtime.metrics import Counters, LagProbe, RateLimitedLog
 from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT, RpcBackendOptions, WorkerInfo
-from asyncrpc.runtime.peers import PeerTable
+from asyncrpc.runtime.peers import GOODBYE_REASON, PeerTable
 from asyncrpc.runtime.pending import PendingCall, PendingCalls, describe_function
 from asyncrpc.runtime.pipeline import CallHook, OutgoingCall, Pipeline
 from asyncrpc.runtime.reflog import RefLog
@@ -565,7 +565,7 @@ class Agent:
         """``rank`` is gone for good: fail everything bound for it, forget its RRefs."""
         lost = self.peers.peers[rank].lost if self.peers is not None else None
         assert lost is not None
-        if self.closed:
+        if self.closed or lost.reason == GOODBYE_REASON:  # a shutdown is no news
             _log.debug("worker %r: %s", self.name, lost)
         else:
             _log.warning("worker %r: %s", self.name, lost)

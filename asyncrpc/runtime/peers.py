@@ -38,7 +38,7 @@ from asyncrpc.protocol.wire.messages import Auth, Hello, HelloReply
 from asyncrpc.runtime.rendezvous import PeerAddress
 from asyncrpc.runtime.transport import Connection, open_connection, open_unix_connection
 
-__all__ = ["DIAL_RETRY_DELAYS", "REFUSED_RETRY_DELAYS", "Peer", "PeerTable"]
+__all__ = ["DIAL_RETRY_DELAYS", "GOODBYE_REASON", "REFUSED_RETRY_DELAYS", "Peer", "PeerTable"]
 
 _log = logging.getLogger("asyncrpc.runtime.peers")
 
@@ -48,6 +48,7 @@ _log = logging.getLogger("asyncrpc.runtime.peers")
 # has not yet seen its old connection close) prove nothing: the dial retries after each of
 # DIAL_RETRY_DELAYS, then fails with PeerUnavailableError, and a later call tries again.
 REFUSED_RETRY_DELAYS: Final = (0.05, 0.15)
+GOODBYE_REASON: Final = "the worker shut down"  # a peer that said Goodbye: not a failure
 DIAL_RETRY_DELAYS: Final = (0.05, 0.1, 0.2, 0.4, 0.8)
 
 
@@ -379,7 +380,7 @@ class PeerTable:
         if peer.conn is conn:
             peer.conn = None
         if conn.goodbye:
-            self.declare_lost(rank, PeerLostError(peer.address.name, "the worker shut down"))
+            self.declare_lost(rank, PeerLostError(peer.address.name, GOODBYE_REASON))
         return rank
 
     def _challenge_failed(self, rank: int) -> None:
