@@ -33,8 +33,9 @@ class DistributedOptimizer:
         *args, **kwargs: passed to ``optimizer_class``.
 
     Raises:
-        The errors of ``remote``; building an optimizer that fails on its owner raises
-        on the first ``step`` (as the RRef's error).
+        The errors of ``remote``, and the error of an optimizer that fails to build on
+        its owner (with its original type): like torch's, the constructor waits until
+        every owner has built its optimizer.
     """
 
     def __init__(
@@ -48,6 +49,7 @@ class DistributedOptimizer:
             remote(owner, LocalOptimizer, args=(optimizer_class, rrefs, args, kwargs))
             for owner, rrefs in by_owner.items()
         ]
+        wait_all([optimizer._get_future() for optimizer in self._optimizers])
 
     def step(self, context_id: int) -> None:
         """Step every owner's optimizer with the gradients of ``context_id``; blocks.

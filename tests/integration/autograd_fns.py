@@ -113,3 +113,11 @@ def scaled_by_peer(to: str, x: torch.Tensor) -> Any:
         return y * 2
 
     return run()
+
+
+class FailingOptimizer(torch.optim.SGD):
+    """An optimizer whose constructor fails on its owner."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, lr=lr)
+        raise ValueError(f"no optimizer with lr={lr}")

@@ -317,6 +317,16 @@ def test_distributed_optimizer_matches_local_sgd(group: Group, layers: Callable)
     del params, optimizer
 
 
+def test_distributed_optimizer_constructor_raises_the_owners_error(
+    group: Group, layers: Callable
+) -> None:
+    """As torch's: building waits for every owner, so its failure raises here, typed."""
+    params = asyncrpc.rpc_sync("w1", fns.param_rrefs, args=(layers("w1", 13, 2, 2),))
+    with pytest.raises(ValueError, match=r"no optimizer with lr=0\.5"):
+        DistributedOptimizer(fns.FailingOptimizer, params, lr=0.5)
+    del params
+
+
 def test_autograd_through_an_async_execution_coroutine(group: Group) -> None:
     a = torch.randn(3, requires_grad=True)
     with dist_autograd.context() as context_id:
