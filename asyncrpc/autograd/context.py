@@ -121,8 +121,9 @@ class ContextTable:
         with self._lock:
             context = self._contexts.get(context_id)
         if context is None:
-            raise AutogradContextError(
-                f"no autograd context {context_id} on this worker (released, or never seen)"
+            raise AutogradContextError(  # torch's words first, for code that matches them
+                f"Could not find autograd context with id: {context_id} (no such context on "
+                "this worker: released, or never seen)"
             )
         return context
 

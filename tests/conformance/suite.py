@@ -4,7 +4,9 @@ Importing this module rebinds torch's public RPC names (``torch.distributed.rpc.
 ``rpc_sync``, ``RRef``...) to asyncrpc's, unless ``ASYNCRPC_CONFORMANCE_IMPL=torch``, then
 imports torch's test modules from the installed wheel and builds one concrete class per
 suite on torch's TensorPipe fixture, as torch's ``test_tensorpipe_agent.py`` does. torch's
-private helpers, ``torch.futures``, the profiler and dist autograd stay torch's own.
+private helpers, ``torch.futures`` and the profiler stay torch's own; distributed autograd's
+public names (``context``, ``backward``, ``get_gradients``) and ``DistributedOptimizer``
+become asyncrpc's too.
 
 Worker processes come from a forkserver that has imported this module already: each test
 starts its workers in milliseconds instead of re-importing torch in every spawned process.
@@ -19,12 +21,16 @@ from typing import Any
 # torch reads its per-test timeout when common_distributed is imported (default 300 s).
 os.environ.setdefault("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", "120")
 
+import torch.distributed.autograd as torch_dist_autograd
+import torch.distributed.optim as torch_optim
 import torch.distributed.rpc as torch_rpc
 import torch.distributed.rpc.api as torch_rpc_api
 import torch.distributed.rpc.functions as torch_rpc_functions
 
 import asyncrpc
+import asyncrpc.autograd
 import asyncrpc.functions
+import asyncrpc.optim
 
 IMPL = os.environ.get("ASYNCRPC_CONFORMANCE_IMPL", "asyncrpc")
 
@@ -41,6 +47,10 @@ PUBLIC_NAMES: dict[str, Any] = {
     "get_rpc_timeout": asyncrpc.get_rpc_timeout,
 }
 
+# torch.distributed.autograd's public names; its private ones (_retrieve_context,
+# _current_context, _get_debug_info...) stay torch's.
+AUTOGRAD_NAMES = ("context", "backward", "get_gradients")
+
 
 def _substitute() -> None:
     for name, value in PUBLIC_NAMES.items():
@@ -48,6 +58,9 @@ def _substitute() -> None:
         if hasattr(torch_rpc_api, name):
             setattr(torch_rpc_api, name, value)
     torch_rpc_functions.async_execution = asyncrpc.functions.async_execution
+    for name in AUTOGRAD_NAMES:
+        setattr(torch_dist_autograd, name, getattr(asyncrpc.autograd, name))
+    torch_optim.DistributedOptimizer = asyncrpc.optim.DistributedOptimizer  # type: ignore[misc]
 
 
 if IMPL == "asyncrpc":
