@@ -39,37 +39,33 @@ class Target:
     text: str
 
 
-def _target(workload: str, key: str, ratio: str, at_most: bool, bound: float, text: str) -> Target:
-    return Target(workload, key, ratio, at_most, bound, text)
-
-
 # The speed issue 13 asks for (same-host fast path and small calls), and the training
 # target of the autograd issue; every ratio is against torch's default options.
 TARGETS = (
-    _target("latency", "sync/sync", "asyncrpc/torch", True, 0.35,
+    Target("latency", "sync/sync", "asyncrpc/torch", True, 0.35,
             "def no-op p50 via rpc_sync <= 0.35x torch"),
-    _target("latency", "async/await", "asyncrpc/torch", True, 0.15,
+    Target("latency", "async/await", "asyncrpc/torch", True, 0.15,
             "async def no-op p50 via await call <= 0.15x torch"),
-    _target("latency", "inline/await", "asyncrpc/torch", True, 0.15,
+    Target("latency", "inline/await", "asyncrpc/torch", True, 0.15,
             "@inline def no-op p50 via await call <= 0.15x torch's def"),
-    _target("latency", "async/await", "asyncrpc/floor", True, 2.0,
+    Target("latency", "async/await", "asyncrpc/floor", True, 2.0,
             "async def no-op p50 via await call within 2x of the raw floor"),
-    _target("latency", "inline/await", "asyncrpc/floor", True, 2.0,
+    Target("latency", "inline/await", "asyncrpc/floor", True, 2.0,
             "@inline def no-op p50 via await call within 2x of the raw floor"),
-    _target("latency", "builtin/sync", "asyncrpc/torch", True, 0.5,
+    Target("latency", "builtin/sync", "asyncrpc/torch", True, 0.5,
             "torch.add p50 via rpc_sync <= 0.5x torch"),
-    _target("remote", "value/sync", "asyncrpc/torch", True, 0.5,
+    Target("remote", "value/sync", "asyncrpc/torch", True, 0.5,
             "remote()+to_here() p50 <= 0.5x torch"),
-    _target("throughput", "sync/256/await", "asyncrpc/torch", False, 6.0,
+    Target("throughput", "sync/256/await", "asyncrpc/torch", False, 6.0,
             "throughput at 256 in flight (def no-op, await call) >= 6x torch"),
-    _target("throughput", "async/256/await", "asyncrpc/torch", False, 6.0,
+    Target("throughput", "async/256/await", "asyncrpc/torch", False, 6.0,
             "throughput at 256 in flight (async def no-op, await call) >= 6x torch"),
     *(
-        _target("echo", str(size * MIB), "asyncrpc/torch", False, 2.0,
+        Target("echo", str(size * MIB), "asyncrpc/torch", False, 2.0,
                 f"{size} MiB echo bandwidth >= 2x torch")
         for size in (1, 16, 64)
     ),
-    _target("dist-autograd", "steps", "asyncrpc/torch", False, 2.0,
+    Target("dist-autograd", "steps", "asyncrpc/torch", False, 2.0,
             "distributed training steps/s >= 2x torch"),
 )  # fmt: skip
 

@@ -184,7 +184,7 @@ class SharedMemory:
             return
         offer = (os.getpid(), self._probe_fd, stat.st_dev, stat.st_ino)
         # In order behind the frame that made us probe, which may still wait for a connection.
-        self._send(rank, encode_frame(ShmMessage(ShmOp.OFFER, offer).to_fields(), b""), True)
+        self._send(rank, _shm_frame(ShmOp.OFFER, offer), True)
 
     # -- receiving -------------------------------------------------------------------------
 
@@ -224,12 +224,8 @@ class SharedMemory:
     def _map(
         self, sender: _Sender, fd: int, chunk_id: int, size: int, dev: int, ino: int
     ) -> memoryview:
-        path = f"/proc/{sender.pid}/fd/{fd}"
-        handle = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        handle = _open_file_of(sender.pid, fd, dev, ino, size, writable=True)
         try:
-            stat = os.fstat(handle)
-            if (stat.st_dev, stat.st_ino) != (dev, ino) or stat.st_size < size:
-                raise ValueError(f"{path} is not the chunk the sender named")
             region = mmap.mmap(handle, size, flags=mmap.MAP_SHARED)
         finally:
             os.close(handle)
@@ -264,8 +260,7 @@ class SharedMemory:
         if self._closed:
             return
         for rank, ids in releases.items():
-            release = ShmMessage(ShmOp.RELEASE, tuple(ids))
-            self._send(rank, encode_frame(release.to_fields(), b""), False)
+            self._send(rank, _shm_frame(ShmOp.RELEASE, tuple(ids)), False)
         self._send_retired()
 
     # -- control messages ------------------------------------------------------------------
@@ -275,8 +270,7 @@ class SharedMemory:
         op, values = message.op, message.values
         if op == ShmOp.OFFER:
             accepted = self._accept(rank, values)
-            answer = ShmMessage(ShmOp.ANSWER, (int(accepted),))
-            self._send(rank, encode_frame(answer.to_fields(), b""), False)
+            self._send(rank, _shm_frame(ShmOp.ANSWER, (int(accepted),)), False)
         elif op == ShmOp.ANSWER:
             if self._state.get(rank) == _PROBING:
                 self._state[rank] = _ON if values == (1,) else _OFF
@@ -285,16 +279,16 @@ class SharedMemory:
             self._send_retired()
         elif op == ShmOp.RETIRE:
             sender = self._senders.get(rank)
-            for chunk_id in values if sender is not None else ():
-                view = sender.maps.pop(chunk_id, None)  # type: ignore[union-attr]
-                if view is not None:
-                    sender.mapped_bytes -= len(view)  # type: ignore[union-attr]
+            if sender is not None:
+                for chunk_id in values:
+                    view = sender.maps.pop(chunk_id, None)
+                    if view is not None:
+                        sender.mapped_bytes -= len(view)
 
     def _send_retired(self) -> None:
         # Chunks the arena closed to make room (on any thread); said on the loop's next turn.
         for rank, ids in self._arena.take_retired().items():
-            retire = ShmMessage(ShmOp.RETIRE, tuple(ids))
-            self._send(rank, encode_frame(retire.to_fields(), b""), False)
+            self._send(rank, _shm_frame(ShmOp.RETIRE, tuple(ids)), False)
 
     def _accept(self, rank: int, values: tuple[int, ...]) -> bool:
         """Can we map ``rank``'s memory? Open its probe file and check it is that file."""
@@ -302,14 +296,8 @@ class SharedMemory:
             return False
         pid, fd, dev, ino = values
         try:
-            handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return False
-        try:
-            stat = os.fstat(handle)
-        finally:
-            os.close(handle)
-        if (stat.st_dev, stat.st_ino) != (dev, ino):
+            os.close(_open_file_of(pid, fd, dev, ino, 0))
+        except (OSError, ValueError):
             return False
         with self._lock:
             self._epochs += 1
@@ -349,9 +337,33 @@ class SharedMemory:
             "shm_mapped_bytes": sum(s.mapped_bytes for s in list(self._senders.values())),
         }
 
-    def lent_to(self, rank: int) -> int:
-        """How many of our chunks ``rank`` holds (for tests and debug info)."""
-        return self._arena.lent_to(rank)
+
+def _shm_frame(op: ShmOp, values: tuple[int, ...]) -> list[Any]:
+    return encode_frame(ShmMessage(op, values).to_fields(), b"")
+
+
+def _open_file_of(
+    pid: int, fd: int, dev: int, ino: int, min_size: int, *, writable: bool = False
+) -> int:
+    """Open the file behind another process's ``fd``, checked to be the one it named.
+
+    Returns:
+        Our own descriptor of it (the caller closes it).
+
+    Raises:
+        OSError: no such process or descriptor, or no right to open it.
+        ValueError: another file (device, inode) or a smaller one than ``min_size``.
+    """
+    path = f"/proc/{pid}/fd/{fd}"
+    handle = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+    try:
+        stat = os.fstat(handle)
+        if (stat.st_dev, stat.st_ino) != (dev, ino) or stat.st_size < min_size:
+            raise ValueError(f"{path} is not the file the sender named")
+    except BaseException:
+        os.close(handle)
+        raise
+    return handle
 
 
 def _parse_tag(tag: str) -> tuple[int, int, int, int, int, int, str]:
