@@ -24,12 +24,15 @@ __all__ = [
     "ChildAccepted",
     "ForkAccepted",
     "ForkId",
+    "ForkQuery",
     "ForkRequest",
+    "ForkUnknown",
     "Free",
     "Message",
     "RRefId",
     "RRefLost",
     "RefCounter",
+    "RemoteUndelivered",
     "Send",
     "UserDelete",
     "UserState",
@@ -50,6 +53,19 @@ __all__ = [
 #                            O, Send(U, ChildAccepted(C)); O registers no fork for it
 #   U releases F             once F is confirmed AND has no pending child: Send(O, UserDelete(F))
 #   O gets UserDelete(F)     unregisters F; Free once no fork and no local handle is left
+#
+# A frame carrying a fork may die with its connection (refcount messages themselves are
+# resent until acknowledged: asyncrpc/runtime/reflog.py). Its sender then asks the receiver:
+#
+#   S wrote fork F to D; the connection died before D acknowledged it
+#                            S sends ForkQuery(F) on the next connection
+#   D never saw F            D: Send(S, ForkUnknown(F)); S.undelivered: F is dropped as if
+#                            D had released it (a fork_from_owner fork is unregistered, a
+#                            pending child forgotten, a remote() fork ends unusable)
+#   D saw F                  nothing: D's own messages about F settle it
+#
+# D's answer is final: D adopts a new connection only once the old one is closed on its
+# side, so a frame from the old one can no longer arrive.
 #
 # Safety: the owner drops a fork only on its holder's UserDelete, which the holder sends only
 # once the fork is registered (confirmed) and every child it handed out is registered too
@@ -110,7 +126,26 @@ class UserDelete:
     fork_id: ForkId
 
 
-Message: TypeAlias = ForkRequest | ForkAccepted | ChildAccepted | UserDelete
+@dataclass(frozen=True, slots=True)
+class ForkQuery:
+    """Sender of a fork to its receiver, after their connection died: "did ``fork_id``
+    reach you?" (answered only when it did not)."""
+
+    rref_id: RRefId
+    fork_id: ForkId
+
+
+@dataclass(frozen=True, slots=True)
+class ForkUnknown:
+    """Receiver to sender: ``fork_id`` never arrived here, and never will."""
+
+    rref_id: RRefId
+    fork_id: ForkId
+
+
+Message: TypeAlias = (
+    ForkRequest | ForkAccepted | ChildAccepted | UserDelete | ForkQuery | ForkUnknown
+)
 
 
 # -- actions (what the agent must do) ------------------------------------------------------
@@ -148,7 +183,17 @@ class RRefLost:
     worker: int
 
 
-Action: TypeAlias = Send | Free | RRefLost
+@dataclass(frozen=True, slots=True)
+class RemoteUndelivered:
+    """The remote() request that was to create ``rref_id`` on ``owner`` never arrived:
+    the user fork ``fork_id`` made for it is unusable (the agent fails its uses)."""
+
+    rref_id: RRefId
+    fork_id: ForkId
+    owner: int
+
+
+Action: TypeAlias = Send | Free | RRefLost | RemoteUndelivered
 
 
 class UserState(enum.Enum):
@@ -233,7 +278,9 @@ class RefCounter:
         "_freed",
         "_lost",
         "_owned",
+        "_seen",
         "_serial",
+        "_undone",
         "_users",
         "rank",
     )
@@ -247,6 +294,8 @@ class RefCounter:
         self._lost: set[int] = set()  # peers reported lost (for good)
         self._deleted = _Window(tombstone_limit)  # fork ids whose UserDelete arrived
         self._freed = _Window(tombstone_limit)  # freed RRefs minted by other workers
+        self._seen = _Window(tombstone_limit)  # fork ids that arrived here (for ForkQuery)
+        self._undone = 0  # forks undone because their frame never arrived
 
     # -- ids -------------------------------------------------------------------------------
 
@@ -301,6 +350,7 @@ class RefCounter:
         if holder is None or fork_id is None:
             entry.local += 1
             return []
+        self._seen.add(fork_id)
         entry.forks[fork_id] = holder
         return [Send(holder, ForkAccepted(rref_id, fork_id))]
 
@@ -399,6 +449,7 @@ class RefCounter:
             LocalProtocolError: parent is this worker but ``fork_id`` is not a fork it made.
         """
         entry = self._owned.get(rref_id)
+        self._seen.add(fork_id)
         if parent == self.rank:
             # fork_from_owner(dest=self) registered fork_id; swap it for a local handle.
             if entry is None or entry.forks.pop(fork_id, None) is None:
@@ -521,6 +572,7 @@ class RefCounter:
             raise LocalProtocolError("an own RRef coming home goes to received_own")
         if fork_id in self._users:
             raise RemoteProtocolError(f"fork {fork_id} of {rref_id} delivered twice")
+        self._seen.add(fork_id)
         entry = _UserFork(rref_id, owner, parent, confirmed=parent == owner)
         self._users[fork_id] = entry
         if owner in self._lost:
@@ -595,6 +647,76 @@ class RefCounter:
         entry.timed_out = True
         return self._maybe_delete(fork_id, entry)
 
+    # -- frames lost with a connection ------------------------------------------------------
+
+    def on_fork_query(self, sender: int, message: ForkQuery) -> list[Action]:
+        """``sender`` asks whether ``fork_id`` arrived here (see the block comment above).
+
+        Returns:
+            ``[Send(sender, ForkUnknown)]`` if it never did, else ``[]``. If it was the
+            remote() that was to create ``rref_id`` here, that value will never exist: a
+            placeholder made for it by early forks ends as ``_lose_holder`` ends one.
+        """
+        rref_id = message.rref_id
+        if message.fork_id in self._seen:
+            return []
+        actions: list[Action] = [Send(sender, ForkUnknown(rref_id, message.fork_id))]
+        if rref_id.worker == sender:
+            # Only an owner holds a placeholder, and forks sent to their owner carry no
+            # fork id (send_home): so a placeholder here means the lost frame was its remote().
+            entry = self._owned.get(rref_id)
+            if entry is None:
+                self._freed.add(rref_id)  # harmless where this worker is not the owner
+            elif not entry.created:
+                entry.created = True
+                actions.append(RRefLost(rref_id, sender))
+                actions += self._maybe_free(rref_id, entry)
+        return actions
+
+    def undelivered(self, dest: int, rref_id: RRefId, fork_id: ForkId) -> list[Action]:
+        """The frame carrying ``fork_id`` to ``dest`` never arrived: undo the fork.
+
+        Idempotent; a fork that is not (or no longer) pending for ``dest`` is ignored.
+
+        Returns:
+            ``Free`` if an owner fork was the last reference; a deferred ``UserDelete`` if a
+            pending child was the last thing holding its parent; ``RemoteUndelivered`` for
+            the fork of a remote() whose request was lost.
+        """
+        owned = self._owned.get(rref_id)
+        if owned is not None and owned.forks.get(fork_id) == dest:
+            del owned.forks[fork_id]  # fork_from_owner
+            self._undone += 1
+            return self._maybe_free(rref_id, owned)
+        parent_fork = self._child_parent.get(fork_id)
+        if parent_fork is not None:  # fork_from_user
+            parent = self._users[parent_fork]
+            if parent.rref_id != rref_id or parent.children is None:
+                return []
+            if parent.children.get(fork_id) != dest:
+                return []
+            del parent.children[fork_id]
+            del self._child_parent[fork_id]
+            self._undone += 1
+            return self._maybe_delete(parent_fork, parent)
+        entry = self._users.get(fork_id)
+        if (
+            entry is None
+            or entry.rref_id != rref_id
+            or entry.parent is not None
+            or entry.owner != dest
+            or entry.confirmed
+            or entry.lost
+        ):
+            return []
+        # new_user: the owner never made the value, so nothing needs deleting.
+        self._undone += 1
+        entry.lost = True
+        self._drop_children(entry)
+        if not entry.handle:
+            del self._users[fork_id]
+        return [RemoteUndelivered(rref_id, fork_id, dest)]
+
     # -- failures and shutdown -------------------------------------------------------------
 
     def peer_lost(self, worker: int) -> list[Action]:
@@ -651,13 +773,14 @@ class RefCounter:
 
     def debug_info(self) -> dict[str, int]:
         """Counts for ``get_debug_info``: owned RRefs, active user forks, pending children,
-        unconfirmed user forks."""
+        unconfirmed user forks, forks undone because their frame was lost."""
         active = [e for e in self._users.values() if not (e.deleted or e.lost)]
         return {
             "owner_rrefs": len(self._owned),
             "user_rrefs": len(active),
             "pending_forks": len(self._child_parent),
             "pending_users": sum(1 for e in active if not e.confirmed),
+            "forks_undelivered": self._undone,
         }
 
     def user_state(self, fork_id: ForkId) -> UserState:
@@ -695,9 +818,16 @@ class RefCounter:
             return self.on_user_delete(sender, message)
         if sender in self._lost:
             return []
+        if isinstance(message, ForkQuery | ForkUnknown):
+            return self._on_frame_lost(sender, message)
         if isinstance(message, ForkAccepted):
             return self.on_fork_accepted(message)
         return self.on_child_accepted(message)
+
+    def _on_frame_lost(self, sender: int, message: ForkQuery | ForkUnknown) -> list[Action]:
+        if isinstance(message, ForkQuery):
+            return self.on_fork_query(sender, message)
+        return self.undelivered(sender, message.rref_id, message.fork_id)
 
     # -- internals -------------------------------------------------------------------------
 

@@ -29,9 +29,12 @@ from asyncrpc.protocol.refcount import (
     ChildAccepted,
     ForkAccepted,
     ForkId,
+    ForkQuery,
     ForkRequest,
+    ForkUnknown,
     Free,
     RefCounter,
+    RemoteUndelivered,
     RRefId,
     RRefLost,
     Send,
@@ -44,6 +47,7 @@ from asyncrpc.rref.handle import RRef
 from asyncrpc.runtime.future import Future, collect_all
 from asyncrpc.runtime.options import RpcBackendOptions, WorkerInfo
 from asyncrpc.runtime.pending import describe_function
+from asyncrpc.runtime.reflog import Transfer
 from asyncrpc.runtime.threadpool import WorkerPool
 
 __all__ = ["RRefContext"]
@@ -53,7 +57,8 @@ _TAG = "asyncrpc.rref"
 _HOME_TAG = "asyncrpc.rref.home"  # a user's RRef pickled for its owner: no fork
 
 _TO_WIRE = {ForkRequest: RefOp.FORK_REQUEST, ForkAccepted: RefOp.FORK_ACCEPTED,
-            ChildAccepted: RefOp.CHILD_ACCEPTED, UserDelete: RefOp.USER_DELETE}  # fmt: skip
+            ChildAccepted: RefOp.CHILD_ACCEPTED, UserDelete: RefOp.USER_DELETE,
+            ForkQuery: RefOp.FORK_QUERY, ForkUnknown: RefOp.FORK_UNKNOWN}  # fmt: skip
 _FROM_WIRE: dict[int, Any] = {op: cls for cls, op in _TO_WIRE.items()}
 
 
@@ -109,7 +114,12 @@ class RRefContext:
         self._lock = threading.Lock()
         self._values: dict[RRefId, Future[Any]] = {}
         self._lost: dict[RRefId, int] = {}
-        self._timed_out: dict[ForkId, RRefTimeoutError] = {}
+        # User forks made unusable (remote() not confirmed in time, or never delivered).
+        self._unusable: dict[ForkId, RRefError] = {}
+        # Forks minted by the pickling in progress on each thread, for the frame it makes
+        # (the agent follows them until the peer has read that frame: see reflog.py).
+        self._minting = threading.local()
+        self._queried = 0  # ForkQuery messages sent
         # Forks received from a worker other than the owner, until the owner accepts them
         # (by owner rank); `_loaded` lists those of the request being unpickled, so that
         # the dispatcher runs it once they are confirmed, as torch does.
@@ -148,6 +158,7 @@ class RRefContext:
                 rref_id = self.counter.next_rref_id()
                 fork_id, _ = self.counter.new_user(rref_id, rank)
             ids.append((rref_id, fork_id))
+            self._minted().append((rref_id, fork_id))
             return rref_id, fork_id
 
         agent.send_remote(rank, fn, args, kwargs, timeout, register)
@@ -168,7 +179,7 @@ class RRefContext:
                 actions = self.counter.timeout_user(fork_id)
             except LocalProtocolError:
                 return  # released and deleted meanwhile
-        self._timed_out[fork_id] = RRefTimeoutError(
+        self._unusable[fork_id] = RRefTimeoutError(
             self.agent.worker_info(rank).name, target, timeout
         )
         self.apply(actions)
@@ -265,7 +276,38 @@ class RRefContext:
                 return (_HOME_TAG, *obj._rref_id)
             else:
                 fork_id = self.counter.fork_from_user(obj._rref_id, obj._fork_id, dest)
+        if dest != self.agent.rank:
+            self._minted().append((obj._rref_id, fork_id))
         return (_TAG, *obj._rref_id, *fork_id, obj._owner, self.agent.rank)
+
+    def _minted(self) -> list[Transfer]:
+        minted: list[Transfer] | None = getattr(self._minting, "forks", None)
+        if minted is None:
+            minted = self._minting.forks = []
+        return minted
+
+    def take_minted(self) -> list[Transfer] | None:
+        """The forks pickled on this thread since the last call, for the frame just made
+        (None: none). Call it before pickling too, to forget a failed pickling's."""
+        minted: list[Transfer] | None = getattr(self._minting, "forks", None)
+        if not minted:
+            return None
+        self._minting.forks = []
+        return minted
+
+    def undelivered(self, rank: int, forks: list[Transfer]) -> None:
+        """The frame carrying ``forks`` to ``rank`` was never written: undo them."""
+        actions: list[Action] = []
+        with self._lock:
+            for rref_id, fork_id in forks:
+                actions += self.counter.undelivered(rank, RRefId(*rref_id), ForkId(*fork_id))
+        self.apply(actions)
+
+    def query_forks(self, rank: int, forks: list[Transfer]) -> None:
+        """Ask ``rank`` whether the frames carrying ``forks``, written on a connection that
+        died, arrived (it answers ForkUnknown for those that did not)."""
+        self._queried += len(forks)
+        self.apply([Send(rank, ForkQuery(RRefId(*r), ForkId(*f))) for r, f in forks])
 
     def load(self, pid: tuple[Any, ...], sender: object) -> RRef[Any]:
         """The RRef a ``dump`` tuple stands for, unpickled here."""
@@ -311,7 +353,7 @@ class RRefContext:
                     actions = self.counter.release_user(fork_id)
             except LocalProtocolError:
                 return  # already released by a graceful shutdown
-        self._timed_out.pop(fork_id, None) if fork_id is not None else None
+        self._unusable.pop(fork_id, None) if fork_id is not None else None
         self.apply(actions)
 
     def schedule_release(self, rref_id: RRefId, fork_id: ForkId | None) -> None:
@@ -367,6 +409,12 @@ class RRefContext:
                 self._values.pop(action.rref_id, None)
             elif isinstance(action, RRefLost):
                 self._lost[action.rref_id] = action.worker
+            elif isinstance(action, RemoteUndelivered):
+                owner = self.agent.worker_info(action.owner).name
+                self._unusable[action.fork_id] = RRefError(
+                    f"the remote() request that was to create RRef {tuple(action.rref_id)} on "
+                    f"worker {owner!r} was lost with its connection: the value was never made"
+                )
 
     # -- what RRef handles ask (see asyncrpc/rref/handle.py) ------------------------------
 
@@ -391,8 +439,8 @@ class RRefContext:
     def check_usable(self, rref: RRef[Any]) -> None:
         """Raise the typed error that makes ``rref`` unusable, if any."""
         fork_id = rref._fork_id
-        if fork_id is not None and fork_id in self._timed_out:
-            raise self._timed_out[fork_id]
+        if fork_id is not None and fork_id in self._unusable:
+            raise self._unusable[fork_id]
         lost = self._lost.get(rref._rref_id)
         if lost is not None:
             raise RRefOwnerLostError(self.agent.worker_info(lost).name, "the owner died")
@@ -442,7 +490,7 @@ class RRefContext:
 
     def debug_info(self) -> dict[str, int]:
         with self._lock:
-            return self.counter.debug_info()
+            return {**self.counter.debug_info(), "forks_queried": self._queried}
 
     def close(self) -> None:
         self.closed = True

@@ -63,7 +63,7 @@ from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT, RpcBackendOptions, Worke
 from asyncrpc.runtime.peers import GOODBYE_REASON, PeerTable
 from asyncrpc.runtime.pending import PendingCall, PendingCalls, describe_function
 from asyncrpc.runtime.pipeline import CallHook, OutgoingCall, Pipeline
-from asyncrpc.runtime.reflog import RefLog
+from asyncrpc.runtime.reflog import RefLog, Transfer
 from asyncrpc.runtime.rendezvous import PeerAddress, StoreGroup, join_group
 from asyncrpc.runtime.services import RRefFactory, RRefService
 from asyncrpc.runtime.shm import SHM_TAG_PREFIX, SharedMemory
@@ -82,8 +82,9 @@ HANDSHAKE_MAX_FRAME = 4096
 # the frame's pieces, what must live until they are written, and the pipeline hooks it
 # went through with their view of it (None when no hook was active).
 EncodedRequest = tuple[
-    int, str, list[Any], object, tuple[tuple[CallHook, ...], OutgoingCall] | None
-]
+    int, str, list[Any], object, tuple[tuple[CallHook, ...], OutgoingCall] | None,
+    list[Transfer] | None,
+]  # fmt: skip
 
 _log = logging.getLogger("asyncrpc.runtime.agent")
 
@@ -133,7 +134,7 @@ class Agent:
         self._early_hellos: list[tuple[Connection, Hello]] = []
         self._connections: set[Connection] = set()
         # Frames waiting for a connection to be made, by peer, in the order they were sent.
-        self._unsent: dict[int, list[tuple[list[Any], int, object]]] = {}
+        self._unsent: dict[int, list[tuple[list[Any], int, object, list[Transfer] | None]]] = {}
         # Refcount frames by peer, until the peer has surely read them (see reflog.py).
         self._ref_logs: dict[int, RefLog] = {}
         self._linked: set[int] = set()  # peers connected at least once
@@ -419,13 +420,20 @@ class Agent:
             call = OutgoingCall(
                 kind, self.name, self.addresses[rank].name, rank, fn, target, args, kwargs
             )
-        payload, segments, keep = self.serializer.dumps(
-            (fn, args, kwargs),
-            context=rank,
-            device_map=self.request_device_map(rank),
-            tensors=None if call is None else call.tensors,
-            grads=None if call is None else call.grads,
-        )
+        rrefs = self.rrefs
+        if rrefs is not None:
+            rrefs.take_minted()  # a pickling that failed elsewhere on this thread may leave some
+        try:
+            payload, segments, keep = self.serializer.dumps(
+                (fn, args, kwargs),
+                context=rank,
+                device_map=self.request_device_map(rank),
+                tensors=None if call is None else call.tensors,
+                grads=None if call is None else call.grads,
+            )
+        except BaseException:
+            self._undo_minted(rank)  # RRefs pickled before the failure: forked for nobody
+            raise
         call_id = next(self._call_ids)
         headers = None
         try:
@@ -438,8 +446,10 @@ class Agent:
             pieces = encode_frame(request.to_fields(), payload, segments)
         except BaseException:
             self.shm.unlend(keep)  # no frame: no peer will give its shared chunks back
+            self._undo_minted(rank)
             raise
-        return call_id, target, pieces, keep, None if call is None else (hooks, call)
+        forks = rrefs.take_minted() if rrefs is not None else None
+        return call_id, target, pieces, keep, None if call is None else (hooks, call), forks
 
     def call_future(
         self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
@@ -448,13 +458,13 @@ class Agent:
         """Start a call from any thread and return its ``asyncrpc.Future``."""
         rank = self.resolve(to)
         timeout = self.effective_timeout(timeout)
-        call_id, target, pieces, keep, observed = self.encode_request(
+        call_id, target, pieces, keep, observed, forks = self.encode_request(
             rank, fn, args, kwargs, timeout, kind, target=target
         )
         future: Future[Any] = Future(loop=self.loop)
         future._cancel_hook = lambda: self.loop.call_soon_threadsafe(self.cancel_call, call_id)
         call = PendingCall(future, rank, target, timeout)
-        call.keepalive, call.observed = keep, observed
+        call.keepalive, call.observed, call.forks = keep, observed, forks
         self.run_on_loop(self.begin_call, call_id, call, pieces)
         return future
 
@@ -464,12 +474,12 @@ class Agent:
         """Call on the agent's own loop; cancelling the awaiting task cancels the remote work."""
         rank = self.resolve(to)
         timeout = self.effective_timeout(timeout)
-        call_id, target, pieces, keep, observed = self.encode_request(
+        call_id, target, pieces, keep, observed, forks = self.encode_request(
             rank, fn, args, kwargs, timeout, "async"
         )
         waiter: asyncio.Future[Any] = self.loop.create_future()
         call = PendingCall(waiter, rank, target, timeout)
-        call.keepalive, call.observed = keep, observed
+        call.keepalive, call.observed, call.forks = keep, observed, forks
         self.begin_call(call_id, call, pieces)
         try:
             return await waiter
@@ -490,14 +500,14 @@ class Agent:
         Raises:
             SerializationError: the function or an argument cannot be pickled.
         """
-        call_id, target, pieces, keep, observed = self.encode_request(
+        call_id, target, pieces, keep, observed, forks = self.encode_request(
             rank, fn, args, kwargs, timeout, "remote", CallMode.REMOTE, register
         )
         if observed is None:
-            self.run_on_loop(self.send_to, rank, pieces, 0, keep)
+            self.run_on_loop(self.send_to, rank, pieces, 0, keep, forks)
             return
         call = PendingCall(Future(loop=self.loop), rank, target, timeout)
-        call.keepalive, call.observed = keep, observed
+        call.keepalive, call.observed, call.forks = keep, observed, forks
         self.run_on_loop(self.begin_call, call_id, call, pieces)
 
     def run_on_loop(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -514,26 +524,30 @@ class Agent:
             return
         self.pending.add(call_id, call)
         self.counters.calls_sent += 1
-        self.send_to(call.peer, pieces, call_id, call.keepalive)
+        self.send_to(call.peer, pieces, call_id, call.keepalive, call.forks)
 
-    def send_to(self, rank: int, pieces: list[Any], call_id: int = 0, keep: object = None) -> None:
+    def send_to(
+        self, rank: int, pieces: list[Any], call_id: int = 0, keep: object = None,
+        forks: list[Transfer] | None = None,
+    ) -> None:  # fmt: skip
         """Write a frame to ``rank``, connecting first if needed; failures fail ``call_id``.
 
         Frames to one peer leave in the order they were sent, also while the connection is
         being made: a frame sent then waits behind the ones already waiting for it.
+        ``forks`` are the RRef forks the frame carries (followed until the peer reads it).
         """
         if rank == self.rank:
             self.loopback.send(pieces)
             return
         waiting = self._unsent.get(rank)
         if waiting is not None:
-            waiting.append((pieces, call_id, keep))
+            waiting.append((pieces, call_id, keep, forks))
             return
         peer = self.peers.peers.get(rank) if self.peers is not None else None
         if peer is not None and peer.conn is not None and not peer.conn.closed:
-            self._send_checked(peer.conn, rank, pieces, call_id, keep)
+            self._send_checked(peer.conn, rank, pieces, call_id, keep, forks)
             return
-        self._unsent[rank] = [(pieces, call_id, keep)]
+        self._unsent[rank] = [(pieces, call_id, keep, forks)]
         self.loop.create_task(self._send_when_connected(rank))
 
     def send_ref(self, rank: int, pieces: list[Any]) -> None:
@@ -583,26 +597,32 @@ class Agent:
         waiting, sent = self._unsent[rank], 0
         try:
             conn = await self.peers.connection(rank)
-            for pieces, call_id, keep in waiting:  # no await inside: the list stays as is
+            for pieces, call_id, keep, forks in waiting:  # no await inside: the list stays
                 sent += 1
                 if call_id and call_id not in self.pending:
                     self.shm.unlend(keep)
+                    self._undelivered(rank, forks)
                     continue  # timed out or cancelled while waiting: the callee never runs it
-                self._send_checked(conn, rank, pieces, call_id, keep)
+                self._send_checked(conn, rank, pieces, call_id, keep, forks)
         except (ConnectionError, OSError) as exc:
-            for _, call_id, _ in waiting[sent:]:
+            for _, call_id, _, forks in waiting[sent:]:
                 self._fail_unsent(rank, call_id, exc)
+                self._undelivered(rank, forks)
         finally:
             del self._unsent[rank]  # from now on frames go straight to the connection
 
     def _send_checked(
-        self, conn: Connection, rank: int, pieces: list[Any], call_id: int, keep: object
-    ) -> None:
+        self, conn: Connection, rank: int, pieces: list[Any], call_id: int, keep: object,
+        forks: list[Transfer] | None = None,
+    ) -> None:  # fmt: skip
         try:
             conn.send(pieces, keep)
         except FrameTooLargeError as exc:  # nothing was written: the call fails alone
             self._fail_unsent(rank, call_id, exc)
+            self._undelivered(rank, forks)
             return
+        if forks:
+            self._wrote_forks(rank, forks)
         if call_id:
             call = self.pending.get(call_id)
             if call is not None:
@@ -616,12 +636,34 @@ class Agent:
         else:
             _log.warning("could not send to %s: %s", self.addresses[rank].name, exc)
 
-    def write(self, conn: Connection, pieces: list[Any], keep: object = None) -> None:
+    def write(
+        self, conn: Connection, pieces: list[Any], keep: object = None,
+        forks: list[Transfer] | None = None,
+    ) -> None:  # fmt: skip
         """Write a frame on ``conn``; a closed connection drops it (the peer is gone)."""
         try:
             conn.send(pieces, keep)
         except ClosedError:
             _log.debug("dropped a frame for %s: connection closed", conn.peer_name)
+            if conn.peer is not None:
+                self._undelivered(conn.peer, forks)
+            return
+        if forks and conn.peer is not None:
+            self._wrote_forks(conn.peer, forks)
+
+    def _wrote_forks(self, rank: int, forks: list[Transfer]) -> None:
+        # Followed until a Pong proves the peer read them; in doubt if the link dies first.
+        if self.peers is not None and rank in self.peers.peers:
+            self._ref_logs.setdefault(rank, RefLog()).wrote(forks)
+
+    def _undo_minted(self, rank: int) -> None:
+        if self.rrefs is not None:
+            self._undelivered(rank, self.rrefs.take_minted())
+
+    def _undelivered(self, rank: int, forks: list[Transfer] | None) -> None:
+        # The frame carrying these forks was never written: nobody will hold them.
+        if forks and self.rrefs is not None:
+            self.rrefs.undelivered(rank, forks)
 
     def _expire(self, call_id: int) -> None:
         call = self.pending.pop(call_id)
@@ -749,7 +791,11 @@ class Agent:
         self.counters.connections_lost += 1
         log = self._ref_logs.get(rank)
         if log is not None:
-            log.lost(conn)
+            in_doubt = log.lost(conn)
+            # Forks whose frames may have died with it: ask the peer (see reflog.py).
+            peer_gone = self.peers.peers[rank].lost is not None or self.closed
+            if in_doubt and self.rrefs is not None and not peer_gone:
+                self.rrefs.query_forks(rank, in_doubt)
         peer = self.peers.peers[rank]
         error = peer.lost or PeerLostError(peer.address.name, f"connection lost ({exc or 'EOF'})")
         if peer.lost is None and not self.closed:

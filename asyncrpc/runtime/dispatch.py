@@ -42,6 +42,8 @@ from asyncrpc.runtime.threadpool import WorkerPool
 __all__ = ["Dispatcher", "await_async_result"]
 
 _log = logging.getLogger("asyncrpc.runtime.dispatch")
+# What a built reply keeps alive while it is written, and the RRef forks it carries.
+_Keep = tuple[object, Any]
 
 # What runs a request: a task on the loop or a job in the pool (for cancellation).
 Job = asyncio.Task[Any] | PoolJob
@@ -55,7 +57,7 @@ class Connection(Protocol):
 
 
 # Writes a frame on a connection (the agent's; a closed connection drops it).
-Writer = Callable[[Any, list[Any], object], None]
+Writer = Callable[[Any, list[Any], object, Any], None]
 
 
 async def await_async_result(result: Any) -> Any:
@@ -334,8 +336,13 @@ class Dispatcher:
 
     def _encode_reply(
         self, request: Request, peer: int, result: Any
-    ) -> tuple[list[Any] | None, object, BaseException | None]:
+    ) -> tuple[list[Any] | None, _Keep, BaseException | None]:
+        """The reply frame, what must live while it is written (with the RRef forks it
+        carries), or the error that building it raised."""
         served = self._served.get((peer, request.call_id)) if self._served else None
+        rrefs = self.rrefs
+        if rrefs is not None:
+            rrefs.take_minted()  # a pickling that failed elsewhere on this thread may leave some
         try:
             payload, segments, keep = self._serializer.dumps(
                 result,
@@ -344,14 +351,21 @@ class Dispatcher:
                 grads=None if served is None else served.reply_grads,
             )
         except Exception as exc:  # the error reply tells the hooks (see _send_error)
+            if rrefs is not None:
+                self._undelivered(peer, rrefs.take_minted())  # forked for nobody
             error = SerializationError(
                 f"the result of {request.target} on worker {self._name!r} cannot be sent: {exc}"
             )
             error.__cause__ = exc
-            return None, None, error
+            return None, (None, None), error
+        forks = rrefs.take_minted() if rrefs is not None else None
         headers = self._replying(request, peer, True, result)
         reply = Reply(request.call_id, headers).to_fields()
-        return encode_frame(reply, payload, segments), keep, None
+        return encode_frame(reply, payload, segments), (keep, forks), None
+
+    def _undelivered(self, peer: int, forks: Any) -> None:
+        if forks and self.rrefs is not None:
+            self.rrefs.undelivered(peer, forks)
 
     def _send_built(
         self,
@@ -359,10 +373,11 @@ class Dispatcher:
         request: Request,
         peer: int,
         pieces: list[Any] | None,
-        keep: object,
+        keep: _Keep,
         error: BaseException | None,
     ) -> None:
         if self._drop_job((peer, request.call_id)) is None:
+            self._undelivered(peer, keep[1])
             return  # cancelled meanwhile: the caller no longer waits
         self._deliver(conn, request, pieces, keep, error)
 
@@ -371,7 +386,7 @@ class Dispatcher:
         conn: Connection,
         request: Request,
         pieces: list[Any] | None,
-        keep: object,
+        keep: _Keep,
         error: BaseException | None,
     ) -> None:
         """Write a built reply, or the error that building it raised."""
@@ -380,8 +395,10 @@ class Dispatcher:
             return
         assert pieces is not None
         try:
-            self._write(conn, pieces, keep)
+            self._write(conn, pieces, *keep)
         except FrameTooLargeError as exc:  # over the caller's limit: it gets this instead
+            if conn.peer is not None:
+                self._undelivered(conn.peer, keep[1])
             self._send_error(conn, request, exc)
             return
         self._counters.replies_sent += 1
@@ -414,7 +431,7 @@ class Dispatcher:
         headers = self._replying(request, peer, ok, value)
         payload, segments, keep = self._serializer.dumps(None)
         reply = Reply(request.call_id, headers).to_fields()
-        self._write(conn, encode_frame(reply, payload, segments), keep)
+        self._write(conn, encode_frame(reply, payload, segments), keep, None)
 
     def _send_error(self, conn: Connection, request: Request, exc: BaseException) -> None:
         _log.debug("%s raised %r for %s", request.target, exc, conn.peer_name)
@@ -422,5 +439,5 @@ class Dispatcher:
         headers = None if peer is None else self._replying(request, peer, False, exc)
         payload = pack_exception(exc, self._name)
         fields = ErrorReply(request.call_id, headers).to_fields()
-        self._write(conn, encode_frame(fields, payload), None)
+        self._write(conn, encode_frame(fields, payload), None, None)
         self._counters.errors_sent += 1

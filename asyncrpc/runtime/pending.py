@@ -27,7 +27,8 @@ class PendingCall:
     """One call in flight."""
 
     __slots__ = (
-        "keepalive", "observed", "peer", "sent_on", "slot", "target", "timeout", "waiter",
+        "forks", "keepalive", "observed", "peer", "sent_on", "slot", "target", "timeout",
+        "waiter",
     )  # fmt: skip
 
     def __init__(self, waiter: Waiter, peer: int, target: str, timeout: float) -> None:
@@ -41,6 +42,8 @@ class PendingCall:
         self.sent_on: object = None
         # Tensors whose memory is being written; freed with the call, not before.
         self.keepalive: object = None
+        # The RRef forks its request carries (None: none), followed until the peer reads it.
+        self.forks: list[tuple[tuple[int, int], tuple[int, int]]] | None = None
         # The pipeline hooks this call went through, told when it ends (None: none).
         self.observed: tuple[tuple[CallHook, ...], OutgoingCall] | None = None
 

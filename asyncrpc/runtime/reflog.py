@@ -12,6 +12,11 @@ every Ping with a Pong in order, so a Pong proves that everything sent before it
 read. Every Ping sent (the heartbeat's, one sent once ``ack_every`` messages wait, or one
 per heartbeat tick while frames wait) marks the log; its Pong trims the log up to that
 mark. No asyncio here: the agent calls in.
+
+The log also follows the RRef forks written to the peer inside other frames (calls,
+replies, remote() requests). Those frames are not resent (a call runs at most once), so a
+fork whose frame was written on a connection that died before a Pong covered it is *in
+doubt*: ``lost`` hands it back, and the agent asks the peer about it (``ForkQuery``).
 """
 
 from __future__ import annotations
@@ -19,13 +24,16 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-__all__ = ["RefLog"]
+__all__ = ["RefLog", "Transfer"]
+
+# A fork written to the peer: (rref_id, fork_id), as the wire carries them.
+Transfer = tuple[tuple[int, int], tuple[int, int]]
 
 
 class RefLog:
     """The unacknowledged refcount frames to one peer, oldest first."""
 
-    __slots__ = ("_ack_every", "_entries", "_marks", "_seq")
+    __slots__ = ("_ack_every", "_entries", "_marks", "_seq", "_written")
 
     def __init__(self, ack_every: int = 256) -> None:
         self._ack_every = ack_every
@@ -33,6 +41,8 @@ class RefLog:
         self._entries: collections.deque[tuple[int, list[Any]]] = collections.deque()
         # Pings in flight on a connection: (the connection, the sequence number it covers).
         self._marks: collections.deque[tuple[object, int]] = collections.deque()
+        # Forks written inside other frames, not yet covered by a Pong: (sequence, fork).
+        self._written: collections.deque[tuple[int, Transfer]] = collections.deque()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -44,9 +54,21 @@ class RefLog:
         since = self._seq - (self._marks[-1][1] if self._marks else self._entries[0][0])
         return since >= self._ack_every
 
+    def wrote(self, transfers: list[Transfer]) -> None:
+        """A frame carrying these forks was written on the current connection."""
+        for transfer in transfers:
+            self._written.append((self._seq, transfer))
+            self._seq += 1
+
+    @property
+    def forks_in_flight(self) -> int:
+        return len(self._written)
+
     def awaiting_ack(self) -> bool:
-        """Whether frames are logged that no Ping in flight covers."""
-        return bool(self._entries) and (not self._marks or self._marks[-1][1] < self._seq)
+        """Whether frames or forks are logged that no Ping in flight covers."""
+        if not self._entries and not self._written:
+            return False
+        return not self._marks or self._marks[-1][1] < self._seq
 
     def pinged(self, conn: object) -> None:
         """A Ping went out on ``conn``: its Pong acknowledges everything logged so far."""
@@ -57,13 +79,21 @@ class RefLog:
         if not self._marks or self._marks[0][0] is not conn:
             return  # a Pong of a connection this log no longer follows
         _, upto = self._marks.popleft()
-        entries = self._entries
-        while entries and entries[0][0] < upto:
-            entries.popleft()
+        for log in (self._entries, self._written):
+            while log and log[0][0] < upto:
+                log.popleft()
 
-    def lost(self, conn: object) -> None:
-        """``conn`` is gone: its Pings will never be answered."""
+    def lost(self, conn: object) -> list[Transfer]:
+        """``conn`` is gone: its Pings will never be answered.
+
+        Returns:
+            The forks written on it that no Pong covered: in doubt (all of them were
+            written on ``conn``, the only connection to the peer since the last loss).
+        """
         self._marks = collections.deque(m for m in self._marks if m[0] is not conn)
+        in_doubt = [transfer for _, transfer in self._written]
+        self._written.clear()
+        return in_doubt
 
     def replay(self) -> list[list[Any]]:
         """Every frame not yet acknowledged, oldest first, to send on a new connection."""

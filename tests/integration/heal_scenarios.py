@@ -275,6 +275,8 @@ def heal(args: argparse.Namespace) -> int:
     asyncrpc.rpc_sync("r1", fns.drop_held)
     obs["rrefs_settled"] = _poll(_settled("r1"), 15.0)
     obs["rref_debug"] = {"driver": asyncrpc.get_debug_info(), "r1": _on_r1(fns.rref_debug)}
+    # Forks whose frames died with a connection: asked about, and undone where lost.
+    obs["forks_queried"] = asyncrpc.get_debug_info()["forks_queried"]
     obs["ref_log_acked"] = _poll(
         lambda: (
             asyncrpc.get_debug_info()["unacked_ref_frames"] == 0

@@ -252,7 +252,7 @@ def test_autograd_field_only_inside_a_context(group: Group) -> None:
 
     def request_fields(fn: Any = fns.echo, *args: Any) -> list[Any]:
         args = args or (tensor,)
-        _, _, pieces, _, observed = agent.encode_request(1, fn, args, {}, 5.0, "sync")
+        _, _, pieces, _, observed, _ = agent.encode_request(1, fn, args, {}, 5.0, "sync")
         if observed is not None:  # never sent: tell the hooks it ended
             Pipeline.completed(*observed, None, None)
         decoder = FrameDecoder()

@@ -130,7 +130,7 @@ def test_profiler_off_means_no_spans_and_no_header_fields(group: Group) -> None:
     agent = current_agent()
 
     def request_fields() -> list[Any]:
-        _, _, pieces, _, observed = agent.encode_request(1, fns.noop, (), {}, 5.0, "sync")
+        _, _, pieces, _, observed, _ = agent.encode_request(1, fns.noop, (), {}, 5.0, "sync")
         if observed is not None:  # never sent: close the span it opened
             Pipeline.completed(*observed, None, None)
         decoder = FrameDecoder()

@@ -12,10 +12,13 @@ from asyncrpc.protocol.refcount import (
     ChildAccepted,
     ForkAccepted,
     ForkId,
+    ForkQuery,
     ForkRequest,
+    ForkUnknown,
     Free,
     Message,
     RefCounter,
+    RemoteUndelivered,
     RRefId,
     RRefLost,
     Send,
@@ -32,6 +35,7 @@ class Router:
         self.queue: list[tuple[int, int, Message]] = []
         self.freed: list[RRefId] = []
         self.lost: list[tuple[int, RRefLost]] = []
+        self.undone: list[tuple[int, RemoteUndelivered]] = []
 
     def apply(self, src: int, actions: list[Action]) -> None:
         for action in actions:
@@ -42,6 +46,8 @@ class Router:
                     self.freed.append(rref_id)
                 case RRefLost():
                     self.lost.append((src, action))
+                case RemoteUndelivered():
+                    self.undone.append((src, action))
 
     def deliver(self, index: int = 0, *, keep: bool = False) -> Message:
         src, dst, message = self.queue[index] if keep else self.queue.pop(index)
@@ -385,6 +391,7 @@ def test_RefCounter_debug_info_counts() -> None:
         "user_rrefs": 1,
         "pending_forks": 1,
         "pending_users": 1,
+        "forks_undelivered": 0,
     }
     assert net.rc[0].debug_info()["owner_rrefs"] == 1
     assert net.rc[2].debug_info()["pending_users"] == 1
@@ -489,3 +496,73 @@ def test_RefCounter_late_fork_request_after_failure_free_leaves_no_entry() -> No
     net.drain()
     assert net.freed == [rref_id]
     assert net.settled(2)
+
+
+# -- frames lost with their connection (ForkQuery / ForkUnknown) --------------------------
+
+
+def test_RefCounter_owner_fork_lost_with_its_frame_is_undone_after_a_query() -> None:
+    net = Router()
+    rref_id = net.rc[0].next_rref_id()
+    net.rc[0].new_owner(rref_id)
+    fork = net.rc[0].fork_from_owner(rref_id, 1)  # its frame dies with the connection
+    assert net.rc[0].drop_local_handle(rref_id) == []  # the lost fork keeps the value
+    net.apply(0, [Send(1, ForkQuery(rref_id, fork))])
+    net.deliver()
+    assert net.queue == [(1, 0, ForkUnknown(rref_id, fork))]
+    net.drain()
+    assert net.freed == [rref_id]
+    assert net.settled()
+    net.apply(1, [Send(0, ForkUnknown(rref_id, fork))])  # a resent duplicate: nothing
+    net.drain()
+    assert net.freed == [rref_id]
+
+
+def test_RefCounter_query_about_a_fork_that_arrived_is_answered_by_silence() -> None:
+    net = Router()
+    rref_id = net.rc[0].next_rref_id()
+    net.rc[0].new_owner(rref_id)
+    fork = net.rc[0].fork_from_owner(rref_id, 1)
+    net.rc[1].received_user(rref_id, fork, owner=0, parent=0)  # it did arrive
+    net.apply(1, net.rc[1].release_user(fork))  # and is gone already
+    net.apply(0, [Send(1, ForkQuery(rref_id, fork))])
+    net.drain()
+    assert net.undone == []
+    assert net.freed == []  # the owner still holds its own handle
+    net.apply(0, net.rc[0].drop_local_handle(rref_id))
+    assert net.freed == [rref_id]
+    assert net.settled()
+
+
+def test_RefCounter_pending_child_lost_with_its_frame_lets_the_parent_go() -> None:
+    net = Router()
+    rref_id, fork_a = net.remote(caller=1, owner=0)
+    net.drain()
+    child = net.rc[1].fork_from_user(rref_id, fork_a, 2)  # lost on the way to 2
+    net.apply(1, net.rc[1].release_user(fork_a))
+    assert net.queue == []  # the pending child holds the parent's delete back
+    net.apply(1, [Send(2, ForkQuery(rref_id, child))])
+    net.drain()
+    assert net.freed == [rref_id]
+    assert net.settled()
+
+
+def test_RefCounter_remote_lost_with_its_frame_ends_unusable_and_settled() -> None:
+    net = Router()
+    rref_id = net.rc[1].next_rref_id()
+    fork, _ = net.rc[1].new_user(rref_id, 0)  # the remote() request never reaches 0
+    child = net.rc[1].fork_from_user(rref_id, fork, 2)  # but a fork of it reaches 2
+    net.apply(2, net.rc[2].received_user(rref_id, child, owner=0, parent=1))
+    net.deliver()  # 2's ForkRequest: the owner makes a placeholder for the remote()
+    assert net.rc[0].owner_leaks() == [rref_id]
+    net.apply(1, [Send(0, ForkQuery(rref_id, fork))])
+    net.drain()
+    assert net.undone == [(1, RemoteUndelivered(rref_id, fork, 0))]
+    assert net.rc[1].debug_info()["forks_undelivered"] == 1
+    assert net.rc[1].user_state(fork) is UserState.OWNER_LOST
+    assert (0, RRefLost(rref_id, 1)) in net.lost  # the placeholder gives up waiting
+    net.apply(1, net.rc[1].release_user(fork))
+    net.apply(2, net.rc[2].release_user(child))
+    net.drain()
+    assert net.freed == [rref_id]
+    assert net.settled()

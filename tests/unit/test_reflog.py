@@ -58,3 +58,28 @@ def test_RefLog_awaits_an_ack_until_a_ping_covers_the_last_frame() -> None:
     assert not log.awaiting_ack()  # the Ping in flight covers it
     log.add(frame(1))
     assert log.awaiting_ack()
+
+
+FORK = ((0, 1), (0, 2))
+OTHER = ((0, 1), (0, 3))
+
+
+def test_RefLog_forks_not_covered_by_a_pong_are_in_doubt_when_the_link_dies() -> None:
+    log, conn = RefLog(), object()
+    log.wrote([FORK])
+    log.pinged(conn)
+    log.wrote([OTHER])
+    assert log.awaiting_ack()  # OTHER is not covered by the Ping in flight
+    log.ponged(conn)
+    assert log.forks_in_flight == 1
+    assert log.lost(conn) == [OTHER]
+    assert log.forks_in_flight == 0
+    assert log.lost(conn) == []  # handed back once
+
+
+def test_RefLog_forks_written_before_a_lost_ping_stay_in_doubt() -> None:
+    log, conn = RefLog(), object()
+    log.wrote([FORK, OTHER])
+    log.pinged(conn)  # its Pong never comes
+    assert log.lost(conn) == [FORK, OTHER]
+    assert not log.awaiting_ack()

@@ -69,6 +69,8 @@ class RefOp(IntEnum):
     FORK_ACCEPTED = 2
     CHILD_ACCEPTED = 3
     USER_DELETE = 4
+    FORK_QUERY = 5  # after a lost connection: did the frame carrying this fork arrive?
+    FORK_UNKNOWN = 6  # the answer when it did not
 
 
 class ShmOp(IntEnum):
