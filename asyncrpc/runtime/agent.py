@@ -120,7 +120,7 @@ class Agent:
         self.pipeline = Pipeline()
         self.dispatcher = Dispatcher(
             name, loop, self.pool, self.serializer, self.write, self.reply_device_map,
-            self.counters, self.pipeline,
+            self.counters, self.pipeline, options.print_errors,
         )  # fmt: skip
         self.lag = LagProbe(loop)
         self.heartbeat = Heartbeat(

@@ -15,6 +15,8 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import sys
+import traceback
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any, Protocol
@@ -101,8 +103,10 @@ class Dispatcher:
         reply_device_map: Callable[[int], Mapping[str, str] | None],
         counters: Counters,
         pipeline: Pipeline,
+        print_errors: bool = True,
     ) -> None:
         self._name = name
+        self._print_errors = print_errors
         self._loop = loop
         self._pool = pool
         self._serializer = serializer
@@ -410,6 +414,8 @@ class Dispatcher:
 
     def _finish(self, conn: Connection, request: Request, peer: int, ok: bool, value: Any) -> None:
         self._drop_job((peer, request.call_id))
+        if not ok and self._print_errors:
+            self._print_error(request, conn.peer_name, value)
         if request.mode != 0:
             if self.rrefs is not None:
                 self.rrefs.on_value(request, peer, ok, value)
@@ -422,6 +428,13 @@ class Dispatcher:
             self._send_error(conn, request, value)
             return
         self._deliver(conn, request, *self._encode_reply(request, peer, value))
+
+    def _print_error(self, request: Request, caller: str | None, exc: BaseException) -> None:
+        # As torch's agent does: the callee's own log shows what failed there (the caller
+        # gets the exception too). sys.stderr is looked up now: it may have been replaced.
+        lines = traceback.format_exception(exc)
+        text = f"On worker {self._name!r}, {request.target} called by {caller!r} raised:\n"
+        print(text + "".join(lines), end="", file=sys.stderr, flush=True)
 
     def _acknowledge(
         self, conn: Connection, request: Request, peer: int, ok: bool, value: Any

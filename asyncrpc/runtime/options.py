@@ -124,6 +124,9 @@ class RpcBackendOptions:
             (0 turns heartbeats off).
         heartbeat_timeout: seconds of silence after which a peer is declared lost: its
             pending calls fail with ``PeerLostError``, even those with no timeout.
+        print_errors: print, on this worker's stderr, the traceback of every exception a
+            function raises when it runs here for a peer (as torch's agent does); the
+            caller gets the exception either way.
     """
 
     init_method: str = DEFAULT_INIT_METHOD
@@ -150,6 +153,7 @@ class RpcBackendOptions:
     tls_ca: str | None = None
     heartbeat_interval: float = 2.0
     heartbeat_timeout: float = 10.0
+    print_errors: bool = True
     _extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

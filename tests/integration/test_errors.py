@@ -16,6 +16,7 @@ from asyncrpc.errors import (
     SerializationError,
     UnknownWorkerError,
 )
+from asyncrpc.runtime.current import current_agent
 from tests.integration import remote_fns as fns
 from tests.integration.conftest import Group
 
@@ -45,6 +46,32 @@ def test_users_own_exception_class_comes_back(group: Group) -> None:
         asyncrpc.rpc_sync("w2", fns.raise_custom, args=("boom",))
     assert info.value.args == ("boom",)
     assert info.value.remote_worker == "w2"  # type: ignore[attr-defined]
+
+
+def test_callee_prints_what_a_function_raised_on_its_stderr(group: Group) -> None:
+    with pytest.raises(fns.CustomError):
+        asyncrpc.rpc_sync("w1", fns.raise_custom, args=("printed-on-w1",))
+    log = group.workers[0].log()  # w1's stderr, flushed before its error reply left
+    assert "On worker 'w1', tests.integration.remote_fns.raise_custom called by 'driver'" in log
+    assert "CustomError: printed-on-w1" in log
+    assert "Traceback (most recent call last)" in log
+
+
+def test_print_errors_writes_to_the_stderr_of_the_moment_and_can_be_off(
+    group: Group, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The driver calling itself: its dispatcher prints to sys.stderr as replaced by pytest.
+    with pytest.raises(fns.CustomError):
+        asyncrpc.rpc_sync("driver", fns.raise_custom, args=("printed-here",))
+    assert "CustomError: printed-here" in capsys.readouterr().err
+    dispatcher = current_agent().dispatcher
+    dispatcher._print_errors = False  # what print_errors=False in the options sets
+    try:
+        with pytest.raises(fns.CustomError):
+            asyncrpc.rpc_sync("driver", fns.raise_custom, args=("not-printed",))
+    finally:
+        dispatcher._print_errors = True
+    assert "not-printed" not in capsys.readouterr().err
 
 
 def test_async_function_error_comes_back_through_future(group: Group) -> None:
