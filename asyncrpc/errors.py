@@ -30,6 +30,7 @@ __all__ = [
     "InitError",
     "LocalProtocolError",
     "NotInitializedError",
+    "OperatorArgumentsError",
     "PeerLostError",
     "PeerUnavailableError",
     "ProtocolError",
@@ -144,6 +145,14 @@ class SerializationError(AsyncRpcError, TypeError, RuntimeError):
 class AsyncExecutionError(AsyncRpcError, TypeError, RuntimeError):
     """An ``@async_execution`` function returned something that is not a future or a
     coroutine."""
+
+
+class OperatorArgumentsError(AsyncRpcError, TypeError, RuntimeError):
+    """A builtin torch op called through RPC did not take its arguments.
+
+    A ``TypeError``, as the same call raises locally, and a ``RuntimeError`` in torch's
+    words, as torch's RPC raises it for builtin ops.
+    """
 
 
 class FunctionNotFoundError(AsyncRpcError, LookupError, RuntimeError):

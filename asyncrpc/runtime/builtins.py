@@ -17,7 +17,9 @@ from typing import Any, Final
 
 import torch
 
-__all__ = ["SMALL_OP_NUMEL", "runs_on_loop"]
+from asyncrpc.errors import OperatorArgumentsError
+
+__all__ = ["SMALL_OP_NUMEL", "checked_op", "is_torch_op", "runs_on_loop"]
 
 SMALL_OP_NUMEL: Final = 1 << 14
 """The most elements an argument, and the broadcast result, may have to run on the loop."""
@@ -76,3 +78,23 @@ def runs_on_loop(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool
             return True  # the op fails at once, wherever it runs
         return int(math.prod(result)) <= SMALL_OP_NUMEL
     return True
+
+
+def is_torch_op(fn: Any) -> bool:
+    """Whether ``fn`` is one of torch's builtin ops (``torch.add``...), a C function."""
+    return type(fn) is _BUILTIN and getattr(fn, "__module__", None) == "torch"
+
+
+def checked_op(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """``op(*args, **kwargs)``, where arguments it does not take raise
+    ``OperatorArgumentsError`` (a TypeError, as locally, and torch RPC's RuntimeError).
+
+    Raises:
+        OperatorArgumentsError: the op's argument parser refused the arguments.
+    """
+    try:
+        return op(*args, **kwargs)
+    except TypeError as exc:  # a C function: its TypeErrors come from parsing arguments
+        raise OperatorArgumentsError(
+            f"Overloaded torch operator invoked from Python failed to match any schema: {exc}"
+        ) from exc

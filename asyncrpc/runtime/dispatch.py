@@ -33,7 +33,7 @@ from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inl
 from asyncrpc.protocol.serde import MissingReferenceError, Serializer, pack_exception
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import CallMode, ErrorReply, Reply, Request
-from asyncrpc.runtime.builtins import runs_on_loop
+from asyncrpc.runtime.builtins import checked_op, is_torch_op, runs_on_loop
 from asyncrpc.runtime.future import Future
 from asyncrpc.runtime.metrics import Counters
 from asyncrpc.runtime.pipeline import IncomingCall, Pipeline
@@ -171,6 +171,8 @@ class Dispatcher:
         fn, args, kwargs = call
         # Decided on the function itself: a hook's wrapper may hide what kind it is.
         run, async_exec = fn, is_async_execution(fn)
+        if is_torch_op(fn):
+            run = partial(checked_op, fn)
         if serves:
             try:
                 run = self._serve(conn, request, peer, call, grads)

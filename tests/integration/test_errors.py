@@ -74,6 +74,22 @@ def test_print_errors_writes_to_the_stderr_of_the_moment_and_can_be_off(
     assert "not-printed" not in capsys.readouterr().err
 
 
+def test_builtin_op_with_bad_arguments_is_a_type_error_and_torchs_runtime_error(
+    group: Group,
+) -> None:
+    with pytest.raises(asyncrpc.OperatorArgumentsError) as info:
+        asyncrpc.rpc_sync("w3", torch.add, args=())
+    assert isinstance(info.value, TypeError)  # as the same call raises locally
+    assert isinstance(info.value, RuntimeError)  # as torch's RPC raises it
+    assert "failed to match any schema" in str(info.value)
+    assert "add() received an invalid combination of arguments" in str(info.value)
+    # Ops that take their arguments, and errors that are not about them, are untouched.
+    assert asyncrpc.rpc_sync("w3", torch.add, args=(torch.ones(2), 1)).tolist() == [2.0, 2.0]
+    with pytest.raises(RuntimeError) as shapes:
+        asyncrpc.rpc_sync("w3", torch.add, args=(torch.ones(2), torch.ones(3)))
+    assert not isinstance(shapes.value, asyncrpc.OperatorArgumentsError)
+
+
 def test_async_function_error_comes_back_through_future(group: Group) -> None:
     fut = asyncrpc.rpc_async("w2", fns.async_raise_value_error)
     with pytest.raises(ValueError, match="async failure"):
