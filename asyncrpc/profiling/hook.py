@@ -45,7 +45,7 @@ _enter = torch.ops.profiler._record_function_enter_new
 # profiler state of the thread that registered it: the legacy profiler is per thread, and
 # our calls complete on the agent's loop thread.
 _end_on = torch.ops.profiler._call_end_callbacks_on_jit_fut._RecordFunction
-_enabled_here = torch.autograd._profiler_enabled  # any profiler, on this thread
+_enabled_here = torch._C._autograd._profiler_enabled  # any profiler, on this thread
 
 
 class _Nested:

@@ -14,7 +14,14 @@ from typing import Any
 import torch
 from torch.jit._builtins import _find_builtin
 
-__all__ = ["REMOTE_OP", "call_name", "function_name", "is_torch_op", "remote_event_name", "rpc_span_name"]
+__all__ = [
+    "REMOTE_OP",
+    "call_name",
+    "function_name",
+    "is_torch_op",
+    "remote_event_name",
+    "rpc_span_name",
+]
 
 REMOTE_OP = "#remote_op: "
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.autograd.profiler_legacy import profile as legacy_profile
 from torch.profiler import profile
 
 import asyncrpc
@@ -19,6 +20,7 @@ from asyncrpc.profiling import (
     remote_event_name,
     rpc_span_name,
 )
+from asyncrpc.profiling.recorder import ASKED, MEMORY, SHAPES
 from asyncrpc.protocol.wire import FrameDecoder
 from asyncrpc.runtime.current import current_agent
 from asyncrpc.runtime.pipeline import Pipeline
@@ -67,7 +69,9 @@ def test_profiler_remote_events_are_marked_remote_with_the_callee_rank(group: Gr
     remote = [e for e in prof.events() if "#remote_op: " in e.name]
     assert remote
     assert {(e.is_remote, e.node_id) for e in remote} == {(True, 3)}
-    local = [e for e in prof.events() if e.name == rpc_span_name("sync", "torch_ops", "driver", "w3")]
+    local = [
+        e for e in prof.events() if e.name == rpc_span_name("sync", "torch_ops", "driver", "w3")
+    ]
     function = next(e for e in remote if e.name.endswith(OPS))
     # The remote function is placed inside the local span of its RPC.
     assert local[0].time_range.start <= function.time_range.start
@@ -142,6 +146,12 @@ def test_profiler_off_means_no_spans_and_no_header_fields(group: Group) -> None:
     assert len(request_fields()) == 7  # no pipeline field at all
     with profile():
         assert request_fields()[7] == {"p": 1}
+    assert len(request_fields()) == 7
+    # The legacy profiler too, asking for what it records (see recorder.py's bits).
+    with legacy_profile(record_shapes=True, profile_memory=True):
+        assert request_fields()[7] == {"p": ASKED | SHAPES | MEMORY}
+    with legacy_profile(record_shapes=True):
+        assert request_fields()[7] == {"p": ASKED | SHAPES}
     assert len(request_fields()) == 7
     with profile() as prof:
         pass
