@@ -127,7 +127,7 @@ async def _start(name: str, rank: int, world_size: int | None, options: RpcBacke
     # The composition root: the runtime's agent, with this package's RRef layer and the
     # call pipeline's hooks plugged in (profiling first: its span covers the others).
     agents: list[Agent] = []
-    hooks = [ProfilingHook(), AutogradHook(lambda: agents[0].rank)]
+    hooks = [ProfilingHook(lambda: agents[0].rank), AutogradHook(lambda: agents[0].rank)]
     agent = await Agent.start(
         name, rank, world_size, options, set_agent, rrefs=RRefContext, hooks=hooks
     )

@@ -1,20 +1,62 @@
 """Names of RPC spans in profiler traces, in torch's format (layer L3).
 
 torch names an RPC ``rpc_<mode>#<function>(<caller> -> <callee>)`` and the events that ran
-on the callee ``<that name>#remote_op: <event>``; tools written for torch's traces read
-ours the same way.
+on the callee ``<that name>#remote_op: <event>``, where ``<function>`` is the operator's
+name for a torch builtin (``aten::add``), the qualified name of a TorchScript function, and
+the ``__qualname__`` of any other function. Ours are the same, so tools (and tests) written
+for torch's traces read ours.
 """
 
 from __future__ import annotations
 
-__all__ = ["REMOTE_OP", "remote_event_name", "rpc_span_name"]
+from typing import Any
+
+import torch
+from torch.jit._builtins import _find_builtin
+
+__all__ = [
+    "REMOTE_OP",
+    "call_name",
+    "function_name",
+    "is_torch_op",
+    "remote_event_name",
+    "rpc_span_name",
+]
 
 REMOTE_OP = "#remote_op: "
 
+# Calls an RRef makes for itself, under their names in torch's traces. torch asks the
+# owner for the type of an RRef's value with an RPC of its function _rref_typeof_on_owner.
+_TORCH_NAMES = {"RRef._get_type": "_rref_typeof_on_owner"}
 
-def rpc_span_name(kind: str, target: str, caller: str, callee: str) -> str:
-    """``rpc_sync#module.fn(caller -> callee)``; ``kind`` is "sync", "async" or "remote"."""
-    return f"rpc_{kind}#{target}({caller} -> {callee})"
+
+def function_name(fn: Any) -> str:
+    """What torch calls ``fn`` in a span name: ``aten::add``, ``my_func``, ``Cls.method``."""
+    builtin = _find_builtin(fn)
+    if builtin is not None:
+        return str(builtin)
+    if isinstance(fn, torch.jit.ScriptFunction):
+        return str(fn.qualified_name)
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    return str(name) if name else type(fn).__name__
+
+
+def is_torch_op(fn: Any) -> bool:
+    """Whether ``fn`` is a torch builtin (``torch.add``): the profiler names it itself."""
+    return _find_builtin(fn) is not None
+
+
+def call_name(target: str, default: str, fn: Any) -> str:
+    """The span's function name of a call to ``fn`` named ``target`` (``default`` when the
+    caller gave it no name of its own)."""
+    if target == default:
+        return function_name(fn)
+    return _TORCH_NAMES.get(target, target)
+
+
+def rpc_span_name(kind: str, function: str, caller: str, callee: str) -> str:
+    """``rpc_sync#fn(caller -> callee)``; ``kind`` is "sync", "async" or "remote"."""
+    return f"rpc_{kind}#{function}({caller} -> {callee})"
 
 
 def remote_event_name(span: str, event: str) -> str:

@@ -1,14 +1,16 @@
-"""Records what a request runs on the callee: the function's span and the torch ops inside
-it, on the thread that runs it (layer L3).
+"""Records what a request runs on the callee: the function's span, the torch ops inside
+it and the RPCs it makes, on the thread that runs it (layer L3).
 
 torch's kineto profiler is one per process, so the callee records with the legacy profiler,
 which is per thread (torch's own RPC agent does the same on its server threads). A
 synchronous function is recorded in one session; an ``async def`` function in one session
 per step of its coroutine, so ops of other requests interleaved on the loop are not counted.
-An ``@async_execution`` function is recorded until it returns its future.
+An ``@async_execution`` function is recorded until it returns its future. An RPC the
+function makes is recorded by hand (see ``hook.py``): its span, and what its own callee
+recorded, nested inside it.
 
-A recording is a list of ``[name, start_us, end_us, thread]`` rows, msgpack-able, with
-times relative to the start of the function; its first row is the function itself.
+A recording is a list of rows (see ``Row``), msgpack-able, with times relative to the start
+of the function; its first row is the function itself.
 """
 
 from __future__ import annotations
@@ -20,22 +22,52 @@ from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
 from torch.autograd.profiler_legacy import profile as legacy_profile
+from torch.autograd.profiler_util import MEMORY_EVENT_NAME
 
-__all__ = ["MAX_EVENTS", "Recording", "recorded"]
+__all__ = [
+    "ASKED",
+    "MAX_EVENTS",
+    "MEMORY",
+    "SHAPES",
+    "Recording",
+    "Row",
+    "centred_offset",
+    "current_recording",
+    "recorded",
+    "relabel",
+]
 
 # A reply carries at most this many events (a loop of small ops can make millions).
 MAX_EVENTS = 5000
 
+# The caller's request (the value of the header field): a bit set of what to record.
+ASKED = 1  # record this call
+SHAPES = 2  # with the ops' input shapes (the caller profiles with record_shapes=True)
+MEMORY = 4  # with the memory each op allocated (profile_memory=True)
+
+# A row: [name, start_us, end_us, thread, node_id, input_shapes, cpu_memory_usage].
+# node_id -1 means "the worker that recorded it"; a row that came from further away (an
+# RPC the function made) carries the rank of the worker that ran it.
 Row = list[Any]
+NAME, START, END, THREAD, NODE, SHAPES_AT, MEMORY_AT = range(7)
+
+_current = threading.local()
+
+
+def current_recording() -> Recording | None:
+    """The recording of the request this thread is running now, if any."""
+    return getattr(_current, "recording", None)
 
 
 class Recording:
-    """The events of one request, filled while it runs."""
+    """The events of one request, filled while it runs (by its thread, and by the loop
+    for the RPCs it makes)."""
 
-    __slots__ = ("dropped", "end_ns", "rows", "start_ns", "target", "thread")
+    __slots__ = ("dropped", "end_ns", "flags", "rows", "start_ns", "target", "thread")
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, flags: int = ASKED) -> None:
         self.target = target
+        self.flags = flags
         self.start_ns = 0
         self.end_ns = 0
         self.thread = 0
@@ -49,31 +81,65 @@ class Recording:
     def finish(self) -> None:
         self.end_ns = time.perf_counter_ns()
 
-    def add_session(self, session_start_ns: int, events: Any) -> None:
-        offset_us = (session_start_ns - self.start_ns) / 1000
-        for event in events:
-            if len(self.rows) >= MAX_EVENTS:
-                self.dropped += 1
-                continue
-            span = event.time_range
-            self.rows.append(
-                [event.name, offset_us + span.start, offset_us + span.end, event.thread]
-            )
+    def offset_us(self, at_ns: int) -> float:
+        """``at_ns`` (``perf_counter_ns``) in this recording's µs."""
+        return (at_ns - self.start_ns) / 1000
 
-    def as_rows(self) -> list[Row]:
-        """The function's own row first, then its events."""
+    def add(self, rows: list[Row]) -> None:
+        room = MAX_EVENTS - len(self.rows)
+        self.dropped += max(len(rows) - room, 0)
+        self.rows.extend(rows[: max(room, 0)])
+
+    def add_session(self, session_start_ns: int, events: Any) -> None:
+        offset_us = self.offset_us(session_start_ns)
+        rows = []
+        for event in events:
+            if event.name == MEMORY_EVENT_NAME:
+                continue  # a bare allocation outside any op: no time span to place it in
+            span = event.time_range
+            rows.append([
+                event.name, offset_us + span.start, offset_us + span.end, event.thread, -1,
+                event.input_shapes or None, event.cpu_memory_usage,
+            ])  # fmt: skip
+        self.add(rows)
+
+    def as_rows(self, function: bool = True) -> list[Row]:
+        """The function's own row first (unless not ``function``), then its events."""
+        if not function:
+            return list(self.rows)
         duration_us = max(self.end_ns - self.start_ns, 0) / 1000
-        return [[self.target, 0.0, duration_us, self.thread], *self.rows]
+        return [[self.target, 0.0, duration_us, self.thread, -1, None, 0], *self.rows]
+
+
+def relabel(rows: list[Row], name: Callable[[str], str], offset_us: float, node: int) -> list[Row]:
+    """``rows`` renamed by ``name``, shifted by ``offset_us``; those recorded by the worker
+    that sent them (node -1) are marked ``node``."""
+    return [
+        [name(row[NAME]), row[START] + offset_us, row[END] + offset_us, row[THREAD],
+         node if row[NODE] < 0 else row[NODE], row[SHAPES_AT], row[MEMORY_AT]]
+        for row in rows
+    ]  # fmt: skip
+
+
+def centred_offset(span_start_us: float, span_end_us: float, rows: list[Row]) -> float:
+    """Where ``rows`` (from another worker's clock, from 0) start inside a local span:
+    centred in it, as the two clocks are not comparable."""
+    remote_us = max((float(row[END]) for row in rows), default=0.0)
+    return span_start_us + max(span_end_us - span_start_us - remote_us, 0.0) / 2
 
 
 def _run_recorded(recording: Recording, step: Callable[[], Any]) -> Any:
     """Run ``step()`` in one legacy-profiler session and add its events to ``recording``."""
+    flags = recording.flags
+    prof = legacy_profile(record_shapes=bool(flags & SHAPES), profile_memory=bool(flags & MEMORY))
+    outer = current_recording()
     started = time.perf_counter_ns()
-    prof = legacy_profile()
     prof.__enter__()
+    _current.recording = recording
     try:
         return step()
     finally:
+        _current.recording = outer
         prof.__exit__(None, None, None)
         recording.add_session(started, prof.function_events)
 

@@ -15,6 +15,7 @@ from torch.autograd.profiler_util import EventList
 from asyncrpc.errors import NotInitializedError
 from asyncrpc.profiling.hook import ProfilingHook
 from asyncrpc.profiling.merge import to_function_events
+from asyncrpc.profiling.recorder import relabel
 from asyncrpc.runtime.current import current_agent
 
 __all__ = ["disable_server_profiler", "enable_server_profiler", "server_profile"]
@@ -57,7 +58,7 @@ def disable_server_profiler() -> EventList:
         def name(event: str, span: str = span, target: str = target) -> str:
             return span if event == target else event
 
-        events.extend(to_function_events(rows, name, start_ns / 1000, -1))
+        events.extend(to_function_events(relabel(rows, name, start_ns / 1000, -1)))
     events._build_tree()  # one clock for all requests: parents and children by time
     return events
 

@@ -92,7 +92,7 @@ class RRefHost(Protocol):
     def send_remote(
         self, rank: int, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
         register: Callable[[], tuple[tuple[int, int], tuple[int, int]]],
-    ) -> None: ...  # fmt: skip
+    ) -> Future[Any] | None: ...  # fmt: skip
 
     def send_ref(self, rank: int, pieces: list[Any]) -> None: ...
 
@@ -161,9 +161,10 @@ class RRefContext:
             self._minted().append((rref_id, fork_id))
             return rref_id, fork_id
 
-        agent.send_remote(rank, fn, args, kwargs, timeout, register)
+        observed = agent.send_remote(rank, fn, args, kwargs, timeout, register)
         rref_id, fork_id = ids[0]
         rref: RRef[Any] = RRef._make(self, rref_id, fork_id, rank, None)
+        rref._made_by = observed
         if timeout > 0:
             name = target or describe_function(fn)
             agent.run_on_loop(
@@ -197,7 +198,9 @@ class RRefContext:
             self.agent.rank, fn, args, kwargs, timeout, kind="remote", target=target
         )
         call._add_callback(lambda done: self._settle(value, done))
-        return RRef._make(self, rref_id, None, self.agent.rank, value)
+        rref = RRef._make(self, rref_id, None, self.agent.rank, value)
+        rref._made_by = call
+        return rref
 
     @staticmethod
     def _settle(value: Future[Any], done: Future[Any]) -> None:

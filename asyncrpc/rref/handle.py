@@ -73,7 +73,9 @@ class RRef(Generic[T]):
     ``RRef(value)`` makes an owner reference to a local value. ``RRef[T]`` works as a type.
     """
 
-    __slots__ = ("__weakref__", "_ctx", "_fork_id", "_owner", "_rref_id", "_type", "_value")
+    __slots__ = (
+        "__weakref__", "_ctx", "_fork_id", "_made_by", "_owner", "_rref_id", "_type", "_value",
+    )  # fmt: skip
 
     _ctx: RRefBackend
     _rref_id: RRefId
@@ -81,6 +83,9 @@ class RRef(Generic[T]):
     _owner: int
     _value: Future[T] | None
     _type: Future[type] | None
+    # The remote() call that made this RRef, when it went through the call pipeline (a
+    # profiled one): done once the hooks were told it ended.
+    _made_by: Future[Any] | None
 
     def __init__(self, value: T, type_hint: type | None = None) -> None:
         """Make an owner reference to ``value``.
@@ -96,7 +101,7 @@ class RRef(Generic[T]):
         self._ctx = current_rrefs()
         self._rref_id, self._value = self._ctx.create_local(value)
         self._fork_id, self._owner = None, self._ctx.rank
-        self._type = None
+        self._type, self._made_by = None, None
         if type_hint is not None:
             self._type = Future()
             self._type.set_result(type_hint)
@@ -108,7 +113,7 @@ class RRef(Generic[T]):
     ) -> RRef[Any]:  # fmt: skip
         rref: RRef[Any] = object.__new__(cls)
         rref._ctx, rref._rref_id, rref._fork_id = ctx, rref_id, fork_id
-        rref._owner, rref._value, rref._type = owner, value, None
+        rref._owner, rref._value, rref._type, rref._made_by = owner, value, None, None
         return rref
 
     def __del__(self) -> None:
@@ -263,6 +268,23 @@ class RRef(Generic[T]):
         )
         return call._then(functools.partial(_owner_lost_as_rref_error, self.owner_name()))
 
+    def _get_profiling_future(self) -> Future[None]:
+        """A future done once the profiler has the span of the ``remote()`` that made this
+        RRef, and what the owner recorded (torch's ``RRef._get_profiling_future``).
+
+        Returns:
+            A Future of None, done at once for an RRef not made by a profiled ``remote()``.
+            It never fails: a failed ``remote()`` has its span too.
+
+        Cancellation: cancelling it changes nothing else.
+        """
+        made_by = self._made_by
+        if made_by is None:
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+        return made_by._then(_ignored)
+
     # -- proxies ---------------------------------------------------------------------------
 
     def rpc_sync(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
@@ -360,6 +382,10 @@ async def _fetch_forked(rref: RRef[Any]) -> Any:
 def _guid(key: RRefId | ForkId | None) -> str:
     # An id as torch prints its GloballyUniqueId.
     return "None" if key is None else f"GloballyUniqueId(created_on={key[0]}, local_id={key[1]})"
+
+
+def _ignored(done: Future[Any]) -> None:
+    return None
 
 
 def _made(done: Future[Any]) -> None:

@@ -490,12 +490,16 @@ class Agent:
     def send_remote(
         self, rank: int, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
         register: Callable[[], tuple[tuple[int, int], tuple[int, int]]],
-    ) -> None:  # fmt: skip
+    ) -> Future[Any] | None:  # fmt: skip
         """Send a ``remote()`` request from any thread; the owner keeps the value.
 
         Without pipeline hooks nothing waits for it here (the RRef protocol confirms it).
         With hooks, the owner acknowledges the end of the function, and a pending call
         tells the hooks.
+
+        Returns:
+            With hooks, the future of that acknowledgement (done after the hooks were
+            told); else None.
 
         Raises:
             SerializationError: the function or an argument cannot be pickled.
@@ -505,10 +509,12 @@ class Agent:
         )
         if observed is None:
             self.run_on_loop(self.send_to, rank, pieces, 0, keep, forks)
-            return
-        call = PendingCall(Future(loop=self.loop), rank, target, timeout)
+            return None
+        acknowledged: Future[Any] = Future(loop=self.loop)
+        call = PendingCall(acknowledged, rank, target, timeout)
         call.keepalive, call.observed, call.forks = keep, observed, forks
         self.run_on_loop(self.begin_call, call_id, call, pieces)
+        return acknowledged
 
     def run_on_loop(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the agent's loop: now if this is the loop thread."""

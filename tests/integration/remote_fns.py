@@ -458,6 +458,24 @@ def torch_ops_then_fail(x: torch.Tensor) -> None:
     raise CustomError("failed after its ops")
 
 
+def scoped_torch_ops(x: torch.Tensor) -> torch.Tensor:
+    """torch ops inside a record_function scope of their own."""
+    with torch.autograd.profiler.record_function("##scope##"):
+        return torch.mm(x, x).add(1)
+
+
+def nested_torch_add(to: str, x: torch.Tensor) -> torch.Tensor:
+    """An op here, then an RPC of an op to ``to`` (the profiler sees both, nested)."""
+    y = torch.mm(x, x)
+    return asyncrpc.rpc_sync(to, torch.add, args=(y, 1))  # type: ignore[no-any-return]
+
+
+@async_execution
+def async_exec_torch_add(to: str, x: torch.Tensor) -> asyncrpc.Future[torch.Tensor]:
+    """Replies when an RPC to ``to`` it starts, and does not wait for, completes."""
+    return asyncrpc.rpc_async(to, torch.add, args=(x, 1))
+
+
 async def profile_await_call_here(to: str) -> list[str]:
     """On an asyncio worker: profile an ``await call`` made on the agent's own loop."""
     with torch.profiler.profile() as prof:
