@@ -81,11 +81,15 @@ def init_rpc(
         name: a name unique in the group.
         backend: None, or torch's ``BackendType.TENSORPIPE`` (accepted for drop-in use).
         rank: this worker's rank; -1 reads ``RANK`` with ``env://``.
-        world_size: number of workers; None reads ``WORLD_SIZE`` with ``env://``.
+        world_size: number of workers. None joins a dynamic group: members join (and
+            leave) at any time and find each other in the rendezvous store; with
+            ``env://`` and ``WORLD_SIZE`` set, that size is read instead (a static group).
         rpc_backend_options: ``asyncrpc.RpcBackendOptions`` or torch's
             ``TensorPipeRpcBackendOptions``.
 
     Raises:
+        MissingRankError: no rank, and the init method has none (a ``ValueError``).
+        MixedGroupError: the group mixes static and dynamic members.
         InitError: bad arguments, duplicate name or rank, rendezvous failure, or a worker
             already running in this process.
     """
@@ -308,9 +312,12 @@ def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:
 
 
 def get_worker_infos() -> list[WorkerInfo]:
-    """``WorkerInfo`` of every worker in the group, by rank."""
-    agent = current_agent()
-    return [agent.worker_info(r) for r in sorted(agent.addresses)]
+    """``WorkerInfo`` of every worker in the group, by rank.
+
+    In a dynamic group: the members in the group now, read in the rendezvous store; called
+    on the agent's loop thread (it must not block there), the members this worker knows.
+    """
+    return current_agent().worker_infos()
 
 
 def get_rpc_timeout() -> float:

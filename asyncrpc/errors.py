@@ -29,6 +29,8 @@ __all__ = [
     "InitArgumentError",
     "InitError",
     "LocalProtocolError",
+    "MissingRankError",
+    "MixedGroupError",
     "NotInitializedError",
     "OperatorArgumentsError",
     "PeerLostError",
@@ -70,6 +72,16 @@ class InitArgumentError(InitError, TypeError):
 
 class WorkerNameError(InitError, ValueError):
     """A worker name is empty, too long, or has characters outside ``[A-Za-z0-9_:-]``."""
+
+
+class MissingRankError(InitError, ValueError):
+    """No rank was given and the init method has none to offer (``file://`` and ``tcp://``
+    never do; ``env://`` reads ``RANK``). A ``ValueError``, as torch's rendezvous raises."""
+
+
+class MixedGroupError(InitError):
+    """A worker joined with ``world_size`` given (static) where the group's members joined
+    without one (dynamic), or the other way round."""
 
 
 class NotInitializedError(AsyncRpcError, RuntimeError):

@@ -12,6 +12,7 @@ floor above: the agent reaches them through the ``RRefService`` its starter buil
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import math
@@ -58,6 +59,7 @@ from asyncrpc.runtime.dispatch import Dispatcher
 from asyncrpc.runtime.future import Future, set_default_callback_loop
 from asyncrpc.runtime.heartbeat import Heartbeat, Watched
 from asyncrpc.runtime.loopback import LoopbackConnection
+from asyncrpc.runtime.membership import Directory
 from asyncrpc.runtime.metrics import Counters, LagProbe, RateLimitedLog
 from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT, RpcBackendOptions, WorkerInfo
 from asyncrpc.runtime.peers import GOODBYE_REASON, PeerTable
@@ -100,7 +102,7 @@ class Agent:
         self.loop = loop
         self.loop_thread_id = threading.get_ident()
         self.rank = -1
-        self.world_size = 0
+        self.world_size: int | None = 0  # None: a dynamic group (members come and go)
         self.counters = Counters()
         self._auth_log = RateLimitedLog(_log, interval=10.0)
         self.pending = PendingCalls(loop, self._expire)
@@ -130,7 +132,7 @@ class Agent:
         self.peers: PeerTable | None = None
         self.group: StoreGroup | None = None
         self.addresses: dict[int, PeerAddress] = {}
-        self._ranks_by_name: dict[str, int] = {}
+        self.directory = Directory(self.addresses, None)
         self._early_hellos: list[tuple[Connection, Hello]] = []
         self._connections: set[Connection] = set()
         # Frames waiting for a connection to be made, by peer, in the order they were sent.
@@ -222,7 +224,7 @@ class Agent:
         )
         self.group = group
         self.rank, self.world_size = group.rank, group.world_size
-        self._ranks_by_name = {a.name: r for r, a in self.addresses.items()}
+        self.directory = Directory(self.addresses, group)
         self.rrefs = None if rrefs is None else rrefs(self)
         self.dispatcher.rrefs = self.rrefs
         self.peers = PeerTable(
@@ -233,7 +235,7 @@ class Agent:
         )  # fmt: skip
         for conn, hello in self._early_hellos:
             if not conn.closed:
-                self.peers.on_hello(conn, hello)
+                self._on_hello(conn, hello)
         self._early_hellos.clear()
 
     def _new_connection(self, initiated: bool) -> Connection:
@@ -347,23 +349,40 @@ class Agent:
         Raises:
             UnknownWorkerError: no such worker in the group.
         """
-        if isinstance(to, WorkerInfo):
-            to = to.name
-        if isinstance(to, str):
-            rank = self._ranks_by_name.get(to)
-        elif isinstance(to, int) and not isinstance(to, bool):
-            rank = to if to in self.addresses else None
-        else:
-            name = getattr(to, "name", None)  # torch's WorkerInfo
-            if not isinstance(name, str):
-                raise BadDestinationError(to, tuple(self._ranks_by_name))
-            rank = self._ranks_by_name.get(name)
+        who = self._destination(to)
+        rank = self.directory.known(who)
+        if rank is None and self.directory.dynamic:
+            # A member that joined after this one: read in the store, on the calling
+            # thread. On the loop thread (a sync-style call from a coroutine) that is a
+            # short blocking read, once per newcomer; ``call`` looks up off the loop.
+            rank = self.directory.lookup(who)
         if rank is None:
-            raise UnknownWorkerError(to, tuple(self._ranks_by_name))
+            raise UnknownWorkerError(to, tuple(self.directory.ranks_by_name))
         return rank
 
+    def _destination(self, to: str | int | WorkerInfo) -> str | int:
+        if isinstance(to, WorkerInfo):
+            return to.name
+        if isinstance(to, str) or (isinstance(to, int) and not isinstance(to, bool)):
+            return to
+        name = getattr(to, "name", None)  # torch's WorkerInfo
+        if not isinstance(name, str):
+            raise BadDestinationError(to, tuple(self.directory.ranks_by_name))
+        return name
+
     def worker_info(self, rank: int) -> WorkerInfo:
+        if rank not in self.addresses:
+            self.directory.lookup(rank)  # a dynamic group's newcomer (KeyError if none)
         return WorkerInfo(self.addresses[rank].name, rank)
+
+    def worker_infos(self) -> list[WorkerInfo]:
+        """The group's members by rank. Dynamic group: read in the store (blocking) when
+        called off the loop thread, else the members this worker knows."""
+        if self.directory.dynamic and threading.get_ident() != self.loop_thread_id:
+            ranks = self.directory.current()
+        else:
+            ranks = sorted(dict(self.addresses))
+        return [self.worker_info(r) for r in ranks]
 
     def effective_timeout(self, timeout: float) -> float:
         """torch's rule: a negative timeout means the default, 0 means none (so does inf).
@@ -472,6 +491,8 @@ class Agent:
         self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float
     ) -> Any:
         """Call on the agent's own loop; cancelling the awaiting task cancels the remote work."""
+        if self.directory.dynamic:
+            await self.directory.lookup_async(self._destination(to))  # off the loop
         rank = self.resolve(to)
         timeout = self.effective_timeout(timeout)
         call_id, target, pieces, keep, observed, forks = self.encode_request(
@@ -558,7 +579,9 @@ class Agent:
 
     def send_ref(self, rank: int, pieces: list[Any]) -> None:
         """Send a refcount frame; it is sent again on a new connection until acknowledged."""
-        if rank != self.rank and self.peers is not None and rank in self.peers.peers:
+        # A dynamic group's member not looked up yet has no log for this first frame: it
+        # goes out once the look-up is done (a connection lost before its Pong loses it).
+        if rank != self.rank and self.peers is not None and self._peer_known(rank):
             log = self._ref_logs.setdefault(rank, RefLog())
             if log.add(pieces):
                 peer = self.peers.peers[rank]
@@ -602,6 +625,7 @@ class Agent:
         assert self.peers is not None
         waiting, sent = self._unsent[rank], 0
         try:
+            await self._know_peer(rank)
             conn = await self.peers.connection(rank)
             for pieces, call_id, keep, forks in waiting:  # no await inside: the list stays
                 sent += 1
@@ -610,7 +634,7 @@ class Agent:
                     self._undelivered(rank, forks)
                     continue  # timed out or cancelled while waiting: the callee never runs it
                 self._send_checked(conn, rank, pieces, call_id, keep, forks)
-        except (ConnectionError, OSError) as exc:
+        except (ConnectionError, OSError, UnknownWorkerError) as exc:
             for _, call_id, _, forks in waiting[sent:]:
                 self._fail_unsent(rank, call_id, exc)
                 self._undelivered(rank, forks)
@@ -749,7 +773,7 @@ class Agent:
             if self.peers is None:
                 self._early_hellos.append((conn, message))
             else:
-                self.peers.on_hello(conn, message)
+                self._on_hello(conn, message)
         elif isinstance(message, HelloReply) and self.peers is not None:
             self.peers.on_hello_reply(conn, message)
         elif isinstance(message, Auth) and self.peers is not None:
@@ -757,6 +781,46 @@ class Agent:
         else:
             self.counters.protocol_errors += 1
             conn.abort(RemoteProtocolError(f"{type(message).__name__} before the handshake"))
+
+    def _on_hello(self, conn: Connection, hello: Hello) -> None:
+        assert self.peers is not None
+        if self._peer_known(hello.rank) or not self.directory.dynamic:
+            self.peers.on_hello(conn, hello)
+        else:
+            self.loop.create_task(self._on_newcomer_hello(conn, hello))
+
+    async def _on_newcomer_hello(self, conn: Connection, hello: Hello) -> None:
+        # A member that joined after this one dials: its address is in the store (it
+        # publishes before it dials). A stranger's made-up rank costs one read, bounded by
+        # the handshake deadline; it is refused by on_hello (no such member) or by its proof.
+        assert self.peers is not None
+        with contextlib.suppress(UnknownWorkerError):  # then refused by on_hello
+            await self._know_peer(hello.rank)
+        if not conn.closed:
+            self.peers.on_hello(conn, hello)
+
+    def _peer_known(self, rank: int) -> bool:
+        """Whether the peer table has ``rank``, adding it if its address is known (a member
+        another thread looked up); on the loop thread."""
+        assert self.peers is not None
+        if rank in self.peers.peers:
+            return True
+        address = self.addresses.get(rank)
+        if address is None or rank == self.rank:
+            return False
+        self.peers.add(address)
+        return True
+
+    async def _know_peer(self, rank: int) -> None:
+        """Make ``rank`` a peer, looking it up in a dynamic group's store if needed.
+
+        Raises:
+            UnknownWorkerError: no member has that rank.
+        """
+        if not self._peer_known(rank):
+            await self.directory.lookup_async(rank)
+            if not self._peer_known(rank):
+                raise UnknownWorkerError(rank, tuple(self.directory.ranks_by_name))
 
     def _on_reply(self, fields: list[Any], frame: Frame) -> None:
         call = self.pending.pop(fields[1])

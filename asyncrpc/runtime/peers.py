@@ -106,6 +106,11 @@ class PeerTable:
         # the largest frame it takes.
         self._challenges: dict[Connection, tuple[int, bytes, int]] = {}
 
+    def add(self, address: PeerAddress) -> None:
+        """Know one more worker: a dynamic group's member met after this table was made."""
+        if address.rank != self.rank and address.rank not in self.peers:
+            self.peers[address.rank] = Peer(address)
+
     async def connection(self, rank: int) -> Connection:
         """Return the live connection to ``rank``, dialling it first if needed.
 

@@ -4,11 +4,18 @@ Every worker claims its rank and name in the store, publishes its listening addr
 reads everyone else's. Duplicate names or ranks fail at init, and the first worker to see
 one posts an abort key so the rest fail fast instead of waiting out the timeout. All calls
 here block; the agent runs them on a helper thread so its loop keeps serving.
+
+A group is static (``world_size`` given: everyone waits for everyone) or dynamic (no
+``world_size``: a member joins at once, reads the members already there, and is found by
+later ones in the store when they first need it); the first member's kind is claimed in the
+store and a member of the other kind is refused. A dynamic member also lists itself under a
+sequence number, so that the members of the moment can be read back (``members``).
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib
 import logging
 import os
 import socket
@@ -19,14 +26,18 @@ from typing import Any
 
 import msgpack
 
-from asyncrpc.errors import InitError, ShutdownError
+from asyncrpc.errors import InitError, MissingRankError, MixedGroupError, ShutdownError
 from asyncrpc.protocol import auth
 
-__all__ = ["PeerAddress", "StoreGroup", "join_group"]
+__all__ = ["MIXED_GROUP", "PeerAddress", "StoreGroup", "is_dynamic", "join_group"]
 
 _log = logging.getLogger("asyncrpc.runtime.rendezvous")
 _PREFIX = "asyncrpc/"
 _POLL_S = 0.01
+# torch's sentence for a group whose members disagree on being static or dynamic.
+MIXED_GROUP = (
+    "RPC group mixes statically and dynamically initialized members which is not supported."
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,32 +66,97 @@ def this_host_id() -> str:
     return f"{boot_id}/{socket.gethostname()}"
 
 
-def _open_store(init_method: str, rank: int, world_size: int | None, timeout: float) -> Any:
-    from torch.distributed import rendezvous  # type: ignore[attr-defined]
+def is_dynamic(init_method: str, world_size: int | None) -> bool:
+    """Whether a worker joining with these arguments makes (or joins) a dynamic group.
 
+    No ``world_size`` means dynamic, as in torch, except with ``env://`` where ``WORLD_SIZE``
+    is set: that size is read, and the group is static (asyncrpc's choice: a torchrun job
+    gets the static group's all-together shutdown without passing ``world_size``).
+    """
+    if world_size is not None:
+        return False
+    return not (init_method.startswith("env://") and "WORLD_SIZE" in os.environ)
+
+
+def check_rank(init_method: str, rank: int) -> None:
+    """Refuse a missing rank the way torch's rendezvous does (a ``ValueError``, its words).
+
+    Raises:
+        MissingRankError: ``rank`` is negative and the init method cannot supply one.
+    """
+    if rank >= 0:
+        return
+    scheme = init_method.partition("://")[0]
+    if scheme == "env":
+        if not os.environ.get("RANK"):
+            raise MissingRankError(
+                "env:// rendezvous: environment variable RANK expected, but not set"
+            )
+    elif scheme in ("file", "tcp"):
+        raise MissingRankError(f"{scheme}:// rendezvous: rank parameter missing")
+
+
+def _open_store(init_method: str, rank: int, world_size: int | None, timeout: float) -> Any:
+    # The module (``torch.distributed.rendezvous`` the attribute is its function).
+    torch_rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    seconds = datetime.timedelta(seconds=timeout)
     try:
-        store, rank_out, world_out = next(
-            rendezvous(
+        if world_size is None and is_dynamic(init_method, world_size):
+            # The public rendezvous() cannot say "no world size" (-1 there means "read it
+            # from the URL or the environment"); torch's init_rpc opens the store of a
+            # dynamic group through this helper, and so do we.
+            opened = torch_rendezvous._rendezvous_helper(init_method, rank, None, timeout=seconds)
+        else:
+            opened = torch_rendezvous.rendezvous(
                 init_method,
                 rank=rank,
                 world_size=-1 if world_size is None else world_size,
-                timeout=datetime.timedelta(seconds=timeout),
+                timeout=seconds,
             )
-        )
+        store, rank_out, world_out = next(opened)
     except (ValueError, RuntimeError, OSError) as exc:
         raise InitError(f"rendezvous through {init_method!r} failed: {exc}") from exc
     return store, int(rank_out), int(world_out)
 
 
+def _pack(address: PeerAddress) -> bytes:
+    return bytes(
+        msgpack.packb(
+            [address.name, address.rank, address.host, address.port, address.device_maps,
+             address.host_id, address.unix_path]
+        )
+    )  # fmt: skip
+
+
+def _unpack(record: bytes) -> PeerAddress:
+    name, rank, host, port, maps, host_id, unix_path = msgpack.unpackb(record)
+    return PeerAddress(name, rank, host, port, maps, host_id, unix_path)
+
+
 class StoreGroup:
     """The store of a worker group, with the keys asyncrpc keeps in it."""
 
-    def __init__(self, store: Any, rank: int, world_size: int) -> None:
+    def __init__(self, store: Any, rank: int, world_size: int | None) -> None:
         self.store = store
         self.rank = rank
-        self.world_size = world_size
+        self.world_size = world_size  # None: a dynamic group
+
+    @property
+    def dynamic(self) -> bool:
+        return self.world_size is None
 
     # -- joining ---------------------------------------------------------------------------
+
+    def claim_kind(self) -> None:
+        """Record the group's kind (static or dynamic), or check it against the first's.
+
+        Raises:
+            MixedGroupError: the group's members joined as the other kind.
+        """
+        kind = "dynamic" if self.dynamic else "static"
+        current = self.store.compare_set(_PREFIX + "kind", "", kind)
+        if current != kind.encode():
+            raise MixedGroupError(MIXED_GROUP)
 
     def _claim(self, key: str, value: str, what: str) -> None:
         current = self.store.compare_set(_PREFIX + key, "", value)
@@ -94,30 +170,61 @@ class StoreGroup:
 
         With ``share_key`` (rank 0, when no key is configured) a random group key is
         published first, so it is there before anyone can have gathered every address.
+        A dynamic member then lists itself among the members (after its address: a listed
+        member can always be read).
         """
         if share_key:
             self.store.set(_PREFIX + "auth_key", auth.new_key())
         self._claim(f"rank/{address.rank}", uuid.uuid4().hex, f"rank {address.rank}")
         self._claim(f"name/{address.name}", str(address.rank), f"worker name {address.name!r}")
-        record = msgpack.packb(
-            [address.name, address.rank, address.host, address.port, address.device_maps,
-             address.host_id, address.unix_path]
-        )  # fmt: skip
-        self.store.set(f"{_PREFIX}worker/{address.rank}", record)
+        self.store.set(f"{_PREFIX}worker/{address.rank}", _pack(address))
+        if self.dynamic:
+            number = int(self.store.add(_PREFIX + "members", 1))
+            self.store.set(f"{_PREFIX}member/{number}", str(address.rank))
 
     def gather(self, timeout: float) -> dict[int, PeerAddress]:
-        """Wait until every rank has published, then return all addresses by rank."""
+        """Static: wait until every rank has published, then return all addresses by rank.
+        Dynamic: the members there now (never waits)."""
+        if self.world_size is None:
+            return {r: a for r in self.member_ranks() if (a := self.find(r)) is not None}
         keys = [f"{_PREFIX}worker/{r}" for r in range(self.world_size)]
         self._wait_for(keys, timeout, "joining the group")
-        peers = {}
-        for key in keys:
-            name, rank, host, port, maps, host_id, unix_path = msgpack.unpackb(self.store.get(key))
-            peers[rank] = PeerAddress(name, rank, host, port, maps, host_id, unix_path)
-        return peers
+        return {r: _unpack(self.store.get(key)) for r, key in enumerate(keys)}
 
     def shared_key(self) -> bytes:
         """The group key rank 0 published (call after ``gather``)."""
         return bytes(self.store.get(_PREFIX + "auth_key"))
+
+    def first_key(self) -> bytes:
+        """Dynamic: the group key, made by whichever member asks first (no rank 0 needed)."""
+        return bytes(self.store.compare_set(_PREFIX + "auth_key", "", auth.new_key()))
+
+    # -- a dynamic group's members ---------------------------------------------------------
+    # Reads here never wait for a key to appear (``check`` first, then ``get`` of a key that
+    # is there): a lookup costs a few store round trips, never the store's timeout.
+
+    def member_ranks(self) -> list[int]:
+        """Ranks of the members listed so far, joined or left, in joining order."""
+        count = int(self.store.add(_PREFIX + "members", 0))
+        keys = [f"{_PREFIX}member/{n}" for n in range(1, count + 1)]
+        # A member counted but not yet listed is still joining: left out.
+        return [int(self.store.get(k)) for k in keys if self.store.check([k])]
+
+    def find(self, who: str | int) -> PeerAddress | None:
+        """The published address of the worker named or ranked ``who``, None if none is."""
+        if isinstance(who, str):
+            name_key = f"{_PREFIX}name/{who}"
+            if not self.store.check([name_key]):
+                return None
+            who = int(self.store.get(name_key))
+        key = f"{_PREFIX}worker/{who}"
+        if not self.store.check([key]):
+            return None
+        return _unpack(self.store.get(key))
+
+    def has_left(self, rank: int) -> bool:
+        """Whether ``rank`` has finished its shutdown (reached the "left" barrier)."""
+        return bool(self.store.check([f"{_PREFIX}barrier/left/{rank}"]))
 
     def _aborted(self) -> str | None:
         if self.store.check([_PREFIX + "abort"]):
@@ -143,12 +250,14 @@ class StoreGroup:
         self.store.set(f"{_PREFIX}barrier/{tag}/{self.rank}", b"1")
 
     def missing(self, tag: str) -> list[int]:
-        """Ranks that have not reached barrier ``tag`` yet (never blocks)."""
-        keys = [f"{_PREFIX}barrier/{tag}/{r}" for r in range(self.world_size)]
+        """Ranks that have not reached barrier ``tag`` yet (never blocks). In a dynamic
+        group: the members listed now."""
         try:
-            if self.store.check(keys):
+            ranks = self.member_ranks() if self.world_size is None else range(self.world_size)
+            keys = {r: f"{_PREFIX}barrier/{tag}/{r}" for r in ranks}
+            if self.store.check(list(keys.values())):
                 return []
-            return [r for r, key in enumerate(keys) if not self.store.check([key])]
+            return [r for r, key in keys.items() if not self.store.check([key])]
         except (RuntimeError, OSError) as exc:
             raise ShutdownError(f"the rendezvous store is unreachable: {exc}") from exc
 
@@ -171,7 +280,8 @@ def join_group(
         init_method: ``env://``, ``tcp://host:port`` or ``file://path``.
         name: this worker's unique name.
         rank: this worker's rank, or -1 to read ``RANK`` from the environment.
-        world_size: number of workers, or None to read ``WORLD_SIZE``.
+        world_size: number of workers; None joins a dynamic group (``env://`` with
+            ``WORLD_SIZE`` set: that size, a static group; see ``is_dynamic``).
         host: the address this worker listens on.
         port: the port this worker listens on.
         timeout: bound on the whole rendezvous, in seconds.
@@ -180,28 +290,36 @@ def join_group(
         unix_path: the Unix socket this worker also listens on, for peers on its host.
 
     Returns:
-        The store group, every worker's address by rank, and the group key.
+        The store group, every worker's address by rank (dynamic: the members there
+        now), and the group key.
 
     Raises:
+        MissingRankError: no rank given, and the init method has none.
+        MixedGroupError: the group's members joined as the other kind (static, dynamic).
         InitError: bad arguments, duplicate name or rank, unreachable store, or timeout.
     """
-    if init_method.startswith("env://"):
-        if rank < 0 and "RANK" not in os.environ:
-            raise InitError("rank not given and RANK is not set for init_method='env://'")
-        if world_size is None and "WORLD_SIZE" not in os.environ:
-            raise InitError("world_size not given and WORLD_SIZE is not set for 'env://'")
-    elif world_size is None or rank < 0:
-        raise InitError(f"init_method {init_method!r} needs an explicit rank and world_size")
-    store, rank, world_size = _open_store(init_method, rank, world_size, timeout)
-    if not 0 <= rank < world_size:
-        raise InitError(f"rank {rank} is outside a world of size {world_size}")
-    group = StoreGroup(store, rank, world_size)
+    check_rank(init_method, rank)
+    dynamic = is_dynamic(init_method, world_size)
+    store, rank, world_out = _open_store(init_method, rank, world_size, timeout)
+    size = None if dynamic else world_out
+    if rank < 0 or (size is not None and rank >= size):
+        raise InitError(f"rank {rank} is outside a world of size {size}")
+    group = StoreGroup(store, rank, size)
     try:
+        group.claim_kind()
         address = PeerAddress(name, rank, host, port, device_maps, this_host_id(), unix_path)
-        group.publish(address, share_key=auth_key is None and rank == 0)
-        peers = group.gather(timeout)
-        key = auth_key if auth_key is not None else group.shared_key()
+        if dynamic:
+            key = auth_key if auth_key is not None else group.first_key()
+            group.publish(address)
+            peers = group.gather(timeout)
+        else:
+            group.publish(address, share_key=auth_key is None and rank == 0)
+            peers = group.gather(timeout)
+            key = auth_key if auth_key is not None else group.shared_key()
+    except InitError:
+        raise
     except (RuntimeError, OSError) as exc:  # torch's DistNetworkError: the store host died
         raise InitError(f"the rendezvous store became unreachable: {exc}") from exc
-    _log.debug("worker %r (rank %d) joined a group of %d", name, rank, world_size)
+    peers[rank] = address
+    _log.debug("worker %r (rank %d) joined a group of %s", name, rank, size or "any size")
     return group, peers, key

@@ -7,6 +7,13 @@ report leaks; then connections close. A barrier fails fast, naming the peer, whe
 worker is known to be lost, so a dead peer never hangs shutdown. A worker still missing after
 ``PROBE_AFTER_S`` is probed (dialled): a dead one, even one never contacted, refuses and is
 declared lost within a fraction of a second.
+
+A member of a dynamic group leaves on its own, as members join: no barrier waits for the
+others (they may run on for long). It finishes its calls, releases its user RRefs, waits
+while others still hold RRefs it owns (they release them, leave, or the deadline comes),
+finishes the requests it runs, and marks itself left in the store; its Goodbye tells the
+members connected to it. Rank 0, which hosts a TCPStore, first waits a little for the
+members still there to leave, as in a static group.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ class ShutdownHost(Protocol):
     """What the shutdown rounds read of their agent."""
 
     rank: int
-    world_size: int
+    world_size: int | None
     group: StoreGroup | None
     addresses: dict[int, PeerAddress]
     rrefs: RRefService | None
@@ -55,6 +62,9 @@ class GracefulShutdown:
     async def run(self, deadline: float) -> None:
         """Run the shutdown rounds; raise ``ShutdownError`` if one cannot complete."""
         agent = self._agent
+        if agent.group is not None and agent.group.dynamic:
+            await self._leave(deadline)
+            return
         await self._until(lambda: agent.calls_in_flight() == 0, deadline, "finishing own calls")
         await self._barrier("calls-done", deadline)
         rrefs = agent.rrefs
@@ -72,6 +82,21 @@ class GracefulShutdown:
         await self._barrier("closing", deadline)
         await self._release_store(deadline)
 
+    async def _leave(self, deadline: float) -> None:
+        """Leave a dynamic group: this member's own rounds, no barrier."""
+        agent = self._agent
+        await self._until(lambda: agent.calls_in_flight() == 0, deadline, "finishing own calls")
+        rrefs = agent.rrefs
+        if rrefs is not None:
+            rrefs.release_all_users()
+            await self._until(rrefs.quiescent, deadline, "releasing user RRefs")
+            # Holders release them, or leave (then their forks are dropped when they are
+            # declared lost); a holder that runs on past the deadline leaks them.
+            await self._until(lambda: not rrefs.owner_leaks(), deadline, None)
+            rrefs.report_leaks()
+        await self._until(lambda: agent.requests_running() == 0, deadline, "finishing requests")
+        await self._release_store(deadline)
+
     async def _until(
         self, condition: Callable[[], bool], deadline: float, what: str | None
     ) -> None:
@@ -85,7 +110,7 @@ class GracefulShutdown:
     async def _barrier(self, tag: str, deadline: float) -> None:
         agent = self._agent
         group = agent.group
-        if group is None or agent.world_size <= 1:
+        if group is None or agent.world_size is None or agent.world_size <= 1:
             return
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, group.arrive, tag)
@@ -118,10 +143,15 @@ class GracefulShutdown:
         # so nobody polls a store that has already gone away.
         agent = self._agent
         group = agent.group
-        if group is None or agent.world_size <= 1:
+        if group is None or (agent.world_size is not None and agent.world_size <= 1):
             return
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, group.arrive, "left")
+        try:
+            await loop.run_in_executor(None, group.arrive, "left")
+        except (RuntimeError, OSError) as exc:
+            if not group.dynamic:
+                raise ShutdownError(f"the rendezvous store is unreachable: {exc}") from exc
+            return  # rank 0 has left and its TCPStore with it: nobody is left to tell
         if agent.rank != 0:
             return
         limit = min(deadline, time.monotonic() + 5.0)

@@ -31,6 +31,8 @@ RUNTIME_ERRORS = [
     "InitError",
     "InitArgumentError",
     "WorkerNameError",
+    "MissingRankError",
+    "MixedGroupError",
     "NotInitializedError",
     "ShutdownError",
     "BlockingCallError",
@@ -76,6 +78,7 @@ def test_typed_errors_keep_their_builtin_bases() -> None:
     assert isinstance(_make("PeerLostError"), ConnectionError)
     assert isinstance(_make("SerializationError"), TypeError)
     assert isinstance(_make("InitArgumentError"), TypeError)
+    assert isinstance(_make("MissingRankError"), ValueError)  # torch's rendezvous: ValueError
     assert isinstance(_make("BadDestinationError"), ValueError)
     assert isinstance(_make("BadDestinationError"), errors.UnknownWorkerError)
 

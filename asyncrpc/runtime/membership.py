@@ -1,0 +1,85 @@
+"""Who is in the group: addresses by rank and ranks by name, and, in a dynamic group, how
+a worker learns of members it has not met yet: it reads them in the rendezvous store (L2).
+
+A static group's members are all known once ``init_rpc`` returns. A dynamic member knows
+the members that were there when it joined; a later one is looked up the first time this
+worker needs it (a call or an RRef naming it, its Hello), then kept. Look-ups block on a
+few store round trips: the agent makes them on a helper thread or on the calling thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from asyncrpc.runtime.rendezvous import PeerAddress, StoreGroup
+
+__all__ = ["Directory"]
+
+_log = logging.getLogger("asyncrpc.runtime.membership")
+
+
+class Directory:
+    """The members this worker knows, and (dynamic group) the store to find more in."""
+
+    def __init__(self, addresses: dict[int, PeerAddress], group: StoreGroup | None) -> None:
+        self.addresses = addresses  # the agent's own dict: entries are only ever added
+        self.ranks_by_name = {a.name: r for r, a in addresses.items()}
+        self._group = group if group is not None and group.dynamic else None
+
+    @property
+    def dynamic(self) -> bool:
+        return self._group is not None
+
+    def known(self, who: str | int) -> int | None:
+        """The rank of ``who`` (a name or a rank) if this worker knows it; never blocks."""
+        if isinstance(who, str):
+            return self.ranks_by_name.get(who)
+        return who if who in self.addresses else None
+
+    def learn(self, address: PeerAddress) -> None:
+        # Callers on any thread: the address goes in first, so whoever finds the name
+        # finds its address too (each dict assignment is atomic).
+        self.addresses[address.rank] = address
+        self.ranks_by_name[address.name] = address.rank
+
+    def lookup(self, who: str | int) -> int | None:
+        """The rank of ``who``, read in the store if not known yet (blocking); None if no
+        such member has joined (or the store cannot be reached: logged)."""
+        rank = self.known(who)
+        if rank is not None or self._group is None:
+            return rank
+        try:
+            address = self._group.find(who)
+        except (RuntimeError, OSError) as exc:  # the store's host has gone
+            _log.warning("could not look up worker %r in the rendezvous store: %s", who, exc)
+            return None
+        if address is None:
+            return None
+        self.learn(address)
+        _log.debug("learned of worker %r (rank %d)", address.name, address.rank)
+        return address.rank
+
+    async def lookup_async(self, who: str | int) -> int | None:
+        """``lookup`` on a helper thread, so the loop keeps serving; at once when known."""
+        rank = self.known(who)
+        if rank is not None or self._group is None:
+            return rank
+        return await asyncio.get_running_loop().run_in_executor(None, self.lookup, who)
+
+    def current(self) -> list[int]:
+        """Ranks of the group's members now, by rank (blocking in a dynamic group: every
+        listed member not known yet is read, and those that have left are left out)."""
+        group = self._group
+        if group is None:
+            return sorted(self.addresses)
+        try:
+            ranks = group.member_ranks()
+            for rank in ranks:  # bounded by the members listed
+                if rank not in self.addresses:
+                    self.lookup(rank)
+            here = [r for r in ranks if r in self.addresses and not group.has_left(r)]
+        except (RuntimeError, OSError) as exc:
+            _log.warning("could not read the members in the rendezvous store: %s", exc)
+            return sorted(self.addresses)
+        return sorted(set(here) | {group.rank})
