@@ -371,8 +371,9 @@ class Agent:
         return name
 
     def worker_info(self, rank: int) -> WorkerInfo:
-        if rank not in self.addresses:
-            self.directory.lookup(rank)  # a dynamic group's newcomer (KeyError if none)
+        """Raises: UnknownWorkerError: no worker has ``rank`` (dynamic: none in the store)."""
+        if rank not in self.addresses and self.directory.lookup(rank) is None:
+            raise UnknownWorkerError(rank, tuple(self.directory.ranks_by_name))
         return WorkerInfo(self.addresses[rank].name, rank)
 
     def worker_infos(self) -> list[WorkerInfo]:
@@ -638,6 +639,10 @@ class Agent:
             for _, call_id, _, forks in waiting[sent:]:
                 self._fail_unsent(rank, call_id, exc)
                 self._undelivered(rank, forks)
+            if isinstance(exc, UnknownWorkerError) and self.rrefs is not None:
+                # An RRef named an owner nobody can find (a dynamic group whose store has
+                # gone): its forks wait for no confirmation, as if the owner were lost.
+                self.rrefs.on_peer_lost(rank)
         finally:
             del self._unsent[rank]  # from now on frames go straight to the connection
 
@@ -664,7 +669,8 @@ class Agent:
             self.counters.calls_failed += 1
             call.fail(exc)
         else:
-            _log.warning("could not send to %s: %s", self.addresses[rank].name, exc)
+            address = self.addresses.get(rank)  # None: a rank nobody could look up
+            _log.warning("could not send to %s: %s", address.name if address else rank, exc)
 
     def write(
         self, conn: Connection, pieces: list[Any], keep: object = None,

@@ -1,0 +1,97 @@
+"""A member of a dynamic group, driven line by line from its stdin (test layer).
+
+``python -m tests.integration.dynamic_scenarios member --name N --rank R --init-method M``
+joins without a world size, prints ``JOINED``, then runs one command per input line and
+prints ``DONE <command> <json>`` for each; ``shutdown`` stops it and prints the ``RESULT``
+line that ``scenarios.ScenarioProcess.result`` reads. The test decides who joins when and
+who calls whom, so members that joined earlier and later meet in every order.
+
+Commands: ``call NAME`` (``rpc_sync`` from this thread), ``acall NAME`` (``await call`` on
+the agent's loop), ``remote NAME`` (an RRef owned by NAME, held here), ``pass NAME I``
+(NAME fetches held RRef I through its own fork), ``infos``, ``shutdown``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+import asyncrpc
+from asyncrpc.runtime.current import current_agent
+from tests.integration import remote_fns as fns
+from tests.integration.scenarios import RESULT_PREFIX, _attempt, _error
+
+_held: list[asyncrpc.RRef[Any]] = []
+
+
+def _on_loop(name: str) -> str:
+    agent = current_agent()
+    future = asyncio.run_coroutine_threadsafe(asyncrpc.call(name, fns.whoami), agent.loop)
+    return future.result(30.0)
+
+
+def _remote(name: str) -> dict[str, Any]:
+    rref = asyncrpc.remote(name, fns.add, (torch.ones(2), 1))
+    _held.append(rref)
+    return {"owner": rref.owner().name, "value": rref.to_here().tolist()}
+
+
+def _pass(name: str, index: str) -> list[float]:
+    value = asyncrpc.rpc_sync(name, fns.fetch, (_held[int(index)],), timeout=30.0)
+    return list(value.tolist())
+
+
+COMMANDS: dict[str, Callable[..., Any]] = {
+    "call": lambda name: asyncrpc.rpc_sync(name, fns.whoami, timeout=30.0),
+    "acall": _on_loop,
+    "remote": _remote,
+    "pass": _pass,
+    "infos": lambda: [info.name for info in asyncrpc.get_worker_infos()],
+}
+
+
+def member(args: argparse.Namespace) -> int:
+    options = asyncrpc.RpcBackendOptions(
+        init_method=args.init_method,
+        rpc_timeout=args.rpc_timeout,
+        shutdown_timeout=args.shutdown_timeout,
+        auth_key=args.auth_key or None,
+    )
+    try:
+        asyncrpc.init_rpc(args.name, rank=args.rank, rpc_backend_options=options)
+    except Exception as exc:  # the observation is the error itself
+        print(RESULT_PREFIX + json.dumps({"init": _error(exc)}), flush=True)
+        return 1
+    print("JOINED", flush=True)
+    for line in sys.stdin:  # bounded by the test, which always ends with "shutdown"
+        command, *words = line.split()
+        if command == "shutdown":
+            outcome = _attempt(lambda: asyncrpc.shutdown(timeout=args.shutdown_timeout))
+            print(RESULT_PREFIX + json.dumps({"shutdown": outcome}), flush=True)
+            return 0 if outcome["error"] is None else 3
+        outcome = _attempt(lambda: COMMANDS[command](*words))  # noqa: B023 (called at once)
+        print(f"DONE {command} {json.dumps(outcome, default=repr)}", flush=True)
+    return 2  # stdin closed before "shutdown"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("scenario", choices=["member"])
+    parser.add_argument("--init-method", required=True)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--rpc-timeout", type=float, default=20.0)
+    parser.add_argument("--shutdown-timeout", type=float, default=20.0)
+    parser.add_argument("--auth-key", default="")
+    args = parser.parse_args(argv)
+    return member(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
