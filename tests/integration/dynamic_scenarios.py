@@ -8,13 +8,15 @@ who calls whom, so members that joined earlier and later meet in every order.
 
 Commands: ``call NAME`` (``rpc_sync`` from this thread), ``acall NAME`` (``await call`` on
 the agent's loop), ``remote NAME`` (an RRef owned by NAME, held here), ``pass NAME I``
-(NAME fetches held RRef I through its own fork), ``infos``, ``shutdown``.
+(NAME fetches held RRef I through its own fork), ``fetch I`` (``to_here`` of held RRef I),
+``drop I`` (let held RRef I go), ``infos``, ``shutdown``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -27,7 +29,7 @@ from asyncrpc.runtime.current import current_agent
 from tests.integration import remote_fns as fns
 from tests.integration.scenarios import RESULT_PREFIX, _attempt, _error
 
-_held: list[asyncrpc.RRef[Any]] = []
+_held: list[asyncrpc.RRef[Any] | None] = []
 
 
 def _on_loop(name: str) -> str:
@@ -47,11 +49,24 @@ def _pass(name: str, index: str) -> list[float]:
     return list(value.tolist())
 
 
+def _fetch(index: str) -> list[float]:
+    rref = _held[int(index)]
+    assert rref is not None
+    return list(rref.to_here().tolist())
+
+
+def _drop(index: str) -> None:
+    _held[int(index)] = None
+    gc.collect()  # the RRef's release is sent from its __del__
+
+
 COMMANDS: dict[str, Callable[..., Any]] = {
     "call": lambda name: asyncrpc.rpc_sync(name, fns.whoami, timeout=30.0),
     "acall": _on_loop,
     "remote": _remote,
     "pass": _pass,
+    "fetch": _fetch,
+    "drop": _drop,
     "infos": lambda: [info.name for info in asyncrpc.get_worker_infos()],
 }
 

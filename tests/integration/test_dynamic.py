@@ -111,6 +111,23 @@ def test_dynamic_member_leaves_alone_and_a_newcomer_joins_after_it() -> None:
         assert [code for code, _ in results] == [0, 0], results
 
 
+def test_dynamic_owner_leaving_waits_for_the_member_holding_its_rref() -> None:
+    with _group() as (init, procs):
+        a = _join(init, procs, "a", 0)
+        c = _join(init, procs, "c", 1)
+        assert a.value("remote c") == {"owner": "c", "value": [2.0, 2.0]}
+        started = time.monotonic()
+        c.proc.send("shutdown")  # c leaves while a, which holds c's RRef, runs on
+        time.sleep(1.0)
+        assert a.value("fetch 0") == [2.0, 2.0]  # the value is still served
+        a.value("drop 0")
+        code, obs = c.proc.result(30.0)
+        assert (code, obs["shutdown"]["error"]) == (0, None), obs
+        assert time.monotonic() - started >= 1.0  # it waited for the release
+        assert a.do("call c")["error"]["type"] == "PeerLostError"
+        assert a.shutdown()[0] == 0
+
+
 def test_static_member_is_refused_by_a_dynamic_group() -> None:
     with _group() as (init, procs):
         a = _join(init, procs, "a", 0)
@@ -139,5 +156,6 @@ def test_dynamic_newcomer_without_the_group_key_is_refused() -> None:
         good = _join(init, procs, "g", 2, "--auth-key", "the-group-key")
         assert good.value("call a") == "a"
         assert a.value("call g") == "g"
-        results = _shutdown_all([good, a])
-        assert [code for code, _ in results] == [0, 0], results
+        assert refused["elapsed"] < 10.0
+        results = _shutdown_all([good, stranger, a])
+        assert [code for code, _ in results] == [0, 0, 0], results
