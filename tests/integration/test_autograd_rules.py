@@ -1,6 +1,6 @@
 """torch's rules of distributed autograd that programs written for torch rely on, checked
 with real worker processes over 127.0.0.1: errors as torch reports them, contexts that do
-not nest, hooks on sent tensors, gradients kept without a copy.
+not nest, hooks on sent tensors, gradients kept without a copy, and ``RRef.backward``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 import asyncrpc
 from asyncrpc import autograd as dist_autograd
-from asyncrpc.errors import AutogradContextError, BackwardError
+from asyncrpc.errors import AutogradContextError, BackwardError, RRefError
 from tests.integration import autograd_fns as fns
 from tests.integration.conftest import Group
 
@@ -138,3 +138,44 @@ def test_autograd_gradient_kept_without_a_copy_where_its_layout_allows(group: Gr
         dist_autograd.backward(context_id, [_Expanded.apply(a)])  # accumulates out of place
         torch.testing.assert_close(grad, torch.ones(5, 6))
         torch.testing.assert_close(dist_autograd.get_gradients(context_id)[a], torch.ones(5, 6) * 2)
+
+
+def test_rref_backward_on_the_owner_local_or_in_a_context(group: Group) -> None:
+    t = torch.rand(4, requires_grad=True)
+    asyncrpc.RRef(t.sum() * 2).backward()  # no context: local autograd, into .grad
+    torch.testing.assert_close(t.grad, torch.full((4,), 2.0))
+    with dist_autograd.context() as context_id:
+        y = asyncrpc.rpc_sync("w1", torch.mul, args=(t, 3))
+        rref = asyncrpc.RRef(y.sum())
+        rref.backward(context_id, retain_graph=True)
+        rref.backward(context_id)
+        torch.testing.assert_close(
+            dist_autograd.get_gradients(context_id)[t], torch.full((4,), 6.0)
+        )
+        with pytest.raises(AutogradContextError, match="Could not find autograd context"):
+            asyncrpc.RRef(y.sum()).backward(12345)
+    torch.testing.assert_close(t.grad, torch.full((4,), 2.0))  # left alone by the context
+    with pytest.raises(RRefError, match=r"^RRef should contain a tensor for \.backward\(\)"):
+        asyncrpc.RRef("foo").backward()
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        asyncrpc.RRef(torch.rand(3).sum()).backward()
+
+
+def test_rref_backward_of_a_user_runs_on_the_owner(group: Group) -> None:
+    t = torch.rand(10, requires_grad=True)
+    with dist_autograd.context() as context_id:
+        rref = asyncrpc.remote("w2", fns.total, args=(t,))  # w2 serves on its loop
+        rref.backward(context_id, retain_graph=True)
+        rref.backward(context_id)
+        torch.testing.assert_close(
+            dist_autograd.get_gradients(context_id)[t], torch.full((10,), 2.0)
+        )
+        with pytest.raises(RuntimeError, match="second time"):
+            rref.backward(context_id)  # that graph was not retained
+        with pytest.raises(RRefError, match="require 'dist_autograd_ctx_id' to be specified"):
+            rref.backward()
+        not_a_tensor = asyncrpc.remote("w3", fns.echo, args=("foo",))
+        with pytest.raises(RRefError, match="should contain a tensor"):
+            not_a_tensor.backward(context_id)
+        del rref, not_a_tensor
+    assert t.grad is None
