@@ -12,13 +12,14 @@ Every error pickles, because errors travel between workers.
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 __all__ = [
     "AsyncExecutionError",
     "AsyncRpcError",
     "AuthenticationError",
     "AutogradContextError",
+    "BackwardError",
     "BadDestinationError",
     "BlockingCallError",
     "CallbackError",
@@ -47,6 +48,7 @@ __all__ = [
     "ThreadPoolExhaustedError",
     "UnknownWorkerError",
     "WorkerNameError",
+    "as_backward_error",
     "as_callback_error",
 ]
 
@@ -309,9 +311,6 @@ class CallbackError(AsyncRpcError, RuntimeError):
     original is its ``__cause__``."""
 
 
-_callback_types: dict[type, type[BaseException]] = {}
-
-
 def as_callback_error(exc: BaseException) -> BaseException:
     """Return ``exc`` as torch reports a callback's exception: also a ``RuntimeError``.
 
@@ -321,34 +320,52 @@ def as_callback_error(exc: BaseException) -> BaseException:
     """
     if isinstance(exc, RuntimeError) or not isinstance(exc, Exception):
         return exc
+    return _paired_copy(exc, CallbackError, {}) or exc
+
+
+# Paired types: (original type, asyncrpc base) -> a class deriving from both.
+_paired_types: dict[tuple[type, type], type[BaseException]] = {}
+
+
+def _paired_copy(exc: BaseException, base: type, extra: dict[str, object]) -> BaseException | None:
+    """A copy of ``exc`` whose class derives from ``type(exc)`` and ``base``, with the
+    attributes ``extra`` added; None when the two cannot be paired."""
+    state = {**getattr(exc, "__dict__", {}), **extra}
     try:
-        copy = _rebuild_callback_error(type(exc), exc.args, getattr(exc, "__dict__", {}))
+        copy = _rebuild_paired(type(exc), base, exc.args, state)
     except Exception:  # a class that cannot be paired (a layout conflict, a strict __new__)
-        return exc
+        return None
     copy.__cause__ = exc
     copy.__suppress_context__ = True
     return copy.with_traceback(exc.__traceback__)
 
 
-def _callback_type(cls: type) -> type[BaseException]:
-    dual = _callback_types.get(cls)
+def _paired_type(cls: type, base: type) -> type[BaseException]:
+    dual = _paired_types.get((cls, base))
     if dual is None:
-        namespace = {"__module__": cls.__module__, "__reduce__": _reduce_callback_error}
-        dual = cast("type[BaseException]", type(cls.__name__, (cls, CallbackError), namespace))
+        namespace: dict[str, object] = {"__module__": cls.__module__, "__reduce__": _reduce_paired}
+        if "wrap_text" in vars(base):  # the base's words around the original type's text
+            namespace["__str__"] = _paired_str
+        dual = cast("type[BaseException]", type(cls.__name__, (cls, base), namespace))
         dual.__qualname__ = cls.__qualname__
-        _callback_types[cls] = dual
+        _paired_types[(cls, base)] = dual
     return dual
 
 
-def _reduce_callback_error(self: BaseException) -> tuple[object, ...]:
-    original = type(self).__mro__[1]
-    return (_rebuild_callback_error, (original, self.args, dict(self.__dict__)))
+def _paired_str(self: Any) -> str:
+    original, base = cast("tuple[Any, Any]", type(self).__bases__)
+    return cast("str", base.wrap_text(self, original.__str__(self)))
 
 
-def _rebuild_callback_error(
-    cls: type, args: tuple[object, ...], state: dict[str, object]
+def _reduce_paired(self: BaseException) -> tuple[object, ...]:
+    original, base = type(self).__bases__
+    return (_rebuild_paired, (original, base, self.args, dict(self.__dict__)))
+
+
+def _rebuild_paired(
+    cls: type, base: type, args: tuple[object, ...], state: dict[str, object]
 ) -> BaseException:
-    dual = _callback_type(cls)
+    dual = _paired_type(cls, base)
     try:
         copy: BaseException = dual(*args)  # __init__ sets what str() reads
     except Exception:  # an __init__ that does not take its own args back
@@ -361,6 +378,39 @@ def _rebuild_callback_error(
 class AutogradContextError(AsyncRpcError, RuntimeError):
     """No distributed autograd context with that id on this worker (never seen, or
     released), or none is active where one is needed."""
+
+
+class BackwardError(AsyncRpcError, RuntimeError):
+    """An error raised in one worker's part of a distributed backward pass, as torch reports
+    it: a ``RuntimeError`` whose text starts with ``Error on Node N:``, N that worker's rank
+    (``node``). ``as_backward_error`` makes a copy that is also an instance of the error's
+    own type (``except KeyError`` still catches it); the original is its ``__cause__``."""
+
+    node: int = -1
+
+    def __str__(self) -> str:
+        return self.wrap_text(super().__str__())
+
+    def wrap_text(self, text: str) -> str:
+        return f"Error on Node {self.node}: {text}"
+
+
+def as_backward_error(exc: BaseException, node: int) -> BaseException:
+    """Return ``exc``, raised in worker ``node``'s part of a backward pass, as torch reports
+    it: also a ``BackwardError`` (so a ``RuntimeError``) saying ``Error on Node {node}``.
+
+    A ``BackwardError`` (from a deeper worker) or a ``BaseException`` that is no
+    ``Exception`` is returned as is. Where the two types cannot be paired (a
+    ``RuntimeError`` of its own already), a plain ``BackwardError`` with the same text.
+    """
+    if isinstance(exc, BackwardError) or not isinstance(exc, Exception):
+        return exc
+    paired = _paired_copy(exc, BackwardError, {"node": node})
+    if paired is None:
+        paired = BackwardError(str(exc))
+        paired.node = node
+        paired.__cause__ = exc
+    return paired
 
 
 class RRefError(AsyncRpcError, RuntimeError):

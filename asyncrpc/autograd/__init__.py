@@ -22,7 +22,7 @@ import torch
 from asyncrpc.autograd.context import context_table, current_context_id
 from asyncrpc.autograd.engine import propagate, release
 from asyncrpc.autograd.hook import AutogradHook
-from asyncrpc.errors import BlockingCallError
+from asyncrpc.errors import AutogradContextError, BlockingCallError
 from asyncrpc.runtime.agent import Agent
 
 __all__ = [
@@ -38,6 +38,10 @@ __all__ = [
 class context:
     """A distributed autograd context: ``with`` or ``async with``; yields its id.
 
+    Contexts do not nest: opening one where one is active (a block inside a block, or a
+    function run by an RPC made in a context) raises ``AutogradContextError``, a
+    ``RuntimeError``, as torch does.
+
     Leaving it releases the context on every worker it reached, in the background (as
     torch's does): the recorded graphs and gradients are dropped there soon after.
     """
@@ -47,6 +51,12 @@ class context:
         self._id = 0
 
     def _open(self) -> int:
+        if current_context_id.get() is not None:
+            # torch's rule and words: one context per thread (here: per thread or task).
+            raise AutogradContextError(
+                "Already have an autograd context id for this thread: distributed autograd "
+                f"contexts do not nest (this code runs in context {current_context_id.get()})"
+            )
         agent, table = context_table()
         self._id = table.create(agent.rank).id
         self._token = current_context_id.set(self._id)
@@ -110,8 +120,10 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     Raises:
         AutogradContextError: no such context on a worker the pass reaches.
         BlockingCallError: called on the agent's loop thread (use ``backward_async``).
-        The original exception of any worker whose part of the pass failed, and
-        ``PeerLostError`` when one dies meanwhile.
+        BackwardError: a worker's part of the pass failed; a ``RuntimeError`` saying
+            ``Error on Node N: ...`` as torch's, and also of the original error's type where
+            the two pair (``except KeyError`` still catches a ``KeyError``).
+        PeerLostError: a worker died meanwhile.
     """
     agent, _ = context_table()
     if threading.get_ident() == agent.loop_thread_id:

@@ -16,6 +16,8 @@ import itertools
 import threading
 from typing import Any
 
+import torch
+
 from asyncrpc.errors import AutogradContextError, NotInitializedError
 from asyncrpc.runtime.agent import Agent
 from asyncrpc.runtime.current import current_agent
@@ -80,14 +82,42 @@ class AutogradContext:
             )
         return found
 
-    def accumulate(self, tensor: Any, grad: Any) -> None:
+    def accumulate(self, tensor: Any, grad: Any, shared: bool = False) -> None:
+        """Add ``grad`` to the gradient of ``tensor`` in this context.
+
+        The first gradient is kept as it is, without a copy (torch's rule), unless it is
+        ``shared`` (handed to another tensor too) or its layout differs from the tensor's
+        (an expanded or strided gradient): then a copy in the tensor's layout is kept.
+        Later ones are added out of place, so a kept gradient is never written to.
+        """
         with self._lock:
             held = self.grads.get(tensor)
-            self.grads[tensor] = grad if held is None else held + grad
+            if held is not None:
+                self.grads[tensor] = held + grad
+            elif shared or not _keeps_layout(tensor, grad):
+                self.grads[tensor] = _copy_in_layout(tensor, grad)
+            else:
+                self.grads[tensor] = grad
 
     def gradients(self) -> dict[Any, Any]:
         with self._lock:
             return dict(self.grads)
+
+
+def _keeps_layout(tensor: Any, grad: Any) -> bool:
+    if grad.is_sparse:
+        return bool(grad._indices().is_contiguous() and grad._values().is_contiguous())
+    if grad.layout != tensor.layout or grad.shape != tensor.shape:
+        return False
+    if grad.stride() == tensor.stride():
+        return True
+    return bool(grad.is_contiguous() and tensor.is_contiguous())
+
+
+def _copy_in_layout(tensor: Any, grad: Any) -> Any:
+    if grad.is_sparse or grad.layout != tensor.layout or grad.shape != tensor.shape:
+        return grad.clone()
+    return torch.empty_like(tensor, dtype=grad.dtype, device=grad.device).copy_(grad)
 
 
 class ContextTable:

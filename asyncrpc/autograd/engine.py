@@ -4,8 +4,9 @@
 reach a tensor received from another worker are sent back to that worker, which runs its
 own graph on from the tensors it had sent, and so on. Each hop is an RPC that returns once
 everything downstream of it is done, so the caller's ``backward`` returns when the whole
-pass has finished, and an error on any worker reaches it with its original type (a worker
-that dies fails the pass with ``PeerLostError``).
+pass has finished. An error in any worker's graph reaches it as torch reports it, a
+``RuntimeError`` saying ``Error on Node N: ...`` (a ``BackwardError``), that is also of the
+error's original type; a worker that dies fails the pass with ``PeerLostError``.
 
 A worker may run its graph several times in one pass (once per batch of gradients that
 reaches it): backward is linear, so the per-context sums are the same as one run, and the
@@ -16,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +29,7 @@ from asyncrpc.autograd.context import (
     context_table,
     current_context_id,
 )
+from asyncrpc.errors import as_backward_error
 from asyncrpc.functions import async_execution
 from asyncrpc.runtime.agent import Agent
 from asyncrpc.runtime.future import Future, collect_all
@@ -56,39 +59,78 @@ def reachable_leaves(roots: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return leaves
 
 
+class _Entry(torch.autograd.Function):
+    """The node through which a gradient enters this worker's graph at a root that is a
+    leaf (a tensor this worker sent, whose gradient came back): the leaf's hooks see the
+    gradient there, as they do behind torch's send function. Nothing is copied."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach()  # a new tensor on the same memory (the input itself would
+        # make autograd build a view of it, which sparse tensors do not have)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+# Function.apply is untyped in torch's stubs.
+_enter: Callable[[torch.Tensor], torch.Tensor] = _Entry.apply  # type: ignore[assignment]
+
+
 def local_pass(
-    context: AutogradContext, roots: Sequence[torch.Tensor], grad_outputs: Sequence[Any]
-) -> Outgoing:
+    context: AutogradContext, roots: Sequence[torch.Tensor], grad_outputs: Sequence[Any],
+    rank: int,
+) -> Outgoing:  # fmt: skip
     """Run this worker's graph from ``roots``; returns the gradients to send back.
 
     Runs on a pool thread (it is CPU work). Leaves received from other workers collect
     their gradients for sending; this worker's own leaves accumulate in ``context``.
+
+    Raises:
+        The error of the graph as torch reports it: also a ``BackwardError`` naming this
+        worker (``Error on Node {rank}: ...``).
     """
-    routed: list[tuple[torch.Tensor, Any]] = []
-    graph_roots = [(r, g) for r, g in zip(roots, grad_outputs, strict=True) if r.grad_fn]
-    routed += [(r, g) for r, g in zip(roots, grad_outputs, strict=True) if not r.grad_fn]
-    leaves = reachable_leaves([r for r, _ in graph_roots])
-    if graph_roots and leaves:
-        grads = torch.autograd.grad(
-            [r for r, _ in graph_roots],
-            leaves,
-            [g for _, g in graph_roots],
-            retain_graph=True,  # freed with the context: other hops may need it again
-            allow_unused=True,
-        )
-        routed += list(zip(leaves, grads, strict=True))
+    try:
+        routed = _run_graph(roots, grad_outputs)
+    except Exception as exc:
+        raise as_backward_error(exc, rank) from exc
+    # A gradient the graph handed to two leaves (a function returning one tensor twice)
+    # is copied for each; any other is kept as it is, where its layout allows.
+    handed = Counter(id(grad) for _, grad in routed)
     outgoing: Outgoing = {}
     for leaf, grad in routed:
-        if grad is None:
-            continue
         received = context.recvs.get(id(leaf))
         if received is None:
-            context.accumulate(leaf, grad)
+            context.accumulate(leaf, grad, shared=handed[id(grad)] > 1)
             continue
         sender, message_id, index, count = received
         slots = outgoing.setdefault((sender, message_id), [None] * count)
         slots[index] = grad if slots[index] is None else slots[index] + grad
     return outgoing
+
+
+def _run_graph(
+    roots: Sequence[torch.Tensor], grad_outputs: Sequence[Any]
+) -> list[tuple[torch.Tensor, Any]]:
+    """The gradient of each leaf requiring grad that ``roots`` reach (None left out)."""
+    with torch.enable_grad():
+        pairs = [
+            (root if root.grad_fn is not None else _enter(root), grad)
+            for root, grad in zip(roots, grad_outputs, strict=True)
+            if root.requires_grad
+        ]
+    leaves = reachable_leaves([root for root, _ in pairs])
+    if not leaves:
+        return []
+    grads = torch.autograd.grad(
+        [root for root, _ in pairs],
+        leaves,
+        [grad for _, grad in pairs],
+        retain_graph=True,  # freed with the context: other hops may need it again
+        allow_unused=True,
+    )
+    return [(leaf, grad) for leaf, grad in zip(leaves, grads, strict=True) if grad is not None]
 
 
 async def propagate(
@@ -98,7 +140,9 @@ async def propagate(
     grad_outputs: Sequence[Any],
 ) -> None:
     """Run the local pass, then hand its gradients to the workers that sent the tensors."""
-    outgoing = await agent.pool.run(functools.partial(local_pass, context, roots, grad_outputs))
+    outgoing = await agent.pool.run(
+        functools.partial(local_pass, context, roots, grad_outputs, agent.rank)
+    )
     await _hand_back(agent, context.id, outgoing)
 
 
@@ -113,7 +157,7 @@ def grads_arrived(context_id: int, message_id: int, grads: list[Any]) -> Future[
     context = table.get(context_id)
     _, tensors = context.sent(message_id)
     pairs = [(t, g) for t, g in zip(tensors, grads, strict=True) if g is not None]
-    outgoing = local_pass(context, [t for t, _ in pairs], [g for _, g in pairs])
+    outgoing = local_pass(context, [t for t, _ in pairs], [g for _, g in pairs], agent.rank)
     return _hand_back(agent, context.id, outgoing)
 
 

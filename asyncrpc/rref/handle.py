@@ -3,7 +3,8 @@
 An RRef is either the owner's (``is_owner()``: the value lives here) or a user's (a fork
 the owner counts). ``to_here()`` blocks like torch's; ``to_here_future()`` returns an
 ``asyncrpc.Future``, awaitable in async code. The proxies ``rpc_sync()``, ``rpc_async()``
-and ``remote()`` run a method of the value on its owner. Dropping the last Python object of
+and ``remote()`` run a method of the value on its owner; ``backward()`` runs autograd from a
+tensor value, locally or in a distributed autograd context. Dropping the last Python object of
 an RRef never does I/O: ``__del__`` hands the release to the agent's loop.
 """
 
@@ -16,6 +17,10 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar, cast
 
+import torch
+
+from asyncrpc.autograd import backward as dist_backward
+from asyncrpc.autograd import backward_async as dist_backward_async
 from asyncrpc.errors import PeerLostError, RRefError, RRefOwnerLostError
 from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
 from asyncrpc.protocol.refcount import ForkId, RRefId
@@ -285,6 +290,40 @@ class RRef(Generic[T]):
             return done
         return made_by._then(_ignored)
 
+    # -- autograd --------------------------------------------------------------------------
+
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Run backward from the value, a scalar tensor (torch's ``RRef.backward``).
+
+        On the owner with ``dist_autograd_ctx_id=-1`` this is local autograd (gradients
+        accumulate into ``.grad``); with a context id it is a distributed backward pass from
+        the owner in that context. A user RRef runs the pass on the owner, in the context
+        given (which the owner must have joined), and blocks until it is done.
+
+        Args:
+            dist_autograd_ctx_id: the distributed autograd context, or -1 (owner only).
+            retain_graph: keep the graph for another backward, as in torch.
+
+        Raises:
+            RRefError: the value is not a tensor, or a user RRef got no context id.
+            AutogradContextError: no such context on the owner.
+            The errors of ``torch.autograd.backward`` or ``autograd.backward``.
+        """
+        if self._value is not None:
+            _backward_here(self._value.wait(), dist_autograd_ctx_id, retain_graph)
+            return
+        if dist_autograd_ctx_id == -1:
+            raise RRefError(
+                "User RRefs require 'dist_autograd_ctx_id' to be specified: only the owner "
+                f"({self.owner_name()!r}) can run local autograd on the value"
+            )
+        self._ctx.check_usable(self)
+        args = (self, dist_autograd_ctx_id, retain_graph)
+        call = self._ctx.call(
+            self._owner, _backward_on_owner, args, UNSET_RPC_TIMEOUT, "sync", "RRef.backward"
+        )
+        call._then(functools.partial(_owner_lost_as_rref_error, self.owner_name())).wait()
+
     # -- proxies ---------------------------------------------------------------------------
 
     def rpc_sync(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
@@ -338,8 +377,7 @@ def _check_method(rref: RRef[Any], name: str, timeout: float) -> None:
 
 
 def _is_script_module(value_type: type) -> bool:
-    import torch  # ScriptModules resolve their methods at run time
-
+    # ScriptModules resolve their methods at run time
     return issubclass(value_type, torch.jit.ScriptModule | torch._C.ScriptModule)
 
 
@@ -412,6 +450,32 @@ async def _type_on_owner(rref: RRef[Any]) -> type:
     assert value is not None
     del rref  # see _owner_value
     return type(await _owner_value(value))
+
+
+def _backward_here(value: Any, context_id: int, retain_graph: bool) -> None:
+    """Backward from an owner's value: local autograd, or distributed in ``context_id``."""
+    _check_tensor(value)
+    if context_id == -1:
+        torch.autograd.backward(value, retain_graph=retain_graph)
+    else:
+        dist_backward(context_id, [value], retain_graph)
+
+
+async def _backward_on_owner(rref: RRef[Any], context_id: int, retain_graph: bool) -> None:
+    """Runs on the owner: the distributed backward pass from the value behind ``rref``."""
+    future = rref._value
+    assert future is not None
+    del rref  # see _owner_value
+    value = await _owner_value(future)
+    _check_tensor(value)
+    await dist_backward_async(context_id, [value], retain_graph)
+
+
+def _check_tensor(value: Any) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise RRefError(  # torch's words first
+            f"RRef should contain a tensor for .backward(), this one holds a {type(value).__name__}"
+        )
 
 
 async def _fetch(worker_id: int, local_id: int) -> Any:

@@ -121,3 +121,13 @@ class FailingOptimizer(torch.optim.SGD):
     def __init__(self, params: Any, lr: float) -> None:
         super().__init__(params, lr=lr)
         raise ValueError(f"no optimizer with lr={lr}")
+
+
+def total(x: torch.Tensor) -> torch.Tensor:
+    return x.sum()
+
+
+def open_context() -> int:
+    """Open a distributed autograd context here (not allowed inside another one)."""
+    with dist_autograd.context() as context_id:
+        return context_id

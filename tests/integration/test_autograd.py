@@ -23,7 +23,7 @@ from torch import nn
 
 import asyncrpc
 from asyncrpc import autograd as dist_autograd
-from asyncrpc.errors import AutogradContextError
+from asyncrpc.errors import AutogradContextError, BackwardError
 from asyncrpc.optim import DistributedOptimizer
 from asyncrpc.protocol.wire import FrameDecoder
 from asyncrpc.runtime.current import current_agent
@@ -233,6 +233,10 @@ def test_autograd_error_in_remote_backward_keeps_its_type(group: Group) -> None:
         with pytest.raises(KeyError, match="broken backward") as info:
             dist_autograd.backward(context_id, [y.sum()])
         assert info.value.remote_worker == "w3"  # type: ignore[attr-defined]
+        # ... and as torch reports it: a RuntimeError naming the node that failed.
+        assert isinstance(info.value, BackwardError)
+        assert isinstance(info.value, RuntimeError)
+        assert str(info.value) == "Error on Node 3: 'broken backward'"
 
 
 def test_autograd_unknown_context_and_blocking_misuse(group: Group) -> None:

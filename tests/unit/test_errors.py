@@ -49,6 +49,7 @@ RUNTIME_ERRORS = [
     "RRefError",
     "RRefTimeoutError",
     "CallbackError",
+    "BackwardError",
 ]
 
 
@@ -159,3 +160,28 @@ def test_as_callback_error_leaves_runtime_errors_and_base_exceptions() -> None:
     assert errors.as_callback_error(same) is same
     interrupt = KeyboardInterrupt()
     assert errors.as_callback_error(interrupt) is interrupt
+
+
+@pytest.mark.parametrize("exc", [KeyError("k"), TypeError("bad"), OSError(2, "gone")])
+def test_as_backward_error_is_both_types_names_the_node_and_pickles(exc: Exception) -> None:
+    dual = errors.as_backward_error(exc, 3)
+    assert isinstance(dual, type(exc))
+    assert isinstance(dual, errors.BackwardError)
+    assert isinstance(dual, RuntimeError)
+    assert str(dual) == f"Error on Node 3: {exc}"
+    assert dual.__cause__ is exc
+    back = pickle.loads(pickle.dumps(dual))
+    assert type(back) is type(dual)
+    assert str(back) == str(dual)
+
+
+def test_as_backward_error_runtime_errors_plain_and_relayed_ones_unchanged() -> None:
+    for exc in (RuntimeError("r"), Exception("e")):
+        wrapped = errors.as_backward_error(exc, 2)
+        assert type(wrapped) is errors.BackwardError  # the pair has no consistent MRO
+        assert str(wrapped) == f"Error on Node 2: {exc}"
+        assert wrapped.__cause__ is exc
+        assert str(pickle.loads(pickle.dumps(wrapped))) == str(wrapped)
+        assert errors.as_backward_error(wrapped, 0) is wrapped  # a deeper node's error
+    interrupt = KeyboardInterrupt()
+    assert errors.as_backward_error(interrupt, 1) is interrupt

@@ -179,3 +179,17 @@ def test_pack_exception_never_raises() -> None:
 
 def test_unpack_exception_garbage_becomes_remote_error() -> None:
     assert type(unpack_exception(b"not a record")) is RemoteError
+
+
+def test_pack_exception_relayed_through_hops_grows_linearly() -> None:
+    error = raised(ValueError("deep"))
+    sizes = []
+    for hop in range(8):
+        data = pack_exception(error, f"w{hop}")
+        sizes.append(len(data))
+        error = raised(unpack_exception(data))
+    assert len(error.__notes__) == 8
+    # Each hop adds about one traceback; doubling would make the last record ~64x the 2nd.
+    assert sizes[-1] < sizes[1] * 8
+    assert "'w0'" in error.__notes__[0]
+    assert "Raised on remote worker 'w0'" not in error.remote_traceback  # type: ignore[attr-defined]

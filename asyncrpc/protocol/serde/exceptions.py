@@ -31,13 +31,14 @@ def pack_exception(exc: BaseException, worker: str) -> bytes:
         when pickling it and unpickling it again here gives back an object of the same type.
     """
     cls = type(exc)
+    pickled = _pickle_exception(exc)
     record = (
         _safe_text(lambda: cls.__module__),
         _safe_text(lambda: cls.__qualname__),
         _safe_text(lambda: str(exc)),
-        _safe_text(lambda: "".join(traceback.format_exception(exc))),
+        _safe_text(lambda: _format_traceback(exc, notes=pickled is None)),
         _safe_text(lambda: str(worker)),
-        _pickle_exception(exc),
+        pickled,
     )
     try:
         return pickle.dumps(record, protocol=_PROTOCOL)
@@ -80,6 +81,16 @@ def unpack_exception(data: bytes) -> BaseException:
     except Exception:
         return RemoteError(type_name, message, remote_tb, worker)
     return rebuilt
+
+
+def _format_traceback(exc: BaseException, notes: bool) -> str:
+    # A pickled exception carries its notes (those of the hops before this one) with it:
+    # formatting them into this hop's traceback too would copy each deeper traceback once
+    # per hop, and the record of an error relayed through n hops would grow like 2**n.
+    formatted = traceback.TracebackException.from_exception(exc)
+    if not notes:
+        formatted.__notes__ = None
+    return "".join(formatted.format())
 
 
 def _safe_text(produce: Callable[[], object]) -> str:
