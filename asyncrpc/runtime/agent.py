@@ -28,7 +28,6 @@ from asyncrpc.errors import (
     BadDestinationError,
     ClosedError,
     ConnectionLostError,
-    FrameTooLargeError,
     InitError,
     PeerLostError,
     RemoteProtocolError,
@@ -58,6 +57,7 @@ from asyncrpc.protocol.wire.messages import (
 from asyncrpc.runtime.dispatch import Dispatcher
 from asyncrpc.runtime.future import Future, set_default_callback_loop
 from asyncrpc.runtime.heartbeat import Heartbeat, Watched
+from asyncrpc.runtime.links import Links
 from asyncrpc.runtime.loopback import LoopbackConnection
 from asyncrpc.runtime.membership import Directory
 from asyncrpc.runtime.metrics import Counters, LagProbe, RateLimitedLog
@@ -65,7 +65,7 @@ from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT, RpcBackendOptions, Worke
 from asyncrpc.runtime.peers import GOODBYE_REASON, PeerTable
 from asyncrpc.runtime.pending import PendingCall, PendingCalls, describe_function
 from asyncrpc.runtime.pipeline import CallHook, OutgoingCall, Pipeline
-from asyncrpc.runtime.reflog import RefLog, Transfer
+from asyncrpc.runtime.reflog import Transfer
 from asyncrpc.runtime.rendezvous import PeerAddress, StoreGroup, join_group
 from asyncrpc.runtime.services import RRefFactory, RRefService
 from asyncrpc.runtime.shm import SHM_TAG_PREFIX, SharedMemory
@@ -120,6 +120,7 @@ class Agent:
         )
         self.pool = WorkerPool(options.num_worker_threads, loop, name, options.max_worker_threads)
         self.pipeline = Pipeline()
+        self.links = Links(self)
         self.dispatcher = Dispatcher(
             name, loop, self.pool, self.serializer, self.write, self.reply_device_map,
             self.counters, self.pipeline, options.print_errors,
@@ -127,7 +128,7 @@ class Agent:
         self.lag = LagProbe(loop)
         self.heartbeat = Heartbeat(
             loop, options.heartbeat_interval, options.heartbeat_timeout,
-            lambda: self._connections, self._ping, self._silent, self._ask_acks,
+            lambda: self._connections, self.links.ping, self._silent, self.links.ask_acks,
         )  # fmt: skip
         self.peers: PeerTable | None = None
         self.group: StoreGroup | None = None
@@ -135,11 +136,6 @@ class Agent:
         self.directory = Directory(self.addresses, None)
         self._early_hellos: list[tuple[Connection, Hello]] = []
         self._connections: set[Connection] = set()
-        # Frames waiting for a connection to be made, by peer, in the order they were sent.
-        self._unsent: dict[int, list[tuple[list[Any], int, object, list[Transfer] | None]]] = {}
-        # Refcount frames by peer, until the peer has surely read them (see reflog.py).
-        self._ref_logs: dict[int, RefLog] = {}
-        self._linked: set[int] = set()  # peers connected at least once
         self._server: asyncio.Server | None = None
         self._unix_server: asyncio.AbstractServer | None = None
         self.closed = False
@@ -231,7 +227,7 @@ class Agent:
             self.name, self.rank, self.addresses, self._dial, key, options.max_frame_size,
             self._refuse, ssl_context=self.tls.client if self.tls else None,
             host_id=self.addresses[self.rank].host_id if unix_path else None,
-            on_adopted=self._on_adopted, on_declared_lost=self._on_declared_lost,
+            on_adopted=self.links.on_adopted, on_declared_lost=self._on_declared_lost,
         )  # fmt: skip
         for conn, hello in self._early_hellos:
             if not conn.closed:
@@ -291,22 +287,6 @@ class Agent:
             self._refuse(
                 conn, AuthenticationError(f"no authenticated handshake within {limit:g} s")
             )
-
-    def _ping(self, conn: Watched) -> None:
-        conn.send(encode_frame(Ping().to_fields(), b""))
-        log = self._ref_logs.get(conn.peer) if conn.peer is not None else None
-        if log is not None:
-            log.pinged(conn)  # its Pong acknowledges the refcount frames sent before it
-
-    def _ask_acks(self) -> None:
-        """Ping busy links too (the heartbeat pings idle ones) while refcount frames wait
-        for an acknowledgement, so that the logs empty (see reflog.py)."""
-        if self.peers is None:
-            return
-        for rank, log in list(self._ref_logs.items()):  # bounded by the peers
-            conn = self.peers.peers[rank].conn
-            if conn is not None and not conn.closed and log.awaiting_ack():
-                self._ping(conn)
 
     def _silent(self, conn: Watched, seconds: float) -> None:
         assert isinstance(conn, Connection)
@@ -452,7 +432,7 @@ class Agent:
                 grads=None if call is None else call.grads,
             )
         except BaseException:
-            self._undo_minted(rank)  # RRefs pickled before the failure: forked for nobody
+            self.links.undo_minted(rank)  # RRefs pickled before the failure: forked for nobody
             raise
         call_id = next(self._call_ids)
         headers = None
@@ -466,7 +446,7 @@ class Agent:
             pieces = encode_frame(request.to_fields(), payload, segments)
         except BaseException:
             self.shm.unlend(keep)  # no frame: no peer will give its shared chunks back
-            self._undo_minted(rank)
+            self.links.undo_minted(rank)
             raise
         forks = rrefs.take_minted() if rrefs is not None else None
         return call_id, target, pieces, keep, None if call is None else (hooks, call), forks
@@ -558,52 +538,12 @@ class Agent:
         self, rank: int, pieces: list[Any], call_id: int = 0, keep: object = None,
         forks: list[Transfer] | None = None,
     ) -> None:  # fmt: skip
-        """Write a frame to ``rank``, connecting first if needed; failures fail ``call_id``.
-
-        Frames to one peer leave in the order they were sent, also while the connection is
-        being made: a frame sent then waits behind the ones already waiting for it.
-        ``forks`` are the RRef forks the frame carries (followed until the peer reads it).
-        """
-        if rank == self.rank:
-            self.loopback.send(pieces)
-            return
-        waiting = self._unsent.get(rank)
-        if waiting is not None:
-            waiting.append((pieces, call_id, keep, forks))
-            return
-        peer = self.peers.peers.get(rank) if self.peers is not None else None
-        if peer is not None and peer.conn is not None and not peer.conn.closed:
-            self._send_checked(peer.conn, rank, pieces, call_id, keep, forks)
-            return
-        self._unsent[rank] = [(pieces, call_id, keep, forks)]
-        self.loop.create_task(self._send_when_connected(rank))
+        """Write a frame to ``rank`` in order, connecting first if needed (see links.py)."""
+        self.links.send_to(rank, pieces, call_id, keep, forks)
 
     def send_ref(self, rank: int, pieces: list[Any]) -> None:
-        """Send a refcount frame; it is sent again on a new connection until acknowledged."""
-        # A dynamic group's member not looked up yet has no log for this first frame: it
-        # goes out once the look-up is done (a connection lost before its Pong loses it).
-        if rank != self.rank and self.peers is not None and self._peer_known(rank):
-            log = self._ref_logs.setdefault(rank, RefLog())
-            if log.add(pieces):
-                peer = self.peers.peers[rank]
-                if peer.conn is not None and not peer.conn.closed:
-                    self._ping(peer.conn)
-        self.send_to(rank, pieces)
-
-    def _on_adopted(self, rank: int, conn: Connection) -> None:
-        """A new connection to ``rank``: refcount frames it may have missed go first."""
-        if rank in self._linked:
-            self.counters.reconnects += 1
-            self.shm.on_peer_lost(rank)  # whatever the old link had lent, it ends here
-        self._linked.add(rank)
-        log = self._ref_logs.get(rank)
-        if log is None or not len(log):
-            return
-        try:
-            for pieces in log.replay():  # bounded by the log
-                conn.send(pieces)
-        except ClosedError:
-            pass  # the next connection replays them
+        """Send a refcount frame, again on a new connection until acknowledged."""
+        self.links.send_ref(rank, pieces)
 
     def _on_declared_lost(self, rank: int) -> None:
         """``rank`` is gone for good: fail everything bound for it, forget its RRefs."""
@@ -613,7 +553,7 @@ class Agent:
             _log.debug("worker %r: %s", self.name, lost)
         else:
             _log.warning("worker %r: %s", self.name, lost)
-        self._ref_logs.pop(rank, None)
+        self.links.forget(rank)
         for call in self.pending.pop_peer(rank):
             self.counters.calls_failed += 1
             call.fail(lost)
@@ -622,84 +562,12 @@ class Agent:
         if self.rrefs is not None:
             self.rrefs.on_peer_lost(rank)
 
-    async def _send_when_connected(self, rank: int) -> None:
-        assert self.peers is not None
-        waiting, sent = self._unsent[rank], 0
-        try:
-            await self._know_peer(rank)
-            conn = await self.peers.connection(rank)
-            for pieces, call_id, keep, forks in waiting:  # no await inside: the list stays
-                sent += 1
-                if call_id and call_id not in self.pending:
-                    self.shm.unlend(keep)
-                    self._undelivered(rank, forks)
-                    continue  # timed out or cancelled while waiting: the callee never runs it
-                self._send_checked(conn, rank, pieces, call_id, keep, forks)
-        except (ConnectionError, OSError, UnknownWorkerError) as exc:
-            for _, call_id, _, forks in waiting[sent:]:
-                self._fail_unsent(rank, call_id, exc)
-                self._undelivered(rank, forks)
-            if isinstance(exc, UnknownWorkerError) and self.rrefs is not None:
-                # An RRef named an owner nobody can find (a dynamic group whose store has
-                # gone): its forks wait for no confirmation, as if the owner were lost.
-                self.rrefs.on_peer_lost(rank)
-        finally:
-            del self._unsent[rank]  # from now on frames go straight to the connection
-
-    def _send_checked(
-        self, conn: Connection, rank: int, pieces: list[Any], call_id: int, keep: object,
-        forks: list[Transfer] | None = None,
-    ) -> None:  # fmt: skip
-        try:
-            conn.send(pieces, keep)
-        except FrameTooLargeError as exc:  # nothing was written: the call fails alone
-            self._fail_unsent(rank, call_id, exc)
-            self._undelivered(rank, forks)
-            return
-        if forks:
-            self._wrote_forks(rank, forks)
-        if call_id:
-            call = self.pending.get(call_id)
-            if call is not None:
-                call.sent_on = conn  # losing this connection fails it
-
-    def _fail_unsent(self, rank: int, call_id: int, exc: BaseException) -> None:
-        call = self.pending.pop(call_id) if call_id else None
-        if call is not None:
-            self.counters.calls_failed += 1
-            call.fail(exc)
-        else:
-            address = self.addresses.get(rank)  # None: a rank nobody could look up
-            _log.warning("could not send to %s: %s", address.name if address else rank, exc)
-
     def write(
         self, conn: Connection, pieces: list[Any], keep: object = None,
         forks: list[Transfer] | None = None,
     ) -> None:  # fmt: skip
         """Write a frame on ``conn``; a closed connection drops it (the peer is gone)."""
-        try:
-            conn.send(pieces, keep)
-        except ClosedError:
-            _log.debug("dropped a frame for %s: connection closed", conn.peer_name)
-            if conn.peer is not None:
-                self._undelivered(conn.peer, forks)
-            return
-        if forks and conn.peer is not None:
-            self._wrote_forks(conn.peer, forks)
-
-    def _wrote_forks(self, rank: int, forks: list[Transfer]) -> None:
-        # Followed until a Pong proves the peer read them; in doubt if the link dies first.
-        if self.peers is not None and rank in self.peers.peers:
-            self._ref_logs.setdefault(rank, RefLog()).wrote(forks)
-
-    def _undo_minted(self, rank: int) -> None:
-        if self.rrefs is not None:
-            self._undelivered(rank, self.rrefs.take_minted())
-
-    def _undelivered(self, rank: int, forks: list[Transfer] | None) -> None:
-        # The frame carrying these forks was never written: nobody will hold them.
-        if forks and self.rrefs is not None:
-            self.rrefs.undelivered(rank, forks)
+        self.links.write(conn, pieces, keep, forks)
 
     def _expire(self, call_id: int) -> None:
         call = self.pending.pop(call_id)
@@ -719,7 +587,7 @@ class Agent:
         self._send_cancel(call.peer, call_id)
 
     def _send_cancel(self, rank: int, call_id: int) -> None:
-        if rank in self._unsent:
+        if self.links.waiting_for_connection(rank):
             return  # its request still waits for the connection and will be skipped
         peer = self.peers.peers.get(rank) if self.peers is not None else None
         if rank == self.rank:
@@ -763,9 +631,7 @@ class Agent:
         elif isinstance(message, Pong):
             # Its bytes were the sign of life the heartbeat looks for; it also acknowledges
             # the refcount frames sent before its Ping.
-            log = self._ref_logs.get(peer)
-            if log is not None:
-                log.ponged(conn)
+            self.links.ponged(conn, peer)
         elif isinstance(message, ShmMessage):
             self.shm.on_message(peer, message)
         elif isinstance(message, Goodbye):
@@ -790,7 +656,7 @@ class Agent:
 
     def _on_hello(self, conn: Connection, hello: Hello) -> None:
         assert self.peers is not None
-        if self._peer_known(hello.rank) or not self.directory.dynamic:
+        if self.peer_known(hello.rank) or not self.directory.dynamic:
             self.peers.on_hello(conn, hello)
         else:
             self.loop.create_task(self._on_newcomer_hello(conn, hello))
@@ -801,11 +667,11 @@ class Agent:
         # the handshake deadline; it is refused by on_hello (no such member) or by its proof.
         assert self.peers is not None
         with contextlib.suppress(UnknownWorkerError):  # then refused by on_hello
-            await self._know_peer(hello.rank)
+            await self.know_peer(hello.rank)
         if not conn.closed:
             self.peers.on_hello(conn, hello)
 
-    def _peer_known(self, rank: int) -> bool:
+    def peer_known(self, rank: int) -> bool:
         """Whether the peer table has ``rank``, adding it if its address is known (a member
         another thread looked up); on the loop thread."""
         assert self.peers is not None
@@ -817,15 +683,15 @@ class Agent:
         self.peers.add(address)
         return True
 
-    async def _know_peer(self, rank: int) -> None:
+    async def know_peer(self, rank: int) -> None:
         """Make ``rank`` a peer, looking it up in a dynamic group's store if needed.
 
         Raises:
             UnknownWorkerError: no member has that rank.
         """
-        if not self._peer_known(rank):
+        if not self.peer_known(rank):
             await self.directory.lookup_async(rank)
-            if not self._peer_known(rank):
+            if not self.peer_known(rank):
                 raise UnknownWorkerError(rank, tuple(self.directory.ranks_by_name))
 
     def _on_reply(self, fields: list[Any], frame: Frame) -> None:
@@ -865,13 +731,8 @@ class Agent:
         if rank is None:
             return
         self.counters.connections_lost += 1
-        log = self._ref_logs.get(rank)
-        if log is not None:
-            in_doubt = log.lost(conn)
-            # Forks whose frames may have died with it: ask the peer (see reflog.py).
-            peer_gone = self.peers.peers[rank].lost is not None or self.closed
-            if in_doubt and self.rrefs is not None and not peer_gone:
-                self.rrefs.query_forks(rank, in_doubt)
+        # Forks whose frames may have died with it: ask the peer (see reflog.py).
+        self.links.on_lost(rank, conn, ask=self.peers.peers[rank].lost is None and not self.closed)
         peer = self.peers.peers[rank]
         error = peer.lost or PeerLostError(peer.address.name, f"connection lost ({exc or 'EOF'})")
         if peer.lost is None and not self.closed:
@@ -1020,7 +881,7 @@ class Agent:
                 if p.lost is not None
             ),
             **self.metrics(),
-            "unacked_ref_frames": sum(len(log) for log in list(self._ref_logs.values())),
+            "unacked_ref_frames": self.links.unacked_frames(),
             **(self.rrefs.debug_info() if self.rrefs is not None else {}),
             **{k: v for hook in self.pipeline.hooks for k, v in hook.debug_info().items()},
         }

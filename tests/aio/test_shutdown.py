@@ -20,6 +20,7 @@ class ScriptedGroup:
     def __init__(self, *answers: list[int]) -> None:
         self._answers = list(answers)
         self.arrived: list[str] = []
+        self.dynamic = False  # a static group: shutdown runs its barriers
 
     def arrive(self, tag: str) -> None:
         self.arrived.append(tag)

@@ -1,0 +1,257 @@
+"""Frames to each peer, in order, across the connections that come and go (layer L2).
+
+A frame for a peer goes straight onto its connection, or waits (in order, behind the
+frames already waiting) until one is made. Refcount frames, and the RRef forks that other
+frames carry, are followed in a per-peer log (``reflog.py``) until the peer has surely read
+them: a new connection replays the frames, and forks written on a connection that died
+first are asked about. The agent owns one ``Links`` and feeds it connection events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Protocol
+
+from asyncrpc.errors import ClosedError, FrameTooLargeError, UnknownWorkerError
+from asyncrpc.protocol.wire import encode_frame
+from asyncrpc.protocol.wire.messages import Ping
+from asyncrpc.runtime.heartbeat import Watched
+from asyncrpc.runtime.loopback import LoopbackConnection
+from asyncrpc.runtime.metrics import Counters
+from asyncrpc.runtime.peers import PeerTable
+from asyncrpc.runtime.pending import PendingCalls
+from asyncrpc.runtime.reflog import RefLog, Transfer
+from asyncrpc.runtime.rendezvous import PeerAddress
+from asyncrpc.runtime.services import RRefService
+from asyncrpc.runtime.shm import SharedMemory
+from asyncrpc.runtime.transport import Connection
+
+__all__ = ["LinkHost", "Links"]
+
+_log = logging.getLogger("asyncrpc.runtime.agent")
+
+# A frame waiting for a connection: its pieces, the call it belongs to (0: none), what
+# keeps its memory alive, and the RRef forks it carries.
+_Waiting = tuple[list[Any], int, object, list[Transfer] | None]
+
+
+class LinkHost(Protocol):
+    """What the links read of their agent."""
+
+    rank: int
+    loop: asyncio.AbstractEventLoop
+    counters: Counters
+    pending: PendingCalls
+    shm: SharedMemory
+    addresses: dict[int, PeerAddress]
+    peers: PeerTable | None
+    rrefs: RRefService | None
+
+    @property
+    def loopback(self) -> LoopbackConnection: ...
+
+    def peer_known(self, rank: int) -> bool: ...
+
+    async def know_peer(self, rank: int) -> None: ...
+
+
+class Links:
+    """The frames bound for every peer of one agent, on the agent's loop thread."""
+
+    def __init__(self, host: LinkHost) -> None:
+        self._host = host
+        # Frames waiting for a connection to be made, by peer, in the order they were sent.
+        self._unsent: dict[int, list[_Waiting]] = {}
+        # Refcount frames and forks by peer, until the peer has surely read them.
+        self._logs: dict[int, RefLog] = {}
+        self._linked: set[int] = set()  # peers connected at least once
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def send_to(
+        self, rank: int, pieces: list[Any], call_id: int = 0, keep: object = None,
+        forks: list[Transfer] | None = None,
+    ) -> None:  # fmt: skip
+        """Write a frame to ``rank``, connecting first if needed; failures fail ``call_id``.
+
+        Frames to one peer leave in the order they were sent, also while the connection is
+        being made: a frame sent then waits behind the ones already waiting for it.
+        ``forks`` are the RRef forks the frame carries (followed until the peer reads it).
+        """
+        host = self._host
+        if rank == host.rank:
+            host.loopback.send(pieces)
+            return
+        waiting = self._unsent.get(rank)
+        if waiting is not None:
+            waiting.append((pieces, call_id, keep, forks))
+            return
+        peer = host.peers.peers.get(rank) if host.peers is not None else None
+        if peer is not None and peer.conn is not None and not peer.conn.closed:
+            self._send_checked(peer.conn, rank, pieces, call_id, keep, forks)
+            return
+        self._unsent[rank] = [(pieces, call_id, keep, forks)]
+        host.loop.create_task(self._send_when_connected(rank))
+
+    def send_ref(self, rank: int, pieces: list[Any]) -> None:
+        """Send a refcount frame; it is sent again on a new connection until acknowledged."""
+        host = self._host
+        # A dynamic group's member not looked up yet has no log for this first frame: it
+        # goes out once the look-up is done (a connection lost before its Pong loses it).
+        if rank != host.rank and host.peers is not None and host.peer_known(rank):
+            log = self._logs.setdefault(rank, RefLog())
+            if log.add(pieces):
+                peer = host.peers.peers[rank]
+                if peer.conn is not None and not peer.conn.closed:
+                    self.ping(peer.conn)
+        self.send_to(rank, pieces)
+
+    def write(
+        self, conn: Connection, pieces: list[Any], keep: object = None,
+        forks: list[Transfer] | None = None,
+    ) -> None:  # fmt: skip
+        """Write a frame on ``conn``; a closed connection drops it (the peer is gone)."""
+        try:
+            conn.send(pieces, keep)
+        except ClosedError:
+            _log.debug("dropped a frame for %s: connection closed", conn.peer_name)
+            if conn.peer is not None:
+                self.undelivered(conn.peer, forks)
+            return
+        if forks and conn.peer is not None:
+            self._wrote_forks(conn.peer, forks)
+
+    def waiting_for_connection(self, rank: int) -> bool:
+        return rank in self._unsent
+
+    async def _send_when_connected(self, rank: int) -> None:
+        host = self._host
+        assert host.peers is not None
+        waiting, sent = self._unsent[rank], 0
+        try:
+            await host.know_peer(rank)
+            conn = await host.peers.connection(rank)
+            for pieces, call_id, keep, forks in waiting:  # no await inside: the list stays
+                sent += 1
+                if call_id and call_id not in host.pending:
+                    host.shm.unlend(keep)
+                    self.undelivered(rank, forks)
+                    continue  # timed out or cancelled while waiting: the callee never runs it
+                self._send_checked(conn, rank, pieces, call_id, keep, forks)
+        except (ConnectionError, OSError, UnknownWorkerError) as exc:
+            for _, call_id, _, forks in waiting[sent:]:
+                self._fail_unsent(rank, call_id, exc)
+                self.undelivered(rank, forks)
+            if isinstance(exc, UnknownWorkerError) and host.rrefs is not None:
+                # An RRef named an owner nobody can find (a dynamic group whose store has
+                # gone): its forks wait for no confirmation, as if the owner were lost.
+                host.rrefs.on_peer_lost(rank)
+        finally:
+            del self._unsent[rank]  # from now on frames go straight to the connection
+
+    def _send_checked(
+        self, conn: Connection, rank: int, pieces: list[Any], call_id: int, keep: object,
+        forks: list[Transfer] | None = None,
+    ) -> None:  # fmt: skip
+        try:
+            conn.send(pieces, keep)
+        except FrameTooLargeError as exc:  # nothing was written: the call fails alone
+            self._fail_unsent(rank, call_id, exc)
+            self.undelivered(rank, forks)
+            return
+        if forks:
+            self._wrote_forks(rank, forks)
+        if call_id:
+            call = self._host.pending.get(call_id)
+            if call is not None:
+                call.sent_on = conn  # losing this connection fails it
+
+    def _fail_unsent(self, rank: int, call_id: int, exc: BaseException) -> None:
+        host = self._host
+        call = host.pending.pop(call_id) if call_id else None
+        if call is not None:
+            host.counters.calls_failed += 1
+            call.fail(exc)
+        else:
+            address = host.addresses.get(rank)  # None: a rank nobody could look up
+            _log.warning("could not send to %s: %s", address.name if address else rank, exc)
+
+    # -- forks inside frames ---------------------------------------------------------------
+
+    def _wrote_forks(self, rank: int, forks: list[Transfer]) -> None:
+        # Followed until a Pong proves the peer read them; in doubt if the link dies first.
+        peers = self._host.peers
+        if peers is not None and rank in peers.peers:
+            self._logs.setdefault(rank, RefLog()).wrote(forks)
+
+    def undo_minted(self, rank: int) -> None:
+        """A frame for ``rank`` failed to build: undo the forks its pickling made."""
+        rrefs = self._host.rrefs
+        if rrefs is not None:
+            self.undelivered(rank, rrefs.take_minted())
+
+    def undelivered(self, rank: int, forks: list[Transfer] | None) -> None:
+        """The frame carrying these forks was never written: nobody will hold them."""
+        rrefs = self._host.rrefs
+        if forks and rrefs is not None:
+            rrefs.undelivered(rank, forks)
+
+    # -- acknowledgements ------------------------------------------------------------------
+
+    def ping(self, conn: Watched) -> None:
+        conn.send(encode_frame(Ping().to_fields(), b""))
+        log = self._logs.get(conn.peer) if conn.peer is not None else None
+        if log is not None:
+            log.pinged(conn)  # its Pong acknowledges the refcount frames sent before it
+
+    def ponged(self, conn: Connection, rank: int) -> None:
+        log = self._logs.get(rank)
+        if log is not None:
+            log.ponged(conn)
+
+    def ask_acks(self) -> None:
+        """Ping busy links too (the heartbeat pings idle ones) while refcount frames wait
+        for an acknowledgement, so that the logs empty (see reflog.py)."""
+        peers = self._host.peers
+        if peers is None:
+            return
+        for rank, log in list(self._logs.items()):  # bounded by the peers
+            conn = peers.peers[rank].conn
+            if conn is not None and not conn.closed and log.awaiting_ack():
+                self.ping(conn)
+
+    def unacked_frames(self) -> int:
+        return sum(len(log) for log in list(self._logs.values()))
+
+    # -- connection events -----------------------------------------------------------------
+
+    def on_adopted(self, rank: int, conn: Connection) -> None:
+        """A new connection to ``rank``: refcount frames it may have missed go first."""
+        host = self._host
+        if rank in self._linked:
+            host.counters.reconnects += 1
+            host.shm.on_peer_lost(rank)  # whatever the old link had lent, it ends here
+        self._linked.add(rank)
+        log = self._logs.get(rank)
+        if log is None or not len(log):
+            return
+        try:
+            for pieces in log.replay():  # bounded by the log
+                conn.send(pieces)
+        except ClosedError:
+            pass  # the next connection replays them
+
+    def on_lost(self, rank: int, conn: Connection, ask: bool) -> None:
+        """``conn`` to ``rank`` closed: ask (if ``ask``) about the forks it may have lost."""
+        log = self._logs.get(rank)
+        if log is None:
+            return
+        in_doubt = log.lost(conn)
+        rrefs = self._host.rrefs
+        if in_doubt and rrefs is not None and ask:
+            rrefs.query_forks(rank, in_doubt)
+
+    def forget(self, rank: int) -> None:
+        """``rank`` is gone for good: nothing will be resent to it."""
+        self._logs.pop(rank, None)
