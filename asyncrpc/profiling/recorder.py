@@ -103,10 +103,8 @@ class Recording:
             ])  # fmt: skip
         self.add(rows)
 
-    def as_rows(self, function: bool = True) -> list[Row]:
-        """The function's own row first (unless not ``function``), then its events."""
-        if not function:
-            return list(self.rows)
+    def as_rows(self) -> list[Row]:
+        """The function's own row first, then its events."""
         duration_us = max(self.end_ns - self.start_ns, 0) / 1000
         return [[self.target, 0.0, duration_us, self.thread, -1, None, 0], *self.rows]
 

@@ -731,9 +731,9 @@ class Agent:
         if rank is None:
             return
         self.counters.connections_lost += 1
-        # Forks whose frames may have died with it: ask the peer (see reflog.py).
-        self.links.on_lost(rank, conn, ask=self.peers.peers[rank].lost is None and not self.closed)
         peer = self.peers.peers[rank]
+        # Forks whose frames may have died with it: ask the peer (see reflog.py).
+        self.links.on_lost(rank, conn, ask=peer.lost is None and not self.closed)
         error = peer.lost or PeerLostError(peer.address.name, f"connection lost ({exc or 'EOF'})")
         if peer.lost is None and not self.closed:
             _log.warning("worker %r: %s; the next call reconnects", self.name, error)

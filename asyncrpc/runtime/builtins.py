@@ -19,7 +19,7 @@ import torch
 
 from asyncrpc.errors import OperatorArgumentsError
 
-__all__ = ["SMALL_OP_NUMEL", "checked_op", "is_torch_op", "runs_on_loop"]
+__all__ = ["SMALL_OP_NUMEL", "checked_op", "is_torch_c_function", "runs_on_loop"]
 
 SMALL_OP_NUMEL: Final = 1 << 14
 """The most elements an argument, and the broadcast result, may have to run on the loop."""
@@ -80,8 +80,10 @@ def runs_on_loop(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool
     return True
 
 
-def is_torch_op(fn: Any) -> bool:
-    """Whether ``fn`` is one of torch's builtin ops (``torch.add``...), a C function."""
+def is_torch_c_function(fn: Any) -> bool:
+    """Whether ``fn`` is a C function of the ``torch`` module (``torch.add``...): its
+    TypeErrors come from parsing its arguments (``profiling.names.is_torch_op`` is wider:
+    any function torch maps to an operator)."""
     return type(fn) is _BUILTIN and getattr(fn, "__module__", None) == "torch"
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import logging
 import sys
 import traceback
@@ -33,7 +32,7 @@ from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inl
 from asyncrpc.protocol.serde import MissingReferenceError, Serializer, pack_exception
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import CallMode, ErrorReply, Reply, Request
-from asyncrpc.runtime.builtins import checked_op, is_torch_op, runs_on_loop
+from asyncrpc.runtime.builtins import checked_op, is_torch_c_function, runs_on_loop
 from asyncrpc.runtime.future import Future
 from asyncrpc.runtime.metrics import Counters
 from asyncrpc.runtime.pipeline import IncomingCall, Pipeline
@@ -171,7 +170,7 @@ class Dispatcher:
         fn, args, kwargs = call
         # Decided on the function itself: a hook's wrapper may hide what kind it is.
         run, async_exec = fn, is_async_execution(fn)
-        if is_torch_op(fn):
+        if is_torch_c_function(fn):
             run = partial(checked_op, fn)
         if serves:
             try:
@@ -197,7 +196,7 @@ class Dispatcher:
             except (ClosedError, ThreadPoolExhaustedError) as exc:  # the caller learns it
                 self._finish(conn, request, peer, False, exc)
                 return
-            job.refused = functools.partial(self._refused, conn, request, peer)
+            job.refused = partial(self._refused, conn, request, peer)
             self._jobs[key] = job
             if not request.mode:
                 self._came_on[key] = conn

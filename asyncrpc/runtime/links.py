@@ -29,6 +29,7 @@ from asyncrpc.runtime.transport import Connection
 
 __all__ = ["LinkHost", "Links"]
 
+# The agent's logger: these messages were the agent's before this module took them over.
 _log = logging.getLogger("asyncrpc.runtime.agent")
 
 # A frame waiting for a connection: its pieces, the call it belongs to (0: none), what

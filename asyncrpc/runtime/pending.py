@@ -17,6 +17,7 @@ from typing import Any
 from asyncrpc.functions import per_callable_cache
 from asyncrpc.runtime.future import Future
 from asyncrpc.runtime.pipeline import CallHook, OutgoingCall, Pipeline
+from asyncrpc.runtime.reflog import Transfer
 
 __all__ = ["Deadlines", "PendingCall", "PendingCalls", "describe_function"]
 
@@ -43,7 +44,7 @@ class PendingCall:
         # Tensors whose memory is being written; freed with the call, not before.
         self.keepalive: object = None
         # The RRef forks its request carries (None: none), followed until the peer reads it.
-        self.forks: list[tuple[tuple[int, int], tuple[int, int]]] | None = None
+        self.forks: list[Transfer] | None = None
         # The pipeline hooks this call went through, told when it ends (None: none).
         self.observed: tuple[tuple[CallHook, ...], OutgoingCall] | None = None
 

@@ -203,33 +203,35 @@ class StoreGroup:
     # Reads here never wait for a key to appear (``check`` first, then ``get`` of a key that
     # is there): a lookup costs a few store round trips, never the store's timeout.
 
+    def _get_if_set(self, key: str) -> bytes | None:
+        """The value of ``key`` (under our prefix), or None if nobody set it yet."""
+        key = _PREFIX + key
+        return bytes(self.store.get(key)) if self.store.check([key]) else None
+
     def member_ranks(self) -> list[int]:
         """Ranks of the members listed so far, joined or left, in joining order."""
         count = int(self.store.add(_PREFIX + "members", 0))
-        keys = [f"{_PREFIX}member/{n}" for n in range(1, count + 1)]
+        listed = [self._get_if_set(f"member/{n}") for n in range(1, count + 1)]
         # A member counted but not yet listed is still joining: left out.
-        return [int(self.store.get(k)) for k in keys if self.store.check([k])]
+        return [int(rank) for rank in listed if rank is not None]
 
     def find(self, who: str | int) -> PeerAddress | None:
         """The published address of the worker named or ranked ``who``, None if none is."""
         if isinstance(who, str):
-            name_key = f"{_PREFIX}name/{who}"
-            if not self.store.check([name_key]):
+            rank = self._get_if_set(f"name/{who}")
+            if rank is None:
                 return None
-            who = int(self.store.get(name_key))
-        key = f"{_PREFIX}worker/{who}"
-        if not self.store.check([key]):
-            return None
-        return _unpack(self.store.get(key))
+            who = int(rank)
+        record = self._get_if_set(f"worker/{who}")
+        return None if record is None else _unpack(record)
 
     def has_left(self, rank: int) -> bool:
         """Whether ``rank`` has finished its shutdown (reached the "left" barrier)."""
         return bool(self.store.check([f"{_PREFIX}barrier/left/{rank}"]))
 
     def _aborted(self) -> str | None:
-        if self.store.check([_PREFIX + "abort"]):
-            return bytes(self.store.get(_PREFIX + "abort")).decode()
-        return None
+        message = self._get_if_set("abort")
+        return None if message is None else message.decode()
 
     def _wait_for(self, keys: list[str], timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
