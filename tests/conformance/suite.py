@@ -22,6 +22,7 @@ from typing import Any
 os.environ.setdefault("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", "120")
 
 import torch.distributed.autograd as torch_dist_autograd
+import torch.distributed.nn as torch_dist_nn
 import torch.distributed.optim as torch_optim
 import torch.distributed.rpc as torch_rpc
 import torch.distributed.rpc.api as torch_rpc_api
@@ -61,6 +62,18 @@ def _substitute() -> None:
     for name in AUTOGRAD_NAMES:
         setattr(torch_dist_autograd, name, getattr(asyncrpc.autograd, name))
     torch_optim.DistributedOptimizer = asyncrpc.optim.DistributedOptimizer  # type: ignore[misc]
+    # RemoteModule's suites import torch's name when they are imported.
+    remote_module = _asyncrpc_remote_module()
+    if remote_module is not None:
+        torch_dist_nn.RemoteModule = remote_module  # type: ignore[misc]
+
+
+def _asyncrpc_remote_module() -> Any:
+    try:
+        from asyncrpc.nn import RemoteModule
+    except ImportError:  # not built yet: torch's own stays, and refuses asyncrpc's agent
+        return None
+    return RemoteModule
 
 
 if IMPL == "asyncrpc":
@@ -71,6 +84,14 @@ elif IMPL != "torch":
 # torch's test modules (rpc_utils is avoided: it imports the TorchScript suites, which
 # cannot compile annotations such as RRef[Tensor] once RRef is asyncrpc's).
 from torch.testing._internal.common_distributed import MultiProcessTestCase  # noqa: E402
+from torch.testing._internal.distributed.ddp_under_dist_autograd_test import (  # noqa: E402
+    DdpComparisonTest,
+    DdpUnderDistAutogradTest,
+)
+from torch.testing._internal.distributed.nn.api.remote_module_test import (  # noqa: E402
+    RemoteModuleTest,
+    ThreeWorkersRemoteModuleTest,
+)
 from torch.testing._internal.distributed.rpc.dist_autograd_test import (  # noqa: E402
     DistAutogradTest,
 )
@@ -105,7 +126,14 @@ class _ForkserverHelper(MultiProcessTestCase):
 
 # Suites: the core ones (RpcTest and the examples built on it) and the extended ones.
 CORE = (RpcTest, TensorPipeAgentRpcTest, ParameterServerTest, ReinforcementLearningRpcTest)
-EXTENDED = (DistAutogradTest, DistOptimizerTest)
+EXTENDED = (
+    DistAutogradTest,
+    DistOptimizerTest,
+    DdpUnderDistAutogradTest,
+    DdpComparisonTest,
+    RemoteModuleTest,
+    ThreeWorkersRemoteModuleTest,
+)
 
 SUITES: dict[str, type] = {}
 for _suite in CORE + EXTENDED:
