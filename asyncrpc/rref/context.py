@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from asyncrpc.errors import (
     LocalProtocolError,
+    RemoteProtocolError,
     RRefError,
     RRefOwnerLostError,
     RRefTimeoutError,
@@ -91,7 +92,8 @@ class RRefHost(Protocol):
 
     def send_remote(
         self, rank: int, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
-        register: Callable[[], tuple[tuple[int, int], tuple[int, int]]],
+        register: Callable[[], tuple[tuple[int, int], tuple[int, int] | None]],
+        target: str | None = ...,
     ) -> Future[Any] | None: ...  # fmt: skip
 
     def send_ref(self, rank: int, pieces: list[Any]) -> None: ...
@@ -189,40 +191,45 @@ class RRefContext:
         self, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
         target: str | None,
     ) -> RRef[Any]:  # fmt: skip
-        with self._lock:
-            rref_id = self.counter.next_rref_id()
-            self.counter.new_owner(rref_id)
-        value: Future[Any] = Future(loop=self.loop)
-        self._values[rref_id] = value
-        call = self.agent.call_future(
-            self.agent.rank, fn, args, kwargs, timeout, kind="remote", target=target
-        )
-        call._add_callback(lambda done: self._settle(value, done))
-        rref = RRef._make(self, rref_id, None, self.agent.rank, value)
-        rref._made_by = call
-        return rref
+        # torch's rule: the arguments cross the loopback pickled, as to any worker, but the
+        # result becomes the owner's value where it is made, never pickled (it may be a
+        # lock, an optimizer, a stream). The request goes as a remote() without a fork, so
+        # the dispatcher hands the value to on_value like any owner's.
+        made: list[tuple[RRefId, Future[Any]]] = []
 
-    @staticmethod
-    def _settle(value: Future[Any], done: Future[Any]) -> None:
-        exc = done.exception()
-        if value.done():
-            return
-        if exc is None:
-            value.set_result(done.value())
-        else:
-            value.set_exception(exc)
+        def register() -> tuple[RRefId, None]:
+            with self._lock:
+                rref_id = self.counter.next_rref_id()
+                self.counter.new_owner(rref_id)
+            value: Future[Any] = Future(loop=self.loop)
+            self._values[rref_id] = value
+            made.append((rref_id, value))
+            return rref_id, None
+
+        observed = self.agent.send_remote(
+            self.agent.rank, fn, args, kwargs, timeout, register, target
+        )
+        rref_id, value = made[0]
+        rref = RRef._make(self, rref_id, None, self.agent.rank, value)
+        rref._made_by = observed
+        return rref
 
     # -- owner side of remote() ------------------------------------------------------------
 
     def on_remote_request(self, peer: int, request: Request) -> None:
         """A remote() request arrived: register the caller's fork before running it."""
         assert request.rref_id is not None
-        assert request.fork_id is not None
-        rref_id, fork_id = RRefId(*request.rref_id), ForkId(*request.fork_id)
-        with self._lock:
-            actions = self.counter.new_owner(rref_id, holder=peer, fork_id=fork_id)
-        self._values.setdefault(rref_id, Future(loop=self.loop))
-        self.apply(actions)
+        rref_id = RRefId(*request.rref_id)
+        if request.fork_id is not None:
+            fork_id = ForkId(*request.fork_id)
+            with self._lock:
+                actions = self.counter.new_owner(rref_id, holder=peer, fork_id=fork_id)
+            self._values.setdefault(rref_id, Future(loop=self.loop))
+            self.apply(actions)
+        elif peer != self.agent.rank:
+            raise RemoteProtocolError(f"worker {peer} sent a remote() request without a fork")
+        # else a remote() to oneself: registered before it was sent (and maybe freed since,
+        # if its only handle was dropped: on_value then discards the result)
         if request.timeout > 0:
             self.loop.call_later(request.timeout, self._expire_value, peer, request)
 

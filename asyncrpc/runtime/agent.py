@@ -398,7 +398,7 @@ class Agent:
         timeout: float,
         kind: str,
         mode: int = CallMode.CALL,
-        register: Callable[[], tuple[tuple[int, int], tuple[int, int]]] | None = None,
+        register: Callable[[], tuple[tuple[int, int], tuple[int, int] | None]] | None = None,
         target: str | None = None,
     ) -> EncodedRequest:
         """Pickle and frame a request on the calling thread, through the call pipeline.
@@ -491,9 +491,13 @@ class Agent:
 
     def send_remote(
         self, rank: int, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
-        register: Callable[[], tuple[tuple[int, int], tuple[int, int]]],
+        register: Callable[[], tuple[tuple[int, int], tuple[int, int] | None]],
+        target: str | None = None,
     ) -> Future[Any] | None:  # fmt: skip
         """Send a ``remote()`` request from any thread; the owner keeps the value.
+
+        ``register`` makes the RRef id and the caller's fork id (None when the owner is
+        this worker: its value then never leaves the process).
 
         Without pipeline hooks nothing waits for it here (the RRef protocol confirms it).
         With hooks, the owner acknowledges the end of the function, and a pending call
@@ -507,7 +511,7 @@ class Agent:
             SerializationError: the function or an argument cannot be pickled.
         """
         call_id, target, pieces, keep, observed, forks = self.encode_request(
-            rank, fn, args, kwargs, timeout, "remote", CallMode.REMOTE, register
+            rank, fn, args, kwargs, timeout, "remote", CallMode.REMOTE, register, target
         )
         if observed is None:
             self.run_on_loop(self.send_to, rank, pieces, 0, keep, forks)

@@ -519,3 +519,35 @@ def mapped_chunks_of(pid: int) -> int:
     gc.collect()
     with open("/proc/self/maps") as maps:
         return sum(1 for line in maps if f"asyncrpc-{pid}-" in line)
+
+
+class LockHolder:
+    """Something that cannot be pickled (it holds a lock), made where remote() runs it."""
+
+    def __init__(self, value: Any) -> None:
+        self.lock = threading.Lock()
+        self.value = value
+        self.made_in = os.getpid()
+
+
+def make_lock_holder(value: Any) -> LockHolder:
+    return LockHolder(value)
+
+
+async def async_make_lock_holder(value: Any) -> LockHolder:
+    await asyncio.sleep(0)
+    return LockHolder(value)
+
+
+@async_execution
+def async_exec_lock_holder(value: Any) -> asyncrpc.Future[LockHolder]:
+    future: asyncrpc.Future[LockHolder] = asyncrpc.Future()
+    future.set_result(LockHolder(value))
+    return future
+
+
+def remote_to_self_here(value: Any) -> tuple[bool, int, Any]:
+    """Runs on a worker: remote() to its own name, as torch's tutorials do; the value stays."""
+    rref = asyncrpc.remote(asyncrpc.get_worker_info().name, make_lock_holder, args=(value,))
+    held = rref.to_here()
+    return held is rref.local_value(), held.made_in, held.value

@@ -340,3 +340,46 @@ def test_autograd_through_an_async_execution_coroutine(group: Group) -> None:
     a_local = a.detach().clone().requires_grad_()
     (fns.product(a_local, a_local) * 2).sum().backward()
     torch.testing.assert_close(grad, a_local.grad)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_distributed_optimizer_over_local_and_remote_parameters(
+    group: Group, layers: Callable, mode: str
+) -> None:
+    """torch's RNN tutorial: the caller's own RRef(p)s beside a remote module's, one
+    optimizer (its local part made by a remote() to oneself, holding a lock)."""
+    here, there = fns.make_linear(21, 4, 6), layers("w1", 22, 6, 1)
+    params = [asyncrpc.RRef(p) for p in here.parameters()]
+    params += asyncrpc.rpc_sync("w1", fns.param_rrefs, args=(there,))
+    optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=0.05, momentum=0.9)
+    m1, m2 = fns.make_linear(21, 4, 6), fns.make_linear(22, 6, 1)
+    local = torch.optim.SGD([*m1.parameters(), *m2.parameters()], lr=0.05, momentum=0.9)
+    batches = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(3)]
+
+    async def step_async(
+        optimizer: DistributedOptimizer, x: torch.Tensor, target: torch.Tensor
+    ) -> None:
+        async with dist_autograd.context() as context_id:
+            y = await asyncrpc.call("w1", fns.forward, there, torch.relu(here(x)))
+            await dist_autograd.backward_async(context_id, [(y - target).pow(2).mean()])
+            for done in optimizer.step_future(context_id):
+                await done
+
+    for x, target in batches:
+        if mode == "async":
+            asyncio.run(step_async(optimizer, x, target))
+        else:
+            with dist_autograd.context() as context_id:
+                y = asyncrpc.rpc_sync("w1", fns.forward, args=(there, torch.relu(here(x))))
+                dist_autograd.backward(context_id, [(y - target).pow(2).mean()])
+                optimizer.step(context_id)
+        local.zero_grad()
+        (m2(torch.relu(m1(x))) - target).pow(2).mean().backward()
+        local.step()
+    for got, want in zip(here.parameters(), m1.parameters(), strict=True):
+        torch.testing.assert_close(got.detach(), want.detach())
+        assert got.grad is None  # distributed gradients never land in .grad
+    remote_weights = asyncrpc.rpc_sync("w1", fns.weights, args=(there,))
+    for got, want in zip(remote_weights, m2.parameters(), strict=True):
+        torch.testing.assert_close(got, want.detach())
+    del params, optimizer

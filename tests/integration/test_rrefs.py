@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import time
 from typing import Any
@@ -221,3 +222,47 @@ def test_rref_str_uses_torchs_words(group: Group) -> None:
     assert str(user).startswith("UserRRef(RRefId = GloballyUniqueId(created_on=0, local_id=")
     with pytest.raises(RRefError, match=r"can't call localValue\(\) on user"):
         user.local_value()
+
+
+@pytest.mark.parametrize(
+    "fn", [fns.make_lock_holder, fns.async_make_lock_holder, fns.async_exec_lock_holder]
+)
+def test_remote_to_self_keeps_an_unpicklable_value_unpickled(group: Group, fn: Any) -> None:
+    # torch's rule: the result of a remote() to oneself becomes the owner's value as it is.
+    rref = asyncrpc.remote("driver", fn, args=(7,))
+    held = rref.to_here()
+    assert isinstance(held, fns.LockHolder)
+    assert held is rref.local_value()
+    assert held.value == 7
+    assert held.made_in == os.getpid()
+    assert rref._get_future().wait() is None
+
+
+def test_remote_to_self_of_builtins_and_script_functions_returns_the_object(group: Group) -> None:
+    x = torch.ones(3)
+    for fn, args in ((torch.add, (x, 1)), (fns.script_add, (x, 2))):
+        rref = asyncrpc.remote("driver", fn, args=args)
+        assert rref.to_here() is rref.local_value()
+    assert torch.equal(rref.local_value(), torch.full((3,), 3.0))
+
+
+def test_remote_to_self_still_pickles_its_arguments(group: Group) -> None:
+    x = torch.zeros(2)
+    rref = asyncrpc.remote("driver", fns.echo, args=(x,))
+    assert torch.equal(rref.to_here(), x)
+    assert rref.to_here() is not x
+    with pytest.raises(asyncrpc.SerializationError):
+        asyncrpc.remote("driver", fns.echo, args=(threading.Lock(),))
+
+
+def test_remote_to_self_raises_the_functions_error(group: Group) -> None:
+    rref = asyncrpc.remote("driver", fns.raise_key_error, args=("k",))
+    with pytest.raises(KeyError):
+        rref.to_here()
+
+
+def test_remote_to_self_on_another_worker(group: Group) -> None:
+    same, made_in, value = asyncrpc.rpc_sync("w2", fns.remote_to_self_here, args=(5,))
+    assert same
+    assert value == 5
+    assert made_in == asyncrpc.rpc_sync("w2", fns.pid)
