@@ -40,6 +40,7 @@ __all__ = [
     "RRefError",
     "RRefOwnerLostError",
     "RRefTimeoutError",
+    "RemoteCallError",
     "RemoteError",
     "RemoteProtocolError",
     "RpcTimeoutError",
@@ -50,6 +51,7 @@ __all__ = [
     "WorkerNameError",
     "as_backward_error",
     "as_callback_error",
+    "as_remote_call_error",
 ]
 
 
@@ -189,7 +191,33 @@ class FunctionNotFoundError(AsyncRpcError, LookupError, RuntimeError):
 # -- remote failures -----------------------------------------------------------------------
 
 
-class RemoteError(AsyncRpcError, RuntimeError):
+class RemoteCallError(AsyncRpcError, RuntimeError):
+    """Base of what an exception raised by a remote function becomes on the caller.
+
+    torch's handlers catch a remote failure as ``RuntimeError``; asyncio users expect the
+    original type. ``as_remote_call_error`` makes the rebuilt exception both: its class
+    derives from the original type and from this one (``except KeyError`` and
+    ``except RuntimeError`` both catch a remote ``KeyError``), keeping ``args``, attributes,
+    message, ``remote_worker`` and ``remote_traceback``. A remote ``RuntimeError`` (our own
+    errors among them) stays as it is.
+    """
+
+
+def as_remote_call_error(exc: BaseException) -> BaseException:
+    """Return the rebuilt remote exception ``exc`` as one that is also a ``RuntimeError``.
+
+    A ``RuntimeError``, or a ``BaseException`` that is no ``Exception``, is returned as is;
+    so is an exception whose class cannot be paired (a layout conflict, a strict
+    ``__new__``): it keeps its own type rather than losing it.
+    """
+    if isinstance(exc, RuntimeError) or not isinstance(exc, Exception):
+        return exc
+    # No local cause: the original was raised on another worker, and its traceback is in
+    # the remote_traceback attribute and the note, which the copy keeps.
+    return _paired_copy(exc, RemoteCallError, {}, chain=False) or exc
+
+
+class RemoteError(RemoteCallError):
     """A remote exception that could not be rebuilt as its own type.
 
     Keeps the remote type's name, its message, the remote traceback and the worker.
@@ -327,16 +355,20 @@ def as_callback_error(exc: BaseException) -> BaseException:
 _paired_types: dict[tuple[type, type], type[BaseException]] = {}
 
 
-def _paired_copy(exc: BaseException, base: type, extra: dict[str, object]) -> BaseException | None:
+def _paired_copy(
+    exc: BaseException, base: type, extra: dict[str, object], chain: bool = True
+) -> BaseException | None:
     """A copy of ``exc`` whose class derives from ``type(exc)`` and ``base``, with the
-    attributes ``extra`` added; None when the two cannot be paired."""
+    attributes ``extra`` added (and ``exc`` as its cause if ``chain``); None when the two
+    cannot be paired."""
     state = {**getattr(exc, "__dict__", {}), **extra}
     try:
-        copy = _rebuild_paired(type(exc), base, exc.args, state)
+        copy = _rebuild_paired(type(exc), base, _constructor_args(exc), state)
     except Exception:  # a class that cannot be paired (a layout conflict, a strict __new__)
         return None
-    copy.__cause__ = exc
-    copy.__suppress_context__ = True
+    if chain:
+        copy.__cause__ = exc
+        copy.__suppress_context__ = True
     return copy.with_traceback(exc.__traceback__)
 
 
@@ -359,7 +391,15 @@ def _paired_str(self: Any) -> str:
 
 def _reduce_paired(self: BaseException) -> tuple[object, ...]:
     original, base = type(self).__bases__
-    return (_rebuild_paired, (original, base, self.args, dict(self.__dict__)))
+    return (_rebuild_paired, (original, base, _constructor_args(self), dict(self.__dict__)))
+
+
+def _constructor_args(exc: BaseException) -> tuple[object, ...]:
+    # An OSError keeps its file names outside args (and outside __dict__): only its
+    # constructor sets them, so they go back in through it (args stays errno, strerror).
+    if isinstance(exc, OSError) and (exc.filename is not None or exc.filename2 is not None):
+        return (exc.errno, exc.strerror, exc.filename, None, exc.filename2)
+    return exc.args
 
 
 def _rebuild_paired(

@@ -17,7 +17,7 @@ import torch
 from asyncrpc.api import remote, rpc_async
 from asyncrpc.autograd import get_gradients
 from asyncrpc.rref.handle import RRef, current_rrefs
-from asyncrpc.runtime.future import Future, wait_all
+from asyncrpc.runtime.future import Future, collect_all
 
 __all__ = ["DistributedOptimizer"]
 
@@ -49,7 +49,7 @@ class DistributedOptimizer:
             remote(owner, LocalOptimizer, args=(optimizer_class, rrefs, args, kwargs))
             for owner, rrefs in by_owner.items()
         ]
-        wait_all([optimizer._get_future() for optimizer in self._optimizers])
+        _wait_every([optimizer._get_future() for optimizer in self._optimizers])
 
     def step(self, context_id: int) -> None:
         """Step every owner's optimizer with the gradients of ``context_id``; blocks.
@@ -57,7 +57,7 @@ class DistributedOptimizer:
         Raises:
             The first owner's error (with its original type), once all have finished.
         """
-        wait_all(self.step_future(context_id))
+        _wait_every(self.step_future(context_id))
 
     def step_future(self, context_id: int) -> list[Future[None]]:
         """Start the steps on every owner; returns their futures (await or wait them)."""
@@ -98,3 +98,10 @@ def _step(optimizer_id: tuple[int, int], context_id: int) -> None:
     # wait(): the remote() that builds it may still be running (on a pool thread here).
     optimizer: LocalOptimizer = current_rrefs().owned_value(*optimizer_id).wait()
     optimizer.step(context_id)
+
+
+def _wait_every(futures: list[Future[Any]]) -> None:
+    """Wait for every future, then raise the first failure in list order (torch's
+    DistributedOptimizer waits for all its owners too, where wait_all would not)."""
+    for done in collect_all(futures).wait():
+        done.value()

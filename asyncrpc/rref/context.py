@@ -24,6 +24,7 @@ from asyncrpc.errors import (
     RRefOwnerLostError,
     RRefTimeoutError,
     ShutdownError,
+    as_remote_call_error,
 )
 from asyncrpc.protocol.refcount import (
     Action,
@@ -252,7 +253,15 @@ class RRefContext:
             # Keep the lines for the remote traceback, drop the locals (the call's
             # arguments, RRefs among them) that would otherwise live as long as the value.
             traceback.clear_frames(value.__traceback__)
-            future.set_exception(value)
+            # Fetches raise copies without this traceback (see handle._owner_value): a note
+            # keeps where the function failed for every user that fetches the value.
+            with contextlib.suppress(Exception):
+                lines = "".join(traceback.format_exception(value))
+                value.add_note(
+                    f"Raised on worker {self.agent.name!r} by {request.target}:\n{lines}"
+                )
+            # As a caller of the function would get it: also a RuntimeError (torch's type).
+            future.set_exception(as_remote_call_error(value))
 
     def owned_value(self, worker_id: int, local_id: int) -> Future[Any]:
         """The future of a value owned here, by its RRef id (``to_here`` fetches by id).

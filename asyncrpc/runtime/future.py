@@ -838,19 +838,62 @@ def collect_all(futures: Sequence[Any]) -> Future[list[Future[Any]]]:
 
 
 def wait_all(futures: Sequence[Any]) -> list[Any]:
-    """Block until all ``futures`` are done and return their values in order.
+    """Block until all ``futures`` are done, or one fails; return their values in order.
+
+    torch's rule for ``torch.futures.wait_all`` over its RPC futures: the first failure
+    (in time) is raised at once, without waiting for the others. Use ``collect_all`` to
+    wait for every future whatever happens.
 
     Args:
         futures: asyncrpc or torch futures (anything ``Future.wrap`` takes).
 
     Raises:
         BlockingCallError: Some are not done and this is the agent's loop thread.
-        BaseException: Once all are done, the first stored exception in list order.
+        BaseException: The stored exception of the first future to fail (of the first in
+            list order among those failed already).
 
     Cancellation: a cancelled future counts as failed with ``asyncio.CancelledError``.
     """
     ours = [Future.wrap(f) for f in futures]
-    for fut in ours:
-        if fut._state == _PENDING:
-            fut._block(None)
+    failed = next((fut for fut in ours if fut._state == _EXCEPTION), None)
+    pending = [fut for fut in ours if fut._state == _PENDING]
+    if failed is None and pending:
+        failed = _first_failure(pending)
+    if failed is not None:
+        failed.value()  # raises its exception
     return [fut.value() for fut in ours]
+
+
+def _first_failure(pending: list[Future[Any]]) -> Future[Any] | None:
+    """Block until every future of ``pending`` is done (None) or one fails (that one)."""
+    outcome: Future[Future[Any] | None] = Future()
+    watch = _FirstFailure(len(pending), outcome)
+    for fut in pending:
+        fut._add_hook(watch)
+    try:
+        outcome._block(None)
+    finally:
+        for fut in pending:  # those still running keep no reference to this wait
+            fut._discard_hook(watch)
+    return outcome.value()
+
+
+class _FirstFailure:
+    """Completes ``outcome`` with the first future that fails, or None once all are done."""
+
+    __slots__ = ("_left", "_lock", "_outcome")
+
+    def __init__(self, count: int, outcome: Future[Future[Any] | None]) -> None:
+        self._left = count
+        self._outcome = outcome
+        self._lock = threading.Lock()
+
+    def __call__(self, fut: Future[Any]) -> None:
+        if fut._state == _EXCEPTION:
+            self._outcome._try_set_result(fut)
+            return
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._outcome._try_set_result(None)

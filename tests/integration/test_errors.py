@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import types
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ import torch
 import asyncrpc
 from asyncrpc.errors import (
     FunctionNotFoundError,
+    RemoteCallError,
     RemoteError,
     RpcTimeoutError,
     SerializationError,
@@ -27,7 +30,7 @@ def test_remote_key_error_keeps_its_type_and_args(group: Group) -> None:
     with pytest.raises(KeyError) as info:
         asyncrpc.rpc_sync("w1", fns.raise_key_error, args=("missing-key",))
     exc = info.value
-    assert type(exc) is KeyError
+    assert type(exc).__bases__ == (KeyError, RemoteCallError)
     assert exc.args == ("missing-key",)
     assert exc.remote_worker == "w1"  # type: ignore[attr-defined]
     assert "raise_key_error" in exc.remote_traceback  # type: ignore[attr-defined]
@@ -37,8 +40,55 @@ def test_remote_key_error_keeps_its_type_and_args(group: Group) -> None:
 def test_remote_os_error_keeps_errno(group: Group) -> None:
     with pytest.raises(OSError, match="input/output") as info:
         asyncrpc.rpc_sync("w3", fns.raise_os_error)
-    assert type(info.value) is OSError
+    assert isinstance(info.value, RuntimeError)
+    assert type(info.value).__bases__ == (OSError, RemoteCallError)
     assert info.value.errno == 5
+
+
+def _torch_style(call: Callable[[], object]) -> RuntimeError:
+    """What a handler written for torch.distributed.rpc catches."""
+    try:
+        call()
+    except RuntimeError as caught:
+        return caught
+    raise AssertionError("no RuntimeError raised")
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["rpc_sync", "rpc_async", "await", "remote", "remote_to_self", "then"],
+)
+def test_remote_errors_are_runtime_errors_of_their_own_type(group: Group, how: str) -> None:
+    """torch-style ``except RuntimeError`` and asyncio-style ``except KeyError`` both catch
+    a remote KeyError, however the call was made; the remote traceback is kept."""
+    args = ("missing",)
+    calls: dict[str, Callable[[], object]] = {
+        "rpc_sync": lambda: asyncrpc.rpc_sync("w1", fns.raise_key_error, args=args),
+        "rpc_async": lambda: asyncrpc.rpc_async("w2", fns.raise_key_error, args=args).wait(),
+        "await": lambda: asyncio.run(asyncrpc.call("w3", fns.raise_key_error, *args)),
+        "remote": lambda: asyncrpc.remote("w1", fns.raise_key_error, args=args).to_here(),
+        "remote_to_self": lambda: asyncrpc.remote(
+            "driver", fns.raise_key_error, args=args
+        ).to_here(),
+        "then": lambda: (
+            asyncrpc.rpc_async("w1", fns.raise_key_error, args=args)
+            .then(lambda done: done.wait())
+            .wait()
+        ),
+    }
+    caught = _torch_style(calls[how])
+    assert isinstance(caught, KeyError)
+    assert caught.args == args
+    # Where it failed: the remote traceback (rpc) or a note (the value of an RRef).
+    where = getattr(caught, "remote_traceback", "") + "".join(getattr(caught, "__notes__", []))
+    assert "in raise_key_error\n    raise KeyError(key)" in where
+
+
+def test_a_users_exception_class_is_a_runtime_error_too(group: Group) -> None:
+    caught = _torch_style(lambda: asyncrpc.rpc_sync("w2", fns.raise_custom, args=("boom",)))
+    assert isinstance(caught, fns.CustomError)
+    assert caught.args == ("boom",)
+    assert "boom" in str(caught)
 
 
 def test_users_own_exception_class_comes_back(group: Group) -> None:

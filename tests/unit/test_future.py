@@ -358,17 +358,41 @@ def test_wait_all_returns_values_in_order() -> None:
     thread.join()
 
 
-def test_wait_all_raises_first_error_in_list_order_after_all_done() -> None:
+def test_wait_all_raises_the_first_failure_without_waiting_for_the_rest() -> None:
+    # torch.futures.wait_all's rule over torch's RPC futures.
     a: Future[int] = Future()
     b: Future[int] = Future()
     c: Future[int] = Future()
-    c.set_exception(KeyError("c"))  # fails first in time, last in the list
-    b.set_exception(BoomError("b"))
-    thread = _complete_later(a, 1)
+    failer = threading.Thread(target=lambda: (time.sleep(0.05), b.set_exception(BoomError("b"))))
+    failer.start()
     with pytest.raises(BoomError):
         wait_all([a, b, c])
-    assert a.done()
-    thread.join()
+    failer.join()
+    assert not a.done()
+    assert not c.done()
+    assert a._hooks in (None, [])  # the wait left nothing behind on the futures still pending
+    a.set_result(1)
+    c.set_result(3)
+
+
+def test_wait_all_raises_the_first_failed_in_list_order_when_some_failed_already() -> None:
+    a: Future[int] = Future()
+    b: Future[int] = Future()
+    c: Future[int] = Future()
+    c.set_exception(KeyError("c"))
+    b.set_exception(BoomError("b"))
+    with pytest.raises(BoomError):
+        wait_all([a, b, c])
+    assert not a.done()
+
+
+def test_wait_all_waits_for_all_when_none_fails() -> None:
+    a: Future[int] = Future()
+    b: Future[int] = Future()
+    threads = [_complete_later(a, 1, 0.02), _complete_later(b, 2, 0.05)]
+    assert wait_all([a, b]) == [1, 2]
+    for thread in threads:
+        thread.join()
 
 
 # -- torch bridges -------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import pickle
 import sys
 import threading
 import types
@@ -18,6 +19,7 @@ with warnings.catch_warnings():
         AsyncRpcError,
         FunctionNotFoundError,
         PeerLostError,
+        RemoteCallError,
         RemoteError,
         RpcTimeoutError,
         SerializationError,
@@ -49,9 +51,15 @@ def scratch_module() -> Iterator[types.ModuleType]:
         sys.modules.pop(module.__name__, None)
 
 
+def _remote(got: BaseException, original: type) -> bool:
+    """``got`` is a rebuilt remote exception of type ``original`` that is also a
+    ``RuntimeError`` (a ``RemoteCallError``), and nothing else."""
+    return type(got).__bases__ == (original, RemoteCallError)
+
+
 def test_unpack_exception_rebuilds_builtin_type() -> None:
     got = roundtrip(ValueError("bad value", 3))
-    assert type(got) is ValueError
+    assert _remote(got, ValueError)
     assert got.args == ("bad value", 3)
     assert str(got) == str(ValueError("bad value", 3))
 
@@ -68,7 +76,7 @@ def test_unpack_exception_attaches_worker_and_traceback() -> None:
 
 def test_unpack_exception_keeps_keyerror_args() -> None:
     got = roundtrip(KeyError("missing-key"))
-    assert type(got) is KeyError
+    assert _remote(got, KeyError)
     with pytest.raises(KeyError) as info:
         raise got
     assert info.value.args[0] == "missing-key"
@@ -77,16 +85,20 @@ def test_unpack_exception_keeps_keyerror_args() -> None:
 
 def test_unpack_exception_keeps_oserror_fields() -> None:
     got = roundtrip(OSError(errno.ENOENT, "No such file or directory", "/tmp/nowhere"))
-    assert type(got) is FileNotFoundError  # OSError picks its subclass from errno
+    assert _remote(got, FileNotFoundError)  # errno picks OSError's subclass
     assert isinstance(got, OSError)
     assert got.errno == errno.ENOENT
     assert got.strerror == "No such file or directory"
     assert got.filename == "/tmp/nowhere"
+    assert got.args == (errno.ENOENT, "No such file or directory")
+    again = pickle.loads(pickle.dumps(got))  # a relayed copy keeps them too
+    assert again.filename == "/tmp/nowhere"
+    assert _remote(again, FileNotFoundError)
 
 
 def test_unpack_exception_rebuilds_user_exception() -> None:
     got = roundtrip(helpers.UserError(17, "disk full"))
-    assert type(got) is helpers.UserError
+    assert _remote(got, helpers.UserError)
     assert (got.code, got.detail) == (17, "disk full")
 
 
@@ -143,7 +155,7 @@ def test_unpack_exception_rebuilds_asyncrpc_errors(error: AsyncRpcError) -> None
 def test_unpack_exception_nested_hops_add_notes() -> None:
     first = unpack_exception(pack_exception(raised(ValueError("deep")), "inner"))
     second = unpack_exception(pack_exception(first, "outer"))
-    assert type(second) is ValueError
+    assert _remote(second, ValueError)
     assert second.remote_worker == "outer"  # type: ignore[attr-defined]
     assert len(second.__notes__) == 2
     assert "'inner'" in second.__notes__[0]
@@ -157,7 +169,7 @@ def test_unpack_exception_traceback_includes_cause() -> None:
             raise ValueError("wrapper") from root
     except ValueError as caught:
         got = unpack_exception(pack_exception(caught, "w"))
-    assert type(got) is ValueError
+    assert _remote(got, ValueError)
     assert "KeyError: 'root'" in got.remote_traceback  # type: ignore[attr-defined]
 
 
@@ -193,3 +205,30 @@ def test_pack_exception_relayed_through_hops_grows_linearly() -> None:
     assert sizes[-1] < sizes[1] * 8
     assert "'w0'" in error.__notes__[0]
     assert "Raised on remote worker 'w0'" not in error.remote_traceback  # type: ignore[attr-defined]
+
+
+def test_unpack_exception_is_caught_by_a_torch_style_handler() -> None:
+    # torch's code catches remote failures as RuntimeError; asyncio code by their own type.
+    got = unpack_exception(pack_exception(raised(helpers.UserError(7, "mine")), "w4"))
+    with pytest.raises(RuntimeError) as as_torch:
+        raise got
+    with pytest.raises(helpers.UserError) as as_ours:
+        raise got
+    assert as_torch.value is as_ours.value
+    assert got.args == (7, "mine")
+    assert got.remote_worker == "w4"  # type: ignore[attr-defined]
+    assert "raised" in got.remote_traceback  # type: ignore[attr-defined]
+    assert got.__cause__ is None  # the original was raised elsewhere: no local cause
+
+
+def test_unpack_exception_keeps_a_remote_runtime_error_as_it_is() -> None:
+    got = unpack_exception(pack_exception(raised(RpcTimeoutError("w", "f", 1.0)), "w"))
+    assert type(got) is RpcTimeoutError
+    assert type(unpack_exception(pack_exception(raised(RuntimeError("x")), "w"))) is RuntimeError
+
+
+def test_unpack_exception_relayed_twice_stays_one_pair() -> None:
+    first = unpack_exception(pack_exception(raised(KeyError("k")), "w2"))
+    second = unpack_exception(pack_exception(raised(first), "w1"))
+    assert _remote(second, KeyError)
+    assert second.args == ("k",)

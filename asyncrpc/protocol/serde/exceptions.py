@@ -12,7 +12,7 @@ import traceback
 from collections.abc import Callable
 from typing import Final
 
-from asyncrpc.errors import RemoteError
+from asyncrpc.errors import RemoteError, as_remote_call_error
 
 __all__ = ["pack_exception", "unpack_exception"]
 
@@ -49,7 +49,8 @@ def pack_exception(exc: BaseException, worker: str) -> bytes:
 def unpack_exception(data: bytes) -> BaseException:
     """Rebuild the exception ``pack_exception`` recorded.
 
-    The original type comes back with ``str(exc)`` and ``args`` unchanged, plus attributes
+    The original type comes back, also a ``RuntimeError`` as torch's handlers expect (see
+    ``as_remote_call_error``), with ``str(exc)`` and ``args`` unchanged, plus attributes
     ``remote_worker`` and ``remote_traceback`` (the last hop's; a relayed ``RemoteError``
     keeps its own) and a note naming the worker and carrying the remote traceback (shown
     under the local one).
@@ -80,7 +81,7 @@ def unpack_exception(data: bytes) -> BaseException:
         rebuilt.add_note(f"Raised on remote worker {worker!r}. Remote traceback:\n{remote_tb}")
     except Exception:
         return RemoteError(type_name, message, remote_tb, worker)
-    return rebuilt
+    return as_remote_call_error(rebuilt)
 
 
 def _format_traceback(exc: BaseException, notes: bool) -> str:
