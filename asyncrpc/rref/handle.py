@@ -181,7 +181,7 @@ class RRef(Generic[T]):
                 f"UserRRef(rref_id={_guid(self._rref_id)}, fork_id={_guid(self._fork_id)}), "
                 f"can't call localValue() on user {me}. Call it on owner {owner})"
             )
-        return self._value.wait()
+        return _owned(self._value).wait()
 
     def to_here_future(self, timeout: float = UNSET_RPC_TIMEOUT) -> Future[T]:
         """Fetch a copy of the value; returns a Future (``await`` it, or ``.wait()``).
@@ -202,7 +202,7 @@ class RRef(Generic[T]):
         ctx = self._ctx
         ctx.check_usable(self)
         if self._value is not None:
-            return self._value
+            return _owned(self._value)
         if self._rref_id.worker == ctx.rank:
             # We made it with remote(): fetch by id, not by pickling the RRef, whose fork
             # to the owner costs an acknowledgement frame and bookkeeping on both sides.
@@ -402,6 +402,25 @@ async def _owner_value(value: Future[Any]) -> Any:
     except BaseException as exc:
         traceback.clear_frames(exc.__traceback__)
         raise copy.copy(exc).with_traceback(None) from None
+
+
+def _owned(value: Future[Any]) -> Future[Any]:
+    """The owner's value future as its own code may wait on it: itself once it holds the
+    value, else a future whose failure is a copy of the stored one.
+
+    Raising the stored exception itself would attach the waiter's frames (this RRef among
+    them) to it, and the owner keeps it as long as the RRef lives: neither would ever go.
+    """
+    if value.done() and value.exception() is None:
+        return value
+    return value._then(_copy_of_failure)
+
+
+def _copy_of_failure(done: Future[Any]) -> Any:
+    exc = done.exception()
+    if exc is None:
+        return done.value()
+    raise copy.copy(exc).with_traceback(None) from None
 
 
 def _fetched(owner: str, rref: RRef[Any], done: Future[Any]) -> Any:

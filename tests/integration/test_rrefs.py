@@ -255,10 +255,17 @@ def test_remote_to_self_still_pickles_its_arguments(group: Group) -> None:
         asyncrpc.remote("driver", fns.echo, args=(threading.Lock(),))
 
 
-def test_remote_to_self_raises_the_functions_error(group: Group) -> None:
+def test_remote_to_self_raises_the_functions_error_and_frees_the_value(group: Group) -> None:
+    assert _until_empty("driver")["owner_rrefs"] == 0
     rref = asyncrpc.remote("driver", fns.raise_key_error, args=("k",))
     with pytest.raises(KeyError):
         rref.to_here()
+    with pytest.raises(KeyError):
+        rref.local_value()
+    del rref
+    # The owner keeps the failure while the RRef lives; raising it must not tie this
+    # frame (and the RRef in it) to the kept exception, or neither would ever go.
+    assert _until_empty("driver")["owner_rrefs"] == 0
 
 
 def test_remote_to_self_on_another_worker(group: Group) -> None:
