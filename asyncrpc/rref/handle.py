@@ -181,7 +181,7 @@ class RRef(Generic[T]):
                 f"UserRRef(rref_id={_guid(self._rref_id)}, fork_id={_guid(self._fork_id)}), "
                 f"can't call localValue() on user {me}. Call it on owner {owner})"
             )
-        return _owned(self._value).wait()
+        return cast(T, _owned(self._value).wait())
 
     def to_here_future(self, timeout: float = UNSET_RPC_TIMEOUT) -> Future[T]:
         """Fetch a copy of the value; returns a Future (``await`` it, or ``.wait()``).
