@@ -28,10 +28,12 @@ bench: $(STAMP)
 bench-full: $(STAMP)
 	$(PY) -m asyncrpc.bench --json bench/results.json
 
-# torch's own RPC test suites (RpcTest and its examples) against asyncrpc; see
-# tests/conformance/. Fails on a failure not in expected_failures.txt and on a listed pass.
+# torch's own RPC test suites against asyncrpc, core (RpcTest and its examples) and
+# extended (distributed autograd, DistributedOptimizer, DDP under distributed autograd,
+# RemoteModule); see tests/conformance/. Fails on a failure not in expected_failures.txt
+# and on a listed pass.
 conformance: $(STAMP)
-	$(PY) -m tests.conformance.run --json conformance-report.json
+	$(PY) -m tests.conformance.run --suites all --json conformance-report.json
 
 # The fixed subset CI runs (tests/conformance/ci_subset.txt, about a minute).
 conformance-ci: $(STAMP)
