@@ -25,6 +25,8 @@ __all__ = [
     "CallbackError",
     "ClosedError",
     "ConnectionLostError",
+    "DuplicateNameError",
+    "DuplicateRankError",
     "FrameTooLargeError",
     "FunctionNotFoundError",
     "InitArgumentError",
@@ -46,9 +48,11 @@ __all__ = [
     "RpcTimeoutError",
     "SerializationError",
     "ShutdownError",
+    "StoreHostLostError",
     "ThreadPoolExhaustedError",
     "UnknownWorkerError",
     "WorkerNameError",
+    "WorldSizeMismatchError",
     "as_backward_error",
     "as_callback_error",
     "as_remote_call_error",
@@ -86,6 +90,76 @@ class MissingRankError(InitError, ValueError):
 class MixedGroupError(InitError):
     """A worker joined with ``world_size`` given (static) where the group's members joined
     without one (dynamic), or the other way round."""
+
+
+class WorldSizeMismatchError(InitError, ValueError):
+    """Members of a static group were started with different ``world_size`` values.
+
+    Raised on every member that reaches the rendezvous: the first to see the difference
+    aborts the group, naming both ranks and both values.
+    """
+
+    def __init__(self, rank: int, world_size: int, other_rank: int, other_size: int) -> None:
+        super().__init__(rank, world_size, other_rank, other_size)
+        self.rank = rank
+        self.world_size = world_size
+        self.other_rank = other_rank
+        self.other_size = other_size
+
+    def __str__(self) -> str:
+        return (
+            f"world_size differs between ranks: rank {self.rank} says "
+            f"world_size={self.world_size}, rank {self.other_rank} says {self.other_size}"
+        )
+
+
+class DuplicateNameError(InitError, ValueError):
+    """Two workers of a group were given the same name (raised on every member of a static
+    group that is still joining, and on the newcomer of a dynamic one)."""
+
+    def __init__(self, name: str, rank: int, holder_rank: int) -> None:
+        super().__init__(name, rank, holder_rank)
+        self.name = name
+        self.rank = rank
+        self.holder_rank = holder_rank
+
+    def __str__(self) -> str:
+        return (
+            f"worker name {self.name!r} is not unique: rank {self.rank} and rank "
+            f"{self.holder_rank} both use it"
+        )
+
+
+class DuplicateRankError(InitError, ValueError):
+    """Two workers of a group were given the same rank (raised like ``DuplicateNameError``)."""
+
+    def __init__(self, rank: int, name: str, holder_name: str) -> None:
+        super().__init__(rank, name, holder_name)
+        self.rank = rank
+        self.name = name
+        self.holder_name = holder_name
+
+    def __str__(self) -> str:
+        return (
+            f"rank {self.rank} is not unique: workers {self.name!r} and "
+            f"{self.holder_name!r} both claim it"
+        )
+
+
+class StoreHostLostError(InitError, ConnectionError):
+    """The rendezvous store went away while this worker was joining: its host (rank 0 with
+    ``tcp://`` and ``env://``) died or left during start-up."""
+
+    def __init__(self, init_method: str, reason: str) -> None:
+        super().__init__(init_method, reason)
+        self.init_method = init_method
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return (
+            f"the rendezvous store at {self.init_method} is gone while joining the group: "
+            f"its host (rank 0) died or left during start-up ({self.reason})"
+        )
 
 
 class NotInitializedError(AsyncRpcError, RuntimeError):

@@ -13,7 +13,8 @@ each by a few lines around torch's own methods:
 
 After torch builds the list, the remote events that arrived during that profile's window
 are appended, each RPC's placed inside the local span of that RPC, and the profile's local
-events get this worker's rank as ``node_id`` (as torch's agent marks them). Both classes
+events get this worker's rank as ``node_id`` (as torch's agent marks them); ``trace.py``
+writes them into the chrome trace kineto exports too. Both classes
 also note which profiles run, so a call asks its callee for input shapes or memory when
 the caller's profile records them. Without those methods (another torch), remote events
 are dropped with one warning; local spans still work.
@@ -41,6 +42,7 @@ from asyncrpc.profiling.recorder import (
     centred_offset,
     relabel,
 )
+from asyncrpc.profiling.trace import extend_export
 
 __all__ = ["RemoteBatch", "deliver", "install", "requested_flags", "to_function_events"]
 
@@ -234,5 +236,7 @@ def install() -> None:
     kineto._ensure_function_events = _kineto_ensure(kineto._ensure_function_events)  # type: ignore[method-assign]
     kineto._start_trace = _noting_start(kineto._start_trace)  # type: ignore[method-assign]
     kineto.__exit__ = _kineto_exit(kineto.__exit__)  # type: ignore[method-assign]
+    # Its chrome trace is written from kineto's own results: the remote events go in after.
+    kineto.export_chrome_trace = extend_export(kineto.export_chrome_trace)  # type: ignore[method-assign]
     legacy._start_trace = _noting_start(legacy._start_trace)  # type: ignore[method-assign]
     legacy.__exit__ = _legacy_exit(legacy.__exit__)  # type: ignore[method-assign]

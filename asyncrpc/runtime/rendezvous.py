@@ -1,9 +1,10 @@
 """Rendezvous through torch's own machinery (TCPStore / FileStore), and store barriers (L2).
 
 Every worker claims its rank and name in the store, publishes its listening address, and
-reads everyone else's. Duplicate names or ranks fail at init, and the first worker to see
-one posts an abort key so the rest fail fast instead of waiting out the timeout. All calls
-here block; the agent runs them on a helper thread so its loop keeps serving.
+reads everyone else's. Duplicate names or ranks and differing world sizes fail at init: the
+first worker to see one posts the typed error in the store, and every member still joining
+raises the same error at once instead of waiting out the timeout. All calls here block; the
+agent runs them on a helper thread so its loop keeps serving.
 
 A group is static (``world_size`` given: everyone waits for everyone) or dynamic (no
 ``world_size``: a member joins at once, reads the members already there, and is found by
@@ -14,6 +15,7 @@ sequence number, so that the members of the moment can be read back (``members``
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import logging
@@ -23,10 +25,20 @@ import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
 import msgpack
 
-from asyncrpc.errors import InitError, MissingRankError, MixedGroupError, ShutdownError
+from asyncrpc.errors import (
+    DuplicateNameError,
+    DuplicateRankError,
+    InitError,
+    MissingRankError,
+    MixedGroupError,
+    ShutdownError,
+    StoreHostLostError,
+    WorldSizeMismatchError,
+)
 from asyncrpc.protocol import auth
 
 __all__ = ["MIXED_GROUP", "PeerAddress", "StoreGroup", "is_dynamic", "join_group"]
@@ -34,6 +46,14 @@ __all__ = ["MIXED_GROUP", "PeerAddress", "StoreGroup", "is_dynamic", "join_group
 _log = logging.getLogger("asyncrpc.runtime.rendezvous")
 _PREFIX = "asyncrpc/"
 _POLL_S = 0.01
+# How long rank 0, whose process hosts a TCPStore, keeps it up after a failed start, for
+# the other members to read why (they acknowledge it); bounded, as they may never come.
+_LINGER_S = 5.0
+# Errors a member posts in the store for the others to raise too: by class name, with their
+# arguments (msgpack, never pickle: whoever reaches the store can write to it).
+_POSTED: dict[str, type[InitError]] = {
+    cls.__name__: cls for cls in (WorldSizeMismatchError, DuplicateNameError, DuplicateRankError)
+}
 # torch's sentence for a group whose members disagree on being static or dynamic.
 MIXED_GROUP = (
     "RPC group mixes statically and dynamically initialized members which is not supported."
@@ -106,6 +126,15 @@ def _open_store(init_method: str, rank: int, world_size: int | None, timeout: fl
             # from the URL or the environment"); torch's init_rpc opens the store of a
             # dynamic group through this helper, and so do we.
             opened = torch_rendezvous._rendezvous_helper(init_method, rank, None, timeout=seconds)
+        elif init_method.startswith(("tcp://", "env://")):
+            # A TCPStore given a world size makes its host (rank 0) wait in its constructor
+            # until that many clients have connected: a member started with a smaller
+            # world_size leaves it stuck there, unable to say why, until the timeout. Opened
+            # with none (-1), the sizes are compared in the store instead (claim_size).
+            url, rank, size = _sizeless_url(init_method, rank, world_size)
+            opened = torch_rendezvous._rendezvous_helper(url, -1, -1, timeout=seconds)
+            store, rank_out, _ = next(opened)
+            return store, int(rank_out), size
         else:
             opened = torch_rendezvous.rendezvous(
                 init_method,
@@ -117,6 +146,28 @@ def _open_store(init_method: str, rank: int, world_size: int | None, timeout: fl
     except (ValueError, RuntimeError, OSError) as exc:
         raise InitError(f"rendezvous through {init_method!r} failed: {exc}") from exc
     return store, int(rank_out), int(world_out)
+
+
+def _sizeless_url(init_method: str, rank: int, world_size: int | None) -> tuple[str, int, int]:
+    """``init_method`` with this rank and world size -1 in its query, for torch's handler;
+    the rank and the world size it stands for (argument, URL query, or ``env://``'s
+    ``RANK`` and ``WORLD_SIZE``, in torch's order)."""
+    parts = urlparse(init_method)
+    query = dict(parse_qsl(parts.query))
+    if rank < 0:
+        rank = int(query.get("rank", os.environ.get("RANK", "-1")))
+    if world_size is None:
+        world_size = int(query.get("world_size", os.environ.get("WORLD_SIZE", "-1")))
+    if world_size < 1:
+        raise InitError(f"{init_method}: no world size (pass world_size or set WORLD_SIZE)")
+    query.update(rank=str(rank), world_size="-1")
+    return urlunparse(parts._replace(query=urlencode(query))), rank, world_size
+
+
+def _first_line(exc: BaseException) -> str:
+    # torch's store errors carry a C++ stack after their first line: the cause stays
+    # chained, the message keeps the sentence.
+    return str(exc).strip().partition("\n")[0]
 
 
 def _pack(address: PeerAddress) -> bytes:
@@ -158,12 +209,61 @@ class StoreGroup:
         if current != kind.encode():
             raise MixedGroupError(MIXED_GROUP)
 
-    def _claim(self, key: str, value: str, what: str) -> None:
-        current = self.store.compare_set(_PREFIX + key, "", value)
-        if current != value.encode():
-            message = f"{what} is already taken by another worker: it is not unique"
-            self.store.set(_PREFIX + "abort", message)
-            raise InitError(message)
+    def enter(self) -> None:
+        """Count this worker among those that reached the store, then fail at once with the
+        error another member posted, if one did (see ``linger``)."""
+        self.store.add(_PREFIX + "entered", 1)
+        self.check_aborted()
+
+    def claim_size(self) -> None:
+        """Static: record this world size, or check it against the first member's.
+
+        Called before publishing the address, so nobody can finish joining (which needs
+        every address) while a member with another size exists.
+
+        Raises:
+            WorldSizeMismatchError: another member was started with another world size
+                (posted for the others too).
+        """
+        if self.world_size is None:
+            return
+        mine = f"{self.world_size} {self.rank}"
+        current = self.store.compare_set(_PREFIX + "world_size", "", mine).decode()
+        size, rank = (int(part) for part in current.split())
+        if size != self.world_size:
+            raise self._post(WorldSizeMismatchError(self.rank, self.world_size, rank, size))
+
+    def _claim(self, key: str, value: str) -> str | None:
+        """Claim ``key``; None if it is ours, else the value the holder wrote."""
+        current = self.store.compare_set(_PREFIX + key, "", value).decode()
+        return None if current == value else str(current)
+
+    def _post(self, error: InitError) -> InitError:
+        """Static group: post ``error`` for the members still joining; return it to raise."""
+        if self.world_size is not None:
+            self.store.set(_PREFIX + "abort", msgpack.packb([type(error).__name__, error.args]))
+            self.store.add(_PREFIX + "abort_seen", 1)
+        return error
+
+    def check_aborted(self) -> None:
+        """Raise the error a member posted (acknowledged, so that rank 0 may stop lingering)."""
+        record = self._get_if_set("abort")
+        if record is None:
+            return
+        self.store.add(_PREFIX + "abort_seen", 1)
+        kind, args = msgpack.unpackb(record)
+        cls = _POSTED.get(kind)
+        raise cls(*args) if cls is not None else InitError(f"the group was aborted: {args}")
+
+    def linger(self, timeout: float) -> None:
+        """Rank 0 after a failed start: keep the store (its process hosts a TCPStore) up
+        until every member that reached it has read the posted error, or ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:  # bounded: members that never read it
+            seen = int(self.store.add(_PREFIX + "abort_seen", 0))
+            if seen >= int(self.store.add(_PREFIX + "entered", 0)):
+                return
+            time.sleep(_POLL_S)
 
     def publish(self, address: PeerAddress, share_key: bool = False) -> None:
         """Claim this worker's rank and name, then publish its address.
@@ -172,11 +272,21 @@ class StoreGroup:
         published first, so it is there before anyone can have gathered every address.
         A dynamic member then lists itself among the members (after its address: a listed
         member can always be read).
+
+        Raises:
+            DuplicateRankError: another worker holds this rank (posted for the others).
+            DuplicateNameError: another worker holds this name (posted for the others).
         """
         if share_key:
             self.store.set(_PREFIX + "auth_key", auth.new_key())
-        self._claim(f"rank/{address.rank}", uuid.uuid4().hex, f"rank {address.rank}")
-        self._claim(f"name/{address.name}", str(address.rank), f"worker name {address.name!r}")
+        # The rank's claim names its holder (a unique suffix tells two same-named apart).
+        holder = self._claim(f"rank/{address.rank}", f"{address.name} {uuid.uuid4().hex}")
+        if holder is not None:
+            other = holder.split()[0]
+            raise self._post(DuplicateRankError(address.rank, address.name, other))
+        holder = self._claim(f"name/{address.name}", str(address.rank))
+        if holder is not None:
+            raise self._post(DuplicateNameError(address.name, address.rank, int(holder)))
         self.store.set(f"{_PREFIX}worker/{address.rank}", _pack(address))
         if self.dynamic:
             number = int(self.store.add(_PREFIX + "members", 1))
@@ -229,17 +339,11 @@ class StoreGroup:
         """Whether ``rank`` has finished its shutdown (reached the "left" barrier)."""
         return bool(self.store.check([f"{_PREFIX}barrier/left/{rank}"]))
 
-    def _aborted(self) -> str | None:
-        message = self._get_if_set("abort")
-        return None if message is None else message.decode()
-
     def _wait_for(self, keys: list[str], timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
         # Bounded poll: check() never blocks, so an abort or the deadline is seen promptly.
         while not self.store.check(keys):
-            reason = self._aborted()
-            if reason is not None:
-                raise InitError(f"the group was aborted while {what}: {reason}")
+            self.check_aborted()
             if time.monotonic() > deadline:
                 missing = [k.rsplit("/", 1)[-1] for k in keys if not self.store.check([k])]
                 raise InitError(f"timed out after {timeout:g} s {what}; missing ranks {missing}")
@@ -251,6 +355,12 @@ class StoreGroup:
         """Mark this rank as having reached barrier ``tag``."""
         self.store.set(f"{_PREFIX}barrier/{tag}/{self.rank}", b"1")
 
+    def wait_arrived(self, tag: str, timeout: float, what: str) -> None:
+        """Static: wait until every rank has reached barrier ``tag`` (start-up only)."""
+        assert self.world_size is not None
+        keys = [f"{_PREFIX}barrier/{tag}/{r}" for r in range(self.world_size)]
+        self._wait_for(keys, timeout, what)
+
     def missing(self, tag: str) -> list[int]:
         """Ranks that have not reached barrier ``tag`` yet (never blocks). In a dynamic
         group: the members listed now."""
@@ -261,7 +371,37 @@ class StoreGroup:
                 return []
             return [r for r, key in keys.items() if not self.store.check([key])]
         except (RuntimeError, OSError) as exc:
-            raise ShutdownError(f"the rendezvous store is unreachable: {exc}") from exc
+            raise ShutdownError(
+                f"the rendezvous store is unreachable (with tcp:// and env:// rank 0 hosts "
+                f"it: it died or left): {_first_line(exc)}"
+            ) from exc
+
+
+def _hosts_store(init_method: str) -> bool:
+    """Whether rank 0's process hosts the store (a TCPStore: ``tcp://`` and ``env://``)."""
+    return init_method.startswith(("tcp://", "env://"))
+
+
+def _join_store(
+    group: StoreGroup, address: PeerAddress, auth_key: bytes | None, timeout: float
+) -> tuple[dict[int, PeerAddress], bytes]:
+    """The store half of ``join_group``: claims, publication, peers; returns them and the key."""
+    group.enter()
+    group.claim_kind()
+    if group.dynamic:
+        key = auth_key if auth_key is not None else group.first_key()
+        group.publish(address)
+        return group.gather(timeout), key
+    group.claim_size()
+    group.publish(address, share_key=auth_key is None and group.rank == 0)
+    peers = group.gather(timeout)
+    key = auth_key if auth_key is not None else group.shared_key()
+    # Rank 0 returns last, once every member has read all it needs: its program may end
+    # right after init_rpc, and the store with it, without breaking anyone's start.
+    group.arrive("joined")
+    if group.rank == 0:
+        group.wait_arrived("joined", timeout, "waiting for every member to finish joining")
+    return peers, key
 
 
 def join_group(
@@ -307,21 +447,20 @@ def join_group(
     if rank < 0 or (size is not None and rank >= size):
         raise InitError(f"rank {rank} is outside a world of size {size}")
     group = StoreGroup(store, rank, size)
+    address = PeerAddress(name, rank, host, port, device_maps, this_host_id(), unix_path)
     try:
-        group.claim_kind()
-        address = PeerAddress(name, rank, host, port, device_maps, this_host_id(), unix_path)
-        if dynamic:
-            key = auth_key if auth_key is not None else group.first_key()
-            group.publish(address)
-            peers = group.gather(timeout)
-        else:
-            group.publish(address, share_key=auth_key is None and rank == 0)
-            peers = group.gather(timeout)
-            key = auth_key if auth_key is not None else group.shared_key()
-    except InitError:
+        peers, key = _join_store(group, address, auth_key, timeout)
+    except InitError as exc:
+        if rank == 0 and type(exc) in _POSTED.values() and _hosts_store(init_method):
+            # Exiting now would take the store, and the posted error, with it: the others
+            # would only hear that the store is gone.
+            with contextlib.suppress(RuntimeError, OSError):
+                group.linger(min(timeout, _LINGER_S))
         raise
     except (RuntimeError, OSError) as exc:  # torch's DistNetworkError: the store host died
-        raise InitError(f"the rendezvous store became unreachable: {exc}") from exc
+        if _hosts_store(init_method):
+            raise StoreHostLostError(init_method, _first_line(exc)) from exc
+        raise InitError(f"the rendezvous store became unreachable: {_first_line(exc)}") from exc
     peers[rank] = address
     _log.debug("worker %r (rank %d) joined a group of %s", name, rank, size or "any size")
     return group, peers, key

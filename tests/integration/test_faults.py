@@ -260,8 +260,10 @@ def test_PeerTable_dialer_accepts_a_request_right_behind_the_hello_reply() -> No
             )
             group = StoreGroup(store, 1, 2)
             group.publish(PeerAddress("fake", 1, "127.0.0.1", listener.getsockname()[1]))
-            for tag in ("calls-done", "users-released", "closing", "left"):
-                group.arrive(tag)  # so that m0's graceful shutdown does not wait for us
+            # So that m0's start (which returns once every member has joined) and its
+            # graceful shutdown do not wait for us.
+            for tag in ("joined", "calls-done", "users-released", "closing", "left"):
+                group.arrive(tag)
             listener.settimeout(30.0)
             sock, _ = listener.accept()
             with sock:

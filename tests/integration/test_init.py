@@ -56,17 +56,17 @@ def _init_error(obs: dict[str, Any]) -> str | None:
 
 
 @pytest.mark.parametrize(
-    ("world_size", "members"),
+    ("world_size", "members", "expected"),
     [
-        (2, [("dup", 0), ("dup", 1)]),
+        (2, [("dup", 0), ("dup", 1)], "DuplicateNameError"),
         # World of 3 with rank 2 missing: the group can never complete, so the members that
         # claimed first cannot finish joining before the duplicate is detected.
-        (3, [("driver", 0), ("w1", 1), ("w1b", 1)]),
+        (3, [("driver", 0), ("w1", 1), ("w1b", 1)], "DuplicateRankError"),
     ],
     ids=["duplicate-name", "duplicate-nonzero-rank"],
 )
-def test_init_rpc_duplicate_fails_with_init_error_without_hanging(
-    world_size: int, members: list[tuple[str, int]]
+def test_init_rpc_duplicate_fails_on_every_member_without_hanging(
+    world_size: int, members: list[tuple[str, int]], expected: str
 ) -> None:
     # rpc_timeout bounds the rendezvous (asyncrpc/runtime/agent.py _join): 5 s here.
     common = ["--init-method", f"tcp://127.0.0.1:{free_port()}", "--rpc-timeout", "5"]
@@ -74,14 +74,13 @@ def test_init_rpc_duplicate_fails_with_init_error_without_hanging(
     results = _members([[*common, "--name", name, "--rank", str(rank)] for name, rank in members])
     assert all(code == 1 for code, _ in results), results
     errors = [_init_error(obs) for _, obs in results]
-    assert "InitError" in errors, results
-    assert all(error is not None for error in errors)
+    assert errors == [expected] * len(members), results  # every member hears the cause
     # Whoever detects the duplicate aborts the group, so all fail well within the 5 s bound
     # (typically < 0.5 s); the slack is for a loaded machine.
     assert all(obs["init"]["elapsed"] < 6.0 for _, obs in results), results
 
 
-def test_init_rpc_store_host_dying_mid_rendezvous_raises_init_error() -> None:
+def test_init_rpc_store_host_dying_mid_rendezvous_raises_store_host_lost() -> None:
     import torch.distributed as dist
 
     port = free_port()
@@ -102,7 +101,9 @@ def test_init_rpc_store_host_dying_mid_rendezvous_raises_init_error() -> None:
         host.kill()  # SIGKILL by the PID we started: the store goes away
         code, obs = member.result(20.0)
     assert code == 1, member.text()
-    assert _init_error(obs) == "InitError", obs
+    assert _init_error(obs) == "StoreHostLostError", obs
+    assert "InitError" in obs["init"]["error"]["mro"]
+    assert "Exception raised from" not in obs["init"]["error"]["message"]  # no C++ stack
 
 
 def test_init_rpc_accepts_torch_tensorpipe_options(tmp_path: Path) -> None:

@@ -24,6 +24,10 @@ SAMPLES: dict[str, tuple[Any, ...]] = {
     "ThreadPoolExhaustedError": ("w1", 4),
     "RRefOwnerLostError": ("w1",),
     "RRefTimeoutError": ("w1", "m.f", 0.5),
+    "WorldSizeMismatchError": (1, 3, 0, 2),
+    "DuplicateNameError": ("w1", 1, 0),
+    "DuplicateRankError": (1, "w1b", "w1"),
+    "StoreHostLostError": ("tcp://127.0.0.1:1", "Connection reset by peer"),
 }
 
 # Where torch raises RuntimeError, ours are RuntimeErrors too.
@@ -33,6 +37,10 @@ RUNTIME_ERRORS = [
     "WorkerNameError",
     "MissingRankError",
     "MixedGroupError",
+    "WorldSizeMismatchError",
+    "DuplicateNameError",
+    "DuplicateRankError",
+    "StoreHostLostError",
     "NotInitializedError",
     "ShutdownError",
     "BlockingCallError",
