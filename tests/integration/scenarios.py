@@ -94,8 +94,14 @@ def kill_peer(args: argparse.Namespace) -> int:
     asyncrpc.init_rpc("driver", rank=0, world_size=3, rpc_backend_options=_options(args))
     obs: Observations = {"w1_pid": asyncrpc.rpc_sync("w1", fns.pid)}
     failed_at: list[float] = []
+    called_back = threading.Event()
+
+    def note_failure(_: object) -> None:
+        failed_at.append(time.monotonic())
+        called_back.set()
+
     long_call = asyncrpc.rpc_async("w1", fns.sleep, args=(30.0,), timeout=0)
-    long_call.add_done_callback(lambda _: failed_at.append(time.monotonic()))
+    long_call.add_done_callback(note_failure)
     w2_in_flight = asyncrpc.rpc_async("w2", fns.sleep, args=(1.0,))
     obs["running_on_w1"] = _poll(
         lambda: asyncrpc.rpc_sync("w1", fns.metrics)["running_requests"] >= 1, 5.0
@@ -103,6 +109,8 @@ def kill_peer(args: argparse.Namespace) -> int:
     print("STARTED", flush=True)
     obs["stdin"] = sys.stdin.readline().strip()
     obs["pending"] = _attempt(lambda: long_call.wait(5.0))
+    # The done callback runs on the callback pool, possibly after wait() returned.
+    called_back.wait(5.0)
     obs["pending_failed_at"] = failed_at[0] if failed_at else None
     obs["later_w1"] = _attempt(lambda: asyncrpc.rpc_sync("w1", fns.add, args=(1, 2)))
     obs["w2_in_flight"] = _attempt(lambda: w2_in_flight.wait(5.0))
