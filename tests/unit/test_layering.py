@@ -24,7 +24,17 @@ FLOORS: list[tuple[int, tuple[str, ...]]] = [
     (1, ("asyncrpc.protocol",)),
     (2, ("asyncrpc.runtime",)),
     (3, ("asyncrpc.rref", "asyncrpc.profiling", "asyncrpc.autograd")),
-    (4, ("asyncrpc.api", "asyncrpc.optim", "asyncrpc.testing", "asyncrpc.bench", "asyncrpc")),
+    (
+        4,
+        (
+            "asyncrpc.api",
+            "asyncrpc.optim",
+            "asyncrpc.nn",
+            "asyncrpc.testing",
+            "asyncrpc.bench",
+            "asyncrpc",
+        ),
+    ),
 ]
 NO_IO = frozenset({"asyncio", "socket", "threading", "selectors", "concurrent"})
 NO_IO_OR_TORCH = NO_IO | {"torch"}
