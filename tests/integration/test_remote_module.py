@@ -80,16 +80,17 @@ def test_RemoteModule_remote_parameters_recurse(group: Group) -> None:
     assert rm.remote_parameters(recurse=False) == []
 
 
-def test_RemoteModule_sent_to_a_third_worker_runs_forward(group: Group) -> None:
+@pytest.mark.parametrize("third", ["w3", "w2"])  # w2 runs init_rpc_async
+def test_RemoteModule_sent_to_a_third_worker_runs_forward(group: Group, third: str) -> None:
     rm = RemoteModule("w1/cpu", fns.WhereAmI, args=("s",))
     rm.note = "stays here"
-    assert asyncrpc.rpc_sync("w3", fns.attributes, (rm,)) == [
+    assert asyncrpc.rpc_sync(third, fns.attributes, (rm,)) == [
         "on", "device", "is_device_map_set", "is_scriptable", "generated_methods",
         "module_rref", "forward_async", "forward",
     ]  # fmt: skip
-    caller, (where, tag, _, _) = asyncrpc.rpc_sync("w3", fns.forward_on_me, (rm, torch.ones(1)))
-    assert (caller, where, tag) == ("w3", "w1", "s")
-    assert asyncrpc.rpc_sync("w3", fns.forward_async_on_me, (rm, torch.ones(1)))[0] == "w1"
+    caller, (where, tag, _, _) = asyncrpc.rpc_sync(third, fns.forward_on_me, (rm, torch.ones(1)))
+    assert (caller, where, tag) == (third, "w1", "s")
+    assert asyncrpc.rpc_sync(third, fns.forward_async_on_me, (rm, torch.ones(1)))[0] == "w1"
 
 
 def test_RemoteModule_init_from_module_rref_shares_the_module(group: Group) -> None:
