@@ -41,7 +41,9 @@ def move_tensors(value: Any, device: torch.device) -> Any:
         return value.to(device)
     if isinstance(value, tuple | list):
         moved = [move_tensors(item, device) for item in value]
-        return type(value)(moved) if type(value) in (tuple, list) else value
+        if hasattr(value, "_fields"):  # a namedtuple takes its fields positionally
+            return type(value)(*moved)
+        return type(value)(moved)
     if isinstance(value, dict):
         return {key: move_tensors(item, device) for key, item in value.items()}
     return value
