@@ -72,6 +72,13 @@ class DistributedOptimizer:
 class LocalOptimizer:
     """The optimizer of the parameters one worker owns (runs on that worker)."""
 
+    # One lock for every LocalOptimizer of this process, as torch's. Each trainer's
+    # DistributedOptimizer builds its own LocalOptimizer here, often over the same
+    # parameters (a parameter server): a step sets each parameter's .grad to its own
+    # context's gradient, then steps, so two steps at once on shared parameters would
+    # read each other's gradients or lose an update (a wrong result, no error).
+    _step_lock = threading.Lock()
+
     def __init__(
         self,
         optimizer_class: type[torch.optim.Optimizer],
@@ -81,12 +88,10 @@ class LocalOptimizer:
     ) -> None:
         self.params = [rref.local_value() for rref in params_rref]
         self.optimizer = optimizer_class(self.params, *args, **kwargs)
-        # Trainers step concurrently: one step at a time, each with its own gradients.
-        self._lock = threading.Lock()
 
     def step(self, context_id: int) -> None:
         grads = get_gradients(context_id)
-        with self._lock:
+        with LocalOptimizer._step_lock:
             for param in self.params:
                 param.grad = grads.get(param)
             self.optimizer.step()

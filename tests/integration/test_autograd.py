@@ -321,6 +321,48 @@ def test_distributed_optimizer_matches_local_sgd(group: Group, layers: Callable)
     del params, optimizer
 
 
+def test_distributed_optimizers_of_several_trainers_step_shared_params_one_at_a_time(
+    group: Group, layers: Callable
+) -> None:
+    """A parameter server's pattern: each trainer's DistributedOptimizer has an optimizer
+    of its own on the owner, over the same parameters. Their steps must not interleave
+    (each sets .grad to its own context's gradients, then steps): with plain SGD the final
+    weights are the initial ones minus lr times the sum of every trainer's gradients."""
+    layer = layers("w1", 31, 3, 1)
+    initial = asyncrpc.rpc_sync("w1", fns.weights, args=(layer,))
+    trainers, steps, lr = 4, 12, 0.01
+    grads: list[list[torch.Tensor]] = []
+    failures: list[BaseException] = []
+    start = threading.Barrier(trainers, timeout=30)
+
+    def train(seed: int) -> None:
+        try:
+            params = asyncrpc.rpc_sync("w1", fns.param_rrefs, args=(layer,))
+            optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=lr)
+            start.wait()
+            for step in range(steps):
+                x = torch.full((2, 3), float(seed + step))
+                with dist_autograd.context() as context_id:
+                    y = asyncrpc.rpc_sync("w1", fns.forward, args=(layer, x))
+                    dist_autograd.backward(context_id, [y.sum()])
+                    grads.append([x.sum(0, keepdim=True), torch.tensor([2.0])])
+                    optimizer.step(context_id)
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=train, args=(t + 1,)) for t in range(trainers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not failures, failures
+    assert len(grads) == trainers * steps
+    final = asyncrpc.rpc_sync("w1", fns.weights, args=(layer,))
+    for index, (got, before) in enumerate(zip(final, initial, strict=True)):
+        total = torch.stack([g[index] for g in grads]).sum(0)
+        torch.testing.assert_close(got, before - lr * total)
+
+
 def test_distributed_optimizer_constructor_raises_the_owners_error(
     group: Group, layers: Callable
 ) -> None:
