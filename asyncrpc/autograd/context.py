@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from asyncrpc.autograd.graph import LocalGraph
 from asyncrpc.errors import AutogradContextError, NotInitializedError
 from asyncrpc.runtime.agent import Agent
 from asyncrpc.runtime.current import current_agent
@@ -50,6 +51,7 @@ class AutogradContext:
         # Roots of backward passes run without retain_graph: their graph counts as freed
         # (torch raises on a second pass through it). Held, so their ids stay theirs.
         self.released_roots: dict[int, Any] = {}
+        self.graph = LocalGraph()  # runs this worker's passes of the context
 
     def next_message_id(self, rank: int) -> int:
         return (rank << _RANK_SHIFT) | next(self._messages)
@@ -99,9 +101,25 @@ class AutogradContext:
             else:
                 self.grads[tensor] = grad
 
-    def gradients(self) -> dict[Any, Any]:
+    def received(self) -> dict[int, Any]:
+        """The tensors received with grad in this context, by id."""
         with self._lock:
-            return dict(self.grads)
+            return {id(tensor): tensor for tensor in self._received}
+
+    def gradients(self) -> dict[Any, Any]:
+        """Every gradient of this worker's own tensors: those accumulated here, and those
+        held by the torch context of passes that ran on torch's engine."""
+        on_torch_engine = self.graph.gradients()
+        with self._lock:
+            grads = dict(self.grads)
+        for tensor, grad in on_torch_engine.items():
+            held = grads.get(tensor)
+            grads[tensor] = grad if held is None else held + grad
+        return grads
+
+    def close(self) -> None:
+        """Free what the context holds beyond Python objects (its torch context)."""
+        self.graph.close()
 
 
 def _keeps_layout(tensor: Any, grad: Any) -> bool:
@@ -166,11 +184,17 @@ class ContextTable:
 
     def pop(self, context_id: int) -> AutogradContext | None:
         with self._lock:
-            return self._contexts.pop(context_id, None)
+            context = self._contexts.pop(context_id, None)
+        if context is not None:
+            context.close()
+        return context
 
     def clear(self) -> None:
         with self._lock:
+            contexts = list(self._contexts.values())
             self._contexts.clear()
+        for context in contexts:
+            context.close()
 
 
 def context_table() -> tuple[Agent, ContextTable]:

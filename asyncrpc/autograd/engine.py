@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -35,47 +35,10 @@ from asyncrpc.runtime.agent import Agent
 from asyncrpc.runtime.future import Future, collect_all
 from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT
 
-__all__ = ["local_pass", "propagate", "reachable_leaves", "release"]
+__all__ = ["local_pass", "propagate", "release"]
 
 # Gradients for the tensors of one message: (sender rank, message id) -> by index.
 Outgoing = dict[tuple[int, int], list[Any]]
-
-
-def reachable_leaves(roots: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The leaf tensors requiring grad that the graph of ``roots`` reaches."""
-    leaves: list[torch.Tensor] = []
-    seen: set[Any] = set()
-    stack: list[Any] = [r.grad_fn for r in roots if r.grad_fn is not None]
-    while stack:  # bounded by the graph: each node is expanded once
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
-        if variable is not None:
-            leaves.append(variable)
-            continue
-        stack.extend(child for child, _ in node.next_functions)
-    return leaves
-
-
-class _Entry(torch.autograd.Function):
-    """The node through which a gradient enters this worker's graph at a root that is a
-    leaf (a tensor this worker sent, whose gradient came back): the leaf's hooks see the
-    gradient there, as they do behind torch's send function. Nothing is copied."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.detach()  # a new tensor on the same memory (the input itself would
-        # make autograd build a view of it, which sparse tensors do not have)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-
-# Function.apply is untyped in torch's stubs.
-_enter: Callable[[torch.Tensor], torch.Tensor] = _Entry.apply  # type: ignore[assignment]
 
 
 def local_pass(
@@ -92,7 +55,7 @@ def local_pass(
         worker (``Error on Node {rank}: ...``).
     """
     try:
-        routed = _run_graph(roots, grad_outputs)
+        routed, _ = context.graph.run(roots, grad_outputs, context.received, rank)
     except Exception as exc:
         raise as_backward_error(exc, rank) from exc
     # A gradient the graph handed to two leaves (a function returning one tensor twice)
@@ -108,29 +71,6 @@ def local_pass(
         slots = outgoing.setdefault((sender, message_id), [None] * count)
         slots[index] = grad if slots[index] is None else slots[index] + grad
     return outgoing
-
-
-def _run_graph(
-    roots: Sequence[torch.Tensor], grad_outputs: Sequence[Any]
-) -> list[tuple[torch.Tensor, Any]]:
-    """The gradient of each leaf requiring grad that ``roots`` reach (None left out)."""
-    with torch.enable_grad():
-        pairs = [
-            (root if root.grad_fn is not None else _enter(root), grad)
-            for root, grad in zip(roots, grad_outputs, strict=True)
-            if root.requires_grad
-        ]
-    leaves = reachable_leaves([root for root, _ in pairs])
-    if not leaves:
-        return []
-    grads = torch.autograd.grad(
-        [root for root, _ in pairs],
-        leaves,
-        [grad for _, grad in pairs],
-        retain_graph=True,  # freed with the context: other hops may need it again
-        allow_unused=True,
-    )
-    return [(leaf, grad) for leaf, grad in zip(leaves, grads, strict=True) if grad is not None]
 
 
 async def propagate(

@@ -1,0 +1,265 @@
+"""One worker's part of a distributed backward pass: running its local graph (layer L3).
+
+Two ways to run it. ``torch.autograd.grad`` is the light one: it returns each leaf's
+gradient, keeps the original type of an error raised in the graph, and costs nothing
+beyond the graph itself. But it never executes the leaves' ``AccumulateGrad`` nodes, so
+the hooks registered on them do not fire, and DDP's reducer is such a hook: its
+parameters would keep their local, un-reduced gradients, a wrong result with no error.
+
+So a pass that may feed a reducer runs on torch's own distributed engine instead, in a
+private torch context kept for the asyncrpc context's life on this worker. That engine
+runs those hooks and lets the reducer read and write the gradients of the running context
+(never ``.grad``); its gradients for this worker's own leaves stay in the torch context
+(the reducer may rewrite them in a later pass) and are read from it. A pass may feed a
+reducer when a process group is initialised and the pass reaches an ``nn.Parameter``: DDP
+needs both, and torch's engine costs ~0.1 ms to set up and ~2 ms of CPU (on a background
+thread) to release per context, so it is not used where it cannot matter.
+
+On torch's engine an error raised in the graph arrives as a ``RuntimeError`` holding its
+text only (the engine keeps no more), as it does in torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import queue
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch._C._distributed_autograd as torch_dist_engine
+
+__all__ = ["LocalGraph", "reachable_leaves"]
+
+# (leaf, its gradient from one pass)
+Routed = list[tuple[torch.Tensor, Any]]
+
+_NODE_PREFIX = "Error on Node "
+# torch's context ids start with the 16-bit worker id it was initialised with; the
+# contexts made here never leave this process, so any id in range will do.
+_MAX_WORKER_ID = 2**16 - 1
+
+
+def reachable_leaves(roots: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The leaf tensors requiring grad that the graph of ``roots`` reaches."""
+    leaves: list[torch.Tensor] = []
+    seen: set[Any] = set()
+    stack: list[Any] = [r.grad_fn for r in roots if r.grad_fn is not None]
+    while stack:  # bounded by the graph: each node is expanded once
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+        if variable is not None:
+            leaves.append(variable)
+            continue
+        stack.extend(child for child, _ in node.next_functions)
+    return leaves
+
+
+class _Entry(torch.autograd.Function):
+    """The node through which a gradient enters this worker's graph at a root that is a
+    leaf (a tensor this worker sent, whose gradient came back): the leaf's hooks see the
+    gradient there, as they do behind torch's send function. Nothing is copied."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach()  # a new tensor on the same memory (the input itself would
+        # make autograd build a view of it, which sparse tensors do not have)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _Seed(torch.autograd.Function):
+    """A scalar whose backward hands each root its gradient, as ``grad_outputs`` would:
+    torch's engine only starts from scalar roots whose gradient is one."""
+
+    @staticmethod
+    def forward(ctx: Any, grads: tuple[Any, ...], *roots: torch.Tensor) -> torch.Tensor:
+        ctx.grads = grads
+        return torch.zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[Any, ...]:
+        grads, ctx.grads = ctx.grads, None  # the graph is retained; these need not be
+        return (None, *grads)
+
+
+# Function.apply is untyped in torch's stubs.
+_enter: Callable[[torch.Tensor], torch.Tensor] = _Entry.apply  # type: ignore[assignment]
+_seed: Callable[..., torch.Tensor] = _Seed.apply  # type: ignore[assignment]
+
+
+class LocalGraph:
+    """Runs one context's passes on this worker, one at a time (torch's engine refuses two
+    at once in one context), and keeps its torch context if it needed one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._torch_context: int | None = None
+        # Received leaves whose gradients torch's engine hands to _deposit (never to the
+        # torch context): their AccumulateGrad nodes, held so the hooks stay on them.
+        self._hooked: dict[int, Any] = {}
+        self._outbox: dict[int, tuple[torch.Tensor, Any]] | None = None
+        self._outbox_lock = threading.Lock()  # CUDA graphs run on device threads
+
+    def run(
+        self, roots: Sequence[torch.Tensor], grad_outputs: Sequence[Any],
+        received: Callable[[], Mapping[int, torch.Tensor]], rank: int,
+    ) -> tuple[Routed, bool]:  # fmt: skip
+        """One pass: the gradients it gives, and whether they were computed by torch's
+        engine (then only the received leaves' ones are listed; the others stay in the
+        torch context, see ``gradients``). ``received()``: id -> received leaf; ``rank``:
+        this worker's.
+
+        Raises the graph's error as torch reports it.
+        """
+        with torch.enable_grad():
+            pairs = [
+                (root if root.grad_fn is not None else _enter(root), grad)
+                for root, grad in zip(roots, grad_outputs, strict=True)
+                if root.requires_grad
+            ]
+        leaves = reachable_leaves([root for root, _ in pairs])
+        if not leaves:
+            return [], False
+        with self._lock:
+            if _may_feed_a_reducer(leaves):
+                return self._run_on_torch_engine(pairs, received, rank), True
+        grads = torch.autograd.grad(
+            [root for root, _ in pairs],
+            leaves,
+            [grad for _, grad in pairs],
+            retain_graph=True,  # freed with the context: other hops may need it again
+            allow_unused=True,
+        )
+        routed = [(leaf, grad) for leaf, grad in zip(leaves, grads, strict=True)]
+        return [(leaf, grad) for leaf, grad in routed if grad is not None], False
+
+    def gradients(self) -> dict[Any, Any]:
+        """The gradients torch's engine accumulated for this worker's own leaves."""
+        with self._lock:
+            if self._torch_context is None:
+                return {}
+            return dict(torch_dist_engine.get_gradients(self._torch_context))
+
+    def close(self) -> None:
+        """Release the torch context, if any, on a background thread (it is slow)."""
+        with self._lock:
+            context_id, self._torch_context = self._torch_context, None
+            self._hooked.clear()
+        if context_id is not None:
+            _releaser().put(context_id)
+
+    def _run_on_torch_engine(
+        self, pairs: list[tuple[torch.Tensor, Any]],
+        received: Callable[[], Mapping[int, torch.Tensor]], rank: int,
+    ) -> Routed:  # fmt: skip
+        if self._torch_context is None:
+            self._torch_context = _new_torch_context(rank)
+        for leaf_id, leaf in received().items():
+            if leaf_id not in self._hooked:
+                self._hooked[leaf_id] = _hook_accumulator(
+                    leaf, functools.partial(self._deposit, leaf_id, leaf)
+                )
+        with torch.enable_grad():
+            seed = _seed(tuple(g for _, g in pairs), *(r for r, _ in pairs))
+        self._outbox = {}
+        try:
+            torch_dist_engine.backward(self._torch_context, [seed], True)
+            return list(self._outbox.values())
+        except RuntimeError as exc:
+            text = str(exc)  # torch's engine already says which node; our caller says it
+            if text.startswith(_NODE_PREFIX):
+                text = text.partition(": ")[2]
+            raise RuntimeError(text) from exc
+        finally:
+            self._outbox = None
+
+    def _deposit(self, leaf_id: int, leaf: torch.Tensor, grad_inputs: Any) -> Any:
+        """A received leaf's gradient, in a pass on torch's engine: taken for sending, and
+        kept out of the torch context (``(None,)``)."""
+        outbox = self._outbox
+        if outbox is None:  # a pass of the light way, or a local backward: not ours
+            return None
+        grad = grad_inputs[0]
+        if grad is None:
+            return None
+        with self._outbox_lock:
+            held = outbox.get(leaf_id)
+            outbox[leaf_id] = (leaf, grad if held is None else held[1] + grad)
+        return (None,)
+
+
+def _may_feed_a_reducer(leaves: Sequence[torch.Tensor]) -> bool:
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    return any(isinstance(leaf, torch.nn.Parameter) for leaf in leaves)
+
+
+def _hook_accumulator(leaf: torch.Tensor, hook: Callable[[Any], Any]) -> Any:
+    """Put ``hook`` before ``leaf``'s ``AccumulateGrad`` node; returns the node (the leaf
+    holds it only weakly: whoever wants the hook kept must hold it)."""
+    with torch.enable_grad():
+        view: Any = leaf.view_as(leaf).grad_fn
+    accumulator = view.next_functions[0][0]
+    accumulator.register_prehook(hook)
+    return accumulator
+
+
+_engine_lock = threading.Lock()
+_engine_ready = False
+
+
+def _new_torch_context(rank: int) -> int:
+    """A torch context id. torch makes a context the current one of the thread that makes
+    it, and a thread can have one only: so each is made on a thread of its own."""
+    global _engine_ready
+    with _engine_lock:
+        if not _engine_ready:
+            try:
+                torch_dist_engine._init(rank if 0 <= rank <= _MAX_WORKER_ID else 0)
+            except RuntimeError:
+                torch_dist_engine._get_max_id()  # initialised already (torch's own RPC)
+            _engine_ready = True
+    made: list[int] = []
+    maker = threading.Thread(
+        target=lambda: made.append(torch_dist_engine._new_context()._context_id()),
+        name="asyncrpc-torch-context",
+    )
+    maker.start()
+    maker.join()
+    if not made:
+        raise RuntimeError("torch's distributed autograd refused to make a context")
+    return made[0]
+
+
+_release_queue: queue.SimpleQueue[int] | None = None
+_release_lock = threading.Lock()
+
+
+def _releaser() -> queue.SimpleQueue[int]:
+    """The queue of a daemon thread that releases torch contexts: each release costs ~2 ms
+    of CPU (torch raises and catches an error for want of its RPC agent) with the GIL
+    released, so it is kept off the loop and the pool."""
+    global _release_queue
+    with _release_lock:
+        if _release_queue is None:
+            _release_queue = queue.SimpleQueue()
+            threading.Thread(
+                target=_release_forever, args=(_release_queue,), daemon=True,
+                name="asyncrpc-torch-context-release",
+            ).start()  # fmt: skip
+        return _release_queue
+
+
+def _release_forever(ids: queue.SimpleQueue[int]) -> None:
+    while True:  # a daemon thread, parked on the queue: it ends with the process
+        context_id = ids.get()
+        with contextlib.suppress(RuntimeError):  # not there any more: nothing to free
+            torch_dist_engine._release_context(context_id)
