@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from asyncrpc import functions
 from asyncrpc.api import (
+    BackendType,
     call,
     get_debug_info,
     get_metrics,
@@ -15,6 +16,7 @@ from asyncrpc.api import (
     get_worker_infos,
     init_rpc,
     init_rpc_async,
+    is_available,
     remote,
     rpc_async,
     rpc_sync,
@@ -60,11 +62,12 @@ from asyncrpc.errors import (
 from asyncrpc.protocol.serde import register_reducer
 from asyncrpc.rref.handle import RRef
 from asyncrpc.runtime.future import Future, collect_all, wait_all
-from asyncrpc.runtime.options import RpcBackendOptions, WorkerInfo
+from asyncrpc.runtime.options import RpcBackendOptions, TensorPipeRpcBackendOptions, WorkerInfo
 
 __all__ = [
     "AsyncExecutionError",
     "AsyncRpcError",
+    "BackendType",
     "BadDestinationError",
     "BlockingCallError",
     "ClosedError",
@@ -83,6 +86,7 @@ __all__ = [
     "PeerLostError",
     "PeerUnavailableError",
     "ProtocolError",
+    "PyRRef",
     "RRef",
     "RRefError",
     "RRefOwnerLostError",
@@ -95,6 +99,7 @@ __all__ = [
     "SerializationError",
     "ShutdownError",
     "StoreHostLostError",
+    "TensorPipeRpcBackendOptions",
     "ThreadPoolExhaustedError",
     "UnknownWorkerError",
     "WorkerInfo",
@@ -110,6 +115,7 @@ __all__ = [
     "get_worker_infos",
     "init_rpc",
     "init_rpc_async",
+    "is_available",
     "register_reducer",
     "remote",
     "rpc_async",
@@ -119,3 +125,6 @@ __all__ = [
     "wait_all",
     "worker",
 ]
+
+# torch's name of the RRef class its RRef subclasses (``isinstance(x, rpc.PyRRef)``).
+PyRRef = RRef

@@ -8,6 +8,7 @@ the caller's loop, no extra thread). ``await call(...)`` works from any running 
 from __future__ import annotations
 
 import asyncio
+import enum
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -31,6 +32,7 @@ from asyncrpc.runtime.options import (
 )
 
 __all__ = [
+    "BackendType",
     "call",
     "get_debug_info",
     "get_metrics",
@@ -39,6 +41,7 @@ __all__ = [
     "get_worker_infos",
     "init_rpc",
     "init_rpc_async",
+    "is_available",
     "remote",
     "rpc_async",
     "rpc_sync",
@@ -53,6 +56,20 @@ R = TypeVar("R")
 # The loop thread of an agent started by init_rpc (None for init_rpc_async agents).
 _loop_threads: dict[int, LoopThread] = {}
 _lifecycle_lock = threading.Lock()
+
+
+class BackendType(enum.Enum):
+    """torch's ``rpc.BackendType``, for ``init_rpc(..., backend=rpc.BackendType.TENSORPIPE)``
+    lines. asyncrpc has one backend, its own agent; ``TENSORPIPE`` (torch's default and
+    only public backend) selects it, as torch's member does."""
+
+    TENSORPIPE = "TENSORPIPE"
+
+
+def is_available() -> bool:
+    """Whether RPC can be used in this build: always, for asyncrpc (torch's
+    ``rpc.is_available``, false in torch builds without distributed support)."""
+    return True
 
 
 def _check_name(name: str, backend: object) -> None:

@@ -247,3 +247,38 @@ def coerce_options(options: object | None, backend: object = None) -> RpcBackend
         device_maps=dict(getattr(options, "device_maps", None) or {}) or None,
         devices=list(getattr(options, "devices", None) or []) or None,
     )
+
+
+class TensorPipeRpcBackendOptions(RpcBackendOptions):
+    """torch's options class, under its name and with its constructor (keyword-only, the
+    same defaults), so a program's ``rpc.TensorPipeRpcBackendOptions(...)`` line runs as
+    it is. The result is an ``RpcBackendOptions``: asyncrpc's own options may be passed
+    too, by keyword.
+
+    ``_transports`` and ``_channels`` name TensorPipe's transports and channels (private
+    in torch). asyncrpc has its own (TCP, Unix sockets, shared memory: see
+    ``RpcBackendOptions``), so they are accepted and have no effect.
+    """
+
+    __slots__ = ()
+
+    def __init__(
+        self,
+        *,
+        num_worker_threads: int = 16,
+        rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
+        init_method: str = DEFAULT_INIT_METHOD,
+        device_maps: Mapping[str, Mapping[Any, Any]] | None = None,
+        devices: list[Any] | None = None,
+        _transports: list[str] | None = None,
+        _channels: list[str] | None = None,
+        **asyncrpc_options: Any,
+    ) -> None:
+        super().__init__(
+            init_method=init_method,
+            rpc_timeout=rpc_timeout,
+            num_worker_threads=num_worker_threads,
+            device_maps={k: dict(v) for k, v in device_maps.items()} if device_maps else None,
+            devices=list(devices) if devices is not None else None,
+            **asyncrpc_options,
+        )

@@ -356,11 +356,17 @@ def big_world(args: argparse.Namespace) -> int:
 def _member_options(args: argparse.Namespace) -> object:
     if not args.torch_options:
         return _options(args)
-    import torch.distributed.rpc as torch_rpc
-
-    return torch_rpc.TensorPipeRpcBackendOptions(
+    return _rpc_names(args).TensorPipeRpcBackendOptions(
         init_method=args.init_method, rpc_timeout=args.rpc_timeout, num_worker_threads=8
     )
+
+
+def _rpc_names(args: argparse.Namespace) -> Any:
+    if args.names_from == "asyncrpc":
+        return asyncrpc
+    import torch.distributed.rpc as torch_rpc
+
+    return torch_rpc
 
 
 def _delay_registration(seconds: float) -> None:
@@ -391,9 +397,7 @@ def member(args: argparse.Namespace) -> int:
 
     backend = None
     if args.torch_options:
-        import torch.distributed.rpc as torch_rpc
-
-        backend = torch_rpc.BackendType.TENSORPIPE  # type: ignore[attr-defined]
+        backend = _rpc_names(args).BackendType.TENSORPIPE
     if args.slow_register > 0:
         _delay_registration(args.slow_register)
     rank = -1 if args.rank is None else args.rank
@@ -541,6 +545,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shutdown-timeout", type=float, default=10.0)
     parser.add_argument("--graceful", type=int, default=1)
     parser.add_argument("--torch-options", action="store_true")
+    # Where --torch-options takes TensorPipeRpcBackendOptions and BackendType from: torch,
+    # or asyncrpc's own names of them (a program whose only change is the import).
+    parser.add_argument("--names-from", choices=["torch", "asyncrpc"], default="torch")
     parser.add_argument("--call", action="append", default=[])
     parser.add_argument("--call-fn", choices=("pid", "whoami"), default="pid")
     parser.add_argument("--slow-register", type=float, default=0.0)

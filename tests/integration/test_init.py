@@ -106,12 +106,16 @@ def test_init_rpc_store_host_dying_mid_rendezvous_raises_store_host_lost() -> No
     assert "Exception raised from" not in obs["init"]["error"]["message"]  # no C++ stack
 
 
-def test_init_rpc_accepts_torch_tensorpipe_options(tmp_path: Path) -> None:
+@pytest.mark.parametrize("names_from", ["torch", "asyncrpc"])
+def test_init_rpc_accepts_torch_tensorpipe_options(tmp_path: Path, names_from: str) -> None:
+    """torch's options class and backend enum, from torch or under asyncrpc's names of them
+    (``rpc.TensorPipeRpcBackendOptions`` after ``import asyncrpc as rpc``)."""
     init = f"tcp://127.0.0.1:{free_port()}"
     worker = spawn_worker("w1", 1, 2, init, log_dir=tmp_path, rpc_timeout=10.0,
                           shutdown_timeout=10.0)  # fmt: skip
     args = ["--init-method", init, "--name", "driver", "--rank", "0", "--world-size", "2"]
-    args += ["--torch-options", "--rpc-timeout", "7.5", "--call", "w1", "--call", "driver"]
+    args += ["--torch-options", "--names-from", names_from, "--rpc-timeout", "7.5"]
+    args += ["--call", "w1", "--call", "driver"]
     with _started([("member", args, None)], [worker]) as (driver,):
         code, obs = driver.result(30.0)
         assert stop_workers([worker], timeout=10.0) == [0], worker.log()
