@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import functools
 import logging
 import queue
@@ -204,8 +205,14 @@ class WorkerPool:
             self._done.clear()
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(*args)`` on a pool thread and return (or raise) what it did."""
+        """Run ``fn(*args)`` on a pool thread and return (or raise) what it did.
+
+        ``fn`` runs in a copy of the awaiting task's context variables, as with
+        ``asyncio.to_thread``: what the task runs in (a distributed autograd context, the
+        profiler's recording) goes with the work to the thread.
+        """
         future = self._loop.create_future()
+        context = contextvars.copy_context()
 
         def settle(ok: bool, value: Any) -> None:
             if future.done():
@@ -217,7 +224,7 @@ class WorkerPool:
 
         def work() -> None:
             try:
-                value = fn(*args)
+                value = context.run(fn, *args)
             except BaseException as exc:
                 self.post(settle, False, exc)
                 return

@@ -131,3 +131,21 @@ def open_context() -> int:
     """Open a distributed autograd context here (not allowed inside another one)."""
     with dist_autograd.context() as context_id:
         return context_id
+
+
+class Scale(nn.Module):
+    """x * w, with w a parameter of ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+class FetchTwice(nn.Module):
+    """A plain (pool-thread) method that fetches an RRef inside the caller's context."""
+
+    def forward(self, y: RRef[torch.Tensor]) -> torch.Tensor:
+        return y.to_here() * 2

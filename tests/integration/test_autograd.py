@@ -321,6 +321,26 @@ def test_distributed_optimizer_matches_local_sgd(group: Group, layers: Callable)
     del params, optimizer
 
 
+@pytest.mark.parametrize("fetcher", ["w3", "w2"])  # a thread-pool worker, an asyncio one
+def test_rref_proxy_method_runs_in_the_callers_context(group: Group, fetcher: str) -> None:
+    """A plain method called through a proxy runs on the owner's pool, inside the caller's
+    context: an RRef it fetches is recorded, so the gradient reaches that RRef's owner
+    (torch's pipeline-parallel tutorial). It used to lose the context: no gradient, no error."""
+    scale = asyncrpc.remote("w1", fns.Scale)
+    fetch = asyncrpc.remote(fetcher, fns.FetchTwice)
+    scale.rpc_sync().extra_repr()  # the proxies know the types before the context, as torch's
+    fetch.rpc_sync().extra_repr()
+    with dist_autograd.context() as context_id:
+        y = scale.remote().forward(torch.arange(3.0))
+        z = fetch.rpc_sync().forward(y)
+        dist_autograd.backward(context_id, [z.sum()])
+        grads = asyncrpc.rpc_sync("w1", fns.grads_of, args=(context_id, scale))
+    assert len(grads) == 1
+    assert grads[0] is not None
+    torch.testing.assert_close(grads[0], torch.tensor([0.0, 2.0, 4.0]))
+    del y, scale, fetch
+
+
 def test_distributed_optimizers_of_several_trainers_step_shared_params_one_at_a_time(
     group: Group, layers: Callable
 ) -> None:
