@@ -1,0 +1,90 @@
+"""PyTorch's RPC tutorials, each run twice: with ``torch.distributed.rpc`` and with asyncrpc,
+the import being the only change (``tests/integration/tutorials``). Losses, rewards and
+final weights must be equal: exactly where the program's arithmetic happens in one fixed
+order, and within float32 rounding where it does not (said at each test).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from tests.integration.tutorials.common import IMPLS, run_program
+
+pytestmark = pytest.mark.timeout(150)
+EXACT = {"rtol": 0.0, "atol": 0.0}
+
+
+def _run_both(name: str, tmp_path: Path) -> tuple[dict[int, Any], ...]:
+    """Run the program with each implementation at once (torch's results first)."""
+    with ThreadPoolExecutor(len(IMPLS)) as pool:
+        futures = [pool.submit(run_program, name, impl, tmp_path / impl) for impl in IMPLS]
+        return tuple(future.result() for future in futures)
+
+
+def _assert_trained(initial: list[torch.Tensor], final: list[torch.Tensor]) -> None:
+    # Equal results from two runs that trained nothing would prove nothing.
+    assert len(initial) == len(final) > 0
+    assert all(not torch.equal(a, b) for a, b in zip(initial, final, strict=True))
+
+
+def test_ParameterServer_trainers_match_torch(tmp_path: Path) -> None:
+    # The trainers take turns on the server, so every step happens in one fixed order.
+    torch_run, ours = _run_both("parameter_server", tmp_path)
+    assert sorted(ours) == [0, 1, 2]
+    assert_close(ours, torch_run, **EXACT)
+    _assert_trained(ours[0]["initial"], ours[0]["final"])
+    for trainer in (1, 2):
+        assert ours[trainer]["losses"].shape == (4,)
+        assert (ours[trainer]["grad_norms"] > 0).all()
+
+
+def test_RNNModelParallel_losses_and_weights_match_torch(tmp_path: Path) -> None:
+    torch_run, ours = _run_both("rnn", tmp_path)
+    assert_close(ours, torch_run, **EXACT)
+    _assert_trained(ours[1]["initial"], ours[1]["final"])
+    assert ours[1]["losses"].shape == (6,)
+
+
+def test_Reinforce_rewards_and_policy_match_torch(tmp_path: Path) -> None:
+    torch_run, ours = _run_both("reinforce", tmp_path)
+    agent, torch_agent = ours[0], torch_run[0]
+    assert agent["min_rewards"] == torch_agent["min_rewards"]
+    assert len(agent["min_rewards"]) == 4
+    # Within rounding: the policy's gradient sums the branches of graphs built on the
+    # agent's pool threads in the order the observers' calls came (torch vs torch differs
+    # in the last bit too).
+    assert_close(agent, torch_agent)
+    _assert_trained(agent["initial"], agent["final"])
+
+
+def test_BatchParameterServer_async_execution_matches_torch(tmp_path: Path) -> None:
+    # Two trainers: their gradients' sum is the same in either order, so exact.
+    torch_run, ours = _run_both("batch_ps", tmp_path)
+    assert_close(ours, torch_run, **EXACT)
+    assert set(ours[0]["losses"]) == {"trainer1", "trainer2"}
+    _assert_trained(ours[0]["initial"], ours[0]["final"])
+
+
+def test_PipelineParallel_micro_batches_match_torch(tmp_path: Path) -> None:
+    # Within rounding: the shards run micro-batches in the order they come.
+    torch_run, ours = _run_both("pipeline", tmp_path)
+    _assert_trained(torch_run[0]["initial"], torch_run[0]["final"])
+    assert_close(ours, torch_run)
+
+
+def test_DdpRpc_hybrid_model_matches_torch(tmp_path: Path) -> None:
+    torch_run, ours = _run_both("ddp_rpc", tmp_path)
+    master, torch_master = ours[2], torch_run[2]
+    assert_close(master["initial"], torch_master["initial"], **EXACT)
+    # Within rounding: both trainers step the shared table, in either order, and the
+    # table's rounding reaches the next losses and the Linear's gradients.
+    assert_close(master, torch_master)
+    # DDP averaged the gradients: both trainers hold the same Linear.
+    assert_close(master["trainers"][0]["fc"], master["trainers"][1]["fc"], **EXACT)
+    _assert_trained(master["initial"], master["final"])

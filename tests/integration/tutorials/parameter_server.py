@@ -1,0 +1,173 @@
+"""The "Implementing a Parameter Server Using Distributed RPC Framework" tutorial.
+
+Rank 0 is ``parameter_server``: it holds one ``ParameterServer`` (the model), made on the
+first trainer's ``rpc.remote``. Each trainer holds an RRef to it, runs the forward pass
+there, and trains with distributed autograd and a ``DistributedOptimizer`` over the
+server's parameter RRefs. Changes from the tutorial: a tiny conv net on seeded synthetic
+images instead of MNIST, no dropout, and a turn gate on the server so the two trainers'
+steps interleave in one fixed order (T1, T2, T1, ...) and the result is reproducible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.integration.tutorials.common import impl, main, save, seeded
+
+if impl() == "torch":
+    import torch.distributed.autograd as dist_autograd
+    import torch.distributed.rpc as rpc  # noqa: PLR0402 (the tutorials spell it so)
+    from torch.distributed.optim import DistributedOptimizer
+else:
+    import asyncrpc as rpc
+    from asyncrpc import autograd as dist_autograd
+    from asyncrpc.optim import DistributedOptimizer
+
+TRAINERS, BATCHES, BATCH, CLASSES, SIDE = 2, 4, 8, 4, 10
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3, 1)
+        self.fc1 = nn.Linear(4 * 4 * 4, 16)
+        self.fc2 = nn.Linear(16, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.relu(self.fc1(torch.flatten(x, 1)))
+        return F.log_softmax(self.fc2(x), dim=1)
+
+
+def call_method(method: Any, rref: Any, *args: Any, **kwargs: Any) -> Any:
+    return method(rref.local_value(), *args, **kwargs)
+
+
+def remote_method(method: Any, rref: Any, *args: Any, **kwargs: Any) -> Any:
+    return rpc.rpc_sync(rref.owner(), call_method, args=(method, rref, *args), kwargs=kwargs)
+
+
+class ParameterServer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with seeded(0):
+            self.model = Net()
+        self.initial = [p.detach().clone() for p in self.model.parameters()]
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        return self.model(inp)
+
+    def get_dist_gradients(self, cid: int) -> dict[torch.Tensor, torch.Tensor]:
+        return dict(dist_autograd.get_gradients(cid))
+
+    def get_param_rrefs(self) -> list[Any]:
+        return [rpc.RRef(param) for param in self.model.parameters()]
+
+
+param_server: ParameterServer | None = None
+global_lock = threading.Lock()
+
+
+def get_parameter_server() -> ParameterServer:
+    """The server's one ``ParameterServer``, made by whichever trainer asks first."""
+    global param_server
+    with global_lock:
+        if param_server is None:
+            param_server = ParameterServer()
+        return param_server
+
+
+# Not in the tutorial: trainer k (0-based) may step only on turn step*TRAINERS + k.
+_turn = 0
+_turn_changed = threading.Condition()
+
+
+def wait_turn(turn: int) -> None:
+    with _turn_changed:
+        if not _turn_changed.wait_for(lambda: _turn == turn, timeout=30.0):
+            raise TimeoutError(f"turn {turn} never came (at {_turn})")
+
+
+def end_turn() -> None:
+    global _turn
+    with _turn_changed:
+        _turn += 1
+        _turn_changed.notify_all()
+
+
+class TrainerNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.param_server_rref = rpc.remote("parameter_server", get_parameter_server)
+
+    def get_global_param_rrefs(self) -> list[Any]:
+        return remote_method(ParameterServer.get_param_rrefs, self.param_server_rref)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return remote_method(ParameterServer.forward, self.param_server_rref, x)
+
+
+def make_data(seed: int, batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Images whose label is the brightest quadrant, so there is something to learn."""
+    gen = torch.Generator().manual_seed(seed)
+    data = []
+    for _ in range(batches):
+        images = torch.rand(BATCH, 1, SIDE, SIDE, generator=gen)
+        half = SIDE // 2
+        quadrants = images.unfold(2, half, half).unfold(3, half, half).sum((-1, -2))
+        data.append((images, quadrants.flatten(1).argmax(1)))
+    return data
+
+
+def run_training_loop(trainer: int) -> dict[str, Any]:
+    net = TrainerNet()
+    param_rrefs = net.get_global_param_rrefs()
+    opt = DistributedOptimizer(torch.optim.SGD, param_rrefs, lr=0.03)
+    losses, grad_norms = [], []
+    for i, (data, target) in enumerate(make_data(trainer, BATCHES)):
+        rpc.rpc_sync("parameter_server", wait_turn, args=(i * TRAINERS + trainer,))
+        with dist_autograd.context() as cid:
+            model_output = net(data)
+            loss = F.nll_loss(model_output, target)
+            dist_autograd.backward(cid, [loss])
+            grads = remote_method(ParameterServer.get_dist_gradients, net.param_server_rref, cid)
+            assert grads != {}
+            opt.step(cid)
+        rpc.rpc_sync("parameter_server", end_turn)
+        losses.append(loss.detach())
+        # Sorted: the dict's order is the owner's, and float sums depend on the order.
+        grad_norms.append(torch.stack(sorted(g.pow(2).sum() for g in grads.values())).sum())
+    return {"losses": torch.stack(losses), "grad_norms": torch.stack(grad_norms),
+            "accuracy": get_accuracy(net)}  # fmt: skip
+
+
+def get_accuracy(net: TrainerNet) -> float:
+    correct = 0
+    with torch.no_grad():
+        for data, target in make_data(100, 2):
+            correct += int((net(data).argmax(dim=1) == target).sum())
+    return correct / (2 * BATCH)
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    if args.rank == 0:
+        rpc.init_rpc("parameter_server", rank=args.rank, world_size=args.world_size)
+        rpc.shutdown()  # serves the trainers until every worker is done
+        assert param_server is not None
+        final = [p.detach().clone() for p in param_server.model.parameters()]
+        save(args, {"initial": param_server.initial, "final": final})
+    else:
+        rpc.init_rpc(f"trainer_{args.rank}", rank=args.rank, world_size=args.world_size)
+        results = run_training_loop(args.rank - 1)
+        rpc.shutdown()
+        save(args, results)
+
+
+if __name__ == "__main__":
+    main(1 + TRAINERS, run_worker)
