@@ -22,6 +22,7 @@ import traceback
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
+from asyncrpc.bench import cpu
 from asyncrpc.bench.config import Item
 
 if TYPE_CHECKING:
@@ -62,28 +63,34 @@ def _tensors_for(items: list[Item], tensors: dict[int, torch.Tensor]) -> None:
             tensors[item.size] = torch.empty(item.size // 4, dtype=torch.float32)
 
 
-def _outcome(run: Callable[[], Any]) -> dict[str, Any]:
+def _outcome(run: Callable[[], Any], pids: dict[str, int]) -> dict[str, Any]:
     from asyncrpc.bench.measure import Unavailable
 
+    before = cpu.snapshot(pids)
     try:
-        return {"stats": run()}
+        outcome = {"stats": run()}
     except Unavailable as exc:
         return {"unavailable": str(exc)}
     except Exception as exc:
         traceback.print_exc()
         return {"error": f"{type(exc).__name__}: {exc}"}
+    cpu.add_per_call(outcome, before, cpu.snapshot(pids))
+    return outcome
 
 
-async def _outcome_async(run: Callable[[], Awaitable[Any]]) -> dict[str, Any]:
+async def _outcome_async(run: Callable[[], Awaitable[Any]], pids: dict[str, int]) -> dict[str, Any]:
     from asyncrpc.bench.measure import Unavailable
 
+    before = cpu.snapshot(pids)
     try:
-        return {"stats": await run()}
+        outcome = {"stats": await run()}
     except Unavailable as exc:
         return {"unavailable": str(exc)}
     except Exception as exc:
         traceback.print_exc()
         return {"error": f"{type(exc).__name__}: {exc}"}
+    cpu.add_per_call(outcome, before, cpu.snapshot(pids))
+    return outcome
 
 
 # -- torch.distributed.rpc ------------------------------------------------------------------
@@ -141,7 +148,8 @@ def _torch_main(args: argparse.Namespace, channel: Channel) -> int:
             duration=command["duration"],
             tensors=tensors,
         )
-        channel.send({"results": {i.key: _outcome(functools.partial(run, i)) for i in items}})
+        pids = command.get("pids", {})
+        channel.send({"results": {i.key: _outcome(functools.partial(run, i), pids) for i in items}})
     rpc.shutdown()
     channel.send({"bye": True})
     return 0
@@ -172,7 +180,7 @@ async def _asyncrpc_main(args: argparse.Namespace, channel: Channel) -> int:
         results = {}
         for item in items:
             run = functools.partial(run_item_await, item, SERVER, command["duration"], tensors)
-            results[item.key] = await _outcome_async(run)
+            results[item.key] = await _outcome_async(run, command.get("pids", {}))
         channel.send({"results": results})
     await asyncrpc.shutdown_async()
     channel.send({"bye": True})
@@ -203,7 +211,7 @@ async def _floor_main(args: argparse.Namespace, channel: Channel) -> int:
             run = functools.partial(
                 floor.run_floor_item, client, item, command["duration"], payloads
             )
-            results[item.key] = await _outcome_async(run)
+            results[item.key] = await _outcome_async(run, command.get("pids", {}))
         channel.send({"results": results})
     assert client.transport is not None
     client.transport.close()

@@ -181,8 +181,10 @@ class SystemGroup:
             ChildError: a driver failed or timed out.
         """
         drivers = self.drivers(kind)
+        # Every process of the group, so that a driver can read what each item cost each.
+        pids = {role: child.pid for role, child in self.children.items()}
         for child in drivers:
-            child.send({"op": "run", "items": items, "duration": duration})
+            child.send({"op": "run", "items": items, "duration": duration, "pids": pids})
         deadline = time.monotonic() + timeout
         return [c.receive(max(0.1, deadline - time.monotonic()))["results"] for c in drivers]
 

@@ -253,6 +253,29 @@ def _render_cpu(doc: dict[str, Any], systems: list[str], workloads: list[str]) -
     return [title, *_table(header, lines), ""]
 
 
+def _render_cpu_per_call(doc: dict[str, Any], systems: list[str]) -> list[str]:
+    """Per workload row: each system's CPU microseconds per call, all its processes
+    together (client + server [+ trainer]), and asyncrpc's ratio to torch's."""
+    header = ["", *systems, "asyncrpc/torch"]
+    lines = []
+    for name, summary in doc["workloads"].items():
+        for row in summary["rows"]:
+            totals = {s: row["values"][s].get("median", {}).get("cpu_us_total") for s in systems}
+            if all(v is None for v in totals.values()):
+                continue
+            mine, theirs = totals.get("asyncrpc"), totals.get("torch")
+            ratio = f"{mine / theirs:.2f}x" if mine is not None and theirs else "-"
+            cells = ["-" if v is None else _number(v) for v in totals.values()]
+            lines.append([f"{name} {row['label']}", *cells, ratio])
+    if not lines:
+        return []
+    title = (
+        "== CPU time per call, microseconds, every process of the system (user + system; "
+        "lower is better; steadier than wall time on a shared machine)"
+    )
+    return [title, *_table(header, lines), ""]
+
+
 def render(doc: dict[str, Any]) -> str:
     """The human-readable report of ``summarize``'s document."""
     systems = list(doc["config"]["systems"])
@@ -268,6 +291,7 @@ def render(doc: dict[str, Any]) -> str:
     for name, summary in doc["workloads"].items():
         out += _render_workload(name, summary, systems)
     out += _render_cpu(doc, systems, list(doc["workloads"]))
+    out += _render_cpu_per_call(doc, systems)
     out.append("== targets (ratios from this run)")
     for check in doc["targets"]:
         ratio = "" if check["ratio"] is None else f": {check['ratio']:.2f}x"

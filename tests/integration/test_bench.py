@@ -55,9 +55,17 @@ def test_bench_quick_reports_every_workload_for_all_systems(tmp_path: Path) -> N
                     continue
                 assert isinstance(cell["value"], float), (name, row["label"], system, cell)
                 assert cell["value"] > 0
+                if name != "ps":  # ps reports per trainer, not per call
+                    # The cost model: CPU microseconds per call of each process.
+                    cpu = {k: v for k, v in cell["median"].items() if k.startswith("cpu_us_")}
+                    assert cpu["cpu_us_client"] > 0, (name, system, cpu)
+                    assert cpu["cpu_us_server"] >= 0, (name, system, cpu)
+                    parts = sum(v for k, v in cpu.items() if k != "cpu_us_total")
+                    assert cpu["cpu_us_total"] == pytest.approx(parts)
             assert isinstance(row["ratios"]["asyncrpc/torch"], float)
     assert {t["verdict"] for t in doc["targets"]} <= {"met", "missed", "not measured"}
     assert "== latency" in proc.stdout
+    assert "== CPU time per call" in proc.stdout
 
 
 @pytest.mark.timeout(180)
