@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-fast lint bench bench-full example check clean conformance conformance-ci
+.PHONY: install test test-fast test-gpu lint bench bench-full example check clean conformance conformance-ci
 
 $(STAMP): pyproject.toml .ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,10 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The CUDA tests (tests/gpu); they skip without a GPU.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q tests/gpu
 
 lint: $(STAMP)
 	$(PY) -m ruff check asyncrpc tests examples bench

@@ -1,0 +1,82 @@
+"""The device seam (layer L2): every CUDA call of the runtime's CUDA path goes through
+``Devices``, so what sits above it (which events a frame waits for, when it may leave,
+which streams a callee runs on, when a caller's streams wait) runs on ``FakeDevices`` in CI
+and on ``CudaDevices`` on a GPU, unchanged.
+
+Streams and events are opaque handles to the code above the seam: it only passes them
+back to the same ``Devices``. Devices are CUDA indices (``int``); a CPU tensor has none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+__all__ = ["Devices", "Event", "GpuIdentity", "Stream", "devices_of"]
+
+Stream = Any  # a device's stream, as the Devices that made it knows it
+Event = Any  # a recorded event, likewise
+
+
+@dataclass(frozen=True, slots=True)
+class GpuIdentity:
+    """What two peers compare to decide they share GPUs: the boot they run under and each
+    visible device's UUID, in this process's index order (``CUDA_VISIBLE_DEVICES``
+    renumbers devices per process, so indices alone say nothing across processes)."""
+
+    boot_id: str
+    uuids: tuple[str, ...]
+
+    def index_of(self, uuid: str) -> int | None:
+        """This process's index of the device with ``uuid``, or None if it cannot see it."""
+        return self.uuids.index(uuid) if uuid in self.uuids else None
+
+
+class Devices(Protocol):
+    """What the CUDA path needs of the devices, and nothing more."""
+
+    def device_of(self, tensor: Any) -> int | None:
+        """The CUDA device index of ``tensor``, or None for a tensor not on a GPU."""
+        ...
+
+    def current_stream(self, device: int) -> Stream:
+        """The calling thread's current stream on ``device``."""
+        ...
+
+    def new_stream(self, device: int) -> Stream:
+        """A new stream on ``device`` (pools build theirs from these)."""
+        ...
+
+    def use_streams(self, streams: list[Stream]) -> AbstractContextManager[None]:
+        """Make ``streams`` (at most one per device) the calling thread's current ones for
+        the duration of the ``with`` block, then restore the previous ones."""
+        ...
+
+    def record(self, stream: Stream) -> Event:
+        """An event completing once the work queued on ``stream`` so far is done."""
+        ...
+
+    def done(self, event: Event) -> bool:
+        """Whether ``event`` has completed (never blocks)."""
+        ...
+
+    def wait(self, stream: Stream, event: Event) -> None:
+        """Make work queued on ``stream`` from now on wait for ``event`` (the host does
+        not wait)."""
+        ...
+
+    def identity(self) -> GpuIdentity:
+        """This process's boot id and visible GPUs' UUIDs."""
+        ...
+
+
+def devices_of(devices: Devices, tensors: Iterator[Any] | list[Any]) -> list[int]:
+    """The distinct CUDA devices of ``tensors``, in first-seen order."""
+    seen: dict[int, None] = {}
+    for tensor in tensors:
+        device = devices.device_of(tensor)
+        if device is not None:
+            seen.setdefault(device, None)
+    return list(seen)
