@@ -145,56 +145,56 @@ async def test_SendGate_waits_for_every_device_of_the_frame() -> None:
     await asyncio.wait_for(leaving, 1)
 
 
+class _Senders:
+    """A gate with a slow first frame (a kernel still running on device 0) and frames
+    queued behind it; ``left`` lists the frames in the order they left."""
+
+    def __init__(self) -> None:
+        self.gpu = FakeDevices()
+        self.stream = self.gpu.default_stream(0)
+        self.gpu.launch(self.stream)
+        self.gate = SendGate(self.gpu)
+        self.left: list[str] = []
+
+    async def send(self, name: str, frame: FrameEvents) -> None:
+        await self.gate.ready(frame)
+        self.left.append(name)
+
+    async def queue(self, *names: str) -> list[asyncio.Task[None]]:
+        """The first waits for the kernel, the others for nothing but their turn."""
+        slow = record_for(self.gpu, [FakeTensor(0)])
+        tasks = []
+        for index, name in enumerate(names):
+            frame = slow if index == 0 else FrameEvents()
+            tasks.append(asyncio.create_task(self.send(name, frame)))
+            await asyncio.sleep(0)  # entered in this order
+        return tasks
+
+
 @pytest.mark.asyncio
 async def test_SendGate_frames_leave_in_the_order_they_entered() -> None:
-    gpu = FakeDevices()
-    stream = gpu.default_stream(0)
-    gpu.launch(stream)
-    slow = record_for(gpu, [FakeTensor(0)])
-    gate = SendGate(gpu)
-    left: list[str] = []
-
-    async def send(name: str, frame: FrameEvents) -> None:
-        await gate.ready(frame)
-        left.append(name)
-
-    first = asyncio.create_task(send("first", slow))
-    await asyncio.sleep(0)
-    second = asyncio.create_task(send("second", FrameEvents()))  # nothing to wait for
+    senders = _Senders()
+    tasks = await senders.queue("first", "second")
     await _turns()
-    assert left == []  # the second does not overtake the first
-    gpu.run(stream)
-    await asyncio.wait_for(asyncio.gather(first, second), 1)
-    assert left == ["first", "second"]
+    assert senders.left == []  # the second, with nothing to wait for, does not overtake
+    senders.gpu.run(senders.stream)
+    await asyncio.wait_for(asyncio.gather(*tasks), 1)
+    assert senders.left == ["first", "second"]
 
 
 @pytest.mark.asyncio
 async def test_SendGate_cancelled_frame_does_not_let_later_ones_overtake() -> None:
-    gpu = FakeDevices()
-    stream = gpu.default_stream(0)
-    gpu.launch(stream)
-    slow = record_for(gpu, [FakeTensor(0)])
-    gate = SendGate(gpu)
-    left: list[str] = []
-
-    async def send(name: str, frame: FrameEvents) -> None:
-        await gate.ready(frame)
-        left.append(name)
-
-    first = asyncio.create_task(send("first", slow))
-    await asyncio.sleep(0)
-    second = asyncio.create_task(send("second", FrameEvents()))
-    await asyncio.sleep(0)
-    third = asyncio.create_task(send("third", FrameEvents()))
+    senders = _Senders()
+    first, second, third = await senders.queue("first", "second", "third")
     await _turns(3)
     second.cancel()
     await _turns()
-    assert left == []  # the third still waits for the first
-    gpu.run(stream)
+    assert senders.left == []  # the third still waits for the first
+    senders.gpu.run(senders.stream)
     await asyncio.wait_for(asyncio.gather(first, third), 1)
-    assert left == ["first", "third"]
+    assert senders.left == ["first", "third"]
     assert second.cancelled()
-    assert gate.idle()
+    assert senders.gate.idle()
 
 
 # -- receivers and waiters ordered after a frame ---------------------------------------------
