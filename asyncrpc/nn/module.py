@@ -43,7 +43,8 @@ REMOTE_MODULE_PICKLED_ATTRIBUTES = (
 # What nn.Module.__init__ sets, read from the installed torch rather than listed by hand:
 # these stay behind quietly when a RemoteModule is sent (the receiver has no local module
 # state to rebuild); any other attribute a user adds is dropped with a warning.
-_LEFT_BEHIND = frozenset(vars(nn.Module())) | {method.__name__ for method in GENERATED_METHODS}
+_GENERATED_NAMES = frozenset(method.__name__ for method in GENERATED_METHODS)
+_LEFT_BEHIND = frozenset(vars(nn.Module())) | _GENERATED_NAMES
 
 # nn.Module methods that would act on local state a RemoteModule does not have.
 _REFUSED = (
@@ -142,6 +143,23 @@ class RemoteModule(nn.Module):
         handle._install_methods()
         return handle
 
+    # The generated methods (forward, forward_async) are listed in the instance's __dict__,
+    # as torch's are (its tests read a received RemoteModule's attributes), but as plain
+    # functions: a method bound to the instance and stored in it would make every
+    # RemoteModule a reference cycle, and one dropped on a worker whose garbage collector
+    # does not happen to run would keep its module RRef (and the owner's module) alive.
+    # Reading one binds it afresh, so it holds its RemoteModule as long as it is held.
+    def _install_methods(self) -> None:
+        for method in self.generated_methods:
+            self.__dict__[method.__name__] = method
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _GENERATED_NAMES:
+            method = object.__getattribute__(self, "__dict__").get(name)
+            if method is not None:
+                return types.MethodType(method, self)
+        return super().__getattribute__(name)
+
     def _place(self, remote_device: str) -> None:
         where = parse_remote_device(remote_device)
         agent = current_agent()  # NotInitializedError before anything else
@@ -149,10 +167,6 @@ class RemoteModule(nn.Module):
         self.device = where.device
         maps = agent.options.device_maps or {}
         self.is_device_map_set = bool(maps.get(get_worker_info(where.on).name))
-
-    def _install_methods(self) -> None:
-        for method in self.generated_methods:
-            setattr(self, method.__name__, types.MethodType(method, self))
 
     def remote_parameters(self, recurse: bool = True) -> list[RRef[nn.Parameter]]:
         """RRefs to the remote module's parameters, for ``DistributedOptimizer``.
@@ -242,7 +256,7 @@ def _reduce(handle: RemoteModule) -> tuple[Any, ...]:
 
 
 def _rebuild(*values: Any) -> RemoteModule:
-    """Rebuild a RemoteModule on the receiving worker, with its methods bound again."""
+    """Rebuild a RemoteModule on the receiving worker, with its generated methods."""
     handle: RemoteModule = object.__new__(RemoteModule)
     handle.__dict__.update(zip(REMOTE_MODULE_PICKLED_ATTRIBUTES, values, strict=True))
     handle._install_methods()

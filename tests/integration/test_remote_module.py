@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -162,3 +164,21 @@ def test_RemoteModule_rejects_malformed_remote_devices(
 ) -> None:
     with pytest.raises(error, match=text):
         RemoteModule(device, fns.Affine, args=(0,))
+
+
+def test_RemoteModule_dropped_is_freed_without_the_garbage_collector(group: Group) -> None:
+    """No reference cycle: a RemoteModule (and so its module RRef) goes as soon as the last
+    reference does, even on a worker whose collector never runs; a method read from it
+    still keeps it alive while held."""
+    gc.disable()
+    try:
+        rm = RemoteModule("w1", nn.Linear, args=(2, 2))
+        ref = weakref.ref(rm)
+        forward = rm.forward
+        del rm
+        assert ref() is not None  # the bound method holds it
+        assert forward(torch.ones(1, 2)).shape == (1, 2)
+        del forward
+        assert ref() is None
+    finally:
+        gc.enable()
