@@ -17,6 +17,10 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# No worker processes: the unit tests (no loop) and the one-process asyncio tests, under 30 s.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests/unit tests/aio
+
 # The CUDA tests (tests/gpu); they skip without a GPU.
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q tests/gpu

@@ -3,261 +3,37 @@
 Each worker owns one :class:`RefCounter`. The agent feeds it events (handles created and
 dropped, RRefs pickled and unpickled, refcount messages from peers, lost peers) and carries
 out the actions it returns: :class:`Send` a message, :class:`Free` a value, :class:`RRefLost`.
+The ids, messages and actions, and the protocol they carry, are ``refmessages.py``.
 """
 
 from __future__ import annotations
 
-import enum
-from collections import deque
-from dataclasses import dataclass, field
-from typing import NamedTuple, TypeAlias
-
 from asyncrpc.errors import (
     LocalProtocolError,
     RemoteProtocolError,
-    RRefError,
-    RRefOwnerLostError,
 )
-
-__all__ = [
-    "Action",
-    "ChildAccepted",
-    "ForkAccepted",
-    "ForkId",
-    "ForkQuery",
-    "ForkRequest",
-    "ForkUnknown",
-    "Free",
-    "Message",
-    "RRefId",
-    "RRefLost",
-    "RefCounter",
-    "RemoteUndelivered",
-    "Send",
-    "UserDelete",
-    "UserState",
-]
-
-# The protocol (torch.distributed.rpc's, hardened against reordering and duplicates).
-#
-#   U calls remote(O)        U.new_user -> fork F, unconfirmed; the agent sends the request
-#   the request reaches O    O.new_owner(holder=U, fork_id=F): registers F, Send(U, ForkAccepted)
-#   O pickles its RRef to D  O.fork_from_owner registers the fork (holder D) at once; D's
-#                            received_user(parent=O) confirms it at once, no message
-#   U pickles F to D != O    U.fork_from_user: child C is a PENDING CHILD of F (F stays alive)
-#   D unpickles C            D.received_user(parent=U): Send(O, ForkRequest(C))
-#   O gets ForkRequest(C)    registers C (holder D): Send(D, ForkAccepted(C))
-#   D gets ForkAccepted(C)   C confirmed: Send(U, ChildAccepted(C))
-#   U gets ChildAccepted(C)  C no longer pending
-#   U pickles F to O         pending child as above; O.received_own: one more local handle on
-#                            O, Send(U, ChildAccepted(C)); O registers no fork for it
-#   U releases F             once F is confirmed AND has no pending child: Send(O, UserDelete(F))
-#   O gets UserDelete(F)     unregisters F; Free once no fork and no local handle is left
-#
-# A frame carrying a fork may die with its connection (refcount messages themselves are
-# resent until acknowledged: asyncrpc/runtime/reflog.py). Its sender then asks the receiver:
-#
-#   S wrote fork F to D; the connection died before D acknowledged it
-#                            S sends ForkQuery(F) on the next connection
-#   D never saw F            D: Send(S, ForkUnknown(F)); S.undelivered: F is dropped as if
-#                            D had released it (a fork_from_owner fork is unregistered, a
-#                            pending child forgotten, a remote() fork ends unusable)
-#   D saw F                  nothing: D's own messages about F settle it
-#
-# D's answer is final: D adopts a new connection only once the old one is closed on its
-# side, so a frame from the old one can no longer arrive.
-#
-# Safety: the owner drops a fork only on its holder's UserDelete, which the holder sends only
-# once the fork is registered (confirmed) and every child it handed out is registered too
-# (ChildAccepted follows the owner's ForkAccepted for that child). So each live fork is
-# registered, or has a live ancestor that is, or descends from a remote() whose creating
-# request has not reached the owner yet. That last case is why a ForkRequest (or an own RRef
-# coming home) for an unknown RRef creates a *placeholder*: it holds the forks, is never freed
-# before new_owner fills it, and is the torch `getOrCreateOwnerRRef` behaviour. Messages that
-# name something already gone are late or duplicate deliveries: ignored, never an error.
-
-
-class RRefId(NamedTuple):
-    """Names an RRef: the worker that minted it and a serial unique on that worker."""
-
-    worker: int
-    local_id: int
-
-
-class ForkId(NamedTuple):
-    """Names one user fork of an RRef: the worker that minted it and a serial."""
-
-    worker: int
-    local_id: int
-
-
-# -- messages (worker to worker) ----------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ForkRequest:
-    """User to owner: "I hold ``fork_id`` of ``rref_id``, register it"."""
-
-    rref_id: RRefId
-    fork_id: ForkId
-
-
-@dataclass(frozen=True, slots=True)
-class ForkAccepted:
-    """Owner to user: ``fork_id`` is registered (about the reference, not the value)."""
-
-    rref_id: RRefId
-    fork_id: ForkId
-
-
-@dataclass(frozen=True, slots=True)
-class ChildAccepted:
-    """Child holder (or owner) to parent user: the owner knows ``fork_id``; drop your hold."""
-
-    rref_id: RRefId
-    fork_id: ForkId
-
-
-@dataclass(frozen=True, slots=True)
-class UserDelete:
-    """User to owner: ``fork_id`` is gone; unregister it."""
-
-    rref_id: RRefId
-    fork_id: ForkId
-
-
-@dataclass(frozen=True, slots=True)
-class ForkQuery:
-    """Sender of a fork to its receiver, after their connection died: "did ``fork_id``
-    reach you?" (answered only when it did not)."""
-
-    rref_id: RRefId
-    fork_id: ForkId
-
-
-@dataclass(frozen=True, slots=True)
-class ForkUnknown:
-    """Receiver to sender: ``fork_id`` never arrived here, and never will."""
-
-    rref_id: RRefId
-    fork_id: ForkId
-
-
-Message: TypeAlias = (
-    ForkRequest | ForkAccepted | ChildAccepted | UserDelete | ForkQuery | ForkUnknown
+from asyncrpc.protocol.refmessages import (
+    Action,
+    ChildAccepted,
+    ForkAccepted,
+    ForkId,
+    ForkQuery,
+    ForkRequest,
+    ForkUnknown,
+    Free,
+    Message,
+    RemoteUndelivered,
+    RRefId,
+    RRefLost,
+    Send,
+    UserDelete,
 )
+from asyncrpc.protocol.reftables import OwnedEntry, RefTables, UserFork, UserState
+
+__all__ = ["RefCounter", "UserState"]
 
 
-# -- actions (what the agent must do) ------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Send:
-    """Send ``message`` to worker ``dest``."""
-
-    dest: int
-    message: Message
-
-
-@dataclass(frozen=True, slots=True)
-class Free:
-    """This worker owns ``rref_id`` and nothing references it any more: drop the value.
-
-    May come before the value exists (the holder of a remote() released it early, or its
-    caller died): the agent then discards the value when it is produced.
-    """
-
-    rref_id: RRefId
-
-
-@dataclass(frozen=True, slots=True)
-class RRefLost:
-    """References to ``rref_id`` on this worker can no longer reach a value.
-
-    ``worker`` is the lost worker (the owner, or on the owner the dead caller whose remote()
-    never arrived), or this worker's own rank when an own RRef came home after its value was
-    already freed (possible only after a peer failure). The agent fails whatever waits on it.
-    """
-
-    rref_id: RRefId
-    worker: int
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteUndelivered:
-    """The remote() request that was to create ``rref_id`` on ``owner`` never arrived:
-    the user fork ``fork_id`` made for it is unusable (the agent fails its uses)."""
-
-    rref_id: RRefId
-    fork_id: ForkId
-    owner: int
-
-
-Action: TypeAlias = Send | Free | RRefLost | RemoteUndelivered
-
-
-class UserState(enum.Enum):
-    """What the agent may do with a user fork (see :meth:`RefCounter.user_state`)."""
-
-    UNCONFIRMED = "unconfirmed"  # usable; the owner has not confirmed it yet
-    CONFIRMED = "confirmed"  # usable
-    RELEASED = "released"  # handle released; its UserDelete waits on confirmation/children
-    TIMED_OUT = "timed_out"  # unusable: the agent gave up waiting for the confirmation
-    OWNER_LOST = "owner_lost"  # unusable: the owner is gone
-
-
-# -- private state -------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _Owned:
-    """Owner-side entry. ``created`` is False for a placeholder awaiting its remote()."""
-
-    forks: dict[ForkId, int] = field(default_factory=dict)  # registered fork -> holder
-    local: int = 0  # the owner's own handles
-    created: bool = True
-
-
-@dataclass(slots=True)
-class _UserFork:
-    """User-side entry of one fork. ``parent`` is the worker that pickled it to us (None for
-    our own remote() fork). The entry outlives its UserDelete only while ``handle`` is held
-    (a timed-out fork), and outlives the owner only while ``handle`` is held (a lost fork)."""
-
-    rref_id: RRefId
-    owner: int
-    parent: int | None
-    confirmed: bool
-    handle: bool = True  # the agent's Python object still holds it
-    timed_out: bool = False
-    lost: bool = False
-    deleted: bool = False  # UserDelete sent
-    children: dict[ForkId, int] | None = None  # pending child -> its holder (lazily made)
-
-
-class _Window:
-    """A set remembering only its ``limit`` newest members: bounded tombstones."""
-
-    __slots__ = ("_limit", "_members", "_order")
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._members: set[tuple[int, int]] = set()
-        self._order: deque[tuple[int, int]] = deque()
-
-    def add(self, item: tuple[int, int]) -> None:
-        if item in self._members:
-            return
-        self._members.add(item)
-        self._order.append(item)
-        if len(self._order) > self._limit:
-            self._members.discard(self._order.popleft())
-
-    def __contains__(self, item: object) -> bool:
-        return item in self._members
-
-
-class RefCounter:
+class RefCounter(RefTables):
     """One worker's reference counts, as owner of some RRefs and user of others.
 
     Every event method returns the list of actions the agent must carry out, in order.
@@ -272,47 +48,7 @@ class RefCounter:
             leak, never a premature free).
     """
 
-    __slots__ = (
-        "_child_parent",
-        "_deleted",
-        "_freed",
-        "_lost",
-        "_owned",
-        "_seen",
-        "_serial",
-        "_undone",
-        "_users",
-        "rank",
-    )
-
-    def __init__(self, self_rank: int, *, tombstone_limit: int = 65536) -> None:
-        self.rank = self_rank
-        self._serial = 0
-        self._owned: dict[RRefId, _Owned] = {}
-        self._users: dict[ForkId, _UserFork] = {}
-        self._child_parent: dict[ForkId, ForkId] = {}  # pending child -> our parent fork
-        self._lost: set[int] = set()  # peers reported lost (for good)
-        self._deleted = _Window(tombstone_limit)  # fork ids whose UserDelete arrived
-        self._freed = _Window(tombstone_limit)  # freed RRefs minted by other workers
-        self._seen = _Window(tombstone_limit)  # fork ids that arrived here (for ForkQuery)
-        self._undone = 0  # forks undone because their frame never arrived
-
-    # -- ids -------------------------------------------------------------------------------
-
-    def next_rref_id(self) -> RRefId:
-        """Mint a new RRef id on this worker (for ``RRef(value)`` and for ``remote()``).
-
-        Returns:
-            A new id, unique in the group.
-        """
-        serial = self._serial  # from 0, one counter for RRefs and forks, as torch numbers them
-        self._serial = serial + 1
-        return RRefId(self.rank, serial)
-
-    def _next_fork_id(self) -> ForkId:
-        serial = self._serial
-        self._serial = serial + 1
-        return ForkId(self.rank, serial)
+    __slots__ = ()  # the state is RefTables's
 
     # -- owner role ------------------------------------------------------------------------
 
@@ -342,7 +78,7 @@ class RefCounter:
             raise LocalProtocolError(f"worker {holder} was reported lost")
         entry = self._owned.get(rref_id)
         if entry is None:
-            entry = self._owned[rref_id] = _Owned()
+            entry = self._owned[rref_id] = OwnedEntry()
         elif entry.created:
             raise LocalProtocolError(f"RRef {rref_id} created twice")
         else:
@@ -414,7 +150,7 @@ class RefCounter:
             if self._known_freed(rref_id):
                 return reply
             # The remote() that creates it has not arrived yet (see the block comment above).
-            entry = self._owned[rref_id] = _Owned(created=False)
+            entry = self._owned[rref_id] = OwnedEntry(created=False)
         entry.forks[fork_id] = sender
         return reply
 
@@ -463,7 +199,7 @@ class RefCounter:
             if self._known_freed(rref_id):
                 actions.append(RRefLost(rref_id, self.rank))
                 return actions
-            entry = self._owned[rref_id] = _Owned(created=False)  # remote() still on its way
+            entry = self._owned[rref_id] = OwnedEntry(created=False)  # remote() still on its way
         entry.local += 1
         return actions
 
@@ -481,7 +217,7 @@ class RefCounter:
         if entry is None:
             if self._known_freed(rref_id):
                 return [RRefLost(rref_id, self.rank)]
-            entry = self._owned[rref_id] = _Owned(created=False)  # remote() still on its way
+            entry = self._owned[rref_id] = OwnedEntry(created=False)  # remote() still on its way
         entry.local += 1
         return []
 
@@ -507,7 +243,7 @@ class RefCounter:
             raise LocalProtocolError("remote() RRefs are minted by the caller for another worker")
         self._check_alive(owner)
         fork_id = self._next_fork_id()
-        self._users[fork_id] = _UserFork(rref_id, owner, None, confirmed=False)
+        self._users[fork_id] = UserFork(rref_id, owner, None, confirmed=False)
         return fork_id, []
 
     def send_home(self, rref_id: RRefId, fork_id: ForkId) -> int:
@@ -573,7 +309,7 @@ class RefCounter:
         if fork_id in self._users:
             raise RemoteProtocolError(f"fork {fork_id} of {rref_id} delivered twice")
         self._seen.add(fork_id)
-        entry = _UserFork(rref_id, owner, parent, confirmed=parent == owner)
+        entry = UserFork(rref_id, owner, parent, confirmed=parent == owner)
         self._users[fork_id] = entry
         if owner in self._lost:
             entry.lost = True
@@ -754,58 +490,6 @@ class RefCounter:
                 actions += self.release_user(fork_id)
         return actions
 
-    # -- queries ---------------------------------------------------------------------------
-
-    def quiescent(self) -> bool:
-        """Whether this worker owes nothing as a user: no fork to confirm or delete, no
-        pending child (forks kept only for a held handle of a dead or deleted fork do not
-        count)."""
-        return all(e.deleted or e.lost for e in self._users.values())
-
-    def remotely_held(self) -> list[RRefId]:
-        """RRefs owned here that some other worker still holds a fork of (the real leaks
-        at shutdown: the owner's own local handles are not counted)."""
-        return [rref_id for rref_id, entry in self._owned.items() if entry.forks]
-
-    def owner_leaks(self) -> list[RRefId]:
-        """RRefs still owned here (placeholders included), for the leak report."""
-        return list(self._owned)
-
-    def debug_info(self) -> dict[str, int]:
-        """Counts for ``get_debug_info``: owned RRefs, active user forks, pending children,
-        unconfirmed user forks, forks undone because their frame was lost."""
-        active = [e for e in self._users.values() if not (e.deleted or e.lost)]
-        return {
-            "owner_rrefs": len(self._owned),
-            "user_rrefs": len(active),
-            "pending_forks": len(self._child_parent),
-            "pending_users": sum(1 for e in active if not e.confirmed),
-            "forks_undelivered": self._undone,
-        }
-
-    def user_state(self, fork_id: ForkId) -> UserState:
-        """The state of a user fork this worker tracks.
-
-        Raises:
-            LocalProtocolError: unknown fork (released and deleted, or never here).
-        """
-        entry = self._user_entry(fork_id)
-        if entry.lost:
-            return UserState.OWNER_LOST
-        if entry.timed_out:
-            return UserState.TIMED_OUT
-        if not entry.handle:
-            return UserState.RELEASED
-        return UserState.CONFIRMED if entry.confirmed else UserState.UNCONFIRMED
-
-    def is_confirmed(self, fork_id: ForkId) -> bool:
-        """Whether the owner registered ``fork_id``.
-
-        Raises:
-            LocalProtocolError: unknown fork.
-        """
-        return self._user_entry(fork_id).confirmed
-
     def on_message(self, sender: int, message: Message) -> list[Action]:
         """Dispatch a refcount message from ``sender`` to its handler.
 
@@ -831,38 +515,7 @@ class RefCounter:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _owner_entry(self, rref_id: RRefId) -> _Owned:
-        entry = self._owned.get(rref_id)
-        if entry is None:  # the agent only calls these while it holds the value: our bug
-            raise LocalProtocolError(f"this worker owns no RRef {rref_id}")
-        return entry
-
-    def _user_entry(self, fork_id: ForkId) -> _UserFork:
-        entry = self._users.get(fork_id)
-        if entry is None:  # the agent asks only about forks it holds: our bug
-            raise LocalProtocolError(f"unknown user fork {fork_id}")
-        return entry
-
-    def _usable(self, rref_id: RRefId, fork_id: ForkId) -> _UserFork:
-        entry = self._users.get(fork_id)
-        if entry is None or not entry.handle or entry.rref_id != rref_id:
-            raise LocalProtocolError(f"fork {fork_id} of {rref_id} is not held here")
-        if entry.lost:
-            raise RRefOwnerLostError(f"rank {entry.owner}", "owner lost")
-        if entry.timed_out:
-            raise RRefError(f"RRef {rref_id} timed out and is unusable")
-        return entry
-
-    def _check_alive(self, worker: int) -> None:
-        if worker in self._lost:  # the agent checks liveness before pickling: our bug
-            raise LocalProtocolError(f"worker {worker} was reported lost")
-
-    def _known_freed(self, rref_id: RRefId) -> bool:
-        # Unknown here and minted here (created before any fork existed), or minted by a
-        # lost worker (its remote() will never come), or remembered as freed.
-        return rref_id.worker == self.rank or rref_id.worker in self._lost or rref_id in self._freed
-
-    def _maybe_free(self, rref_id: RRefId, entry: _Owned) -> list[Action]:
+    def _maybe_free(self, rref_id: RRefId, entry: OwnedEntry) -> list[Action]:
         if entry.forks or entry.local or not entry.created:
             return []
         del self._owned[rref_id]
@@ -870,7 +523,7 @@ class RefCounter:
             self._freed.add(rref_id)
         return [Free(rref_id)]
 
-    def _maybe_delete(self, fork_id: ForkId, entry: _UserFork) -> list[Action]:
+    def _maybe_delete(self, fork_id: ForkId, entry: UserFork) -> list[Action]:
         if (
             entry.deleted
             or entry.lost
@@ -895,7 +548,7 @@ class RefCounter:
         del entry.children[child]
         return self._maybe_delete(parent_fork, entry)
 
-    def _drop_children(self, entry: _UserFork) -> None:
+    def _drop_children(self, entry: UserFork) -> None:
         if entry.children:
             for child in entry.children:
                 del self._child_parent[child]
@@ -913,7 +566,7 @@ class RefCounter:
         return [RRefLost(rref_id, worker) for rref_id in lost]
 
     def _lose_children(self, worker: int) -> list[Action]:
-        parents: dict[ForkId, _UserFork] = {}
+        parents: dict[ForkId, UserFork] = {}
         for child, parent_fork in list(self._child_parent.items()):
             entry = self._users[parent_fork]
             if entry.children is not None and entry.children.get(child) == worker:

@@ -26,7 +26,8 @@ from asyncrpc.errors import (
     ShutdownError,
     as_remote_call_error,
 )
-from asyncrpc.protocol.refcount import (
+from asyncrpc.protocol.refcount import RefCounter, UserState
+from asyncrpc.protocol.refmessages import (
     Action,
     ChildAccepted,
     ForkAccepted,
@@ -35,13 +36,11 @@ from asyncrpc.protocol.refcount import (
     ForkRequest,
     ForkUnknown,
     Free,
-    RefCounter,
     RemoteUndelivered,
     RRefId,
     RRefLost,
     Send,
     UserDelete,
-    UserState,
 )
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import RefMessage, RefOp, Request

@@ -23,7 +23,10 @@ from asyncrpc.autograd import backward as dist_backward
 from asyncrpc.autograd import backward_async as dist_backward_async
 from asyncrpc.errors import PeerLostError, RRefError, RRefOwnerLostError
 from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
-from asyncrpc.protocol.refcount import ForkId, RRefId
+from asyncrpc.protocol.refmessages import (
+    ForkId,
+    RRefId,
+)
 from asyncrpc.runtime.current import current_agent
 from asyncrpc.runtime.dispatch import await_async_result
 from asyncrpc.runtime.future import Future

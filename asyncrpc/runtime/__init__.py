@@ -5,6 +5,8 @@ peer, the handshake), ``pending.py`` (outgoing calls awaiting replies, timeouts)
 ``dispatch.py`` (running received requests), ``pipeline.py`` (the hooks every call passes
 through), ``threadpool.py`` (threads for synchronous functions), ``loopback.py`` (calls to
 self), ``shutdown.py`` (graceful shutdown), ``rendezvous.py``, ``loopthread.py``,
-``metrics.py``, ``options.py``, ``future.py`` (``asyncrpc.Future``), ``current.py`` (the
-process's agent) and ``services.py`` (what the agent asks of the RRef layer above it).
+``metrics.py``, ``options.py``, ``future.py`` (``asyncrpc.Future``: the class in
+``jitfuture.py``, where callbacks run in ``callbacks.py``, the bridges to asyncio, concurrent
+and torch futures in ``futurebridge.py``), ``current.py`` (the process's agent) and
+``services.py`` (what the agent asks of the RRef layer above it).
 """

@@ -13,12 +13,8 @@ import pytest
 import uvloop
 
 from asyncrpc.errors import BlockingCallError
-from asyncrpc.runtime.future import (
-    Future,
-    check_not_blocking_loop,
-    set_default_callback_loop,
-    wait_all,
-)
+from asyncrpc.runtime.callbacks import check_not_blocking_loop, set_default_callback_loop
+from asyncrpc.runtime.future import Future, wait_all
 
 pytestmark = pytest.mark.timeout(10)
 

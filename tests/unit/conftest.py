@@ -6,16 +6,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from asyncrpc.runtime import future
+from asyncrpc.runtime import callbacks
 
 
 @pytest.fixture(autouse=True)
 def _no_agent_callback_loop() -> Iterator[None]:
     # The integration group (a session fixture) may have registered its agent's loop;
     # unit tests describe futures with no agent at all.
-    saved = future._default_loop, future._default_thread
-    future.set_default_callback_loop(None, None)
+    saved = callbacks._default_loop, callbacks._default_thread
+    callbacks.set_default_callback_loop(None, None)
     try:
         yield
     finally:
-        future.set_default_callback_loop(*saved)
+        callbacks.set_default_callback_loop(*saved)

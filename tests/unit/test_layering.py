@@ -182,7 +182,11 @@ def test_layering_errors_imports_only_the_stdlib() -> None:
 
 def test_layering_protocol_floor_is_checked() -> None:
     names = set(all_modules())
-    assert {"asyncrpc.protocol.wire.frame", "asyncrpc.protocol.refcount"} <= names
+    assert {
+        "asyncrpc.protocol.wire.frame",
+        "asyncrpc.protocol.refcount",
+        "asyncrpc.protocol.refmessages",
+    } <= names
 
 
 # -- the checker itself ----------------------------------------------------------------------

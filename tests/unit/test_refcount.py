@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from asyncrpc.errors import LocalProtocolError, RemoteProtocolError, RRefError, RRefOwnerLostError
-from asyncrpc.protocol.refcount import (
+from asyncrpc.protocol.refcount import RefCounter, UserState
+from asyncrpc.protocol.refmessages import (
     Action,
     ChildAccepted,
     ForkAccepted,
@@ -17,13 +18,11 @@ from asyncrpc.protocol.refcount import (
     ForkUnknown,
     Free,
     Message,
-    RefCounter,
     RemoteUndelivered,
     RRefId,
     RRefLost,
     Send,
     UserDelete,
-    UserState,
 )
 
 

@@ -26,19 +26,18 @@ from hypothesis.stateful import (
 )
 
 from asyncrpc.errors import LocalProtocolError
-from asyncrpc.protocol.refcount import (
+from asyncrpc.protocol.refcount import RefCounter, UserState
+from asyncrpc.protocol.refmessages import (
     Action,
     ForkId,
     ForkQuery,
     Free,
     Message,
-    RefCounter,
     RemoteUndelivered,
     RRefId,
     RRefLost,
     Send,
     UserDelete,
-    UserState,
 )
 
 N = 4
