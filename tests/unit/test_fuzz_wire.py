@@ -24,9 +24,10 @@ from hypothesis import strategies as st
 
 from asyncrpc.errors import RemoteProtocolError
 from asyncrpc.protocol import auth
+from asyncrpc.protocol.handshake import HANDSHAKE_MAX_FRAME
 from asyncrpc.protocol.wire import PROTOCOL_VERSION, FrameDecoder, encode_frame
 from asyncrpc.protocol.wire.messages import Auth, Hello, HelloReply, Message, decode_message
-from asyncrpc.runtime.agent import HANDSHAKE_MAX_FRAME, Agent
+from asyncrpc.runtime.agent import Agent
 from asyncrpc.runtime.options import RpcBackendOptions
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "300"))
