@@ -15,7 +15,8 @@ from typing import Final, Protocol
 
 from asyncrpc.errors import AuthenticationError, LocalProtocolError, RemoteProtocolError
 from asyncrpc.protocol import auth
-from asyncrpc.protocol.wire import PROTOCOL_VERSION
+from asyncrpc.protocol.wire import PROTOCOL_VERSION, FrameDecoder
+from asyncrpc.protocol.wire.frame import Allocator, bytearray_allocator
 from asyncrpc.protocol.wire.messages import Auth, Hello, HelloReply, Refusal
 
 __all__ = [
@@ -28,11 +29,25 @@ __all__ = [
     "Roster",
     "Send",
     "State",
+    "pre_auth_decoder",
 ]
 
 # The largest frame (and header) a connection takes before its peer has authenticated:
 # handshake messages are a few dozen bytes; a name may be long, but not this long.
 HANDSHAKE_MAX_FRAME: Final = 4096
+
+
+def pre_auth_decoder(allocate: Allocator = bytearray_allocator) -> FrameDecoder:
+    """The decoder of a connection before its peer proved the key: frames and headers
+    capped at ``HANDSHAKE_MAX_FRAME``, one frame per read pass, so that ``open`` can lift
+    the caps between the frame that authenticates the peer and the frames behind it."""
+    return FrameDecoder(
+        max_frame_size=HANDSHAKE_MAX_FRAME,
+        max_header_size=HANDSHAKE_MAX_FRAME,
+        allocate=allocate,
+        stepwise=True,
+    )
+
 
 # The protocol. The dialer sends Hello (version, name, rank, nonce, largest frame it takes).
 # The acceptor refuses it (HelloReply with a Refusal code), or challenges it: an accepting

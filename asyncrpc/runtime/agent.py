@@ -36,9 +36,9 @@ from asyncrpc.errors import (
     UnknownWorkerError,
 )
 from asyncrpc.protocol import auth
-from asyncrpc.protocol.handshake import HANDSHAKE_MAX_FRAME
+from asyncrpc.protocol.handshake import pre_auth_decoder
 from asyncrpc.protocol.serde import Serializer, unpack_exception
-from asyncrpc.protocol.wire import Frame, FrameDecoder, encode_frame
+from asyncrpc.protocol.wire import Frame, encode_frame
 from asyncrpc.protocol.wire.messages import (
     Auth,
     CallMode,
@@ -235,12 +235,7 @@ class Agent:
     def _new_connection(self, initiated: bool) -> Connection:
         # Until the peer proves the key: handshake frames only, small, one per read pass
         # (PeerTable.adopt lifts the limits), and a deadline for accepted connections.
-        decoder = FrameDecoder(
-            max_frame_size=HANDSHAKE_MAX_FRAME,
-            max_header_size=HANDSHAKE_MAX_FRAME,
-            allocate=lambda nbytes, tag: self._allocate(conn, nbytes, tag),
-            handshaking=True,
-        )
+        decoder = pre_auth_decoder(lambda nbytes, tag: self._allocate(conn, nbytes, tag))
         conn = Connection(self, decoder, initiated=initiated)
         self._connections.add(conn)
         self.counters.connections_opened += 1

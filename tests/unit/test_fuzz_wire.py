@@ -26,7 +26,15 @@ from hypothesis import strategies as st
 
 from asyncrpc.errors import LocalProtocolError, RemoteProtocolError
 from asyncrpc.protocol import auth
-from asyncrpc.protocol.handshake import HANDSHAKE_MAX_FRAME, Adopt, Close, Handshake, Send, State
+from asyncrpc.protocol.handshake import (
+    HANDSHAKE_MAX_FRAME,
+    Adopt,
+    Close,
+    Handshake,
+    Send,
+    State,
+    pre_auth_decoder,
+)
 from asyncrpc.protocol.wire import PROTOCOL_VERSION, FrameDecoder, encode_frame
 from asyncrpc.protocol.wire.messages import (
     Auth,
@@ -113,7 +121,7 @@ def feed_in_chunks(decoder: FrameDecoder, data: bytes, sizes: list[int]) -> list
 
 def _drain(decoder: FrameDecoder) -> list[Any]:
     frames: list[Any] = []
-    while decoder.handshaking:  # one frame per pass: collect what is already received
+    while decoder.stepwise:  # one frame per pass: collect what is already received
         more = decoder.buffer_updated(0)
         if not more:
             break
@@ -125,9 +133,7 @@ def _drain(decoder: FrameDecoder) -> list[Any]:
 @given(mutated(any_frame), st.lists(st.integers(1, 97), min_size=1, max_size=5))
 def test_fuzz_FrameDecoder_raises_only_protocol_errors(data: bytes, sizes: list[int]) -> None:
     feed_in_chunks(FrameDecoder(), data, sizes)
-    pre_auth = FrameDecoder(
-        max_frame_size=HANDSHAKE_MAX_FRAME, max_header_size=HANDSHAKE_MAX_FRAME, handshaking=True
-    )
+    pre_auth = pre_auth_decoder()
     for frame in feed_in_chunks(pre_auth, data, sizes):
         assert len(frame.payload) + sum(len(s) for s in frame.segments) <= HANDSHAKE_MAX_FRAME
 
@@ -202,9 +208,7 @@ def agent() -> Iterator[Agent]:
 def test_fuzz_Agent_unauthenticated_frames_never_reach_unpickling(
     agent: Agent, data: bytes, sizes: list[int]
 ) -> None:
-    decoder = FrameDecoder(
-        max_frame_size=HANDSHAKE_MAX_FRAME, max_header_size=HANDSHAKE_MAX_FRAME, handshaking=True
-    )
+    decoder = pre_auth_decoder()
     for frame in feed_in_chunks(decoder, data, sizes):
         conn = _UnauthenticatedConnection()
         agent.on_frame(conn, frame)  # type: ignore[arg-type]
