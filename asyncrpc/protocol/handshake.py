@@ -2,8 +2,8 @@
 
 The runtime feeds it the handshake messages a connection receives and performs the actions
 it returns (httpcore over h11: read, feed, act, write); it reads no socket and keeps no
-clock. The pre-auth caps (``HANDSHAKE_MAX_FRAME``) and the acceptor's deadline are the
-runtime's to enforce, on the bytes and in time, before a message reaches this machine.
+clock. It also sets the caps on what is read before the peer proved the key
+(``pre_auth_decoder``); the runtime keeps the acceptor's deadline.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from asyncrpc.protocol.wire.messages import Auth, Hello, HelloReply, Refusal
 
 __all__ = [
     "HANDSHAKE_MAX_FRAME",
+    "RACES",
     "Action",
     "Adopt",
     "Close",
