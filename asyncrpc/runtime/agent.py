@@ -36,8 +36,9 @@ from asyncrpc.errors import (
     UnknownWorkerError,
 )
 from asyncrpc.protocol import auth
+from asyncrpc.protocol.handshake import pre_auth_decoder
 from asyncrpc.protocol.serde import Serializer, unpack_exception
-from asyncrpc.protocol.wire import Frame, FrameDecoder, encode_frame
+from asyncrpc.protocol.wire import Frame, encode_frame
 from asyncrpc.protocol.wire.messages import (
     Auth,
     CallMode,
@@ -74,11 +75,8 @@ from asyncrpc.runtime.threadpool import WorkerPool
 from asyncrpc.runtime.tls import TlsContexts, tls_contexts
 from asyncrpc.runtime.transport import Connection, start_server, start_unix_server
 
-__all__ = ["HANDSHAKE_MAX_FRAME", "Agent", "EncodedRequest"]
+__all__ = ["Agent", "EncodedRequest"]
 
-# The largest frame (and header) a connection takes before its peer has authenticated:
-# handshake messages are a few dozen bytes; a name may be long, but not this long.
-HANDSHAKE_MAX_FRAME = 4096
 
 # A request pickled and framed on the calling thread: its call id, the function's name,
 # the frame's pieces, what must live until they are written, and the pipeline hooks it
@@ -237,12 +235,7 @@ class Agent:
     def _new_connection(self, initiated: bool) -> Connection:
         # Until the peer proves the key: handshake frames only, small, one per read pass
         # (PeerTable.adopt lifts the limits), and a deadline for accepted connections.
-        decoder = FrameDecoder(
-            max_frame_size=HANDSHAKE_MAX_FRAME,
-            max_header_size=HANDSHAKE_MAX_FRAME,
-            allocate=lambda nbytes, tag: self._allocate(conn, nbytes, tag),
-            handshaking=True,
-        )
+        decoder = pre_auth_decoder(lambda nbytes, tag: self._allocate(conn, nbytes, tag))
         conn = Connection(self, decoder, initiated=initiated)
         self._connections.add(conn)
         self.counters.connections_opened += 1
@@ -645,15 +638,15 @@ class Agent:
             conn.abort(RemoteProtocolError(f"unexpected {type(message).__name__} after handshake"))
 
     def _on_handshake(self, conn: Connection, message: Any) -> None:
+        # The handshake's rules are in asyncrpc/protocol/handshake.py; the peer table drives
+        # that machine. Here: Hellos wait for the join, and other kinds never reach it.
         if isinstance(message, Hello):
             if self.peers is None:
                 self._early_hellos.append((conn, message))
             else:
                 self._on_hello(conn, message)
-        elif isinstance(message, HelloReply) and self.peers is not None:
-            self.peers.on_hello_reply(conn, message)
-        elif isinstance(message, Auth) and self.peers is not None:
-            self.peers.on_auth(conn, message)
+        elif isinstance(message, (HelloReply, Auth)) and self.peers is not None:
+            self.peers.on_handshake(conn, message)
         else:
             self.counters.protocol_errors += 1
             conn.abort(RemoteProtocolError(f"{type(message).__name__} before the handshake"))
@@ -661,19 +654,20 @@ class Agent:
     def _on_hello(self, conn: Connection, hello: Hello) -> None:
         assert self.peers is not None
         if self.peer_known(hello.rank) or not self.directory.dynamic:
-            self.peers.on_hello(conn, hello)
+            self.peers.on_handshake(conn, hello)
         else:
             self.loop.create_task(self._on_newcomer_hello(conn, hello))
 
     async def _on_newcomer_hello(self, conn: Connection, hello: Hello) -> None:
         # A member that joined after this one dials: its address is in the store (it
         # publishes before it dials). A stranger's made-up rank costs one read, bounded by
-        # the handshake deadline; it is refused by on_hello (no such member) or by its proof.
+        # the handshake deadline; it is refused by the handshake (no such member) or by its
+        # proof.
         assert self.peers is not None
-        with contextlib.suppress(UnknownWorkerError):  # then refused by on_hello
+        with contextlib.suppress(UnknownWorkerError):  # then refused by the handshake
             await self.know_peer(hello.rank)
         if not conn.closed:
-            self.peers.on_hello(conn, hello)
+            self.peers.on_handshake(conn, hello)
 
     def peer_known(self, rank: int) -> bool:
         """Whether the peer table has ``rank``, adding it if its address is known (a member

@@ -1,13 +1,12 @@
 """The connections of one agent: one multiplexed connection per peer (layer L2).
 
-Connections open lazily on first use. A connection starts with an authenticated handshake:
-the dialer's Hello (protocol version, identity, nonce), the acceptor's HelloReply (its
-nonce and its proof of the group key), the dialer's Auth (its proof); see
-``asyncrpc/protocol/auth.py``. A connection is adopted as the peer's only when the other
-side has proven the key: the dialer on a valid HelloReply, the acceptor on a valid Auth.
-Until then the connection takes handshake frames only, under small limits, and nothing is
-unpickled. When two workers dial each other at the same moment, both apply one rule, so
-exactly one connection survives: the one dialled by the lower rank. No request is ever
+Connections open lazily on first use. A connection starts with an authenticated handshake,
+whose rules live in the sans-I/O machine of ``asyncrpc/protocol/handshake.py``: this table
+feeds it the handshake messages and performs its actions (send, adopt, close). A connection
+is adopted as the peer's only when the other side has proven the key. Until then the
+connection takes handshake frames only, under small limits, and nothing is unpickled.
+When two workers dial each other at the same moment, both apply one rule, so exactly one
+connection survives: the one dialled by the lower rank. No request is ever
 sent before the handshake, so the losing connection carries nothing and is simply closed.
 
 A connection is not the peer. Losing one fails what was written on it, and the next call
@@ -32,8 +31,8 @@ from asyncrpc.errors import (
     PeerUnavailableError,
     RemoteProtocolError,
 )
-from asyncrpc.protocol import auth
-from asyncrpc.protocol.wire import PROTOCOL_VERSION, encode_frame
+from asyncrpc.protocol.handshake import Action, Adopt, Close, Handshake, Refusal, Send, State
+from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import Auth, Hello, HelloReply
 from asyncrpc.runtime.rendezvous import PeerAddress
 from asyncrpc.runtime.transport import Connection, open_connection, open_unix_connection
@@ -99,12 +98,9 @@ class PeerTable:
         self._on_adopted = on_adopted
         self._on_declared_lost = on_declared_lost
         self.peers = {r: Peer(a) for r, a in addresses.items() if r != rank}
-        # Dialled connections awaiting their HelloReply: the rank they should reach and
-        # the nonce this side sent.
-        self._handshakes: dict[Connection, tuple[asyncio.Future[HelloReply], int, bytes]] = {}
-        # Accepted connections awaiting the dialer's Auth: its rank, the proof expected and
-        # the largest frame it takes.
-        self._challenges: dict[Connection, tuple[int, bytes, int]] = {}
+        # Connections in their handshake, and for dialled ones the dial's waiter: told the
+        # refusal (NONE: adopted, or another connection won) or the error.
+        self._handshakes: dict[Connection, tuple[Handshake, asyncio.Future[Close] | None]] = {}
 
     def add(self, address: PeerAddress) -> None:
         """Know one more worker: a dynamic group's member met after this table was made."""
@@ -145,7 +141,10 @@ class PeerTable:
 
     def _challenged(self, rank: int) -> bool:
         """Whether a connection from ``rank`` awaits its Auth (bounded: handshakes)."""
-        return any(entry[0] == rank for entry in self._challenges.values())
+        return any(
+            hs.state is State.CHALLENGED and hs.peer_rank == rank
+            for hs, _ in self._handshakes.values()
+        )
 
     def _start_dial(self, peer: Peer, rank: int) -> None:
         # Dialling from now on, not from when the task first runs: a Hello that arrives
@@ -186,7 +185,7 @@ class PeerTable:
                         DIAL_RETRY_DELAYS[others - 1] if others <= len(DIAL_RETRY_DELAYS) else None
                     )
                 if delay is None or loop.time() + delay > deadline:
-                    reason = f"{refused + others} tries: {error or _ALREADY_CONNECTED}"
+                    reason = f"{refused + others} tries: {error or 'already connected'}"
                     self._dial_failed(peer, PeerUnavailableError(name, reason))
                     return
                 await asyncio.sleep(delay)
@@ -203,21 +202,22 @@ class PeerTable:
         """
         loop = asyncio.get_running_loop()
         conn = await asyncio.wait_for(self._open(peer.address), max(deadline - loop.time(), 0))
-        waiter = loop.create_future()
-        nonce = auth.new_nonce()
-        self._handshakes[conn] = (waiter, rank, nonce)
-        hello = Hello(PROTOCOL_VERSION, self.name, self.rank, nonce, self._max_frame_size)
-        send_message(conn, hello)
+        waiter: asyncio.Future[Close] = loop.create_future()
+        machine = Handshake.dialer(
+            (self.name, self.rank), (peer.address.name, rank), self._key, self._max_frame_size,
+            self,
+        )  # fmt: skip
+        self._handshakes[conn] = (machine, waiter)
+        self._act(conn, machine.start())
         try:
-            reply = await asyncio.wait_for(waiter, max(deadline - loop.time(), 0))
+            outcome = await asyncio.wait_for(waiter, max(deadline - loop.time(), 0))
         except BaseException:
             self._handshakes.pop(conn, None)
             conn.close()
             raise
-        if reply.accepted:
-            return True  # adopted by on_hello_reply already
-        conn.close()
-        if reply.reason == _TIE_BREAK:
+        if outcome.refusal is Refusal.NONE:
+            return True  # adopted already, or another connection won
+        if outcome.refusal is Refusal.TIE_BREAK:
             # It keeps the connection it dials to us, adopted when its Auth comes. If that
             # does not happen within _TIE_BREAK_WAIT_S (its dial failed), ours tries again.
             ready = peer.ready
@@ -228,10 +228,10 @@ class PeerTable:
             except (TimeoutError, ConnectionError):
                 return False
             return True
-        if reply.reason == _ALREADY_CONNECTED:
+        if outcome.refusal is Refusal.ALREADY_CONNECTED:
             return False  # it has not seen our old connection close yet
         if peer.conn is None:
-            self._dial_failed(peer, PeerUnavailableError(peer.address.name, reply.reason))
+            self._dial_failed(peer, PeerUnavailableError(peer.address.name, outcome.reason))
         return True
 
     async def _open(self, address: PeerAddress) -> Connection:
@@ -274,110 +274,89 @@ class PeerTable:
         if self._on_adopted is not None:
             self._on_adopted(rank, conn)
 
-    def on_hello(self, conn: Connection, hello: Hello) -> None:
-        """Answer a dialer: refuse it, or challenge it (adopted once its Auth proves the key)."""
-        reason = self._refusal(hello)
-        if reason is not None:
-            send_message(conn, HelloReply(PROTOCOL_VERSION, self.name, self.rank, False, reason))
-            if reason not in (_TIE_BREAK, _ALREADY_CONNECTED):
-                _log.warning("refused a connection claiming to be %r: %s", hello.name, reason)
-                conn.close()
-            return
-        nonce = auth.new_nonce()
-        dialer, me = (hello.name, hello.rank), (self.name, self.rank)
-        mine = auth.proof(self._key, auth.ACCEPTOR, hello.nonce, nonce, dialer, me)
-        expected = auth.proof(self._key, auth.DIALER, hello.nonce, nonce, dialer, me)
-        self._challenges[conn] = (hello.rank, expected, hello.max_frame_size)
-        reply = HelloReply(
-            PROTOCOL_VERSION, self.name, self.rank, True, "", nonce, mine, self._max_frame_size
-        )
-        send_message(conn, reply)
+    # -- the handshake: read, feed the machine, act -------------------------------------
 
-    def on_auth(self, conn: Connection, message: Auth) -> None:
-        """The dialer's proof: adopt its connection, or refuse it."""
-        entry = self._challenges.pop(conn, None)
+    def on_handshake(self, conn: Connection, message: object) -> None:
+        """A message received on ``conn`` before it was adopted: feed its handshake.
+
+        An accepted connection's machine starts with its first message.
+        """
+        entry = self._handshakes.get(conn)
         if entry is None:
-            conn.abort(RemoteProtocolError("Auth without an accepted Hello"))
-            return
-        rank, expected, peer_max_frame = entry
-        peer = self.peers[rank]
-        if not auth.verify(expected, message.proof):
-            error = AuthenticationError(f"a dialer claiming to be {peer.address.name!r} "
-                                        "gave a wrong proof of the group key")  # fmt: skip
-            self._on_auth_failure(conn, error)
-            self._challenge_failed(rank)
-            return
-        if peer.conn is not None and not peer.conn.closed:
-            conn.close()  # another authenticated connection won the race
-            return
-        self.adopt(peer, rank, conn, peer_max_frame)
-
-    def _refusal(self, hello: Hello) -> str | None:
-        if hello.version != PROTOCOL_VERSION:
-            return (
-                f"protocol version {hello.version} is not supported "
-                f"(this side speaks {PROTOCOL_VERSION})"
+            if conn.initiated:  # its dial gave up on it (the reply came too late)
+                conn.abort(RemoteProtocolError(f"unexpected {type(message).__name__}"))
+                return
+            machine = Handshake.acceptor(
+                (self.name, self.rank), self._key, self._max_frame_size, self
             )
-        peer = self.peers.get(hello.rank)
-        if peer is None or peer.address.name != hello.name:
-            return f"no worker named {hello.name!r} has rank {hello.rank} in this group"
+            entry = self._handshakes[conn] = (machine, None)
+        machine, waiter = entry
+        challenged = machine.state is State.CHALLENGED
+        try:
+            actions = machine.receive(message)
+        except RemoteProtocolError as exc:
+            self._handshakes.pop(conn, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(exc)
+            if isinstance(exc, AuthenticationError):
+                self._on_auth_failure(conn, exc)
+            else:
+                conn.abort(exc)
+            if challenged:
+                self._challenge_failed(machine.peer_rank)
+            return
+        self._act(conn, actions)
+
+    def _act(self, conn: Connection, actions: list[Action]) -> None:
+        """Perform the machine's actions, in order."""
+        for action in actions:
+            if isinstance(action, Send):
+                send_message(conn, action.message)
+                continue
+            machine, waiter = self._handshakes.pop(conn, (None, None))
+            if isinstance(action, Adopt):
+                self.adopt(self.peers[action.rank], action.rank, conn, action.max_frame_size)
+                outcome = Close(Refusal.NONE)
+            else:
+                outcome = action
+                conn.close()
+                if waiter is None and machine is not None and action.refusal is not Refusal.NONE:
+                    name = machine.peer[0] if machine.peer is not None else "?"
+                    _log.warning("refused a connection claiming to be %r: %s", name, action.reason)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(outcome)
+
+    # -- the roster the handshake consults (asyncrpc.protocol.handshake.Roster) -----------
+
+    def refusal(self, name: str, rank: int) -> Refusal | None:
+        """Why a dialer claiming ``(name, rank)`` may not connect now; None if it may."""
+        peer = self.peers.get(rank)
+        if peer is None or peer.address.name != name:
+            return Refusal.UNKNOWN_WORKER
         if peer.lost is not None:
-            return f"declared lost ({peer.lost.reason})"
+            return Refusal.LOST
         if peer.conn is not None and not peer.conn.closed:
-            return _ALREADY_CONNECTED
-        if peer.dialing and self.rank < hello.rank:
-            return _TIE_BREAK
+            return Refusal.ALREADY_CONNECTED
+        if peer.dialing and self.rank < rank:
+            return Refusal.TIE_BREAK
         return None
 
-    def on_hello_reply(self, conn: Connection, reply: HelloReply) -> None:
-        entry = self._handshakes.pop(conn, None)
-        if entry is None:
-            conn.abort(RemoteProtocolError("unexpected HelloReply"))
-            return
-        waiter, rank, nonce = entry
-        if reply.accepted:
-            peer = self.peers[rank]
-            if peer.conn is not None and not peer.conn.closed:
-                # The peer's own dial was adopted meanwhile: the first authenticated
-                # connection wins on both sides (the peer drops its challenge when this
-                # one closes before our Auth).
-                conn.close()
-                if not waiter.done():
-                    waiter.set_result(reply)
-                return
-            if reply.rank != rank or reply.name != peer.address.name:
-                conn.abort(RemoteProtocolError(f"dialled rank {rank}, rank {reply.rank} answered"))
-                return
-            me, acceptor = (self.name, self.rank), (reply.name, reply.rank)
-            expected = auth.proof(self._key, auth.ACCEPTOR, nonce, reply.nonce, me, acceptor)
-            if not auth.verify(expected, reply.proof):
-                error = AuthenticationError(
-                    f"{peer.address.name!r} gave a wrong proof of the group key"
-                )
-                self._on_auth_failure(conn, error)
-                if not waiter.done():
-                    waiter.set_exception(error)
-                return
-            proof = auth.proof(self._key, auth.DIALER, nonce, reply.nonce, me, acceptor)
-            send_message(conn, Auth(proof))
-            # Adopt now, not in the dial task: the peer may send a request right behind its
-            # reply, and it can be in the same read as the reply itself.
-            self.adopt(peer, rank, conn, reply.max_frame_size)
-        if not waiter.done():
-            waiter.set_result(reply)
+    def connected(self, rank: int) -> bool:
+        """Whether ``rank`` has a live, authenticated connection."""
+        peer = self.peers.get(rank)
+        return peer is not None and peer.conn is not None and not peer.conn.closed
 
     def on_lost(self, conn: Connection, exc: BaseException | None) -> int | None:
         """Forget ``conn``; return its peer's rank when it was authenticated.
 
         The peer stays reachable (the next call dials again) unless it said Goodbye.
         """
-        entry = self._handshakes.pop(conn, None)
-        if entry is not None and not entry[0].done():
+        machine, waiter = self._handshakes.pop(conn, (None, None))
+        if waiter is not None and not waiter.done():
             error = exc if isinstance(exc, OSError) else None
-            entry[0].set_exception(error or ConnectionResetError("connection closed in handshake"))
-        challenge = self._challenges.pop(conn, None)
-        if challenge is not None:
-            self._challenge_failed(challenge[0])
+            waiter.set_exception(error or ConnectionResetError("connection closed in handshake"))
+        if machine is not None and machine.state is State.CHALLENGED:
+            self._challenge_failed(machine.peer_rank)
         rank = conn.peer
         if rank is None:
             return None
@@ -388,9 +367,9 @@ class PeerTable:
             self.declare_lost(rank, PeerLostError(peer.address.name, GOODBYE_REASON))
         return rank
 
-    def _challenge_failed(self, rank: int) -> None:
+    def _challenge_failed(self, rank: int | None) -> None:
         # Callers waiting for this handshake instead of dialling (see ``connection``) dial.
-        if not self._challenged(rank):
+        if rank is not None and not self._challenged(rank):
             self._dial_if_waiting(rank)
 
     def _dial_if_waiting(self, rank: int) -> None:
@@ -404,8 +383,6 @@ class PeerTable:
         return self.peers[rank].lost is not None
 
 
-_TIE_BREAK = "both sides dialled; the connection dialled by the lower rank is kept"
-_ALREADY_CONNECTED = "already connected"
 # How long a dial that lost the tie-break waits for the peer's own dial to reach it.
 _TIE_BREAK_WAIT_S = 2.0
 # How long a caller waits for a peer's handshake in progress before dialling itself.

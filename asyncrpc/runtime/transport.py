@@ -96,8 +96,8 @@ class Connection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         self.bytes_in += nbytes
         decoder, handler = self._decoder, self._handler
-        while True:  # once, unless handshaking: then one frame per pass (bounded by bytes)
-            handshaking = decoder.handshaking
+        while True:  # once, unless stepwise (handshaking): one frame per pass (bounded by bytes)
+            stepwise = decoder.stepwise
             try:
                 frames = decoder.buffer_updated(nbytes)
             except ProtocolError as exc:
@@ -106,7 +106,7 @@ class Connection(asyncio.BufferedProtocol):
                 return
             for frame in frames:
                 handler.on_frame(self, frame)
-            if not handshaking or not frames or self.closed:
+            if not stepwise or not frames or self.closed:
                 return
             nbytes = 0  # parse what is already received, under the limits now in force
 

@@ -23,6 +23,7 @@ from asyncrpc.protocol.wire.messages import (
     CallMode,
     Hello,
     HelloReply,
+    Refusal,
     Reply,
     Request,
     decode_message,
@@ -276,7 +277,7 @@ def test_PeerTable_dialer_accepts_a_request_right_behind_the_hello_reply() -> No
                 key, nonce = group.shared_key(), auth.new_nonce()
                 dialer, me = (message.name, message.rank), ("fake", 1)
                 mine = auth.proof(key, auth.ACCEPTOR, message.nonce, nonce, dialer, me)
-                reply = HelloReply(PROTOCOL_VERSION, "fake", 1, True, "", nonce, mine)
+                reply = HelloReply(PROTOCOL_VERSION, "fake", 1, Refusal.NONE, "", nonce, mine)
                 request = Request(77, 0.0, CallMode.CALL, "tests.integration.remote_fns.add")
                 sock.sendall(  # both frames in one write: they arrive back to back
                     peer.frame(reply) + peer.frame(request, (fns.add, (2, 3), {}))

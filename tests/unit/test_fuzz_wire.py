@@ -6,6 +6,8 @@ pre-auth limits and to one with the normal limits. The only error allowed out is
 ``RemoteProtocolError`` (the connection is then closed); a valid stream decodes to exactly
 what was sent. Every message decoded from fuzzed bytes before authentication is checked to
 be a handshake message, and ``decode_message`` on arbitrary arrays raises nothing else.
+The handshake machine is fed random message sequences directly (no agent): it only ever
+returns actions or raises protocol errors, and never adopts a connection without a proof.
 ``FUZZ_EXAMPLES`` sets the number of cases (CI keeps the default).
 """
 
@@ -22,11 +24,27 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncrpc.errors import RemoteProtocolError
+from asyncrpc.errors import LocalProtocolError, RemoteProtocolError
 from asyncrpc.protocol import auth
+from asyncrpc.protocol.handshake import (
+    HANDSHAKE_MAX_FRAME,
+    Adopt,
+    Close,
+    Handshake,
+    Send,
+    State,
+    pre_auth_decoder,
+)
 from asyncrpc.protocol.wire import PROTOCOL_VERSION, FrameDecoder, encode_frame
-from asyncrpc.protocol.wire.messages import Auth, Hello, HelloReply, Message, decode_message
-from asyncrpc.runtime.agent import HANDSHAKE_MAX_FRAME, Agent
+from asyncrpc.protocol.wire.messages import (
+    Auth,
+    Hello,
+    HelloReply,
+    Message,
+    Refusal,
+    decode_message,
+)
+from asyncrpc.runtime.agent import Agent
 from asyncrpc.runtime.options import RpcBackendOptions
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "300"))
@@ -54,7 +72,7 @@ handshake_messages = st.one_of(
     st.builds(Hello, st.just(PROTOCOL_VERSION), st.text(max_size=30), st.integers(0, 64),
               st.binary(min_size=32, max_size=32)),
     st.builds(HelloReply, st.just(PROTOCOL_VERSION), st.text(max_size=30), st.integers(0, 64),
-              st.booleans(), st.text(max_size=30), st.binary(max_size=32),
+              st.sampled_from(Refusal), st.text(max_size=30), st.binary(max_size=32),
               st.binary(max_size=32)),
     st.builds(Auth, st.binary(min_size=32, max_size=32)),
 )  # fmt: skip
@@ -103,7 +121,7 @@ def feed_in_chunks(decoder: FrameDecoder, data: bytes, sizes: list[int]) -> list
 
 def _drain(decoder: FrameDecoder) -> list[Any]:
     frames: list[Any] = []
-    while decoder.handshaking:  # one frame per pass: collect what is already received
+    while decoder.stepwise:  # one frame per pass: collect what is already received
         more = decoder.buffer_updated(0)
         if not more:
             break
@@ -115,9 +133,7 @@ def _drain(decoder: FrameDecoder) -> list[Any]:
 @given(mutated(any_frame), st.lists(st.integers(1, 97), min_size=1, max_size=5))
 def test_fuzz_FrameDecoder_raises_only_protocol_errors(data: bytes, sizes: list[int]) -> None:
     feed_in_chunks(FrameDecoder(), data, sizes)
-    pre_auth = FrameDecoder(
-        max_frame_size=HANDSHAKE_MAX_FRAME, max_header_size=HANDSHAKE_MAX_FRAME, handshaking=True
-    )
+    pre_auth = pre_auth_decoder()
     for frame in feed_in_chunks(pre_auth, data, sizes):
         assert len(frame.payload) + sum(len(s) for s in frame.segments) <= HANDSHAKE_MAX_FRAME
 
@@ -192,9 +208,7 @@ def agent() -> Iterator[Agent]:
 def test_fuzz_Agent_unauthenticated_frames_never_reach_unpickling(
     agent: Agent, data: bytes, sizes: list[int]
 ) -> None:
-    decoder = FrameDecoder(
-        max_frame_size=HANDSHAKE_MAX_FRAME, max_header_size=HANDSHAKE_MAX_FRAME, handshaking=True
-    )
+    decoder = pre_auth_decoder()
     for frame in feed_in_chunks(decoder, data, sizes):
         conn = _UnauthenticatedConnection()
         agent.on_frame(conn, frame)  # type: ignore[arg-type]
@@ -227,3 +241,85 @@ def test_fuzz_auth_proof_of_a_mutated_handshake_never_verifies() -> None:
         bad = bytearray(good)
         bad[i] ^= 0x01
         assert not auth.verify(good, bytes(bad))
+
+
+# -- the handshake machine, fed directly ----------------------------------------------------
+
+KEY = b"k" * 32
+ME, PEER = ("w2", 2), ("w1", 1)
+refusals = st.one_of(st.none(), st.sampled_from(Refusal))
+anything = st.one_of(
+    handshake_messages,
+    handshake_messages.map(lambda m: _decoded(m.to_fields())),  # as received from the wire
+    fields_strategy.map(_decoded),  # whatever random arrays decode to (often None)
+    scalars,
+)
+
+
+class _Roster:
+    def __init__(self, refusal: Refusal | None, connected: bool) -> None:
+        self.answer, self.is_connected = refusal, connected
+
+    def refusal(self, name: str, rank: int) -> Refusal | None:
+        return self.answer
+
+    def connected(self, rank: int) -> bool:
+        return self.is_connected
+
+
+def _feed(machine: Handshake, message: object) -> list[Any]:
+    """Feed one message: actions, or a protocol error (which must leave ERROR behind)."""
+    before = machine.state
+    try:
+        actions = machine.receive(message)
+    except LocalProtocolError:
+        assert before is State.ERROR  # the only local error receive() has: fed after failing
+        return []
+    except RemoteProtocolError:
+        assert machine.state is State.ERROR
+        return []
+    assert all(isinstance(a, Send | Adopt | Close) for a in actions)
+    assert machine.state is not State.ERROR
+    return actions
+
+
+@FUZZ
+@given(st.booleans(), refusals, st.booleans(), st.lists(anything, max_size=6))
+def test_fuzz_Handshake_a_stranger_gets_actions_or_errors_and_never_adoption(
+    dialled: bool, refusal: Refusal | None, connected: bool, messages: list[object]
+) -> None:
+    roster = _Roster(refusal, connected)
+    if dialled:
+        machine = Handshake.dialer(ME, PEER, KEY, 1 << 20, roster)
+        machine.start()
+    else:
+        machine = Handshake.acceptor(ME, KEY, 1 << 20, roster)
+    for message in messages:
+        actions = _feed(machine, message)
+        # Without the key no proof verifies, so no connection is ever adopted.
+        assert not any(isinstance(a, Adopt) for a in actions)
+    assert machine.state is not State.OPEN
+
+
+@FUZZ
+@given(st.lists(st.tuples(st.booleans(), st.booleans(), anything), max_size=10))
+def test_fuzz_Handshake_a_real_exchange_with_random_messages_thrown_in(
+    steps: list[tuple[bool, bool, object]],
+) -> None:
+    roster = _Roster(None, connected=False)
+    dialer = Handshake.dialer(PEER, ME, KEY, 1 << 20, roster)
+    acceptor = Handshake.acceptor(ME, KEY, 1 << 30, roster)
+    inbox: dict[Handshake, list[object]] = {dialer: [], acceptor: []}
+    inbox[acceptor] += [a.message for a in dialer.start() if isinstance(a, Send)]
+    adopted = {dialer: 0, acceptor: 0}
+    for deliver, to_acceptor, junk in steps:
+        machine, other = (acceptor, dialer) if to_acceptor else (dialer, acceptor)
+        message = inbox[machine].pop(0) if deliver and inbox[machine] else junk
+        for action in _feed(machine, message):
+            if isinstance(action, Send):
+                inbox[other].append(action.message)
+            elif isinstance(action, Adopt):
+                adopted[machine] += 1
+                assert machine.state is State.OPEN
+                assert (action.name, action.rank) == (ME if machine is dialer else PEER)
+    assert all(count <= 1 for count in adopted.values())

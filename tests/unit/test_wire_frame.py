@@ -541,9 +541,9 @@ def test_FrameDecoder_property_round_trip(
     assert decoder.at_frame_boundary()
 
 
-def test_FrameDecoder_handshaking_returns_one_frame_until_opened() -> None:
+def test_FrameDecoder_stepwise_returns_one_frame_until_opened() -> None:
     data = wire_bytes([1], b"") + wire_bytes([2], b"") + wire_bytes([3], b"x" * 5000)
-    decoder = FrameDecoder(max_frame_size=4096, max_header_size=4096, handshaking=True)
+    decoder = FrameDecoder(max_frame_size=4096, max_header_size=4096, stepwise=True)
     first = decoder.feed(data[: len(data) - 5000 - 1])  # the big frame is not complete yet
     assert [f.fields for f in first] == [[1]]
     assert [f.fields for f in decoder.buffer_updated(0)] == [[2]]
@@ -552,7 +552,7 @@ def test_FrameDecoder_handshaking_returns_one_frame_until_opened() -> None:
     assert [(f.fields, bytes(f.payload)) for f in rest] == [([3], b"x" * 5000)]
 
 
-def test_FrameDecoder_handshaking_limits_refuse_a_big_frame() -> None:
-    decoder = FrameDecoder(max_frame_size=4096, max_header_size=4096, handshaking=True)
+def test_FrameDecoder_stepwise_limits_refuse_a_big_frame() -> None:
+    decoder = FrameDecoder(max_frame_size=4096, max_header_size=4096, stepwise=True)
     with pytest.raises(FrameTooLargeError):
         decoder.feed(wire_bytes([1], b"x" * 10_000))

@@ -15,6 +15,7 @@ from asyncrpc.protocol.wire.messages import (
     HelloReply,
     Kind,
     RefMessage,
+    Refusal,
     Reply,
     Request,
     ShmMessage,
@@ -25,7 +26,7 @@ from asyncrpc.protocol.wire.messages import (
 
 def test_decode_message_roundtrips_the_frame_limit_of_the_handshake() -> None:
     hello = Hello(2, "w1", 1, b"n" * 16, 1 << 20)
-    reply = HelloReply(2, "w0", 0, True, "", b"m" * 16, b"p" * 32, 1 << 30)
+    reply = HelloReply(2, "w0", 0, Refusal.NONE, "", b"m" * 16, b"p" * 32, 1 << 30)
     assert decode_message(hello.to_fields()) == hello
     assert decode_message(reply.to_fields()) == reply
     # Absent: 0, "not said" (the sender then checks nothing against it).

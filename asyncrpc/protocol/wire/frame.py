@@ -271,7 +271,7 @@ class FrameDecoder:
         "_tags",
         "_threshold",
         "_view",
-        "handshaking",
+        "stepwise",
     )
 
     def __init__(
@@ -282,7 +282,7 @@ class FrameDecoder:
         staging_size: int = 256 * 1024,
         direct_threshold: int = 64 * 1024,
         max_header_size: int = DEFAULT_MAX_HEADER_SIZE,
-        handshaking: bool = False,
+        stepwise: bool = False,
     ) -> None:
         """Create a decoder.
 
@@ -294,9 +294,10 @@ class FrameDecoder:
                 straight into their destination; payloads below it are copied out of
                 staging. Between 1 and ``staging_size``.
             max_header_size: Largest msgpack header accepted, in bytes.
-            handshaking: Return at most one frame per call, so that the limits can be
-                raised (``open``) between the frame that authenticates the peer and the
-                frames behind it in the same read. Pass small limits with it.
+            stepwise: Return at most one frame per call until ``open``, so that the
+                limits can be raised between the frame that authenticates the peer and
+                the frames behind it in the same read. Pass small limits with it (the
+                handshake's policy: ``asyncrpc.protocol.handshake.pre_auth_decoder``).
 
         Raises:
             ValueError: The sizes are inconsistent.
@@ -308,7 +309,7 @@ class FrameDecoder:
             )
         self._max_frame_size = max_frame_size
         self._max_header_size = max_header_size
-        self.handshaking = handshaking
+        self.stepwise = stepwise
         self._allocate = allocate
         self._threshold = direct_threshold
         self._size = staging_size
@@ -340,7 +341,7 @@ class FrameDecoder:
         """
         self._max_frame_size = max_frame_size
         self._max_header_size = max_header_size
-        self.handshaking = False
+        self.stepwise = False
 
     @property
     def buffered(self) -> int:
@@ -486,7 +487,7 @@ class FrameDecoder:
                     frames.append(_new_frame(self._fields, self._payload, self._owners, self._tags))
                     self._state = _PRELUDE_STATE
                     self._consumed = 0
-                    if self.handshaking:
+                    if self.stepwise:
                         return frames
                 continue
             start = self._start
@@ -521,7 +522,7 @@ class FrameDecoder:
             _SET_SEGMENTS(frame, [self._allocate_segment(0, t)[0] for t in tags] if sizes else [])
             _SET_TAGS(frame, tags)
             frames.append(frame)
-            if self.handshaking:
+            if self.stepwise:
                 return frames
 
     def _reject_prelude(self, start: int) -> NoReturn:

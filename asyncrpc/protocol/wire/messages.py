@@ -29,6 +29,7 @@ __all__ = [
     "Pong",
     "RefMessage",
     "RefOp",
+    "Refusal",
     "Reply",
     "Request",
     "ShmMessage",
@@ -73,6 +74,18 @@ class RefOp(IntEnum):
     FORK_UNKNOWN = 6  # the answer when it did not
 
 
+class Refusal(IntEnum):
+    """Why an acceptor refused a Hello (0: it did not). Decisions use the code; the
+    reply's text is for people (see asyncrpc/protocol/handshake.py)."""
+
+    NONE = 0  # accepted
+    VERSION = 1  # the dialer speaks another protocol version
+    UNKNOWN_WORKER = 2  # no worker of that name has that rank in this group
+    LOST = 3  # the acceptor declared the dialer lost
+    ALREADY_CONNECTED = 4  # the acceptor has not yet seen the old connection close
+    TIE_BREAK = 5  # both dialled; the connection dialled by the lower rank is kept
+
+
 class ShmOp(IntEnum):
     """What a SHM header says about shared memory (see asyncrpc/runtime/shm.py)."""
 
@@ -103,7 +116,8 @@ class Hello:
 
 @dataclass(frozen=True, slots=True)
 class HelloReply:
-    """Answers a Hello. ``accepted`` is False when the other side keeps its own connection.
+    """Answers a Hello: ``refusal`` is ``Refusal.NONE`` when it is accepted, else why not
+    (``reason`` says it in words, for logs and errors only).
 
     An accepting reply carries the acceptor's nonce and its proof of the key, and the
     largest frame the acceptor accepts (0: not said).
@@ -112,11 +126,15 @@ class HelloReply:
     version: int
     name: str
     rank: int
-    accepted: bool
+    refusal: Refusal
     reason: str = ""
     nonce: bytes = b""
     proof: bytes = b""
     max_frame_size: int = 0
+
+    @property
+    def accepted(self) -> bool:
+        return self.refusal == Refusal.NONE
 
     def to_fields(self) -> list[Any]:
         return [
@@ -124,7 +142,7 @@ class HelloReply:
             self.version,
             self.name,
             self.rank,
-            self.accepted,
+            int(self.refusal),
             self.reason,
             self.nonce,
             self.proof,
@@ -335,8 +353,8 @@ def _decode_hello(f: list[Any]) -> Hello:
 
 def _decode_hello_reply(f: list[Any]) -> HelloReply:
     return HelloReply(
-        _int(f[1]), _str(f[2]), _int(f[3]), bool(f[4]), _str(f[5]), _bytes(f[6]), _bytes(f[7]),
-        _frame_limit(f, 8),
+        _int(f[1]), _str(f[2]), _int(f[3]), Refusal(_int(f[4])), _str(f[5]), _bytes(f[6]),
+        _bytes(f[7]), _frame_limit(f, 8),
     )  # fmt: skip
 
 
