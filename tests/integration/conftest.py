@@ -26,9 +26,13 @@ class Group:
 def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Group]:
     log_dir = tmp_path_factory.mktemp("workers")
     init_method = f"tcp://127.0.0.1:{free_port()}"
+    # The workers serve the whole session: their shutdown, started at once, waits for the
+    # driver's, so its bound must outlast the slowest whole run (a loaded 2-core machine
+    # took 13 minutes; at 10 the workers gave up and later tests found them gone).
     workers = [
         spawn_worker(f"w{r}", r, WORLD, init_method, log_dir=log_dir,
-                     mode="async" if r == 2 else "sync", rpc_timeout=30.0)
+                     mode="async" if r == 2 else "sync", rpc_timeout=30.0,
+                     shutdown_timeout=3600.0)
         for r in range(1, WORLD)
     ]  # fmt: skip
     try:
