@@ -45,7 +45,7 @@ conformance: $(STAMP)
 
 # The fixed subset CI runs (tests/conformance/ci_subset.txt, about a minute).
 conformance-ci: $(STAMP)
-	$(PY) -m tests.conformance.run --ci --json conformance-report.json
+	$(PY) -m tests.conformance.run --suites all --ci --json conformance-report.json
 
 example: $(STAMP)
 	$(PY) -m examples.parameter_server
