@@ -180,11 +180,26 @@ async def _asyncrpc_main(args: argparse.Namespace, channel: Channel) -> int:
         results = {}
         for item in items:
             run = functools.partial(run_item_await, item, SERVER, command["duration"], tensors)
-            results[item.key] = await _outcome_async(run, command.get("pids", {}))
+            before = await _handoffs()
+            outcome = await _outcome_async(run, command.get("pids", {}))
+            cpu.add_per_call(outcome, before, await _handoffs(), "handoffs", 1.0)
+            results[item.key] = outcome
         channel.send({"results": results})
     await asyncrpc.shutdown_async()
     channel.send({"bye": True})
     return 0
+
+
+async def _handoffs() -> dict[str, int]:
+    """Thread hand-offs so far in this client and in the server (asyncrpc's counters; the
+    one call that reads the server's adds a few, spread over the item's calls)."""
+    import asyncrpc
+    from asyncrpc.runtime import handoffs
+
+    return {
+        "client": handoffs.total(),
+        "server": await asyncrpc.call(_ROLE_NAMES["server"], handoffs.total),
+    }
 
 
 # -- raw floor ------------------------------------------------------------------------------

@@ -43,17 +43,22 @@ def snapshot(pids: Mapping[str, int]) -> dict[str, int] | None:
 
 
 def add_per_call(
-    outcome: dict[str, Any], before: dict[str, int] | None, after: dict[str, int] | None
+    outcome: dict[str, Any],
+    before: dict[str, int] | None,
+    after: dict[str, int] | None,
+    prefix: str = "cpu_us",
+    scale: float = 1e-3,
 ) -> None:
-    """Add ``cpu_us_<role>`` and ``cpu_us_total`` (microseconds per call) to an item's
-    stats, when it has stats, counts its calls and both snapshots were taken."""
+    """Add ``<prefix>_<role>`` and ``<prefix>_total`` (per call, each difference times
+    ``scale``: nanoseconds to microseconds by default) to an item's stats, when it has
+    stats, counts its calls and both snapshots were taken."""
     stats = outcome.get("stats")
     if not isinstance(stats, dict) or before is None or after is None:
         return
     calls = next((stats[k] for k in _COUNTS if isinstance(stats.get(k), int | float)), 0)
     if not calls:
         return
-    per_role = {role: (after[role] - before[role]) / 1e3 / calls for role in before}
-    for role, micros in per_role.items():
-        stats[f"cpu_us_{role}"] = micros
-    stats["cpu_us_total"] = sum(per_role.values())
+    per_role = {role: (after[role] - before[role]) * scale / calls for role in before}
+    for role, value in per_role.items():
+        stats[f"{prefix}_{role}"] = value
+    stats[f"{prefix}_total"] = sum(per_role.values())

@@ -256,7 +256,7 @@ def _render_cpu(doc: dict[str, Any], systems: list[str], workloads: list[str]) -
 def _render_cpu_per_call(doc: dict[str, Any], systems: list[str]) -> list[str]:
     """Per workload row: each system's CPU microseconds per call, all its processes
     together (client + server [+ trainer]), and asyncrpc's ratio to torch's."""
-    header = ["", *systems, "asyncrpc/torch"]
+    header = ["", *systems, "asyncrpc/torch", "asyncrpc hand-offs"]
     lines = []
     for name, summary in doc["workloads"].items():
         for row in summary["rows"]:
@@ -266,12 +266,19 @@ def _render_cpu_per_call(doc: dict[str, Any], systems: list[str]) -> list[str]:
             mine, theirs = totals.get("asyncrpc"), totals.get("torch")
             ratio = f"{mine / theirs:.2f}x" if mine is not None and theirs else "-"
             cells = ["-" if v is None else _number(v) for v in totals.values()]
-            lines.append([f"{name} {row['label']}", *cells, ratio])
+            ours = row["values"].get("asyncrpc", {}).get("median", {})
+            handoffs = ours.get("handoffs_total")
+            moved = "-"
+            if handoffs is not None:
+                parts = f"{ours['handoffs_client']:.1f} + {ours['handoffs_server']:.1f}"
+                moved = f"{handoffs:.1f} ({parts})"
+            lines.append([f"{name} {row['label']}", *cells, ratio, moved])
     if not lines:
         return []
     title = (
         "== CPU time per call, microseconds, every process of the system (user + system; "
-        "lower is better; steadier than wall time on a shared machine)"
+        "lower is better; steadier than wall time on a shared machine); asyncrpc's thread "
+        "hand-offs per call (client + server)"
     )
     return [title, *_table(header, lines), ""]
 

@@ -55,6 +55,7 @@ from asyncrpc.protocol.wire.messages import (
     decode_message,
     optional_headers,
 )
+from asyncrpc.runtime import handoffs
 from asyncrpc.runtime.dispatch import Dispatcher
 from asyncrpc.runtime.future import Future, set_default_callback_loop
 from asyncrpc.runtime.heartbeat import Heartbeat, Watched
@@ -520,6 +521,7 @@ class Agent:
         if threading.get_ident() == self.loop_thread_id:
             fn(*args)
         else:
+            handoffs.count("thread_to_loop")
             self.loop.call_soon_threadsafe(fn, *args)
 
     def begin_call(self, call_id: int, call: PendingCall, pieces: list[Any]) -> None:
@@ -861,6 +863,8 @@ class Agent:
             "loop_lag_ms": round(self.lag.last_ms, 3),
             "loop_lag_max_ms": round(self.lag.max_ms, 3),
             **self.shm.stats(),
+            # Work handed between threads, by kind, in this whole process (runtime/handoffs).
+            **{f"handoffs_{kind}": n for kind, n in handoffs.snapshot().items()},
         }
 
     def debug_info(self) -> dict[str, Any]:

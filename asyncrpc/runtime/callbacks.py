@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncrpc.errors import BlockingCallError
+from asyncrpc.runtime import handoffs
 
 __all__ = [
     "CALLBACK_POOL_SIZE",
@@ -136,6 +137,7 @@ os.register_at_fork(after_in_child=_forget_pool)
 
 def submit(invoke: Callable[[Any], None], callbacks: list[Any]) -> None:
     """Run ``invoke(callbacks)`` on the callback pool (here, if the interpreter is exiting)."""
+    handoffs.count("to_callback_pool")
     try:
         _callback_pool().submit(invoke, callbacks)
     except RuntimeError:  # the interpreter is exiting: run them here rather than lose them

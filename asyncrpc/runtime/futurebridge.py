@@ -19,6 +19,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from asyncrpc.errors import NotInitializedError
+from asyncrpc.runtime import handoffs
 from asyncrpc.runtime.callbacks import default_loop, running_loop
 
 __all__ = [
@@ -128,6 +129,7 @@ def wake_waiter(waiter: asyncio.Future[None]) -> None:
     if running_loop() is loop:
         _set_waiter(waiter)
         return
+    handoffs.count("to_awaiting_loop")
     # try/except, not contextlib.suppress: this runs per cross-thread wake-up.
     try:  # noqa: SIM105
         loop.call_soon_threadsafe(_set_waiter, waiter)

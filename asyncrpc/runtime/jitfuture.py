@@ -20,6 +20,7 @@ import torch
 import torch.futures
 
 from asyncrpc.errors import AsyncRpcError, as_callback_error
+from asyncrpc.runtime import handoffs
 from asyncrpc.runtime.blocking import blocking
 from asyncrpc.runtime.callbacks import (
     MayBlock,
@@ -277,6 +278,7 @@ class Future(torch.futures.Future[T]):
         # The C side first: see complete_torch_side.
         complete_torch_side(self, state == _EXCEPTION, value)
         if gate is not None:
+            handoffs.count("to_waiting_thread")
             gate.release()
         if hooks is not None:
             self._run_hooks(hooks)
@@ -355,6 +357,7 @@ class Future(torch.futures.Future[T]):
         if running_loop() is loop:
             loop.call_soon(self._run_callbacks)
             return
+        handoffs.count("to_callback_loop")
         try:
             loop.call_soon_threadsafe(self._run_callbacks)
         except RuntimeError:  # the loop is closed: run them here rather than lose them

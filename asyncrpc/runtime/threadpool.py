@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncrpc.errors import ClosedError, ThreadPoolExhaustedError
+from asyncrpc.runtime import handoffs
 from asyncrpc.runtime.blocking import set_blocking_host
 
 __all__ = ["Job", "WorkerPool"]
@@ -137,6 +138,7 @@ class WorkerPool:
             if start:
                 self._reserve_thread()
         self._jobs.put(job)
+        handoffs.count("loop_to_pool")
         if start:
             try:
                 self._start_thread()
@@ -199,6 +201,7 @@ class WorkerPool:
         if self._wakeup_pending:
             return  # the loop will drain this entry with the ones before it
         self._wakeup_pending = True
+        handoffs.count("pool_to_loop")
         try:
             self._loop.call_soon_threadsafe(self._drain)
         except RuntimeError:  # the loop is closed: the agent is gone, nobody reads replies

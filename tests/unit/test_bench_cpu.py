@@ -46,3 +46,26 @@ def test_add_per_call_counts_steps_and_leaves_failures_alone() -> None:
     unread = {"stats": {"n": 1}}
     cpu.add_per_call(unread, None, {"client": 1})
     assert unread == {"stats": {"n": 1}}
+
+
+def test_handoffs_count_by_kind_and_read_without_advancing() -> None:
+    from asyncrpc.runtime import handoffs
+
+    before = handoffs.snapshot()
+    handoffs.count("loop_to_pool")
+    handoffs.count("loop_to_pool")
+    handoffs.count("to_waiting_thread")
+    after = handoffs.snapshot()
+    assert after == handoffs.snapshot()  # reading does not count
+    assert after["loop_to_pool"] - before["loop_to_pool"] == 2
+    assert after["to_waiting_thread"] - before["to_waiting_thread"] == 1
+    assert handoffs.total() == sum(after.values())
+
+
+def test_add_per_call_with_a_prefix_and_scale() -> None:
+    outcome = {"stats": {"n": 10}}
+    cpu.add_per_call(outcome, {"client": 0, "server": 5}, {"client": 30, "server": 15},
+                     "handoffs", 1.0)  # fmt: skip
+    assert outcome["stats"]["handoffs_client"] == 3.0
+    assert outcome["stats"]["handoffs_server"] == 1.0
+    assert outcome["stats"]["handoffs_total"] == 4.0
