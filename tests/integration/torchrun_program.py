@@ -1,4 +1,4 @@
-"""A program launched with ``torchrun --standalone --nproc-per-node 3`` (see the README).
+"""A program launched with ``torchrun --standalone --nproc-per-node 3`` (see docs/deployment.md).
 
 torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; ``init_rpc`` with its default
 ``env://`` rendezvous reads them, as ``torch.distributed.rpc`` does.
