@@ -45,6 +45,7 @@ from asyncrpc.protocol.refmessages import (
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import RefMessage, RefOp, Request
 from asyncrpc.rref.handle import RRef
+from asyncrpc.runtime import handoffs
 from asyncrpc.runtime.future import Future, collect_all
 from asyncrpc.runtime.options import RpcBackendOptions, WorkerInfo
 from asyncrpc.runtime.pending import describe_function
@@ -378,6 +379,8 @@ class RRefContext:
         # From __del__, on any thread: no I/O here, just a hand-off to the loop.
         if self.closed or self.loop.is_closed():
             return
+        if asyncio._get_running_loop() is not self.loop:  # dropped on another thread
+            handoffs.count("thread_to_loop")
         with contextlib.suppress(RuntimeError):  # the loop closed in between
             self.loop.call_soon_threadsafe(self.release, rref_id, fork_id)
 
