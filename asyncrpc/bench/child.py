@@ -64,31 +64,34 @@ def _tensors_for(items: list[Item], tensors: dict[int, torch.Tensor]) -> None:
 
 
 def _outcome(run: Callable[[], Any], pids: dict[str, int]) -> dict[str, Any]:
-    from asyncrpc.bench.measure import Unavailable
-
     before = cpu.snapshot(pids)
     try:
-        outcome = {"stats": run()}
-    except Unavailable as exc:
-        return {"unavailable": str(exc)}
+        stats = run()
     except Exception as exc:
-        traceback.print_exc()
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    cpu.add_per_call(outcome, before, cpu.snapshot(pids))
-    return outcome
+        return _failure(exc)
+    return _measured(stats, before, pids)
 
 
 async def _outcome_async(run: Callable[[], Awaitable[Any]], pids: dict[str, int]) -> dict[str, Any]:
-    from asyncrpc.bench.measure import Unavailable
-
     before = cpu.snapshot(pids)
     try:
-        outcome = {"stats": await run()}
-    except Unavailable as exc:
-        return {"unavailable": str(exc)}
+        stats = await run()
     except Exception as exc:
-        traceback.print_exc()
-        return {"error": f"{type(exc).__name__}: {exc}"}
+        return _failure(exc)
+    return _measured(stats, before, pids)
+
+
+def _failure(exc: Exception) -> dict[str, Any]:
+    from asyncrpc.bench.measure import Unavailable
+
+    if isinstance(exc, Unavailable):
+        return {"unavailable": str(exc)}
+    traceback.print_exception(exc)
+    return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _measured(stats: Any, before: dict[str, int] | None, pids: dict[str, int]) -> dict[str, Any]:
+    outcome = {"stats": stats}
     cpu.add_per_call(outcome, before, cpu.snapshot(pids))
     return outcome
 

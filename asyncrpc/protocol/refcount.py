@@ -38,14 +38,8 @@ class RefCounter(RefTables):
 
     Every event method returns the list of actions the agent must carry out, in order.
     Events that only a bug on this side can produce (releasing an unknown fork...) raise
-    ``LocalProtocolError``; messages from peers that name unknown ids are ignored.
-
-    Args:
-        self_rank: this worker's rank.
-        tombstone_limit: how many deleted fork ids and freed RRef ids are remembered to
-            reject duplicate messages. TCP never duplicates, so this is defence in depth: a
-            duplicate older than that many deletions could leave an owner entry behind (a
-            leak, never a premature free).
+    ``LocalProtocolError``; messages from peers that name unknown ids are ignored. Its
+    constructor is ``RefTables``' (``self_rank``, ``tombstone_limit``).
     """
 
     __slots__ = ()  # the state is RefTables's

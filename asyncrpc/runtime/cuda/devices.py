@@ -9,7 +9,7 @@ back to the same ``Devices``. Devices are CUDA indices (``int``); a CPU tensor h
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -72,7 +72,7 @@ class Devices(Protocol):
         ...
 
 
-def devices_of(devices: Devices, tensors: Iterator[Any] | list[Any]) -> list[int]:
+def devices_of(devices: Devices, tensors: Iterable[Any]) -> list[int]:
     """The distinct CUDA devices of ``tensors``, in first-seen order."""
     seen: dict[int, None] = {}
     for tensor in tensors:

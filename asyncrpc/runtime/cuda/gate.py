@@ -44,10 +44,7 @@ def record_for(devices: Devices, tensors: Iterable[Any]) -> FrameEvents:
     the event the frame carrying them must wait for. Call it on the thread that produced
     them (the caller of ``rpc_async``, or the callee once its function has returned)."""
     return FrameEvents(
-        tuple(
-            (d, devices.record(devices.current_stream(d)))
-            for d in devices_of(devices, list(tensors))
-        )
+        tuple((d, devices.record(devices.current_stream(d))) for d in devices_of(devices, tensors))
     )
 
 
