@@ -56,6 +56,7 @@ from asyncrpc.protocol.wire.messages import (
     optional_headers,
 )
 from asyncrpc.runtime import handoffs
+from asyncrpc.runtime.cuda.maps import DeviceMapHook
 from asyncrpc.runtime.dispatch import Dispatcher
 from asyncrpc.runtime.future import Future, set_default_callback_loop
 from asyncrpc.runtime.heartbeat import Heartbeat, Watched
@@ -118,11 +119,13 @@ class Agent:
             place=self.shm.place if options.shared_memory else None,
         )
         self.pool = WorkerPool(options.num_worker_threads, loop, name, options.max_worker_threads)
-        self.pipeline = Pipeline()
+        # Device maps ride on every agent (a callee applies its callers' reply maps); the
+        # other hooks come from whoever starts the agent.
+        self.pipeline = Pipeline([DeviceMapHook(options.device_maps)])
         self.links = Links(self)
         self.dispatcher = Dispatcher(
-            name, loop, self.pool, self.serializer, self.write, self.reply_device_map,
-            self.counters, self.pipeline, options.print_errors,
+            name, loop, self.pool, self.serializer, self.write, self.counters, self.pipeline,
+            options.print_errors,
         )  # fmt: skip
         self.lag = LagProbe(loop)
         self.heartbeat = Heartbeat(
@@ -371,16 +374,6 @@ class Agent:
             return self.options.rpc_timeout
         return 0.0 if math.isinf(timeout) else timeout
 
-    def request_device_map(self, rank: int) -> dict[str, str] | None:
-        maps = self.options.device_maps
-        return None if maps is None else maps.get(self.addresses[rank].name)
-
-    def reply_device_map(self, rank: int) -> dict[str, str] | None:
-        # A reply retraces the caller's device map backwards.
-        maps = self.addresses[rank].device_maps if rank in self.addresses else None
-        mine = None if maps is None else maps.get(self.name)
-        return None if mine is None else {v: k for k, v in mine.items()}
-
     # -- calling ---------------------------------------------------------------------------
 
     def encode_request(
@@ -414,16 +407,13 @@ class Agent:
             call = OutgoingCall(
                 kind, self.name, self.addresses[rank].name, rank, fn, target, args, kwargs
             )
+            Pipeline.prepare(hooks, call)
         rrefs = self.rrefs
         if rrefs is not None:
             rrefs.take_minted()  # a pickling that failed elsewhere on this thread may leave some
         try:
             payload, segments, keep = self.serializer.dumps(
-                (fn, args, kwargs),
-                context=rank,
-                device_map=self.request_device_map(rank),
-                tensors=None if call is None else call.tensors,
-                grads=None if call is None else call.grads,
+                (fn, args, kwargs), context=rank, policy=None if call is None else call.policy
             )
         except BaseException:
             self.links.undo_minted(rank)  # RRefs pickled before the failure: forked for nobody
@@ -531,7 +521,9 @@ class Agent:
             return
         self.pending.add(call_id, call)
         self.counters.calls_sent += 1
-        self.send_to(call.peer, pieces, call_id, call.keepalive, call.forks)
+        observed = call.observed
+        ready = None if observed is None else Pipeline.ready(*observed)
+        self.links.send_to(call.peer, pieces, call_id, call.keepalive, call.forks, ready)
 
     def send_to(
         self, rank: int, pieces: list[Any], call_id: int = 0, keep: object = None,
@@ -586,8 +578,8 @@ class Agent:
         self._send_cancel(call.peer, call_id)
 
     def _send_cancel(self, rank: int, call_id: int) -> None:
-        if self.links.waiting_for_connection(rank):
-            return  # its request still waits for the connection and will be skipped
+        if self.links.holds(rank, call_id):
+            return  # its request was not written yet and will be skipped
         peer = self.peers.peers.get(rank) if self.peers is not None else None
         if rank == self.rank:
             self.loopback.send(encode_frame(Cancel(call_id).to_fields(), b""))
@@ -698,17 +690,17 @@ class Agent:
         call = self.pending.pop(fields[1])
         if call is None:
             return  # timed out or cancelled meanwhile
-        grads: list[Any] | None = None if call.observed is None else []
+        policy = None if call.observed is None else call.observed[1].reply_policy
         try:
             headers = optional_headers(fields, 2)
             value = self.serializer.loads(
-                frame.payload, frame.segments, context=call.peer, grads=grads
+                frame.payload, frame.segments, context=call.peer, policy=policy
             )
         except Exception as exc:
             self.counters.calls_failed += 1
             call.fail(exc)
             return
-        call.resolve(value, headers, grads)
+        call.resolve(value, headers)
 
     def _on_error(self, fields: list[Any], frame: Frame) -> None:
         call = self.pending.pop(fields[1])

@@ -16,7 +16,7 @@ import concurrent.futures
 import logging
 import sys
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, Protocol
 
@@ -43,8 +43,9 @@ from asyncrpc.runtime.threadpool import WorkerPool
 __all__ = ["Dispatcher", "await_async_result"]
 
 _log = logging.getLogger("asyncrpc.runtime.dispatch")
-# What a built reply keeps alive while it is written, and the RRef forks it carries.
-_Keep = tuple[object, Any]
+# What a built reply keeps alive while it is written, the RRef forks it carries, and the
+# request as the pipeline saw it (None: it did not go through the pipeline).
+_Keep = tuple[object, Any, IncomingCall | None]
 
 # What runs a request: a task on the loop or a job in the pool (for cancellation).
 Job = asyncio.Task[Any] | PoolJob
@@ -99,7 +100,6 @@ class Dispatcher:
         pool: WorkerPool,
         serializer: Serializer,
         write: Writer,
-        reply_device_map: Callable[[int], Mapping[str, str] | None],
         counters: Counters,
         pipeline: Pipeline,
         print_errors: bool = True,
@@ -110,7 +110,6 @@ class Dispatcher:
         self._pool = pool
         self._serializer = serializer
         self._write = write
-        self._reply_device_map = reply_device_map
         self._counters = counters
         self._pipeline = pipeline
         self._jobs: dict[tuple[int, int], Job] = {}
@@ -133,14 +132,15 @@ class Dispatcher:
         if request.mode == CallMode.REMOTE:
             assert self.rrefs is not None
             self.rrefs.on_remote_request(peer, request)
-        serves = self._pipeline.serves(request.headers)
-        grads: list[Any] = []  # filled only for a request the pipeline serves
+        served = None
         rrefs = self.rrefs
         if rrefs is not None:
             rrefs.take_unconfirmed()  # forget forks unpickled elsewhere (replies)
         try:
+            if self._pipeline.serves(request.headers):
+                served = self._receiving(conn, request, peer)
             fn, args, kwargs = self._serializer.loads(
-                payload, segments, context=peer, grads=grads if serves else None
+                payload, segments, context=peer, policy=None if served is None else served.policy
             )
         except MissingReferenceError as exc:
             self._finish(conn, request, peer, False, self._missing(request, exc))
@@ -153,10 +153,10 @@ class Dispatcher:
         unconfirmed = rrefs.take_unconfirmed() if rrefs is not None else None
         call = (fn, args, kwargs)
         if unconfirmed is not None:
-            start = partial(self._start, conn, request, peer, call, serves, grads)
+            start = partial(self._start, conn, request, peer, call, served)
             unconfirmed._add_hook(lambda _: self._loop.call_soon_threadsafe(start))
             return
-        self._start(conn, request, peer, call, serves, grads)
+        self._start(conn, request, peer, call, served)
 
     def _start(
         self,
@@ -164,17 +164,16 @@ class Dispatcher:
         request: Request,
         peer: int,
         call: tuple[Any, Any, Any],
-        serves: bool,
-        grads: list[Any],
+        served: IncomingCall | None,
     ) -> None:
         fn, args, kwargs = call
         # Decided on the function itself: a hook's wrapper may hide what kind it is.
         run, async_exec = fn, is_async_execution(fn)
         if is_torch_c_function(fn):
             run = partial(checked_op, fn)
-        if serves:
+        if served is not None:
             try:
-                run = self._serve(conn, request, peer, call, grads)
+                run = self._serve(request, peer, call, served)
             except Exception as exc:
                 self._finish(conn, request, peer, False, exc)
                 return
@@ -201,16 +200,21 @@ class Dispatcher:
             if not request.mode:
                 self._came_on[key] = conn
 
-    def _serve(
-        self, conn: Connection, request: Request, peer: int, call: Any, grads: list[Any]
-    ) -> Callable[..., Any]:
-        """Run the pipeline's callee side; returns the function wrapped by the hooks."""
+    def _receiving(self, conn: Connection, request: Request, peer: int) -> IncomingCall:
+        """The request as the pipeline sees it, its policies set before it is unpickled."""
         served = IncomingCall(
             conn.peer_name or str(peer), peer, self._name, request.call_id, request.target,
             request.mode == CallMode.REMOTE, request.headers or {},
         )  # fmt: skip
+        self._pipeline.receiving(served)
+        return served
+
+    def _serve(
+        self, request: Request, peer: int, call: Any, served: IncomingCall
+    ) -> Callable[..., Any]:
+        """Run the pipeline's callee side; returns the function wrapped by the hooks."""
         fn, served.args, served.kwargs = call
-        served.fn, served.grads, served.coroutine = fn, grads, is_coroutine_function(fn)
+        served.fn, served.coroutine = fn, is_coroutine_function(fn)
         self._served[(peer, request.call_id)] = served
         self._pipeline.incoming(served)
         return served.wrapped(fn)
@@ -350,10 +354,7 @@ class Dispatcher:
             rrefs.take_minted()  # a pickling that failed elsewhere on this thread may leave some
         try:
             payload, segments, keep = self._serializer.dumps(
-                result,
-                context=peer,
-                device_map=self._reply_device_map(peer),
-                grads=None if served is None else served.reply_grads,
+                result, context=peer, policy=None if served is None else served.reply_policy
             )
         except Exception as exc:  # the error reply tells the hooks (see _send_error)
             if rrefs is not None:
@@ -362,11 +363,11 @@ class Dispatcher:
                 f"the result of {request.target} on worker {self._name!r} cannot be sent: {exc}"
             )
             error.__cause__ = exc
-            return None, (None, None), error
+            return None, (None, None, None), error
         forks = rrefs.take_minted() if rrefs is not None else None
         headers = self._replying(request, peer, True, result)
         reply = Reply(request.call_id, headers).to_fields()
-        return encode_frame(reply, payload, segments), (keep, forks), None
+        return encode_frame(reply, payload, segments), (keep, forks, served), None
 
     def _undelivered(self, peer: int, forks: Any) -> None:
         if forks and self.rrefs is not None:
@@ -399,8 +400,31 @@ class Dispatcher:
             self._send_error(conn, request, error)
             return
         assert pieces is not None
+        served = keep[2]
+        ready = None if served is None else self._pipeline.reply_ready(served)
+        if ready is not None:  # GPU work still fills its bytes: written once it is done
+            self._loop.create_task(self._write_when_ready(conn, request, pieces, keep, ready))
+            return
+        self._write_reply(conn, request, pieces, keep)
+
+    async def _write_when_ready(
+        self, conn: Connection, request: Request, pieces: list[Any], keep: _Keep,
+        ready: Awaitable[None],
+    ) -> None:  # fmt: skip
         try:
-            self._write(conn, pieces, *keep)
+            await ready
+        except Exception as exc:  # the caller gets what held its reply back
+            if conn.peer is not None:
+                self._undelivered(conn.peer, keep[1])
+            self._send_error(conn, request, exc)
+            return
+        self._write_reply(conn, request, pieces, keep)
+
+    def _write_reply(
+        self, conn: Connection, request: Request, pieces: list[Any], keep: _Keep
+    ) -> None:
+        try:
+            self._write(conn, pieces, keep[0], keep[1])
         except FrameTooLargeError as exc:  # over the caller's limit: it gets this instead
             if conn.peer is not None:
                 self._undelivered(conn.peer, keep[1])
