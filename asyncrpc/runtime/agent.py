@@ -57,6 +57,7 @@ from asyncrpc.protocol.wire.messages import (
 )
 from asyncrpc.runtime import handoffs
 from asyncrpc.runtime.cuda.maps import DeviceMapHook
+from asyncrpc.runtime.cuda.staging import cuda_transfer
 from asyncrpc.runtime.dispatch import Dispatcher
 from asyncrpc.runtime.future import Future, set_default_callback_loop
 from asyncrpc.runtime.heartbeat import Heartbeat, Watched
@@ -121,7 +122,7 @@ class Agent:
         self.pool = WorkerPool(options.num_worker_threads, loop, name, options.max_worker_threads)
         # Device maps ride on every agent (a callee applies its callers' reply maps); the
         # other hooks come from whoever starts the agent.
-        self.pipeline = Pipeline([DeviceMapHook(options.device_maps)])
+        self.pipeline = Pipeline([DeviceMapHook(options.device_maps, cuda_transfer(options))])
         self.links = Links(self)
         self.dispatcher = Dispatcher(
             name, loop, self.pool, self.serializer, self.write, self.counters, self.pipeline,
@@ -468,10 +469,13 @@ class Agent:
         call.keepalive, call.observed, call.forks = keep, observed, forks
         self.begin_call(call_id, call, pieces)
         try:
-            return await waiter
+            value = await waiter
         except asyncio.CancelledError:
             self.cancel_call(call_id)
             raise
+        if observed is not None and observed[1].on_value is not None:
+            observed[1].on_value()  # e.g. this thread's CUDA streams wait for the reply
+        return value
 
     def send_remote(
         self, rank: int, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
