@@ -56,7 +56,7 @@ from asyncrpc.protocol.wire.messages import (
     optional_headers,
 )
 from asyncrpc.runtime import handoffs
-from asyncrpc.runtime.cuda.maps import DeviceMapHook
+from asyncrpc.runtime.cuda.maps import DeviceMapHook, check_device_maps
 from asyncrpc.runtime.cuda.staging import cuda_transfer
 from asyncrpc.runtime.dispatch import Dispatcher
 from asyncrpc.runtime.future import Future, set_default_callback_loop
@@ -171,6 +171,10 @@ class Agent:
         Raises:
             InitError: the rendezvous failed (duplicates, timeout, bad arguments).
         """
+        if options.device_maps or options.devices:
+            import torch
+
+            check_device_maps(name, options.device_maps, options.devices, torch.cuda.device_count())
         agent = cls(name, options, asyncio.get_running_loop())
         for hook in hooks:
             agent.pipeline.add(hook)

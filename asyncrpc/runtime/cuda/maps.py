@@ -22,13 +22,80 @@ from typing import Any, Protocol
 
 import torch
 
-from asyncrpc.errors import SerializationError
+from asyncrpc.errors import InitError, SerializationError
 from asyncrpc.protocol.serde.policy import TensorPolicy
 from asyncrpc.runtime.pipeline import CallHook, IncomingCall, OutgoingCall
 
-__all__ = ["FIELD", "DeviceMapHook", "HostCopy", "HostTransfer", "Transfer"]
+__all__ = [
+    "FIELD",
+    "DeviceMapError",
+    "DeviceMapHook",
+    "HostCopy",
+    "HostTransfer",
+    "Transfer",
+    "check_device_maps",
+]
 
 FIELD = "dm"  # the header field this hook owns: the reply's map, "cuda:i" -> "cuda:j"
+
+
+class DeviceMapError(InitError, ValueError):
+    """``device_maps`` or ``devices`` name devices this worker cannot use, or a map is not
+    one-to-one (raised by ``init_rpc``; a ``ValueError`` as torch's, and an ``InitError``)."""
+
+
+def check_device_maps(
+    name: str,
+    device_maps: Mapping[str, Mapping[str, str]] | None,
+    devices: list[str] | None,
+    device_count: int,
+) -> None:
+    """Check this worker's own device options before it joins, as torch checks them: no
+    duplicated device, only CPU or existing CUDA devices, each map one-to-one, and a map's
+    sources among ``devices`` when those are given. (A map's targets are the callee's
+    devices: the callee checks what it receives.)
+
+    Raises:
+        DeviceMapError: naming the worker, the map and what is wrong with it.
+    """
+    listed = list(devices or [])
+    if len(set(listed)) != len(listed):
+        raise DeviceMapError(f"worker {name!r} lists a device twice: devices = {listed}")
+    bad = [d for d in listed if not _exists(d, device_count)]
+    if bad:
+        raise DeviceMapError(
+            f"worker {name!r} names devices it does not have: {bad} (devices = {listed}, "
+            f"CUDA device count = {device_count})"
+        )
+    for callee, mapping in (device_maps or {}).items():
+        targets = list(mapping.values())
+        if len(set(targets)) != len(targets):
+            raise DeviceMapError(
+                f"worker {name!r}'s device map for {callee!r} is not one-to-one: two devices "
+                f"map to one ({dict(mapping)})"
+            )
+        sources = list(mapping)
+        if listed:
+            stray = [d for d in sources if d not in listed]
+            if stray:
+                raise DeviceMapError(
+                    f"worker {name!r}'s device map for {callee!r} maps {stray}, which are not "
+                    f"in its devices {listed}"
+                )
+        else:
+            missing = [d for d in sources if not _exists(d, device_count)]
+            if missing:
+                raise DeviceMapError(
+                    f"worker {name!r}'s device map for {callee!r} maps devices it does not "
+                    f"have: {missing} (CUDA device count = {device_count})"
+                )
+
+
+def _exists(device: str, device_count: int) -> bool:
+    if device == "cpu":
+        return True
+    kind, _, index = device.partition(":")
+    return kind == "cuda" and index.isdigit() and int(index) < device_count
 
 
 class Transfer(Protocol):
