@@ -35,7 +35,7 @@ from asyncrpc.runtime.agent import Agent
 from asyncrpc.runtime.future import Future, collect_all
 from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT
 
-__all__ = ["local_pass", "propagate", "release"]
+__all__ = ["hand_back", "local_pass", "propagate", "release"]
 
 # Gradients for the tensors of one message: (sender rank, message id) -> by index.
 Outgoing = dict[tuple[int, int], list[Any]]
@@ -83,7 +83,7 @@ async def propagate(
     outgoing = await agent.pool.run(
         functools.partial(local_pass, context, roots, grad_outputs, agent.rank)
     )
-    await _hand_back(agent, context.id, outgoing)
+    await hand_back(agent, context.id, outgoing)
 
 
 @async_execution
@@ -98,12 +98,13 @@ def grads_arrived(context_id: int, message_id: int, grads: list[Any]) -> Future[
     _, tensors = context.sent(message_id)
     pairs = [(t, g) for t, g in zip(tensors, grads, strict=True) if g is not None]
     outgoing = local_pass(context, [t for t, _ in pairs], [g for _, g in pairs], agent.rank)
-    return _hand_back(agent, context.id, outgoing)
+    return hand_back(agent, context.id, outgoing)
 
 
-def _hand_back(agent: Agent, context_id: int, outgoing: Outgoing) -> Future[Any]:
-    """Send each batch of gradients to the worker that sent those tensors (any thread);
-    the future completes when every hop has, and fails with the first hop's error."""
+def hand_back(agent: Agent, context_id: int, outgoing: Outgoing) -> Future[Any]:
+    """Send each batch of gradients to the worker that sent those tensors (any thread, with
+    no autograd context current); the future completes when every hop has, and fails with
+    the first hop's error."""
     hops = [
         agent.call_future(sender, grads_arrived, (context_id, msg, g), {}, UNSET_RPC_TIMEOUT)
         for (sender, msg), g in outgoing.items()
