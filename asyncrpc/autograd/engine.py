@@ -87,18 +87,25 @@ async def propagate(
 
 
 @async_execution
-def grads_arrived(context_id: int, message_id: int, grads: list[Any]) -> Future[Any]:
+def grads_arrived(context_id: int, message_id: int, grads: list[Any]) -> Any:
     """Runs on the worker that sent message ``message_id``: the backward goes on here.
 
     On a pool thread (the local pass is CPU work), and an ``@async_execution`` function: the
-    thread is free again while the hops further down run; the reply waits for them.
+    thread is free again while the hops further down run; the reply waits for them. The
+    hops are sent from the loop, which runs the returned coroutine anyway (sending them
+    from this thread would cost a hand-off to the loop of its own).
     """
     agent, table = context_table()
     context = table.get(context_id)
     _, tensors = context.sent(message_id)
     pairs = [(t, g) for t, g in zip(tensors, grads, strict=True) if g is not None]
     outgoing = local_pass(context, [t for t, _ in pairs], [g for _, g in pairs], agent.rank)
-    return hand_back(agent, context.id, outgoing)
+    return _hand_back_from_loop(agent, context.id, outgoing)
+
+
+async def _hand_back_from_loop(agent: Agent, context_id: int, outgoing: Outgoing) -> None:
+    if outgoing:
+        await hand_back(agent, context_id, outgoing)
 
 
 def hand_back(agent: Agent, context_id: int, outgoing: Outgoing) -> Future[Any]:
