@@ -122,7 +122,10 @@ class Agent:
         self.pool = WorkerPool(options.num_worker_threads, loop, name, options.max_worker_threads)
         # Device maps ride on every agent (a callee applies its callers' reply maps); the
         # other hooks come from whoever starts the agent.
-        self.pipeline = Pipeline([DeviceMapHook(options.device_maps, cuda_transfer(options))])
+        transfer = cuda_transfer(options)
+        # Segments bound for a GPU land in pinned memory when the staged transfer runs.
+        self._pinned = None if transfer is None else transfer.allocate
+        self.pipeline = Pipeline([DeviceMapHook(options.device_maps, transfer)])
         self.links = Links(self)
         self.dispatcher = Dispatcher(
             name, loop, self.pool, self.serializer, self.write, self.counters, self.pipeline,
@@ -256,6 +259,8 @@ class Agent:
         """Receive memory for a segment: a fresh buffer, or the sender's shared chunk."""
         if tag.startswith(SHM_TAG_PREFIX):
             return self.shm.allocate(conn.peer, nbytes, tag)
+        if self._pinned is not None and tag.startswith("cuda"):
+            return self._pinned(nbytes)
         return self.serializer.allocate(nbytes, tag)
 
     def _shares_memory(self, rank: int) -> bool:

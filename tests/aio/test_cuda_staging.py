@@ -237,3 +237,12 @@ def test_reply_readers_wait_for_its_copies_through_the_future() -> None:
     waits = [item for item in gpu.default_stream(0).items if item.after is not None]
     assert len(waits) == 2  # the callback's read and this thread's
     assert seen == [value]
+
+
+def test_segments_bound_for_a_gpu_land_in_host_buffers_of_the_seam() -> None:
+    gpu = FakeDevices()
+    owner, view = staged(gpu).allocate(100)
+    assert gpu.host_buffers == 1
+    assert view.nbytes == 100
+    view[:3] = b"abc"
+    assert bytes(owner[:3].tolist()) == b"abc"  # the view writes the owner's memory

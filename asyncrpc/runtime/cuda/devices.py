@@ -67,6 +67,11 @@ class Devices(Protocol):
         not wait)."""
         ...
 
+    def host_buffer(self, nbytes: int) -> Any:
+        """A uint8 CPU tensor of ``nbytes`` in pinned memory (what a received segment bound
+        for a GPU lands in, so its copy to the device needs no host wait)."""
+        ...
+
     def stage_out(self, tensor: Any, stream: Stream) -> Any:
         """Queue on ``stream`` a copy of ``tensor`` into pinned host memory and return
         that host tensor (same shape and dtype). Its bytes are valid once an event

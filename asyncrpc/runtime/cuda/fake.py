@@ -73,6 +73,7 @@ class FakeDevices:
         self.records = 0
         self.waits = 0
         self.copies = 0
+        self.host_buffers = 0
 
     # -- the seam ------------------------------------------------------------------------
 
@@ -109,6 +110,12 @@ class FakeDevices:
     def wait(self, stream: FakeStream, event: FakeEvent) -> None:
         self.waits += 1
         stream.items.append(FakeWork(f"wait for {event.stream.name}", after=event))
+
+    def host_buffer(self, nbytes: int) -> Any:
+        import torch
+
+        self.host_buffers += 1
+        return torch.empty(nbytes, dtype=torch.uint8)  # "pinned": the CPU has nothing else
 
     def stage_out(self, tensor: Any, stream: FakeStream) -> FakeTensor:
         self.copies += 1

@@ -63,6 +63,9 @@ class CudaDevices:
     def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
         stream.wait_event(event)
 
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
     def stage_out(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
         with torch.cuda.stream(stream):
             # empty_like keeps a dense tensor's strides; pinned memory lets the copy run

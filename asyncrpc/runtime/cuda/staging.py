@@ -25,6 +25,7 @@ from typing import Any
 
 from asyncrpc.errors import SerializationError
 from asyncrpc.protocol.serde.policy import TensorPolicy
+from asyncrpc.protocol.serde.tensors import memory_view
 from asyncrpc.runtime.cuda.devices import Devices, Event, Stream
 from asyncrpc.runtime.cuda.gate import FrameEvents, SendGate, order_after
 
@@ -55,6 +56,12 @@ class StagedTransfer:
         self._in: dict[int, Stream] = {}
         self.staged_out = 0  # tensors copied to the host, and to a device (metrics)
         self.staged_in = 0
+
+    def allocate(self, nbytes: int) -> tuple[object, memoryview]:
+        """The wire's allocator for segments tagged with a CUDA device: pinned memory, so
+        the copy to the device runs without the host."""
+        owner = self.devices.host_buffer(nbytes)
+        return owner, memory_view(owner.data_ptr(), nbytes, writable=True)
 
     def policy(self, device_map: Mapping[str, str]) -> StagedCopy:
         return StagedCopy(self, device_map)
