@@ -33,8 +33,9 @@ Job = tuple[Callable[[Any], None], Any]
 class CallbackPool:
     """Runs ``invoke(arg)`` jobs on up to ``size`` threads, in submission order per thread."""
 
-    def __init__(self, size: int, name: str = "asyncrpc-callback") -> None:
+    def __init__(self, size: int, name: str = "asyncrpc-callback", stall: float = STALL_S) -> None:
         self.size = size
+        self.stall = stall
         self._name = name
         self._jobs: deque[Job] = deque()
         self._lock = threading.Lock()
@@ -107,7 +108,7 @@ class CallbackPool:
         with self._lock:
             if self._watch is not None or not self._jobs:
                 return
-            handle = loop.call_later(STALL_S, self._check, self._finished)
+            handle = loop.call_later(self.stall, self._check, self._finished)
             self._watch = (loop, handle)
 
     def _check(self, finished_before: int) -> None:
@@ -118,7 +119,7 @@ class CallbackPool:
                 return
             if self._finished == finished_before:  # jobs wait and none finished: stalled
                 self._start_or_wake()
-            self._watch = (loop, loop.call_later(STALL_S, self._check, self._finished))
+            self._watch = (loop, loop.call_later(self.stall, self._check, self._finished))
 
     def pending(self) -> int:
         return len(self._jobs)
