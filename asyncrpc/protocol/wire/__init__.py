@@ -1,10 +1,12 @@
 """Sans-I/O wire protocol of asyncrpc (layer L1): frames in and out, no I/O, no torch.
 
-Re-exports the frame codec; see ``asyncrpc.protocol.wire.frame``.
+Re-exports the frame codec; see ``asyncrpc.protocol.wire.frame`` (format, encoder) and
+``asyncrpc.protocol.wire.decoder``.
 """
 
 from __future__ import annotations
 
+from asyncrpc.protocol.wire.decoder import FrameDecoder
 from asyncrpc.protocol.wire.frame import (
     DEFAULT_MAX_FRAME_SIZE,
     DEFAULT_MAX_HEADER_SIZE,
@@ -13,7 +15,6 @@ from asyncrpc.protocol.wire.frame import (
     PROTOCOL_VERSION,
     Allocator,
     Frame,
-    FrameDecoder,
     bytearray_allocator,
     encode_frame,
 )
