@@ -76,6 +76,11 @@ def _parser() -> argparse.ArgumentParser:
     add("--ps-duration", type=float, help="seconds per parameter-server round")
     add("--json", metavar="PATH", help="write the full results as JSON")
     add("--plot", metavar="PATH.png", help="write a chart (needs matplotlib)")
+    add(
+        "--targets",
+        action="store_true",
+        help="also check the project's own speed targets (the JSON always has them)",
+    )
     add("--no-progress", action="store_true", help="no progress bar on stderr")
     add(
         "--no-freeze",
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     config = build_config(args)
     result = run_bench(config, progress=not args.no_progress)
     doc = summarize(result, argv)
-    sys.stdout.write(render(doc))
+    sys.stdout.write(render(doc, targets=args.targets))
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
     if args.plot:

@@ -283,8 +283,57 @@ def _render_cpu_per_call(doc: dict[str, Any], systems: list[str]) -> list[str]:
     return [title, *_table(header, lines), ""]
 
 
-def render(doc: dict[str, Any]) -> str:
-    """The human-readable report of ``summarize``'s document."""
+def headline(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each workload's standing against torch in this run: how many times better asyncrpc
+    is (above 1: better; the median over the workload's rows, with the lowest and highest),
+    whatever the metric's direction."""
+    lines = []
+    for name, summary in doc["workloads"].items():
+        higher = summary["higher_is_better"]
+        ratios = []
+        for row in summary["rows"]:
+            ratio = row["ratios"].get("asyncrpc/torch")
+            if ratio:
+                ratios.append(ratio if higher else 1.0 / ratio)
+        if ratios:
+            lines.append(
+                {"workload": name, "times_better": statistics.median(ratios),
+                 "lowest": min(ratios), "highest": max(ratios), "rows": len(ratios)}
+            )  # fmt: skip
+    return lines
+
+
+_HEADLINE_NAMES = {
+    "latency": "latency of one call",
+    "throughput": "calls per second",
+    "echo": "tensor bandwidth",
+    "remote": "remote() + to_here()",
+    "ps": "parameter server",
+    "dist-autograd": "distributed training",
+}
+
+
+def _render_headline(doc: dict[str, Any]) -> list[str]:
+    lines = headline(doc)
+    if not lines:
+        return []
+    out = ["== asyncrpc against torch.distributed.rpc in this run (x better; above 1x: faster)"]
+    for line in lines:
+        spread = (
+            ""
+            if line["rows"] == 1
+            else f"   ({line['rows']} rows: {line['lowest']:.2f}x to {line['highest']:.2f}x)"
+        )
+        out.append(
+            f"  {_HEADLINE_NAMES.get(line['workload'], line['workload']):24}"
+            f"{line['times_better']:6.2f}x{spread}"
+        )
+    return [*out, ""]
+
+
+def render(doc: dict[str, Any], targets: bool = False) -> str:
+    """The human-readable report of ``summarize``'s document: first each workload's ratio
+    against torch, then the tables; the project's own targets only when asked."""
     systems = list(doc["config"]["systems"])
     out = [f"asyncrpc.bench: {doc['meta']['command']}"]
     machine = doc["meta"]["machine"]
@@ -295,14 +344,16 @@ def render(doc: dict[str, Any]) -> str:
     out += [f"{s}: {m}" for s, m in doc["meta"]["torch_modes"].items()]
     out += [f"{s}: {st}" for s, st in doc["status"].items() if st != "ok"]
     out.append("")
+    out += _render_headline(doc)
     for name, summary in doc["workloads"].items():
         out += _render_workload(name, summary, systems)
     out += _render_cpu(doc, systems, list(doc["workloads"]))
     out += _render_cpu_per_call(doc, systems)
-    out.append("== targets (ratios from this run)")
-    for check in doc["targets"]:
-        ratio = "" if check["ratio"] is None else f": {check['ratio']:.2f}x"
-        out.append(f"  [{check['verdict']:>12}] {check['target']}{ratio}")
+    if targets:
+        out.append("== the project's targets (ratios from this run)")
+        for check in doc["targets"]:
+            ratio = "" if check["ratio"] is None else f": {check['ratio']:.2f}x"
+            out.append(f"  [{check['verdict']:>12}] {check['target']}{ratio}")
     return "\n".join(out) + "\n"
 
 
@@ -320,8 +371,10 @@ def check_plot_available() -> None:
 
 
 def write_plot(doc: dict[str, Any], path: str) -> None:
-    """One panel per workload: a horizontal bar per row and system (log scale, shared
-    baseline per panel, so bar lengths compare as ratios), each labelled with its figure.
+    """One panel per workload: each row's ratio to torch as a point, oriented so that right
+    of the 1x line is better for asyncrpc, on a log axis (2x better and 2x worse lie at
+    the same distance). The other systems (torch over TCP, the raw floor) are points of
+    their own shape; the key sits under the panels, never over the data.
 
     Raises:
         PlotUnavailableError: matplotlib is not installed.
@@ -332,38 +385,61 @@ def write_plot(doc: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    systems = list(doc["config"]["systems"])
     names = list(doc["workloads"])
-    heights = [1.2 + 0.22 * len(systems) * len(doc["workloads"][n]["rows"]) for n in names]
-    fig, axes = plt.subplots(len(names), 1, figsize=(11, 1.0 + sum(heights)), squeeze=False,
+    heights = [0.8 + 0.28 * len(doc["workloads"][n]["rows"]) for n in names]
+    fig, axes = plt.subplots(len(names), 1, figsize=(10, 1.4 + sum(heights)), squeeze=False,
                              gridspec_kw={"height_ratios": heights})  # fmt: skip
+    handles: dict[str, Any] = {}
     for ax, name in zip(axes[:, 0], names, strict=True):
-        _plot_panel(ax, name, doc["workloads"][name], systems)
+        handles.update(_plot_panel(ax, name, doc["workloads"][name]))
     machine = doc["meta"]["machine"]
-    fig.suptitle(f"asyncrpc.bench, {doc['meta']['date']}, {machine['cpus']} CPUs, torch "
-                 f"{machine['torch']}", fontsize=9)  # fmt: skip
-    fig.tight_layout(rect=(0, 0, 1, 0.985))
+    fig.suptitle(f"asyncrpc against torch.distributed.rpc, {doc['meta']['date']}, "
+                 f"{machine['cpus']} CPUs, torch {machine['torch']}", fontsize=9)  # fmt: skip
+    if handles:
+        fig.legend(list(handles.values()), list(handles), loc="lower center",
+                   ncol=len(handles), fontsize=7, frameon=False)  # fmt: skip
+    fig.tight_layout(rect=(0, 0.03, 1, 0.975))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def _plot_panel(ax: Any, name: str, summary: dict[str, Any], systems: list[str]) -> None:
+_MARKERS = {"asyncrpc/torch": ("o", "asyncrpc vs torch"),
+            "asyncrpc/torch_tcp": ("s", "asyncrpc vs torch over TCP"),
+            "asyncrpc/floor": ("^", "asyncrpc vs the raw socket floor")}  # fmt: skip
+
+
+def _plot_panel(ax: Any, name: str, summary: dict[str, Any]) -> dict[str, Any]:
     rows = summary["rows"]
-    height = 0.8 / max(1, len(systems))
-    values = [r["values"][s]["value"] for r in rows for s in systems]
-    low = min((v for v in values if v), default=1.0) / 2
-    for i, system in enumerate(systems):
-        ys = [r + i * height for r in range(len(rows))]
-        xs = [row["values"][system]["value"] or 0.0 for row in rows]
-        ax.barh(ys, [x - low if x else 0.0 for x in xs], left=low, height=height, label=system)
-        for y, x in zip(ys, xs, strict=True):
-            if x:
-                ax.text(x, y, " " + _number(x), va="center", fontsize=6)
-    ax.set_yticks([r + 0.4 - height / 2 for r in range(len(rows))])
+    higher = summary["higher_is_better"]
+    handles: dict[str, Any] = {}
+    xs_all: list[float] = []
+    for key, (marker, label) in _MARKERS.items():
+        points = [
+            (1.0 / r if not higher else r, y)
+            for y, row in enumerate(rows)
+            if (r := row["ratios"].get(key))
+        ]
+        if not points:
+            continue
+        xs = [x for x, _ in points]
+        xs_all += xs
+        handles[label] = ax.plot(xs, [y for _, y in points], marker, linestyle="none")[0]
+        if key == "asyncrpc/torch":
+            for x, y in points:
+                ax.annotate(f"{x:.2f}x", (x, y), xytext=(4, 3), textcoords="offset points",
+                            fontsize=6)  # fmt: skip
+    ax.axvline(1.0, color="grey", linewidth=0.8)
+    ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([row["label"] for row in rows], fontsize=7)
-    ax.invert_yaxis()
+    ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_xscale("log")
-    ax.set_xlim(low, max((v for v in values if v), default=10.0) * 4)
-    better = "higher" if summary["higher_is_better"] else "lower"
-    ax.set_title(f"{_TITLES[name]} ({summary['unit']}, {better} is better)", fontsize=8)
-    ax.legend(fontsize=7, loc="lower right")
+    span = max([2.0, *xs_all, *(1.0 / x for x in xs_all if x)])
+    ax.set_xlim(1.0 / (span * 1.5), span * 1.5)
+    ticks = [t for t in _RATIO_TICKS if 1.0 / (span * 1.5) <= t <= span * 1.5]
+    ax.set_xticks(ticks, [f"{t:g}x" for t in ticks], fontsize=7)
+    ax.minorticks_off()
+    ax.set_title(f"{_TITLES[name]}: x better (right of 1x: asyncrpc is better)", fontsize=8)
+    return handles
+
+
+_RATIO_TICKS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
