@@ -161,12 +161,10 @@ def test_flows_keep_the_producer_within_the_window() -> None:
     window = 5
     producer, consumer = ProducerFlow(), ConsumerFlow(window)
     producer.grant(consumer.initial())
-    consumed = 0
-    for _ in range(50):
+    for consumed in range(1, 51):
         while producer.take(1):
             consumer.check(producer.sent_one())
-            assert producer.sent - consumed <= window
-        consumed += 1
+            assert producer.sent - (consumed - 1) <= window
         grant = consumer.consumed(1, waiting=consumed == consumer.received)
         if grant:
             producer.grant(grant)
