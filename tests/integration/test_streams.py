@@ -94,7 +94,7 @@ def test_stream_to_self_goes_through_the_loopback(group: Group) -> None:
 def test_stream_of_a_non_iterable_fails_with_type_error(group: Group) -> None:
     with pytest.raises(TypeError):
         list(asyncrpc.stream("w1", sf.not_a_generator))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="window"):
         asyncrpc.rpc_stream("w1", sf.count, args=(3,), window=0)
 
 
@@ -107,10 +107,14 @@ async def test_stream_producer_error_reaches_consumer_after_prior_items(
     group: Group, fn: Callable[[int], object]
 ) -> None:
     got: list[int] = []
+
+    async def consume() -> None:
+        async for x in asyncrpc.stream("w1", fn, 50):
+            got.append(x)
+
     async with asyncio.timeout(30):
         with pytest.raises(sf.ProducerError) as info:
-            async for x in asyncrpc.stream("w1", fn, 50):
-                got.append(x)
+            await consume()
     assert got == list(range(50))
     assert info.value.after == 50
     assert _no_streams_left("w1")
@@ -151,9 +155,7 @@ async def test_stream_async_with_closes_the_producer(group: Group) -> None:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("fn", [sf.tracked, sf.atracked], ids=["sync", "async"])
-async def test_stream_task_cancellation_runs_the_producer_finally(
-    group: Group, fn: object
-) -> None:
+async def test_stream_task_cancellation_runs_the_producer_finally(group: Group, fn: object) -> None:
     tag = _tag()
     started = asyncio.Event()
 
