@@ -86,7 +86,6 @@ class ConsumerStream:
         self.items.clear()
         self._outcome = error
         self._hand()
-        self._outcome = None  # delivered once; later fetches see the end
 
     # -- from the application ----------------------------------------------------------------
 
@@ -122,7 +121,8 @@ class ConsumerStream:
             batch = [self.items.popleft() for _ in range(count)]
             self._deliver(batch, None)
         elif self.ended:
-            self._deliver([], self._outcome)
+            outcome, self._outcome = self._outcome, None  # raised once; then the end
+            self._deliver([], outcome)
 
     def _deliver(self, batch: list[Any], error: BaseException | None) -> None:
         waiter, self._waiter = self._waiter, None

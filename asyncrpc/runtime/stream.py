@@ -19,7 +19,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
-from asyncrpc.errors import BlockingCallError
+from asyncrpc.errors import BlockingCallError, ClosedError
 from asyncrpc.runtime.consumer import ConsumerStream
 from asyncrpc.runtime.future import Future
 
@@ -89,8 +89,14 @@ class Stream(Generic[T]):
             self._consumer.fetch(taken, waiter)
             return await waiter
         future: Future[list[Any]] = Future(loop=self._loop)
-        self._run_on_loop(self._consumer.fetch, taken, future)
+        self._ask(taken, future)
         return await future
+
+    def _ask(self, taken: int, future: Future[list[Any]]) -> None:
+        try:
+            self._run_on_loop(self._consumer.fetch, taken, future)
+        except RuntimeError:  # the loop is closed: its agent shut down
+            raise ClosedError("the worker consuming this stream has shut down") from None
 
     async def __aenter__(self) -> Stream[T]:
         return self
@@ -120,8 +126,8 @@ class Stream(Generic[T]):
                 )
             taken, self._taken = self._taken, 0
             future: Future[list[Any]] = Future(loop=self._loop)
-            self._run_on_loop(self._consumer.fetch, taken, future)
             try:
+                self._ask(taken, future)
                 batch = future.wait()
             except BaseException:
                 self._done = True
@@ -153,7 +159,8 @@ class Stream(Generic[T]):
             return
         self._closed = self._done = True
         self._buffer.clear()
-        self._run_on_loop(self._consumer.close)
+        with contextlib.suppress(RuntimeError):  # a closed loop: the agent is gone already
+            self._run_on_loop(self._consumer.close)
 
     def __del__(self) -> None:
         # Never I/O here: the close is scheduled on the agent's loop (a break out of a

@@ -135,3 +135,12 @@ class Counter:
     async def aup(self, n: int) -> AsyncIterator[int]:
         for i in range(self.start, self.start + n):
             yield i
+
+
+def consume_forever(to: str, tag: str) -> int:
+    """A slow synchronous consumer of an endless stream (until its worker dies)."""
+    taken = 0
+    for _ in asyncrpc.stream(to, tracked, tag):
+        taken += 1
+        time.sleep(0.01)
+    return taken
