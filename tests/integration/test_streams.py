@@ -14,8 +14,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from torch.profiler import profile
 
 import asyncrpc
+from asyncrpc.profiling import remote_event_name, rpc_span_name
+from asyncrpc.profiling.names import stream_items_name
 from tests.integration import stream_fns as sf
 from tests.integration.conftest import Group
 
@@ -249,3 +252,20 @@ def test_stream_of_tensors_intact_and_through_shared_memory(group: Group) -> Non
         )
     )
     assert _no_streams_left("w3")
+
+
+# -- the call pipeline -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [sf.count, sf.acount], ids=["sync", "async"])
+def test_stream_profiler_shows_one_span_per_stream_with_its_item_count(
+    group: Group, fn: Callable[[int], object]
+) -> None:
+    with profile() as prof:
+        assert list(asyncrpc.stream("w1", fn, 25)) == list(range(25))
+        assert list(asyncrpc.stream("w1", fn, 3)) == [0, 1, 2]
+    found = {e.key: e.count for e in prof.key_averages()}
+    span = rpc_span_name("stream", fn.__name__, "driver", "w1")
+    assert found[span] == 2
+    assert found[remote_event_name(span, stream_items_name(25))] == 1
+    assert found[remote_event_name(span, stream_items_name(3))] == 1
