@@ -41,8 +41,8 @@ class ConsumerStream:
     """The state of one stream this worker consumes; touched on the agent's loop only."""
 
     __slots__ = (
-        "_hub", "_loop", "_outcome", "_timer", "_waiter", "closed", "ended", "flow", "items",
-        "peer", "peer_name", "stream_id", "target", "timeout",
+        "_handing", "_hub", "_loop", "_outcome", "_timer", "_waiter", "closed", "ended", "flow",
+        "items", "peer", "peer_name", "stream_id", "target", "timeout",
     )  # fmt: skip
 
     def __init__(
@@ -62,6 +62,7 @@ class ConsumerStream:
         self._outcome: BaseException | None = None
         self._waiter: Waiter | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._handing = False  # a hand-off to the waiting fetch is scheduled
         self._hub = hub
 
     # -- from the hub ------------------------------------------------------------------------
@@ -71,6 +72,14 @@ class ConsumerStream:
         if self.closed:
             return
         self.items.append(value)
+        if self._waiter is not None and not self._handing:
+            # Next loop pass, not now: the other frames of this read come first, and the
+            # waiting consumer takes them all at once (one wake-up per batch, not per item).
+            self._handing = True
+            self._loop.call_soon(self._hand_soon)
+
+    def _hand_soon(self) -> None:
+        self._handing = False
         self._hand()
 
     def finished(self, outcome: BaseException | None) -> None:
@@ -98,7 +107,7 @@ class ConsumerStream:
         """Hand the next items to ``waiter``, now or when they come; ``consumed``: items the
         application took from the previous batch."""
         if consumed and not self.closed:
-            grant = self.flow.consumed(consumed, waiting=not self.items)
+            grant = self.flow.consumed(consumed)
             if grant:
                 self._hub.grant(self, grant)
         previous, self._waiter = self._waiter, waiter

@@ -121,7 +121,7 @@ def test_ConsumerFlow_refuses_items_beyond_the_window() -> None:
     flow.check(1)
     with pytest.raises(RemoteProtocolError):
         flow.check(2)  # nothing consumed: the producer overran its credit
-    assert flow.consumed(2, waiting=True) == 2
+    assert flow.consumed(2) == 2
     flow.check(2)
 
 
@@ -130,24 +130,24 @@ def test_ConsumerFlow_grants_in_batches_of_half_a_window() -> None:
     assert flow.initial() == 8
     for seq in range(8):
         flow.check(seq)
-    assert flow.consumed(3, waiting=False) == 0  # below half a window: held back
-    assert flow.consumed(1, waiting=False) == 4
+    assert flow.consumed(3) == 0  # below half a window: held back
+    assert flow.consumed(1) == 4
     assert flow.acked == 4
 
 
-def test_ConsumerFlow_grants_everything_owed_before_waiting() -> None:
-    # Else a consumer holding back credit and a producer without credit would wait forever.
-    flow = ConsumerFlow(window=8)
-    flow.check(0)
-    assert flow.consumed(1, waiting=True) == 1
-    assert flow.consumed(0, waiting=True) == 0
+def test_ConsumerFlow_windows_of_one_and_two_grant_every_item() -> None:
+    for window in (1, 2):
+        flow = ConsumerFlow(window)
+        flow.check(0)
+        assert flow.consumed(1) == 1
+        assert flow.consumed(0) == 0
 
 
 def test_ConsumerFlow_checks_consumption_and_the_end_count() -> None:
     flow = ConsumerFlow(window=4)
     flow.check(0)
     with pytest.raises(LocalProtocolError):
-        flow.consumed(2, waiting=True)
+        flow.consumed(2)
     with pytest.raises(RemoteProtocolError):
         flow.check_end(2)
     flow.check_end(1)
@@ -165,7 +165,7 @@ def test_flows_keep_the_producer_within_the_window() -> None:
         while producer.take(1):
             consumer.check(producer.sent_one())
             assert producer.sent - (consumed - 1) <= window
-        grant = consumer.consumed(1, waiting=consumed == consumer.received)
+        grant = consumer.consumed(1)
         if grant:
             producer.grant(grant)
     assert producer.sent >= 50

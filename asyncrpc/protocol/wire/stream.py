@@ -202,10 +202,11 @@ class ProducerFlow:
 class ConsumerFlow:
     """The consumer's side of one stream's credit: which items may come, when to grant more.
 
-    ``received`` checks each item's number (in order, exactly once, within the window);
+    ``check`` accepts each item's number (in order, exactly once, within the window);
     ``consumed`` counts the items the application took and returns the credit to send, in
-    batches of at least half a window, or everything owed when the consumer is about to wait
-    (so the producer is never left without credit while the consumer waits for it).
+    batches of half a window (one credit frame per half window, not per item). That never
+    leaves the producer stuck: it stops only with a whole window unacknowledged, and once
+    the consumer has taken those, at least half a window is owed and granted.
     """
 
     __slots__ = ("_owed", "acked", "received", "window")
@@ -236,9 +237,9 @@ class ConsumerFlow:
             )
         self.received += 1
 
-    def consumed(self, count: int, waiting: bool) -> int:
+    def consumed(self, count: int) -> int:
         """The application took ``count`` more items; returns the credit to grant now (0:
-        none yet). ``waiting``: it is about to wait for the next item.
+        none yet).
 
         Raises:
             LocalProtocolError: more consumed than received (a bug here).
@@ -248,7 +249,7 @@ class ConsumerFlow:
             raise LocalProtocolError(
                 f"consumed {self.acked + self._owed} stream items of {self.received}"
             )
-        if self._owed == 0 or (not waiting and self._owed < max(1, self.window // 2)):
+        if self._owed < max(1, self.window // 2):
             return 0
         grant, self._owed = self._owed, 0
         self.acked += grant
