@@ -187,7 +187,9 @@ class Dispatcher:
         if request.mode == CallMode.STREAM:  # a generator, driven by runtime/producer.py
             assert self.streams is not None
             replying = partial(self._replying, request, peer)
-            self.streams.start(peer, request.call_id, fn, run, args, kwargs, replying)
+            device_map = self._reply_device_map(peer)  # items are pickled as replies are
+            dumps = partial(self._serializer.dumps, context=peer, device_map=device_map)
+            self.streams.start(peer, request.call_id, fn, run, args, kwargs, replying, dumps)
             return
         key = (peer, request.call_id)
         if is_coroutine_function(fn):

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from asyncrpc.errors import FrameTooLargeError, SerializationError
 from asyncrpc.functions import is_coroutine_function, is_inline
-from asyncrpc.protocol.serde import Serializer, pack_exception
+from asyncrpc.protocol.serde import pack_exception
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.stream import ProducerFlow, StreamEnd, StreamError, StreamItem
 from asyncrpc.runtime.services import RRefService
@@ -41,6 +41,9 @@ _log = logging.getLogger("asyncrpc.runtime.producer")
 
 # The pipeline's last look at the stream (the dispatcher's): ok, value -> reply fields.
 Replying = Callable[[bool, Any], dict[str, Any] | None]
+# Pickles one item for the consumer as a reply to it is pickled (the dispatcher's choice of
+# serializer arguments): item -> (payload, segments, keepalive).
+Dumps = Callable[[Any], tuple[bytes, list[Any], Any]]
 
 
 class ProducerHost(Protocol):
@@ -49,21 +52,18 @@ class ProducerHost(Protocol):
     name: str
     loop: asyncio.AbstractEventLoop
     pool: WorkerPool
-    serializer: Serializer
     rrefs: RRefService | None
 
     def write(
         self, conn: Any, pieces: list[Any], keep: object = None, forks: list[Any] | None = None
     ) -> None: ...
 
-    def reply_device_map(self, rank: int) -> dict[str, str] | None: ...
-
 
 class ProducerStream:
     """One stream this worker produces: its generator, credit and state."""
 
     __slots__ = (
-        "async_source", "closed", "conn", "flow", "flushing", "outbox", "peer", "replying",
+        "async_source", "closed", "conn", "dumps", "flow", "flushing", "outbox", "peer", "replying",
         "running", "source", "stream_id", "target", "task", "wakeup",
     )  # fmt: skip
 
@@ -75,6 +75,7 @@ class ProducerStream:
         self.flow = ProducerFlow()
         self.closed = False  # ended, failed or closed: nothing more is sent
         self.replying: Replying | None = None  # set when the function starts
+        self.dumps: Dumps | None = None  # likewise
         # A plain iterator, advanced on the pool (None: none, or handed back to be closed).
         self.source: Iterator[Any] | None = None
         self.running = False  # a pool job is advancing ``source``
@@ -110,15 +111,15 @@ class Producers:
 
     def start(
         self, peer: int, stream_id: int, fn: Any, run: Callable[..., Any], args: Any,
-        kwargs: Any, replying: Replying,
+        kwargs: Any, replying: Replying, dumps: Dumps,
     ) -> None:  # fmt: skip
         """Start the stream's function: ``fn`` decides where it runs, ``run`` (``fn`` as
-        the pipeline's hooks wrapped it) is what is called."""
+        the pipeline's hooks wrapped it) is what is called, ``dumps`` pickles its items."""
         stream = self._streams.get((peer, stream_id))
         if stream is None:  # closed before it could start
             replying(False, asyncio.CancelledError())
             return
-        stream.replying = replying
+        stream.replying, stream.dumps = replying, dumps
         if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn) or is_inline(fn):
             try:  # a generator function returns at once: its body runs when advanced
                 result = run(*args, **kwargs)
@@ -346,12 +347,11 @@ class Producers:
     def _encode(self, stream: ProducerStream, seq: int, item: Any) -> tuple[list[Any], Any, Any]:
         """Frame item ``seq`` (on the loop or a pool thread)."""
         host, rrefs = self._host, self._host.rrefs
+        assert stream.dumps is not None
         if rrefs is not None:
             rrefs.take_minted()  # a pickling that failed elsewhere on this thread may leave some
         try:
-            payload, segments, keep = host.serializer.dumps(
-                item, context=stream.peer, device_map=host.reply_device_map(stream.peer)
-            )
+            payload, segments, keep = stream.dumps(item)
         except Exception as exc:
             if rrefs is not None:
                 self._undelivered(stream, rrefs.take_minted())

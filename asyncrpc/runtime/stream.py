@@ -168,6 +168,7 @@ class Stream(Generic[T]):
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        # A closed loop (RuntimeError): the agent and its streams are gone.
-        with contextlib.suppress(RuntimeError):
+        try:
             self._loop.call_soon_threadsafe(self._consumer.close)
+        except Exception:  # a closed loop, or an exiting interpreter: nothing left to stop
+            return

@@ -143,9 +143,6 @@ class Host:
     def write(self, conn: Any, pieces: list[Any], keep: object = None, forks: Any = None) -> None:
         conn.write(pieces)
 
-    def reply_device_map(self, rank: int) -> None:
-        return None
-
 
 PRODUCED: list[int] = []
 CLOSED = threading.Event()
@@ -194,7 +191,7 @@ async def test_Producers_advance_only_within_credit_and_close_runs_finally(fn: A
     host = Host()
     producers, conn, told = Producers(host), Conn(host.serializer), []  # type: ignore[arg-type]
     producers.expect(conn, 2, 7, "gen")
-    producers.start(2, 7, fn, fn, (), {}, _replying(told))
+    producers.start(2, 7, fn, fn, (), {}, _replying(told), host.serializer.dumps)
     await asyncio.sleep(0.05)
     assert PRODUCED == []  # no credit yet: not advanced at all
     producers.on_credit(2, 7, 3)
@@ -220,8 +217,9 @@ async def test_Producers_send_items_then_the_error_or_the_end() -> None:
     broken, clean = Conn(host.serializer), Conn(host.serializer)
     producers.expect(broken, 2, 1, "gen")
     producers.expect(clean, 2, 2, "gen")
-    producers.start(2, 1, three_then_error, three_then_error, (), {}, _replying([]))
-    producers.start(2, 2, range, range, (5,), {}, _replying([]))  # a function returning one
+    dumps = host.serializer.dumps
+    producers.start(2, 1, three_then_error, three_then_error, (), {}, _replying([]), dumps)
+    producers.start(2, 2, range, range, (5,), {}, _replying([]), dumps)  # returns an iterable
     producers.on_credit(2, 1, 100)
     producers.on_credit(2, 2, 100)
     async with asyncio.timeout(5):
