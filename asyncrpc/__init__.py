@@ -63,6 +63,7 @@ from asyncrpc.protocol.serde import register_reducer
 from asyncrpc.rref.handle import RRef
 from asyncrpc.runtime.future import Future, collect_all, wait_all
 from asyncrpc.runtime.options import RpcBackendOptions, TensorPipeRpcBackendOptions, WorkerInfo
+from asyncrpc.streaming import Stream, rpc_stream, stream
 
 __all__ = [
     "AsyncExecutionError",
@@ -99,6 +100,7 @@ __all__ = [
     "SerializationError",
     "ShutdownError",
     "StoreHostLostError",
+    "Stream",
     "TensorPipeRpcBackendOptions",
     "ThreadPoolExhaustedError",
     "UnknownWorkerError",
@@ -119,9 +121,11 @@ __all__ = [
     "register_reducer",
     "remote",
     "rpc_async",
+    "rpc_stream",
     "rpc_sync",
     "shutdown",
     "shutdown_async",
+    "stream",
     "wait_all",
     "worker",
 ]

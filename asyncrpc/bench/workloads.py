@@ -8,7 +8,7 @@ parameter-RRef makers of dist-autograd, one per system (each builds its own RRef
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -31,6 +31,10 @@ __all__ = [
     "parameter_rrefs",
     "ps_pull",
     "ps_push",
+    "stream_fresh_tensors",
+    "stream_items",
+    "stream_progress",
+    "stream_tensors",
     "torch_async_noop",
     "torch_parameter_rrefs",
     "value",
@@ -154,3 +158,39 @@ def autograd_batch() -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(AUTOGRAD_BATCH, AUTOGRAD_FEATURES, generator=gen)
     return x, torch.randn(AUTOGRAD_BATCH, AUTOGRAD_FEATURES, generator=gen)
+
+
+# -- streams -------------------------------------------------------------------------------
+
+# How far the stalled-consumer stream's producer got (read by the bench with an inline call).
+_stream_progress: dict[str, int] = {}
+
+
+def stream_items(n: int) -> Iterator[int]:
+    """``n`` small items, from a plain generator (advanced on the callee's pool)."""
+    yield from range(n)
+
+
+def stream_tensors(n: int, floats: int) -> Iterator[torch.Tensor]:
+    """``n`` float32 tensors of ``floats`` elements (the same one: its bytes are sent anew
+    each time, as an echo's are)."""
+    tensor = torch.ones(floats)
+    for _ in range(n):
+        yield tensor
+
+
+def stream_fresh_tensors(tag: str, floats: int) -> Iterator[torch.Tensor]:
+    """An endless stream of new tensors, noting how many were made under ``tag``."""
+    made = 0
+    while True:
+        made += 1
+        _stream_progress[tag] = made
+        yield torch.ones(floats)
+
+
+@inline
+def stream_progress(tag: str) -> tuple[int, int]:
+    """How many items the ``tag`` stream made, and the bytes of shared memory lent now."""
+    from asyncrpc import get_metrics
+
+    return _stream_progress.get(tag, 0), get_metrics()["shm_lent_bytes"]

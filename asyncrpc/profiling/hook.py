@@ -24,7 +24,13 @@ import torch
 from torch.autograd import profiler as torch_profiler
 
 from asyncrpc.profiling.merge import RemoteBatch, deliver, install, requested_flags, set_node_id
-from asyncrpc.profiling.names import call_name, is_torch_op, remote_event_name, rpc_span_name
+from asyncrpc.profiling.names import (
+    call_name,
+    is_torch_op,
+    remote_event_name,
+    rpc_span_name,
+    stream_items_name,
+)
 from asyncrpc.profiling.recorder import (
     ASKED,
     Recording,
@@ -100,6 +106,9 @@ class ProfilingHook(CallHook):
             return
         rows = None if headers is None else headers.get(FIELD)
         rows = rows if isinstance(rows, list) and rows else None
+        if call.kind == "stream" and error is None and isinstance(call.result, int):
+            # One span per stream; its value is the item count, shown as an event in it.
+            rows = [[stream_items_name(call.result), 0.0, 0.0, 0, -1, None, 0], *(rows or [])]
         if isinstance(started, _Nested):
             _add_nested(started, call.callee_rank, rows)
             return

@@ -52,7 +52,7 @@ _log = logging.getLogger("asyncrpc.profiling")
 MAX_BATCHES = 10_000
 
 # The prefixes of the span names of RPCs (see names.py): a profile with one is an RPC one.
-SPAN_PREFIXES = ("rpc_sync#", "rpc_async#", "rpc_remote#")
+SPAN_PREFIXES = ("rpc_sync#", "rpc_async#", "rpc_remote#", "rpc_stream#")
 
 
 class RemoteBatch:

@@ -21,6 +21,7 @@ __all__ = [
     "is_torch_op",
     "remote_event_name",
     "rpc_span_name",
+    "stream_items_name",
 ]
 
 REMOTE_OP = "#remote_op: "
@@ -55,8 +56,13 @@ def call_name(target: str, default: str, fn: Any) -> str:
 
 
 def rpc_span_name(kind: str, function: str, caller: str, callee: str) -> str:
-    """``rpc_sync#fn(caller -> callee)``; ``kind`` is "sync", "async" or "remote"."""
+    """``rpc_sync#fn(caller -> callee)``; ``kind`` is "sync", "async", "remote" or "stream"."""
     return f"rpc_{kind}#{function}({caller} -> {callee})"
+
+
+def stream_items_name(count: int) -> str:
+    """The event a stream's span holds to say how many items it carried."""
+    return f"stream items: {count}"
 
 
 def remote_event_name(span: str, event: str) -> str:

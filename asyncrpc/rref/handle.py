@@ -341,6 +341,11 @@ class RRef(Generic[T]):
         """Proxy: ``rref.remote().method(*args)`` returns an RRef of the result."""
         return _Proxy(self, "remote", timeout)
 
+    def stream(self, timeout: float = UNSET_RPC_TIMEOUT, window: int | None = None) -> Any:
+        """Proxy: ``rref.stream().method(*args)`` iterates the generator method ``method``
+        of the value on its owner, as ``asyncrpc.rpc_stream`` does (returns a ``Stream``)."""
+        return _StreamProxy(self, timeout, window)
+
 
 class _Proxy:
     """Turns ``proxy.method(*args, **kwargs)`` into a call of ``method`` on the owner."""
@@ -366,6 +371,28 @@ class _Proxy:
         future = ctx.call(rref._owner, _invoke_method, call_args, self._timeout, self._mode, target)
         future = future._then(functools.partial(_owner_lost_as_rref_error, rref.owner_name()))
         return future if self._mode == "async" else future.wait()
+
+
+class _StreamProxy:
+    """Turns ``proxy.method(*args, **kwargs)`` into a stream of ``method`` on the owner."""
+
+    __slots__ = ("_rref", "_timeout", "_window")
+
+    def __init__(self, rref: RRef[Any], timeout: float, window: int | None) -> None:
+        self._rref, self._timeout, self._window = rref, timeout, window
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return functools.partial(self._invoke, name)
+
+    def _invoke(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        rref = self._rref
+        rref._ctx.check_usable(rref)
+        return current_agent().streams.open(
+            rref._owner, _stream_method, (rref, name, args, kwargs), {}, self._timeout,
+            self._window, f"RRef.{name}",
+        )  # fmt: skip
 
 
 def _check_method(rref: RRef[Any], name: str, timeout: float) -> None:
@@ -507,6 +534,18 @@ async def _fetch(worker_id: int, local_id: int) -> Any:
     the parent fork that is handing it over) and has not freed the value.
     """
     return await _owner_value(current_rrefs().owned_value(worker_id, local_id))
+
+
+async def _stream_method(
+    rref: RRef[Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Runs on the owner: the iterator ``value.name(*args, **kwargs)`` returns, streamed
+    from there (an async one on the loop, a plain one on the pool)."""
+    future = rref._value
+    assert future is not None
+    del rref  # see _owner_value
+    value = await _owner_value(future)
+    return getattr(value, name)(*args, **kwargs)
 
 
 async def _invoke_method(

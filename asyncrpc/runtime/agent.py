@@ -55,6 +55,7 @@ from asyncrpc.protocol.wire.messages import (
     decode_message,
     optional_headers,
 )
+from asyncrpc.protocol.wire.stream import STREAM_KINDS
 from asyncrpc.runtime import handoffs
 from asyncrpc.runtime.cuda.maps import DeviceMapHook, check_device_maps
 from asyncrpc.runtime.cuda.staging import cuda_transfer
@@ -74,6 +75,7 @@ from asyncrpc.runtime.rendezvous import PeerAddress, StoreGroup, join_group
 from asyncrpc.runtime.services import RRefFactory, RRefService
 from asyncrpc.runtime.shm import SHM_TAG_PREFIX, SharedMemory
 from asyncrpc.runtime.shutdown import GracefulShutdown
+from asyncrpc.runtime.streams import Streams
 from asyncrpc.runtime.threadpool import WorkerPool
 from asyncrpc.runtime.tls import TlsContexts, tls_contexts
 from asyncrpc.runtime.transport import Connection, start_server, start_unix_server
@@ -131,6 +133,9 @@ class Agent:
             name, loop, self.pool, self.serializer, self.write, self.counters, self.pipeline,
             options.print_errors,
         )  # fmt: skip
+        # Streaming calls (asyncrpc/runtime/streams.py): the dispatcher starts producers.
+        self.streams = Streams(self, self._send_control)
+        self.dispatcher.streams = self.streams.producers
         self.lag = LagProbe(loop)
         self.heartbeat = Heartbeat(
             loop, options.heartbeat_interval, options.heartbeat_timeout,
@@ -562,6 +567,7 @@ class Agent:
             self.counters.calls_failed += 1
             call.fail(lost)
         self.dispatcher.cancel_peer(rank)
+        self.streams.on_peer_lost(rank)
         self.shm.on_peer_lost(rank)
         if self.rrefs is not None:
             self.rrefs.on_peer_lost(rank)
@@ -607,6 +613,9 @@ class Agent:
         # Hot path first: replies and requests on an established connection.
         if kind == Kind.REPLY and conn.peer is not None:
             self._on_reply(fields, frame)
+            return
+        if conn.peer is not None and type(kind) is int and kind in STREAM_KINDS:  # streams.py
+            self.streams.on_frame(conn, frame)
             return
         try:
             message = decode_message(fields)
@@ -750,6 +759,7 @@ class Agent:
         # Calls that came on it are cancelled (nobody reads their replies); remote()
         # requests run on: their value must still land here.
         self.dispatcher.cancel_connection(conn)
+        self.streams.on_connection_lost(conn)  # streams produced for it stop
         # Shared memory ends with the connection: chunks lent on it are closed, not
         # reused, and the peer's mappings dropped; the next connection probes again.
         self.shm.on_peer_lost(rank)
@@ -808,6 +818,7 @@ class Agent:
         """
         limit = self.options.shutdown_timeout if timeout is None else timeout
         failure: ShutdownError | None = None
+        self.streams.close_all()  # open streams are not outstanding work: they end now
         if graceful:
             try:
                 await GracefulShutdown(self).run(time.monotonic() + limit)
@@ -830,6 +841,7 @@ class Agent:
             if graceful and conn.peer is not None and not conn.closed:
                 self.write(conn, goodbye)
             conn.close()
+        self.streams.close_all()
         for call in self.pending.pop_all():
             call.fail(ClosedError(f"worker {self.name!r} shut down before the reply came"))
         if self._loopback is not None:
@@ -868,6 +880,7 @@ class Agent:
             "loop_lag_ms": round(self.lag.last_ms, 3),
             "loop_lag_max_ms": round(self.lag.max_ms, 3),
             **self.shm.stats(),
+            **self.streams.stats(),
             # Work handed between threads, by kind, in this whole process (runtime/handoffs).
             **{f"handoffs_{kind}": n for kind, n in handoffs.snapshot().items()},
         }

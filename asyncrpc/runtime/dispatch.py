@@ -36,6 +36,7 @@ from asyncrpc.runtime.builtins import checked_op, is_torch_c_function, runs_on_l
 from asyncrpc.runtime.future import Future
 from asyncrpc.runtime.metrics import Counters
 from asyncrpc.runtime.pipeline import IncomingCall, Pipeline
+from asyncrpc.runtime.producer import Producers
 from asyncrpc.runtime.services import RRefService
 from asyncrpc.runtime.threadpool import Job as PoolJob
 from asyncrpc.runtime.threadpool import WorkerPool
@@ -120,6 +121,8 @@ class Dispatcher:
         self._served: dict[tuple[int, int], IncomingCall] = {}
         # Keeps the values of remote() requests; set once the agent knows its rank.
         self.rrefs: RRefService | None = None
+        # Runs the generators of stream requests (CallMode.STREAM); set by the agent.
+        self.streams: Producers | None = None
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -132,6 +135,9 @@ class Dispatcher:
         if request.mode == CallMode.REMOTE:
             assert self.rrefs is not None
             self.rrefs.on_remote_request(peer, request)
+        elif request.mode == CallMode.STREAM:  # its credit may come before it starts
+            assert self.streams is not None
+            self.streams.expect(conn, peer, request.call_id, request.target)
         served = None
         rrefs = self.rrefs
         if rrefs is not None:
@@ -177,6 +183,16 @@ class Dispatcher:
             except Exception as exc:
                 self._finish(conn, request, peer, False, exc)
                 return
+        if request.mode == CallMode.STREAM:  # a generator, driven by runtime/producer.py
+            assert self.streams is not None
+            replying = partial(self._replying, request, peer)
+            # Items are pickled as replies are, with the reply's device map, but each frame
+            # leaves as soon as it is built: CUDA tensors take the transfer that waits on
+            # the spot (items have no ready stage).
+            policy = None if served is None else served.reply_policy.devices.blocking()
+            dumps = partial(self._serializer.dumps, context=peer, policy=policy)
+            self.streams.start(peer, request.call_id, fn, run, args, kwargs, replying, dumps)
+            return
         key = (peer, request.call_id)
         if is_coroutine_function(fn):
             self._counters.calls_on_loop += 1
@@ -441,7 +457,9 @@ class Dispatcher:
         self._drop_job((peer, request.call_id))
         if not ok and self._print_errors:
             self._print_error(request, conn.peer_name, value)
-        if request.mode != 0:
+        if request.mode == CallMode.STREAM and self.streams is not None:
+            self.streams.forget(peer, request.call_id)  # it never started: the error replies
+        elif request.mode != 0:
             if self.rrefs is not None:
                 self.rrefs.on_value(request, peer, ok, value)
             if request.headers:

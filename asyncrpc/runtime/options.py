@@ -131,6 +131,8 @@ class RpcBackendOptions:
         print_errors: print, on this worker's stderr, the traceback of every exception a
             function raises when it runs here for a peer (as torch's agent does); the
             caller gets the exception either way.
+        stream_window: the default flow-control window of streams (``asyncrpc.stream``):
+            a producer runs at most this many items ahead of its consumer.
     """
 
     init_method: str = DEFAULT_INIT_METHOD
@@ -159,6 +161,7 @@ class RpcBackendOptions:
     heartbeat_interval: float = 2.0
     heartbeat_timeout: float = 10.0
     print_errors: bool = True
+    stream_window: int = 128
     _extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -180,6 +183,8 @@ class RpcBackendOptions:
         tls = (self.tls_cert, self.tls_key, self.tls_ca)
         if any(p is not None for p in tls) and not all(p is not None for p in tls):
             raise InitError("TLS needs all of tls_cert, tls_key and tls_ca")
+        if type(self.stream_window) is not int or self.stream_window < 1:
+            raise InitError(f"stream_window must be an int >= 1, got {self.stream_window!r}")
         if self.num_worker_threads < 1:
             raise InitError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
         if self.max_worker_threads < self.num_worker_threads:

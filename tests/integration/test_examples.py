@@ -52,3 +52,16 @@ def test_torch_migration_versions_agree() -> None:
     assert len(plain) == 1
     assert len(autograd) == 1
     assert "asyncrpc_autograd" in proc.stdout
+
+
+def test_actor_learner_reward_rises_with_bounded_lag(tmp_path: Path) -> None:
+    out = tmp_path / "al.json"
+    proc = _run("examples.actor_learner", "--actors", "2", "--unrolls", "40",
+                "--json", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["updates"] == len(result["rewards"]) == 80
+    assert result["last"] > result["first"]
+    # Each actor runs at most its window (2 unrolls) ahead; what lags is bounded, not growing.
+    assert result["max_lag"] < 40
+    assert "(rose)" in proc.stdout

@@ -28,6 +28,7 @@ FLOORS: list[tuple[int, tuple[str, ...]]] = [
         4,
         (
             "asyncrpc.api",
+            "asyncrpc.streaming",
             "asyncrpc.optim",
             "asyncrpc.nn",
             "asyncrpc.testing",

@@ -66,6 +66,11 @@ class TensorPolicy:
     def imported(self, tensor: torch.Tensor) -> None:
         """``tensor`` was rebuilt from a segment: once per segment, in segment order."""
 
+    def blocking(self) -> TensorPolicy:
+        """This policy for frames written as soon as they are built (no ready stage to
+        hold them, e.g. stream items): one whose ``to_host`` leaves nothing to wait for."""
+        return self
+
 
 DEFAULT = TensorPolicy()
 """The policy of a message nobody configured."""

@@ -54,6 +54,12 @@ class Kind(IntEnum):
     PING = 10
     PONG = 11
     SHM = 12
+    # Streams (asyncrpc/protocol/wire/stream.py decodes these five).
+    STREAM_ITEM = 13
+    STREAM_CREDIT = 14
+    STREAM_END = 15
+    STREAM_ERROR = 16
+    STREAM_CLOSE = 17
 
 
 class CallMode(IntEnum):
@@ -61,6 +67,7 @@ class CallMode(IntEnum):
 
     CALL = 0  # send the result back in a Reply
     REMOTE = 1  # keep the result as the value of a new owner RRef; no Reply
+    STREAM = 2  # iterate the result: stream frames, no Reply (asyncrpc/protocol/wire/stream.py)
 
 
 class RefOp(IntEnum):

@@ -28,6 +28,7 @@ from asyncrpc.protocol.serde.policy import TensorPolicy
 from asyncrpc.protocol.serde.tensors import memory_view
 from asyncrpc.runtime.cuda.devices import Devices, Event, Stream
 from asyncrpc.runtime.cuda.gate import FrameEvents, SendGate, order_after
+from asyncrpc.runtime.cuda.maps import HostCopy
 
 __all__ = ["StagedCopy", "StagedTransfer", "cuda_transfer"]
 
@@ -109,6 +110,9 @@ class StagedCopy(TensorPolicy):
         self.device_map = device_map
         self._producers: dict[int, Event] = {}  # device -> the producer's work, recorded once
         self.events: dict[int, Event] = {}  # device -> after this message's last copy
+
+    def blocking(self) -> TensorPolicy:
+        return HostCopy(self.device_map)
 
     def frame_events(self) -> FrameEvents:
         return FrameEvents(tuple(self.events.items()))

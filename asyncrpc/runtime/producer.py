@@ -1,0 +1,464 @@
+"""The producing side of streaming calls: runs a stream request's generator for its
+consumer, never past the consumer's credit (layer L2, on the agent's loop).
+
+An ``async def`` generator (or an ``async def`` function returning an async iterator) is
+driven by a task on the loop; a plain generator is advanced on the agent's pool, one burst
+of steps per grant of credit, and each item is pickled on the pool thread that made it, as
+replies of synchronous functions are. Either way the generator is advanced only after a
+credit has been reserved for the item it yields (``ProducerFlow``), so a stalled consumer
+stops the producer within ``window`` items.
+
+Every stream ends exactly once, through ``_end`` (generator exhausted), ``_fail`` (it
+raised, or an item could not be pickled) or ``close`` (the consumer closed it, its
+connection or peer is gone, or this worker shuts down); each removes it from the table and
+tells the pipeline (``replying``). Closing also closes the generator: ``aclose()`` on the
+loop for an async one; a plain one is closed on a pool thread (its ``finally`` may block),
+by the thread advancing it if one is, once its current step returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, Protocol
+
+from asyncrpc.errors import FrameTooLargeError, SerializationError
+from asyncrpc.functions import is_coroutine_function, is_inline
+from asyncrpc.protocol.serde import pack_exception
+from asyncrpc.protocol.wire import encode_frame
+from asyncrpc.protocol.wire.stream import ProducerFlow, StreamEnd, StreamError, StreamItem
+from asyncrpc.runtime.services import RRefService
+from asyncrpc.runtime.threadpool import WorkerPool
+
+__all__ = ["ProducerHost", "ProducerStream", "Producers"]
+
+_CLOSED = object()  # a pool thread closed the generator itself
+_JOIN_BYTES = 64 << 10  # item frames joined into one write, up to this many bytes
+
+_log = logging.getLogger("asyncrpc.runtime.producer")
+
+# The pipeline's last look at the stream (the dispatcher's): ok, value -> reply fields.
+Replying = Callable[[bool, Any], dict[str, Any] | None]
+# Pickles one item for the consumer as a reply to it is pickled (the dispatcher's choice of
+# serializer arguments): item -> (payload, segments, keepalive).
+Dumps = Callable[[Any], tuple[bytes, list[Any], Any]]
+
+
+class ProducerHost(Protocol):
+    """What the producers use of their agent."""
+
+    name: str
+    loop: asyncio.AbstractEventLoop
+    pool: WorkerPool
+    rrefs: RRefService | None
+
+    def write(
+        self, conn: Any, pieces: list[Any], keep: object = None, forks: list[Any] | None = None
+    ) -> None: ...
+
+
+class ProducerStream:
+    """One stream this worker produces: its generator, credit and state."""
+
+    __slots__ = (
+        "async_source", "closed", "conn", "dumps", "flow", "flushing", "outbox", "peer", "replying",
+        "running", "source", "stream_id", "target", "task", "wakeup",
+    )  # fmt: skip
+
+    def __init__(self, conn: Any, peer: int, stream_id: int, target: str) -> None:
+        self.conn = conn
+        self.peer = peer
+        self.stream_id = stream_id
+        self.target = target
+        self.flow = ProducerFlow()
+        self.closed = False  # ended, failed or closed: nothing more is sent
+        self.replying: Replying | None = None  # set when the function starts
+        self.dumps: Dumps | None = None  # likewise
+        # A plain iterator, advanced on the pool (None: none, or handed back to be closed).
+        self.source: Iterator[Any] | None = None
+        self.running = False  # a pool job is advancing ``source``
+        self.async_source = False
+        self.task: asyncio.Task[None] | None = None  # drives an async iterator
+        self.wakeup: asyncio.Future[None] | None = None  # the task waits for credit
+        # Item frames made since the last write, written together (see Producers._flush).
+        self.outbox: list[tuple[list[Any], Any, Any]] = []
+        self.flushing = False  # a flush is scheduled
+
+
+class Producers:
+    """The streams this worker produces, by (consumer's rank, stream id); loop thread only."""
+
+    def __init__(self, host: ProducerHost) -> None:
+        self._host = host
+        self._streams: dict[tuple[int, int], ProducerStream] = {}
+        self.items_sent = 0
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    # -- from the dispatcher -----------------------------------------------------------------
+
+    def expect(self, conn: Any, peer: int, stream_id: int, target: str) -> None:
+        """A stream request arrived: hold its credit until its function starts (its
+        arguments may still wait for RRef confirmations)."""
+        self._streams[(peer, stream_id)] = ProducerStream(conn, peer, stream_id, target)
+
+    def forget(self, peer: int, stream_id: int) -> None:
+        """The request failed before its function started (the error goes as a reply)."""
+        self._streams.pop((peer, stream_id), None)
+
+    def start(
+        self, peer: int, stream_id: int, fn: Any, run: Callable[..., Any], args: Any,
+        kwargs: Any, replying: Replying, dumps: Dumps,
+    ) -> None:  # fmt: skip
+        """Start the stream's function: ``fn`` decides where it runs, ``run`` (``fn`` as
+        the pipeline's hooks wrapped it) is what is called, ``dumps`` pickles its items."""
+        stream = self._streams.get((peer, stream_id))
+        if stream is None:  # closed before it could start
+            replying(False, asyncio.CancelledError())
+            return
+        stream.replying, stream.dumps = replying, dumps
+        if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn) or is_inline(fn):
+            try:  # a generator function returns at once: its body runs when advanced
+                result = run(*args, **kwargs)
+            except BaseException as exc:
+                self._fail(stream, exc)
+                return
+            self._adopt(stream, result)
+        elif is_coroutine_function(fn):
+            stream.task = self._host.loop.create_task(self._await_source(stream, run, args, kwargs))
+        else:  # a plain function returning an iterable: it may block, so on the pool
+            stream.running = True
+            self._submit(stream, self._call_in_thread, stream, run, args, kwargs)
+
+    # -- from the consumer -------------------------------------------------------------------
+
+    def on_credit(self, peer: int, stream_id: int, count: int) -> None:
+        stream = self._streams.get((peer, stream_id))
+        if stream is None:
+            return  # ended meanwhile
+        stream.flow.grant(count)
+        self._pump(stream)
+
+    def on_close(self, peer: int, stream_id: int) -> None:
+        stream = self._streams.get((peer, stream_id))
+        if stream is not None:
+            self.close(stream)
+
+    # -- closing -----------------------------------------------------------------------------
+
+    def close(self, stream: ProducerStream, error: BaseException | None = None) -> None:
+        """Stop ``stream``; with ``error``, the consumer is told (else it closed it)."""
+        if stream.closed:
+            return
+        if error is not None:
+            self._fail(stream, error)
+        else:
+            self._finish(stream, False, asyncio.CancelledError())
+        self._close_source(stream)
+
+    def close_connection(self, conn: Any) -> None:
+        """``conn`` is gone: nobody reads the streams that came on it."""
+        for stream in [s for s in self._streams.values() if s.conn is conn]:
+            self.close(stream)
+
+    def close_peer(self, peer: int) -> None:
+        for stream in [s for s in self._streams.values() if s.peer == peer]:
+            self.close(stream)
+
+    def close_all(self, error: BaseException) -> None:
+        """This worker shuts down: every consumer is told with ``error``."""
+        for stream in list(self._streams.values()):
+            self.close(stream, error)
+
+    # -- running -----------------------------------------------------------------------------
+
+    async def _await_source(
+        self, stream: ProducerStream, run: Callable[..., Any], args: Any, kwargs: Any
+    ) -> None:
+        try:
+            result = await run(*args, **kwargs)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            stream.task = None  # ending here: nothing to cancel
+            self._fail(stream, exc)
+            return
+        stream.task = None
+        if stream.closed:
+            _close_now(result)
+        else:
+            self._adopt(stream, result)
+
+    def _adopt(self, stream: ProducerStream, result: Any) -> None:
+        """Drive what the function returned: an async iterator on the loop, else on the pool."""
+        if hasattr(result, "__aiter__"):
+            stream.async_source = True
+            stream.task = self._host.loop.create_task(self._drive(stream, result.__aiter__()))
+            return
+        try:
+            stream.source = iter(result)
+        except TypeError:
+            error = TypeError(
+                f"{stream.target} must be a generator (or return an iterator) to be streamed, "
+                f"it returned {type(result).__name__}"
+            )
+            self._fail(stream, error)
+            return
+        self._pump(stream)
+
+    async def _drive(self, stream: ProducerStream, source: AsyncIterator[Any]) -> None:
+        flow = stream.flow
+        try:
+            while not stream.closed:
+                if flow.take(1) == 0:
+                    stream.wakeup = self._host.loop.create_future()
+                    await stream.wakeup
+                    continue
+                try:
+                    item = await source.__anext__()
+                except StopAsyncIteration:
+                    stream.task = None
+                    self._end(stream)
+                    return
+                self._write(stream, *self._encode(stream, flow.sent, item))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            stream.task = None  # ending here: nothing to cancel
+            self._fail(stream, exc)
+        finally:
+            stream.task = stream.wakeup = None
+            aclose = getattr(source, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except Exception:
+                    _log.exception("closing the stream of %s failed", stream.target)
+
+    def _pump(self, stream: ProducerStream) -> None:
+        """Credit arrived: advance the generator if it waits for credit."""
+        if stream.closed:
+            return
+        if stream.async_source:
+            wakeup = stream.wakeup
+            if wakeup is not None and not wakeup.done():
+                wakeup.set_result(None)
+            return
+        if stream.source is None or stream.running:
+            return
+        count = stream.flow.take()
+        if count:
+            stream.running = True
+            self._submit(stream, self._steps, stream, stream.source, stream.flow.sent, count)
+
+    def _submit(self, stream: ProducerStream, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            self._host.pool.submit(fn, *args)
+        except Exception as exc:  # shut down, or exhausted: the consumer learns it
+            stream.running = False
+            self.close(stream, exc)
+
+    def _call_in_thread(
+        self, stream: ProducerStream, run: Callable[..., Any], args: Any, kwargs: Any
+    ) -> None:
+        # Pool thread: call a plain function that returns what is streamed.
+        post = self._host.pool.post
+        try:
+            result = run(*args, **kwargs)
+        except BaseException as exc:
+            post(self._called, stream, exc, None)
+            return
+        post(self._called, stream, None, result)
+
+    def _called(self, stream: ProducerStream, error: BaseException | None, result: Any) -> None:
+        stream.running = False
+        if error is not None:
+            self._fail(stream, error)
+        elif stream.closed:
+            self._close_in_pool(stream, result)
+        else:
+            self._adopt(stream, result)
+
+    def _steps(self, stream: ProducerStream, source: Iterator[Any], first: int, count: int) -> None:
+        # Pool thread: advance the generator ``count`` times (the credit reserved), pickling
+        # each item here and handing it to the loop, in order. Stops early once closed.
+        post = self._host.pool.post
+        for seq in range(first, first + count):
+            if stream.closed:
+                break
+            try:
+                item = next(source)
+            except BaseException as exc:  # StopIteration too: the end
+                post(self._stepped, stream, exc)
+                return
+            try:
+                built = self._encode(stream, seq, item)
+            except BaseException as exc:
+                post(self._stepped, stream, exc)
+                return
+            del item
+            post(self._write, stream, *built)
+        if stream.closed:  # here, not on the loop: this thread owns the generator now
+            _close_now(source)
+            post(self._stepped, stream, _CLOSED)
+            return
+        post(self._stepped, stream, None)
+
+    def _stepped(self, stream: ProducerStream, outcome: object) -> None:
+        """A burst of steps ended (loop): go on, end, fail, or close the generator."""
+        stream.running = False
+        if outcome is None and not stream.closed:
+            stream.flow.give_back()
+            self._pump(stream)
+            return
+        if outcome is _CLOSED or isinstance(outcome, BaseException):
+            stream.source = None  # closed, exhausted or broken: nothing left to close
+        if isinstance(outcome, StopIteration):
+            self._end(stream)
+        elif isinstance(outcome, BaseException):
+            self._fail(stream, outcome)
+        else:
+            self._close_source(stream)
+
+    def _close_source(self, stream: ProducerStream) -> None:
+        if stream.task is not None:
+            stream.task.cancel()  # its finally closes the async generator
+            stream.task = None
+        source, stream.source = stream.source, None
+        if source is None:
+            return
+        if stream.running:
+            stream.source = source  # the thread advancing it closes it (see _steps)
+            return
+        self._close_in_pool(stream, source)
+
+    def _close_in_pool(self, stream: ProducerStream, source: Any) -> None:
+        # Not on the loop: a generator's finally may block.
+        try:
+            self._host.pool.submit(_close_now, source)
+        except Exception:  # the pool is shut down: its finally runs when it is collected
+            _log.debug("could not close the stream of %s on the pool", stream.target)
+
+    # -- sending -----------------------------------------------------------------------------
+
+    def _encode(self, stream: ProducerStream, seq: int, item: Any) -> tuple[list[Any], Any, Any]:
+        """Frame item ``seq`` (on the loop or a pool thread)."""
+        host, rrefs = self._host, self._host.rrefs
+        assert stream.dumps is not None
+        if rrefs is not None:
+            rrefs.take_minted()  # a pickling that failed elsewhere on this thread may leave some
+        try:
+            payload, segments, keep = stream.dumps(item)
+        except Exception as exc:
+            if rrefs is not None:
+                self._undelivered(stream, rrefs.take_minted())
+            error = SerializationError(
+                f"item {seq} of {stream.target} on worker {host.name!r} cannot be sent: {exc}"
+            )
+            raise error from exc
+        forks = rrefs.take_minted() if rrefs is not None else None
+        pieces = encode_frame(StreamItem(stream.stream_id, seq).to_fields(), payload, segments)
+        return pieces, keep, forks
+
+    def _write(self, stream: ProducerStream, pieces: list[Any], keep: Any, forks: Any) -> None:
+        if stream.closed:
+            self._undelivered(stream, forks)
+            return
+        stream.flow.sent_one()
+        self.items_sent += 1
+        stream.outbox.append((pieces, keep, forks))
+        if not stream.flushing:
+            stream.flushing = True
+            self._host.loop.call_soon(self._flush, stream)
+
+    def _flush(self, stream: ProducerStream) -> None:
+        """Write the items made since the last flush, small frames joined into writes of up
+        to ``_JOIN_BYTES``: a fast generator's items leave in a few system calls per loop
+        pass rather than one each."""
+        stream.flushing = False
+        outbox, stream.outbox = stream.outbox, []
+        if stream.closed:
+            for _, _, forks in outbox:
+                self._undelivered(stream, forks)
+            return
+        limit = min(_JOIN_BYTES, getattr(stream.conn, "peer_max_frame", 0) or _JOIN_BYTES)
+        joined: list[Any] = []
+        keeps: list[Any] = []
+        forks_joined: list[Any] = []
+        size = 0
+        for pieces, keep, forks in outbox:
+            if stream.closed:  # a write failed: the rest is not sent
+                self._undelivered(stream, forks)
+                continue
+            nbytes = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in pieces)
+            if joined and size + nbytes > limit:
+                self._send(stream, joined, keeps, forks_joined)
+                joined, keeps, forks_joined, size = [], [], [], 0
+            joined += pieces
+            keeps.append(keep)
+            forks_joined += forks or ()
+            size += nbytes
+        if joined and not stream.closed:
+            self._send(stream, joined, keeps, forks_joined)
+        elif joined:
+            self._undelivered(stream, forks_joined)
+
+    def _send(
+        self, stream: ProducerStream, pieces: list[Any], keeps: list[Any], forks: list[Any]
+    ) -> None:
+        try:
+            self._host.write(stream.conn, pieces, tuple(keeps), forks or None)
+        except FrameTooLargeError as exc:  # one item over the consumer's frame limit
+            self._undelivered(stream, forks)
+            self._fail(stream, exc)
+
+    def _undelivered(self, stream: ProducerStream, forks: Any) -> None:
+        rrefs = self._host.rrefs
+        if forks and rrefs is not None:
+            rrefs.undelivered(stream.peer, forks)
+
+    def _end(self, stream: ProducerStream) -> None:
+        if stream.closed:
+            return
+        self._flush(stream)  # the items first
+        if stream.closed:  # an item could not be written: failed instead
+            return
+        count = stream.flow.sent
+        headers = self._finish(stream, True, count)
+        end = StreamEnd(stream.stream_id, count, headers)
+        self._host.write(stream.conn, encode_frame(end.to_fields(), b""))
+
+    def _fail(self, stream: ProducerStream, exc: BaseException) -> None:
+        if stream.closed:
+            return
+        if stream.outbox:
+            self._flush(stream)  # the items before the error first
+            if stream.closed:
+                return
+        count = stream.flow.sent
+        headers = self._finish(stream, False, exc)
+        payload = pack_exception(exc, self._host.name)
+        error = StreamError(stream.stream_id, count, headers)
+        self._host.write(stream.conn, encode_frame(error.to_fields(), payload))
+        self._close_source(stream)
+
+    def _finish(self, stream: ProducerStream, ok: bool, value: Any) -> dict[str, Any] | None:
+        """Leave the table (once) and tell the pipeline; returns its reply fields."""
+        stream.closed = True
+        self._streams.pop((stream.peer, stream.stream_id), None)
+        replying, stream.replying = stream.replying, None
+        return None if replying is None else replying(ok, value)
+
+
+def _close_now(source: Any) -> None:
+    """Close a plain generator (runs its ``finally``); on the thread that may block."""
+    close = getattr(source, "close", None)
+    if close is None:
+        return
+    try:
+        close()
+    except Exception:
+        _log.exception("closing a streamed generator failed")

@@ -1,0 +1,94 @@
+"""Streaming calls: iterate a generator that runs on another worker (layer L4).
+
+``asyncrpc.stream(to, fn, ...)`` and torch-style ``asyncrpc.rpc_stream(to, fn, args=...)``
+return a ``Stream``, iterated with ``async for`` or ``for``. The runtime's side is in
+``asyncrpc/runtime/streams.py``; the wire's in ``asyncrpc/protocol/wire/stream.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, ParamSpec, TypeVar, overload
+
+from asyncrpc.runtime.current import current_agent
+from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT
+from asyncrpc.runtime.stream import Stream
+
+__all__ = ["Stream", "rpc_stream", "stream"]
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+@overload
+def stream(
+    to: Any, fn: Callable[P, AsyncIterator[T]], /, *args: P.args, **kwargs: P.kwargs
+) -> Stream[T]: ...
+
+
+@overload
+def stream(
+    to: Any, fn: Callable[P, Iterator[T]], /, *args: P.args, **kwargs: P.kwargs
+) -> Stream[T]: ...
+
+
+def stream(to: Any, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Stream[Any]:
+    """Run the generator ``fn(*args, **kwargs)`` on worker ``to`` and iterate its items.
+
+    An ``async def`` generator runs on the callee's loop, a plain one on its thread pool.
+    Items arrive in order, exactly once; tensors in them travel like call arguments. The
+    producer runs at most ``RpcBackendOptions.stream_window`` items ahead of the consumer.
+    Each wait for an item is bounded by the default ``rpc_timeout``. Leaving the iteration
+    early (``break``, ``close()``, leaving ``async with``), cancelling the consuming task or
+    a timeout stops the producer: its generator is closed on the callee, running its
+    ``finally`` blocks.
+
+    Args:
+        to: a worker name, rank or ``WorkerInfo``.
+        fn: a generator function (``def`` with ``yield``, or ``async def`` with
+            ``yield``), or a function returning an iterator or async iterator.
+        *args: positional arguments, pickled as for ``call``.
+        **kwargs: keyword arguments, all passed to ``fn``.
+
+    Returns:
+        The ``Stream``: an async iterator, an iterator (``for`` blocks the calling thread)
+        and a (async) context manager that closes it on exit.
+
+    Raises:
+        UnknownWorkerError, SerializationError at once. While iterating: the producer's
+        exception as its original type (after the items before it), ``RpcTimeoutError``,
+        ``PeerLostError``, ``ClosedError`` (this worker shut down), ``BlockingCallError``
+        (``for`` on the agent's loop thread).
+    """
+    return current_agent().streams.open(to, fn, args, kwargs, UNSET_RPC_TIMEOUT, None)
+
+
+def rpc_stream(
+    to: Any,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...] | list[Any] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+    window: int | None = None,
+) -> Stream[Any]:
+    """``stream`` with torch-style arguments.
+
+    Args:
+        to: a worker name, rank or ``WorkerInfo``.
+        fn: as for ``stream``.
+        args: positional arguments.
+        kwargs: keyword arguments.
+        timeout: seconds each wait for the next item may last (``RpcTimeoutError``, which
+            also closes the stream); -1: the default ``rpc_timeout``, 0: no limit.
+        window: items the producer may run ahead of the consumer (default:
+            ``RpcBackendOptions.stream_window``).
+
+    Returns:
+        The ``Stream``.
+
+    Raises:
+        ValueError: ``window`` is not a positive int. Else as ``stream``.
+    """
+    return current_agent().streams.open(
+        to, fn, tuple(args or ()), dict(kwargs or {}), timeout, window
+    )

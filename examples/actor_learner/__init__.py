@@ -1,0 +1,1 @@
+"""IMPALA-style actors and learner over asyncrpc streams (see README.md)."""

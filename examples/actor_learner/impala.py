@@ -1,0 +1,224 @@
+"""An IMPALA-style reinforcement-learning loop: actors stream trajectories to a learner,
+and the learner streams new weights back to the actors.
+
+Rank 0 is the learner; ranks 1..N are actors. The learner opens one stream per actor
+(``asyncrpc.rpc_stream(actor, act, ..., window=2)``): ``act`` is an async generator that
+runs on the actor, plays a contextual bandit with its copy of the policy, and yields one
+unroll of observations, actions, rewards and the behaviour policy's log-probabilities at a
+time. The window is the backpressure: an actor is never more than two unrolls ahead of the
+learner, which bounds how stale its policy gets. Meanwhile each actor follows the learner's
+weights through a stream of its own (``weights``, window 1: the learner always sends the
+newest version the actor has not seen). The learner corrects for the lag with truncated
+importance weights (IMPALA's V-trace without a value function: rho clipped at 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+from torch import nn
+
+import asyncrpc
+from asyncrpc.testing import free_port
+from examples._launch import workers, write_json
+
+OBS, ACTIONS = 6, 3
+
+
+def make_policy() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(OBS, ACTIONS)
+
+
+class Bandit:
+    """A contextual bandit: reward 1 when the action is the one a fixed hidden rule picks."""
+
+    def __init__(self, seed: int) -> None:
+        self.rule = torch.randn(OBS, ACTIONS, generator=torch.Generator().manual_seed(7))
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def observe(self, n: int) -> torch.Tensor:
+        return torch.randn(n, OBS, generator=self.rng)
+
+    def reward(self, obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        return ((obs @ self.rule).argmax(dim=1) == actions).float()
+
+
+# -- the learner's side ---------------------------------------------------------------------
+
+
+class Learner:
+    """The policy being trained, and its version (bumped at every update)."""
+
+    def __init__(self, lr: float) -> None:
+        self.policy = make_policy()
+        self.optimizer = torch.optim.SGD(self.policy.parameters(), lr=lr)
+        self.version = 0
+        self.changed = asyncio.Condition()
+        self.rewards: list[float] = []
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
+
+    async def learn(self, unroll: dict[str, torch.Tensor]) -> None:
+        """One update from one unroll; then every actor's weight stream wakes up."""
+        logp = torch.log_softmax(self.policy(unroll["obs"]), dim=1)
+        taken = logp.gather(1, unroll["actions"].unsqueeze(1)).squeeze(1)
+        rho = (taken.detach() - unroll["behaviour_logp"]).exp().clamp(max=1.0)
+        advantage = unroll["rewards"] - unroll["rewards"].mean()
+        entropy = -(logp.exp() * logp).sum(dim=1).mean()
+        loss = -(rho * advantage * taken).mean() - 0.01 * entropy
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        self.rewards.append(float(unroll["rewards"].mean()))
+        async with self.changed:
+            self.version += 1
+            self.changed.notify_all()
+
+
+LEARNER: Learner | None = None  # set on the learner's process
+
+
+async def weights() -> AsyncIterator[tuple[int, dict[str, torch.Tensor]]]:
+    """Runs on the learner, for one actor: each new version of the weights, newest first.
+
+    With a window of 1 the next version is made only once the actor took the last one, so
+    a slow actor skips versions instead of queueing them.
+    """
+    learner, seen = LEARNER, -1
+    assert learner is not None
+    while True:
+        async with learner.changed:
+            while learner.version <= seen:
+                await learner.changed.wait()
+        seen = learner.version
+        yield seen, learner.state()
+
+
+# -- the actors' side -----------------------------------------------------------------------
+
+
+async def follow(policy: nn.Module, versions: list[int]) -> None:
+    """Keep ``policy`` at the learner's newest weights (a stream from the learner)."""
+    async for version, state in asyncrpc.rpc_stream("learner", weights, window=1):
+        policy.load_state_dict(state)
+        versions.append(version)
+
+
+async def act(actor: int, unrolls: int, length: int) -> AsyncIterator[dict[str, Any]]:
+    """Runs on an actor: play ``unrolls`` unrolls of ``length`` steps, yielding each."""
+    policy, env, versions = make_policy(), Bandit(seed=actor), [0]
+    following = asyncio.create_task(follow(policy, versions))
+    try:
+        for _ in range(unrolls):
+            obs = env.observe(length)
+            with torch.no_grad():
+                logp = torch.log_softmax(policy(obs), dim=1)
+            actions = torch.multinomial(logp.exp(), 1).squeeze(1)
+            yield {
+                "obs": obs,
+                "actions": actions,
+                "rewards": env.reward(obs, actions),
+                "behaviour_logp": logp.gather(1, actions.unsqueeze(1)).squeeze(1),
+                "version": versions[-1],
+            }
+            await asyncio.sleep(0)  # let the weight stream deliver
+    finally:  # runs when the learner is done with this actor, however that happens
+        following.cancel()
+
+
+# -- the programs ---------------------------------------------------------------------------
+
+
+def _options(args: argparse.Namespace) -> asyncrpc.RpcBackendOptions:
+    return asyncrpc.RpcBackendOptions(
+        init_method=args.init_method, rpc_timeout=args.timeout, shutdown_timeout=args.timeout
+    )
+
+
+async def learn(args: argparse.Namespace) -> dict[str, Any]:
+    """Rank 0: merge the actors' streams into one queue and learn from each unroll."""
+    global LEARNER
+    world = args.actors + 1
+    async with asyncrpc.worker("learner", rank=0, world_size=world,
+                               rpc_backend_options=_options(args)):  # fmt: skip
+        learner = LEARNER = Learner(args.lr)
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=args.actors)
+        lags: list[int] = []
+
+        async def pump(actor: int) -> None:
+            stream = asyncrpc.rpc_stream(
+                f"actor{actor}", act, args=(actor, args.unrolls, args.length), window=2
+            )
+            async with stream:
+                async for unroll in stream:
+                    await queue.put(unroll)
+
+        pumps = [asyncio.create_task(pump(a)) for a in range(1, world)]
+        for step in range(1, args.actors * args.unrolls + 1):
+            unroll = await queue.get()
+            lags.append(learner.version - unroll["version"])
+            await learner.learn(unroll)
+            if step % 20 == 0:
+                recent = learner.rewards[-20:]
+                print(f"update {step:4d}  reward {sum(recent) / len(recent):.3f}  "
+                      f"policy lag {max(lags[-20:])}", flush=True)  # fmt: skip
+        await asyncio.gather(*pumps)
+        LEARNER = None
+    return {"rewards": learner.rewards, "max_lag": max(lags), "updates": learner.version}
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Ranks 1..N: an actor joins and serves (``act`` is streamed from it) until shutdown."""
+    async with asyncrpc.worker(f"actor{args.rank}", rank=args.rank, world_size=args.world_size,
+                               rpc_backend_options=_options(args)):  # fmt: skip
+        pass
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m examples.actor_learner")
+    parser.add_argument("--actors", type=int, default=2)
+    parser.add_argument("--unrolls", type=int, default=150, help="per actor")
+    parser.add_argument("--length", type=int, default=32, help="steps per unroll")
+    parser.add_argument("--lr", type=float, default=0.5)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--json", help="write the rewards here")
+    parser.add_argument("--role", choices=("main", "worker"), default="main")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--world-size", type=int, default=0)
+    parser.add_argument("--init-method", default="")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the example; exit 0 when the reward rose."""
+    args = parse(argv)
+    if args.role == "worker":
+        asyncio.run(serve(args))
+        return 0
+    args.init_method = f"tcp://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    print(f"learner + {args.actors} actors, {args.unrolls} unrolls each", flush=True)
+    extra = ["--timeout", str(args.timeout)]
+    with workers(__name__, range(1, args.actors + 1), args.actors + 1, args.init_method, extra):
+        result = asyncio.run(learn(args))
+    rewards = result["rewards"]
+    k = max(1, len(rewards) // 5)
+    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    rose = last > first
+    print(f"reward {first:.3f} -> {last:.3f} ({'rose' if rose else 'DID NOT RISE'}), "
+          f"policy lag at most {result['max_lag']} updates, "
+          f"in {time.monotonic() - start:.1f}s", flush=True)  # fmt: skip
+    write_json(args.json, {**result, "first": first, "last": last, "rose": rose})
+    return 0 if rose else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

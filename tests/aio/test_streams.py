@@ -1,0 +1,233 @@
+"""asyncio tests of the stream runtime in one process, without an agent: the consumer's
+state (``runtime/consumer.py``) against a fake hub, and the producers
+(``runtime/producer.py``) against a fake host that decodes what they write."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from asyncrpc.errors import RpcTimeoutError
+from asyncrpc.protocol.serde import Serializer, unpack_exception
+from asyncrpc.protocol.wire import FrameDecoder
+from asyncrpc.protocol.wire.stream import (
+    StreamEnd,
+    StreamError,
+    StreamItem,
+    decode_stream_message,
+)
+from asyncrpc.runtime.consumer import ConsumerStream
+from asyncrpc.runtime.producer import Producers
+from asyncrpc.runtime.threadpool import WorkerPool
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(20)]
+
+
+# -- the consumer's side ---------------------------------------------------------------------
+
+
+class Hub:
+    """Records the credit a consumer grants and whether it closed."""
+
+    def __init__(self) -> None:
+        self.granted: list[int] = []
+        self.closed: list[ConsumerStream] = []
+
+    def grant(self, stream: ConsumerStream, count: int) -> None:
+        self.granted.append(count)
+
+    def close(self, stream: ConsumerStream) -> None:
+        self.closed.append(stream)
+        stream.shut(None)
+
+
+def _consumer(hub: Hub, window: int = 8, timeout: float = 0.0) -> ConsumerStream:
+    loop = asyncio.get_running_loop()
+    return ConsumerStream(loop, 1, 2, "w2", "mod.gen", timeout, window, hub)
+
+
+async def _fetch(stream: ConsumerStream, consumed: int) -> list[Any]:
+    waiter: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+    stream.fetch(consumed, waiter)
+    async with asyncio.timeout(5):
+        return await waiter
+
+
+async def test_ConsumerStream_hands_items_in_batches_of_half_a_window() -> None:
+    hub = Hub()
+    stream = _consumer(hub, window=8)
+    for seq in range(8):
+        stream.flow.check(seq)
+        stream.on_item(seq, seq)
+    assert await _fetch(stream, 0) == [0, 1, 2, 3]
+    assert hub.granted == []  # nothing consumed yet
+    assert await _fetch(stream, 4) == [4, 5, 6, 7]
+    assert hub.granted == [4]  # half a window consumed: granted in one frame
+
+
+async def test_ConsumerStream_a_waiting_fetch_gets_the_items_of_one_pass_together() -> None:
+    stream = _consumer(Hub())
+    waiter: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+    stream.fetch(0, waiter)
+    for seq in range(3):  # three frames of one read pass
+        stream.flow.check(seq)
+        stream.on_item(seq, f"item{seq}")
+    async with asyncio.timeout(5):
+        assert await waiter == ["item0", "item1", "item2"]
+
+
+async def test_ConsumerStream_error_comes_after_the_items_then_the_end() -> None:
+    stream = _consumer(Hub())
+    stream.flow.check(0)
+    stream.on_item(0, "a")
+    stream.finished(KeyError("broken"))
+    assert await _fetch(stream, 0) == ["a"]
+    with pytest.raises(KeyError):
+        await _fetch(stream, 1)
+    assert await _fetch(stream, 0) == []  # raised once; then the stream is over
+
+
+async def test_ConsumerStream_item_timeout_raises_and_closes() -> None:
+    hub = Hub()
+    stream = _consumer(hub, timeout=0.05)
+    with pytest.raises(RpcTimeoutError):
+        await _fetch(stream, 0)
+    assert hub.closed == [stream]
+    assert await _fetch(stream, 0) == []
+
+
+# -- the producer's side ---------------------------------------------------------------------
+
+
+class Conn:
+    """A connection that decodes the frames written on it."""
+
+    def __init__(self, serializer: Serializer) -> None:
+        self.decoder = FrameDecoder()
+        self.serializer = serializer
+        self.items: list[Any] = []
+        self.outcome: Any = None
+        self.done = asyncio.Event()
+        self.peer_max_frame = 0
+
+    def write(self, pieces: list[Any]) -> None:
+        for piece in pieces:
+            for frame in self.decoder.feed(bytes(piece)):
+                message = decode_stream_message(frame.fields)
+                if isinstance(message, StreamItem):
+                    assert message.seq == len(self.items)
+                    self.items.append(self.serializer.loads(frame.payload, frame.segments))
+                elif isinstance(message, StreamEnd):
+                    self.outcome = message.count
+                    self.done.set()
+                elif isinstance(message, StreamError):
+                    self.outcome = unpack_exception(bytes(frame.payload))
+                    self.done.set()
+
+
+class Host:
+    """What the producers need of an agent: a real pool and serializer, a fake wire."""
+
+    name = "w1"
+    rrefs = None
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.pool = WorkerPool(2, self.loop, "test")
+        self.serializer = Serializer()
+
+    def write(self, conn: Any, pieces: list[Any], keep: object = None, forks: Any = None) -> None:
+        conn.write(pieces)
+
+
+PRODUCED: list[int] = []
+CLOSED = threading.Event()
+
+
+def endless() -> Iterator[int]:
+    try:
+        i = 0
+        while True:
+            PRODUCED.append(i)
+            yield i
+            i += 1
+    finally:
+        CLOSED.set()
+
+
+async def aendless() -> AsyncIterator[int]:
+    try:
+        i = 0
+        while True:
+            PRODUCED.append(i)
+            yield i
+            i += 1
+    finally:
+        CLOSED.set()
+
+
+def _replying(record: list[tuple[bool, Any]]) -> Any:
+    def replying(ok: bool, value: Any) -> None:
+        record.append((ok, value))
+
+    return replying
+
+
+async def _until(condition: Any) -> None:
+    # Polled: the conditions change on pool threads and in frames, not through events.
+    async with asyncio.timeout(5):
+        while not condition():  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
+
+
+@pytest.mark.parametrize("fn", [endless, aendless], ids=["sync", "async"])
+async def test_Producers_advance_only_within_credit_and_close_runs_finally(fn: Any) -> None:
+    PRODUCED.clear()
+    CLOSED.clear()
+    host = Host()
+    producers, conn, told = Producers(host), Conn(host.serializer), []  # type: ignore[arg-type]
+    producers.expect(conn, 2, 7, "gen")
+    producers.start(2, 7, fn, fn, (), {}, _replying(told), host.serializer.dumps)
+    await asyncio.sleep(0.05)
+    assert PRODUCED == []  # no credit yet: not advanced at all
+    producers.on_credit(2, 7, 3)
+    await _until(lambda: len(conn.items) == 3)
+    await asyncio.sleep(0.05)
+    assert conn.items == [0, 1, 2]
+    assert len(PRODUCED) == 3  # never past the credit
+    producers.on_close(2, 7)
+    await _until(CLOSED.is_set)
+    assert len(producers) == 0
+    assert [ok for ok, _ in told] == [False]  # the pipeline heard it ended, once
+    host.pool.shutdown()
+
+
+def three_then_error() -> Iterator[int]:
+    yield from range(3)
+    raise KeyError("done")
+
+
+async def test_Producers_send_items_then_the_error_or_the_end() -> None:
+    host = Host()
+    producers = Producers(host)  # type: ignore[arg-type]
+    broken, clean = Conn(host.serializer), Conn(host.serializer)
+    producers.expect(broken, 2, 1, "gen")
+    producers.expect(clean, 2, 2, "gen")
+    dumps = host.serializer.dumps
+    producers.start(2, 1, three_then_error, three_then_error, (), {}, _replying([]), dumps)
+    producers.start(2, 2, range, range, (5,), {}, _replying([]), dumps)  # returns an iterable
+    producers.on_credit(2, 1, 100)
+    producers.on_credit(2, 2, 100)
+    async with asyncio.timeout(5):
+        await broken.done.wait()
+        await clean.done.wait()
+    assert broken.items == [0, 1, 2]
+    assert isinstance(broken.outcome, KeyError)
+    assert clean.items == [0, 1, 2, 3, 4]
+    assert clean.outcome == 5
+    assert len(producers) == 0
+    host.pool.shutdown()

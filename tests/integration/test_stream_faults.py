@@ -1,0 +1,65 @@
+"""Streams whose peer dies or shuts down mid-stream, each in a group of its own: the test
+starts w1 and a scenario driver (``stream_scenarios.py``) and kills w1 when told."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncrpc.testing import free_port, spawn_worker, stop_workers
+from tests.integration import scenarios
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _run(name: str, tmp_path: Path, kill: bool) -> tuple[dict[str, Any], list[int | None]]:
+    init = f"tcp://127.0.0.1:{free_port()}"
+    worker = spawn_worker("w1", 1, 2, init, log_dir=tmp_path, rpc_timeout=20.0,
+                          shutdown_timeout=20.0)  # fmt: skip
+    driver = scenarios.start(
+        name, "--init-method", init, module="tests.integration.stream_scenarios"
+    )
+    try:
+        if kill:
+            driver.wait_line("STREAMING", 60)
+            worker.kill()
+            driver.send("KILLED")
+        code, obs = driver.result(60)
+        assert code == 0, driver.text()
+    finally:
+        driver.kill()
+        codes = stop_workers([worker], timeout=15)
+    return obs, codes
+
+
+def test_stream_killed_producer_ends_the_stream_with_peer_lost(tmp_path: Path) -> None:
+    obs, codes = _run("killed_producer", tmp_path, kill=True)
+    assert obs["stdin"] == "KILLED"
+    assert obs["error"] is not None, obs
+    assert obs["error"]["type"] == "PeerLostError"
+    assert obs["error"]["worker"] == "w1"
+    assert obs["in_order"] is True
+    assert 20 <= obs["count"] <= 20 + 8  # at most a window past what was taken
+    assert obs["later"]["error"]["type"] == "PeerLostError"
+    assert obs["consuming_after"] == 0
+    assert codes == [-signal.SIGKILL]
+
+
+def test_stream_killed_consumer_stops_the_producer(tmp_path: Path) -> None:
+    obs, _ = _run("killed_consumer", tmp_path, kill=True)
+    assert obs["producing"] is True
+    assert obs["consumer_call"]["error"]["type"] == "PeerLostError"
+    assert obs["finally_ran"] is True
+    assert obs["producing_after"] is True
+
+
+def test_stream_graceful_shutdown_closes_open_streams(tmp_path: Path) -> None:
+    obs, codes = _run("shutdown_mid_stream", tmp_path, kill=False)
+    assert obs["first"] == [0, 1, 2, 3, 4]
+    assert obs["shutdown"]["error"] is None, obs["shutdown"]
+    assert obs["rest"]["error"] is not None, obs["rest"]
+    assert obs["rest"]["error"]["type"] == "ClosedError", obs["rest"]
+    assert codes == [0]
