@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-fast test-gpu lint bench bench-full example check clean conformance conformance-ci
+.PHONY: install test test-fast test-gpu lint bench bench-full example check clean conformance conformance-ci chaos
 
 $(STAMP): pyproject.toml .ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,10 +47,17 @@ conformance: $(STAMP)
 conformance-ci: $(STAMP)
 	$(PY) -m tests.conformance.run --suites all --ci --json conformance-report.json
 
+# The chaos soak (asyncrpc/testing/chaos.py): 8 workers, mixed load, seeded faults, and a
+# ledger audit at the end. `make chaos DURATION=600 SEED=7`; CI runs 60 s in `make test`.
+DURATION ?= 600
+SEED     ?= 1
+chaos: $(STAMP)
+	$(PY) -m asyncrpc.testing.chaos --duration $(DURATION) --seed $(SEED) --json chaos-report.json
+
 example: $(STAMP)
 	$(PY) -m examples.parameter_server
 
 check: lint test conformance-ci
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache conformance-report.json
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache conformance-report.json chaos-report.json

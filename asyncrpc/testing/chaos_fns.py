@@ -127,17 +127,22 @@ def thread_kinds() -> dict[str, int]:
 
 
 def resources() -> dict[str, int]:
-    """Open file descriptors, threads (and how many are the RPC pool's) and resident memory
-    (KiB) of this process."""
-    rss = 0
+    """Open file descriptors, threads (and how many are the RPC pool's) and memory of this
+    process: resident, and proportional (PSS shares a page among the processes mapping it)."""
+    rss = pss = 0
     with open(f"/proc/{os.getpid()}/status", encoding="ascii") as status:
         for line in status:
             if line.startswith("VmRSS:"):
                 rss = int(line.split()[1])
+    with open(f"/proc/{os.getpid()}/smaps_rollup", encoding="ascii") as rollup:
+        for line in rollup:
+            if line.startswith("Pss:"):
+                pss = int(line.split()[1])
     return {
         "fds": len(os.listdir(f"/proc/{os.getpid()}/fd")),
         "threads": threading.active_count(),
         "pool_threads": int(asyncrpc.get_metrics()["thread_pool_threads"]),
         "os_threads": len(os.listdir(f"/proc/{os.getpid()}/task")),
         "rss_kib": rss,
+        "pss_kib": pss,
     }

@@ -1,13 +1,35 @@
-"""Regressions the chaos soak found."""
+"""The chaos soak (``asyncrpc.testing.chaos``) for a minute, and the regressions it found.
+
+The soak runs in ``make test``; ``-m 'not chaos'`` deselects it where a run must be short.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 from pathlib import Path
 
 import pytest
 
-from asyncrpc.testing import free_port, spawn_worker, stop_workers
+from asyncrpc.testing import chaos, free_port, spawn_worker, stop_workers
 from tests.integration import scenarios
+
+SECONDS = float(os.environ.get("CHAOS_SECONDS", "60"))
+
+
+@pytest.mark.chaos
+@pytest.mark.timeout(SECONDS + 540)
+def test_chaos_soak_loses_duplicates_and_mixes_up_nothing(tmp_path: Path) -> None:
+    args = argparse.Namespace(duration=SECONDS, workers=8, seed=int(os.environ.get(
+        "CHAOS_SEED", "1")), start_timeout=300.0, work=tmp_path)  # fmt: skip
+    report = chaos.soak(args)
+    (tmp_path / "report.json").write_text(json.dumps(report, indent=1))
+    chaos._print(report)
+    assert report["failures"] == [], report["failures"]
+    assert report["ops"] > 0
+    assert report["outcomes"].get("ok", 0) > report["ops"] // 2  # mostly work, not errors
+    assert sum(report["faults"].values()) > 0
 
 
 @pytest.mark.timeout(120)
