@@ -132,6 +132,8 @@ def _open_store(init_method: str, rank: int, world_size: int | None, timeout: fl
             # world_size leaves it stuck there, unable to say why, until the timeout. Opened
             # with none (-1), the sizes are compared in the store instead (claim_size).
             url, rank, size = _sizeless_url(init_method, rank, world_size)
+            if init_method.startswith("env://") and _under_agent_store():
+                return _elastic_store(rank, timeout), rank, size
             opened = torch_rendezvous._rendezvous_helper(url, -1, -1, timeout=seconds)
             store, rank_out, _ = next(opened)
             return store, int(rank_out), size
@@ -146,6 +148,42 @@ def _open_store(init_method: str, rank: int, world_size: int | None, timeout: fl
     except (ValueError, RuntimeError, OSError) as exc:
         raise InitError(f"rendezvous through {init_method!r} failed: {exc}") from exc
     return store, int(rank_out), int(world_out)
+
+
+def _under_agent_store() -> bool:
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+_ELASTIC_KEY = _PREFIX + "elastic_store"
+
+
+def _elastic_store(rank: int, timeout: float) -> Any:
+    # Under torchrun the store at MASTER_ADDR:MASTER_PORT is the launcher's own, and it
+    # outlives a restart of the group: keys from the attempt before (claimed ranks,
+    # addresses of dead workers) would be read as this attempt's. So rank 0 hosts a fresh
+    # store for each attempt and posts its port in the launcher's; the others dial what is
+    # posted until it answers (a post from the attempt before names a store that died with
+    # its rank 0, so it refuses). Bounded by the rendezvous timeout.
+    TCPStore = importlib.import_module("torch.distributed").TCPStore
+
+    agent = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                     is_master=False, timeout=datetime.timedelta(seconds=timeout))  # fmt: skip
+    seconds = datetime.timedelta(seconds=timeout)
+    if rank == 0:
+        own = TCPStore(os.environ["MASTER_ADDR"], 0, is_master=True, timeout=seconds,
+                       wait_for_workers=False, multi_tenant=True)  # fmt: skip
+        agent.set(_ELASTIC_KEY, f"{os.environ['MASTER_ADDR']} {own.port}")
+        return own
+    deadline = time.monotonic() + timeout
+    while True:  # bounded by the deadline
+        host, port = agent.get(_ELASTIC_KEY).decode().split()
+        try:
+            return TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                            timeout=datetime.timedelta(seconds=2.0))  # fmt: skip
+        except (RuntimeError, OSError):  # the store of an attempt before: gone
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def _sizeless_url(init_method: str, rank: int, world_size: int | None) -> tuple[str, int, int]:

@@ -106,3 +106,15 @@ def test_torchrun_parameter_server_across_hosts(tmp_path: Path) -> None:
     assert codes == [0] * NODES, logs
     assert f"PS done {STEPS} steps on {NODES * PER_NODE} workers, attempt 0" in logs, logs
     _assert_final(tmp_path, logs)
+
+
+def test_torchrun_elastic_restart_resumes_from_checkpoint_with_equal_weights(
+    tmp_path: Path,
+) -> None:
+    with _hosts() as hosts:
+        codes, logs = run_ps(tmp_path, hosts, kill_at=7)
+    assert codes == [0] * len(codes), logs
+    assert "PS attempt 1 resumes at step 6" in logs, logs
+    assert f"PS done {STEPS} steps on {NODES * PER_NODE} workers, attempt 1" in logs, logs
+    assert sorted(p.name for p in tmp_path.glob("start-*")) == ["start-0", "start-1"]
+    _assert_final(tmp_path, logs)
