@@ -50,13 +50,17 @@ class Worker:
                 env=env, cwd=_ROOT,
             )  # fmt: skip
         self._lines: queue.Queue[str | None] = queue.Queue()
+        self.progress = 0  # operations started, from the worker's PROGRESS lines
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
         assert self.process.stdout is not None
         for line in self.process.stdout:  # ends at the process's exit
-            self._lines.put(line.rstrip("\n"))
+            if line.startswith("PROGRESS "):
+                self.progress = int(line.split()[1])
+            else:
+                self._lines.put(line.rstrip("\n"))
         self._lines.put(None)
 
     def send(self, word: str) -> None:
@@ -230,6 +234,16 @@ def _all(workers: list[Worker], word: str, answer: str, timeout: float) -> list[
     return [w.expect(answer, max(1.0, deadline - time.monotonic())) for w in workers]
 
 
+def _load_for(args: argparse.Namespace, workers: list[Worker], started: float) -> None:
+    """Until ``args.duration`` has passed, or (with ``args.calls``) that many operations
+    have started in all, whichever comes first."""
+    deadline = started + args.duration
+    while time.monotonic() < deadline:  # bounded by the deadline
+        if args.calls and sum(w.progress for w in workers) >= args.calls:
+            return
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+
 def _drive(
     args: argparse.Namespace, proxies: list[FaultProxy], workers: list[Worker]
 ) -> dict[str, Any]:
@@ -238,8 +252,9 @@ def _drive(
     faults = threading.Thread(target=scheduler.run, name="chaos-faults", daemon=True)
     started = time.monotonic()
     _tell(workers, "GO")
-    faults.start()
-    time.sleep(args.duration)
+    if args.faults:
+        faults.start()
+    _load_for(args, workers, started)
     scheduler.stop.set()
     faults.join(10.0)
     scheduler.heal_all()
@@ -308,6 +323,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of load")
     parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument(
+        "--calls",
+        type=int,
+        default=0,
+        help="stop once this many operations started (still bounded by --duration)",
+    )
+    parser.add_argument(
+        "--no-faults",
+        dest="faults",
+        action="store_false",
+        help="the load and the ledger alone: a plain soak",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--start-timeout", type=float, default=300.0)
     parser.add_argument("--json", default=None, help="write the report here")

@@ -274,8 +274,14 @@ class Load:
 # -- the conductor's words ----------------------------------------------------------------
 
 
+def _line(text: str) -> None:
+    # One write per line: the progress thread and the main thread both write to stdout.
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def _say(word: str, data: Any = None) -> None:
-    print(f"{word} {json.dumps(data)}", flush=True)
+    _line(f"{word} {json.dumps(data)}")
 
 
 def _expect(word: str) -> bool:
@@ -285,6 +291,11 @@ def _expect(word: str) -> bool:
     if line.strip() != word:
         raise SystemExit(f"expected {word!r}, got {line.strip()!r}")
     return True
+
+
+def _report_progress(load: Load) -> None:
+    while not load.stop.wait(1.0):  # ends with the load
+        _line(f"PROGRESS {len(load.ledger.ops)}")
 
 
 def _poll(condition: Callable[[], bool], timeout: float) -> bool:
@@ -362,6 +373,7 @@ def run(args: argparse.Namespace) -> int:
     if not _expect("GO"):
         return 2
     lanes = load.run()
+    threading.Thread(target=_report_progress, args=(load,), daemon=True).start()
     if not _expect("STOP"):
         return 2
     load.stop.set()

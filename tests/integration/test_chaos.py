@@ -22,7 +22,8 @@ SECONDS = float(os.environ.get("CHAOS_SECONDS", "60"))
 @pytest.mark.timeout(SECONDS + 540)
 def test_chaos_soak_loses_duplicates_and_mixes_up_nothing(tmp_path: Path) -> None:
     args = argparse.Namespace(duration=SECONDS, workers=8, seed=int(os.environ.get(
-        "CHAOS_SEED", "1")), start_timeout=300.0, work=tmp_path)  # fmt: skip
+        "CHAOS_SEED", "1")), start_timeout=300.0, work=tmp_path,
+        calls=0, faults=True)  # fmt: skip
     report = chaos.soak(args)
     (tmp_path / "report.json").write_text(json.dumps(report, indent=1))
     chaos._print(report)
