@@ -63,8 +63,11 @@ def _hosts() -> Iterator[list[netns.Host] | None]:
         yield found
 
 
-def run_ps(tmp: Path, hosts: list[netns.Host] | None, kill_at: int = -1) -> tuple[list[int], str]:
-    """Run the program on ``hosts`` (None: one host, --standalone); exit codes and logs."""
+def run_ps(
+    tmp: Path, hosts: list[netns.Host] | None, kill_at: int = -1, store_on: int = 0
+) -> tuple[list[int], str]:
+    """Run the program on ``hosts`` (None: one host, --standalone), the rendezvous on host
+    ``store_on``; exit codes and logs."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore", "PS_DIR": str(tmp),
            "PS_STEPS": str(STEPS), "PS_KILL_AT": str(kill_at)}  # fmt: skip
     procs = []
@@ -72,11 +75,13 @@ def run_ps(tmp: Path, hosts: list[netns.Host] | None, kill_at: int = -1) -> tupl
         one = ["--standalone", "--nnodes", "1", "--nproc-per-node", str(NODES * PER_NODE)]
         procs.append(_torchrun(one, env, [], tmp / "node0.log"))
     else:
-        endpoint = f"{hosts[0].address}:{free_port()}"
+        # The rendezvous is hosted on host ``store_on``; node ranks follow the agents' PIDs,
+        # so host 0 holds rank 0 either way (both cases are tested).
+        endpoint = f"{hosts[store_on].address}:{free_port()}"
         run_id = uuid.uuid4().hex[:8]
         for i, host in enumerate(hosts):
             node = ["--nnodes", str(NODES), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-                    "--rdzv-id", run_id, "--rdzv-conf", f"is_host={int(i == 0)}",
+                    "--rdzv-id", run_id, "--rdzv-conf", f"is_host={int(i == store_on)}",
                     "--local-addr", host.address, "--nproc-per-node", str(PER_NODE)]  # fmt: skip
             node_env = {**env, "RPC_ADVERTISE_HOST": host.address}
             procs.append(_torchrun(node, node_env, host.exec_prefix(), tmp / f"node{i}.log"))
@@ -112,7 +117,8 @@ def test_torchrun_elastic_restart_resumes_from_checkpoint_with_equal_weights(
     tmp_path: Path,
 ) -> None:
     with _hosts() as hosts:
-        codes, logs = run_ps(tmp_path, hosts, kill_at=7)
+        # The rendezvous on the last host: rank 0, on host 0, is not where MASTER_ADDR points.
+        codes, logs = run_ps(tmp_path, hosts, kill_at=7, store_on=NODES - 1)
     assert codes == [0] * len(codes), logs
     assert "PS attempt 1 resumes at step 6" in logs, logs
     assert f"PS done {STEPS} steps on {NODES * PER_NODE} workers, attempt 1" in logs, logs
