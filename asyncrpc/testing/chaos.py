@@ -256,7 +256,8 @@ def _drive(
         faults.start()
     _load_for(args, workers, started)
     scheduler.stop.set()
-    faults.join(10.0)
+    if faults.is_alive():
+        faults.join(10.0)
     scheduler.heal_all()
     load_s = time.monotonic() - started
     done = _all(workers, "STOP", "DONE", 120.0)
