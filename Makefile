@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-fast test-gpu lint bench bench-cuda bench-full example check clean conformance conformance-ci
+.PHONY: install test test-fast test-gpu lint bench bench-cuda bench-full example check clean conformance conformance-ci chaos soak fuzz size
 
 $(STAMP): pyproject.toml .ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,10 +51,32 @@ conformance: $(STAMP)
 conformance-ci: $(STAMP)
 	$(PY) -m tests.conformance.run --suites all --ci --json conformance-report.json
 
+# The chaos soak (asyncrpc/testing/chaos.py): 8 workers, mixed load, seeded faults, and a
+# ledger audit at the end. `make chaos DURATION=600 SEED=7`; CI runs 60 s in `make test`.
+DURATION ?= 600
+SEED     ?= 1
+chaos: $(STAMP)
+	$(PY) -m asyncrpc.testing.chaos --duration $(DURATION) --seed $(SEED) --json chaos-report.json
+
+# Off CI, the big numbers: a ledger of 10^6 operations with no faults (the chaos soak's
+# load and audit; bounded by 40 minutes), 10^6 fuzz cases per wire target, and the size
+# table (8, 16, 32 and 64 workers on this machine; see docs/scale.md).
+CALLS        ?= 1000000
+FUZZ_EXAMPLES ?= 1000000
+SIZES        ?= 8 16 32 64
+soak: $(STAMP)
+	$(PY) -m asyncrpc.testing.chaos --no-faults --calls $(CALLS) --duration 2400 --json soak-report.json
+
+fuzz: $(STAMP)
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -o timeout=0 tests/unit/test_fuzz_wire.py
+
+size: $(STAMP)
+	$(PY) -m bench.size --sizes $(SIZES) --json size-report.json
+
 example: $(STAMP)
 	$(PY) -m examples.parameter_server
 
 check: lint test conformance-ci
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache conformance-report.json
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache conformance-report.json chaos-report.json soak-report.json size-report.json

@@ -29,7 +29,7 @@ from asyncrpc.autograd.context import (
     context_table,
     current_context_id,
 )
-from asyncrpc.errors import as_backward_error
+from asyncrpc.errors import ConnectionLostError, RpcTimeoutError, as_backward_error
 from asyncrpc.functions import async_execution
 from asyncrpc.runtime.agent import Agent
 from asyncrpc.runtime.future import Future, collect_all
@@ -139,12 +139,29 @@ async def release(agent: Agent, table: ContextTable, context_id: int, sender: in
         return
     current_context_id.set(None)  # these calls are not part of any context
     peers = sorted(context.peers - {sender, agent.rank})
-    calls = [
-        agent.call(peer, release_here, (context_id, agent.rank), {}, UNSET_RPC_TIMEOUT)
-        for peer in peers
-    ]
     # A peer that died has nothing left to release: its failure is not ours.
-    await asyncio.gather(*calls, return_exceptions=True)
+    await asyncio.gather(*(_release_on(agent, p, context_id) for p in peers))
+
+
+_RELEASE_TRIES = 6  # backoff 0.05 s doubling: about 3 s of waits in all
+
+
+async def _release_on(agent: Agent, peer: int, context_id: int) -> None:
+    # A dropped connection is not a dead peer (connections heal): a release lost with it is
+    # sent again on the next connection, or the peer would keep the context's graphs and
+    # gradients for good (the chaos soak found one left behind). ``release_here`` is
+    # idempotent. Bounded: a peer declared lost, or our own shutdown, ends the retries.
+    for attempt in range(_RELEASE_TRIES):
+        try:
+            await agent.call(peer, release_here, (context_id, agent.rank), {}, UNSET_RPC_TIMEOUT)
+        except (ConnectionLostError, RpcTimeoutError):
+            if agent.closed or agent.is_lost(peer):
+                return
+            await asyncio.sleep(0.05 * 2**attempt)
+        except Exception:  # anything else is the peer's to report: not retried
+            return
+        else:
+            return
 
 
 async def release_here(context_id: int, sender: int) -> None:

@@ -116,7 +116,9 @@ def check_rank(init_method: str, rank: int) -> None:
         raise MissingRankError(f"{scheme}:// rendezvous: rank parameter missing")
 
 
-def _open_store(init_method: str, rank: int, world_size: int | None, timeout: float) -> Any:
+def _open_store(
+    init_method: str, rank: int, world_size: int | None, timeout: float, host: str = ""
+) -> Any:
     # The module (``torch.distributed.rendezvous`` the attribute is its function).
     torch_rendezvous = importlib.import_module("torch.distributed.rendezvous")
     seconds = datetime.timedelta(seconds=timeout)
@@ -132,6 +134,8 @@ def _open_store(init_method: str, rank: int, world_size: int | None, timeout: fl
             # world_size leaves it stuck there, unable to say why, until the timeout. Opened
             # with none (-1), the sizes are compared in the store instead (claim_size).
             url, rank, size = _sizeless_url(init_method, rank, world_size)
+            if init_method.startswith("env://") and _under_agent_store():
+                return _elastic_store(rank, host, timeout), rank, size
             opened = torch_rendezvous._rendezvous_helper(url, -1, -1, timeout=seconds)
             store, rank_out, _ = next(opened)
             return store, int(rank_out), size
@@ -146,6 +150,51 @@ def _open_store(init_method: str, rank: int, world_size: int | None, timeout: fl
     except (ValueError, RuntimeError, OSError) as exc:
         raise InitError(f"rendezvous through {init_method!r} failed: {exc}") from exc
     return store, int(rank_out), int(world_out)
+
+
+def _under_agent_store() -> bool:
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+_ELASTIC_KEY = _PREFIX + "elastic_store"
+
+
+def _elastic_store(rank: int, host: str, timeout: float) -> Any:
+    # Under torchrun the store at MASTER_ADDR:MASTER_PORT is the launcher's own, and it
+    # outlives a restart of the group: keys from the attempt before (claimed ranks,
+    # addresses of dead workers) would be read as this attempt's. So rank 0 hosts a fresh
+    # store for each attempt and posts its address in the launcher's (the address rank 0
+    # advertises for RPC, which the others must reach anyway; MASTER_ADDR if that is a
+    # wildcard); the others dial what is posted until it answers (a post from the attempt
+    # before names a store that died with its rank 0). Bounded by the rendezvous timeout.
+    tcp_store = importlib.import_module("torch.distributed").TCPStore
+    seconds = datetime.timedelta(seconds=timeout)
+    agent = tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                      is_master=False, timeout=seconds)  # fmt: skip
+    if rank == 0:
+        where = os.environ["MASTER_ADDR"] if host in ("", "0.0.0.0", "::") else host
+        own = tcp_store(where, 0, is_master=True, timeout=seconds, wait_for_workers=False,
+                        multi_tenant=True)  # fmt: skip
+        agent.set(_ELASTIC_KEY, f"{where} {own.port}")
+        return own
+    deadline = time.monotonic() + timeout
+    while True:  # bounded by the deadline
+        where, port = agent.get(_ELASTIC_KEY).decode().split()
+        if _answers(where, int(port)):  # a plain probe first: a dead store fails quietly
+            with contextlib.suppress(RuntimeError, OSError):  # it died since the probe
+                return tcp_store(where, int(port), is_master=False, wait_for_workers=False,
+                                 timeout=datetime.timedelta(seconds=5.0))  # fmt: skip
+        if time.monotonic() > deadline:
+            raise InitError(f"no store of this attempt answered at {where}:{port} in time")
+        time.sleep(0.2)
+
+
+def _answers(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 def _sizeless_url(init_method: str, rank: int, world_size: int | None) -> tuple[str, int, int]:
@@ -442,7 +491,7 @@ def join_group(
     """
     check_rank(init_method, rank)
     dynamic = is_dynamic(init_method, world_size)
-    store, rank, world_out = _open_store(init_method, rank, world_size, timeout)
+    store, rank, world_out = _open_store(init_method, rank, world_size, timeout, host)
     size = None if dynamic else world_out
     if rank < 0 or (size is not None and rank >= size):
         raise InitError(f"rank {rank} is outside a world of size {size}")
