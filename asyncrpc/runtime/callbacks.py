@@ -18,6 +18,7 @@ from asyncrpc.runtime.callbackpool import CallbackPool
 
 __all__ = [
     "CALLBACK_POOL_SIZE",
+    "CALLBACK_THREAD_NAME",
     "MayBlock",
     "caller_may_block",
     "check_not_blocking_loop",
@@ -41,6 +42,7 @@ _default_thread: int | None = None
 # threads, where waiting on another future is allowed). They run on this pool, made on first
 # use; its threads are started as jobs arrive, up to the size.
 CALLBACK_POOL_SIZE = 16
+CALLBACK_THREAD_NAME = "asyncrpc-callback"  # its threads are named "asyncrpc-callback-N"
 _pool: CallbackPool | None = None
 _pool_lock = threading.Lock()
 
@@ -119,7 +121,7 @@ def _callback_pool() -> CallbackPool:
         with _pool_lock:
             pool = _pool
             if pool is None:
-                pool = _pool = CallbackPool(CALLBACK_POOL_SIZE)
+                pool = _pool = CallbackPool(CALLBACK_POOL_SIZE, CALLBACK_THREAD_NAME)
                 atexit.register(pool.run_left_over)
     return pool
 

@@ -29,7 +29,7 @@ import torch
 import asyncrpc
 from asyncrpc import autograd as dist_autograd
 from asyncrpc.optim import DistributedOptimizer
-from asyncrpc.runtime.callbacks import CALLBACK_POOL_SIZE
+from asyncrpc.runtime.callbacks import CALLBACK_POOL_SIZE, CALLBACK_THREAD_NAME
 from asyncrpc.testing import chaos_fns as fns
 
 log = logging.getLogger("asyncrpc.testing.chaos")
@@ -311,7 +311,7 @@ def _threads_back(name: str, before: dict[str, int], now: dict[str, int]) -> boo
     """Every kind of thread is back to its baseline count, except the two pools that keep
     the threads they started up to their size (the RPC pool's stand-ins must have exited)."""
     bounded = {re.sub(r"\d+", "", f"asyncrpc-{name}-"): POOL_THREADS,
-               "asyncrpc-callback_": CALLBACK_POOL_SIZE}  # fmt: skip
+               f"{CALLBACK_THREAD_NAME}-": CALLBACK_POOL_SIZE}  # fmt: skip
     return all(n <= bounded.get(kind, before.get(kind, 0)) for kind, n in now.items())
 
 
