@@ -17,19 +17,19 @@ from typing import Any, ParamSpec, TypeVar, overload
 from asyncrpc.autograd import AutogradHook
 from asyncrpc.errors import BlockingCallError, InitArgumentError, InitError
 from asyncrpc.profiling import ProfilingHook
-from asyncrpc.rref.context import RRefContext
-from asyncrpc.rref.handle import RRef, current_rrefs
-from asyncrpc.runtime.agent import Agent
-from asyncrpc.runtime.current import clear_agent, current_agent, set_agent
-from asyncrpc.runtime.future import Future
-from asyncrpc.runtime.loopthread import LoopThread
-from asyncrpc.runtime.options import (
+from asyncrpc.protocol.options import (
     UNSET_RPC_TIMEOUT,
     RpcBackendOptions,
     WorkerInfo,
     check_worker_name,
     coerce_options,
 )
+from asyncrpc.rref.context import RRefContext
+from asyncrpc.rref.handle import RRef, current_rrefs
+from asyncrpc.runtime.agent import Agent
+from asyncrpc.runtime.current import clear_agent, current_agent, set_agent
+from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.loopthread import LoopThread
 
 __all__ = [
     "BackendType",

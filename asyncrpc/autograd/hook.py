@@ -20,7 +20,7 @@ from types import BuiltinFunctionType
 from typing import Any
 
 from asyncrpc.autograd.context import AutogradContext, ContextTable, current_context_id
-from asyncrpc.runtime.pipeline import CallHook, IncomingCall, OutgoingCall
+from asyncrpc.runtime.calls.pipeline import CallHook, IncomingCall, OutgoingCall
 
 __all__ = ["FIELD", "AutogradHook"]
 

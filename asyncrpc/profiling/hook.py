@@ -33,8 +33,8 @@ from asyncrpc.profiling.recorder import (
     recorded,
     relabel,
 )
-from asyncrpc.runtime.pending import describe_function
-from asyncrpc.runtime.pipeline import CallHook, IncomingCall, OutgoingCall
+from asyncrpc.runtime.calls.pending import describe_function
+from asyncrpc.runtime.calls.pipeline import CallHook, IncomingCall, OutgoingCall
 
 __all__ = ["FIELD", "ProfilingHook"]
 

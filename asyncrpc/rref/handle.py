@@ -23,14 +23,14 @@ from asyncrpc.autograd import backward as dist_backward
 from asyncrpc.autograd import backward_async as dist_backward_async
 from asyncrpc.errors import PeerLostError, RRefError, RRefOwnerLostError
 from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
+from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT, WorkerInfo
 from asyncrpc.protocol.refmessages import (
     ForkId,
     RRefId,
 )
+from asyncrpc.runtime.calls.dispatch import await_async_result
 from asyncrpc.runtime.current import current_agent
-from asyncrpc.runtime.dispatch import await_async_result
 from asyncrpc.runtime.future import Future
-from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT, WorkerInfo
 
 __all__ = ["RRef", "RRefBackend", "current_rrefs"]
 

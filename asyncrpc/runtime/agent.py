@@ -5,7 +5,7 @@ or the program's loop for asyncio ones) and owns all of the worker's state. Call
 other threads pickle and frame their request on their own thread and hand the frame over
 with one ``call_soon_threadsafe``; replies complete an ``asyncrpc.Future`` (thread side)
 or an ``asyncio.Future`` (coroutines on the agent's loop). Every call, both ways, passes
-through the agent's call ``pipeline`` (see ``asyncrpc/runtime/pipeline.py``). RRefs live a
+through the agent's call ``pipeline`` (see ``asyncrpc/runtime/calls/pipeline.py``). RRefs live a
 floor above: the agent reaches them through the ``RRefService`` its starter builds.
 """
 
@@ -36,7 +36,10 @@ from asyncrpc.errors import (
     UnknownWorkerError,
 )
 from asyncrpc.protocol import auth
+from asyncrpc.protocol.address import PeerAddress
 from asyncrpc.protocol.handshake import pre_auth_decoder
+from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT, RpcBackendOptions, WorkerInfo
+from asyncrpc.protocol.reflog import Transfer
 from asyncrpc.protocol.serde import Serializer, unpack_exception
 from asyncrpc.protocol.wire import Frame, encode_frame
 from asyncrpc.protocol.wire.messages import (
@@ -56,25 +59,23 @@ from asyncrpc.protocol.wire.messages import (
     optional_headers,
 )
 from asyncrpc.runtime import handoffs
-from asyncrpc.runtime.dispatch import Dispatcher
+from asyncrpc.runtime.calls.dispatch import Dispatcher
+from asyncrpc.runtime.calls.pending import PendingCall, PendingCalls, describe_function
+from asyncrpc.runtime.calls.pipeline import CallHook, OutgoingCall, Pipeline
 from asyncrpc.runtime.future import Future, set_default_callback_loop
-from asyncrpc.runtime.heartbeat import Heartbeat, Watched
-from asyncrpc.runtime.links import Links
-from asyncrpc.runtime.loopback import LoopbackConnection
-from asyncrpc.runtime.membership import Directory
+from asyncrpc.runtime.group.membership import Directory
+from asyncrpc.runtime.group.rendezvous import StoreGroup, join_group
+from asyncrpc.runtime.group.shutdown import GracefulShutdown
 from asyncrpc.runtime.metrics import Counters, LagProbe, RateLimitedLog
-from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT, RpcBackendOptions, WorkerInfo
-from asyncrpc.runtime.peers import GOODBYE_REASON, PeerTable
-from asyncrpc.runtime.pending import PendingCall, PendingCalls, describe_function
-from asyncrpc.runtime.pipeline import CallHook, OutgoingCall, Pipeline
-from asyncrpc.runtime.reflog import Transfer
-from asyncrpc.runtime.rendezvous import PeerAddress, StoreGroup, join_group
+from asyncrpc.runtime.net.heartbeat import Heartbeat, Watched
+from asyncrpc.runtime.net.links import Links
+from asyncrpc.runtime.net.loopback import LoopbackConnection
+from asyncrpc.runtime.net.peers import GOODBYE_REASON, PeerTable
+from asyncrpc.runtime.net.tls import TlsContexts, tls_contexts
+from asyncrpc.runtime.net.transport import Connection, start_server, start_unix_server
 from asyncrpc.runtime.services import RRefFactory, RRefService
-from asyncrpc.runtime.shm import SHM_TAG_PREFIX, SharedMemory
-from asyncrpc.runtime.shutdown import GracefulShutdown
+from asyncrpc.runtime.shm.shm import SHM_TAG_PREFIX, SharedMemory
 from asyncrpc.runtime.threadpool import WorkerPool
-from asyncrpc.runtime.tls import TlsContexts, tls_contexts
-from asyncrpc.runtime.transport import Connection, start_server, start_unix_server
 
 __all__ = ["Agent", "EncodedRequest"]
 
@@ -105,13 +106,14 @@ class Agent:
         self.counters = Counters()
         self._auth_log = RateLimitedLog(_log, interval=10.0)
         self.pending = PendingCalls(loop, self._expire)
+        self.calls = self.pending  # what the links ask of the calls they carry
         self._call_ids = itertools.count(1)
         self.shm = SharedMemory(
             loop, options.shm_threshold, options.shm_arena_bytes, self._shares_memory,
             self._send_control,
         )  # fmt: skip
         # RRefs inside payloads become forks (see asyncrpc/rref/context.py); large tensors
-        # for a peer on this host may go through shared memory (asyncrpc/runtime/shm.py).
+        # for a peer on this host may go through shared memory (asyncrpc/runtime/shm/shm.py).
         self.serializer = Serializer(
             persistent_dump=self._dump_rref,
             persistent_load=self._load_rref,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from asyncrpc.errors import ShutdownError
-from asyncrpc.runtime.shutdown import GracefulShutdown, ShutdownHost
+from asyncrpc.runtime.group.shutdown import GracefulShutdown, ShutdownHost
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(10)]
 

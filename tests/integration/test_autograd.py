@@ -26,8 +26,8 @@ from asyncrpc import autograd as dist_autograd
 from asyncrpc.errors import AutogradContextError, BackwardError
 from asyncrpc.optim import DistributedOptimizer
 from asyncrpc.protocol.wire import FrameDecoder
+from asyncrpc.runtime.calls.pipeline import Pipeline
 from asyncrpc.runtime.current import current_agent
-from asyncrpc.runtime.pipeline import Pipeline
 from asyncrpc.testing import free_port, spawn_worker, stop_workers
 from tests.integration import autograd_fns as fns
 from tests.integration.conftest import WORLD, Group

@@ -22,8 +22,8 @@ from asyncrpc.profiling import (
 )
 from asyncrpc.profiling.recorder import ASKED, MEMORY, SHAPES
 from asyncrpc.protocol.wire import FrameDecoder
+from asyncrpc.runtime.calls.pipeline import Pipeline
 from asyncrpc.runtime.current import current_agent
-from asyncrpc.runtime.pipeline import Pipeline
 from tests.integration import remote_fns as fns
 from tests.integration.conftest import Group
 

@@ -35,6 +35,7 @@ from asyncrpc.protocol.handshake import (
     State,
     pre_auth_decoder,
 )
+from asyncrpc.protocol.options import RpcBackendOptions
 from asyncrpc.protocol.wire import PROTOCOL_VERSION, FrameDecoder, encode_frame
 from asyncrpc.protocol.wire.messages import (
     Auth,
@@ -45,7 +46,6 @@ from asyncrpc.protocol.wire.messages import (
     decode_message,
 )
 from asyncrpc.runtime.agent import Agent
-from asyncrpc.runtime.options import RpcBackendOptions
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "300"))
 FUZZ = settings(

@@ -1,4 +1,4 @@
-"""Unit tests of asyncrpc.runtime.pipeline: hook order, activity, wrapping, failures."""
+"""Unit tests of asyncrpc.runtime.calls.pipeline: hook order, activity, wrapping, failures."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from asyncrpc.runtime.pipeline import CallHook, IncomingCall, OutgoingCall, Pipeline
+from asyncrpc.runtime.calls.pipeline import CallHook, IncomingCall, OutgoingCall, Pipeline
 
 
 class Recorder(CallHook):

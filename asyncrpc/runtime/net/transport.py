@@ -27,7 +27,7 @@ __all__ = [
     "start_unix_server",
 ]
 
-_log = logging.getLogger("asyncrpc.runtime.transport")
+_log = logging.getLogger("asyncrpc.runtime.net.transport")
 
 
 class ConnectionHandler(Protocol):

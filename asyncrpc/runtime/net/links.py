@@ -14,20 +14,19 @@ import logging
 from typing import Any, Protocol
 
 from asyncrpc.errors import ClosedError, FrameTooLargeError, UnknownWorkerError
+from asyncrpc.protocol.address import PeerAddress
+from asyncrpc.protocol.reflog import RefLog, Transfer
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import Ping
-from asyncrpc.runtime.heartbeat import Watched
-from asyncrpc.runtime.loopback import LoopbackConnection
 from asyncrpc.runtime.metrics import Counters
-from asyncrpc.runtime.peers import PeerTable
-from asyncrpc.runtime.pending import PendingCalls
-from asyncrpc.runtime.reflog import RefLog, Transfer
-from asyncrpc.runtime.rendezvous import PeerAddress
+from asyncrpc.runtime.net.heartbeat import Watched
+from asyncrpc.runtime.net.loopback import LoopbackConnection
+from asyncrpc.runtime.net.peers import PeerTable
+from asyncrpc.runtime.net.transport import Connection
 from asyncrpc.runtime.services import RRefService
-from asyncrpc.runtime.shm import SharedMemory
-from asyncrpc.runtime.transport import Connection
+from asyncrpc.runtime.shm.shm import SharedMemory
 
-__all__ = ["LinkHost", "Links"]
+__all__ = ["LinkHost", "Links", "SentCalls"]
 
 # The agent's logger: these messages were the agent's before this module took them over.
 _log = logging.getLogger("asyncrpc.runtime.agent")
@@ -37,17 +36,33 @@ _log = logging.getLogger("asyncrpc.runtime.agent")
 _Waiting = tuple[list[Any], int, object, list[Transfer] | None]
 
 
+class SentCalls(Protocol):
+    """What the links ask of the outgoing calls whose requests they carry (the calls part
+    sits above the network: it hands this in, the links never import it)."""
+
+    def wanted(self, call_id: int) -> bool:
+        """Whether the call still waits for its reply (not timed out or cancelled)."""
+
+    def written(self, call_id: int, conn: object) -> None:
+        """Its request went out on ``conn``: losing that connection fails the call."""
+
+    def unsent(self, call_id: int, exc: BaseException) -> bool:
+        """Its request could not be written: fail the call; False if it had ended."""
+
+
 class LinkHost(Protocol):
     """What the links read of their agent."""
 
     rank: int
     loop: asyncio.AbstractEventLoop
     counters: Counters
-    pending: PendingCalls
     shm: SharedMemory
     addresses: dict[int, PeerAddress]
     peers: PeerTable | None
     rrefs: RRefService | None
+
+    @property
+    def calls(self) -> SentCalls: ...
 
     @property
     def loopback(self) -> LoopbackConnection: ...
@@ -135,7 +150,7 @@ class Links:
             conn = await host.peers.connection(rank)
             for pieces, call_id, keep, forks in waiting:  # no await inside: the list stays
                 sent += 1
-                if call_id and call_id not in host.pending:
+                if call_id and not host.calls.wanted(call_id):
                     host.shm.unlend(keep)
                     self.undelivered(rank, forks)
                     continue  # timed out or cancelled while waiting: the callee never runs it
@@ -164,16 +179,12 @@ class Links:
         if forks:
             self._wrote_forks(rank, forks)
         if call_id:
-            call = self._host.pending.get(call_id)
-            if call is not None:
-                call.sent_on = conn  # losing this connection fails it
+            self._host.calls.written(call_id, conn)
 
     def _fail_unsent(self, rank: int, call_id: int, exc: BaseException) -> None:
         host = self._host
-        call = host.pending.pop(call_id) if call_id else None
-        if call is not None:
+        if call_id and host.calls.unsent(call_id, exc):
             host.counters.calls_failed += 1
-            call.fail(exc)
         else:
             address = host.addresses.get(rank)  # None: a rank nobody could look up
             _log.warning("could not send to %s: %s", address.name if address else rank, exc)

@@ -32,17 +32,17 @@ from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inl
 from asyncrpc.protocol.serde import MissingReferenceError, Serializer, pack_exception
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import CallMode, ErrorReply, Reply, Request
-from asyncrpc.runtime.builtins import checked_op, is_torch_c_function, runs_on_loop
+from asyncrpc.runtime.calls.builtins import checked_op, is_torch_c_function, runs_on_loop
+from asyncrpc.runtime.calls.pipeline import IncomingCall, Pipeline
 from asyncrpc.runtime.future import Future
 from asyncrpc.runtime.metrics import Counters
-from asyncrpc.runtime.pipeline import IncomingCall, Pipeline
 from asyncrpc.runtime.services import RRefService
 from asyncrpc.runtime.threadpool import Job as PoolJob
 from asyncrpc.runtime.threadpool import WorkerPool
 
 __all__ = ["Dispatcher", "await_async_result"]
 
-_log = logging.getLogger("asyncrpc.runtime.dispatch")
+_log = logging.getLogger("asyncrpc.runtime.calls.dispatch")
 # What a built reply keeps alive while it is written, and the RRef forks it carries.
 _Keep = tuple[object, Any]
 

@@ -24,7 +24,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 from asyncrpc.errors import ShutdownError
-from asyncrpc.runtime.rendezvous import PeerAddress, StoreGroup
+from asyncrpc.protocol.address import PeerAddress
+from asyncrpc.runtime.group.rendezvous import StoreGroup
 from asyncrpc.runtime.services import RRefService
 
 __all__ = ["PROBE_AFTER_S", "GracefulShutdown", "ShutdownHost"]

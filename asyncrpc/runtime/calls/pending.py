@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from asyncrpc.functions import per_callable_cache
+from asyncrpc.protocol.reflog import Transfer
+from asyncrpc.runtime.calls.pipeline import CallHook, OutgoingCall, Pipeline
 from asyncrpc.runtime.future import Future
-from asyncrpc.runtime.pipeline import CallHook, OutgoingCall, Pipeline
-from asyncrpc.runtime.reflog import Transfer
 
 __all__ = ["Deadlines", "PendingCall", "PendingCalls", "describe_function"]
 
@@ -190,6 +190,23 @@ class PendingCalls:
 
     def get(self, call_id: int) -> PendingCall | None:
         return self._calls.get(call_id)
+
+    # -- what the network asks of the calls it carries (asyncrpc.runtime.net.links.SentCalls)
+
+    def wanted(self, call_id: int) -> bool:
+        return call_id in self._calls
+
+    def written(self, call_id: int, conn: object) -> None:
+        call = self._calls.get(call_id)
+        if call is not None:
+            call.sent_on = conn  # losing this connection fails it
+
+    def unsent(self, call_id: int, exc: BaseException) -> bool:
+        call = self.pop(call_id)
+        if call is None:
+            return False
+        call.fail(exc)
+        return True
 
     def pop_peer(self, peer: int, sent_on: object = None) -> Iterator[PendingCall]:
         """Remove and yield every call waiting on ``peer`` (the peer is gone), or only those

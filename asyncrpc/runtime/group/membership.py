@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from asyncrpc.runtime.rendezvous import PeerAddress, StoreGroup
+from asyncrpc.protocol.address import PeerAddress
+from asyncrpc.runtime.group.rendezvous import StoreGroup
 
 __all__ = ["Directory"]
 
-_log = logging.getLogger("asyncrpc.runtime.membership")
+_log = logging.getLogger("asyncrpc.runtime.group.membership")
 
 
 class Directory:
