@@ -147,13 +147,10 @@ async def init_rpc_async(
 async def _start(name: str, rank: int, world_size: int | None, options: RpcBackendOptions) -> Agent:
     # The composition root: the runtime's agent, with this package's RRef layer and the
     # call pipeline's hooks plugged in (profiling first: its span covers the others).
-    agents: list[Agent] = []
-    hooks = [ProfilingHook(lambda: agents[0].rank), AutogradHook(lambda: agents[0].rank)]
-    agent = await Agent.start(
-        name, rank, world_size, options, set_agent, rrefs=RRefContext, hooks=hooks
-    )
-    agents.append(agent)
-    return agent
+    return await Agent.start(
+        name, rank, world_size, options, RRefContext, set_agent,
+        hooks=lambda group: [ProfilingHook(group.rank), AutogradHook(group.rank)],
+    )  # fmt: skip
 
 
 def _peek_agent() -> Agent | None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,7 +60,7 @@ class _Nested:
 class ProfilingHook(CallHook):
     """RPC spans for the caller's profiler; recordings from the callee."""
 
-    def __init__(self, rank: Callable[[], int]) -> None:
+    def __init__(self, rank: int) -> None:
         self._rank = rank  # this worker's rank: the node_id of its events
         self._lock = threading.Lock()
         # The server profiler: None when off, else the recordings of the requests served.
@@ -86,7 +85,7 @@ class ProfilingHook(CallHook):
             call.state[self] = _Nested(name, recording)
             call.headers[FIELD] = recording.flags
             return
-        set_node_id(self._rank())
+        set_node_id(self._rank)
         done: torch.futures.Future[None] = torch.futures.Future()
         _end_on(_enter(name, None), done)
         call.state[self] = (name, done)

@@ -102,6 +102,7 @@ class Dispatcher:
         reply_device_map: Callable[[int], Mapping[str, str] | None],
         counters: Counters,
         pipeline: Pipeline,
+        rrefs: RRefService,
         print_errors: bool = True,
     ) -> None:
         self._name = name
@@ -119,8 +120,8 @@ class Dispatcher:
         self._came_on: dict[tuple[int, int], Connection] = {}
         # Requests going through the pipeline, until their reply is built.
         self._served: dict[tuple[int, int], IncomingCall] = {}
-        # Keeps the values of remote() requests; set once the agent knows its rank.
-        self.rrefs: RRefService | None = None
+        # Keeps the values of remote() requests.
+        self.rrefs = rrefs
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -131,13 +132,11 @@ class Dispatcher:
         peer = conn.peer
         assert peer is not None
         if request.mode == CallMode.REMOTE:
-            assert self.rrefs is not None
             self.rrefs.on_remote_request(peer, request)
         serves = self._pipeline.serves(request.headers)
         grads: list[Any] = []  # filled only for a request the pipeline serves
         rrefs = self.rrefs
-        if rrefs is not None:
-            rrefs.take_unconfirmed()  # forget forks unpickled elsewhere (replies)
+        rrefs.take_unconfirmed()  # forget forks unpickled elsewhere (replies)
         try:
             fn, args, kwargs = self._serializer.loads(
                 payload, segments, context=peer, grads=grads if serves else None
@@ -150,7 +149,7 @@ class Dispatcher:
             return
         # RRefs in the arguments forked by a worker other than their owner: the function
         # runs once their owners confirmed them (as in torch), so they are usable there.
-        unconfirmed = rrefs.take_unconfirmed() if rrefs is not None else None
+        unconfirmed = rrefs.take_unconfirmed()
         call = (fn, args, kwargs)
         if unconfirmed is not None:
             start = partial(self._start, conn, request, peer, call, serves, grads)
@@ -346,8 +345,7 @@ class Dispatcher:
         carries), or the error that building it raised."""
         served = self._served.get((peer, request.call_id)) if self._served else None
         rrefs = self.rrefs
-        if rrefs is not None:
-            rrefs.take_minted()  # a pickling that failed elsewhere on this thread may leave some
+        rrefs.take_minted()  # a pickling that failed elsewhere on this thread may leave some
         try:
             payload, segments, keep = self._serializer.dumps(
                 result,
@@ -356,20 +354,19 @@ class Dispatcher:
                 grads=None if served is None else served.reply_grads,
             )
         except Exception as exc:  # the error reply tells the hooks (see _send_error)
-            if rrefs is not None:
-                self._undelivered(peer, rrefs.take_minted())  # forked for nobody
+            self._undelivered(peer, rrefs.take_minted())  # forked for nobody
             error = SerializationError(
                 f"the result of {request.target} on worker {self._name!r} cannot be sent: {exc}"
             )
             error.__cause__ = exc
             return None, (None, None), error
-        forks = rrefs.take_minted() if rrefs is not None else None
+        forks = rrefs.take_minted()
         headers = self._replying(request, peer, True, result)
         reply = Reply(request.call_id, headers).to_fields()
         return encode_frame(reply, payload, segments), (keep, forks), None
 
     def _undelivered(self, peer: int, forks: Any) -> None:
-        if forks and self.rrefs is not None:
+        if forks:
             self.rrefs.undelivered(peer, forks)
 
     def _send_built(
@@ -418,8 +415,7 @@ class Dispatcher:
         if not ok and self._print_errors:
             self._print_error(request, conn.peer_name, value)
         if request.mode != 0:
-            if self.rrefs is not None:
-                self.rrefs.on_value(request, peer, ok, value)
+            self.rrefs.on_value(request, peer, ok, value)
             if request.headers:
                 self._acknowledge(conn, request, peer, ok, value)
             else:

@@ -19,7 +19,7 @@ from asyncrpc.protocol.reflog import Transfer
 from asyncrpc.runtime.calls.pipeline import CallHook, OutgoingCall, Pipeline
 from asyncrpc.runtime.future import Future
 
-__all__ = ["Deadlines", "PendingCall", "PendingCalls", "describe_function"]
+__all__ = ["Deadlines", "PendingCall", "PendingCalls", "Waiter", "describe_function"]
 
 Waiter = Future[Any] | asyncio.Future[Any]
 
@@ -32,7 +32,11 @@ class PendingCall:
         "waiter",
     )  # fmt: skip
 
-    def __init__(self, waiter: Waiter, peer: int, target: str, timeout: float) -> None:
+    def __init__(
+        self, waiter: Waiter, peer: int, target: str, timeout: float, keepalive: object = None,
+        observed: tuple[tuple[CallHook, ...], OutgoingCall] | None = None,
+        forks: list[Transfer] | None = None,
+    ) -> None:  # fmt: skip
         self.waiter = waiter
         self.peer = peer
         self.target = target
@@ -42,11 +46,11 @@ class PendingCall:
         # that connection fails the call, losing another one does not.
         self.sent_on: object = None
         # Tensors whose memory is being written; freed with the call, not before.
-        self.keepalive: object = None
+        self.keepalive = keepalive
         # The RRef forks its request carries (None: none), followed until the peer reads it.
-        self.forks: list[Transfer] | None = None
+        self.forks = forks
         # The pipeline hooks this call went through, told when it ends (None: none).
-        self.observed: tuple[tuple[CallHook, ...], OutgoingCall] | None = None
+        self.observed = observed
 
     def resolve(
         self, value: Any, headers: dict[str, Any] | None = None, grads: list[Any] | None = None

@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from asyncrpc.errors import BadDestinationError, UnknownWorkerError
 from asyncrpc.protocol.address import PeerAddress
+from asyncrpc.protocol.options import WorkerInfo
 from asyncrpc.runtime.group.rendezvous import StoreGroup
 
 __all__ = ["Directory"]
@@ -23,8 +25,14 @@ _log = logging.getLogger("asyncrpc.runtime.group.membership")
 class Directory:
     """The members this worker knows, and (dynamic group) the store to find more in."""
 
-    def __init__(self, addresses: dict[int, PeerAddress], group: StoreGroup | None) -> None:
-        self.addresses = addresses  # the agent's own dict: entries are only ever added
+    def __init__(
+        self,
+        addresses: dict[int, PeerAddress],
+        group: StoreGroup | None,
+        device_maps: dict[str, dict[str, str]] | None = None,
+    ) -> None:
+        self.addresses = addresses  # the group's own dict: entries are only ever added
+        self._device_maps = device_maps  # this worker's, by callee name
         self.ranks_by_name = {a.name: r for r, a in addresses.items()}
         self._group = group if group is not None and group.dynamic else None
 
@@ -84,3 +92,61 @@ class Directory:
             _log.warning("could not read the members in the rendezvous store: %s", exc)
             return sorted(self.addresses)
         return sorted(set(here) | {group.rank})
+
+    # -- addressing ------------------------------------------------------------------------
+
+    def resolve(self, to: object) -> int:
+        """Return the rank of worker ``to`` (a name, a rank or a ``WorkerInfo``).
+
+        A dynamic group's member met for the first time is read in the store, on the
+        calling thread (a short blocking read, once per newcomer).
+
+        Raises:
+            UnknownWorkerError: no such worker in the group.
+            BadDestinationError: ``to`` names no worker at all.
+        """
+        who = self.destination(to)
+        rank = self.known(who)
+        if rank is None and self.dynamic:
+            rank = self.lookup(who)
+        if rank is None:
+            raise UnknownWorkerError(to, tuple(self.ranks_by_name))
+        return rank
+
+    def destination(self, to: object) -> str | int:
+        """The name or rank ``to`` stands for.
+
+        Raises:
+            BadDestinationError: ``to`` is not a name, a rank or a worker info.
+        """
+        if isinstance(to, WorkerInfo):
+            return to.name
+        if isinstance(to, str) or (isinstance(to, int) and not isinstance(to, bool)):
+            return to
+        name = getattr(to, "name", None)  # torch's WorkerInfo
+        if not isinstance(name, str):
+            raise BadDestinationError(to, tuple(self.ranks_by_name))
+        return name
+
+    def worker_info(self, rank: int) -> WorkerInfo:
+        """Raises: UnknownWorkerError: no worker has ``rank`` (dynamic: none in the store)."""
+        if rank not in self.addresses and self.lookup(rank) is None:
+            raise UnknownWorkerError(rank, tuple(self.ranks_by_name))
+        return WorkerInfo(self.addresses[rank].name, rank)
+
+    def worker_infos(self, may_block: bool) -> list[WorkerInfo]:
+        """The group's members by rank. Dynamic group: read in the store when ``may_block``
+        (off the loop thread), else the members this worker knows."""
+        ranks = self.current() if self.dynamic and may_block else sorted(dict(self.addresses))
+        return [self.worker_info(r) for r in ranks]
+
+    def request_device_map(self, rank: int) -> dict[str, str] | None:
+        """This worker's device map for calls to ``rank``."""
+        maps = self._device_maps
+        return None if maps is None else maps.get(self.addresses[rank].name)
+
+    def reply_device_map(self, rank: int, name: str) -> dict[str, str] | None:
+        """The map of a reply to ``rank``: its map for calls to ``name``, backwards."""
+        maps = self.addresses[rank].device_maps if rank in self.addresses else None
+        mine = None if maps is None else maps.get(name)
+        return None if mine is None else {v: k for k, v in mine.items()}

@@ -4,7 +4,7 @@ A frame for a peer goes straight onto its connection, or waits (in order, behind
 frames already waiting) until one is made. Refcount frames, and the RRef forks that other
 frames carry, are followed in a per-peer log (``reflog.py``) until the peer has surely read
 them: a new connection replays the frames, and forks written on a connection that died
-first are asked about. The agent owns one ``Links`` and feeds it connection events.
+first are asked about. The network owns one ``Links`` and feeds it connection events.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ from asyncrpc.runtime.shm.shm import SharedMemory
 
 __all__ = ["LinkHost", "Links", "SentCalls"]
 
-# The agent's logger: these messages were the agent's before this module took them over.
-_log = logging.getLogger("asyncrpc.runtime.agent")
+_log = logging.getLogger(__name__)
 
 # A frame waiting for a connection: its pieces, the call it belongs to (0: none), what
 # keeps its memory alive, and the RRef forks it carries.
@@ -51,15 +50,15 @@ class SentCalls(Protocol):
 
 
 class LinkHost(Protocol):
-    """What the links read of their agent."""
+    """What the links read of their network."""
 
     rank: int
     loop: asyncio.AbstractEventLoop
     counters: Counters
     shm: SharedMemory
     addresses: dict[int, PeerAddress]
-    peers: PeerTable | None
-    rrefs: RRefService | None
+    peers: PeerTable
+    rrefs: RRefService
 
     @property
     def calls(self) -> SentCalls: ...
@@ -73,7 +72,7 @@ class LinkHost(Protocol):
 
 
 class Links:
-    """The frames bound for every peer of one agent, on the agent's loop thread."""
+    """The frames bound for every peer of one worker, on its loop thread."""
 
     def __init__(self, host: LinkHost) -> None:
         self._host = host
@@ -103,7 +102,7 @@ class Links:
         if waiting is not None:
             waiting.append((pieces, call_id, keep, forks))
             return
-        peer = host.peers.peers.get(rank) if host.peers is not None else None
+        peer = host.peers.peers.get(rank)
         if peer is not None and peer.conn is not None and not peer.conn.closed:
             self._send_checked(peer.conn, rank, pieces, call_id, keep, forks)
             return
@@ -115,7 +114,7 @@ class Links:
         host = self._host
         # A dynamic group's member not looked up yet has no log for this first frame: it
         # goes out once the look-up is done (a connection lost before its Pong loses it).
-        if rank != host.rank and host.peers is not None and host.peer_known(rank):
+        if rank != host.rank and host.peer_known(rank):
             log = self._logs.setdefault(rank, RefLog())
             if log.add(pieces):
                 peer = host.peers.peers[rank]
@@ -143,7 +142,6 @@ class Links:
 
     async def _send_when_connected(self, rank: int) -> None:
         host = self._host
-        assert host.peers is not None
         waiting, sent = self._unsent[rank], 0
         try:
             await host.know_peer(rank)
@@ -159,7 +157,7 @@ class Links:
             for _, call_id, _, forks in waiting[sent:]:
                 self._fail_unsent(rank, call_id, exc)
                 self.undelivered(rank, forks)
-            if isinstance(exc, UnknownWorkerError) and host.rrefs is not None:
+            if isinstance(exc, UnknownWorkerError):
                 # An RRef named an owner nobody can find (a dynamic group whose store has
                 # gone): its forks wait for no confirmation, as if the owner were lost.
                 host.rrefs.on_peer_lost(rank)
@@ -193,21 +191,17 @@ class Links:
 
     def _wrote_forks(self, rank: int, forks: list[Transfer]) -> None:
         # Followed until a Pong proves the peer read them; in doubt if the link dies first.
-        peers = self._host.peers
-        if peers is not None and rank in peers.peers:
+        if rank in self._host.peers.peers:
             self._logs.setdefault(rank, RefLog()).wrote(forks)
 
     def undo_minted(self, rank: int) -> None:
         """A frame for ``rank`` failed to build: undo the forks its pickling made."""
-        rrefs = self._host.rrefs
-        if rrefs is not None:
-            self.undelivered(rank, rrefs.take_minted())
+        self.undelivered(rank, self._host.rrefs.take_minted())
 
     def undelivered(self, rank: int, forks: list[Transfer] | None) -> None:
         """The frame carrying these forks was never written: nobody will hold them."""
-        rrefs = self._host.rrefs
-        if forks and rrefs is not None:
-            rrefs.undelivered(rank, forks)
+        if forks:
+            self._host.rrefs.undelivered(rank, forks)
 
     # -- acknowledgements ------------------------------------------------------------------
 
@@ -225,11 +219,9 @@ class Links:
     def ask_acks(self) -> None:
         """Ping busy links too (the heartbeat pings idle ones) while refcount frames wait
         for an acknowledgement, so that the logs empty (see reflog.py)."""
-        peers = self._host.peers
-        if peers is None:
-            return
+        peers = self._host.peers.peers
         for rank, log in list(self._logs.items()):  # bounded by the peers
-            conn = peers.peers[rank].conn
+            conn = peers[rank].conn
             if conn is not None and not conn.closed and log.awaiting_ack():
                 self.ping(conn)
 
@@ -260,9 +252,8 @@ class Links:
         if log is None:
             return
         in_doubt = log.lost(conn)
-        rrefs = self._host.rrefs
-        if in_doubt and rrefs is not None and ask:
-            rrefs.query_forks(rank, in_doubt)
+        if in_doubt and ask:
+            self._host.rrefs.query_forks(rank, in_doubt)
 
     def forget(self, rank: int) -> None:
         """``rank`` is gone for good: nothing will be resent to it."""

@@ -110,6 +110,10 @@ class Connection(asyncio.BufferedProtocol):
                 return
             nbytes = 0  # parse what is already received, under the limits now in force
 
+    def hand_over(self, handler: ConnectionHandler) -> None:
+        """From now on, report to ``handler`` (a listener hands its parked connections over)."""
+        self._handler = handler
+
     def open(self, max_frame_size: int) -> None:
         """The peer is authenticated: lift the handshake's limits on this connection."""
         self._decoder.open(max_frame_size)
