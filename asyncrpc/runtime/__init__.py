@@ -9,10 +9,13 @@ lower ones (``tests/unit/test_layering.py`` checks it):
   synchronous functions), ``loopthread.py``, ``services.py`` (what the runtime asks of the
   RRef layer above it) and ``cuda/`` (the device seam and stream scheduling);
 - ``shm/``: same-host memory for large tensors;
-- ``net/``: connections, one authenticated connection per peer, ordered delivery across
-  reconnects, liveness, TLS, calls to self;
-- ``group/``: joining the group, its members, graceful shutdown;
-- ``calls/``: outgoing calls awaiting replies, the call pipeline, the dispatcher;
-- ``agent.py``: the composition root that wires the parts, and ``current.py`` (the
-  process's agent).
+- ``net/``: the listener (open before the join), the ``Network``: connections, one
+  authenticated connection per peer, ordered delivery across reconnects, liveness, TLS,
+  calls to self;
+- ``group/``: joining the group (``join`` returns the frozen ``Group``), its members,
+  graceful shutdown;
+- ``calls/``: the ``Outbox`` (outgoing calls from encoding to their end), the call
+  pipeline, the ``Dispatcher`` (one ``ServedRequest`` per received request);
+- ``agent.py``: the composition root, built from the ``Group`` once joined, that wires
+  the parts; ``current.py`` (the process's agent).
 """

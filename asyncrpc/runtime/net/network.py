@@ -341,6 +341,10 @@ class Network:
         """Send a refcount frame, again on a new connection until acknowledged."""
         self.links.send_ref(rank, pieces)
 
+    def undelivered(self, rank: int, forks: list[Transfer] | None) -> None:
+        """A frame carrying these forks was never written: nobody will hold them."""
+        self.links.undelivered(rank, forks)
+
     def write(
         self, conn: Any, pieces: list[Any], keep: object = None,
         forks: list[Transfer] | None = None,
