@@ -42,6 +42,11 @@ class AutogradHook(CallHook):
     def active(self) -> bool:
         return current_context_id.get() is not None
 
+    def prepare(self, call: OutgoingCall) -> None:
+        # Tensors requiring grad travel as segments, listed in order on both sides.
+        if self.contexts.current() is not None:
+            call.track_grads()
+
     def outgoing(self, call: OutgoingCall) -> None:
         context = self.contexts.current()
         if context is None:
@@ -62,6 +67,10 @@ class AutogradHook(CallHook):
             context.record_recv(call.callee_rank, int(fields[1]), call.reply_grads)
 
     # -- callee ----------------------------------------------------------------------------
+
+    def receiving(self, call: IncomingCall) -> None:
+        if call.headers.get(FIELD):
+            call.track_grads()
 
     def incoming(self, call: IncomingCall) -> None:
         fields = call.headers.get(FIELD)

@@ -15,7 +15,6 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 from asyncrpc.errors import PeerLostError, RemoteProtocolError, ShutdownError
@@ -28,6 +27,7 @@ from asyncrpc.runtime.calls.dispatch import Dispatcher
 from asyncrpc.runtime.calls.outbox import Outbox
 from asyncrpc.runtime.calls.pending import PendingCalls
 from asyncrpc.runtime.calls.pipeline import CallHook, Pipeline
+from asyncrpc.runtime.cuda.maps import DeviceMapHook
 from asyncrpc.runtime.future import set_default_callback_loop
 from asyncrpc.runtime.group.join import Group, join
 from asyncrpc.runtime.group.shutdown import GracefulShutdown
@@ -68,9 +68,9 @@ class Agent:
         self.pool = WorkerPool(
             options.num_worker_threads, loop, self.name, options.max_worker_threads
         )
-        self.pipeline = Pipeline()
-        for hook in hooks:
-            self.pipeline.add(hook)
+        # Device maps ride on every agent (a callee applies its callers' reply maps); the
+        # other hooks come from whoever starts the agent.
+        self.pipeline = Pipeline([DeviceMapHook(options.device_maps), *hooks])
         self.rrefs = rrefs(self)
         self.shm = SharedMemory(
             loop, options.shm_threshold, options.shm_arena_bytes,
@@ -102,10 +102,9 @@ class Agent:
         self.effective_timeout = self.outbox.effective_timeout
         self.send_ref, self.is_lost = self.network.send_ref, self.network.is_lost
         self.probe = self.network.probe  # dial unless connected or lost (shutdown)
-        reply_map = partial(self.directory.reply_device_map, name=self.name)
         self.dispatcher = Dispatcher(
-            self.name, loop, self.pool, self.serializer, self.network.write, reply_map,
-            self.counters, self.pipeline, self.rrefs, options.print_errors,
+            self.name, loop, self.pool, self.serializer, self.network.write, self.counters,
+            self.pipeline, self.rrefs, options.print_errors,
         )  # fmt: skip
         self.lag = LagProbe(loop)
 

@@ -15,7 +15,6 @@ from asyncrpc.protocol.address import PeerAddress
 from asyncrpc.protocol.serde import Serializer
 from asyncrpc.protocol.wire import Frame, FrameDecoder, encode_frame
 from asyncrpc.protocol.wire.messages import (
-    Cancel,
     Kind,
     Reply,
     Request,
@@ -45,16 +44,13 @@ class RecordingSender:
 
     def send_to(
         self, rank: int, pieces: list[Any], call_id: int = 0, keep: object = None,
-        forks: Any = None,
+        forks: Any = None, ready: Any = None,
     ) -> None:  # fmt: skip
         (frame,) = _frames(pieces)
         self.sent.append((rank, frame))
 
-    def send_if_connected(self, rank: int, pieces: list[Any]) -> None:
-        (frame,) = _frames(pieces)
-        message = decode_message(frame.fields)
-        assert isinstance(message, Cancel)
-        self.cancels.append((rank, message.call_id))
+    def send_cancel(self, rank: int, call_id: int) -> None:
+        self.cancels.append((rank, call_id))
 
     def undelivered(self, rank: int, forks: Any) -> None:
         pass
@@ -174,7 +170,7 @@ async def _dispatcher() -> tuple[Dispatcher, list[tuple[Any, Frame]], WorkerPool
 
     pool = WorkerPool(1, loop, "me")
     dispatcher = Dispatcher(
-        "me", loop, pool, Serializer(), write, lambda rank: None, Counters(), Pipeline(),
+        "me", loop, pool, Serializer(), write, Counters(), Pipeline(),
         NoRRefs(), print_errors=False,  # type: ignore[arg-type]
     )  # fmt: skip
     return dispatcher, written, pool

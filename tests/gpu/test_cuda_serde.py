@@ -7,13 +7,15 @@ import torch
 
 from asyncrpc.errors import SerializationError
 from asyncrpc.protocol.serde import Serializer
+from asyncrpc.runtime.cuda.maps import HostCopy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def _round_trip(obj: object, device_map: dict[str, str] | None) -> object:
     serializer = Serializer()
-    payload, segments, _keep = serializer.dumps(obj, device_map=device_map)
+    policy = None if device_map is None else HostCopy(device_map)
+    payload, segments, _keep = serializer.dumps(obj, policy=policy)
     owners = []
     for view, tag in segments:
         owner, dest = serializer.allocate(view.nbytes, tag)

@@ -19,9 +19,9 @@ import pytest
 PACKAGE_DIR = Path(__file__).resolve().parents[2] / "asyncrpc"
 
 # The floors, lowest first: a module may import from its own floor or any lower one. The
-# runtime (L2) has sub-floors: its base modules (futures, the thread pool, metrics, cuda),
-# then shm/, net/, group/, calls/, and at the top the agent that wires them. A module sits
-# on the floor of the longest prefix that names it.
+# runtime (L2) has sub-floors: its base modules (futures, the thread pool, metrics), then
+# shm/, net/, group/, calls/, cuda/ (hooks on the call pipeline), and at the top the agent
+# that wires them. A module sits on the floor of the longest prefix that names it.
 FLOORS: list[tuple[float, tuple[str, ...]]] = [
     (0, ("asyncrpc.errors", "asyncrpc.functions")),
     (1, ("asyncrpc.protocol",)),
@@ -30,6 +30,8 @@ FLOORS: list[tuple[float, tuple[str, ...]]] = [
     (2.2, ("asyncrpc.runtime.net",)),
     (2.3, ("asyncrpc.runtime.group",)),
     (2.4, ("asyncrpc.runtime.calls",)),
+    # The CUDA path plugs into the call pipeline as hooks (device maps, the send gate).
+    (2.45, ("asyncrpc.runtime.cuda",)),
     (2.5, ("asyncrpc.runtime.agent", "asyncrpc.runtime.current")),
     (3, ("asyncrpc.rref", "asyncrpc.profiling", "asyncrpc.autograd")),
     (

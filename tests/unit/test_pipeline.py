@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 import pytest
+import torch
 
-from asyncrpc.runtime.calls.pipeline import CallHook, IncomingCall, OutgoingCall, Pipeline
+from asyncrpc.errors import SerializationError
+from asyncrpc.protocol.serde import Serializer
+from asyncrpc.runtime.calls.pipeline import (
+    CallHook,
+    CallTensors,
+    IncomingCall,
+    OutgoingCall,
+    Pipeline,
+)
 
 
 class Recorder(CallHook):
@@ -119,3 +129,154 @@ def test_Pipeline_add_and_remove_keep_order_and_skip_duplicates() -> None:
     assert pipeline.hooks == (a, b)
     pipeline.remove(a)
     assert pipeline.hooks == (b,)
+
+
+# -- stages a hook overrides ------------------------------------------------------------
+
+
+class OnlyCompleted(CallHook):
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def completed(
+        self, call: OutgoingCall, headers: dict[str, Any] | None, error: BaseException | None
+    ) -> None:
+        self.log.append("completed")
+
+
+def test_CallHook_stages_are_those_its_class_overrides() -> None:
+    assert OnlyCompleted.stages == {"completed"}
+    assert Recorder.stages == {"active", "outgoing", "completed", "incoming", "replying"}
+    assert CallHook.stages == frozenset()
+
+
+def test_Pipeline_calls_a_hook_only_for_the_stages_it_overrides() -> None:
+    log: list[str] = []
+
+    class Spy(OnlyCompleted):
+        def __getattribute__(self, name: str) -> Any:
+            if name in ("prepare", "outgoing", "ready", "receiving", "incoming", "reply_ready"):
+                log.append(f"looked up {name}")
+            return super().__getattribute__(name)
+
+    spy = Spy(log)
+    pipeline = Pipeline([spy])
+    hooks = pipeline.active_hooks()
+    call = outgoing_call()
+    Pipeline.prepare(hooks, call)
+    Pipeline.outgoing(hooks, call)
+    assert Pipeline.ready(hooks, call) is None
+    Pipeline.completed(hooks, call, None, None)
+    served = incoming_call()
+    pipeline.receiving(served)
+    pipeline.incoming(served)
+    assert pipeline.reply_ready(served) is None
+    assert log == ["completed"]
+    assert pipeline.overriding("completed") == (spy,)
+    assert pipeline.overriding("outgoing") == ()
+
+
+# -- tensor policies -------------------------------------------------------------------
+
+
+def test_CallTensors_untracked_notes_tensors_and_sends_none_as_forced_segments() -> None:
+    policy = CallTensors()
+    small = torch.ones(2, requires_grad=True)
+    assert policy.met(small) is False
+    assert policy.seen == [small]
+    policy.exported(small)
+    assert policy.grads is None
+
+
+def test_CallTensors_tracking_forces_grads_into_segments_in_order() -> None:
+    policy = CallTensors()
+    policy.track_grads()
+    a, b, plain = (
+        torch.ones(1, requires_grad=True),
+        torch.ones(2, requires_grad=True),
+        torch.ones(3),
+    )
+    assert policy.met(a)
+    assert policy.met(b)
+    assert not policy.met(plain)
+    for tensor in (b, plain, a):
+        policy.exported(tensor)
+    assert policy.grads == [b, a]
+
+
+def test_CallTensors_without_a_device_policy_refuses_tensors_off_the_cpu() -> None:
+    with pytest.raises(SerializationError, match="only CPU and CUDA"):
+        CallTensors().to_host(torch.empty(1, device="meta"))
+
+
+def test_serializer_with_tracked_grads_lists_them_on_both_sides() -> None:
+    serializer = Serializer()
+    sender, receiver = CallTensors(), CallTensors()
+    sender.track_grads()
+    receiver.track_grads()
+    small = torch.ones(2, requires_grad=True)
+    big = torch.zeros(4096, requires_grad=True)
+    payload, segments, _keep = serializer.dumps([big, torch.ones(1), small, big], policy=sender)
+    assert len(segments) == 2  # the small one travels as a segment too; `big` once
+    assert sender.grads == [big, small]
+    got = serializer.loads(payload, [bytearray(view) for view, _ in segments], policy=receiver)
+    assert receiver.grads == [got[0], got[2]]
+    assert got[0] is got[3]
+
+
+def test_serializer_without_policy_inlines_small_grads() -> None:
+    _payload, segments, _keep = Serializer().dumps([torch.ones(2, requires_grad=True)])
+    assert segments == []
+
+
+def test_call_track_grads_tracks_the_reply_too() -> None:
+    call = outgoing_call()
+    assert call.grads == []
+    assert call.reply_grads == []
+    call.track_grads()
+    assert call.policy.grads == []
+    assert call.reply_policy.grads == []
+
+
+# -- ready -----------------------------------------------------------------------------
+
+
+class Gate(CallHook):
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+
+    def ready(self, call: OutgoingCall) -> Any:
+        return self._wait()
+
+    def reply_ready(self, call: IncomingCall) -> Any:
+        return self._wait()
+
+    async def _wait(self) -> None:
+        self.log.append(self.name)
+
+
+def test_Pipeline_ready_awaits_every_hook_in_order() -> None:
+    log: list[str] = []
+    first, second = Gate(log, "first"), Gate(log, "second")
+    pipeline = Pipeline([first, OnlyCompleted(log), second])
+    ready = Pipeline.ready(pipeline.active_hooks(), outgoing_call())
+    assert ready is not None
+    assert log == []
+    asyncio.run(_await(ready))
+    assert log == ["first", "second"]
+    reply_ready = pipeline.reply_ready(incoming_call())
+    assert reply_ready is not None
+    asyncio.run(_await(reply_ready))
+    assert log == ["first", "second", "first", "second"]
+
+
+def test_Pipeline_ready_of_one_hook_is_its_own_awaitable() -> None:
+    log: list[str] = []
+    ready = Pipeline.ready((Gate(log, "only"),), outgoing_call())
+    assert asyncio.iscoroutine(ready)
+    asyncio.run(_await(ready))
+    assert log == ["only"]
+
+
+async def _await(ready: Any) -> None:
+    await ready

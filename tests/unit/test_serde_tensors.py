@@ -22,6 +22,7 @@ with warnings.catch_warnings():
         rebuild_small_tensor,
         reduce_small_tensor,
     )
+    from asyncrpc.runtime.cuda.maps import HostCopy
     from tests.unit import _serde_helpers as helpers
 
 QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
@@ -330,7 +331,7 @@ def test_Serializer_tensor_never_enters_payload(serializer: Serializer) -> None:
 
 
 def test_Serializer_cpu_tensor_ignores_device_map(serializer: Serializer) -> None:
-    sent = roundtrip(serializer, torch.ones(2), device_map={"cuda:0": "cuda:1"})
+    sent = roundtrip(serializer, torch.ones(2), policy=HostCopy({"cuda:0": "cuda:1"}))
     assert sent.segments[0][1] == "cpu"
     assert sent.value.device == torch.device("cpu")
 

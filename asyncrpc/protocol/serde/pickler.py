@@ -10,13 +10,14 @@ from __future__ import annotations
 import io
 import pickle
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import torch
 
 from asyncrpc.errors import AsyncRpcError, SerializationError
 from asyncrpc.protocol.serde.buffers import ReceiveBuffers
+from asyncrpc.protocol.serde.policy import DEFAULT, TensorPolicy
 from asyncrpc.protocol.serde.reducers import (
     MissingReferenceError,
     ReduceFn,
@@ -97,7 +98,7 @@ class _Pickler(pickle.Pickler):
         reducers: dict[type, ReduceFn],
         hook: PersistentDump | None,
         context: object,
-        device_map: Mapping[str, str] | None,
+        policy: TensorPolicy | None,
         inline_bytes: int,
     ) -> None:
         super().__init__(file, protocol=_PROTOCOL)
@@ -105,16 +106,11 @@ class _Pickler(pickle.Pickler):
         self._reducers = reducers
         self._hook = hook
         self._context = context
-        self._device_map = device_map
+        # None: the defaults, asked nothing per tensor (the common case costs no call).
+        self._policy = policy
         # id(tensor) -> its descriptor: the same tensor twice is one segment. The tensors
         # stay alive (the object being pickled holds them), so ids cannot be reused.
         self._exported: dict[int, TensorDescriptor] = {}
-        # Every tensor pickled, for the call pipeline's hooks (None: nobody asked).
-        self.tensors: list[torch.Tensor] | None = None
-        # Tensors requiring grad, each once, in segment order (None: not tracked). When
-        # tracked they always travel as segments, so the receiver lists them in the same
-        # order: distributed autograd matches the two lists by index.
-        self.grads: list[torch.Tensor] | None = None
         self.segments: list[Segment] = []
         self.keepalive: list[object] = []
         # The last non-plain object seen; when pickling fails, it is the culprit (pickle
@@ -127,9 +123,8 @@ class _Pickler(pickle.Pickler):
             return None
         self.last = obj
         if cls is _Tensor or cls is _Parameter:
-            if self.tensors is not None:
-                self.tensors.append(obj)
-            if self.grads is not None and obj.requires_grad:
+            policy = self._policy
+            if policy is not None and policy.met(obj):
                 return self._tensor_id(obj)
             if is_small_tensor(obj, self._inline_bytes):
                 return None  # reducer_override puts it in the pickle
@@ -143,15 +138,16 @@ class _Pickler(pickle.Pickler):
     def _tensor_id(self, tensor: torch.Tensor) -> TensorDescriptor | None:
         descriptor = self._exported.get(id(tensor))
         if descriptor is None:
-            exported = export_tensor(tensor, len(self.segments), self._device_map)
+            policy = self._policy
+            exported = export_tensor(tensor, len(self.segments), policy or DEFAULT)
             if exported is None:
                 return None
             descriptor, segment, keep = exported
             self.segments.append(segment)
             self.keepalive.append(keep)
             self._exported[id(tensor)] = descriptor
-            if self.grads is not None and tensor.requires_grad:
-                self.grads.append(tensor)
+            if policy is not None:
+                policy.exported(tensor)
         return descriptor
 
     def reducer_override(self, obj: Any) -> Any:
@@ -177,15 +173,15 @@ class _Unpickler(pickle.Unpickler):
         owners: Sequence[object],
         hook: PersistentLoad | None,
         context: object,
+        policy: TensorPolicy | None,
     ) -> None:
         super().__init__(file)
         self._owners = owners
         self._hook = hook
         self._context = context
+        self._policy = policy
         # segment index -> tensor: a tensor sent twice arrives as one object.
         self._tensors: dict[int, torch.Tensor] = {}
-        # Tensors requiring grad, each once, in segment order (see _Pickler.grads).
-        self.grads: list[torch.Tensor] | None = None
 
     def persistent_load(self, pid: Any) -> Any:
         kind = pid[0]
@@ -193,10 +189,11 @@ class _Unpickler(pickle.Unpickler):
             key: int = pid[1]
             tensor = self._tensors.get(key)
             if tensor is None:
-                tensor = import_tensor(pid, self._owners[key])
+                policy = self._policy
+                tensor = import_tensor(pid, self._owners[key], policy or DEFAULT)
                 self._tensors[key] = tensor
-                if self.grads is not None and tensor.requires_grad:
-                    self.grads.append(tensor)
+                if policy is not None:
+                    policy.imported(tensor)
             return tensor
         if kind == HOOK_PID and self._hook is not None:
             return self._hook(pid[1], self._context)
@@ -263,21 +260,15 @@ class Serializer:
         obj: object,
         *,
         context: object = None,
-        device_map: Mapping[str, str] | None = None,
-        tensors: list[torch.Tensor] | None = None,
-        grads: list[torch.Tensor] | None = None,
+        policy: TensorPolicy | None = None,
     ) -> tuple[bytes, list[Segment], list[object]]:
         """Pickle ``obj``; its dense tensors become raw segments outside the payload.
 
         Args:
             obj: the value.
             context: handed to ``persistent_dump`` (e.g. the destination worker).
-            device_map: sender CUDA device -> receiver device, as ``"cuda:0"`` strings.
-            tensors: when given, every tensor pickled is appended to it (each time it
-                is met: the same tensor twice appears twice).
-            grads: when given, tensors that require grad travel as segments whatever
-                their size, and each is appended to it once, in segment order; ``loads``
-                with ``grads`` lists the rebuilt ones in the same order.
+            policy: the message's tensor policy (see ``policy.py``); None keeps the
+                defaults: small CPU tensors inline, CUDA tensors refused.
 
         Returns:
             ``(payload, segments, keepalive)``: segments are ``(memoryview, tag)`` over the
@@ -292,9 +283,8 @@ class Serializer:
         """
         buffer = io.BytesIO()
         pickler = _Pickler(
-            buffer, self._reducers, self._persistent_dump, context, device_map, self._inline_bytes
+            buffer, self._reducers, self._persistent_dump, context, policy, self._inline_bytes
         )
-        pickler.tensors, pickler.grads = tensors, grads
         try:
             pickler.dump(obj)
         except AsyncRpcError:
@@ -312,7 +302,7 @@ class Serializer:
         segments: Sequence[object],
         *,
         context: object = None,
-        grads: list[torch.Tensor] | None = None,
+        policy: TensorPolicy | None = None,
     ) -> Any:
         """Unpickle a payload whose tensors arrived as ``segments``.
 
@@ -321,8 +311,8 @@ class Serializer:
             segments: the segment owners ``allocate`` made, in order (any bytes-like
                 object works too).
             context: handed to ``persistent_load`` (e.g. the sending worker).
-            grads: when given, each tensor rebuilt from a segment that requires grad is
-                appended to it once, in segment order (see ``dumps``).
+            policy: the message's tensor policy (``imported``, ``to_device``); None keeps
+                the defaults.
 
         Returns:
             The value. CPU tensors are views of the segment owners' memory.
@@ -332,8 +322,9 @@ class Serializer:
                 found here (``module``, ``qualname`` and ``reason`` say which and why).
             SerializationError: anything else fails (the cause is chained).
         """
-        unpickler = _Unpickler(io.BytesIO(payload), segments, self._persistent_load, context)
-        unpickler.grads = grads
+        unpickler = _Unpickler(
+            io.BytesIO(payload), segments, self._persistent_load, context, policy
+        )
         try:
             return unpickler.load()
         except AsyncRpcError:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import ctypes
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Final
 
 import torch
 
 from asyncrpc.errors import SerializationError
+from asyncrpc.protocol.serde.policy import DEFAULT, TensorPolicy
 
 __all__ = [
     "HOOK_PID",
@@ -97,7 +98,7 @@ def memory_view(address: int, nbytes: int, *, writable: bool) -> memoryview:
 
 
 def export_tensor(
-    tensor: torch.Tensor, key: int, device_map: Mapping[str, str] | None
+    tensor: torch.Tensor, key: int, policy: TensorPolicy = DEFAULT
 ) -> tuple[TensorDescriptor, Segment, torch.Tensor] | None:
     """Describe a dense tensor and expose the bytes it touches, or None to let torch reduce it.
 
@@ -112,15 +113,15 @@ def export_tensor(
     Args:
         tensor: a ``torch.Tensor`` or ``nn.Parameter`` (exact types).
         key: the index its segment will have.
-        device_map: CUDA device of the sender -> device of the receiver ("cuda:0" keys).
+        policy: the message's tensor policy; it brings a tensor not in CPU memory to the
+            host and names the receiver's device (``TensorPolicy.to_host``).
 
     Returns:
         ``(descriptor, segment, keepalive tensor backing the segment)``, or None for
         sparse, quantized and meta tensors (torch's own ``__reduce_ex__`` handles them).
 
     Raises:
-        SerializationError: a CUDA tensor whose device the map does not name, or a tensor
-            on a device other than CPU and CUDA.
+        SerializationError: the policy cannot send a tensor of this device.
     """
     if tensor.layout is not _STRIDED or tensor.is_quantized or tensor.is_meta:
         return None
@@ -129,7 +130,7 @@ def export_tensor(
     if tensor.is_cpu:
         device = "cpu"
     else:
-        device, tensor = _copy_to_host(tensor, device_map)
+        device, tensor = policy.to_host(tensor)
     tensor, stride, nbytes = _resolved_span(tensor)
     view = memory_view(tensor.data_ptr(), nbytes, writable=False)
     shape = tuple(tensor.shape)
@@ -237,39 +238,20 @@ def _span(tensor: torch.Tensor, stride: tuple[int, ...]) -> int:
     return span
 
 
-def _copy_to_host(
-    tensor: torch.Tensor, device_map: Mapping[str, str] | None
-) -> tuple[str, torch.Tensor]:
-    """Map a CUDA tensor's device, wait for its producers and copy it to CPU memory.
-
-    The bytes travel over TCP, so they must sit in host memory; synchronizing the current
-    stream first guarantees the kernels that wrote the tensor have finished.
-    """
-    device = tensor.device
-    if device.type != "cuda":
-        raise SerializationError(
-            f"cannot send a tensor on device {str(device)!r}: only CPU and CUDA tensors travel"
-        )
-    target = None if device_map is None else device_map.get(str(device))
-    if target is None:
-        raise SerializationError(
-            f"cannot send a tensor on device {str(device)!r}: the device map has no entry "
-            "for it; move the tensor to CPU or map this device to one of the callee's"
-        )
-    torch.cuda.current_stream(device).synchronize()
-    return str(target), tensor.detach().cpu()
-
-
-def import_tensor(descriptor: tuple[Any, ...], owner: object) -> torch.Tensor:
+def import_tensor(
+    descriptor: tuple[Any, ...], owner: object, policy: TensorPolicy = DEFAULT
+) -> torch.Tensor:
     """Rebuild a tensor from its descriptor and the owner of its received segment.
 
-    CPU tensors are views of the owner's memory (no copy); others are moved to their device.
+    CPU tensors are views of the owner's memory (no copy); others are moved to their device
+    by ``policy.to_device``.
 
     Args:
         descriptor: the tuple ``export_tensor`` made.
         owner: what ``allocate`` returned for the segment (a uint8 tensor), or any
             bytes-like object holding the segment; an exception stands for a segment that
             could not be received (e.g. shared memory that is gone) and is raised here.
+        policy: the message's tensor policy (moves a segment tagged with a device there).
 
     Returns:
         The tensor, an ``nn.Parameter`` when one was sent, with its requires_grad flag.
@@ -287,7 +269,7 @@ def import_tensor(descriptor: tuple[Any, ...], owner: object) -> torch.Tensor:
     if device != "cpu":
         # Move the segment, not the rebuilt view: it is exactly the span the view touches,
         # so its strides survive even where the view overlaps itself.
-        base = base.to(device, non_blocking=False)
+        base = policy.to_device(base, device)
     if dtype is not _UINT8:
         base = base.view(dtype)
     tensor = base.as_strided(shape, stride, offset)

@@ -16,7 +16,7 @@ import concurrent.futures
 import logging
 import sys
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, Protocol
 
@@ -43,8 +43,9 @@ from asyncrpc.runtime.threadpool import WorkerPool
 __all__ = ["Dispatcher", "ServedRequest", "await_async_result"]
 
 _log = logging.getLogger("asyncrpc.runtime.calls.dispatch")
-# What a built reply keeps alive while it is written, and the RRef forks it carries.
-_Keep = tuple[object, Any]
+# What a built reply keeps alive while it is written, the RRef forks it carries, and the
+# request as the pipeline saw it (None: it did not go through the pipeline).
+_Keep = tuple[object, Any, IncomingCall | None]
 
 # What runs a request: a task on the loop or a job in the pool (for cancellation).
 Runner = asyncio.Task[Any] | PoolJob
@@ -128,7 +129,6 @@ class Dispatcher:
         pool: WorkerPool,
         serializer: Serializer,
         write: Writer,
-        reply_device_map: Callable[[int], Mapping[str, str] | None],
         counters: Counters,
         pipeline: Pipeline,
         rrefs: RRefService,
@@ -140,7 +140,6 @@ class Dispatcher:
         self._pool = pool
         self._serializer = serializer
         self._write = write
-        self._reply_device_map = reply_device_map
         self._counters = counters
         self._pipeline = pipeline
         # The requests running as a task or a pool job, by (caller, call id).
@@ -159,13 +158,17 @@ class Dispatcher:
         served = ServedRequest(conn, request, peer)
         if served.remote:
             self.rrefs.on_remote_request(peer, request)
-        serves = self._pipeline.serves(request.headers)
-        grads: list[Any] = []  # filled only for a request the pipeline serves
         rrefs = self.rrefs
         rrefs.take_unconfirmed()  # forget forks unpickled elsewhere (replies)
         try:
+            if self._pipeline.serves(request.headers):
+                self._receiving(served)
+            incoming = served.incoming
             fn, args, kwargs = self._serializer.loads(
-                payload, segments, context=peer, grads=grads if serves else None
+                payload,
+                segments,
+                context=peer,
+                policy=None if incoming is None else incoming.policy,
             )
         except MissingReferenceError as exc:
             self._finish(served, False, self._missing(request, exc))
@@ -178,22 +181,20 @@ class Dispatcher:
         unconfirmed = rrefs.take_unconfirmed()
         call = (fn, args, kwargs)
         if unconfirmed is not None:
-            start = partial(self._start, served, call, serves, grads)
+            start = partial(self._start, served, call)
             unconfirmed._add_hook(lambda _: self._loop.call_soon_threadsafe(start))
             return
-        self._start(served, call, serves, grads)
+        self._start(served, call)
 
-    def _start(
-        self, served: ServedRequest, call: tuple[Any, Any, Any], serves: bool, grads: list[Any]
-    ) -> None:
+    def _start(self, served: ServedRequest, call: tuple[Any, Any, Any]) -> None:
         fn, args, kwargs = call
         # Decided on the function itself: a hook's wrapper may hide what kind it is.
         run, async_exec = fn, is_async_execution(fn)
         if is_torch_c_function(fn):
             run = partial(checked_op, fn)
-        if serves:
+        if served.incoming is not None:
             try:
-                run = self._serve(served, call, grads)
+                run = self._serve(served.incoming, call)
             except Exception as exc:
                 self._finish(served, False, exc)
                 return
@@ -219,16 +220,20 @@ class Dispatcher:
         served.runner = runner
         self._running[served.key] = served
 
-    def _serve(self, served: ServedRequest, call: Any, grads: list[Any]) -> Callable[..., Any]:
-        """Run the pipeline's callee side; returns the function wrapped by the hooks."""
+    def _receiving(self, served: ServedRequest) -> None:
+        """The request as the pipeline sees it, its policies set before it is unpickled."""
         request, peer = served.request, served.peer
         incoming = IncomingCall(
             served.conn.peer_name or str(peer), peer, self._name, request.call_id,
             request.target, served.remote, request.headers or {},
         )  # fmt: skip
-        fn, incoming.args, incoming.kwargs = call
-        incoming.fn, incoming.grads, incoming.coroutine = fn, grads, is_coroutine_function(fn)
         served.incoming = incoming
+        self._pipeline.receiving(incoming)
+
+    def _serve(self, incoming: IncomingCall, call: Any) -> Callable[..., Any]:
+        """Run the pipeline's callee side; returns the function wrapped by the hooks."""
+        fn, incoming.args, incoming.kwargs = call
+        incoming.fn, incoming.coroutine = fn, is_coroutine_function(fn)
         self._pipeline.incoming(incoming)
         return incoming.wrapped(fn)
 
@@ -364,10 +369,7 @@ class Dispatcher:
         rrefs.take_minted()  # a pickling that failed elsewhere on this thread may leave some
         try:
             payload, segments, keep = self._serializer.dumps(
-                result,
-                context=peer,
-                device_map=self._reply_device_map(peer),
-                grads=None if incoming is None else incoming.reply_grads,
+                result, context=peer, policy=None if incoming is None else incoming.reply_policy
             )
         except Exception as exc:  # the error reply tells the hooks (see _send_error)
             self._undelivered(peer, rrefs.take_minted())  # forked for nobody
@@ -376,11 +378,11 @@ class Dispatcher:
                 f"the result of {target} on worker {self._name!r} cannot be sent: {exc}"
             )
             error.__cause__ = exc
-            return None, (None, None), error
+            return None, (None, None, None), error
         forks = rrefs.take_minted()
         headers = self._replying(served, True, result)
         reply = Reply(served.request.call_id, headers).to_fields()
-        return encode_frame(reply, payload, segments), (keep, forks), None
+        return encode_frame(reply, payload, segments), (keep, forks, incoming), None
 
     def _undelivered(self, peer: int, forks: Any) -> None:
         if forks:
@@ -410,8 +412,27 @@ class Dispatcher:
             self._send_error(served, error)
             return
         assert pieces is not None
+        incoming = keep[2]
+        ready = None if incoming is None else self._pipeline.reply_ready(incoming)
+        if ready is not None:  # GPU work still fills its bytes: written once it is done
+            self._loop.create_task(self._write_when_ready(served, pieces, keep, ready))
+            return
+        self._write_reply(served, pieces, keep)
+
+    async def _write_when_ready(
+        self, served: ServedRequest, pieces: list[Any], keep: _Keep, ready: Awaitable[None]
+    ) -> None:
         try:
-            self._write(served.conn, pieces, *keep)
+            await ready
+        except Exception as exc:  # the caller gets what held its reply back
+            self._undelivered(served.peer, keep[1])
+            self._send_error(served, exc)
+            return
+        self._write_reply(served, pieces, keep)
+
+    def _write_reply(self, served: ServedRequest, pieces: list[Any], keep: _Keep) -> None:
+        try:
+            self._write(served.conn, pieces, keep[0], keep[1])
         except FrameTooLargeError as exc:  # over the caller's limit: it gets this instead
             self._undelivered(served.peer, keep[1])
             self._send_error(served, exc)

@@ -5,8 +5,10 @@ caller side, into one frozen ``EncodedRequest``; ``start`` hands it to the loop,
 registers it among the pending calls (with its timeout) and writes it to the peer. Whatever
 ends it first (the reply, an error reply, its timeout, the caller's cancellation, a lost
 connection or peer, shutdown) pops it, so a call completes exactly once; a timed-out or
-cancelled call tells the callee with a Cancel. ``call_future``, ``call`` and
-``send_remote`` are the three ways in: thread-side, coroutine-side and ``remote()``.
+cancelled call tells the callee with a Cancel. The call pipeline's ``ready`` stage may
+hold a request back (GPU work still filling its bytes); the network keeps it in order
+meanwhile. ``call_future``, ``call`` and ``send_remote`` are the three ways in:
+thread-side, coroutine-side and ``remote()``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import asyncio
 import itertools
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,7 +26,7 @@ from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
 from asyncrpc.protocol.reflog import Transfer
 from asyncrpc.protocol.serde import Serializer, unpack_exception
 from asyncrpc.protocol.wire import Frame, encode_frame
-from asyncrpc.protocol.wire.messages import CallMode, Cancel, Request, optional_headers
+from asyncrpc.protocol.wire.messages import CallMode, Request, optional_headers
 from asyncrpc.runtime import handoffs
 from asyncrpc.runtime.calls.pending import PendingCall, PendingCalls, Waiter, describe_function
 from asyncrpc.runtime.calls.pipeline import CallHook, OutgoingCall, Pipeline
@@ -66,10 +68,10 @@ class Sender(Protocol):
 
     def send_to(
         self, rank: int, pieces: list[Any], call_id: int = 0, keep: object = None,
-        forks: list[Transfer] | None = None,
+        forks: list[Transfer] | None = None, ready: Awaitable[None] | None = None,
     ) -> None: ...  # fmt: skip
 
-    def send_if_connected(self, rank: int, pieces: list[Any]) -> None: ...
+    def send_cancel(self, rank: int, call_id: int) -> None: ...
 
     def undelivered(self, rank: int, forks: list[Transfer] | None) -> None: ...
 
@@ -147,14 +149,11 @@ class Outbox:
         if hooks:
             callee = self._directory.addresses[rank].name
             call = OutgoingCall(kind, self._name, callee, rank, fn, target, args, kwargs)
+            Pipeline.prepare(hooks, call)  # the hooks' tensor policy, before pickling
         self._rrefs.take_minted()  # a pickling that failed elsewhere on this thread may leave some
         try:
             payload, segments, keep = self._serializer.dumps(
-                (fn, args, kwargs),
-                context=rank,
-                device_map=self._directory.request_device_map(rank),
-                tensors=None if call is None else call.tensors,
-                grads=None if call is None else call.grads,
+                (fn, args, kwargs), context=rank, policy=None if call is None else call.policy
             )
         except BaseException:
             self._undo_minted(rank)  # RRefs pickled before the failure: forked for nobody
@@ -262,7 +261,9 @@ class Outbox:
             return
         self.pending.add(e.call_id, call)
         self._counters.calls_sent += 1
-        self._sender.send_to(e.rank, e.pieces, e.call_id, e.keep, e.forks)
+        # The pipeline's ready stage may hold the frame (GPU work still filling its bytes).
+        ready = None if e.observed is None else Pipeline.ready(*e.observed)
+        self._sender.send_to(e.rank, e.pieces, e.call_id, e.keep, e.forks, ready)
 
     def cancel(self, call_id: int) -> None:
         """Give up on ``call_id`` (the caller was cancelled) and tell the callee."""
@@ -284,24 +285,23 @@ class Outbox:
         self._send_cancel(call.peer, call_id)
 
     def _send_cancel(self, rank: int, call_id: int) -> None:
-        # Its request may still wait for the connection: then it is skipped, no Cancel.
-        self._sender.send_if_connected(rank, encode_frame(Cancel(call_id).to_fields(), b""))
+        self._sender.send_cancel(rank, call_id)
 
     def on_reply(self, fields: list[Any], frame: Frame) -> None:
         call = self.pending.pop(fields[1])
         if call is None:
             return  # timed out or cancelled meanwhile
-        grads: list[Any] | None = None if call.observed is None else []
+        policy = None if call.observed is None else call.observed[1].reply_policy
         try:
             headers = optional_headers(fields, 2)
             value = self._serializer.loads(
-                frame.payload, frame.segments, context=call.peer, grads=grads
+                frame.payload, frame.segments, context=call.peer, policy=policy
             )
         except Exception as exc:
             self._counters.calls_failed += 1
             call.fail(exc)
             return
-        call.resolve(value, headers, grads)
+        call.resolve(value, headers)
 
     def on_error(self, fields: list[Any], frame: Frame) -> None:
         call = self.pending.pop(fields[1])

@@ -52,12 +52,10 @@ class PendingCall:
         # The pipeline hooks this call went through, told when it ends (None: none).
         self.observed = observed
 
-    def resolve(
-        self, value: Any, headers: dict[str, Any] | None = None, grads: list[Any] | None = None
-    ) -> None:
+    def resolve(self, value: Any, headers: dict[str, Any] | None = None) -> None:
         if self.observed is not None:
             hooks, call = self.observed
-            call.result, call.reply_grads = value, grads or []
+            call.result = value
             Pipeline.completed(hooks, call, headers, None)
         waiter = self.waiter
         if isinstance(waiter, Future):

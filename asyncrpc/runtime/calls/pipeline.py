@@ -1,30 +1,39 @@
 """The call pipeline: one ordered list of hooks every call passes through, on both sides
 (layer L2).
 
-Cross-cutting features (profiling, and next distributed autograd, CUDA streams and
-authentication context) are hooks, in the spirit of gRPC's interceptors and of torch's
-wrapping of every message: the agent and the dispatcher call the pipeline at fixed points
-and know nothing of what the hooks do.
+Cross-cutting features (profiling, distributed autograd, device maps and CUDA streams) are
+hooks, in the spirit of gRPC's interceptors and of torch's wrapping of every message: the
+agent and the dispatcher call the pipeline at fixed points and know nothing of what the
+hooks do. A hook is called only for the stages its class overrides.
 
 On the caller, for each outgoing call (``rpc_sync``, ``rpc_async``, ``await call``,
 ``remote``, RRef proxies and ``to_here``):
-  1. ``outgoing(call)`` on the calling thread, after the payload is pickled: the hook sees
+  1. ``prepare(call)`` on the calling thread, before the payload is pickled: the hook
+     configures the call's tensor policies (``call.policy`` for the request,
+     ``call.reply_policy`` for its reply; e.g. ``call.track_grads()``, a device map);
+  2. ``outgoing(call)`` on the calling thread, after the payload is pickled: the hook sees
      the function, arguments, every tensor pickled (``call.tensors``) and those that
-     require grad (``call.grads``, in segment order), and may add header fields
-     (``call.headers[key] = ...``, msgpack-able values under a key the hook owns);
-  2. ``completed(call, headers, error)`` on the agent's loop when the call ends (reply,
+     require grad (``call.grads``, in segment order, when tracked), and may add header
+     fields (``call.headers[key] = ...``, msgpack-able values under a key the hook owns);
+  3. ``ready(call)`` on the agent's loop, before the frame is written: the hook returns
+     an awaitable the frame must wait for (GPU work still filling its bytes), or None.
+     Frames to one peer keep their order: those behind a held frame wait for it too;
+  4. ``completed(call, headers, error)`` on the agent's loop when the call ends (reply,
      remote error, timeout, cancellation or lost peer), with the reply's header fields, and
      for a reply its value (``call.result``) and tensors requiring grad (``call.reply_grads``).
 On the callee, for each request that carries header fields (or every request while a hook
 ``serves_all()``):
-  3. ``incoming(call)`` on the loop, after the payload is unpickled: the hook sees the
-     headers, function, arguments and received tensors requiring grad (``call.grads``),
-     and may wrap the execution (``call.wrap(...)``);
-  4. ``replying(call, ok, value)`` on the thread that builds the reply, after its payload
+  5. ``receiving(call)`` on the loop, before the payload is unpickled: the hook sees the
+     headers and configures the tensor policies of the request and of its reply;
+  6. ``incoming(call)`` on the loop, after the payload is unpickled: the hook sees the
+     function, arguments and received tensors requiring grad (``call.grads``), and may
+     wrap the execution (``call.wrap(...)``);
+  7. ``replying(call, ok, value)`` on the thread that builds the reply, after its payload
      is pickled (``call.reply_grads``) and before it is framed: the hook sees the outcome
-     and may add reply header fields.
-Requiring-grad tensors of calls that go through hooks always travel as segments, so both
-sides list them in the same order (see ``Serializer.dumps``).
+     and may add reply header fields;
+  8. ``reply_ready(call)`` on the loop, before the reply is written, like ``ready``.
+Tracked requiring-grad tensors always travel as segments, so both sides list them in the
+same order (see ``TensorPolicy.met``).
 
 An empty or idle pipeline costs one truth test per call: no hook objects are made, and
 no header field goes on the wire.
@@ -33,10 +42,23 @@ no header field goes on the wire.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
-__all__ = ["CallHook", "IncomingCall", "OutgoingCall", "Pipeline", "Wrapper"]
+from asyncrpc.protocol.serde.policy import DEFAULT, TensorPolicy
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "STAGES",
+    "CallHook",
+    "CallTensors",
+    "IncomingCall",
+    "OutgoingCall",
+    "Pipeline",
+    "Wrapper",
+]
 
 _log = logging.getLogger("asyncrpc.pipeline")
 
@@ -44,32 +66,93 @@ _log = logging.getLogger("asyncrpc.pipeline")
 # convention: a coroutine function's wrapper returns an awaitable).
 Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
 
+# The stages a hook may override, in the order a call meets them.
+STAGES = (
+    "active", "serves_all", "prepare", "outgoing", "ready", "completed", "receiving",
+    "incoming", "replying", "reply_ready",
+)  # fmt: skip
 
-class OutgoingCall:
+
+class CallTensors(TensorPolicy):
+    """The tensor policy of one message through the pipeline, as its hooks configured it.
+
+    It notes every tensor (``seen``: each one pickled, or rebuilt from a segment), and
+    while ``grads`` is a list, sends every tensor requiring grad as a segment and lists
+    them in segment order (so both sides agree on their order). A tensor not in CPU
+    memory goes through ``devices`` (the device-map hook's policy; by default refused).
+    """
+
+    __slots__ = ("devices", "grads", "seen")
+
+    def __init__(self) -> None:
+        self.seen: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] | None = None  # None: not tracked
+        self.devices: TensorPolicy = DEFAULT
+
+    def track_grads(self) -> None:
+        if self.grads is None:
+            self.grads = []
+
+    def met(self, tensor: torch.Tensor) -> bool:
+        self.seen.append(tensor)
+        return self.grads is not None and tensor.requires_grad
+
+    def exported(self, tensor: torch.Tensor) -> None:
+        if self.grads is not None and tensor.requires_grad:
+            self.grads.append(tensor)
+
+    def to_host(self, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        return self.devices.to_host(tensor)
+
+    def to_device(self, segment: torch.Tensor, device: str) -> torch.Tensor:
+        return self.devices.to_device(segment, device)
+
+    def imported(self, tensor: torch.Tensor) -> None:
+        self.seen.append(tensor)
+        if self.grads is not None and tensor.requires_grad:
+            self.grads.append(tensor)
+
+
+class _Call:
+    """What both sides' calls share: the tensor policies of the message and its reply."""
+
+    __slots__ = ("policy", "reply_policy", "state")
+
+    def __init__(self) -> None:
+        self.policy = CallTensors()
+        self.reply_policy = CallTensors()
+        # Per-hook state between stages, keyed by the hook.
+        self.state: dict[CallHook, Any] = {}
+
+    def track_grads(self) -> None:
+        """Send and list tensors requiring grad, in the request and in its reply."""
+        self.policy.track_grads()
+        self.reply_policy.track_grads()
+
+    @property
+    def grads(self) -> list[torch.Tensor]:
+        """The request's tensors requiring grad, in segment order (empty: not tracked)."""
+        return self.policy.grads or []
+
+    @property
+    def reply_grads(self) -> list[torch.Tensor]:
+        """The reply's, once it is pickled (caller: once it is unpickled)."""
+        return self.reply_policy.grads or []
+
+
+class OutgoingCall(_Call):
     """One call leaving this worker, as the hooks see it."""
 
     __slots__ = (
-        "args",
-        "call_id",
-        "callee",
-        "callee_rank",
-        "caller",
-        "fn",
-        "grads",
-        "headers",
-        "kind",
-        "kwargs",
-        "reply_grads",
-        "result",
-        "state",
-        "target",
-        "tensors",
-    )
+        "args", "call_id", "callee", "callee_rank", "caller", "fn", "headers", "kind",
+        "kwargs", "result", "target",
+    )  # fmt: skip
 
     def __init__(
         self, kind: str, caller: str, callee: str, callee_rank: int, fn: Any, target: str,
         args: Sequence[Any], kwargs: dict[str, Any],
     ) -> None:  # fmt: skip
+        super().__init__()
         self.kind = kind  # torch's exec modes: "sync", "async", "remote"
         self.caller = caller
         self.callee = callee
@@ -79,41 +162,28 @@ class OutgoingCall:
         self.args = args
         self.kwargs = kwargs
         self.call_id = 0
-        self.tensors: list[Any] = []  # every tensor the payload carries
-        self.grads: list[Any] = []  # those requiring grad, once each, in segment order
         self.headers: dict[str, Any] = {}
         self.result: Any = None  # the reply's value, once it came
-        self.reply_grads: list[Any] = []  # its tensors requiring grad, in segment order
-        # Per-hook state between outgoing() and completed(), keyed by the hook.
-        self.state: dict[CallHook, Any] = {}
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the payload carries, each time it was met."""
+        return self.policy.seen
 
 
-class IncomingCall:
+class IncomingCall(_Call):
     """One request being served by this worker, as the hooks see it."""
 
     __slots__ = (
-        "args",
-        "call_id",
-        "callee",
-        "caller",
-        "caller_rank",
-        "coroutine",
-        "fn",
-        "grads",
-        "headers",
-        "kwargs",
-        "remote",
-        "reply_grads",
-        "reply_headers",
-        "state",
-        "target",
-        "wrappers",
-    )
+        "args", "call_id", "callee", "caller", "caller_rank", "coroutine", "fn", "headers",
+        "kwargs", "remote", "reply_headers", "target", "wrappers",
+    )  # fmt: skip
 
     def __init__(
         self, caller: str, caller_rank: int, callee: str, call_id: int, target: str,
         remote: bool, headers: dict[str, Any],
     ) -> None:  # fmt: skip
+        super().__init__()
         self.caller = caller
         self.caller_rank = caller_rank
         self.callee = callee
@@ -122,14 +192,11 @@ class IncomingCall:
         self.remote = remote  # a remote() request: the value stays here
         self.headers = headers
         self.coroutine = False  # the function is an `async def` (wrappers must keep that)
-        self.grads: list[Any] = []  # received tensors requiring grad, in segment order
-        self.reply_grads: list[Any] = []  # the reply's, once it is pickled
         self.fn: Any = None
         self.args: Sequence[Any] = ()
         self.kwargs: dict[str, Any] = {}
         self.reply_headers: dict[str, Any] = {}
         self.wrappers: list[Wrapper] = []
-        self.state: dict[CallHook, Any] = {}
 
     def wrap(self, wrapper: Wrapper) -> None:
         """Run the function through ``wrapper``; the first hook's wrapper is outermost."""
@@ -142,29 +209,50 @@ class IncomingCall:
 
 
 class CallHook:
-    """Base of pipeline hooks: override what you need; every method defaults to nothing.
+    """Base of pipeline hooks: override what you need; every method defaults to nothing,
+    and the pipeline calls a hook only for the stages its class overrides.
 
     A hook owns its header fields (one short key) and its state. An exception raised by
-    ``outgoing`` or ``incoming`` fails the call it runs for, with that exception; one raised
-    by ``completed`` or ``replying`` (which run after the outcome is settled) is logged
-    and the other hooks still run, so a call always completes.
+    ``prepare``, ``outgoing``, ``receiving`` or ``incoming`` fails the call it runs for,
+    with that exception; one raised by ``completed`` or ``replying`` (which run after the
+    outcome is settled) is logged and the other hooks still run, so a call always
+    completes. An awaitable from ``ready`` or ``reply_ready`` that raises drops the frame:
+    the call fails with that exception (a reply: the caller gets it as the error).
     """
+
+    stages: ClassVar[frozenset[str]] = frozenset()  # the stages this class overrides
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.stages = frozenset(
+            name for name in STAGES if getattr(cls, name) is not getattr(CallHook, name)
+        )
 
     def active(self) -> bool:
         """Whether outgoing calls should pass through this hook now (called per call)."""
         return True
 
     def serves_all(self) -> bool:
-        """Whether requests without header fields should pass through ``incoming``."""
+        """Whether requests without header fields should pass through the callee stages."""
         return False
+
+    def prepare(self, call: OutgoingCall) -> None:
+        """A call is about to be pickled (calling thread): configure its tensor policies."""
 
     def outgoing(self, call: OutgoingCall) -> None:
         """A call is about to be framed (calling thread)."""
+
+    def ready(self, call: OutgoingCall) -> Awaitable[None] | None:
+        """What the call's frame must wait for before it is written (agent's loop)."""
+        return None
 
     def completed(
         self, call: OutgoingCall, headers: dict[str, Any] | None, error: BaseException | None
     ) -> None:
         """The call ended (agent's loop): ``headers`` of the reply, or None without one."""
+
+    def receiving(self, call: IncomingCall) -> None:
+        """A request is about to be unpickled (agent's loop): configure its policies."""
 
     def incoming(self, call: IncomingCall) -> None:
         """A request is about to run (agent's loop)."""
@@ -172,18 +260,24 @@ class CallHook:
     def replying(self, call: IncomingCall, ok: bool, value: Any) -> None:
         """The request finished; its reply is pickled and about to be framed (any thread)."""
 
+    def reply_ready(self, call: IncomingCall) -> Awaitable[None] | None:
+        """What the reply's frame must wait for before it is written (agent's loop)."""
+        return None
+
     def debug_info(self) -> dict[str, Any]:
         """What this hook adds to ``get_debug_info()``."""
         return {}
 
 
 class Pipeline:
-    """The ordered hooks of one agent."""
+    """The ordered hooks of one agent, and for each stage those that override it."""
 
-    __slots__ = ("_hooks",)
+    __slots__ = ("_by_stage", "_hooks")
 
     def __init__(self, hooks: Sequence[CallHook] = ()) -> None:
-        self._hooks: tuple[CallHook, ...] = tuple(hooks)
+        self._hooks: tuple[CallHook, ...] = ()
+        self._by_stage: dict[str, tuple[CallHook, ...]] = {}
+        self._set(tuple(hooks))
 
     def __bool__(self) -> bool:
         return bool(self._hooks)
@@ -193,12 +287,20 @@ class Pipeline:
         return self._hooks
 
     def add(self, hook: CallHook) -> None:
-        """Append ``hook`` (a new tuple: readers on other threads see one or the other)."""
+        """Append ``hook`` (new tuples: readers on other threads see one or the other)."""
         if hook not in self._hooks:
-            self._hooks = (*self._hooks, hook)
+            self._set((*self._hooks, hook))
 
     def remove(self, hook: CallHook) -> None:
-        self._hooks = tuple(h for h in self._hooks if h is not hook)
+        self._set(tuple(h for h in self._hooks if h is not hook))
+
+    def _set(self, hooks: tuple[CallHook, ...]) -> None:
+        by_stage = {name: tuple(h for h in hooks if name in h.stages) for name in STAGES}
+        self._by_stage, self._hooks = by_stage, hooks  # the table first: see active_hooks
+
+    def overriding(self, stage: str) -> tuple[CallHook, ...]:
+        """The hooks that override ``stage``, in order."""
+        return self._by_stage[stage]
 
     # -- caller side -----------------------------------------------------------------------
 
@@ -207,14 +309,31 @@ class Pipeline:
         hooks = self._hooks
         if not hooks:
             return hooks
-        if len(hooks) == 1:  # the common case: no generator, no new tuple
-            return hooks if hooks[0].active() else ()
-        return tuple(h for h in hooks if h.active())
+        if len(hooks) == 1:  # the common case: no new tuple
+            hook = hooks[0]
+            return hooks if "active" not in hook.stages or hook.active() else ()
+        active: tuple[CallHook, ...] = ()
+        for hook in hooks:  # bounded by the hooks; a loop, no generator per call
+            if "active" not in hook.stages or hook.active():
+                active = (*active, hook)
+        return active
+
+    @staticmethod
+    def prepare(hooks: Sequence[CallHook], call: OutgoingCall) -> None:
+        for hook in hooks:
+            if "prepare" in hook.stages:
+                hook.prepare(call)
 
     @staticmethod
     def outgoing(hooks: Sequence[CallHook], call: OutgoingCall) -> None:
         for hook in hooks:
-            hook.outgoing(call)
+            if "outgoing" in hook.stages:
+                hook.outgoing(call)
+
+    @staticmethod
+    def ready(hooks: Sequence[CallHook], call: OutgoingCall) -> Awaitable[None] | None:
+        """What the call's frame waits for: None, or one awaitable for all hooks'."""
+        return _all_of([hook.ready(call) for hook in hooks if "ready" in hook.stages])
 
     @staticmethod
     def completed(
@@ -224,6 +343,8 @@ class Pipeline:
         error: BaseException | None,
     ) -> None:
         for hook in hooks:
+            if "completed" not in hook.stages:
+                continue
             try:
                 hook.completed(call, headers, error)
             except Exception:
@@ -233,21 +354,46 @@ class Pipeline:
 
     def serves(self, headers: dict[str, Any] | None) -> bool:
         """Whether a request with these header fields goes through the hooks."""
-        hooks = self._hooks
         if headers is not None:
-            return bool(hooks)
-        for hook in hooks:  # noqa: SIM110 (a loop, not any(): no generator per request)
+            return bool(self._hooks)
+        for hook in self._by_stage["serves_all"]:  # noqa: SIM110 (no generator per request)
             if hook.serves_all():
                 return True
         return False
 
+    def receiving(self, call: IncomingCall) -> None:
+        for hook in self._by_stage["receiving"]:
+            hook.receiving(call)
+
     def incoming(self, call: IncomingCall) -> None:
-        for hook in self._hooks:
+        for hook in self._by_stage["incoming"]:
             hook.incoming(call)
 
     def replying(self, call: IncomingCall, ok: bool, value: Any) -> None:
-        for hook in self._hooks:
+        for hook in self._by_stage["replying"]:
             try:
                 hook.replying(call, ok, value)
             except Exception:
                 _log.exception("call hook %r failed replying to %s", hook, call.target)
+
+    def reply_ready(self, call: IncomingCall) -> Awaitable[None] | None:
+        """What the reply's frame waits for: None, or one awaitable for all hooks'."""
+        hooks = self._by_stage["reply_ready"]
+        if not hooks:
+            return None
+        return _all_of([hook.reply_ready(call) for hook in hooks])
+
+
+def _all_of(waits: list[Awaitable[None] | None]) -> Awaitable[None] | None:
+    pending = [w for w in waits if w is not None]
+    if not pending:
+        return None
+    if len(pending) == 1:
+        return pending[0]
+    return _in_order(pending)
+
+
+async def _in_order(waits: list[Awaitable[None]]) -> None:
+    # One after the other: a hook's wait may rely on the one before it being over.
+    for wait in waits:  # bounded by the hooks
+        await wait

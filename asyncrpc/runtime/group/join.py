@@ -108,5 +108,5 @@ async def join(
         configured_key,
         listener.unix_path,
     )
-    directory = Directory(addresses, store, options.device_maps)
+    directory = Directory(addresses, store)
     return Group(name, store.rank, store.world_size, addresses, key, tls, directory, store)

@@ -25,14 +25,8 @@ _log = logging.getLogger("asyncrpc.runtime.group.membership")
 class Directory:
     """The members this worker knows, and (dynamic group) the store to find more in."""
 
-    def __init__(
-        self,
-        addresses: dict[int, PeerAddress],
-        group: StoreGroup | None,
-        device_maps: dict[str, dict[str, str]] | None = None,
-    ) -> None:
+    def __init__(self, addresses: dict[int, PeerAddress], group: StoreGroup | None) -> None:
         self.addresses = addresses  # the group's own dict: entries are only ever added
-        self._device_maps = device_maps  # this worker's, by callee name
         self.ranks_by_name = {a.name: r for r, a in addresses.items()}
         self._group = group if group is not None and group.dynamic else None
 
@@ -139,14 +133,3 @@ class Directory:
         (off the loop thread), else the members this worker knows."""
         ranks = self.current() if self.dynamic and may_block else sorted(dict(self.addresses))
         return [self.worker_info(r) for r in ranks]
-
-    def request_device_map(self, rank: int) -> dict[str, str] | None:
-        """This worker's device map for calls to ``rank``."""
-        maps = self._device_maps
-        return None if maps is None else maps.get(self.addresses[rank].name)
-
-    def reply_device_map(self, rank: int, name: str) -> dict[str, str] | None:
-        """The map of a reply to ``rank``: its map for calls to ``name``, backwards."""
-        maps = self.addresses[rank].device_maps if rank in self.addresses else None
-        mine = None if maps is None else maps.get(name)
-        return None if mine is None else {v: k for k, v in mine.items()}

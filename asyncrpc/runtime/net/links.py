@@ -1,16 +1,20 @@
 """Frames to each peer, in order, across the connections that come and go (layer L2).
 
 A frame for a peer goes straight onto its connection, or waits (in order, behind the
-frames already waiting) until one is made. Refcount frames, and the RRef forks that other
-frames carry, are followed in a per-peer log (``reflog.py``) until the peer has surely read
-them: a new connection replays the frames, and forks written on a connection that died
-first are asked about. The network owns one ``Links`` and feeds it connection events.
+frames already waiting) until one is made, or until what it must wait for is over (the
+call pipeline's ``ready`` stage: GPU work still filling its bytes). Refcount frames, and
+the RRef forks that other frames carry, are followed in a per-peer log (``reflog.py``)
+until the peer has surely read them: a new connection replays the frames, and forks
+written on a connection that died first are asked about. The network owns one ``Links``
+and feeds it connection events.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
+from collections.abc import Awaitable
 from typing import Any, Protocol
 
 from asyncrpc.errors import ClosedError, FrameTooLargeError, UnknownWorkerError
@@ -30,9 +34,10 @@ __all__ = ["LinkHost", "Links", "SentCalls"]
 
 _log = logging.getLogger(__name__)
 
-# A frame waiting for a connection: its pieces, the call it belongs to (0: none), what
-# keeps its memory alive, and the RRef forks it carries.
-_Waiting = tuple[list[Any], int, object, list[Transfer] | None]
+# A frame waiting for a connection or its readiness: its pieces, the call it belongs to
+# (0: none), what keeps its memory alive, the RRef forks it carries, and what it waits for
+# before it may be written (None: nothing).
+_Waiting = tuple[list[Any], int, object, list[Transfer] | None, Awaitable[None] | None]
 
 
 class SentCalls(Protocol):
@@ -76,8 +81,9 @@ class Links:
 
     def __init__(self, host: LinkHost) -> None:
         self._host = host
-        # Frames waiting for a connection to be made, by peer, in the order they were sent.
-        self._unsent: dict[int, list[_Waiting]] = {}
+        # Frames waiting for a connection to be made, or behind a frame not ready yet, by
+        # peer, in the order they were sent (one task drains each queue).
+        self._unsent: dict[int, deque[_Waiting]] = {}
         # Refcount frames and forks by peer, until the peer has surely read them.
         self._logs: dict[int, RefLog] = {}
         self._linked: set[int] = set()  # peers connected at least once
@@ -86,28 +92,32 @@ class Links:
 
     def send_to(
         self, rank: int, pieces: list[Any], call_id: int = 0, keep: object = None,
-        forks: list[Transfer] | None = None,
+        forks: list[Transfer] | None = None, ready: Awaitable[None] | None = None,
     ) -> None:  # fmt: skip
         """Write a frame to ``rank``, connecting first if needed; failures fail ``call_id``.
 
         Frames to one peer leave in the order they were sent, also while the connection is
-        being made: a frame sent then waits behind the ones already waiting for it.
-        ``forks`` are the RRef forks the frame carries (followed until the peer reads it).
+        being made or while a frame before them waits to be ``ready``: a frame sent then
+        waits behind the ones already waiting. ``forks`` are the RRef forks the frame
+        carries (followed until the peer reads it). ``ready`` is awaited on the loop
+        before the frame is written; if it raises, the frame is dropped and ``call_id``
+        fails with that error.
         """
         host = self._host
-        if rank == host.rank:
-            host.loopback.send(pieces)
-            return
         waiting = self._unsent.get(rank)
         if waiting is not None:
-            waiting.append((pieces, call_id, keep, forks))
+            waiting.append((pieces, call_id, keep, forks, ready))
             return
-        peer = host.peers.peers.get(rank)
-        if peer is not None and peer.conn is not None and not peer.conn.closed:
-            self._send_checked(peer.conn, rank, pieces, call_id, keep, forks)
-            return
-        self._unsent[rank] = [(pieces, call_id, keep, forks)]
-        host.loop.create_task(self._send_when_connected(rank))
+        if ready is None:
+            if rank == host.rank:
+                host.loopback.send(pieces)
+                return
+            peer = host.peers.peers.get(rank)
+            if peer is not None and peer.conn is not None and not peer.conn.closed:
+                self._send_checked(peer.conn, rank, pieces, call_id, keep, forks)
+                return
+        self._unsent[rank] = deque([(pieces, call_id, keep, forks, ready)])
+        host.loop.create_task(self._drain(rank))
 
     def send_ref(self, rank: int, pieces: list[Any]) -> None:
         """Send a refcount frame; it is sent again on a new connection until acknowledged."""
@@ -137,32 +147,66 @@ class Links:
         if forks and conn.peer is not None:
             self._wrote_forks(conn.peer, forks)
 
-    def waiting_for_connection(self, rank: int) -> bool:
-        return rank in self._unsent
+    def holds(self, rank: int, call_id: int) -> bool:
+        """Whether the request of ``call_id`` still waits here (it will not be written if
+        its call is over by then)."""
+        waiting = self._unsent.get(rank)
+        return waiting is not None and any(w[1] == call_id for w in waiting)
 
-    async def _send_when_connected(self, rank: int) -> None:
+    async def _drain(self, rank: int) -> None:
+        """Write the frames waiting for ``rank`` in order, each once it is ready and a
+        connection is up; frames sent meanwhile join the queue. Ends once it is empty."""
         host = self._host
-        waiting, sent = self._unsent[rank], 0
+        waiting = self._unsent[rank]
         try:
-            await host.know_peer(rank)
-            conn = await host.peers.connection(rank)
-            for pieces, call_id, keep, forks in waiting:  # no await inside: the list stays
-                sent += 1
+            while waiting:  # bounded: each turn writes or drops the first frame
+                pieces, call_id, keep, forks, ready = waiting[0]
+                if ready is not None:
+                    try:
+                        await ready
+                    except Exception as exc:  # the frame cannot go: its call fails
+                        waiting.popleft()
+                        host.shm.unlend(keep)
+                        self._fail_unsent(rank, call_id, exc)
+                        self.undelivered(rank, forks)
+                        continue
+                    waiting[0] = (pieces, call_id, keep, forks, None)
                 if call_id and not host.calls.wanted(call_id):
+                    waiting.popleft()
                     host.shm.unlend(keep)
                     self.undelivered(rank, forks)
                     continue  # timed out or cancelled while waiting: the callee never runs it
-                self._send_checked(conn, rank, pieces, call_id, keep, forks)
+                conn = await self._connection(rank)
+                waiting.popleft()
+                if conn is None:
+                    host.loopback.send(pieces)
+                else:
+                    self._send_checked(conn, rank, pieces, call_id, keep, forks)
         except (ConnectionError, OSError, UnknownWorkerError) as exc:
-            for _, call_id, _, forks in waiting[sent:]:
+            for _, call_id, _, forks, ready in waiting:
+                _discard(ready)
                 self._fail_unsent(rank, call_id, exc)
                 self.undelivered(rank, forks)
+            waiting.clear()
             if isinstance(exc, UnknownWorkerError):
                 # An RRef named an owner nobody can find (a dynamic group whose store has
                 # gone): its forks wait for no confirmation, as if the owner were lost.
                 host.rrefs.on_peer_lost(rank)
         finally:
+            for _, _, _, _, ready in waiting:  # only left by a cancelled drain (shutdown)
+                _discard(ready)
             del self._unsent[rank]  # from now on frames go straight to the connection
+
+    async def _connection(self, rank: int) -> Connection | None:
+        """An open connection to ``rank`` (None: this worker, through its loopback)."""
+        host = self._host
+        if rank == host.rank:
+            return None
+        peer = host.peers.peers.get(rank)
+        if peer is not None and peer.conn is not None and not peer.conn.closed:
+            return peer.conn
+        await host.know_peer(rank)
+        return await host.peers.connection(rank)
 
     def _send_checked(
         self, conn: Connection, rank: int, pieces: list[Any], call_id: int, keep: object,
@@ -258,3 +302,10 @@ class Links:
     def forget(self, rank: int) -> None:
         """``rank`` is gone for good: nothing will be resent to it."""
         self._logs.pop(rank, None)
+
+
+def _discard(ready: Awaitable[None] | None) -> None:
+    """Close a wait that will never be awaited (no "never awaited" warning)."""
+    close = getattr(ready, "close", None)  # a coroutine's
+    if close is not None:
+        close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable
 from typing import Any, Protocol
 
 from asyncrpc.errors import (
@@ -30,6 +31,7 @@ from asyncrpc.protocol.reflog import Transfer
 from asyncrpc.protocol.wire import Frame, encode_frame
 from asyncrpc.protocol.wire.messages import (
     Auth,
+    Cancel,
     Goodbye,
     Hello,
     HelloReply,
@@ -332,10 +334,10 @@ class Network:
 
     def send_to(
         self, rank: int, pieces: list[Any], call_id: int = 0, keep: object = None,
-        forks: list[Transfer] | None = None,
+        forks: list[Transfer] | None = None, ready: Awaitable[None] | None = None,
     ) -> None:  # fmt: skip
-        """Write a frame to ``rank`` in order, connecting first if needed (see links.py)."""
-        self.links.send_to(rank, pieces, call_id, keep, forks)
+        """Write a frame to ``rank`` in order, once ``ready`` and connected (see links.py)."""
+        self.links.send_to(rank, pieces, call_id, keep, forks, ready)
 
     def send_ref(self, rank: int, pieces: list[Any]) -> None:
         """Send a refcount frame, again on a new connection until acknowledged."""
@@ -361,11 +363,12 @@ class Network:
         if peer is not None and peer.conn is not None and not peer.conn.closed:
             self.write(peer.conn, pieces)
 
-    def send_if_connected(self, rank: int, pieces: list[Any]) -> None:
-        """Write a frame to ``rank`` unless frames to it still wait for a connection (then
-        it is dropped: a Cancel for a request that will be skipped anyway)."""
-        if self.links.waiting_for_connection(rank):
+    def send_cancel(self, rank: int, call_id: int) -> None:
+        """Tell ``rank`` that ``call_id`` is over, unless its request was not written yet
+        (it waits here, and will be skipped)."""
+        if self.links.holds(rank, call_id):
             return
+        pieces = encode_frame(Cancel(call_id).to_fields(), b"")
         if rank == self.rank:
             self.loopback.send(pieces)
         elif self.peers.connected(rank):

@@ -1,0 +1,71 @@
+"""Tensor policies: what one message does with its tensors, asked by the serializer (L1).
+
+The serializer knows how to lay a tensor out as a segment; a policy decides the rest for
+one message: which tensors must travel as segments whatever their size (distributed
+autograd lists them by segment order on both sides), which tensors to note, how a tensor
+that is not in CPU memory reaches the wire (a device map, and a copy that may finish later
+on the GPU) and how a received segment reaches its device. The call pipeline's hooks
+configure one policy per call; without one the serializer keeps its defaults (``DEFAULT``):
+small CPU tensors ride inside the pickle, a CUDA tensor is refused, a received segment
+tagged with a device is moved there with a plain copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asyncrpc.errors import SerializationError
+
+__all__ = ["DEFAULT", "TensorPolicy"]
+
+
+class TensorPolicy:
+    """Override what one message needs; each default is the serializer's own behaviour.
+
+    Sender side, while pickling (on the thread that pickles): ``met`` for every tensor,
+    ``exported`` for each tensor that became a segment, ``to_host`` for each such tensor
+    not in CPU memory. Receiver side, while unpickling: ``to_device`` for each segment
+    tagged with a device, then ``imported`` for the tensor rebuilt from it.
+    """
+
+    __slots__ = ()
+
+    def met(self, tensor: torch.Tensor) -> bool:
+        """``tensor`` is being pickled (each time it is met). True sends it as a segment
+        even when it is small enough to ride inside the pickle."""
+        return False
+
+    def exported(self, tensor: torch.Tensor) -> None:
+        """``tensor`` became a segment: once per tensor, in segment order."""
+
+    def to_host(self, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """The bytes of ``tensor``, a tensor not in CPU memory, for the wire.
+
+        Returns:
+            ``(receiver's device, a CPU tensor with the same layout)``. The CPU tensor may
+            still be filled by the device after this returns; the policy then holds the
+            frame back until it is (the call pipeline's ``ready`` stage).
+
+        Raises:
+            SerializationError: the tensor cannot be sent (no device map names its device).
+        """
+        device = tensor.device
+        if device.type != "cuda":
+            raise SerializationError(
+                f"cannot send a tensor on device {str(device)!r}: only CPU and CUDA tensors travel"
+            )
+        raise SerializationError(
+            f"cannot send a tensor on device {str(device)!r}: the device map has no entry "
+            "for it; move the tensor to CPU or map this device to one of the callee's"
+        )
+
+    def to_device(self, segment: torch.Tensor, device: str) -> torch.Tensor:
+        """A received segment (a uint8 CPU tensor) on ``device``, its tag."""
+        return segment.to(device)
+
+    def imported(self, tensor: torch.Tensor) -> None:
+        """``tensor`` was rebuilt from a segment: once per segment, in segment order."""
+
+
+DEFAULT = TensorPolicy()
+"""The policy of a message nobody configured."""
