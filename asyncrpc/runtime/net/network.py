@@ -28,7 +28,7 @@ from asyncrpc.protocol.address import PeerAddress
 from asyncrpc.protocol.handshake import pre_auth_decoder
 from asyncrpc.protocol.options import RpcBackendOptions
 from asyncrpc.protocol.reflog import Transfer
-from asyncrpc.protocol.wire import Frame, encode_frame
+from asyncrpc.protocol.wire import Allocator, Frame, encode_frame
 from asyncrpc.protocol.wire.messages import (
     Auth,
     Cancel,
@@ -105,7 +105,7 @@ class Network:
         calls: SentCalls,
         rrefs: RRefService,
         shm: SharedMemory,
-        allocate: Any,
+        allocate: Allocator,
         listener: Listener,
     ) -> None:
         self.members, self.rank, self.loop = members, members.rank, loop
@@ -168,8 +168,7 @@ class Network:
         """Receive memory for a segment: a fresh buffer, or the sender's shared chunk."""
         if tag.startswith(SHM_TAG_PREFIX):
             return self.shm.allocate(conn.peer, nbytes, tag)
-        result: tuple[object, memoryview] = self._allocate(nbytes, tag)
-        return result
+        return self._allocate(nbytes, tag)
 
     def _handshake_deadline(self, conn: Connection) -> None:
         # Idle, or stalled in the middle of its Hello or Auth: closed either way.
@@ -371,8 +370,8 @@ class Network:
         pieces = encode_frame(Cancel(call_id).to_fields(), b"")
         if rank == self.rank:
             self.loopback.send(pieces)
-        elif self.peers.connected(rank):
-            self.peers.peers[rank].conn.send(pieces)  # type: ignore[union-attr]
+        else:
+            self.send_control(rank, pieces)  # only if connected: a new link never ran it
 
     # -- stopping and figures --------------------------------------------------------------
 
