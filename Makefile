@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-fast test-gpu lint bench bench-full example check clean conformance conformance-ci
+.PHONY: install test test-fast test-gpu lint bench bench-cuda bench-full example check clean conformance conformance-ci
 
 $(STAMP): pyproject.toml .ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m asyncrpc.bench --quick
+
+# CUDA tensors against torch, two processes on GPU 0 (says it skipped without a GPU).
+bench-cuda: $(STAMP)
+	$(PY) bench/cuda_bench.py
 
 bench-full: $(STAMP)
 	$(PY) -m asyncrpc.bench --json bench/results.json

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from asyncrpc.autograd.context import context_table, current_context_id
-from asyncrpc.autograd.engine import propagate, release
+from asyncrpc.autograd.context import AutogradContext, context_table, current_context_id
+from asyncrpc.autograd.engine import hand_back, local_pass, propagate, release
 from asyncrpc.autograd.hook import AutogradHook
 from asyncrpc.errors import AutogradContextError, BlockingCallError
 from asyncrpc.runtime.agent import Agent
@@ -125,12 +125,20 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
             the two pair (``except KeyError`` still catches a ``KeyError``).
         PeerLostError: a worker died meanwhile.
     """
-    agent, _ = context_table()
+    agent, table = context_table()
     if threading.get_ident() == agent.loop_thread_id:
         raise BlockingCallError("backward() would block the agent's loop; use backward_async()")
-    asyncio.run_coroutine_threadsafe(
-        _backward(agent, context_id, roots, retain_graph), agent.loop
-    ).result()
+    # The calling thread waits anyway: it runs this worker's part of the pass itself (no
+    # hand-off to the pool and back), then hands the gradients on and waits for the hops.
+    context = table.get(context_id)
+    grads = _start(context, context_id, roots, retain_graph)
+    token = current_context_id.set(None)  # the gradient hops are not part of the context
+    try:
+        outgoing = local_pass(context, list(roots), grads, agent.rank)
+        hops = hand_back(agent, context.id, outgoing)
+    finally:
+        current_context_id.reset(token)
+    hops.wait()
 
 
 async def backward_async(
@@ -155,6 +163,14 @@ async def _backward(
     current_context_id.set(None)  # the gradient hops are not part of the context
     _, table = context_table()
     context = table.get(context_id)
+    grads = _start(context, context_id, roots, retain_graph)
+    await propagate(agent, context, list(roots), grads)
+
+
+def _start(
+    context: AutogradContext, context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool
+) -> list[torch.Tensor]:
+    """Check the roots of a pass and mark them used; returns their initial gradients."""
     for root in roots:
         if not isinstance(root, torch.Tensor) or not root.requires_grad:
             raise ValueError("backward roots must be tensors that require grad")
@@ -167,5 +183,4 @@ async def _backward(
     # it); what torch's rule forbids is a second pass from the same root.
     if not retain_graph:
         context.released_roots.update((id(root), root) for root in roots)
-    grads = [torch.ones_like(root) for root in roots]
-    await propagate(agent, context, list(roots), grads)
+    return [torch.ones_like(root) for root in roots]

@@ -35,7 +35,7 @@ from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
 from asyncrpc.runtime.agent import Agent
 from asyncrpc.runtime.future import Future, collect_all
 
-__all__ = ["local_pass", "propagate", "release"]
+__all__ = ["hand_back", "local_pass", "propagate", "release"]
 
 # Gradients for the tensors of one message: (sender rank, message id) -> by index.
 Outgoing = dict[tuple[int, int], list[Any]]
@@ -83,27 +83,35 @@ async def propagate(
     outgoing = await agent.pool.run(
         functools.partial(local_pass, context, roots, grad_outputs, agent.rank)
     )
-    await _hand_back(agent, context.id, outgoing)
+    await hand_back(agent, context.id, outgoing)
 
 
 @async_execution
-def grads_arrived(context_id: int, message_id: int, grads: list[Any]) -> Future[Any]:
+def grads_arrived(context_id: int, message_id: int, grads: list[Any]) -> Any:
     """Runs on the worker that sent message ``message_id``: the backward goes on here.
 
     On a pool thread (the local pass is CPU work), and an ``@async_execution`` function: the
-    thread is free again while the hops further down run; the reply waits for them.
+    thread is free again while the hops further down run; the reply waits for them. The
+    hops are sent from the loop, which runs the returned coroutine anyway (sending them
+    from this thread would cost a hand-off to the loop of its own).
     """
     agent, table = context_table()
     context = table.get(context_id)
     _, tensors = context.sent(message_id)
     pairs = [(t, g) for t, g in zip(tensors, grads, strict=True) if g is not None]
     outgoing = local_pass(context, [t for t, _ in pairs], [g for _, g in pairs], agent.rank)
-    return _hand_back(agent, context.id, outgoing)
+    return _hand_back_from_loop(agent, context.id, outgoing)
 
 
-def _hand_back(agent: Agent, context_id: int, outgoing: Outgoing) -> Future[Any]:
-    """Send each batch of gradients to the worker that sent those tensors (any thread);
-    the future completes when every hop has, and fails with the first hop's error."""
+async def _hand_back_from_loop(agent: Agent, context_id: int, outgoing: Outgoing) -> None:
+    if outgoing:
+        await hand_back(agent, context_id, outgoing)
+
+
+def hand_back(agent: Agent, context_id: int, outgoing: Outgoing) -> Future[Any]:
+    """Send each batch of gradients to the worker that sent those tensors (any thread, with
+    no autograd context current); the future completes when every hop has, and fails with
+    the first hop's error."""
     hops = [
         agent.call_future(sender, grads_arrived, (context_id, msg, g), {}, UNSET_RPC_TIMEOUT)
         for (sender, msg), g in outgoing.items()

@@ -79,7 +79,8 @@ class Item:
         kind: the workload it belongs to.
         fn: which remote function: ``sync``, ``async``, ``builtin``, ``value``, ``echo``.
         style: how the client calls: ``await`` (``await asyncrpc.call``), ``sync``
-            (``rpc_sync``), ``futures`` (``rpc_async`` + ``wait`` window), ``raw`` (floor).
+            (``rpc_sync``), ``futures`` (``rpc_async`` + ``wait`` window), ``callbacks``
+            (``rpc_async`` + ``add_done_callback`` window), ``raw`` (floor).
         inflight: calls kept in flight (throughput).
         size: bytes per message (echo).
     """
@@ -180,10 +181,12 @@ def _throughput_items(system: str, config: BenchConfig) -> list[Item]:
         elif system == "asyncrpc":
             items.append(Item(f"sync/{n}/await", "throughput", "sync", "await", n))
             items.append(Item(f"sync/{n}/futures", "throughput", "sync", "futures", n))
+            items.append(Item(f"sync/{n}/callbacks", "throughput", "sync", "callbacks", n))
             items.append(Item(f"inline/{n}/await", "throughput", "inline", "await", n))
             items.append(Item(f"async/{n}/await", "throughput", "async", "await", n))
         else:
             items.append(Item(f"sync/{n}/futures", "throughput", "sync", "futures", n))
+            items.append(Item(f"sync/{n}/callbacks", "throughput", "sync", "callbacks", n))
             items.append(Item(f"async/{n}/futures", "throughput", "async", "futures", n))
     return items
 
@@ -228,15 +231,23 @@ _FN_LABELS = {
     "async": "async def no-op",
     "builtin": "torch.add",
 }
-_STYLE_LABELS = {"sync": "rpc_sync", "await": "await call", "futures": "rpc_async window"}
+_STYLE_LABELS = {
+    "sync": "rpc_sync",
+    "await": "await call",
+    "futures": "rpc_async window",
+    "callbacks": "rpc_async + done-callback",
+}
 
 
 # torch's function for each asyncrpc one: @inline has no torch counterpart, so its rows
 # compare with torch's plain def no-op (what the same user code costs on torch).
 _TORCH_FN = {"sync": "sync", "inline": "sync", "async": "async", "builtin": "builtin"}
+# torch has no await: those rows compare with its rpc_async window; callbacks with its own.
+_TORCH_STYLE = {"callbacks": "callbacks"}
 _THROUGHPUT_KINDS = (
     ("sync", "await"),
     ("sync", "futures"),
+    ("sync", "callbacks"),
     ("inline", "await"),
     ("async", "await"),
 )
@@ -275,7 +286,7 @@ def _throughput_rows(config: BenchConfig) -> list[Row]:
                     f"{n:>3} in flight, {_FN_LABELS[fn]}, {_STYLE_LABELS[style]}",
                     {
                         "asyncrpc": f"{fn}/{n}/{style}",
-                        **_torch_keys(f"{_TORCH_FN[fn]}/{n}/futures"),
+                        **_torch_keys(f"{_TORCH_FN[fn]}/{n}/{_TORCH_STYLE.get(style, 'futures')}"),
                         "floor": f"frame/{n}",
                     },
                 )

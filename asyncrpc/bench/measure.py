@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -94,6 +95,37 @@ def blocking_window(
         window.popleft().wait()
         done += 1
     return throughput_stats(done, time.perf_counter() - start)
+
+
+def callback_window(
+    rpc: Any, to: str, fn: Any, args: tuple[Any, ...], inflight: int, duration: float
+) -> Any:
+    """``inflight`` calls kept in flight with ``rpc_async``, each ended by a done-callback
+    (registered from this plain thread: asyncrpc runs it on its callback pool, torch on the
+    thread that completed the future)."""
+    rpc_async, slots, done = rpc.rpc_async, threading.Semaphore(inflight), [0]
+    errors: list[BaseException] = []
+
+    def finished(fut: Any) -> None:
+        try:
+            fut.value()
+        except BaseException as exc:  # reported below, on the measuring thread
+            errors.append(exc)
+        done[0] += 1  # one callback at a time per slot: the GIL makes += safe enough here
+        slots.release()
+
+    start = time.perf_counter()
+    end = start + duration
+    while time.perf_counter() < end:
+        if not slots.acquire(timeout=60):
+            raise RuntimeError("no callback ran for 60 s")
+        rpc_async(to, fn, args).add_done_callback(finished)
+    for _ in range(inflight):  # every call still in flight ends
+        if not slots.acquire(timeout=60):
+            raise RuntimeError("no callback ran for 60 s")
+    if errors:
+        raise errors[0]
+    return throughput_stats(done[0], time.perf_counter() - start)
 
 
 def blocking_echo(rpc: Any, to: str, tensor: torch.Tensor, duration: float) -> Any:
@@ -217,7 +249,8 @@ def run_item_blocking(
     fn, args = resolve_function(item.fn, system)
     if item.kind == "latency":
         return blocking_latency(rpc, to, fn, args, duration)
-    return blocking_window(rpc, to, fn, args, item.inflight, duration)
+    window = callback_window if item.style == "callbacks" else blocking_window
+    return window(rpc, to, fn, args, item.inflight, duration)
 
 
 # -- asyncio loops (asyncrpc's native style) ------------------------------------------------

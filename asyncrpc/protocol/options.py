@@ -91,6 +91,10 @@ class RpcBackendOptions:
             synchronous functions fail with ``ThreadPoolExhaustedError``.
         device_maps: per callee name, a map of this worker's CUDA devices to the callee's.
         devices: the CUDA devices this worker may send from or receive to.
+        cuda_transfer: how CUDA tensors cross: "staged" (default: copies on side streams
+            through pinned memory; no thread waits for the GPU, the frame leaves once its
+            copies are done and the receiver's streams wait on events) or "host" (the
+            sending thread waits for the tensor's stream, then copies; for comparison).
         listen_host: the address the worker listens on (loopback by default; "0.0.0.0"
             for every interface).
         listen_port: the port to listen on (0: any free one).
@@ -135,6 +139,7 @@ class RpcBackendOptions:
     max_worker_threads: int = 512
     device_maps: dict[str, dict[str, str]] | None = None
     devices: list[str] | None = None
+    cuda_transfer: str = "staged"
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
     unix_sockets: bool = True
@@ -182,6 +187,8 @@ class RpcBackendOptions:
                 f"max_worker_threads ({self.max_worker_threads}) must be >= "
                 f"num_worker_threads ({self.num_worker_threads})"
             )
+        if self.cuda_transfer not in ("staged", "host"):
+            raise InitError(f"cuda_transfer must be 'staged' or 'host', got {self.cuda_transfer!r}")
         if self.device_maps is not None:
             self.device_maps = {
                 str(callee): {_device_key(k): _device_key(v) for k, v in mapping.items()}

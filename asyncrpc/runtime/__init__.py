@@ -4,10 +4,10 @@ The folders are sub-floors, lowest first; a module imports only from its own sub
 lower ones (``tests/unit/test_layering.py`` checks it):
 
 - the base modules here: ``future.py`` (``asyncrpc.Future``: the class in ``jitfuture.py``,
-  where callbacks run in ``callbacks.py``, the bridges in ``futurebridge.py``),
-  ``blocking.py``, ``handoffs.py``, ``metrics.py``, ``threadpool.py`` (threads for
-  synchronous functions), ``loopthread.py``, ``services.py`` (what the runtime asks of the
-  RRef layer above it) and ``cuda/`` (the device seam and stream scheduling);
+  where callbacks run in ``callbacks.py`` and ``callbackpool.py``, the bridges in
+  ``futurebridge.py``), ``blocking.py``, ``handoffs.py``, ``metrics.py``, ``threadpool.py``
+  (threads for synchronous functions), ``loopthread.py`` and ``services.py`` (what the
+  runtime asks of the RRef layer above it);
 - ``shm/``: same-host memory for large tensors;
 - ``net/``: the listener (open before the join), the ``Network``: connections, one
   authenticated connection per peer, ordered delivery across reconnects, liveness, TLS,
@@ -16,6 +16,8 @@ lower ones (``tests/unit/test_layering.py`` checks it):
   graceful shutdown;
 - ``calls/``: the ``Outbox`` (outgoing calls from encoding to their end), the call
   pipeline, the ``Dispatcher`` (one ``ServedRequest`` per received request);
+- ``cuda/``: the device seam, stream scheduling and staged copies, and the device-map
+  hook the agent plugs into the call pipeline;
 - ``agent.py``: the composition root, built from the ``Group`` once joined, that wires
   the parts; ``current.py`` (the process's agent).
 """

@@ -15,19 +15,21 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from asyncrpc.errors import PeerLostError, RemoteProtocolError, ShutdownError
 from asyncrpc.protocol.options import RpcBackendOptions, WorkerInfo
 from asyncrpc.protocol.serde import Serializer
-from asyncrpc.protocol.wire import Frame
+from asyncrpc.protocol.wire import Allocator, Frame
 from asyncrpc.protocol.wire.messages import Kind, RefMessage, Request, ShmMessage, decode_message
 from asyncrpc.runtime import handoffs
 from asyncrpc.runtime.calls.dispatch import Dispatcher
 from asyncrpc.runtime.calls.outbox import Outbox
 from asyncrpc.runtime.calls.pending import PendingCalls
 from asyncrpc.runtime.calls.pipeline import CallHook, Pipeline
-from asyncrpc.runtime.cuda.maps import DeviceMapHook
+from asyncrpc.runtime.cuda.maps import DeviceMapHook, check_device_maps
+from asyncrpc.runtime.cuda.staging import cuda_transfer
 from asyncrpc.runtime.future import set_default_callback_loop
 from asyncrpc.runtime.group.join import Group, join
 from asyncrpc.runtime.group.shutdown import GracefulShutdown
@@ -45,6 +47,12 @@ __all__ = ["Agent"]
 
 def _never(rank: int) -> bool:
     return False
+
+
+def _staged_allocate(
+    pinned: Callable[[int], tuple[object, memoryview]], plain: Allocator, nbytes: int, tag: str
+) -> tuple[object, memoryview]:
+    return pinned(nbytes) if tag.startswith("cuda") else plain(nbytes, tag)
 
 
 class Agent:
@@ -70,7 +78,8 @@ class Agent:
         )
         # Device maps ride on every agent (a callee applies its callers' reply maps); the
         # other hooks come from whoever starts the agent.
-        self.pipeline = Pipeline([DeviceMapHook(options.device_maps), *hooks])
+        transfer = cuda_transfer(options)
+        self.pipeline = Pipeline([DeviceMapHook(options.device_maps, transfer), *hooks])
         self.rrefs = rrefs(self)
         self.shm = SharedMemory(
             loop, options.shm_threshold, options.shm_arena_bytes,
@@ -84,9 +93,12 @@ class Agent:
             persistent_load=self.rrefs.load,
             place=self.shm.place if options.shared_memory else None,
         )
+        allocate = self.serializer.allocate
+        if transfer is not None:  # segments bound for a GPU land in pinned memory
+            allocate = partial(_staged_allocate, transfer.allocate, allocate)
         self.network = Network(
             group, options, loop, self.counters, receiver=self, calls=self.pending,
-            rrefs=self.rrefs, shm=self.shm, allocate=self.serializer.allocate, listener=listener,
+            rrefs=self.rrefs, shm=self.shm, allocate=allocate, listener=listener,
         )  # fmt: skip
         self.outbox = Outbox(
             self.name, loop, self.pending, serializer=self.serializer, pipeline=self.pipeline,
@@ -135,6 +147,11 @@ class Agent:
         Raises:
             InitError: the rendezvous failed (duplicates, timeout, bad arguments).
         """
+        if options.device_maps or options.devices:  # as torch checks them, before joining
+            import torch
+
+            devices = torch.cuda.device_count()
+            check_device_maps(name, options.device_maps, options.devices, devices)
         tls = configured_tls(options.tls_cert, options.tls_key, options.tls_ca)
         listener = await Listener.start(
             options.listen_host, options.listen_port, tls, options.unix_sockets

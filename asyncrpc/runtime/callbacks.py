@@ -7,14 +7,14 @@ the agent runs may block, so they go to a thread pool rather than the agent's lo
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import atexit
 import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from asyncrpc.errors import BlockingCallError
-from asyncrpc.runtime import handoffs
+from asyncrpc.runtime.callbackpool import CallbackPool
 
 __all__ = [
     "CALLBACK_POOL_SIZE",
@@ -41,7 +41,7 @@ _default_thread: int | None = None
 # threads, where waiting on another future is allowed). They run on this pool, made on first
 # use; its threads are started as jobs arrive, up to the size.
 CALLBACK_POOL_SIZE = 16
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool: CallbackPool | None = None
 _pool_lock = threading.Lock()
 
 
@@ -112,16 +112,15 @@ def caller_may_block(loop: asyncio.AbstractEventLoop | None) -> bool:
     return default is not None and (loop is None or loop is default) and running_loop() is None
 
 
-def _callback_pool() -> concurrent.futures.ThreadPoolExecutor:
+def _callback_pool() -> CallbackPool:
     global _pool
     pool = _pool
     if pool is None:
         with _pool_lock:
             pool = _pool
             if pool is None:
-                pool = _pool = concurrent.futures.ThreadPoolExecutor(
-                    CALLBACK_POOL_SIZE, thread_name_prefix="asyncrpc-callback"
-                )
+                pool = _pool = CallbackPool(CALLBACK_POOL_SIZE)
+                atexit.register(pool.run_left_over)
     return pool
 
 
@@ -136,8 +135,10 @@ os.register_at_fork(after_in_child=_forget_pool)
 
 
 def submit(invoke: Callable[[Any], None], callbacks: list[Any]) -> None:
-    """Run ``invoke(callbacks)`` on the callback pool (here, if the interpreter is exiting)."""
-    handoffs.count("to_callback_pool")
+    """Run ``invoke(callbacks)`` on the callback pool (here, if the interpreter is exiting).
+
+    Jobs submitted in one loop turn wake at most one pool thread (see callbackpool.py).
+    """
     try:
         _callback_pool().submit(invoke, callbacks)
     except RuntimeError:  # the interpreter is exiting: run them here rather than lose them

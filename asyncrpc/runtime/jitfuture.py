@@ -103,6 +103,7 @@ class Future(torch.futures.Future[T]):
         "_hooks",
         "_lock",
         "_loop",
+        "_on_value",
         "_state",
         "_tb",
         "_value",
@@ -126,6 +127,9 @@ class Future(torch.futures.Future[T]):
         self._lock = threading.Lock()
         # Set by the agent to cancel the remote call when this future is cancelled.
         self._cancel_hook: Callable[[], object] | None = None
+        # Set by the agent before completing it: called on each thread that reads the
+        # result, first (CUDA: its current streams wait for the reply's copies).
+        self._on_value: Callable[[], object] | None = None
 
     def __repr__(self) -> str:
         state = ("pending", "result", "exception")[self._state]
@@ -146,6 +150,8 @@ class Future(torch.futures.Future[T]):
         """
         state = self._state
         if state == _RESULT:
+            if self._on_value is not None:
+                self._on_value()
             return cast(T, self._value)
         if state == _EXCEPTION:
             raise self._value.with_traceback(self._tb)
@@ -441,6 +447,8 @@ class Future(torch.futures.Future[T]):
     def _copy_from(self, source: Future[Any]) -> None:
         # Hook: complete self with a done `source`'s outcome (a no-op if self is done).
         if source._state == _RESULT:
+            if source._on_value is not None and self._state == _PENDING:
+                self._on_value = source._on_value
             self._complete(_RESULT, source._value, None)
         else:
             self._complete(_EXCEPTION, source._value, source._tb)

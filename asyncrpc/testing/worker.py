@@ -17,6 +17,16 @@ from asyncrpc.errors import ShutdownError
 from asyncrpc.runtime.loopthread import new_event_loop
 
 
+def _device_maps(specs: list[str]) -> dict[str, dict[str, str]] | None:
+    maps: dict[str, dict[str, str]] = {}
+    for spec in specs:
+        callee, _, pairs = spec.partition("=")
+        for pair in pairs.split(","):
+            src, _, dst = pair.partition(":")
+            maps.setdefault(callee, {})[f"cuda:{int(src)}"] = f"cuda:{int(dst)}"
+    return maps or None
+
+
 def _options(args: argparse.Namespace) -> asyncrpc.RpcBackendOptions:
     return asyncrpc.RpcBackendOptions(
         init_method=args.init_method,
@@ -36,6 +46,8 @@ def _options(args: argparse.Namespace) -> asyncrpc.RpcBackendOptions:
         tls_ca=args.tls_ca,
         shared_memory=bool(args.shared_memory),
         shm_arena_bytes=args.shm_arena_bytes,
+        device_maps=_device_maps(args.device_map),
+        cuda_transfer=args.cuda_transfer,
         **({} if args.max_frame_size is None else {"max_frame_size": args.max_frame_size}),
     )
 
@@ -88,6 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tls-ca", default=None)
     parser.add_argument("--shared-memory", type=int, choices=(0, 1), default=1)
     parser.add_argument("--shm-arena-bytes", type=int, default=1 << 30)
+    parser.add_argument(
+        "--device-map",
+        action="append",
+        default=[],
+        help="CALLEE=SRC:DST[,SRC:DST...] (CUDA indices), as device_maps[CALLEE]",
+    )
+    parser.add_argument("--cuda-transfer", choices=("staged", "host"), default="staged")
     parser.add_argument(
         "--import",
         dest="imports",

@@ -5,8 +5,11 @@ start-up. Each member is an ``init_scenarios`` process, killed in ``finally``.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -99,16 +102,40 @@ def test_init_rpc_store_host_failing_at_once_still_tells_the_others() -> None:
 def test_init_rpc_store_host_leaving_right_after_start_breaks_no_start() -> None:
     # Rank 0 ends its process the moment init_rpc returns. Every other member still starts
     # (rank 0 returned only once all had read the group), then hears, typed and at once,
-    # that rank 0 is gone: its call fails as a lost peer, its shutdown as a ShutdownError.
+    # that rank 0 is gone: its shutdown is a ShutdownError. Its call races with rank 0's
+    # exit: answered if it got there first, else failed as a lost peer, never untyped.
     init = f"tcp://127.0.0.1:{free_port()}"
     specs = [_spec(init, "m0", 0, 3, "--exit-after-init")]
     specs += [_spec(init, f"m{r}", r, 3, "--call", "m0") for r in (1, 2)]
     results = _results(specs)
     assert all(_error_type(obs) is None for obs in results), results
     for obs in results[1:]:
-        call = obs["calls"]["m0"]["error"]
-        assert call is not None, obs
-        assert "ConnectionError" in call["mro"], obs
+        call = obs["calls"]["m0"]
+        assert (call["error"] is None) != (call["value"] is None), obs
+        if call["error"] is not None:
+            assert "ConnectionError" in call["error"]["mro"], obs
         assert obs["shutdown"]["error"]["type"] == "ShutdownError", obs
         assert "Exception raised from" not in obs["shutdown"]["error"]["message"]
         assert obs["shutdown"]["elapsed"] < _PROMPT_S, obs
+
+
+def test_init_rpc_refuses_a_device_map_naming_a_missing_gpu() -> None:
+    # Checked before joining: this machine's torch sees no CUDA device (or fewer than 99).
+    code = (
+        "import asyncrpc, sys\n"
+        "options = asyncrpc.RpcBackendOptions(init_method=sys.argv[1],"
+        " device_maps={'other': {98: 0}})\n"
+        "try:\n"
+        "    asyncrpc.init_rpc('alone', rank=0, world_size=1, rpc_backend_options=options)\n"
+        "except ValueError as exc:\n"
+        "    print(type(exc).__name__, exc)\n"
+    )
+    init = f"tcp://127.0.0.1:{free_port()}"
+    done = subprocess.run(
+        [sys.executable, "-c", code, init], check=False, capture_output=True, text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("DeviceMapError"), done.stdout + done.stderr
+    assert "cuda:98" in done.stdout

@@ -208,10 +208,14 @@ class Outbox:
         waiter: asyncio.Future[Any] = self.loop.create_future()
         self.start(encoded, waiter)
         try:
-            return await waiter
+            value = await waiter
         except asyncio.CancelledError:
             self.cancel(encoded.call_id)
             raise
+        observed = encoded.observed
+        if observed is not None and observed[1].on_value is not None:
+            observed[1].on_value()  # e.g. this thread's CUDA streams wait for the reply
+        return value
 
     def send_remote(
         self, rank: int, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,

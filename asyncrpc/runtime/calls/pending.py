@@ -53,11 +53,13 @@ class PendingCall:
         self.observed = observed
 
     def resolve(self, value: Any, headers: dict[str, Any] | None = None) -> None:
+        waiter = self.waiter
         if self.observed is not None:
             hooks, call = self.observed
             call.result = value
             Pipeline.completed(hooks, call, headers, None)
-        waiter = self.waiter
+            if call.on_value is not None and isinstance(waiter, Future):
+                waiter._on_value = call.on_value
         if isinstance(waiter, Future):
             # Not done()-then-set: the caller's thread may cancel it in between.
             waiter._try_set_result(value)

@@ -145,7 +145,7 @@ class OutgoingCall(_Call):
 
     __slots__ = (
         "args", "call_id", "callee", "callee_rank", "caller", "fn", "headers", "kind",
-        "kwargs", "result", "target",
+        "kwargs", "on_value", "result", "target",
     )  # fmt: skip
 
     def __init__(
@@ -164,6 +164,9 @@ class OutgoingCall(_Call):
         self.call_id = 0
         self.headers: dict[str, Any] = {}
         self.result: Any = None  # the reply's value, once it came
+        # Set by a hook in ``completed``: called on each thread that reads the value, just
+        # before it gets it (CUDA: that thread's streams wait for the reply's copies).
+        self.on_value: Callable[[], None] | None = None
 
     @property
     def tensors(self) -> list[torch.Tensor]:

@@ -2,8 +2,10 @@
 
 ``Devices`` is the seam (``CudaDevices`` on a GPU, ``FakeDevices`` on the CPU for tests);
 ``gate`` decides when a frame carrying CUDA tensors may leave and orders a receiver's
-streams after it; ``pool`` leases the streams a callee runs on. The agent's send pipeline
-is to await ``SendGate.ready`` in its ready stage (not wired yet: see the GPU issue).
+streams after it; ``staging`` moves tensors through pinned memory on side streams, its
+frames held in the call pipeline's ready stages by the gate; ``maps`` is the device-map
+hook that gives each call its transfer policy; ``pool`` leases streams (not used by the
+staged transfer yet: a callee runs on its thread's current streams, made to wait).
 """
 
 from __future__ import annotations

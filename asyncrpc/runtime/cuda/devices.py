@@ -67,6 +67,24 @@ class Devices(Protocol):
         not wait)."""
         ...
 
+    def host_buffer(self, nbytes: int) -> Any:
+        """A uint8 CPU tensor of ``nbytes`` in pinned memory (what a received segment bound
+        for a GPU lands in, so its copy to the device needs no host wait)."""
+        ...
+
+    def stage_out(self, tensor: Any, stream: Stream) -> Any:
+        """Queue on ``stream`` a copy of ``tensor`` into pinned host memory and return
+        that host tensor (same shape and dtype). Its bytes are valid once an event
+        recorded on ``stream`` afterwards has completed; ``tensor``'s memory is kept from
+        reuse until then. The host does not wait."""
+        ...
+
+    def stage_in(self, segment: Any, device: int, stream: Stream) -> Any:
+        """Queue on ``stream`` a copy of ``segment`` (host bytes) to ``device`` and return
+        the device tensor; work queued on ``stream`` afterwards sees the bytes. The host
+        does not wait for the GPU."""
+        ...
+
     def identity(self) -> GpuIdentity:
         """This process's boot id and visible GPUs' UUIDs."""
         ...

@@ -72,6 +72,8 @@ class FakeDevices:
         self.streams_made = 0
         self.records = 0
         self.waits = 0
+        self.copies = 0
+        self.host_buffers = 0
 
     # -- the seam ------------------------------------------------------------------------
 
@@ -108,6 +110,23 @@ class FakeDevices:
     def wait(self, stream: FakeStream, event: FakeEvent) -> None:
         self.waits += 1
         stream.items.append(FakeWork(f"wait for {event.stream.name}", after=event))
+
+    def host_buffer(self, nbytes: int) -> Any:
+        import torch
+
+        self.host_buffers += 1
+        return torch.empty(nbytes, dtype=torch.uint8)  # "pinned": the CPU has nothing else
+
+    def stage_out(self, tensor: Any, stream: FakeStream) -> FakeTensor:
+        self.copies += 1
+        copy = FakeTensor(None, getattr(tensor, "value", tensor))
+        stream.items.append(FakeWork(f"copy to host on {stream.name}"))
+        return copy
+
+    def stage_in(self, segment: Any, device: int, stream: FakeStream) -> FakeTensor:
+        self.copies += 1
+        stream.items.append(FakeWork(f"copy to device {device} on {stream.name}"))
+        return FakeTensor(device, segment)
 
     def identity(self) -> GpuIdentity:
         return self._identity

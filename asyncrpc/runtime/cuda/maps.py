@@ -7,27 +7,111 @@ backward map in a header field (``dm``) and the callee applies it to the reply; 
 needs no copy of its callers' options. Without a map the serializer's default refuses a
 CUDA tensor with an error that says what to do.
 
-How the bytes cross (``transfer``) is a ``TensorPolicy`` made from a map: the host copy
-below, or the CUDA path's staged copies (``staging.py``).
+How the bytes cross is the ``Transfer``'s: ``HostTransfer`` below waits for the device on
+the spot (where no GPU is set up), ``StagedTransfer`` (``staging.py``) never does: its
+frames wait in the pipeline's ``ready`` stages and the first user of received tensors
+orders its streams after their copies (the callee's function, the caller's
+``Future.value``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+import functools
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol
 
 import torch
 
-from asyncrpc.errors import SerializationError
+from asyncrpc.errors import InitError, SerializationError
 from asyncrpc.protocol.serde.policy import TensorPolicy
 from asyncrpc.runtime.calls.pipeline import CallHook, IncomingCall, OutgoingCall
 
-__all__ = ["FIELD", "DeviceMapHook", "HostCopy", "Transfer"]
+__all__ = [
+    "FIELD",
+    "DeviceMapError",
+    "DeviceMapHook",
+    "HostCopy",
+    "HostTransfer",
+    "Transfer",
+    "check_device_maps",
+]
 
 FIELD = "dm"  # the header field this hook owns: the reply's map, "cuda:i" -> "cuda:j"
 
-# Makes the policy that moves one message's CUDA tensors under a device map.
-Transfer = Callable[[Mapping[str, str]], TensorPolicy]
+
+class DeviceMapError(InitError, ValueError):
+    """``device_maps`` or ``devices`` name devices this worker cannot use, or a map is not
+    one-to-one (raised by ``init_rpc``; a ``ValueError`` as torch's, and an ``InitError``)."""
+
+
+def check_device_maps(
+    name: str,
+    device_maps: Mapping[str, Mapping[str, str]] | None,
+    devices: list[str] | None,
+    device_count: int,
+) -> None:
+    """Check this worker's own device options before it joins, as torch checks them: no
+    duplicated device, only CPU or existing CUDA devices, each map one-to-one, and a map's
+    sources among ``devices`` when those are given. (A map's targets are the callee's
+    devices: the callee checks what it receives.)
+
+    Raises:
+        DeviceMapError: naming the worker, the map and what is wrong with it.
+    """
+    listed = list(devices or [])
+    if len(set(listed)) != len(listed):
+        raise DeviceMapError(f"worker {name!r} lists a device twice: devices = {listed}")
+    bad = [d for d in listed if not _exists(d, device_count)]
+    if bad:
+        raise DeviceMapError(
+            f"worker {name!r} names devices it does not have: {bad} (devices = {listed}, "
+            f"CUDA device count = {device_count})"
+        )
+    for callee, mapping in (device_maps or {}).items():
+        targets = list(mapping.values())
+        if len(set(targets)) != len(targets):
+            raise DeviceMapError(
+                f"worker {name!r}'s device map for {callee!r} is not one-to-one: two devices "
+                f"map to one ({dict(mapping)})"
+            )
+        sources = list(mapping)
+        if listed:
+            stray = [d for d in sources if d not in listed]
+            if stray:
+                raise DeviceMapError(
+                    f"worker {name!r}'s device map for {callee!r} maps {stray}, which are not "
+                    f"in its devices {listed}"
+                )
+        else:
+            missing = [d for d in sources if not _exists(d, device_count)]
+            if missing:
+                raise DeviceMapError(
+                    f"worker {name!r}'s device map for {callee!r} maps devices it does not "
+                    f"have: {missing} (CUDA device count = {device_count})"
+                )
+
+
+def _exists(device: str, device_count: int) -> bool:
+    if device == "cpu":
+        return True
+    kind, _, index = device.partition(":")
+    return kind == "cuda" and index.isdigit() and int(index) < device_count
+
+
+class Transfer(Protocol):
+    """How one agent moves CUDA tensors: one policy per message, and the waits it needs."""
+
+    def policy(self, device_map: Mapping[str, str]) -> TensorPolicy:
+        """The tensor policy of one message sent (or received) under ``device_map``."""
+        ...
+
+    def ready(self, policy: TensorPolicy) -> Awaitable[None] | None:
+        """What a frame pickled under ``policy`` must wait for before it is written."""
+        ...
+
+    def before_use(self, policy: TensorPolicy) -> Callable[[], None] | None:
+        """What the first thread to use tensors unpickled under ``policy`` calls first."""
+        ...
 
 
 class HostCopy(TensorPolicy):
@@ -52,18 +136,36 @@ class HostCopy(TensorPolicy):
         return target, tensor.detach().cpu()
 
 
+class HostTransfer:
+    """``HostCopy`` for every message: nothing to wait for afterwards."""
+
+    def policy(self, device_map: Mapping[str, str]) -> TensorPolicy:
+        return HostCopy(device_map)
+
+    def ready(self, policy: TensorPolicy) -> Awaitable[None] | None:
+        return None
+
+    def before_use(self, policy: TensorPolicy) -> Callable[[], None] | None:
+        return None
+
+
 class DeviceMapHook(CallHook):
-    """Gives each call to a mapped callee, and each reply to a mapped caller, its map."""
+    """Gives each call to a mapped callee, and each reply to a mapped caller, its map, and
+    holds their frames and orders their users' streams as the transfer says."""
 
     def __init__(
-        self, device_maps: Mapping[str, Mapping[str, str]] | None, transfer: Transfer = HostCopy
+        self,
+        device_maps: Mapping[str, Mapping[str, str]] | None,
+        transfer: Transfer | None = None,
     ) -> None:
         self._maps = {callee: dict(m) for callee, m in (device_maps or {}).items() if m}
         self._backward = {callee: _inverse(m) for callee, m in self._maps.items()}
-        self._transfer = transfer
+        self.transfer: Transfer = transfer if transfer is not None else HostTransfer()
 
     def __repr__(self) -> str:
         return f"DeviceMapHook({sorted(self._maps)})"
+
+    # -- caller ----------------------------------------------------------------------------
 
     def active(self) -> bool:
         return bool(self._maps)
@@ -72,19 +174,58 @@ class DeviceMapHook(CallHook):
         forward = self._maps.get(call.callee)
         if forward is None:
             return
-        call.policy.devices = self._transfer(forward)
         backward = self._backward[call.callee]
-        call.reply_policy.devices = self._transfer(backward)
+        call.policy.devices = self.transfer.policy(forward)
+        call.reply_policy.devices = self.transfer.policy(backward)
         call.headers[FIELD] = backward
+
+    def ready(self, call: OutgoingCall) -> Awaitable[None] | None:
+        return self.transfer.ready(call.policy.devices)
+
+    def completed(
+        self, call: OutgoingCall, headers: dict[str, Any] | None, error: BaseException | None
+    ) -> None:
+        if error is None:
+            call.on_value = self.transfer.before_use(call.reply_policy.devices)
+
+    # -- callee ----------------------------------------------------------------------------
 
     def receiving(self, call: IncomingCall) -> None:
         backward = call.headers.get(FIELD)
         if backward is None:
             return
-        call.reply_policy.devices = self._transfer(_checked(backward, call.caller))
+        call.policy.devices = self.transfer.policy({})  # receiving needs no map
+        call.reply_policy.devices = self.transfer.policy(_checked(backward, call.caller))
+
+    def incoming(self, call: IncomingCall) -> None:
+        first = self.transfer.before_use(call.policy.devices)
+        if first is not None:
+            call.wrap(functools.partial(_after, first=first, coroutine=call.coroutine))
+
+    def reply_ready(self, call: IncomingCall) -> Awaitable[None] | None:
+        return self.transfer.ready(call.reply_policy.devices)
 
     def debug_info(self) -> dict[str, Any]:
         return {"device_maps": {callee: dict(m) for callee, m in self._maps.items()}}
+
+
+def _after(
+    fn: Callable[..., Any], first: Callable[[], None], coroutine: bool
+) -> Callable[..., Any]:
+    """``fn``, calling ``first`` on the thread that runs it, just before (same convention)."""
+    if coroutine:
+
+        async def run_coroutine(*args: Any, **kwargs: Any) -> Any:
+            first()
+            return await fn(*args, **kwargs)
+
+        return run_coroutine
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        first()
+        return fn(*args, **kwargs)
+
+    return run
 
 
 def _inverse(device_map: Mapping[str, str]) -> dict[str, str]:

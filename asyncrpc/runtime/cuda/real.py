@@ -63,6 +63,24 @@ class CudaDevices:
     def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
         stream.wait_event(event)
 
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def stage_out(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
+        with torch.cuda.stream(stream):
+            # empty_like keeps a dense tensor's strides; pinned memory lets the copy run
+            # without the host (torch's caching host allocator reuses these buffers).
+            host = torch.empty_like(tensor, device="cpu", pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+        tensor.record_stream(stream)  # its memory is not reused before the copy ran
+        return host
+
+    def stage_in(
+        self, segment: torch.Tensor, device: int, stream: torch.cuda.Stream
+    ) -> torch.Tensor:
+        with torch.cuda.stream(stream):
+            return segment.to(torch.device("cuda", device), non_blocking=True)
+
     def identity(self) -> GpuIdentity:
         uuids = tuple(
             str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())

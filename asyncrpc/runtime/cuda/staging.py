@@ -1,0 +1,157 @@
+"""CUDA tensors through pinned host memory on side streams, with no host sync (layer L2).
+
+torch's stream rules, built on the device seam so all of it runs on ``FakeDevices`` too:
+
+- Sending (rule 1; rule 3 for replies): on the thread that pickles the message, one event
+  is recorded on that thread's current stream of each device involved (the producer's
+  work so far); a per-device copy-out stream waits on it and copies each tensor into
+  pinned host memory. The frame waits in the call pipeline's ``ready`` stage until the
+  copies are done (``SendGate``, polled on the loop): neither the caller nor the loop
+  waits for the GPU.
+- Receiving (rules 2 and 4): each segment is copied to its device on a per-device
+  copy-in stream, and an event is recorded after it. Whoever uses the tensors first makes
+  its current streams wait on those events: the callee's thread before the function runs,
+  the caller's thread when it reads the reply (``Future.value``, so ``wait()``, ``await``
+  and ``then`` callbacks alike). The host never waits.
+
+Copies of one device share one stream in each direction: they are ordered, so the last
+event recorded on it covers every copy before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from asyncrpc.errors import SerializationError
+from asyncrpc.protocol.serde.policy import TensorPolicy
+from asyncrpc.protocol.serde.tensors import memory_view
+from asyncrpc.runtime.cuda.devices import Devices, Event, Stream
+from asyncrpc.runtime.cuda.gate import FrameEvents, SendGate, order_after
+
+__all__ = ["StagedCopy", "StagedTransfer", "cuda_transfer"]
+
+
+def cuda_transfer(options: Any) -> StagedTransfer | None:
+    """The agent's staged transfer where CUDA is set up and wanted, else None (the
+    device-map hook then copies through the host)."""
+    if getattr(options, "cuda_transfer", "staged") != "staged":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from asyncrpc.runtime.cuda.real import CudaDevices
+
+    return StagedTransfer(CudaDevices())
+
+
+class StagedTransfer:
+    """One agent's staged CUDA transfers: its copy streams and its send gate."""
+
+    def __init__(self, devices: Devices, gate: SendGate | None = None) -> None:
+        self.devices = devices
+        self.gate = gate if gate is not None else SendGate(devices)
+        self._out: dict[int, Stream] = {}
+        self._in: dict[int, Stream] = {}
+        self.staged_out = 0  # tensors copied to the host, and to a device (metrics)
+        self.staged_in = 0
+
+    def allocate(self, nbytes: int) -> tuple[object, memoryview]:
+        """The wire's allocator for segments tagged with a CUDA device: pinned memory, so
+        the copy to the device runs without the host."""
+        owner = self.devices.host_buffer(nbytes)
+        return owner, memory_view(owner.data_ptr(), nbytes, writable=True)
+
+    def policy(self, device_map: Mapping[str, str]) -> StagedCopy:
+        return StagedCopy(self, device_map)
+
+    def ready(self, policy: TensorPolicy) -> Awaitable[None] | None:
+        """What a frame sent under ``policy`` waits for (None: nothing was staged)."""
+        if isinstance(policy, StagedCopy) and policy.events:
+            return self.gate.ready(policy.frame_events())
+        return None
+
+    def before_use(self, policy: TensorPolicy) -> Callable[[], None] | None:
+        """What the thread that first uses tensors received under ``policy`` calls first:
+        its current streams wait for their copies (None: none were received)."""
+        if not isinstance(policy, StagedCopy) or not policy.events:
+            return None
+        frame = policy.frame_events()
+        devices = self.devices
+
+        def order_current_streams() -> None:
+            streams = [devices.current_stream(device) for device, _ in frame.events]
+            order_after(devices, streams, frame)
+
+        return order_current_streams
+
+    def out_stream(self, device: int) -> Stream:
+        stream = self._out.get(device)
+        if stream is None:
+            stream = self._out[device] = self.devices.new_stream(device)
+        return stream
+
+    def in_stream(self, device: int) -> Stream:
+        stream = self._in.get(device)
+        if stream is None:
+            stream = self._in[device] = self.devices.new_stream(device)
+        return stream
+
+
+class StagedCopy(TensorPolicy):
+    """The CUDA half of one message's tensor policy (see the module's docstring)."""
+
+    __slots__ = ("_producers", "device_map", "events", "transfer")
+
+    def __init__(self, transfer: StagedTransfer, device_map: Mapping[str, str]) -> None:
+        self.transfer = transfer
+        self.device_map = device_map
+        self._producers: dict[int, Event] = {}  # device -> the producer's work, recorded once
+        self.events: dict[int, Event] = {}  # device -> after this message's last copy
+
+    def frame_events(self) -> FrameEvents:
+        return FrameEvents(tuple(self.events.items()))
+
+    def to_host(self, tensor: Any) -> tuple[str, Any]:
+        transfer = self.transfer
+        devices = transfer.devices
+        device = devices.device_of(tensor)
+        if device is None:
+            return super().to_host(tensor)  # not a CUDA tensor: refused with its device
+        target = self.device_map.get(f"cuda:{device}")
+        if target is None:
+            raise SerializationError(
+                f"cannot send a tensor on device 'cuda:{device}': the device map has no "
+                "entry for it; move the tensor to CPU or map this device to one of the "
+                "callee's"
+            )
+        producer = self._producers.get(device)
+        if producer is None:
+            producer = devices.record(devices.current_stream(device))
+            self._producers[device] = producer
+        stream = transfer.out_stream(device)
+        devices.wait(stream, producer)
+        host = devices.stage_out(tensor, stream)
+        self.events[device] = devices.record(stream)
+        transfer.staged_out += 1
+        return target, host
+
+    def to_device(self, segment: Any, device: str) -> Any:
+        index = _cuda_index(device)
+        if index is None:
+            return super().to_device(segment, device)
+        transfer = self.transfer
+        stream = transfer.in_stream(index)
+        tensor = transfer.devices.stage_in(segment, index, stream)
+        self.events[index] = transfer.devices.record(stream)
+        transfer.staged_in += 1
+        return tensor
+
+
+def _cuda_index(device: str) -> int | None:
+    """0 for "cuda:0"; None for any other device string (no index: not ours to guess)."""
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or not index.isdigit():
+        return None
+    return int(index)

@@ -1,0 +1,186 @@
+"""CUDA bench: asyncrpc against torch.distributed.rpc, the same script for both, two
+processes on one GPU with device maps {0: 0} both ways.
+
+    python bench/cuda_bench.py                  # both libraries, every row
+    python bench/cuda_bench.py --device cpu     # the same rows on CPU tensors (no GPU)
+
+Rows: echo (there and back) of 1-256 MiB, a small tensor's p50, how long ``rpc_async``
+takes to return while the GPU is busy with a long kernel writing its argument, and the
+p99 of no-op calls from another thread meanwhile. Each library runs in a fresh pair of
+processes; the figures are medians over ``--repeats`` runs. Wall times on a shared
+machine move; compare the two libraries' columns of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import threading
+import time
+from typing import Any
+
+import torch
+
+MIB = 1 << 20
+SIZES_MIB = (1, 16, 64, 256)
+BUSY_CYCLES = 400_000_000  # torch.cuda._sleep: a few hundred ms of GPU time
+
+
+def echo(x: Any) -> Any:
+    return x
+
+
+def noop() -> None:
+    return None
+
+
+def _rpc(library: str) -> Any:
+    if library == "torch":
+        from torch.distributed import rpc
+
+        return rpc
+    import asyncrpc
+
+    return asyncrpc
+
+
+def _options(library: str, port: int, peer: str, device: str) -> Any:
+    rpc = _rpc(library)
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
+    if device == "cuda":
+        options.set_device_map(peer, {0: 0})
+    return options
+
+
+def _server(library: str, port: int, device: str) -> None:
+    rpc = _rpc(library)
+    rpc.init_rpc("server", rank=1, world_size=2,
+                 rpc_backend_options=_options(library, port, "client", device))  # fmt: skip
+    rpc.shutdown()
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn: Any, repeats: int, device: str) -> list[float]:
+    times = []
+    for _ in range(repeats):  # bounded by --repeats
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _client(library: str, port: int, device: str, repeats: int, out: Any) -> None:
+    rpc = _rpc(library)
+    rpc.init_rpc("client", rank=0, world_size=2,
+                 rpc_backend_options=_options(library, port, "server", device))  # fmt: skip
+    rows: dict[str, float] = {}
+    try:
+        for size in SIZES_MIB:
+            x = torch.ones(size * MIB // 4, device=device)
+            rpc.rpc_sync("server", echo, args=(x,))  # warm
+            times = _timed(lambda x=x: rpc.rpc_sync("server", echo, args=(x,)), repeats, device)
+            rows[f"echo {size} MiB (ms)"] = statistics.median(times) * 1e3
+        small = torch.ones(256, device=device)
+        times = _timed(lambda: rpc.rpc_sync("server", echo, args=(small,)), 50 * repeats, device)
+        rows["small tensor p50 (us)"] = statistics.median(times) * 1e6
+        if device == "cuda":
+            rows.update(_busy_gpu(rpc, repeats))
+    finally:
+        rpc.shutdown()
+    out.put(rows)
+
+
+def _busy_gpu(rpc: Any, repeats: int) -> dict[str, float]:
+    """rpc_async's return time behind a long kernel, and no-op p99 from another thread."""
+    returns, noop_times = [], []
+    stop = threading.Event()
+
+    def noops() -> None:
+        for _ in range(100_000):  # bounded; stopped by the main thread
+            if stop.is_set():
+                return
+            start = time.perf_counter()
+            rpc.rpc_sync("server", noop)
+            noop_times.append(time.perf_counter() - start)
+
+    thread = threading.Thread(target=noops)
+    thread.start()
+    try:
+        for _ in range(repeats):
+            x = torch.zeros(16 * MIB // 4, device="cuda")
+            torch.cuda._sleep(BUSY_CYCLES)
+            x.fill_(1.0)
+            start = time.perf_counter()
+            fut = rpc.rpc_async("server", echo, args=(x,))
+            returns.append(time.perf_counter() - start)
+            fut.wait()
+            torch.cuda.synchronize()
+    finally:
+        stop.set()
+        thread.join(60)
+    noop_times.sort()
+    p99 = noop_times[int(0.99 * (len(noop_times) - 1))] if noop_times else float("nan")
+    return {
+        "rpc_async return behind busy GPU (ms)": statistics.median(returns) * 1e3,
+        "no-op p99 meanwhile (us)": p99 * 1e6,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(library: str, device: str, repeats: int) -> dict[str, float]:
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    out = ctx.Queue()
+    server = ctx.Process(target=_server, args=(library, port, device))
+    client = ctx.Process(target=_client, args=(library, port, device, repeats, out))
+    server.start()
+    client.start()
+    try:
+        rows: dict[str, float] = out.get(timeout=900)
+    finally:
+        for process in (client, server):
+            process.join(60)
+            if process.is_alive():
+                process.kill()  # ours, by PID
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--json", default=None, help="also write the figures here")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("cuda bench: skipped, no CUDA device (use --device cpu to try the harness)")
+        return 0
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    results = {lib: run(lib, args.device, args.repeats) for lib in ("torch", "asyncrpc")}
+    print(f"{'row':44} {'torch':>10} {'asyncrpc':>10} {'ratio':>7}")
+    for row, theirs in results["torch"].items():
+        ours = results["asyncrpc"][row]
+        print(f"{row:44} {theirs:10.2f} {ours:10.2f} {theirs / ours:6.2f}x")
+    print("ratio: torch's figure / asyncrpc's (above 1: asyncrpc is faster)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, **results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,30 @@
+"""Functions the CUDA tests run on the callee (importable by worker processes)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def echo(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def add_one(x: torch.Tensor) -> torch.Tensor:
+    # A kernel on the callee's current stream, reading the argument.
+    return x + 1
+
+
+async def async_add_one(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+def slow_fill(n: int, value: float, cycles: int) -> torch.Tensor:
+    """A reply whose kernel is still queued when the function returns."""
+    y = torch.zeros(n, device="cuda:0")
+    torch.cuda._sleep(cycles)
+    y.fill_(value)
+    return y
+
+
+def memory_allocated() -> int:
+    return torch.cuda.memory_allocated(0)
