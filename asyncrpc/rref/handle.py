@@ -68,11 +68,9 @@ class RRefBackend(Protocol):
 
 
 def current_rrefs() -> RRefBackend:
-    rrefs = current_agent().rrefs
-    if rrefs is None:
-        raise RRefError("this worker has no RRef support (started without it)")
-    # The public API starts every agent with this layer's RRefContext as its RRef service.
-    return cast("RRefBackend", rrefs)
+    # Every agent is built with an RRef service; the public API gives it this layer's
+    # RRefContext.
+    return cast("RRefBackend", current_agent().rrefs)
 
 
 class RRef(Generic[T]):
