@@ -59,10 +59,10 @@ from asyncrpc.errors import (
     WorkerNameError,
     WorldSizeMismatchError,
 )
+from asyncrpc.protocol.options import RpcBackendOptions, TensorPipeRpcBackendOptions, WorkerInfo
 from asyncrpc.protocol.serde import register_reducer
 from asyncrpc.rref.handle import RRef
 from asyncrpc.runtime.future import Future, collect_all, wait_all
-from asyncrpc.runtime.options import RpcBackendOptions, TensorPipeRpcBackendOptions, WorkerInfo
 from asyncrpc.streaming import Stream, rpc_stream, stream
 
 __all__ = [

@@ -17,19 +17,19 @@ from typing import Any, ParamSpec, TypeVar, overload
 from asyncrpc.autograd import AutogradHook
 from asyncrpc.errors import BlockingCallError, InitArgumentError, InitError
 from asyncrpc.profiling import ProfilingHook
-from asyncrpc.rref.context import RRefContext
-from asyncrpc.rref.handle import RRef, current_rrefs
-from asyncrpc.runtime.agent import Agent
-from asyncrpc.runtime.current import clear_agent, current_agent, set_agent
-from asyncrpc.runtime.future import Future
-from asyncrpc.runtime.loopthread import LoopThread
-from asyncrpc.runtime.options import (
+from asyncrpc.protocol.options import (
     UNSET_RPC_TIMEOUT,
     RpcBackendOptions,
     WorkerInfo,
     check_worker_name,
     coerce_options,
 )
+from asyncrpc.rref.context import RRefContext
+from asyncrpc.rref.handle import RRef, current_rrefs
+from asyncrpc.runtime.agent import Agent
+from asyncrpc.runtime.current import clear_agent, current_agent, set_agent
+from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.loopthread import LoopThread
 
 __all__ = [
     "BackendType",
@@ -147,13 +147,10 @@ async def init_rpc_async(
 async def _start(name: str, rank: int, world_size: int | None, options: RpcBackendOptions) -> Agent:
     # The composition root: the runtime's agent, with this package's RRef layer and the
     # call pipeline's hooks plugged in (profiling first: its span covers the others).
-    agents: list[Agent] = []
-    hooks = [ProfilingHook(lambda: agents[0].rank), AutogradHook(lambda: agents[0].rank)]
-    agent = await Agent.start(
-        name, rank, world_size, options, set_agent, rrefs=RRefContext, hooks=hooks
-    )
-    agents.append(agent)
-    return agent
+    return await Agent.start(
+        name, rank, world_size, options, RRefContext, set_agent,
+        hooks=lambda group: [ProfilingHook(group.rank), AutogradHook(group.rank)],
+    )  # fmt: skip
 
 
 def _peek_agent() -> Agent | None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, ParamSpec, TypeVar, overload
 
+from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
 from asyncrpc.runtime.current import current_agent
-from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT
 from asyncrpc.runtime.stream import Stream
 
 __all__ = ["Stream", "rpc_stream", "stream"]

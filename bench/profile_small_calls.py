@@ -39,7 +39,7 @@ _START = "profiling-starts-now"
 def _patch_default_write_limits() -> None:
     # Experiment: keep the transport's default high-water mark instead of high=0. Only
     # valid for calls without tensors (zero-copy keepalive is no longer tracked).
-    from asyncrpc.runtime import transport
+    from asyncrpc.runtime.net import transport
 
     made = transport.Connection.connection_made
 

@@ -43,7 +43,7 @@ def _forking_dump(self: Any, obj: object, dest: object) -> Any:
 
 def _turn_off() -> None:
     from asyncrpc.rref.context import RRefContext
-    from asyncrpc.runtime import dispatch
+    from asyncrpc.runtime.calls import dispatch
 
     dispatch.runs_on_loop = lambda fn, args, kwargs: False  # type: ignore[assignment]
     RRefContext.dump = _forking_dump  # type: ignore[method-assign]

@@ -1,6 +1,6 @@
 """Time each stage of asyncrpc's small-call path in one process, in microseconds per call.
 
-Stages: pickling and framing a request (as ``Agent.encode_request`` does), decoding it,
+Stages: pickling and framing a request (as ``Outbox.encode`` does), decoding it,
 unpickling, the reply's way back, and the thread hand-offs a call makes (loop -> pool ->
 loop on the callee for a ``def`` function; caller thread -> loop -> caller for
 ``rpc_sync``). A one-worker group runs on a uvloop so the real serializer (with its RRef
@@ -58,8 +58,8 @@ def serde_stages(agent: Any, fn: Any, args: tuple[Any, ...], result: Any) -> dic
                                                           r_segments))  # fmt: skip
     reply = decoder.feed(reply_wire)[0]
     return {
-        "caller: encode_request (pickle + Request + frame)":
-            per_call_us(lambda: agent.encode_request(0, fn, args, {}, 60.0)),
+        "caller: Outbox.encode (pickle + Request + frame)":
+            per_call_us(lambda: agent.outbox.encode(0, fn, args, {}, 60.0, "sync")),
         "  of which Serializer.dumps((fn, args, {}))":
             per_call_us(lambda: ser.dumps((fn, args, {}), context=0)),
         "  of which encode_frame(header)":

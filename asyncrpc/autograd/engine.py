@@ -31,9 +31,9 @@ from asyncrpc.autograd.context import (
 )
 from asyncrpc.errors import ConnectionLostError, RpcTimeoutError, as_backward_error
 from asyncrpc.functions import async_execution
+from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
 from asyncrpc.runtime.agent import Agent
 from asyncrpc.runtime.future import Future, collect_all
-from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT
 
 __all__ = ["hand_back", "local_pass", "propagate", "release"]
 

@@ -20,7 +20,7 @@ from types import BuiltinFunctionType
 from typing import Any
 
 from asyncrpc.autograd.context import AutogradContext, ContextTable, current_context_id
-from asyncrpc.runtime.pipeline import CallHook, IncomingCall, OutgoingCall
+from asyncrpc.runtime.calls.pipeline import CallHook, IncomingCall, OutgoingCall
 
 __all__ = ["FIELD", "AutogradHook"]
 
@@ -30,8 +30,8 @@ FIELD = "ag"  # the header field this hook owns
 class AutogradHook(CallHook):
     """Records the sends and receives of every call made in a distributed autograd context."""
 
-    def __init__(self, rank: Callable[[], int]) -> None:
-        self._rank = rank  # this worker's rank, known once it has joined its group
+    def __init__(self, rank: int) -> None:
+        self._rank = rank  # this worker's rank
         self.contexts = ContextTable()
 
     def __repr__(self) -> str:
@@ -53,7 +53,7 @@ class AutogradHook(CallHook):
             return  # its id is set, but it was released (a call after the block ended)
         if not call.grads and isinstance(call.fn, BuiltinFunctionType):
             return
-        message_id = context.next_message_id(self._rank())
+        message_id = context.next_message_id(self._rank)
         context.record_send(message_id, call.callee_rank, call.grads)
         call.headers[FIELD] = [context.id, message_id]
         call.state[self] = context
@@ -86,7 +86,7 @@ class AutogradHook(CallHook):
         context = call.state.pop(self, None)
         if not isinstance(context, AutogradContext):
             return
-        message_id = context.next_message_id(self._rank())
+        message_id = context.next_message_id(self._rank)
         context.record_send(message_id, call.caller_rank, call.reply_grads)
         call.reply_headers[FIELD] = [context.id, message_id]
 

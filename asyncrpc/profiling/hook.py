@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,8 +38,8 @@ from asyncrpc.profiling.recorder import (
     recorded,
     relabel,
 )
-from asyncrpc.runtime.pending import describe_function
-from asyncrpc.runtime.pipeline import CallHook, IncomingCall, OutgoingCall
+from asyncrpc.runtime.calls.pending import describe_function
+from asyncrpc.runtime.calls.pipeline import CallHook, IncomingCall, OutgoingCall
 
 __all__ = ["FIELD", "ProfilingHook"]
 
@@ -67,7 +66,7 @@ class _Nested:
 class ProfilingHook(CallHook):
     """RPC spans for the caller's profiler; recordings from the callee."""
 
-    def __init__(self, rank: Callable[[], int]) -> None:
+    def __init__(self, rank: int) -> None:
         self._rank = rank  # this worker's rank: the node_id of its events
         self._lock = threading.Lock()
         # The server profiler: None when off, else the recordings of the requests served.
@@ -92,7 +91,7 @@ class ProfilingHook(CallHook):
             call.state[self] = _Nested(name, recording)
             call.headers[FIELD] = recording.flags
             return
-        set_node_id(self._rank())
+        set_node_id(self._rank)
         done: torch.futures.Future[None] = torch.futures.Future()
         _end_on(_enter(name, None), done)
         call.state[self] = (name, done)

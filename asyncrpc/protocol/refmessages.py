@@ -44,7 +44,7 @@ __all__ = [
 #   O gets UserDelete(F)     unregisters F; Free once no fork and no local handle is left
 #
 # A frame carrying a fork may die with its connection (refcount messages themselves are
-# resent until acknowledged: asyncrpc/runtime/reflog.py). Its sender then asks the receiver:
+# resent until acknowledged: asyncrpc/protocol/reflog.py). Its sender then asks the receiver:
 #
 #   S wrote fork F to D; the connection died before D acknowledged it
 #                            S sends ForkQuery(F) on the next connection

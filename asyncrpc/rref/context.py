@@ -26,7 +26,9 @@ from asyncrpc.errors import (
     ShutdownError,
     as_remote_call_error,
 )
+from asyncrpc.protocol.options import RpcBackendOptions, WorkerInfo
 from asyncrpc.protocol.refcount import RefCounter, UserState
+from asyncrpc.protocol.reflog import Transfer
 from asyncrpc.protocol.refmessages import (
     Action,
     ChildAccepted,
@@ -46,10 +48,8 @@ from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import RefMessage, RefOp, Request
 from asyncrpc.rref.handle import RRef
 from asyncrpc.runtime import handoffs
+from asyncrpc.runtime.calls.pending import describe_function
 from asyncrpc.runtime.future import Future, collect_all
-from asyncrpc.runtime.options import RpcBackendOptions, WorkerInfo
-from asyncrpc.runtime.pending import describe_function
-from asyncrpc.runtime.reflog import Transfer
 from asyncrpc.runtime.threadpool import WorkerPool
 
 __all__ = ["RRefContext"]

@@ -23,14 +23,14 @@ from asyncrpc.autograd import backward as dist_backward
 from asyncrpc.autograd import backward_async as dist_backward_async
 from asyncrpc.errors import PeerLostError, RRefError, RRefOwnerLostError
 from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
+from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT, WorkerInfo
 from asyncrpc.protocol.refmessages import (
     ForkId,
     RRefId,
 )
+from asyncrpc.runtime.calls.dispatch import await_async_result
 from asyncrpc.runtime.current import current_agent
-from asyncrpc.runtime.dispatch import await_async_result
 from asyncrpc.runtime.future import Future
-from asyncrpc.runtime.options import UNSET_RPC_TIMEOUT, WorkerInfo
 
 __all__ = ["RRef", "RRefBackend", "current_rrefs"]
 
@@ -68,11 +68,9 @@ class RRefBackend(Protocol):
 
 
 def current_rrefs() -> RRefBackend:
-    rrefs = current_agent().rrefs
-    if rrefs is None:
-        raise RRefError("this worker has no RRef support (started without it)")
-    # The public API starts every agent with this layer's RRefContext as its RRef service.
-    return cast("RRefBackend", rrefs)
+    # Every agent is built with an RRef service; the public API gives it this layer's
+    # RRefContext.
+    return cast("RRefBackend", current_agent().rrefs)
 
 
 class RRef(Generic[T]):

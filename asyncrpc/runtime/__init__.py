@@ -1,12 +1,23 @@
 """Floor L2, the loop side: one worker's event-loop agent and the parts it is made of.
 
-``agent.py`` wires them: ``transport.py`` (connections), ``peers.py`` (one connection per
-peer, the handshake), ``pending.py`` (outgoing calls awaiting replies, timeouts),
-``dispatch.py`` (running received requests), ``pipeline.py`` (the hooks every call passes
-through), ``threadpool.py`` (threads for synchronous functions), ``loopback.py`` (calls to
-self), ``shutdown.py`` (graceful shutdown), ``rendezvous.py``, ``loopthread.py``,
-``metrics.py``, ``options.py``, ``future.py`` (``asyncrpc.Future``: the class in
-``jitfuture.py``, where callbacks run in ``callbacks.py``, the bridges to asyncio, concurrent
-and torch futures in ``futurebridge.py``), ``current.py`` (the process's agent) and
-``services.py`` (what the agent asks of the RRef layer above it).
+The folders are sub-floors, lowest first; a module imports only from its own sub-floor or
+lower ones (``tests/unit/test_layering.py`` checks it):
+
+- the base modules here: ``future.py`` (``asyncrpc.Future``: the class in ``jitfuture.py``,
+  where callbacks run in ``callbacks.py`` and ``callbackpool.py``, the bridges in
+  ``futurebridge.py``), ``blocking.py``, ``handoffs.py``, ``metrics.py``, ``threadpool.py``
+  (threads for synchronous functions), ``loopthread.py`` and ``services.py`` (what the
+  runtime asks of the RRef layer above it);
+- ``shm/``: same-host memory for large tensors;
+- ``net/``: the listener (open before the join), the ``Network``: connections, one
+  authenticated connection per peer, ordered delivery across reconnects, liveness, TLS,
+  calls to self;
+- ``group/``: joining the group (``join`` returns the frozen ``Group``), its members,
+  graceful shutdown;
+- ``calls/``: the ``Outbox`` (outgoing calls from encoding to their end), the call
+  pipeline, the ``Dispatcher`` (one ``ServedRequest`` per received request);
+- ``cuda/``: the device seam, stream scheduling and staged copies, and the device-map
+  hook the agent plugs into the call pipeline;
+- ``agent.py``: the composition root, built from the ``Group`` once joined, that wires
+  the parts; ``current.py`` (the process's agent).
 """

@@ -52,7 +52,9 @@ class ProducerHost(Protocol):
     name: str
     loop: asyncio.AbstractEventLoop
     pool: WorkerPool
-    rrefs: RRefService | None
+
+    @property
+    def rrefs(self) -> RRefService | None: ...
 
     def write(
         self, conn: Any, pieces: list[Any], keep: object = None, forks: list[Any] | None = None

@@ -101,6 +101,18 @@ class WorkerPool:
         """Threads waiting on an RPC future right now."""
         return self._blocked
 
+    def stats(self) -> dict[str, int]:
+        """The pool's gauges, as ``get_metrics`` names them."""
+        busy = self.busy
+        return {
+            "thread_pool_size": self.size,
+            "thread_pool_busy": busy,
+            "thread_pool_idle": self.size - busy,
+            "thread_pool_threads": self.threads,
+            "thread_pool_blocked": self.blocked,
+            "thread_pool_refused": self.refused,
+        }
+
     def _should_start(self) -> bool:
         # Under the lock. Blocked threads do not count against the size, only the cap.
         return (

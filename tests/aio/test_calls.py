@@ -1,4 +1,4 @@
-"""asyncio tests of asyncrpc.runtime.pending: the pending-call table and its timeout wheel."""
+"""asyncio tests of asyncrpc.runtime.calls.pending: the pending-call table and its timeout wheel."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from asyncrpc.runtime.pending import Deadlines, PendingCall, PendingCalls
+from asyncrpc.runtime.calls.pending import Deadlines, PendingCall, PendingCalls
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(10)]
 

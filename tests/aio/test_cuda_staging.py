@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from asyncrpc.errors import SerializationError
+from asyncrpc.runtime.calls.pending import PendingCall
+from asyncrpc.runtime.calls.pipeline import IncomingCall, OutgoingCall, Pipeline
 from asyncrpc.runtime.cuda import FakeDevices, FakeTensor
 from asyncrpc.runtime.cuda.maps import FIELD, DeviceMapHook, HostCopy, HostTransfer
 from asyncrpc.runtime.cuda.staging import StagedCopy, StagedTransfer
 from asyncrpc.runtime.future import Future
-from asyncrpc.runtime.pending import PendingCall
-from asyncrpc.runtime.pipeline import IncomingCall, OutgoingCall, Pipeline
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -1,4 +1,4 @@
-"""asyncio tests of asyncrpc.runtime.heartbeat.Heartbeat with fake connections."""
+"""asyncio tests of asyncrpc.runtime.net.heartbeat.Heartbeat with fake connections."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from asyncrpc.runtime.heartbeat import Heartbeat
+from asyncrpc.runtime.net.heartbeat import Heartbeat
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(10)]
 

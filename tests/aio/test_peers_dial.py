@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 
 from asyncrpc.errors import PeerLostError, PeerUnavailableError
+from asyncrpc.protocol.address import PeerAddress
 from asyncrpc.protocol.wire import FrameDecoder
-from asyncrpc.runtime.peers import PeerTable
-from asyncrpc.runtime.rendezvous import PeerAddress, this_host_id
-from asyncrpc.runtime.transport import Connection, start_server, start_unix_server
+from asyncrpc.runtime.group.rendezvous import this_host_id
+from asyncrpc.runtime.net.peers import PeerTable
+from asyncrpc.runtime.net.transport import Connection, start_server, start_unix_server
 from asyncrpc.testing import free_port
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(10)]

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from asyncrpc.errors import ShutdownError
-from asyncrpc.runtime.shutdown import GracefulShutdown, ShutdownHost
+from asyncrpc.runtime.group.shutdown import GracefulShutdown, ShutdownHost
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(10)]
 
@@ -29,16 +29,31 @@ class ScriptedGroup:
         return self._answers.pop(0) if len(self._answers) > 1 else self._answers[0]
 
 
+class NoRRefs:
+    """An RRef service that holds no reference."""
+
+    def release_all_users(self) -> None:
+        pass
+
+    def quiescent(self) -> bool:
+        return True
+
+    def owner_leaks(self) -> list[Any]:
+        return []
+
+    def report_leaks(self) -> None:
+        pass
+
+
 class StubHost:
-    """A worker of rank 1 in a group of 3, with nothing in flight and no RRef service."""
+    """A worker of rank 1 in a group of 3, with nothing in flight and no RRef held."""
 
-    rank = 1
-    world_size = 3
-    rrefs = None
-
-    def __init__(self, group: ScriptedGroup, lost: set[int]) -> None:
-        self.group: Any = group
-        self.addresses: Any = {1: SimpleNamespace(name="w1"), 2: SimpleNamespace(name="w2")}
+    def __init__(self, store: ScriptedGroup, lost: set[int]) -> None:
+        addresses = {1: SimpleNamespace(name="w1"), 2: SimpleNamespace(name="w2")}
+        self.group: Any = SimpleNamespace(
+            store=store, rank=1, world_size=3, addresses=addresses, dynamic=store.dynamic
+        )
+        self.rrefs: Any = NoRRefs()
         self._lost = lost
         self.probed: list[int] = []
 

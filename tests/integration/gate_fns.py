@@ -7,8 +7,8 @@ import asyncio
 from typing import Any
 
 from asyncrpc.functions import inline
+from asyncrpc.runtime.calls.pipeline import CallHook, IncomingCall
 from asyncrpc.runtime.current import current_agent
-from asyncrpc.runtime.pipeline import CallHook, IncomingCall
 
 _arrivals: list[str] = []
 

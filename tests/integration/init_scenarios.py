@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 
 import asyncrpc
-from asyncrpc.runtime import rendezvous
+from asyncrpc.runtime.group import rendezvous
 from tests.integration import remote_fns as fns
 from tests.integration.scenarios import Observations, _attempt, _report
 

@@ -26,8 +26,8 @@ from asyncrpc import autograd as dist_autograd
 from asyncrpc.errors import AutogradContextError, BackwardError
 from asyncrpc.optim import DistributedOptimizer
 from asyncrpc.protocol.wire import FrameDecoder
+from asyncrpc.runtime.calls.pipeline import Pipeline
 from asyncrpc.runtime.current import current_agent
-from asyncrpc.runtime.pipeline import Pipeline
 from asyncrpc.testing import free_port, spawn_worker, stop_workers
 from tests.integration import autograd_fns as fns
 from tests.integration.conftest import WORLD, Group
@@ -256,11 +256,11 @@ def test_autograd_field_only_inside_a_context(group: Group) -> None:
 
     def request_fields(fn: Any = fns.echo, *args: Any) -> list[Any]:
         args = args or (tensor,)
-        _, _, pieces, _, observed, _ = agent.encode_request(1, fn, args, {}, 5.0, "sync")
-        if observed is not None:  # never sent: tell the hooks it ended
-            Pipeline.completed(*observed, None, None)
+        encoded = agent.outbox.encode(1, fn, args, {}, 5.0, "sync")
+        if encoded.observed is not None:  # never sent: tell the hooks it ended
+            Pipeline.completed(*encoded.observed, None, None)
         decoder = FrameDecoder()
-        return next(f for piece in pieces for f in decoder.feed(piece)).fields
+        return next(f for piece in encoded.pieces for f in decoder.feed(piece)).fields
 
     assert len(request_fields()) == 7  # no pipeline field outside a context
     with dist_autograd.context() as context_id:

@@ -17,6 +17,7 @@ import pytest
 
 import asyncrpc
 from asyncrpc.protocol import auth
+from asyncrpc.protocol.address import PeerAddress
 from asyncrpc.protocol.serde import Serializer
 from asyncrpc.protocol.wire import MAGIC, PROTOCOL_VERSION, Frame, FrameDecoder, encode_frame
 from asyncrpc.protocol.wire.messages import (
@@ -29,7 +30,7 @@ from asyncrpc.protocol.wire.messages import (
     decode_message,
 )
 from asyncrpc.runtime.current import current_agent
-from asyncrpc.runtime.rendezvous import PeerAddress, StoreGroup
+from asyncrpc.runtime.group.rendezvous import StoreGroup
 from asyncrpc.testing import free_port, spawn_worker, stop_workers
 from tests.integration import remote_fns as fns
 from tests.integration import scenarios

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 import asyncrpc
+from asyncrpc.runtime.calls.pipeline import CallHook, OutgoingCall
 from asyncrpc.runtime.current import current_agent
-from asyncrpc.runtime.pipeline import CallHook, OutgoingCall
 from tests.integration import gate_fns as fns
 from tests.integration.conftest import Group
 

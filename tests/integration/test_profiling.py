@@ -22,8 +22,8 @@ from asyncrpc.profiling import (
 )
 from asyncrpc.profiling.recorder import ASKED, MEMORY, SHAPES
 from asyncrpc.protocol.wire import FrameDecoder
+from asyncrpc.runtime.calls.pipeline import Pipeline
 from asyncrpc.runtime.current import current_agent
-from asyncrpc.runtime.pipeline import Pipeline
 from tests.integration import remote_fns as fns
 from tests.integration.conftest import Group
 
@@ -135,11 +135,11 @@ def test_profiler_off_means_no_spans_and_no_header_fields(group: Group) -> None:
     agent = current_agent()
 
     def request_fields() -> list[Any]:
-        _, _, pieces, _, observed, _ = agent.encode_request(1, fns.noop, (), {}, 5.0, "sync")
-        if observed is not None:  # never sent: close the span it opened
-            Pipeline.completed(*observed, None, None)
+        encoded = agent.outbox.encode(1, fns.noop, (), {}, 5.0, "sync")
+        if encoded.observed is not None:  # never sent: close the span it opened
+            Pipeline.completed(*encoded.observed, None, None)
         decoder = FrameDecoder()
-        frames = [f for piece in pieces for f in decoder.feed(piece)]
+        frames = [f for piece in encoded.pieces for f in decoder.feed(piece)]
         assert len(frames) == 1
         return frames[0].fields
 

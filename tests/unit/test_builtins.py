@@ -1,10 +1,10 @@
-"""Unit tests of asyncrpc.runtime.builtins: which builtin op calls run on the event loop."""
+"""Unit tests of asyncrpc.runtime.calls.builtins: which builtin op calls run on the event loop."""
 
 from __future__ import annotations
 
 import torch
 
-from asyncrpc.runtime.builtins import SMALL_OP_NUMEL, runs_on_loop
+from asyncrpc.runtime.calls.builtins import SMALL_OP_NUMEL, runs_on_loop
 
 
 def test_runs_on_loop_small_elementwise_ops_and_reductions() -> None:

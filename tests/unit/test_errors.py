@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from asyncrpc import errors
-from asyncrpc.runtime.options import RpcBackendOptions, WorkerInfo, coerce_options
+from asyncrpc.protocol.options import RpcBackendOptions, WorkerInfo, coerce_options
 
 # One instance of every error, with the arguments its constructor takes.
 SAMPLES: dict[str, tuple[Any, ...]] = {

@@ -18,11 +18,21 @@ import pytest
 
 PACKAGE_DIR = Path(__file__).resolve().parents[2] / "asyncrpc"
 
-# The floors, lowest first: a module may import from its own floor or any lower one.
-FLOORS: list[tuple[int, tuple[str, ...]]] = [
+# The floors, lowest first: a module may import from its own floor or any lower one. The
+# runtime (L2) has sub-floors: its base modules (futures, the thread pool, metrics), then
+# shm/, net/, group/, calls/, cuda/ (hooks on the call pipeline), and at the top the agent
+# that wires them. A module sits on the floor of the longest prefix that names it.
+FLOORS: list[tuple[float, tuple[str, ...]]] = [
     (0, ("asyncrpc.errors", "asyncrpc.functions")),
     (1, ("asyncrpc.protocol",)),
-    (2, ("asyncrpc.runtime",)),
+    (2.0, ("asyncrpc.runtime",)),
+    (2.1, ("asyncrpc.runtime.shm",)),
+    (2.2, ("asyncrpc.runtime.net",)),
+    (2.3, ("asyncrpc.runtime.group",)),
+    (2.4, ("asyncrpc.runtime.calls",)),
+    # The CUDA path plugs into the call pipeline as hooks (device maps, the send gate).
+    (2.45, ("asyncrpc.runtime.cuda",)),
+    (2.5, ("asyncrpc.runtime.agent", "asyncrpc.runtime.current")),
     (3, ("asyncrpc.rref", "asyncrpc.profiling", "asyncrpc.autograd")),
     (
         4,
@@ -69,11 +79,14 @@ def imported_modules(source: str, module: str, is_package: bool) -> list[str]:
     return names
 
 
-def floor_of(module: str) -> int:
+def floor_of(module: str) -> float:
+    best, floor_found = "", FLOORS[-1][0]  # the package itself and anything unplaced: the top
     for floor, prefixes in FLOORS:
-        if any(module == p or module.startswith(p + ".") for p in prefixes if p != "asyncrpc"):
-            return floor
-    return FLOORS[-1][0]  # the package itself and anything not yet placed: the top
+        for p in prefixes:
+            named = p != "asyncrpc" and (module == p or module.startswith(p + "."))
+            if named and len(p) > len(best):
+                best, floor_found = p, floor
+    return floor_found
 
 
 def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
@@ -196,16 +209,16 @@ def test_layering_protocol_floor_is_checked() -> None:
 def test_layering_checker_finds_a_type_checking_circle() -> None:
     graph = import_graph(
         {
-            "asyncrpc.runtime.agent": ("from asyncrpc.runtime import dispatch", False),
-            "asyncrpc.runtime.dispatch": (
+            "asyncrpc.runtime.agent": ("from asyncrpc.runtime.calls import dispatch", False),
+            "asyncrpc.runtime.calls.dispatch": (
                 "from typing import TYPE_CHECKING\n"
                 "if TYPE_CHECKING:\n    from asyncrpc.runtime.agent import Agent",
                 False,
             ),
-            "asyncrpc.runtime.peers": ("import asyncrpc.runtime.agent", False),
+            "asyncrpc.runtime.net.peers": ("import asyncrpc.runtime.agent", False),
         }
     )
-    assert circles(graph) == [["asyncrpc.runtime.agent", "asyncrpc.runtime.dispatch"]]
+    assert circles(graph) == [["asyncrpc.runtime.agent", "asyncrpc.runtime.calls.dispatch"]]
 
 
 def test_layering_checker_finds_a_long_circle_made_in_a_function() -> None:
@@ -235,27 +248,35 @@ def test_layering_checker_passes_a_tree() -> None:
 @pytest.mark.parametrize(
     ("module", "source"),
     [
-        ("asyncrpc.protocol.wire.frame", "from asyncrpc.runtime import transport"),
+        ("asyncrpc.protocol.wire.frame", "from asyncrpc.runtime.net import transport"),
         ("asyncrpc.protocol.serde.pickler", "from asyncrpc.rref.handle import RRef"),
-        ("asyncrpc.runtime.dispatch", "from asyncrpc.rref import context"),
+        ("asyncrpc.runtime.calls.dispatch", "from asyncrpc.rref import context"),
         ("asyncrpc.runtime.agent", "def f():\n    import asyncrpc.api"),
         ("asyncrpc.errors", "from .protocol import wire"),
+        ("asyncrpc.runtime.net.links", "from asyncrpc.runtime.calls import pending"),
+        ("asyncrpc.runtime.net.peers", "from asyncrpc.runtime.group.shutdown import x"),
+        ("asyncrpc.runtime.calls.dispatch", "from asyncrpc.runtime.agent import Agent"),
+        ("asyncrpc.runtime.future", "from asyncrpc.runtime.shm import shm"),
     ],
 )
 def test_layering_checker_catches_an_upward_import(module: str, source: str) -> None:
     graph = import_graph(
         {
-            module: (source, False),
             **dict.fromkeys(
                 (
-                    "asyncrpc.runtime.transport",
+                    "asyncrpc.runtime.net.transport",
                     "asyncrpc.rref.handle",
                     "asyncrpc.rref.context",
                     "asyncrpc.api",
                     "asyncrpc.protocol.wire",
+                    "asyncrpc.runtime.calls.pending",
+                    "asyncrpc.runtime.group.shutdown",
+                    "asyncrpc.runtime.agent",
+                    "asyncrpc.runtime.shm.shm",
                 ),
                 ("", False),
             ),
+            module: (source, False),
         }
     )
     assert upward_imports(graph) != []

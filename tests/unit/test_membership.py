@@ -10,8 +10,8 @@ import pytest
 import torch.distributed as dist
 
 from asyncrpc.errors import InitError, MissingRankError, MixedGroupError
-from asyncrpc.runtime.membership import Directory
-from asyncrpc.runtime.rendezvous import (
+from asyncrpc.runtime.group.membership import Directory
+from asyncrpc.runtime.group.rendezvous import (
     MIXED_GROUP,
     PeerAddress,
     StoreGroup,

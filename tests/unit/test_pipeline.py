@@ -1,4 +1,4 @@
-"""Unit tests of asyncrpc.runtime.pipeline: hook order, activity, wrapping, failures."""
+"""Unit tests of asyncrpc.runtime.calls.pipeline: hook order, activity, wrapping, failures."""
 
 from __future__ import annotations
 
@@ -11,7 +11,13 @@ import torch
 
 from asyncrpc.errors import SerializationError
 from asyncrpc.protocol.serde import Serializer
-from asyncrpc.runtime.pipeline import CallHook, CallTensors, IncomingCall, OutgoingCall, Pipeline
+from asyncrpc.runtime.calls.pipeline import (
+    CallHook,
+    CallTensors,
+    IncomingCall,
+    OutgoingCall,
+    Pipeline,
+)
 
 
 class Recorder(CallHook):

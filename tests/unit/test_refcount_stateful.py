@@ -385,7 +385,7 @@ class FailureMachine(RefcountMachine):
 class ReconnectMachine(RefcountMachine):
     """Also drops connections between live workers: the refcount messages in flight
     between the two are lost, and each side sends its unacknowledged ones again on the
-    next connection (what ``asyncrpc/runtime/reflog.py`` does). An acknowledgement (a Pong)
+    next connection (what ``asyncrpc/protocol/reflog.py`` does). An acknowledgement (a Pong)
     trims a log's prefix that has been delivered.
 
     Pickled RRefs and remote() requests in flight between the two are lost too (their

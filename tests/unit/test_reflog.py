@@ -1,8 +1,8 @@
-"""Unit tests of asyncrpc.runtime.reflog.RefLog: refcount frames kept until a Pong."""
+"""Unit tests of asyncrpc.protocol.reflog.RefLog: refcount frames kept until a Pong."""
 
 from __future__ import annotations
 
-from asyncrpc.runtime.reflog import RefLog
+from asyncrpc.protocol.reflog import RefLog
 
 
 def frame(i: int) -> list[bytes]:

@@ -17,8 +17,8 @@ import torch
 from asyncrpc.errors import SerializationError
 from asyncrpc.protocol.serde import Serializer
 from asyncrpc.protocol.wire.messages import ShmMessage, ShmOp, decode_message
-from asyncrpc.runtime.arena import SharedArena, size_class
-from asyncrpc.runtime.shm import SharedMemory
+from asyncrpc.runtime.shm.arena import SharedArena, size_class
+from asyncrpc.runtime.shm.shm import SharedMemory
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="memfd and /proc are Linux's")
 

@@ -11,7 +11,7 @@ import torch.distributed.rpc as torch_rpc
 import asyncrpc
 from asyncrpc.api import _check_name
 from asyncrpc.errors import InitArgumentError
-from asyncrpc.runtime.options import coerce_options
+from asyncrpc.protocol.options import coerce_options
 
 # Names a program written for torch.distributed.rpc calls or builds (the rest of torch's
 # module namespace is its implementation: agents, stores, submodules).

@@ -94,7 +94,7 @@ class Refusal(IntEnum):
 
 
 class ShmOp(IntEnum):
-    """What a SHM header says about shared memory (see asyncrpc/runtime/shm.py)."""
+    """What a SHM header says about shared memory (see asyncrpc/runtime/shm/shm.py)."""
 
     OFFER = 1  # values: the offerer's pid, and the fd, device and inode of its probe file
     ANSWER = 2  # values: [1] when the offer's file could be opened and matched, else [0]

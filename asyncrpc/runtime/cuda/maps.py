@@ -24,7 +24,7 @@ import torch
 
 from asyncrpc.errors import InitError, SerializationError
 from asyncrpc.protocol.serde.policy import TensorPolicy
-from asyncrpc.runtime.pipeline import CallHook, IncomingCall, OutgoingCall
+from asyncrpc.runtime.calls.pipeline import CallHook, IncomingCall, OutgoingCall
 
 __all__ = [
     "FIELD",

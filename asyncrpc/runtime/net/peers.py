@@ -31,15 +31,15 @@ from asyncrpc.errors import (
     PeerUnavailableError,
     RemoteProtocolError,
 )
+from asyncrpc.protocol.address import PeerAddress
 from asyncrpc.protocol.handshake import Action, Adopt, Close, Handshake, Refusal, Send, State
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import Auth, Hello, HelloReply
-from asyncrpc.runtime.rendezvous import PeerAddress
-from asyncrpc.runtime.transport import Connection, open_connection, open_unix_connection
+from asyncrpc.runtime.net.transport import Connection, open_connection, open_unix_connection
 
 __all__ = ["DIAL_RETRY_DELAYS", "GOODBYE_REASON", "REFUSED_RETRY_DELAYS", "Peer", "PeerTable"]
 
-_log = logging.getLogger("asyncrpc.runtime.peers")
+_log = logging.getLogger("asyncrpc.runtime.net.peers")
 
 # Pauses before the retries of a dial. A peer whose address refuses connections after
 # REFUSED_RETRY_DELAYS is declared lost: a dead process refuses at once, and callers must

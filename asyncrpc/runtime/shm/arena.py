@@ -1,7 +1,7 @@
 """The sending side of shared memory: a bounded pool of memfd chunks lent to peers (L2).
 
 A large segment for a peer on this host is copied once into a chunk, and the chunk is lent
-to that peer until it says the tensor built on it is gone (see ``asyncrpc/runtime/shm.py``).
+to that peer until it says the tensor built on it is gone (see ``asyncrpc/runtime/shm/shm.py``).
 Chunks are ``memfd`` files: nothing ever appears in ``/dev/shm``, and the memory goes back
 to the system when the last process holding the file or a mapping of it lets go, SIGKILL
 included. Free chunks are kept, by size class, and reused: a reused chunk is already

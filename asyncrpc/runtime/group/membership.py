@@ -12,18 +12,21 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from asyncrpc.runtime.rendezvous import PeerAddress, StoreGroup
+from asyncrpc.errors import BadDestinationError, UnknownWorkerError
+from asyncrpc.protocol.address import PeerAddress
+from asyncrpc.protocol.options import WorkerInfo
+from asyncrpc.runtime.group.rendezvous import StoreGroup
 
 __all__ = ["Directory"]
 
-_log = logging.getLogger("asyncrpc.runtime.membership")
+_log = logging.getLogger("asyncrpc.runtime.group.membership")
 
 
 class Directory:
     """The members this worker knows, and (dynamic group) the store to find more in."""
 
     def __init__(self, addresses: dict[int, PeerAddress], group: StoreGroup | None) -> None:
-        self.addresses = addresses  # the agent's own dict: entries are only ever added
+        self.addresses = addresses  # the group's own dict: entries are only ever added
         self.ranks_by_name = {a.name: r for r, a in addresses.items()}
         self._group = group if group is not None and group.dynamic else None
 
@@ -83,3 +86,50 @@ class Directory:
             _log.warning("could not read the members in the rendezvous store: %s", exc)
             return sorted(self.addresses)
         return sorted(set(here) | {group.rank})
+
+    # -- addressing ------------------------------------------------------------------------
+
+    def resolve(self, to: object) -> int:
+        """Return the rank of worker ``to`` (a name, a rank or a ``WorkerInfo``).
+
+        A dynamic group's member met for the first time is read in the store, on the
+        calling thread (a short blocking read, once per newcomer).
+
+        Raises:
+            UnknownWorkerError: no such worker in the group.
+            BadDestinationError: ``to`` names no worker at all.
+        """
+        who = self.destination(to)
+        rank = self.known(who)
+        if rank is None and self.dynamic:
+            rank = self.lookup(who)
+        if rank is None:
+            raise UnknownWorkerError(to, tuple(self.ranks_by_name))
+        return rank
+
+    def destination(self, to: object) -> str | int:
+        """The name or rank ``to`` stands for.
+
+        Raises:
+            BadDestinationError: ``to`` is not a name, a rank or a worker info.
+        """
+        if isinstance(to, WorkerInfo):
+            return to.name
+        if isinstance(to, str) or (isinstance(to, int) and not isinstance(to, bool)):
+            return to
+        name = getattr(to, "name", None)  # torch's WorkerInfo
+        if not isinstance(name, str):
+            raise BadDestinationError(to, tuple(self.ranks_by_name))
+        return name
+
+    def worker_info(self, rank: int) -> WorkerInfo:
+        """Raises: UnknownWorkerError: no worker has ``rank`` (dynamic: none in the store)."""
+        if rank not in self.addresses and self.lookup(rank) is None:
+            raise UnknownWorkerError(rank, tuple(self.ranks_by_name))
+        return WorkerInfo(self.addresses[rank].name, rank)
+
+    def worker_infos(self, may_block: bool) -> list[WorkerInfo]:
+        """The group's members by rank. Dynamic group: read in the store when ``may_block``
+        (off the loop thread), else the members this worker knows."""
+        ranks = self.current() if self.dynamic and may_block else sorted(dict(self.addresses))
+        return [self.worker_info(r) for r in ranks]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from asyncrpc.errors import InitError
 
-__all__ = ["TlsContexts", "tls_contexts"]
+__all__ = ["TlsContexts", "configured_tls", "tls_contexts"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,3 +41,14 @@ def tls_contexts(cert: str, key: str, ca: str) -> TlsContexts:
     except (OSError, ssl.SSLError) as exc:
         raise InitError(f"cannot set up TLS from {cert!r}, {key!r}, {ca!r}: {exc}") from exc
     return TlsContexts(server, client)
+
+
+def configured_tls(cert: str | None, key: str | None, ca: str | None) -> TlsContexts | None:
+    """The contexts of mutual TLS when all three paths are set, else None (plain TCP).
+
+    Raises:
+        InitError: a file is missing or does not hold what it should.
+    """
+    if cert is None or key is None or not ca:
+        return None
+    return tls_contexts(cert, key, ca)

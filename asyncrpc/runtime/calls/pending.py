@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from asyncrpc.functions import per_callable_cache
+from asyncrpc.protocol.reflog import Transfer
+from asyncrpc.runtime.calls.pipeline import CallHook, OutgoingCall, Pipeline
 from asyncrpc.runtime.future import Future
-from asyncrpc.runtime.pipeline import CallHook, OutgoingCall, Pipeline
-from asyncrpc.runtime.reflog import Transfer
 
-__all__ = ["Deadlines", "PendingCall", "PendingCalls", "describe_function"]
+__all__ = ["Deadlines", "PendingCall", "PendingCalls", "Waiter", "describe_function"]
 
 Waiter = Future[Any] | asyncio.Future[Any]
 
@@ -32,7 +32,11 @@ class PendingCall:
         "waiter",
     )  # fmt: skip
 
-    def __init__(self, waiter: Waiter, peer: int, target: str, timeout: float) -> None:
+    def __init__(
+        self, waiter: Waiter, peer: int, target: str, timeout: float, keepalive: object = None,
+        observed: tuple[tuple[CallHook, ...], OutgoingCall] | None = None,
+        forks: list[Transfer] | None = None,
+    ) -> None:  # fmt: skip
         self.waiter = waiter
         self.peer = peer
         self.target = target
@@ -42,11 +46,11 @@ class PendingCall:
         # that connection fails the call, losing another one does not.
         self.sent_on: object = None
         # Tensors whose memory is being written; freed with the call, not before.
-        self.keepalive: object = None
+        self.keepalive = keepalive
         # The RRef forks its request carries (None: none), followed until the peer reads it.
-        self.forks: list[Transfer] | None = None
+        self.forks = forks
         # The pipeline hooks this call went through, told when it ends (None: none).
-        self.observed: tuple[tuple[CallHook, ...], OutgoingCall] | None = None
+        self.observed = observed
 
     def resolve(self, value: Any, headers: dict[str, Any] | None = None) -> None:
         waiter = self.waiter
@@ -190,6 +194,23 @@ class PendingCalls:
 
     def get(self, call_id: int) -> PendingCall | None:
         return self._calls.get(call_id)
+
+    # -- what the network asks of the calls it carries (asyncrpc.runtime.net.links.SentCalls)
+
+    def wanted(self, call_id: int) -> bool:
+        return call_id in self._calls
+
+    def written(self, call_id: int, conn: object) -> None:
+        call = self._calls.get(call_id)
+        if call is not None:
+            call.sent_on = conn  # losing this connection fails it
+
+    def unsent(self, call_id: int, exc: BaseException) -> bool:
+        call = self.pop(call_id)
+        if call is None:
+            return False
+        call.fail(exc)
+        return True
 
     def pop_peer(self, peer: int, sent_on: object = None) -> Iterator[PendingCall]:
         """Remove and yield every call waiting on ``peer`` (the peer is gone), or only those

@@ -32,27 +32,27 @@ from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inl
 from asyncrpc.protocol.serde import MissingReferenceError, Serializer, pack_exception
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import CallMode, ErrorReply, Reply, Request
-from asyncrpc.runtime.builtins import checked_op, is_torch_c_function, runs_on_loop
+from asyncrpc.runtime.calls.builtins import checked_op, is_torch_c_function, runs_on_loop
+from asyncrpc.runtime.calls.pipeline import IncomingCall, Pipeline
 from asyncrpc.runtime.future import Future
 from asyncrpc.runtime.metrics import Counters
-from asyncrpc.runtime.pipeline import IncomingCall, Pipeline
 from asyncrpc.runtime.producer import Producers
 from asyncrpc.runtime.services import RRefService
 from asyncrpc.runtime.threadpool import Job as PoolJob
 from asyncrpc.runtime.threadpool import WorkerPool
 
-__all__ = ["Dispatcher", "await_async_result"]
+__all__ = ["Dispatcher", "ServedRequest", "await_async_result"]
 
-_log = logging.getLogger("asyncrpc.runtime.dispatch")
+_log = logging.getLogger("asyncrpc.runtime.calls.dispatch")
 # What a built reply keeps alive while it is written, the RRef forks it carries, and the
 # request as the pipeline saw it (None: it did not go through the pipeline).
 _Keep = tuple[object, Any, IncomingCall | None]
 
 # What runs a request: a task on the loop or a job in the pool (for cancellation).
-Job = asyncio.Task[Any] | PoolJob
+Runner = asyncio.Task[Any] | PoolJob
 
 
-class Connection(Protocol):
+class Caller(Protocol):
     """The side of a connection the dispatcher needs: who sent the request."""
 
     peer: int | None
@@ -91,6 +91,35 @@ def _is_future_like(value: Any) -> bool:
     )
 
 
+class ServedRequest:
+    """One request this worker serves, from its arrival until its reply is written.
+
+    Attributes:
+        conn: the connection it came on (its reply goes back there).
+        peer: the caller's rank.
+        runner: what runs it, while it runs as a task or a pool job (None: inline, or not
+            started yet); the caller's Cancel cancels it.
+        incoming: its view in the call pipeline, until the reply is built (None: no hook
+            serves it, or it was cancelled).
+        bound: whether losing ``conn`` cancels it (a call started as a task or pool job;
+            a remote() request runs on: its value must still land here).
+    """
+
+    __slots__ = ("bound", "conn", "incoming", "key", "peer", "request", "runner")
+
+    def __init__(self, conn: Caller, request: Request, peer: int) -> None:
+        self.conn, self.request, self.peer = conn, request, peer
+        self.key = (peer, request.call_id)
+        self.runner: Runner | None = None
+        self.incoming: IncomingCall | None = None
+        self.bound = False
+
+    @property
+    def remote(self) -> bool:
+        """A ``remote()`` request: its value stays here, no reply frame is built."""
+        return self.request.mode == CallMode.REMOTE
+
+
 class Dispatcher:
     """Executes requests for one agent."""
 
@@ -103,6 +132,7 @@ class Dispatcher:
         write: Writer,
         counters: Counters,
         pipeline: Pipeline,
+        rrefs: RRefService,
         print_errors: bool = True,
     ) -> None:
         self._name = name
@@ -113,135 +143,125 @@ class Dispatcher:
         self._write = write
         self._counters = counters
         self._pipeline = pipeline
-        self._jobs: dict[tuple[int, int], Job] = {}
-        # The connection each call (not remote()) came on: when it drops, nobody is left
-        # to read the reply, so the call is cancelled (remote() values must still land).
-        self._came_on: dict[tuple[int, int], Connection] = {}
-        # Requests going through the pipeline, until their reply is built.
-        self._served: dict[tuple[int, int], IncomingCall] = {}
-        # Keeps the values of remote() requests; set once the agent knows its rank.
-        self.rrefs: RRefService | None = None
+        # The requests running as a task or a pool job, by (caller, call id).
+        self._running: dict[tuple[int, int], ServedRequest] = {}
+        # Keeps the values of remote() requests.
+        self.rrefs = rrefs
         # Runs the generators of stream requests (CallMode.STREAM); set by the agent.
         self.streams: Producers | None = None
 
     def __len__(self) -> int:
-        return len(self._jobs)
+        return len(self._running)
 
     # -- receiving -------------------------------------------------------------------------
 
-    def on_request(self, conn: Connection, request: Request, payload: Any, segments: Any) -> None:
+    def on_request(self, conn: Caller, request: Request, payload: Any, segments: Any) -> None:
         peer = conn.peer
         assert peer is not None
-        if request.mode == CallMode.REMOTE:
-            assert self.rrefs is not None
+        served = ServedRequest(conn, request, peer)
+        if served.remote:
             self.rrefs.on_remote_request(peer, request)
         elif request.mode == CallMode.STREAM:  # its credit may come before it starts
             assert self.streams is not None
             self.streams.expect(conn, peer, request.call_id, request.target)
-        served = None
         rrefs = self.rrefs
-        if rrefs is not None:
-            rrefs.take_unconfirmed()  # forget forks unpickled elsewhere (replies)
+        rrefs.take_unconfirmed()  # forget forks unpickled elsewhere (replies)
         try:
             if self._pipeline.serves(request.headers):
-                served = self._receiving(conn, request, peer)
+                self._receiving(served)
+            incoming = served.incoming
             fn, args, kwargs = self._serializer.loads(
-                payload, segments, context=peer, policy=None if served is None else served.policy
+                payload,
+                segments,
+                context=peer,
+                policy=None if incoming is None else incoming.policy,
             )
         except MissingReferenceError as exc:
-            self._finish(conn, request, peer, False, self._missing(request, exc))
+            self._finish(served, False, self._missing(request, exc))
             return
         except Exception as exc:
-            self._finish(conn, request, peer, False, exc)
+            self._finish(served, False, exc)
             return
         # RRefs in the arguments forked by a worker other than their owner: the function
         # runs once their owners confirmed them (as in torch), so they are usable there.
-        unconfirmed = rrefs.take_unconfirmed() if rrefs is not None else None
+        unconfirmed = rrefs.take_unconfirmed()
         call = (fn, args, kwargs)
         if unconfirmed is not None:
-            start = partial(self._start, conn, request, peer, call, served)
+            start = partial(self._start, served, call)
             unconfirmed._add_hook(lambda _: self._loop.call_soon_threadsafe(start))
             return
-        self._start(conn, request, peer, call, served)
+        self._start(served, call)
 
-    def _start(
-        self,
-        conn: Connection,
-        request: Request,
-        peer: int,
-        call: tuple[Any, Any, Any],
-        served: IncomingCall | None,
-    ) -> None:
+    def _start(self, served: ServedRequest, call: tuple[Any, Any, Any]) -> None:
         fn, args, kwargs = call
         # Decided on the function itself: a hook's wrapper may hide what kind it is.
         run, async_exec = fn, is_async_execution(fn)
         if is_torch_c_function(fn):
             run = partial(checked_op, fn)
-        if served is not None:
+        if served.incoming is not None:
             try:
-                run = self._serve(request, peer, call, served)
+                run = self._serve(served.incoming, call)
             except Exception as exc:
-                self._finish(conn, request, peer, False, exc)
+                self._finish(served, False, exc)
                 return
+        request = served.request
         if request.mode == CallMode.STREAM:  # a generator, driven by runtime/producer.py
             assert self.streams is not None
-            replying = partial(self._replying, request, peer)
+            replying = partial(self._replying, served)
             # Items are pickled as replies are, with the reply's device map, but each frame
             # leaves as soon as it is built: CUDA tensors take the transfer that waits on
             # the spot (items have no ready stage).
-            policy = None if served is None else served.reply_policy.devices.blocking()
-            dumps = partial(self._serializer.dumps, context=peer, policy=policy)
-            self.streams.start(peer, request.call_id, fn, run, args, kwargs, replying, dumps)
+            incoming = served.incoming
+            policy = None if incoming is None else incoming.reply_policy.devices.blocking()
+            dumps = partial(self._serializer.dumps, context=served.peer, policy=policy)
+            self.streams.start(served.peer, request.call_id, fn, run, args, kwargs, replying, dumps)
             return
-        key = (peer, request.call_id)
         if is_coroutine_function(fn):
             self._counters.calls_on_loop += 1
-            coro = self._run_coroutine(conn, request, run, async_exec, args, kwargs)
-            self._jobs[key] = self._loop.create_task(coro)
-            if not request.mode:
-                self._came_on[key] = conn
+            coro = self._run_coroutine(served, run, async_exec, args, kwargs)
+            self._run_as(served, self._loop.create_task(coro))
+            served.bound = not served.remote
         elif is_inline(fn) or runs_on_loop(fn, args, kwargs):
             self._counters.calls_on_loop += 1
-            self._run_inline(conn, request, peer, run, async_exec, args, kwargs)
+            self._run_inline(served, run, async_exec, args, kwargs)
         else:
             try:
-                job = self._pool.submit(
-                    self._run_in_thread, conn, request, peer, run, async_exec, args, kwargs
-                )
+                job = self._pool.submit(self._run_in_thread, served, run, async_exec, args, kwargs)
             except (ClosedError, ThreadPoolExhaustedError) as exc:  # the caller learns it
-                self._finish(conn, request, peer, False, exc)
+                self._finish(served, False, exc)
                 return
-            job.refused = partial(self._refused, conn, request, peer)
-            self._jobs[key] = job
-            if not request.mode:
-                self._came_on[key] = conn
+            job.refused = partial(self._refused, served)
+            self._run_as(served, job)
+            served.bound = not served.remote
 
-    def _receiving(self, conn: Connection, request: Request, peer: int) -> IncomingCall:
+    def _run_as(self, served: ServedRequest, runner: Runner) -> None:
+        served.runner = runner
+        self._running[served.key] = served
+
+    def _receiving(self, served: ServedRequest) -> None:
         """The request as the pipeline sees it, its policies set before it is unpickled."""
-        served = IncomingCall(
-            conn.peer_name or str(peer), peer, self._name, request.call_id, request.target,
-            request.mode == CallMode.REMOTE, request.headers or {},
+        request, peer = served.request, served.peer
+        incoming = IncomingCall(
+            served.conn.peer_name or str(peer), peer, self._name, request.call_id,
+            request.target, served.remote, request.headers or {},
         )  # fmt: skip
-        self._pipeline.receiving(served)
-        return served
+        served.incoming = incoming
+        self._pipeline.receiving(incoming)
 
-    def _serve(
-        self, request: Request, peer: int, call: Any, served: IncomingCall
-    ) -> Callable[..., Any]:
+    def _serve(self, incoming: IncomingCall, call: Any) -> Callable[..., Any]:
         """Run the pipeline's callee side; returns the function wrapped by the hooks."""
-        fn, served.args, served.kwargs = call
-        served.fn, served.coroutine = fn, is_coroutine_function(fn)
-        self._served[(peer, request.call_id)] = served
-        self._pipeline.incoming(served)
-        return served.wrapped(fn)
+        fn, incoming.args, incoming.kwargs = call
+        incoming.fn, incoming.coroutine = fn, is_coroutine_function(fn)
+        self._pipeline.incoming(incoming)
+        return incoming.wrapped(fn)
 
-    def _replying(self, request: Request, peer: int, ok: bool, value: Any) -> dict[str, Any] | None:
+    def _replying(self, served: ServedRequest, ok: bool, value: Any) -> dict[str, Any] | None:
         """The pipeline's last look at a served request; returns its reply header fields."""
-        served = self._served.pop((peer, request.call_id), None) if self._served else None
-        if served is None:
+        incoming, served.incoming = served.incoming, None
+        if incoming is None:
             return None
-        self._pipeline.replying(served, ok, value)
-        return served.reply_headers or None
+        self._pipeline.replying(incoming, ok, value)
+        return incoming.reply_headers or None
 
     def _missing(self, request: Request, exc: MissingReferenceError) -> Exception:
         name = f"{exc.module}.{exc.qualname}"
@@ -252,97 +272,95 @@ class Dispatcher:
             f"{self._name!r}: {exc.reason}"
         )
 
+    # -- cancelling ------------------------------------------------------------------------
+
     def on_cancel(self, peer: int, call_id: int) -> None:
-        self._served.pop((peer, call_id), None)
-        job = self._drop_job((peer, call_id))
-        if job is not None:
-            job.cancel()
+        served = self._running.pop((peer, call_id), None)
+        if served is not None:
+            self._cancel(served)
 
-    def _drop_job(self, key: tuple[int, int]) -> Job | None:
-        if self._came_on:
-            self._came_on.pop(key, None)
-        return self._jobs.pop(key, None)
+    def _cancel(self, served: ServedRequest) -> None:
+        served.incoming = None  # the hooks are not told of a cancelled request
+        runner, served.runner = served.runner, None
+        if runner is not None:
+            runner.cancel()
 
-    def cancel_connection(self, conn: Connection) -> None:
-        """``conn`` dropped: the calls that came on it have nobody to reply to."""
-        for key in [k for k, c in self._came_on.items() if c is conn]:
-            self._served.pop(key, None)
-            job = self._drop_job(key)
-            if job is not None:
-                job.cancel()
+    def _stop_running(self, served: ServedRequest) -> bool:
+        """It is done running; False if it was no longer running (cancelled meanwhile)."""
+        # The runner holds the request (and its arguments, RRefs among them) and the
+        # request its runner: break that cycle now, or the arguments live until a GC pass.
+        served.runner = None
+        return self._running.pop(served.key, None) is not None
+
+    def cancel_connection(self, conn: Caller) -> None:
+        """``conn`` dropped: the calls that came on it have nobody to reply to; remote()
+        requests run on (their value must still land here)."""
+        for served in [s for s in self._running.values() if s.conn is conn and s.bound]:
+            del self._running[served.key]
+            self._cancel(served)
 
     def cancel_peer(self, peer: int) -> None:
         """The caller is gone: nobody will read these replies."""
-        for key in [k for k in self._jobs if k[0] == peer]:
-            job = self._drop_job(key)
-            assert job is not None
-            job.cancel()
-        for key in [k for k in self._served if k[0] == peer]:
-            del self._served[key]
+        for served in [s for s in self._running.values() if s.peer == peer]:
+            del self._running[served.key]
+            self._cancel(served)
 
     # -- running ---------------------------------------------------------------------------
 
     async def _run_coroutine(
-        self, conn: Connection, request: Request, fn: Any, async_exec: bool, args: Any,
-        kwargs: Any,
-    ) -> None:  # fmt: skip
-        peer = conn.peer
-        assert peer is not None
+        self, served: ServedRequest, fn: Any, async_exec: bool, args: Any, kwargs: Any
+    ) -> None:
         try:
             result = await fn(*args, **kwargs)
             # An `async def` marked async_execution may return a value or yet another future.
             if async_exec and _is_future_like(result):
                 result = await await_async_result(result)
         except asyncio.CancelledError:
-            self._drop_job((peer, request.call_id))
-            self._served.pop((peer, request.call_id), None)
+            self._stop_running(served)
+            served.incoming = None
             raise
         except BaseException as exc:
-            self._finish(conn, request, peer, False, exc)
+            self._finish(served, False, exc)
             return
-        self._finish(conn, request, peer, True, result)
+        self._finish(served, True, result)
 
     def _run_inline(
-        self, conn: Connection, request: Request, peer: int, fn: Any, async_exec: bool,
-        args: Any, kwargs: Any,
-    ) -> None:  # fmt: skip
+        self, served: ServedRequest, fn: Any, async_exec: bool, args: Any, kwargs: Any
+    ) -> None:
         try:
             result = fn(*args, **kwargs)
         except BaseException as exc:
-            self._finish(conn, request, peer, False, exc)
+            self._finish(served, False, exc)
             return
         if async_exec:
-            self._start_awaiting(conn, request, peer, result)
+            self._start_awaiting(served, result)
         else:
-            self._finish(conn, request, peer, True, result)
+            self._finish(served, True, result)
 
     def _run_in_thread(
-        self, conn: Connection, request: Request, peer: int, fn: Any, async_exec: bool,
-        args: Any, kwargs: Any,
-    ) -> None:  # fmt: skip
+        self, served: ServedRequest, fn: Any, async_exec: bool, args: Any, kwargs: Any
+    ) -> None:
         post = self._pool.post
         try:
             result = fn(*args, **kwargs)
         except BaseException as exc:
-            post(self._finish, conn, request, peer, False, exc)
+            post(self._finish, served, False, exc)
             return
         if async_exec:
-            post(self._await_then_finish, conn, request, peer, result)
+            post(self._await_then_finish, served, result)
             return
-        if request.mode != 0:  # REMOTE: the value stays here, no reply frame to build
-            post(self._finish, conn, request, peer, True, result)
+        if served.remote:  # the value stays here, no reply frame to build
+            post(self._finish, served, True, result)
             return
         # Pickle the result on this pool thread, off the loop.
-        pieces, keep, error = self._encode_reply(request, peer, result)
-        post(self._send_built, conn, request, peer, pieces, keep, error)
+        pieces, keep, error = self._encode_reply(served, result)
+        post(self._send_built, served, pieces, keep, error)
 
-    def _await_then_finish(
-        self, conn: Connection, request: Request, peer: int, result: Any
-    ) -> None:
-        if (peer, request.call_id) in self._jobs:  # else cancelled while the pool ran it
-            self._start_awaiting(conn, request, peer, result)
+    def _await_then_finish(self, served: ServedRequest, result: Any) -> None:
+        if served.key in self._running:  # else cancelled while the pool ran it
+            self._start_awaiting(served, result)
 
-    def _start_awaiting(self, conn: Connection, request: Request, peer: int, result: Any) -> None:
+    def _start_awaiting(self, served: ServedRequest, result: Any) -> None:
         """Reply (or keep the value, in REMOTE mode) once ``result``, a future, completes."""
 
         async def run() -> None:
@@ -351,126 +369,117 @@ class Dispatcher:
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:
-                self._finish(conn, request, peer, False, exc)
+                self._finish(served, False, exc)
                 return
-            self._finish(conn, request, peer, True, value)
+            self._finish(served, True, value)
 
-        self._jobs[(peer, request.call_id)] = self._loop.create_task(run())
+        self._run_as(served, self._loop.create_task(run()))
 
     # -- replying --------------------------------------------------------------------------
 
     def _encode_reply(
-        self, request: Request, peer: int, result: Any
+        self, served: ServedRequest, result: Any
     ) -> tuple[list[Any] | None, _Keep, BaseException | None]:
         """The reply frame, what must live while it is written (with the RRef forks it
         carries), or the error that building it raised."""
-        served = self._served.get((peer, request.call_id)) if self._served else None
+        incoming, peer = served.incoming, served.peer
         rrefs = self.rrefs
-        if rrefs is not None:
-            rrefs.take_minted()  # a pickling that failed elsewhere on this thread may leave some
+        rrefs.take_minted()  # a pickling that failed elsewhere on this thread may leave some
         try:
             payload, segments, keep = self._serializer.dumps(
-                result, context=peer, policy=None if served is None else served.reply_policy
+                result, context=peer, policy=None if incoming is None else incoming.reply_policy
             )
         except Exception as exc:  # the error reply tells the hooks (see _send_error)
-            if rrefs is not None:
-                self._undelivered(peer, rrefs.take_minted())  # forked for nobody
+            self._undelivered(peer, rrefs.take_minted())  # forked for nobody
+            target = served.request.target
             error = SerializationError(
-                f"the result of {request.target} on worker {self._name!r} cannot be sent: {exc}"
+                f"the result of {target} on worker {self._name!r} cannot be sent: {exc}"
             )
             error.__cause__ = exc
             return None, (None, None, None), error
-        forks = rrefs.take_minted() if rrefs is not None else None
-        headers = self._replying(request, peer, True, result)
-        reply = Reply(request.call_id, headers).to_fields()
-        return encode_frame(reply, payload, segments), (keep, forks, served), None
+        forks = rrefs.take_minted()
+        headers = self._replying(served, True, result)
+        reply = Reply(served.request.call_id, headers).to_fields()
+        return encode_frame(reply, payload, segments), (keep, forks, incoming), None
 
     def _undelivered(self, peer: int, forks: Any) -> None:
-        if forks and self.rrefs is not None:
+        if forks:
             self.rrefs.undelivered(peer, forks)
 
     def _send_built(
         self,
-        conn: Connection,
-        request: Request,
-        peer: int,
+        served: ServedRequest,
         pieces: list[Any] | None,
         keep: _Keep,
         error: BaseException | None,
     ) -> None:
-        if self._drop_job((peer, request.call_id)) is None:
-            self._undelivered(peer, keep[1])
+        if not self._stop_running(served):
+            self._undelivered(served.peer, keep[1])
             return  # cancelled meanwhile: the caller no longer waits
-        self._deliver(conn, request, pieces, keep, error)
+        self._deliver(served, pieces, keep, error)
 
     def _deliver(
         self,
-        conn: Connection,
-        request: Request,
+        served: ServedRequest,
         pieces: list[Any] | None,
         keep: _Keep,
         error: BaseException | None,
     ) -> None:
         """Write a built reply, or the error that building it raised."""
         if error is not None:
-            self._send_error(conn, request, error)
+            self._send_error(served, error)
             return
         assert pieces is not None
-        served = keep[2]
-        ready = None if served is None else self._pipeline.reply_ready(served)
+        incoming = keep[2]
+        ready = None if incoming is None else self._pipeline.reply_ready(incoming)
         if ready is not None:  # GPU work still fills its bytes: written once it is done
-            self._loop.create_task(self._write_when_ready(conn, request, pieces, keep, ready))
+            self._loop.create_task(self._write_when_ready(served, pieces, keep, ready))
             return
-        self._write_reply(conn, request, pieces, keep)
+        self._write_reply(served, pieces, keep)
 
     async def _write_when_ready(
-        self, conn: Connection, request: Request, pieces: list[Any], keep: _Keep,
-        ready: Awaitable[None],
-    ) -> None:  # fmt: skip
+        self, served: ServedRequest, pieces: list[Any], keep: _Keep, ready: Awaitable[None]
+    ) -> None:
         try:
             await ready
         except Exception as exc:  # the caller gets what held its reply back
-            if conn.peer is not None:
-                self._undelivered(conn.peer, keep[1])
-            self._send_error(conn, request, exc)
+            self._undelivered(served.peer, keep[1])
+            self._send_error(served, exc)
             return
-        self._write_reply(conn, request, pieces, keep)
+        self._write_reply(served, pieces, keep)
 
-    def _write_reply(
-        self, conn: Connection, request: Request, pieces: list[Any], keep: _Keep
-    ) -> None:
+    def _write_reply(self, served: ServedRequest, pieces: list[Any], keep: _Keep) -> None:
         try:
-            self._write(conn, pieces, keep[0], keep[1])
+            self._write(served.conn, pieces, keep[0], keep[1])
         except FrameTooLargeError as exc:  # over the caller's limit: it gets this instead
-            if conn.peer is not None:
-                self._undelivered(conn.peer, keep[1])
-            self._send_error(conn, request, exc)
+            self._undelivered(served.peer, keep[1])
+            self._send_error(served, exc)
             return
         self._counters.replies_sent += 1
 
-    def _refused(self, conn: Connection, request: Request, peer: int, exc: BaseException) -> None:
+    def _refused(self, served: ServedRequest, exc: BaseException) -> None:
         # The exhausted pool dropped the job unrun (see WorkerPool._refuse_queued).
-        if (peer, request.call_id) in self._jobs:  # else cancelled meanwhile
-            self._finish(conn, request, peer, False, exc)
+        if served.key in self._running:  # else cancelled meanwhile
+            self._finish(served, False, exc)
 
-    def _finish(self, conn: Connection, request: Request, peer: int, ok: bool, value: Any) -> None:
-        self._drop_job((peer, request.call_id))
+    def _finish(self, served: ServedRequest, ok: bool, value: Any) -> None:
+        self._stop_running(served)
+        request = served.request
         if not ok and self._print_errors:
-            self._print_error(request, conn.peer_name, value)
+            self._print_error(request, served.conn.peer_name, value)
         if request.mode == CallMode.STREAM and self.streams is not None:
-            self.streams.forget(peer, request.call_id)  # it never started: the error replies
-        elif request.mode != 0:
-            if self.rrefs is not None:
-                self.rrefs.on_value(request, peer, ok, value)
+            self.streams.forget(served.peer, request.call_id)  # never started: the error replies
+        elif served.remote:
+            self.rrefs.on_value(request, served.peer, ok, value)
             if request.headers:
-                self._acknowledge(conn, request, peer, ok, value)
+                self._acknowledge(served, ok, value)
             else:
-                self._replying(request, peer, ok, value)  # a hook serving all still sees it
+                self._replying(served, ok, value)  # a hook serving all still sees it
             return
         if not ok:
-            self._send_error(conn, request, value)
+            self._send_error(served, value)
             return
-        self._deliver(conn, request, *self._encode_reply(request, peer, value))
+        self._deliver(served, *self._encode_reply(served, value))
 
     def _print_error(self, request: Request, caller: str | None, exc: BaseException) -> None:
         # As torch's agent does: the callee's own log shows what failed there (the caller
@@ -479,21 +488,18 @@ class Dispatcher:
         text = f"On worker {self._name!r}, {request.target} called by {caller!r} raised:\n"
         print(text + "".join(lines), end="", file=sys.stderr, flush=True)
 
-    def _acknowledge(
-        self, conn: Connection, request: Request, peer: int, ok: bool, value: Any
-    ) -> None:
+    def _acknowledge(self, served: ServedRequest, ok: bool, value: Any) -> None:
         # A remote() request with pipeline fields: its caller's hooks wait for the end of
         # the function (torch's remote profiling does too), so say so with an empty reply.
-        headers = self._replying(request, peer, ok, value)
+        headers = self._replying(served, ok, value)
         payload, segments, keep = self._serializer.dumps(None)
-        reply = Reply(request.call_id, headers).to_fields()
-        self._write(conn, encode_frame(reply, payload, segments), keep, None)
+        reply = Reply(served.request.call_id, headers).to_fields()
+        self._write(served.conn, encode_frame(reply, payload, segments), keep, None)
 
-    def _send_error(self, conn: Connection, request: Request, exc: BaseException) -> None:
-        _log.debug("%s raised %r for %s", request.target, exc, conn.peer_name)
-        peer = conn.peer
-        headers = None if peer is None else self._replying(request, peer, False, exc)
+    def _send_error(self, served: ServedRequest, exc: BaseException) -> None:
+        _log.debug("%s raised %r for %s", served.request.target, exc, served.conn.peer_name)
+        headers = self._replying(served, False, exc)
         payload = pack_exception(exc, self._name)
-        fields = ErrorReply(request.call_id, headers).to_fields()
-        self._write(conn, encode_frame(fields, payload), None, None)
+        fields = ErrorReply(served.request.call_id, headers).to_fields()
+        self._write(served.conn, encode_frame(fields, payload), None, None)
         self._counters.errors_sent += 1

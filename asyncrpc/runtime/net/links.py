@@ -5,8 +5,8 @@ frames already waiting) until one is made, or until what it must wait for is ove
 call pipeline's ``ready`` stage: GPU work still filling its bytes). Refcount frames, and
 the RRef forks that other frames carry, are followed in a per-peer log (``reflog.py``)
 until the peer has surely read them: a new connection replays the frames, and forks
-written on a connection that died first are asked about. The agent owns one ``Links`` and
-feeds it connection events.
+written on a connection that died first are asked about. The network owns one ``Links``
+and feeds it connection events.
 """
 
 from __future__ import annotations
@@ -18,23 +18,21 @@ from collections.abc import Awaitable
 from typing import Any, Protocol
 
 from asyncrpc.errors import ClosedError, FrameTooLargeError, UnknownWorkerError
+from asyncrpc.protocol.address import PeerAddress
+from asyncrpc.protocol.reflog import RefLog, Transfer
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import Ping
-from asyncrpc.runtime.heartbeat import Watched
-from asyncrpc.runtime.loopback import LoopbackConnection
 from asyncrpc.runtime.metrics import Counters
-from asyncrpc.runtime.peers import PeerTable
-from asyncrpc.runtime.pending import PendingCalls
-from asyncrpc.runtime.reflog import RefLog, Transfer
-from asyncrpc.runtime.rendezvous import PeerAddress
+from asyncrpc.runtime.net.heartbeat import Watched
+from asyncrpc.runtime.net.loopback import LoopbackConnection
+from asyncrpc.runtime.net.peers import PeerTable
+from asyncrpc.runtime.net.transport import Connection
 from asyncrpc.runtime.services import RRefService
-from asyncrpc.runtime.shm import SharedMemory
-from asyncrpc.runtime.transport import Connection
+from asyncrpc.runtime.shm.shm import SharedMemory
 
-__all__ = ["LinkHost", "Links"]
+__all__ = ["LinkHost", "Links", "SentCalls"]
 
-# The agent's logger: these messages were the agent's before this module took them over.
-_log = logging.getLogger("asyncrpc.runtime.agent")
+_log = logging.getLogger(__name__)
 
 # A frame waiting for a connection or its readiness: its pieces, the call it belongs to
 # (0: none), what keeps its memory alive, the RRef forks it carries, and what it waits for
@@ -42,17 +40,33 @@ _log = logging.getLogger("asyncrpc.runtime.agent")
 _Waiting = tuple[list[Any], int, object, list[Transfer] | None, Awaitable[None] | None]
 
 
+class SentCalls(Protocol):
+    """What the links ask of the outgoing calls whose requests they carry (the calls part
+    sits above the network: it hands this in, the links never import it)."""
+
+    def wanted(self, call_id: int) -> bool:
+        """Whether the call still waits for its reply (not timed out or cancelled)."""
+
+    def written(self, call_id: int, conn: object) -> None:
+        """Its request went out on ``conn``: losing that connection fails the call."""
+
+    def unsent(self, call_id: int, exc: BaseException) -> bool:
+        """Its request could not be written: fail the call; False if it had ended."""
+
+
 class LinkHost(Protocol):
-    """What the links read of their agent."""
+    """What the links read of their network."""
 
     rank: int
     loop: asyncio.AbstractEventLoop
     counters: Counters
-    pending: PendingCalls
     shm: SharedMemory
     addresses: dict[int, PeerAddress]
-    peers: PeerTable | None
-    rrefs: RRefService | None
+    peers: PeerTable
+    rrefs: RRefService
+
+    @property
+    def calls(self) -> SentCalls: ...
 
     @property
     def loopback(self) -> LoopbackConnection: ...
@@ -63,7 +77,7 @@ class LinkHost(Protocol):
 
 
 class Links:
-    """The frames bound for every peer of one agent, on the agent's loop thread."""
+    """The frames bound for every peer of one worker, on its loop thread."""
 
     def __init__(self, host: LinkHost) -> None:
         self._host = host
@@ -98,7 +112,7 @@ class Links:
             if rank == host.rank:
                 host.loopback.send(pieces)
                 return
-            peer = host.peers.peers.get(rank) if host.peers is not None else None
+            peer = host.peers.peers.get(rank)
             if peer is not None and peer.conn is not None and not peer.conn.closed:
                 self._send_checked(peer.conn, rank, pieces, call_id, keep, forks)
                 return
@@ -110,7 +124,7 @@ class Links:
         host = self._host
         # A dynamic group's member not looked up yet has no log for this first frame: it
         # goes out once the look-up is done (a connection lost before its Pong loses it).
-        if rank != host.rank and host.peers is not None and host.peer_known(rank):
+        if rank != host.rank and host.peer_known(rank):
             log = self._logs.setdefault(rank, RefLog())
             if log.add(pieces):
                 peer = host.peers.peers[rank]
@@ -157,7 +171,7 @@ class Links:
                         self.undelivered(rank, forks)
                         continue
                     waiting[0] = (pieces, call_id, keep, forks, None)
-                if call_id and call_id not in host.pending:
+                if call_id and not host.calls.wanted(call_id):
                     waiting.popleft()
                     host.shm.unlend(keep)
                     self.undelivered(rank, forks)
@@ -174,7 +188,7 @@ class Links:
                 self._fail_unsent(rank, call_id, exc)
                 self.undelivered(rank, forks)
             waiting.clear()
-            if isinstance(exc, UnknownWorkerError) and host.rrefs is not None:
+            if isinstance(exc, UnknownWorkerError):
                 # An RRef named an owner nobody can find (a dynamic group whose store has
                 # gone): its forks wait for no confirmation, as if the owner were lost.
                 host.rrefs.on_peer_lost(rank)
@@ -188,7 +202,6 @@ class Links:
         host = self._host
         if rank == host.rank:
             return None
-        assert host.peers is not None
         peer = host.peers.peers.get(rank)
         if peer is not None and peer.conn is not None and not peer.conn.closed:
             return peer.conn
@@ -208,16 +221,12 @@ class Links:
         if forks:
             self._wrote_forks(rank, forks)
         if call_id:
-            call = self._host.pending.get(call_id)
-            if call is not None:
-                call.sent_on = conn  # losing this connection fails it
+            self._host.calls.written(call_id, conn)
 
     def _fail_unsent(self, rank: int, call_id: int, exc: BaseException) -> None:
         host = self._host
-        call = host.pending.pop(call_id) if call_id else None
-        if call is not None:
+        if call_id and host.calls.unsent(call_id, exc):
             host.counters.calls_failed += 1
-            call.fail(exc)
         else:
             address = host.addresses.get(rank)  # None: a rank nobody could look up
             _log.warning("could not send to %s: %s", address.name if address else rank, exc)
@@ -226,21 +235,17 @@ class Links:
 
     def _wrote_forks(self, rank: int, forks: list[Transfer]) -> None:
         # Followed until a Pong proves the peer read them; in doubt if the link dies first.
-        peers = self._host.peers
-        if peers is not None and rank in peers.peers:
+        if rank in self._host.peers.peers:
             self._logs.setdefault(rank, RefLog()).wrote(forks)
 
     def undo_minted(self, rank: int) -> None:
         """A frame for ``rank`` failed to build: undo the forks its pickling made."""
-        rrefs = self._host.rrefs
-        if rrefs is not None:
-            self.undelivered(rank, rrefs.take_minted())
+        self.undelivered(rank, self._host.rrefs.take_minted())
 
     def undelivered(self, rank: int, forks: list[Transfer] | None) -> None:
         """The frame carrying these forks was never written: nobody will hold them."""
-        rrefs = self._host.rrefs
-        if forks and rrefs is not None:
-            rrefs.undelivered(rank, forks)
+        if forks:
+            self._host.rrefs.undelivered(rank, forks)
 
     # -- acknowledgements ------------------------------------------------------------------
 
@@ -258,11 +263,9 @@ class Links:
     def ask_acks(self) -> None:
         """Ping busy links too (the heartbeat pings idle ones) while refcount frames wait
         for an acknowledgement, so that the logs empty (see reflog.py)."""
-        peers = self._host.peers
-        if peers is None:
-            return
+        peers = self._host.peers.peers
         for rank, log in list(self._logs.items()):  # bounded by the peers
-            conn = peers.peers[rank].conn
+            conn = peers[rank].conn
             if conn is not None and not conn.closed and log.awaiting_ack():
                 self.ping(conn)
 
@@ -293,9 +296,8 @@ class Links:
         if log is None:
             return
         in_doubt = log.lost(conn)
-        rrefs = self._host.rrefs
-        if in_doubt and rrefs is not None and ask:
-            rrefs.query_forks(rank, in_doubt)
+        if in_doubt and ask:
+            self._host.rrefs.query_forks(rank, in_doubt)
 
     def forget(self, rank: int) -> None:
         """``rank`` is gone for good: nothing will be resent to it."""

@@ -32,7 +32,7 @@ from asyncrpc.errors import SerializationError
 from asyncrpc.protocol.serde.tensors import Segment
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import ShmMessage, ShmOp
-from asyncrpc.runtime.arena import SharedArena
+from asyncrpc.runtime.shm.arena import SharedArena
 
 __all__ = ["SHM_TAG_PREFIX", "SharedMemory"]
 

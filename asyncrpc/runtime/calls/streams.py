@@ -2,7 +2,7 @@
 agent's lifecycle (layer L2, on the agent's loop unless said otherwise).
 
 A stream is a call in ``CallMode.STREAM``: the request is pickled, framed and passed
-through the call pipeline like any call (``encode_request``), and its ``PendingCall`` (no
+through the call pipeline like any call (``Outbox.encode``), and its ``PendingCall`` (no
 deadline) stands for the whole stream, so what ends a call ends a stream the same way: the
 producer's last frame, an error reply, a lost connection or peer, a shutdown; and the
 pipeline's hooks see one call per stream (profiling: one span, the item count as its
@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from asyncrpc.errors import ClosedError, PeerLostError, RemoteProtocolError
+from asyncrpc.protocol.address import PeerAddress
+from asyncrpc.protocol.options import RpcBackendOptions
 from asyncrpc.protocol.serde import Serializer, unpack_exception
 from asyncrpc.protocol.wire import Frame, encode_frame
 from asyncrpc.protocol.wire.messages import CallMode
@@ -27,13 +29,12 @@ from asyncrpc.protocol.wire.stream import (
     StreamItem,
     decode_stream_message,
 )
+from asyncrpc.runtime.calls.outbox import EncodedRequest, Outbox
+from asyncrpc.runtime.calls.pending import PendingCalls
 from asyncrpc.runtime.consumer import ConsumerStream
-from asyncrpc.runtime.loopback import LoopbackConnection
 from asyncrpc.runtime.metrics import Counters
-from asyncrpc.runtime.options import RpcBackendOptions
-from asyncrpc.runtime.pending import PendingCall, PendingCalls
+from asyncrpc.runtime.net.network import Network
 from asyncrpc.runtime.producer import ProducerHost, Producers
-from asyncrpc.runtime.rendezvous import PeerAddress
 from asyncrpc.runtime.stream import Stream
 
 __all__ = ["StreamHost", "Streams"]
@@ -49,22 +50,12 @@ class StreamHost(ProducerHost, Protocol):
     pending: PendingCalls
     addresses: dict[int, PeerAddress]
     serializer: Serializer
-
-    @property
-    def loopback(self) -> LoopbackConnection: ...
+    outbox: Outbox
+    network: Network
 
     def resolve(self, to: Any) -> int: ...
 
     def effective_timeout(self, timeout: float) -> float: ...
-
-    def encode_request(
-        self, rank: int, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
-        kind: str, mode: int = ..., register: Any = ..., target: str | None = ...,
-    ) -> tuple[int, str, list[Any], object, Any, Any]: ...  # fmt: skip
-
-    def begin_call(self, call_id: int, call: PendingCall, pieces: list[Any]) -> None: ...
-
-    def send_to(self, rank: int, pieces: list[Any]) -> None: ...
 
     def run_on_loop(self, fn: Callable[..., Any], *args: Any) -> None: ...
 
@@ -97,9 +88,10 @@ class Streams:
             raise ValueError(f"a stream window must be a positive int, got {window!r}")
         rank = host.resolve(to)
         item_timeout = host.effective_timeout(timeout)
-        stream_id, target, pieces, keep, observed, forks = host.encode_request(
+        encoded = host.outbox.encode(
             rank, fn, args, kwargs, 0.0, "stream", CallMode.STREAM, target=target
         )
+        stream_id, target = encoded.call_id, encoded.target
         name = host.addresses[rank].name
         consumer = ConsumerStream(
             host.loop, stream_id, rank, name, target, item_timeout, window, self
@@ -107,18 +99,18 @@ class Streams:
         # The stream's outcome; the waiter is an asyncio future: only the loop touches it.
         ended: asyncio.Future[Any] = host.loop.create_future()
         ended.add_done_callback(lambda done: self._ended(consumer, done))
-        call = PendingCall(ended, rank, target, 0.0)
-        call.keepalive, call.observed, call.forks = keep, observed, forks
-        host.run_on_loop(self._begin, consumer, call, pieces)
+        host.run_on_loop(self._begin, consumer, encoded, ended)
         return Stream(consumer, host.loop, host.loop_thread_id, host.run_on_loop)
 
-    def _begin(self, consumer: ConsumerStream, call: PendingCall, pieces: list[Any]) -> None:
+    def _begin(
+        self, consumer: ConsumerStream, encoded: EncodedRequest, ended: asyncio.Future[Any]
+    ) -> None:
         host, stream_id = self._host, consumer.stream_id
         self._consumers[stream_id] = consumer
-        host.begin_call(stream_id, call, pieces)
+        host.outbox.start(encoded, ended)
         if stream_id in host.pending:  # written (or waiting for the connection): first credit
             credit = StreamCredit(stream_id, consumer.flow.initial())
-            host.send_to(consumer.peer, encode_frame(credit.to_fields(), b""))
+            host.network.send_to(consumer.peer, encode_frame(credit.to_fields(), b""))
 
     def _ended(self, consumer: ConsumerStream, done: asyncio.Future[Any]) -> None:
         self._consumers.pop(consumer.stream_id, None)
@@ -144,7 +136,7 @@ class Streams:
     def _control(self, rank: int, fields: list[Any]) -> None:
         pieces = encode_frame(fields, b"")
         if rank == self._host.rank:
-            self._host.loopback.send(pieces)
+            self._host.network.loopback.send(pieces)
         else:
             self._send_control(rank, pieces)
 

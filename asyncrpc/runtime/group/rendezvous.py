@@ -23,7 +23,6 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
@@ -40,10 +39,11 @@ from asyncrpc.errors import (
     WorldSizeMismatchError,
 )
 from asyncrpc.protocol import auth
+from asyncrpc.protocol.address import PeerAddress
 
 __all__ = ["MIXED_GROUP", "PeerAddress", "StoreGroup", "is_dynamic", "join_group"]
 
-_log = logging.getLogger("asyncrpc.runtime.rendezvous")
+_log = logging.getLogger("asyncrpc.runtime.group.rendezvous")
 _PREFIX = "asyncrpc/"
 _POLL_S = 0.01
 # How long rank 0, whose process hosts a TCPStore, keeps it up after a failed start, for
@@ -58,22 +58,6 @@ _POSTED: dict[str, type[InitError]] = {
 MIXED_GROUP = (
     "RPC group mixes statically and dynamically initialized members which is not supported."
 )
-
-
-@dataclass(frozen=True, slots=True)
-class PeerAddress:
-    """Where a worker listens."""
-
-    name: str
-    rank: int
-    host: str
-    port: int
-    # This worker's CUDA device maps by callee name; callees invert them for replies.
-    device_maps: dict[str, dict[str, str]] | None = None
-    # Same host: the machine's identity (boot id and host name) and a Unix socket address
-    # to try before TCP (None: the worker takes no Unix connections).
-    host_id: str = ""
-    unix_path: str | None = None
 
 
 def this_host_id() -> str:

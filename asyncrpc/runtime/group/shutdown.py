@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from asyncrpc.errors import ShutdownError
-from asyncrpc.runtime.rendezvous import PeerAddress, StoreGroup
+from asyncrpc.runtime.group.join import Group
 from asyncrpc.runtime.services import RRefService
 
 __all__ = ["PROBE_AFTER_S", "GracefulShutdown", "ShutdownHost"]
@@ -37,11 +37,11 @@ PROBE_AFTER_S = 1.0
 class ShutdownHost(Protocol):
     """What the shutdown rounds read of their agent."""
 
-    rank: int
-    world_size: int | None
-    group: StoreGroup | None
-    addresses: dict[int, PeerAddress]
-    rrefs: RRefService | None
+    @property
+    def group(self) -> Group: ...
+
+    @property
+    def rrefs(self) -> RRefService: ...
 
     def calls_in_flight(self) -> int: ...
 
@@ -62,22 +62,20 @@ class GracefulShutdown:
     async def run(self, deadline: float) -> None:
         """Run the shutdown rounds; raise ``ShutdownError`` if one cannot complete."""
         agent = self._agent
-        if agent.group is not None and agent.group.dynamic:
+        if agent.group.dynamic:
             await self._leave(deadline)
             return
         await self._until(lambda: agent.calls_in_flight() == 0, deadline, "finishing own calls")
         await self._barrier("calls-done", deadline)
         rrefs = agent.rrefs
-        if rrefs is not None:
-            rrefs.release_all_users()
-            await self._until(rrefs.quiescent, deadline, "releasing user RRefs")
+        rrefs.release_all_users()
+        await self._until(rrefs.quiescent, deadline, "releasing user RRefs")
         await self._barrier("users-released", deadline)
-        if rrefs is not None:
-            # Deletes sent before the barrier may still be on the wire: give them a moment.
-            await self._until(
-                lambda: not rrefs.owner_leaks(), min(deadline, time.monotonic() + 1.0), None
-            )
-            rrefs.report_leaks()
+        # Deletes sent before the barrier may still be on the wire: give them a moment.
+        await self._until(
+            lambda: not rrefs.owner_leaks(), min(deadline, time.monotonic() + 1.0), None
+        )
+        rrefs.report_leaks()
         await self._until(lambda: agent.requests_running() == 0, deadline, "finishing requests")
         await self._barrier("closing", deadline)
         await self._release_store(deadline)
@@ -87,13 +85,12 @@ class GracefulShutdown:
         agent = self._agent
         await self._until(lambda: agent.calls_in_flight() == 0, deadline, "finishing own calls")
         rrefs = agent.rrefs
-        if rrefs is not None:
-            rrefs.release_all_users()
-            await self._until(rrefs.quiescent, deadline, "releasing user RRefs")
-            # Holders release them, or leave (then their forks are dropped when they are
-            # declared lost); a holder that runs on past the deadline leaks them.
-            await self._until(lambda: not rrefs.owner_leaks(), deadline, None)
-            rrefs.report_leaks()
+        rrefs.release_all_users()
+        await self._until(rrefs.quiescent, deadline, "releasing user RRefs")
+        # Holders release them, or leave (then their forks are dropped when they are
+        # declared lost); a holder that runs on past the deadline leaks them.
+        await self._until(lambda: not rrefs.owner_leaks(), deadline, None)
+        rrefs.report_leaks()
         await self._until(lambda: agent.requests_running() == 0, deadline, "finishing requests")
         await self._release_store(deadline)
 
@@ -109,8 +106,8 @@ class GracefulShutdown:
 
     async def _barrier(self, tag: str, deadline: float) -> None:
         agent = self._agent
-        group = agent.group
-        if group is None or agent.world_size is None or agent.world_size <= 1:
+        group, addresses = agent.group.store, agent.group.addresses
+        if agent.group.world_size is None or agent.group.world_size <= 1:
             return
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, group.arrive, tag)
@@ -129,11 +126,11 @@ class GracefulShutdown:
                 # A peer may have arrived since the read above and then closed its
                 # connections: it is dead only if the store still misses it now.
                 still = set(await loop.run_in_executor(None, group.missing, tag))
-                dead = [repr(agent.addresses[r].name) for r in lost if r in still]
+                dead = [repr(addresses[r].name) for r in lost if r in still]
                 if dead:
                     raise ShutdownError(f"worker(s) {', '.join(dead)} died before shutdown ({tag})")
             if time.monotonic() > deadline:
-                names = ", ".join(repr(agent.addresses[r].name) for r in missing)
+                names = ", ".join(repr(addresses[r].name) for r in missing)
                 raise ShutdownError(f"shutdown timed out waiting for {names} ({tag})")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
@@ -142,8 +139,8 @@ class GracefulShutdown:
         # Rank 0 hosts the TCPStore: it waits until everyone has left the last barrier,
         # so nobody polls a store that has already gone away.
         agent = self._agent
-        group = agent.group
-        if group is None or (agent.world_size is not None and agent.world_size <= 1):
+        group = agent.group.store
+        if agent.group.world_size is not None and agent.group.world_size <= 1:
             return
         loop = asyncio.get_running_loop()
         try:
@@ -152,7 +149,7 @@ class GracefulShutdown:
             if not group.dynamic:
                 raise ShutdownError(f"the rendezvous store is unreachable: {exc}") from exc
             return  # rank 0 has left and its TCPStore with it: nobody is left to tell
-        if agent.rank != 0:
+        if agent.group.rank != 0:
             return
         limit = min(deadline, time.monotonic() + 5.0)
         while await loop.run_in_executor(None, group.missing, "left"):

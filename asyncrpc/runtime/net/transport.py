@@ -27,7 +27,7 @@ __all__ = [
     "start_unix_server",
 ]
 
-_log = logging.getLogger("asyncrpc.runtime.transport")
+_log = logging.getLogger("asyncrpc.runtime.net.transport")
 
 
 class ConnectionHandler(Protocol):
@@ -109,6 +109,10 @@ class Connection(asyncio.BufferedProtocol):
             if not stepwise or not frames or self.closed:
                 return
             nbytes = 0  # parse what is already received, under the limits now in force
+
+    def hand_over(self, handler: ConnectionHandler) -> None:
+        """From now on, report to ``handler`` (a listener hands its parked connections over)."""
+        self._handler = handler
 
     def open(self, max_frame_size: int) -> None:
         """The peer is authenticated: lift the handshake's limits on this connection."""

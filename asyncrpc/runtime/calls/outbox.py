@@ -1,0 +1,330 @@
+"""The outbox: outgoing calls from encoding to their end (layer L2.4).
+
+A call is pickled and framed once, on the calling thread, through the call pipeline's
+caller side, into one frozen ``EncodedRequest``; ``start`` hands it to the loop, which
+registers it among the pending calls (with its timeout) and writes it to the peer. Whatever
+ends it first (the reply, an error reply, its timeout, the caller's cancellation, a lost
+connection or peer, shutdown) pops it, so a call completes exactly once; a timed-out or
+cancelled call tells the callee with a Cancel. The call pipeline's ``ready`` stage may
+hold a request back (GPU work still filling its bytes); the network keeps it in order
+meanwhile. ``call_future``, ``call`` and ``send_remote`` are the three ways in:
+thread-side, coroutine-side and ``remote()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, NamedTuple, Protocol
+
+from asyncrpc.errors import ClosedError, PeerLostError, RpcTimeoutError
+from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
+from asyncrpc.protocol.reflog import Transfer
+from asyncrpc.protocol.serde import Serializer, unpack_exception
+from asyncrpc.protocol.wire import Frame, encode_frame
+from asyncrpc.protocol.wire.messages import CallMode, Request, optional_headers
+from asyncrpc.runtime import handoffs
+from asyncrpc.runtime.calls.pending import PendingCall, PendingCalls, Waiter, describe_function
+from asyncrpc.runtime.calls.pipeline import CallHook, OutgoingCall, Pipeline
+from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.group.membership import Directory
+from asyncrpc.runtime.metrics import Counters
+
+__all__ = ["EncodedRequest", "Minting", "Outbox", "Sender"]
+
+# The pipeline hooks a call went through, with their view of it.
+Observed = tuple[tuple[CallHook, ...], OutgoingCall]
+# For remote(): makes the RRef id and the caller's fork id once the payload is pickled.
+Register = Callable[[], tuple[tuple[int, int], tuple[int, int] | None]]
+
+
+class EncodedRequest(NamedTuple):
+    """A request pickled and framed on the calling thread, ready to be written (immutable;
+    a named tuple, not a frozen dataclass: it is made once per call, and a frozen
+    dataclass's ``__init__`` cost three times as much).
+
+    Attributes:
+        pieces: the frame, as ``encode_frame`` returns it.
+        keep: what keeps the memory of its zero-copy pieces valid until written.
+        observed: the pipeline hooks it went through (None: no hook was active).
+        forks: the RRef forks its payload carries (None: none).
+    """
+
+    call_id: int
+    rank: int
+    target: str
+    timeout: float
+    pieces: list[Any]
+    keep: object
+    observed: Observed | None
+    forks: list[Transfer] | None
+
+
+class Sender(Protocol):
+    """What the outbox asks of the network (``asyncrpc.runtime.net.network.Network``)."""
+
+    def send_to(
+        self, rank: int, pieces: list[Any], call_id: int = 0, keep: object = None,
+        forks: list[Transfer] | None = None, ready: Awaitable[None] | None = None,
+    ) -> None: ...  # fmt: skip
+
+    def send_cancel(self, rank: int, call_id: int) -> None: ...
+
+    def undelivered(self, rank: int, forks: list[Transfer] | None) -> None: ...
+
+
+class Minting(Protocol):
+    """What the outbox asks of the RRef service: the forks the last pickling made."""
+
+    def take_minted(self) -> list[Any] | None: ...
+
+
+class Outbox:
+    """The outgoing calls of one worker."""
+
+    def __init__(
+        self,
+        name: str,
+        loop: asyncio.AbstractEventLoop,
+        pending: PendingCalls,
+        *,
+        serializer: Serializer,
+        pipeline: Pipeline,
+        directory: Directory,
+        sender: Sender,
+        rrefs: Minting,
+        unlend: Callable[[object], None],
+        counters: Counters,
+        default_timeout: float,
+    ) -> None:
+        self._name, self.loop = name, loop
+        self.loop_thread_id = threading.get_ident()
+        self._serializer, self._pipeline, self._directory = serializer, pipeline, directory
+        self._sender, self._rrefs, self._unlend = sender, rrefs, unlend
+        self._counters, self._default_timeout = counters, default_timeout
+        # Its expiry calls ``expire`` (the agent builds it first: the network needs it too).
+        self.pending = pending
+        self._call_ids = itertools.count(1)
+        self.closed = False
+
+    def effective_timeout(self, timeout: float) -> float:
+        """torch's rule: a negative timeout means the default, 0 means none (so does inf).
+
+        Raises:
+            ValueError: the timeout is NaN.
+        """
+        if math.isnan(timeout):
+            raise ValueError("the timeout is NaN")
+        if timeout < 0 or timeout == UNSET_RPC_TIMEOUT:
+            return self._default_timeout
+        return 0.0 if math.isinf(timeout) else timeout
+
+    # -- encoding (the calling thread) -----------------------------------------------------
+
+    def encode(
+        self, rank: int, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
+        kind: str, mode: int = CallMode.CALL, register: Register | None = None,
+        target: str | None = None,
+    ) -> EncodedRequest:  # fmt: skip
+        """Pickle and frame a request on the calling thread, through the call pipeline.
+
+        Args:
+            kind: torch's name of the call's mode for the hooks: "sync", "async", "remote".
+            register: for ``remote()``, makes the RRef and fork ids once the payload is
+                pickled and the hooks have run (so a failure leaves no RRef state).
+            target: the name the hooks and errors use (default: the function's).
+
+        Raises:
+            ClosedError: this worker is shut down.
+            SerializationError: the function or an argument cannot be pickled.
+        """
+        if self.closed:
+            raise ClosedError(f"worker {self._name!r} is shut down")
+        hooks = self._pipeline.active_hooks()
+        call = None
+        target = describe_function(fn) if target is None else target
+        if hooks:
+            callee = self._directory.addresses[rank].name
+            call = OutgoingCall(kind, self._name, callee, rank, fn, target, args, kwargs)
+            Pipeline.prepare(hooks, call)  # the hooks' tensor policy, before pickling
+        self._rrefs.take_minted()  # a pickling that failed elsewhere on this thread may leave some
+        try:
+            payload, segments, keep = self._serializer.dumps(
+                (fn, args, kwargs), context=rank, policy=None if call is None else call.policy
+            )
+        except BaseException:
+            self._undo_minted(rank)  # RRefs pickled before the failure: forked for nobody
+            raise
+        call_id = next(self._call_ids)
+        headers = None
+        try:
+            if call is not None:
+                call.call_id = call_id
+                Pipeline.outgoing(hooks, call)
+                headers = call.headers or None
+            rref_id, fork_id = register() if register is not None else (None, None)
+            request = Request(call_id, timeout, mode, target, rref_id, fork_id, headers)
+            pieces = encode_frame(request.to_fields(), payload, segments)
+        except BaseException:
+            self._unlend(keep)  # no frame: no peer will give its shared chunks back
+            self._undo_minted(rank)
+            raise
+        observed = None if call is None else (hooks, call)
+        forks = self._rrefs.take_minted()
+        return EncodedRequest(call_id, rank, target, timeout, pieces, keep, observed, forks)
+
+    def _undo_minted(self, rank: int) -> None:
+        self._sender.undelivered(rank, self._rrefs.take_minted())
+
+    # -- the three ways in -----------------------------------------------------------------
+
+    def call_future(
+        self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
+        kind: str = "async", target: str | None = None,
+    ) -> Future[Any]:  # fmt: skip
+        """Start a call from any thread and return its ``asyncrpc.Future``; cancelling the
+        future cancels the call (and tells the callee)."""
+        rank = self._directory.resolve(to)
+        encoded = self.encode(rank, fn, args, kwargs, self.effective_timeout(timeout), kind,
+                              target=target)  # fmt: skip
+        future: Future[Any] = Future(loop=self.loop)
+        call_id = encoded.call_id
+        future._cancel_hook = lambda: self.loop.call_soon_threadsafe(self.cancel, call_id)
+        self.run_on_loop(self.start, encoded, future)
+        return future
+
+    async def call(
+        self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float
+    ) -> Any:
+        """Call on the loop; cancelling the awaiting task cancels the remote work."""
+        directory = self._directory
+        if directory.dynamic:
+            await directory.lookup_async(directory.destination(to))  # off the loop
+        rank = directory.resolve(to)
+        encoded = self.encode(rank, fn, args, kwargs, self.effective_timeout(timeout), "async")
+        waiter: asyncio.Future[Any] = self.loop.create_future()
+        self.start(encoded, waiter)
+        try:
+            value = await waiter
+        except asyncio.CancelledError:
+            self.cancel(encoded.call_id)
+            raise
+        observed = encoded.observed
+        if observed is not None and observed[1].on_value is not None:
+            observed[1].on_value()  # e.g. this thread's CUDA streams wait for the reply
+        return value
+
+    def send_remote(
+        self, rank: int, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
+        register: Register, target: str | None = None,
+    ) -> Future[Any] | None:  # fmt: skip
+        """Send a ``remote()`` request from any thread; the owner keeps the value.
+
+        ``register`` makes the RRef id and the caller's fork id (None when the owner is
+        this worker: its value then never leaves the process). Without pipeline hooks
+        nothing waits for it here (the RRef protocol confirms it). With hooks, the owner
+        acknowledges the end of the function, and a pending call tells the hooks.
+
+        Returns:
+            With hooks, the future of that acknowledgement (done after the hooks were
+            told); else None.
+
+        Raises:
+            SerializationError: the function or an argument cannot be pickled.
+        """
+        encoded = self.encode(
+            rank, fn, args, kwargs, timeout, "remote", CallMode.REMOTE, register, target
+        )
+        if encoded.observed is None:
+            e = encoded
+            self.run_on_loop(self._sender.send_to, rank, e.pieces, 0, e.keep, e.forks)
+            return None
+        acknowledged: Future[Any] = Future(loop=self.loop)
+        self.run_on_loop(self.start, encoded, acknowledged)
+        return acknowledged
+
+    def run_on_loop(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop: now if this is the loop thread."""
+        if threading.get_ident() == self.loop_thread_id:
+            fn(*args)
+        else:
+            handoffs.count("thread_to_loop")
+            self.loop.call_soon_threadsafe(fn, *args)
+
+    # -- on the loop -----------------------------------------------------------------------
+
+    def start(self, encoded: EncodedRequest, waiter: Waiter) -> None:
+        """Register the call and write its frame (on the loop thread)."""
+        e = encoded
+        call = PendingCall(waiter, e.rank, e.target, e.timeout, e.keep, e.observed, e.forks)
+        if self.closed:
+            call.fail(ClosedError(f"worker {self._name!r} is shut down"))
+            return
+        self.pending.add(e.call_id, call)
+        self._counters.calls_sent += 1
+        # The pipeline's ready stage may hold the frame (GPU work still filling its bytes).
+        ready = None if e.observed is None else Pipeline.ready(*e.observed)
+        self._sender.send_to(e.rank, e.pieces, e.call_id, e.keep, e.forks, ready)
+
+    def cancel(self, call_id: int) -> None:
+        """Give up on ``call_id`` (the caller was cancelled) and tell the callee."""
+        call = self.pending.pop(call_id)
+        if call is None:
+            return
+        self._counters.calls_cancelled += 1
+        call.fail(asyncio.CancelledError())
+        self._send_cancel(call.peer, call_id)
+
+    def expire(self, call_id: int) -> None:
+        """The timeout of ``call_id`` passed: it fails, and the callee is told."""
+        call = self.pending.pop(call_id)
+        if call is None:
+            return
+        self._counters.calls_timed_out += 1
+        callee = self._directory.addresses[call.peer].name
+        call.fail(RpcTimeoutError(callee, call.target, call.timeout))
+        self._send_cancel(call.peer, call_id)
+
+    def _send_cancel(self, rank: int, call_id: int) -> None:
+        self._sender.send_cancel(rank, call_id)
+
+    def on_reply(self, fields: list[Any], frame: Frame) -> None:
+        call = self.pending.pop(fields[1])
+        if call is None:
+            return  # timed out or cancelled meanwhile
+        policy = None if call.observed is None else call.observed[1].reply_policy
+        try:
+            headers = optional_headers(fields, 2)
+            value = self._serializer.loads(
+                frame.payload, frame.segments, context=call.peer, policy=policy
+            )
+        except Exception as exc:
+            self._counters.calls_failed += 1
+            call.fail(exc)
+            return
+        call.resolve(value, headers)
+
+    def on_error(self, fields: list[Any], frame: Frame) -> None:
+        call = self.pending.pop(fields[1])
+        if call is None:
+            return
+        self._counters.calls_failed += 1
+        call.fail(unpack_exception(bytes(frame.payload)), optional_headers(fields, 2))
+
+    def fail_peer(self, rank: int, error: PeerLostError, sent_on: object = None) -> None:
+        """Fail the calls to ``rank`` (only those written on ``sent_on``, if given)."""
+        for call in self.pending.pop_peer(rank, sent_on):
+            self._counters.calls_failed += 1
+            call.fail(error)
+
+    def close(self) -> None:
+        """No more calls; those still pending fail."""
+        self.closed = True
+        for call in self.pending.pop_all():
+            call.fail(ClosedError(f"worker {self._name!r} shut down before the reply came"))
+
+    def __len__(self) -> int:
+        return len(self.pending)

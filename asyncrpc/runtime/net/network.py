@@ -1,0 +1,400 @@
+"""The network of one worker: its connections, one authenticated connection per peer,
+frames in order across reconnects, liveness, and calls to self (layer L2.2).
+
+It is built once the group is joined and takes over the listener's connections. It runs
+each connection's handshake (through ``PeerTable``), answers the frames that are its own
+(Ping, Pong, Goodbye), and hands every other authenticated frame to its ``Receiver`` (the
+agent), which also hears when a connection or a peer is lost. Frames leave through
+``send_to`` (connect first if needed, in order: ``links.py``), ``write`` (on a given
+connection) and ``send_control`` (only if connected).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable
+from typing import Any, Protocol
+
+from asyncrpc.errors import (
+    AuthenticationError,
+    ConnectionLostError,
+    PeerLostError,
+    RemoteProtocolError,
+    UnknownWorkerError,
+)
+from asyncrpc.protocol.address import PeerAddress
+from asyncrpc.protocol.handshake import pre_auth_decoder
+from asyncrpc.protocol.options import RpcBackendOptions
+from asyncrpc.protocol.reflog import Transfer
+from asyncrpc.protocol.wire import Allocator, Frame, encode_frame
+from asyncrpc.protocol.wire.messages import (
+    Auth,
+    Cancel,
+    Goodbye,
+    Hello,
+    HelloReply,
+    Kind,
+    Pong,
+    decode_message,
+)
+from asyncrpc.runtime.metrics import Counters, RateLimitedLog
+from asyncrpc.runtime.net.heartbeat import Heartbeat, Watched
+from asyncrpc.runtime.net.links import Links, SentCalls
+from asyncrpc.runtime.net.listener import Listener, Parked
+from asyncrpc.runtime.net.loopback import LoopbackConnection
+from asyncrpc.runtime.net.peers import GOODBYE_REASON, PeerTable
+from asyncrpc.runtime.net.tls import TlsContexts
+from asyncrpc.runtime.net.transport import Connection
+from asyncrpc.runtime.services import RRefService
+from asyncrpc.runtime.shm.shm import SHM_TAG_PREFIX, SharedMemory
+
+__all__ = ["Members", "Network", "Receiver"]
+
+_log = logging.getLogger(__name__)
+_OWN_KINDS = frozenset({Kind.PING, Kind.PONG, Kind.GOODBYE})
+
+
+class Members(Protocol):
+    """What the network reads of the group it connects (``asyncrpc.runtime.group.Group``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def addresses(self) -> dict[int, PeerAddress]: ...
+    @property
+    def key(self) -> bytes: ...
+    @property
+    def tls(self) -> TlsContexts | None: ...
+    @property
+    def dynamic(self) -> bool: ...
+    @property
+    def host_id(self) -> str | None: ...
+
+    async def lookup(self, rank: int) -> None:
+        """Learn ``rank``'s address if it is a member not met yet."""
+
+
+class Receiver(Protocol):
+    """What the network tells the part above it (the agent), on the loop thread."""
+
+    def on_frame(self, conn: Connection, frame: Frame) -> None:
+        """An authenticated frame that is not the network's own."""
+
+    def on_connection_lost(self, rank: int, conn: Connection, error: PeerLostError) -> None:
+        """``conn`` to ``rank`` closed: what was written on it may be lost."""
+
+    def on_peer_lost(self, rank: int, error: PeerLostError) -> None:
+        """``rank`` is gone for good."""
+
+
+class Network:
+    """The connections of one worker, on its loop thread."""
+
+    def __init__(
+        self,
+        members: Members,
+        options: RpcBackendOptions,
+        loop: asyncio.AbstractEventLoop,
+        counters: Counters,
+        *,
+        receiver: Receiver,
+        calls: SentCalls,
+        rrefs: RRefService,
+        shm: SharedMemory,
+        allocate: Allocator,
+        listener: Listener,
+    ) -> None:
+        self.members, self.rank, self.loop = members, members.rank, loop
+        self.addresses = members.addresses
+        self.counters, self.calls, self.rrefs, self.shm = counters, calls, rrefs, shm
+        self._options, self._receiver, self._allocate = options, receiver, allocate
+        self._listener = listener
+        self._auth_log = RateLimitedLog(_log, interval=10.0)
+        self.connections: set[Connection] = set()
+        self.closed = False
+        self.peers = PeerTable(
+            members.name, members.rank, members.addresses, self._new_connection, members.key,
+            options.max_frame_size, self._refuse,
+            ssl_context=members.tls.client if members.tls else None, host_id=members.host_id,
+            on_adopted=self._on_adopted, on_declared_lost=self._on_declared_lost,
+        )  # fmt: skip
+        self.links = Links(self)
+        self.loopback = LoopbackConnection(
+            members.rank, members.name, loop, allocate, self.on_frame
+        )
+        self.heartbeat = Heartbeat(
+            loop, options.heartbeat_interval, options.heartbeat_timeout,
+            lambda: self.connections, self.links.ping, self._silent, self.links.ask_acks,
+        )  # fmt: skip
+
+    def start(self) -> None:
+        """Take the listener's connections (parked ones first) and start the heartbeat."""
+        self._listener.attach(self)
+        self.heartbeat.start()
+
+    # -- connections -----------------------------------------------------------------------
+
+    def accept(self) -> Connection:
+        return self._new_connection(False)
+
+    def take_parked(self, conn: Connection, parked: Parked) -> None:
+        self._track(conn, parked.since)
+        for frame in parked.frames:
+            if conn.closed:
+                return
+            self.on_frame(conn, frame)
+
+    def _new_connection(self, initiated: bool) -> Connection:
+        # Until the peer proves the key: handshake frames only, small, one per read pass
+        # (PeerTable.adopt lifts the limits), and a deadline for accepted connections.
+        conn = Connection(
+            self, pre_auth_decoder(lambda n, tag: self.allocate(conn, n, tag)), initiated=initiated
+        )
+        self._track(conn, None if initiated else self.loop.time())
+        return conn
+
+    def _track(self, conn: Connection, accepted_at: float | None) -> None:
+        self.connections.add(conn)
+        self.counters.connections_opened += 1
+        if accepted_at is not None:
+            deadline = accepted_at + self._options.handshake_timeout
+            self.loop.call_at(deadline, self._handshake_deadline, conn)
+
+    def allocate(self, conn: Connection, nbytes: int, tag: str) -> tuple[object, memoryview]:
+        """Receive memory for a segment: a fresh buffer, or the sender's shared chunk."""
+        if tag.startswith(SHM_TAG_PREFIX):
+            return self.shm.allocate(conn.peer, nbytes, tag)
+        return self._allocate(nbytes, tag)
+
+    def _handshake_deadline(self, conn: Connection) -> None:
+        # Idle, or stalled in the middle of its Hello or Auth: closed either way.
+        if conn.peer is None and not conn.closed:
+            self.counters.handshake_timeouts += 1
+            limit = self._options.handshake_timeout
+            self._refuse(
+                conn, AuthenticationError(f"no authenticated handshake within {limit:g} s")
+            )
+
+    def _refuse(self, conn: Connection, error: AuthenticationError) -> None:
+        """A connection failed to authenticate: count it, log it (rate-limited), close it."""
+        self.counters.auth_failures += 1
+        self._auth_log.warning("worker %r refused a connection: %s", self.members.name, error)
+        conn.abort(error)
+
+    def _silent(self, conn: Watched, seconds: float) -> None:
+        assert isinstance(conn, Connection)
+        self.counters.silent_connections += 1
+        reason = f"no sign of life for {seconds:.1f} s"
+        if conn.mid_frame:
+            self.counters.stalled_frames += 1
+            reason += " (in the middle of a frame)"
+        if conn.peer is not None:
+            # Evidence that the peer is gone, not only this connection: declared lost.
+            name = self.addresses[conn.peer].name
+            self.peers.declare_lost(conn.peer, PeerLostError(name, reason))
+        conn.abort(ConnectionLostError(reason))
+
+    # -- receiving (asyncrpc.runtime.net.transport.ConnectionHandler) ----------------------
+
+    def on_frame(self, conn: Any, frame: Frame) -> None:
+        fields = frame.fields
+        if conn.peer is not None and (not fields or fields[0] not in _OWN_KINDS):
+            self._receiver.on_frame(conn, frame)  # the hot path: calls and replies
+            return
+        try:
+            message = decode_message(fields)
+        except RemoteProtocolError as exc:
+            self.counters.protocol_errors += 1
+            conn.abort(exc)
+            return
+        if conn.peer is None:
+            self._on_handshake(conn, message)
+        elif isinstance(message, Goodbye):
+            conn.goodbye = True
+        elif isinstance(message, Pong):
+            # Its bytes were the sign of life the heartbeat looks for; it also acknowledges
+            # the refcount frames sent before its Ping.
+            self.links.ponged(conn, conn.peer)
+        else:
+            self.write(conn, encode_frame(Pong().to_fields(), b""))
+
+    def _on_handshake(self, conn: Connection, message: Any) -> None:
+        # The handshake's rules are in asyncrpc/protocol/handshake.py; the peer table drives
+        # that machine. Here: a newcomer's Hello waits for its look-up; other kinds never
+        # reach the machine.
+        if isinstance(message, Hello):
+            if self.peer_known(message.rank) or not self.members.dynamic:
+                self.peers.on_handshake(conn, message)
+            else:
+                self.loop.create_task(self._on_newcomer_hello(conn, message))
+        elif isinstance(message, (HelloReply, Auth)):
+            self.peers.on_handshake(conn, message)
+        else:
+            self.counters.protocol_errors += 1
+            conn.abort(RemoteProtocolError(f"{type(message).__name__} before the handshake"))
+
+    async def _on_newcomer_hello(self, conn: Connection, hello: Hello) -> None:
+        # A member that joined after this one dials: its address is in the store (it
+        # publishes before it dials). A stranger's made-up rank costs one read, bounded by
+        # the handshake deadline; it is refused by the handshake (no such member) or by its
+        # proof.
+        with contextlib.suppress(UnknownWorkerError):  # then refused by the handshake
+            await self.know_peer(hello.rank)
+        if not conn.closed:
+            self.peers.on_handshake(conn, hello)
+
+    def on_protocol_error(self, conn: Connection, exc: BaseException) -> None:
+        """The peer sent bytes that break the protocol; the connection is being aborted."""
+        self.counters.protocol_errors += 1
+
+    def on_connection_lost(self, conn: Connection, exc: BaseException | None) -> None:
+        """A connection closed. Its peer stays reachable (the next call dials again) unless
+        it is declared lost (see ``peers.py``)."""
+        self.connections.discard(conn)
+        rank = self.peers.on_lost(conn, exc)
+        if rank is None:
+            return
+        self.counters.connections_lost += 1
+        peer = self.peers.peers[rank]
+        # Forks whose frames may have died with it: ask the peer (see reflog.py).
+        self.links.on_lost(rank, conn, ask=peer.lost is None and not self.closed)
+        error = peer.lost or PeerLostError(peer.address.name, f"connection lost ({exc or 'EOF'})")
+        if peer.lost is None and not self.closed:
+            _log.warning("worker %r: %s; the next call reconnects", self.members.name, error)
+        self._receiver.on_connection_lost(rank, conn, error)
+        if peer.lost is None and not self.closed and peer.conn is None:
+            # Dial again now, not at the next call: the link heals before it is needed, and
+            # a dead peer is found (refused) and declared lost, which frees its RRefs.
+            self.loop.create_task(self._redial(rank))
+
+    def _on_adopted(self, rank: int, conn: Connection) -> None:
+        self.links.on_adopted(rank, conn)
+
+    def _on_declared_lost(self, rank: int) -> None:
+        lost = self.peers.peers[rank].lost
+        assert lost is not None
+        if self.closed or lost.reason == GOODBYE_REASON:  # a shutdown is no news
+            _log.debug("worker %r: %s", self.members.name, lost)
+        else:
+            _log.warning("worker %r: %s", self.members.name, lost)
+        self.links.forget(rank)
+        self._receiver.on_peer_lost(rank, lost)
+
+    # -- peers -----------------------------------------------------------------------------
+
+    def peer_known(self, rank: int) -> bool:
+        """Whether the peer table has ``rank``, adding it if its address is known (a member
+        another thread looked up); on the loop thread."""
+        if rank in self.peers.peers:
+            return True
+        address = self.addresses.get(rank)
+        if address is None or rank == self.rank:
+            return False
+        self.peers.add(address)
+        return True
+
+    async def know_peer(self, rank: int) -> None:
+        """Make ``rank`` a peer, looking it up in a dynamic group's store if needed.
+
+        Raises:
+            UnknownWorkerError: no member has that rank.
+        """
+        if not self.peer_known(rank):
+            await self.members.lookup(rank)
+            if not self.peer_known(rank):
+                names = tuple(a.name for a in self.addresses.values())
+                raise UnknownWorkerError(rank, names)
+
+    def is_lost(self, rank: int) -> bool:
+        return rank in self.peers.peers and self.peers.is_lost(rank)
+
+    def lost_peers(self) -> list[str]:
+        return sorted(p.address.name for p in self.peers.peers.values() if p.lost is not None)
+
+    def probe(self, rank: int) -> None:
+        """Dial ``rank`` unless connected or lost: a dead peer refuses and is declared lost."""
+        peer = self.peers.peers.get(rank)
+        if peer is None:
+            return
+        if peer.lost is None and not self.peers.connected(rank) and not peer.dialing:
+            self.loop.create_task(self._redial(rank))
+
+    async def _redial(self, rank: int) -> None:
+        try:
+            await self.peers.connection(rank)
+        except (ConnectionError, OSError) as exc:  # declared lost, or not reachable yet
+            _log.debug("worker %r: redial of rank %d failed: %s", self.members.name, rank, exc)
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def send_to(
+        self, rank: int, pieces: list[Any], call_id: int = 0, keep: object = None,
+        forks: list[Transfer] | None = None, ready: Awaitable[None] | None = None,
+    ) -> None:  # fmt: skip
+        """Write a frame to ``rank`` in order, once ``ready`` and connected (see links.py)."""
+        self.links.send_to(rank, pieces, call_id, keep, forks, ready)
+
+    def send_ref(self, rank: int, pieces: list[Any]) -> None:
+        """Send a refcount frame, again on a new connection until acknowledged."""
+        self.links.send_ref(rank, pieces)
+
+    def undelivered(self, rank: int, forks: list[Transfer] | None) -> None:
+        """A frame carrying these forks was never written: nobody will hold them."""
+        self.links.undelivered(rank, forks)
+
+    def write(
+        self, conn: Any, pieces: list[Any], keep: object = None,
+        forks: list[Transfer] | None = None,
+    ) -> None:  # fmt: skip
+        """Write a frame on ``conn``; a closed connection drops it (the peer is gone)."""
+        self.links.write(conn, pieces, keep, forks)
+
+    def send_control(self, rank: int, pieces: list[Any], connect: bool = False) -> None:
+        """Write a bookkeeping frame to ``rank``: if it is connected, or else ``connect``."""
+        if connect:
+            self.send_to(rank, pieces)
+            return
+        peer = self.peers.peers.get(rank)
+        if peer is not None and peer.conn is not None and not peer.conn.closed:
+            self.write(peer.conn, pieces)
+
+    def send_cancel(self, rank: int, call_id: int) -> None:
+        """Tell ``rank`` that ``call_id`` is over, unless its request was not written yet
+        (it waits here, and will be skipped)."""
+        if self.links.holds(rank, call_id):
+            return
+        pieces = encode_frame(Cancel(call_id).to_fields(), b"")
+        if rank == self.rank:
+            self.loopback.send(pieces)
+        else:
+            self.send_control(rank, pieces)  # only if connected: a new link never ran it
+
+    # -- stopping and figures --------------------------------------------------------------
+
+    def close(self, graceful: bool) -> None:
+        """Stop listening and close every connection (saying Goodbye first if ``graceful``)."""
+        self.closed = True
+        self.heartbeat.stop()
+        self._listener.close()
+        goodbye = encode_frame(Goodbye("shutdown").to_fields(), b"")
+        for conn in list(self.connections):
+            if graceful and conn.peer is not None and not conn.closed:
+                self.write(conn, goodbye)
+            conn.close()
+        self.loopback.close()
+
+    def metrics(self) -> dict[str, int]:
+        # One snapshot: callers read metrics from their own thread while the loop thread
+        # adds and removes connections (iterating the live set could fail mid-way).
+        conns = list(self.connections)
+        live = [c for c in conns if c.peer is not None and not c.closed]
+        return {
+            "bytes_in": sum(c.bytes_in for c in conns),
+            "bytes_out": sum(c.bytes_out for c in conns),
+            "open_connections": len(live),
+            "open_unix_connections": sum(1 for c in live if c.is_unix),
+        }

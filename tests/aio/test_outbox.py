@@ -1,0 +1,222 @@
+"""In-process tests of the outbox and the dispatcher (``asyncrpc.runtime.calls``): no
+network, no agent. The outbox writes to a recording sender; replies are fed back to it as
+decoded frames; the dispatcher serves requests from a stand-in connection."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from asyncrpc.errors import ClosedError, PeerLostError, RpcTimeoutError
+from asyncrpc.functions import inline
+from asyncrpc.protocol.address import PeerAddress
+from asyncrpc.protocol.serde import Serializer
+from asyncrpc.protocol.wire import Frame, FrameDecoder, encode_frame
+from asyncrpc.protocol.wire.messages import (
+    Kind,
+    Reply,
+    Request,
+    decode_message,
+)
+from asyncrpc.runtime.calls.dispatch import Dispatcher
+from asyncrpc.runtime.calls.outbox import Outbox
+from asyncrpc.runtime.calls.pending import PendingCalls
+from asyncrpc.runtime.calls.pipeline import Pipeline
+from asyncrpc.runtime.group.membership import Directory
+from asyncrpc.runtime.metrics import Counters
+from asyncrpc.runtime.threadpool import WorkerPool
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(10)]
+
+
+def _frames(pieces: list[Any]) -> list[Frame]:
+    return FrameDecoder().feed(b"".join(bytes(p) for p in pieces))
+
+
+class RecordingSender:
+    """The network's side the outbox uses: records every frame, by destination."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, Frame]] = []
+        self.cancels: list[tuple[int, int]] = []
+
+    def send_to(
+        self, rank: int, pieces: list[Any], call_id: int = 0, keep: object = None,
+        forks: Any = None, ready: Any = None,
+    ) -> None:  # fmt: skip
+        (frame,) = _frames(pieces)
+        self.sent.append((rank, frame))
+
+    def send_cancel(self, rank: int, call_id: int) -> None:
+        self.cancels.append((rank, call_id))
+
+    def undelivered(self, rank: int, forks: Any) -> None:
+        pass
+
+
+class NoRRefs:
+    """The RRef service's side the outbox and dispatcher use, holding no reference."""
+
+    def take_minted(self) -> None:
+        return None
+
+    def take_unconfirmed(self) -> None:
+        return None
+
+    def undelivered(self, rank: int, forks: Any) -> None:
+        pass
+
+    def on_remote_request(self, peer: int, request: Request) -> None:
+        pass
+
+    def on_value(self, request: Request, peer: int, ok: bool, value: Any) -> None:
+        self.kept = (request.call_id, ok, value)
+
+
+def _outbox() -> tuple[Outbox, RecordingSender]:
+    loop = asyncio.get_running_loop()
+    addresses = {0: PeerAddress("me", 0, "127.0.0.1", 1), 1: PeerAddress("w1", 1, "127.0.0.1", 2)}
+    sender = RecordingSender()
+
+    def expire(call_id: int) -> None:
+        outbox.expire(call_id)  # the outbox made below
+
+    pending = PendingCalls(loop, expire)
+    outbox = Outbox(
+        "me", loop, pending, serializer=Serializer(), pipeline=Pipeline(),
+        directory=Directory(addresses, None), sender=sender, rrefs=NoRRefs(),
+        unlend=lambda keep: None, counters=Counters(), default_timeout=60.0,
+    )  # fmt: skip
+    return outbox, sender
+
+
+def _reply(call_id: int, value: Any) -> Frame:
+    payload, segments, _ = Serializer().dumps(value)
+    (frame,) = _frames(encode_frame(Reply(call_id).to_fields(), payload, segments))
+    return frame
+
+
+async def test_Outbox_call_writes_one_request_and_its_reply_resolves_it() -> None:
+    outbox, sender = _outbox()
+    task = asyncio.create_task(outbox.call("w1", max, (1, 2), {}, -1))
+    await asyncio.sleep(0)
+    ((rank, frame),) = sender.sent
+    request = decode_message(frame.fields)
+    assert rank == 1
+    assert isinstance(request, Request)
+    assert request.timeout == 60.0  # the default, for a negative timeout
+    reply = _reply(request.call_id, 2)
+    outbox.on_reply(reply.fields, reply)
+    assert await task == 2
+    assert len(outbox) == 0
+
+
+async def test_Outbox_timeout_fails_the_call_and_cancels_it_on_the_callee() -> None:
+    outbox, sender = _outbox()
+    future = outbox.call_future(1, max, (1, 2), {}, 0.05)
+    with pytest.raises(RpcTimeoutError):
+        await future
+    ((_, frame),) = sender.sent
+    assert sender.cancels == [(1, frame.fields[1])]
+
+
+async def test_Outbox_cancelling_the_caller_cancels_the_call() -> None:
+    outbox, sender = _outbox()
+    task = asyncio.create_task(outbox.call("w1", max, (1, 2), {}, 0))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    ((_, frame),) = sender.sent
+    assert sender.cancels == [(1, frame.fields[1])]
+    assert len(outbox) == 0
+
+
+async def test_Outbox_lost_connection_fails_only_the_calls_written_on_it() -> None:
+    outbox, _ = _outbox()
+    first = asyncio.create_task(outbox.call("w1", max, (1, 2), {}, 0))
+    second = asyncio.create_task(outbox.call("w1", max, (3, 4), {}, 0))
+    await asyncio.sleep(0)
+    conn = object()
+    outbox.pending.written(1, conn)  # the first call's request went out on conn
+    outbox.fail_peer(1, PeerLostError("w1", "connection lost"), sent_on=conn)
+    with pytest.raises(PeerLostError):
+        await first
+    assert not second.done()
+    outbox.close()
+    with pytest.raises(ClosedError):
+        await second
+    with pytest.raises(ClosedError):
+        outbox.encode(1, max, (), {}, 0, "sync")
+
+
+class Caller:
+    """The connection a request came on, as the dispatcher sees it."""
+
+    def __init__(self) -> None:
+        self.peer: int | None = 1
+        self.peer_name: str | None = "w1"
+
+
+async def _dispatcher() -> tuple[Dispatcher, list[tuple[Any, Frame]], WorkerPool]:
+    loop = asyncio.get_running_loop()
+    written: list[tuple[Any, Frame]] = []
+
+    def write(conn: Any, pieces: list[Any], keep: object, forks: Any) -> None:
+        (frame,) = _frames(pieces)
+        written.append((conn, frame))
+
+    pool = WorkerPool(1, loop, "me")
+    dispatcher = Dispatcher(
+        "me", loop, pool, Serializer(), write, Counters(), Pipeline(),
+        NoRRefs(), print_errors=False,  # type: ignore[arg-type]
+    )  # fmt: skip
+    return dispatcher, written, pool
+
+
+def _request(call_id: int, fn: Any, args: tuple[Any, ...]) -> tuple[Request, Any, Any]:
+    payload, segments, _ = Serializer().dumps((fn, args, {}))
+    (frame,) = _frames(encode_frame(Request(call_id, 0, 0, "fn", None, None).to_fields(),
+                                    payload, segments))  # fmt: skip
+    request = decode_message(frame.fields)
+    assert isinstance(request, Request)
+    return request, frame.payload, frame.segments
+
+
+@inline
+def _add(a: int, b: int) -> int:
+    return a + b
+
+
+async def _sleep_then(value: int) -> int:
+    await asyncio.sleep(30)
+    return value
+
+
+async def test_Dispatcher_serves_an_inline_request_with_one_reply() -> None:
+    dispatcher, written, pool = await _dispatcher()
+    conn = Caller()
+    dispatcher.on_request(conn, *_request(7, _add, (1, 2)))
+    ((to, frame),) = written
+    assert to is conn
+    assert frame.fields[:2] == [Kind.REPLY, 7]
+    assert Serializer().loads(frame.payload, frame.segments) == 3
+    assert len(dispatcher) == 0
+    pool.shutdown()
+
+
+async def test_Dispatcher_lost_connection_cancels_the_requests_that_came_on_it() -> None:
+    dispatcher, written, pool = await _dispatcher()
+    conn, other = Caller(), Caller()
+    dispatcher.on_request(conn, *_request(1, _sleep_then, (1,)))
+    dispatcher.on_request(other, *_request(2, _sleep_then, (2,)))
+    assert len(dispatcher) == 2
+    dispatcher.cancel_connection(conn)
+    assert len(dispatcher) == 1
+    dispatcher.on_cancel(1, 2)  # the caller's Cancel
+    assert len(dispatcher) == 0
+    await asyncio.sleep(0)
+    assert written == []  # nobody to reply to
+    pool.shutdown()
