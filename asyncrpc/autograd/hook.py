@@ -13,8 +13,8 @@ result may come from parameters that live on the callee.
 
 from __future__ import annotations
 
-import asyncio
 import functools
+import inspect
 from collections.abc import Callable, Coroutine
 from types import BuiltinFunctionType
 from typing import Any
@@ -111,7 +111,9 @@ def _within(fn: Callable[..., Any], context_id: int, coroutine: bool) -> Callabl
             result = fn(*args, **kwargs)
         finally:
             current_context_id.reset(token)
-        if asyncio.iscoroutine(result):  # an @async_execution function's coroutine
+        # An @async_execution function's coroutine (inspect's test: asyncio's also takes a
+        # plain generator, such as a stream's, for an old-style coroutine).
+        if inspect.iscoroutine(result):
             return _awaited_within(result, context_id)
         return result
 

@@ -144,3 +144,9 @@ def consume_forever(to: str, tag: str) -> int:
         taken += 1
         time.sleep(0.01)
     return taken
+
+
+def grad_items(n: int) -> Iterator[torch.Tensor]:
+    """Items that require grad (refused inside a distributed autograd context)."""
+    for i in range(n):
+        yield torch.full((2,), float(i), requires_grad=True)

@@ -16,7 +16,7 @@ import torch
 
 from asyncrpc.errors import SerializationError
 
-__all__ = ["DEFAULT", "TensorPolicy"]
+__all__ = ["DEFAULT", "NoGrads", "TensorPolicy"]
 
 
 class TensorPolicy:
@@ -74,3 +74,36 @@ class TensorPolicy:
 
 DEFAULT = TensorPolicy()
 """The policy of a message nobody configured."""
+
+
+class NoGrads(TensorPolicy):
+    """Refuses tensors that require grad, and otherwise does what ``inner`` does: the
+    policy of frames distributed autograd does not follow (stream items sent inside a
+    context), so that a gradient never goes missing without an error."""
+
+    __slots__ = ("inner", "what")
+
+    def __init__(self, inner: TensorPolicy, what: str) -> None:
+        self.inner = inner
+        self.what = what
+
+    def met(self, tensor: torch.Tensor) -> bool:
+        if tensor.requires_grad:
+            raise SerializationError(
+                f"{self.what} cannot carry a tensor that requires grad inside a distributed "
+                "autograd context: distributed autograd does not follow it, so its gradient "
+                "would be lost; detach() it, or send it as a call's argument or result"
+            )
+        return self.inner.met(tensor)
+
+    def exported(self, tensor: torch.Tensor) -> None:
+        self.inner.exported(tensor)
+
+    def to_host(self, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        return self.inner.to_host(tensor)
+
+    def to_device(self, segment: torch.Tensor, device: str) -> torch.Tensor:
+        return self.inner.to_device(segment, device)
+
+    def imported(self, tensor: torch.Tensor) -> None:
+        self.inner.imported(tensor)

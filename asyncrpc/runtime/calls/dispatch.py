@@ -30,6 +30,7 @@ from asyncrpc.errors import (
 )
 from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
 from asyncrpc.protocol.serde import MissingReferenceError, Serializer, pack_exception
+from asyncrpc.protocol.serde.policy import DEFAULT, NoGrads
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import CallMode, ErrorReply, Reply, Request
 from asyncrpc.runtime.calls.builtins import checked_op, is_torch_c_function, runs_on_loop
@@ -213,6 +214,9 @@ class Dispatcher:
             # the spot (items have no ready stage).
             incoming = served.incoming
             policy = None if incoming is None else incoming.reply_policy.devices.blocking()
+            if incoming is not None and incoming.reply_policy.grads is not None:
+                # Opened inside a distributed autograd context, which does not follow items.
+                policy = NoGrads(policy or DEFAULT, "a stream item")
             dumps = partial(self._serializer.dumps, context=served.peer, policy=policy)
             self.streams.start(served.peer, request.call_id, fn, run, args, kwargs, replying, dumps)
             return
