@@ -1,5 +1,6 @@
 """Driver programs for the tests of issue 15: connections that heal, bounded waits, nested
-blocking calls (test layer).
+blocking calls; and the regression the chaos soak found (an autograd release lost with
+its connection) (test layer).
 
 ``python -m tests.integration.heal_scenarios NAME [options]`` joins a group of its own as
 rank 0 ("driver"), runs one scenario and prints ``RESULT {json}`` (see ``scenarios.py``,
@@ -18,10 +19,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 import asyncrpc
+from asyncrpc import autograd as dist_autograd
 from asyncrpc.protocol import auth
 from asyncrpc.protocol.wire import PROTOCOL_VERSION, encode_frame
 from asyncrpc.protocol.wire.messages import Hello
+from asyncrpc.testing import chaos_fns, free_port
+from asyncrpc.testing.faultproxy import FaultProxy
 from tests.integration import remote_fns as fns
 from tests.integration.scenarios import Observations, _attempt, _options, _poll, _report
 
@@ -224,9 +230,6 @@ def heal(args: argparse.Namespace) -> int:
     ``--proxy-port`` are r1's), so every connection between them crosses a proxy. Drops a
     live connection mid-call, calls again, holds RRefs across a drop, lets strangers claim
     each name, then soaks ``--drops`` drops; graceful shutdown at the end."""
-    from asyncrpc.testing import free_port
-    from asyncrpc.testing.faultproxy import FaultProxy
-
     mine, my_proxy = free_port(), free_port()
     proxies = [FaultProxy(args.port, args.proxy_port), FaultProxy(mine, my_proxy)]
     _init(args, listen_port=mine, advertise_port=my_proxy, unix_sockets=False,
@@ -315,11 +318,51 @@ def dead_peer(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- scenario: an autograd release lost with its connection (found by the chaos soak) --
+
+
+def _contexts_on(name: str) -> int:
+    return asyncrpc.rpc_sync(name, chaos_fns.rref_counts, timeout=10.0)["autograd_contexts"]
+
+
+def release_after_drop(args: argparse.Namespace) -> int:
+    """Rank 0 of {driver, k1}; both listen behind FaultProxies run here (``--port`` and
+    ``--proxy-port`` are k1's). A context reaches k1; its release leaves into a black hole
+    and the connection is then reset: k1 must still drop the context."""
+    mine, my_proxy = free_port(), free_port()
+    proxies = [FaultProxy(args.port, args.proxy_port), FaultProxy(mine, my_proxy)]
+    options = _options(args)
+    options.listen_port, options.advertise_port, options.unix_sockets = mine, my_proxy, False
+    asyncrpc.init_rpc("driver", rank=0, world_size=2, rpc_backend_options=options)
+    obs: Observations = {}
+    layer = asyncrpc.remote("k1", chaos_fns.make_layer, args=(0,))
+    with dist_autograd.context() as context_id:
+        _, y = asyncrpc.rpc_sync("k1", chaos_fns.forward, args=("k", layer, torch.ones(2, 8)))
+        dist_autograd.backward(context_id, [y.sum()])
+        obs["during"] = _contexts_on("k1")
+        for proxy in proxies:
+            proxy.blackhole()
+    # The release is on its way into the black hole; then the link resets.
+    _poll(lambda: False, 0.3)
+    for proxy in proxies:
+        proxy.drop()
+        proxy.heal()
+    obs["released"] = _poll(lambda: _contexts_on("k1") == 0, 15.0)
+    obs["after"] = _contexts_on("k1")
+    del layer
+    asyncrpc.shutdown(timeout=20.0)
+    for proxy in proxies:
+        proxy.close()
+    _report(obs)
+    return 0
+
+
 SCENARIOS: dict[str, Callable[[argparse.Namespace], int]] = {
     "dead_peer": dead_peer,
     "nested": nested,
     "frames": frames,
     "heal": heal,
+    "release_after_drop": release_after_drop,
 }
 
 
