@@ -44,7 +44,7 @@ class CallbackPool:
         self._idle = 0  # threads waiting on _wake
         self._awake = 0  # threads woken (or started) that have not gone idle again
         self._finished = 0  # jobs run so far: a stall is no progress while jobs wait
-        self._watch: tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle] | None = None
+        self._watching = False  # a stall check is scheduled on a loop
         self.wakeups = 0  # threads woken or started (for tests and metrics)
 
     def submit(self, invoke: Callable[[Any], None], arg: Any) -> None:
@@ -53,7 +53,7 @@ class CallbackPool:
             self._jobs.append((invoke, arg))
             if self._awake == 0:
                 self._start_or_wake()
-            watch = self._watch is None
+            watch = not self._watching
         if watch:
             self._watch_for_stalls()
 
@@ -106,20 +106,20 @@ class CallbackPool:
         if loop is None:
             return  # no loop here: nothing completes futures in batches on this thread
         with self._lock:
-            if self._watch is not None or not self._jobs:
+            if self._watching or not self._jobs:
                 return
-            handle = loop.call_later(self.stall, self._check, self._finished)
-            self._watch = (loop, handle)
+            self._watching = True
+            loop.call_later(self.stall, self._check, loop, self._finished)
 
-    def _check(self, finished_before: int) -> None:
+    def _check(self, loop: asyncio.AbstractEventLoop, finished_before: int) -> None:
+        # On ``loop``, which scheduled it; goes on while jobs wait.
         with self._lock:
-            loop, _ = self._watch or (None, None)
-            self._watch = None
-            if not self._jobs or loop is None:
+            if not self._jobs:
+                self._watching = False
                 return
             if self._finished == finished_before:  # jobs wait and none finished: stalled
                 self._start_or_wake()
-            self._watch = (loop, loop.call_later(self.stall, self._check, self._finished))
+            loop.call_later(self.stall, self._check, loop, self._finished)
 
     def pending(self) -> int:
         return len(self._jobs)

@@ -94,8 +94,16 @@ def check_device_maps(
 def _exists(device: str, device_count: int) -> bool:
     if device == "cpu":
         return True
+    index = cuda_index(device)
+    return index is not None and index < device_count
+
+
+def cuda_index(device: str) -> int | None:
+    """0 for "cuda:0"; None for any other device string (no index: not ours to guess)."""
     kind, _, index = device.partition(":")
-    return kind == "cuda" and index.isdigit() and int(index) < device_count
+    if kind != "cuda" or not index.isdigit():
+        return None
+    return int(index)
 
 
 class Transfer(Protocol):

@@ -28,7 +28,7 @@ from asyncrpc.protocol.serde.policy import TensorPolicy
 from asyncrpc.protocol.serde.tensors import memory_view
 from asyncrpc.runtime.cuda.devices import Devices, Event, Stream
 from asyncrpc.runtime.cuda.gate import FrameEvents, SendGate, order_after
-from asyncrpc.runtime.cuda.maps import HostCopy
+from asyncrpc.runtime.cuda.maps import HostCopy, cuda_index
 
 __all__ = ["StagedCopy", "StagedTransfer", "cuda_transfer"]
 
@@ -142,7 +142,7 @@ class StagedCopy(TensorPolicy):
         return target, host
 
     def to_device(self, segment: Any, device: str) -> Any:
-        index = _cuda_index(device)
+        index = cuda_index(device)
         if index is None:
             return super().to_device(segment, device)
         transfer = self.transfer
@@ -151,11 +151,3 @@ class StagedCopy(TensorPolicy):
         self.events[index] = transfer.devices.record(stream)
         transfer.staged_in += 1
         return tensor
-
-
-def _cuda_index(device: str) -> int | None:
-    """0 for "cuda:0"; None for any other device string (no index: not ours to guess)."""
-    kind, _, index = device.partition(":")
-    if kind != "cuda" or not index.isdigit():
-        return None
-    return int(index)
