@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from asyncrpc.autograd.context import AutogradContext, context_table, current_context_id
-from asyncrpc.autograd.engine import hand_back, local_pass, propagate, release
+from asyncrpc.autograd.engine import hand_back, local_pass, propagate
 from asyncrpc.autograd.hook import AutogradHook
+from asyncrpc.autograd.release import releases_of
 from asyncrpc.errors import AutogradContextError, BlockingCallError
 from asyncrpc.runtime.agent import Agent
 
@@ -68,7 +69,7 @@ class context:
     def _close(self) -> None:
         current_context_id.reset(self._token)
         agent, table = context_table()
-        agent.run_on_loop(_start_release, agent, table, self._id)
+        releases_of(agent, table).left(self._id)
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -84,11 +85,6 @@ class context:
         tb: TracebackType | None,
     ) -> None:  # fmt: skip
         self._close()
-
-
-def _start_release(agent: Agent, table: Any, context_id: int) -> None:
-    # On the agent's loop; a task of its own, outside the context being released.
-    agent.loop.create_task(release(agent, table, context_id, agent.rank))
 
 
 def current_context() -> int | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextvars
 import itertools
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -138,6 +138,14 @@ def _copy_in_layout(tensor: Any, grad: Any) -> Any:
     return torch.empty_like(tensor, dtype=grad.dtype, device=grad.device).copy_(grad)
 
 
+class ReleaseBatcher(Protocol):
+    """What the table keeps of ``asyncrpc.autograd.release.Releases``."""
+
+    def left(self, context_id: int) -> None: ...
+
+    def flush(self) -> None: ...
+
+
 class ContextTable:
     """The autograd contexts a worker takes part in, by id."""
 
@@ -145,6 +153,9 @@ class ContextTable:
         self._lock = threading.Lock()
         self._contexts: dict[int, AutogradContext] = {}
         self._serial = itertools.count(1)
+        # The batcher of releases to other workers (``asyncrpc.autograd.release``), made
+        # on first use: it needs the agent, which the table does not know.
+        self.releases: ReleaseBatcher | None = None
 
     def __len__(self) -> int:
         return len(self._contexts)

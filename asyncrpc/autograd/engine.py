@@ -15,7 +15,6 @@ graph is kept (``retain_graph``) until the context is released.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections import Counter
 from collections.abc import Sequence
@@ -25,17 +24,15 @@ import torch
 
 from asyncrpc.autograd.context import (
     AutogradContext,
-    ContextTable,
     context_table,
-    current_context_id,
 )
-from asyncrpc.errors import ConnectionLostError, RpcTimeoutError, as_backward_error
+from asyncrpc.errors import as_backward_error
 from asyncrpc.functions import async_execution
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
 from asyncrpc.runtime.agent import Agent
 from asyncrpc.runtime.future import Future, collect_all
 
-__all__ = ["hand_back", "local_pass", "propagate", "release"]
+__all__ = ["hand_back", "local_pass", "propagate"]
 
 # Gradients for the tensors of one message: (sender rank, message id) -> by index.
 Outgoing = dict[tuple[int, int], list[Any]]
@@ -126,45 +123,3 @@ def hand_back(agent: Agent, context_id: int, outgoing: Outgoing) -> Future[Any]:
 def _raise_first_error(done: Future[list[Future[Any]]]) -> None:
     for hop in done.value():
         hop.value()  # raises the hop's error, with its original type
-
-
-async def release(agent: Agent, table: ContextTable, context_id: int, sender: int) -> None:
-    """Drop the context here and on every worker it reached (each passes it on once).
-
-    Leaving a context schedules this and does not wait for it (as torch's release does):
-    the next step's calls need not wait for the last step's cleanup.
-    """
-    context = table.pop(context_id)
-    if context is None:
-        return
-    current_context_id.set(None)  # these calls are not part of any context
-    peers = sorted(context.peers - {sender, agent.rank})
-    # A peer that died has nothing left to release: its failure is not ours.
-    await asyncio.gather(*(_release_on(agent, p, context_id) for p in peers))
-
-
-_RELEASE_TRIES = 6  # backoff 0.05 s doubling: about 3 s of waits in all
-
-
-async def _release_on(agent: Agent, peer: int, context_id: int) -> None:
-    # A dropped connection is not a dead peer (connections heal): a release lost with it is
-    # sent again on the next connection, or the peer would keep the context's graphs and
-    # gradients for good (the chaos soak found one left behind). ``release_here`` is
-    # idempotent. Bounded: a peer declared lost, or our own shutdown, ends the retries.
-    for attempt in range(_RELEASE_TRIES):
-        try:
-            await agent.call(peer, release_here, (context_id, agent.rank), {}, UNSET_RPC_TIMEOUT)
-        except (ConnectionLostError, RpcTimeoutError):
-            if agent.closed or agent.is_lost(peer):
-                return
-            await asyncio.sleep(0.05 * 2**attempt)
-        except Exception:  # anything else is the peer's to report: not retried
-            return
-        else:
-            return
-
-
-async def release_here(context_id: int, sender: int) -> None:
-    """Runs on a worker the context reached: release it here and onwards."""
-    agent, table = context_table()
-    await release(agent, table, context_id, sender)

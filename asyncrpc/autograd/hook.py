@@ -37,6 +37,12 @@ class AutogradHook(CallHook):
     def __repr__(self) -> str:
         return "AutogradHook()"
 
+    def flush(self) -> None:
+        # Contexts left just before shutdown: their releases go now, not after a delay.
+        releases = self.contexts.releases
+        if releases is not None:
+            releases.flush()
+
     # -- caller ----------------------------------------------------------------------------
 
     def active(self) -> bool:

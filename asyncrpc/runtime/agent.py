@@ -269,6 +269,8 @@ class Agent:
         limit = self.options.shutdown_timeout if timeout is None else timeout
         failure: ShutdownError | None = None
         self.streams.close_all()  # open streams are not outstanding work: they end now
+        for hook in self.pipeline.hooks:
+            hook.flush()
         if graceful:
             try:
                 await GracefulShutdown(self).run(time.monotonic() + limit)

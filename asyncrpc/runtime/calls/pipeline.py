@@ -271,6 +271,10 @@ class CallHook:
         """What this hook adds to ``get_debug_info()``."""
         return {}
 
+    def flush(self) -> None:
+        """The worker is shutting down (agent's loop): send now what the hook holds back,
+        so the graceful shutdown waits for it like any outstanding call."""
+
 
 class Pipeline:
     """The ordered hooks of one agent, and for each stage those that override it."""

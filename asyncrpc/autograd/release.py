@@ -1,0 +1,127 @@
+"""Releasing distributed autograd contexts on the workers they reached, in batches (layer L3).
+
+Leaving a context drops it here at once, on the leaving thread (as torch's ``__exit__``
+does), and queues a release for the workers it exchanged messages with. Releases leave
+every ``BATCH_DELAY`` seconds, one call per worker for all the contexts queued meanwhile,
+and each worker passes them on to the workers it reached in turn. A training loop leaves a
+context per step: one release call per worker per step cost the caller a thread hand-off
+and each server a wake-up and a reply, on the step's critical path on a small machine; a
+batch costs that once per ``BATCH_DELAY``. Contexts live on the other workers at most that
+much longer (nothing reads them after the step: torch releases them in the background too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Iterable
+
+from asyncrpc.autograd.context import (
+    ContextTable,
+    ReleaseBatcher,
+    context_table,
+    current_context_id,
+)
+from asyncrpc.errors import ConnectionLostError, RpcTimeoutError
+from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
+from asyncrpc.runtime.agent import Agent
+
+__all__ = ["BATCH_DELAY", "Releases", "release_here"]
+
+BATCH_DELAY = 0.005  # seconds between batches (bounds how long a left context lingers)
+_RELEASE_TRIES = 6  # backoff 0.05 s doubling: about 3 s of waits in all
+
+
+class Releases:
+    """The contexts left on one worker whose release on other workers is still to send."""
+
+    def __init__(self, agent: Agent, table: ContextTable) -> None:
+        self._agent = agent
+        self._table = table
+        self._queued: deque[tuple[int, frozenset[int]]] = deque()  # (context id, peers)
+        self._flush_armed = False
+
+    def left(self, context_id: int) -> None:
+        """The context was left on this worker (any thread): drop it here now, and release
+        it on the workers it reached with the next batch."""
+        context = self._table.pop(context_id)
+        if context is None:
+            return
+        peers = frozenset(context.peers - {self._agent.rank})
+        if not peers:
+            return  # it never left this worker: nothing to tell anybody
+        # Queue first, then look at the flag: a flush that cleared it drains afterwards
+        # (see _flush), so an entry is never left behind without a flush armed.
+        self._queued.append((context_id, peers))
+        if not self._flush_armed:
+            self._flush_armed = True
+            self._agent.run_on_loop(self._arm)
+
+    def _arm(self) -> None:
+        self._agent.loop.call_later(BATCH_DELAY, self._flush)
+
+    def _flush(self) -> None:
+        self._flush_armed = False
+        by_peer: dict[int, list[int]] = {}
+        queued = self._queued
+        for _ in range(len(queued)):  # bounded: what was queued when the flush began
+            context_id, peers = queued.popleft()
+            for peer in peers:
+                by_peer.setdefault(peer, []).append(context_id)
+        send(self._agent, by_peer)
+
+    def flush(self) -> None:
+        """Send what is queued now (on the loop; shutdown calls it before the goodbyes)."""
+        if self._queued:
+            self._flush()
+
+
+def releases_of(agent: Agent, table: ContextTable) -> ReleaseBatcher:
+    """The batcher of ``table`` (made on first use; one per worker)."""
+    if table.releases is None:
+        table.releases = Releases(agent, table)
+    return table.releases
+
+
+def send(agent: Agent, by_peer: dict[int, list[int]]) -> None:
+    """Release contexts on each peer: one call per peer, in the background (on the loop)."""
+    for peer, context_ids in by_peer.items():
+        agent.loop.create_task(_release_on(agent, peer, context_ids))
+
+
+async def _release_on(agent: Agent, peer: int, context_ids: list[int]) -> None:
+    # A dropped connection is not a dead peer (connections heal): a release lost with it is
+    # sent again on the next connection, or the peer would keep the contexts' graphs and
+    # gradients for good (the chaos soak found one left behind). ``release_here`` is
+    # idempotent. Bounded: a peer declared lost, or our own shutdown, ends the retries.
+    current_context_id.set(None)  # these calls are not part of any context
+    for attempt in range(_RELEASE_TRIES):
+        try:
+            args = (context_ids, agent.rank)
+            await agent.call(peer, release_here, args, {}, UNSET_RPC_TIMEOUT)
+        except (ConnectionLostError, RpcTimeoutError):
+            if agent.closed or agent.is_lost(peer):
+                return
+            await asyncio.sleep(0.05 * 2**attempt)
+        except Exception:  # anything else is the peer's to report: not retried
+            return
+        else:
+            return
+
+
+def _onward(agent: Agent, table: ContextTable, context_ids: Iterable[int], sender: int) -> None:
+    """Drop the contexts here and pass each on to the workers it reached but the sender."""
+    by_peer: dict[int, list[int]] = {}
+    for context_id in context_ids:
+        context = table.pop(context_id)
+        if context is None:
+            continue  # released already (a retry, or a second path to this worker)
+        for peer in sorted(context.peers - {sender, agent.rank}):
+            by_peer.setdefault(peer, []).append(context_id)
+    send(agent, by_peer)
+
+
+async def release_here(context_ids: list[int], sender: int) -> None:
+    """Runs on a worker the contexts reached (an ``async def``: on its loop, no pool hop)."""
+    agent, table = context_table()
+    _onward(agent, table, context_ids, sender)
