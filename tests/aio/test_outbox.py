@@ -65,6 +65,9 @@ class NoRRefs:
     def take_unconfirmed(self) -> None:
         return None
 
+    def take_unmade(self) -> None:
+        return None
+
     def undelivered(self, rank: int, forks: Any) -> None:
         pass
 
