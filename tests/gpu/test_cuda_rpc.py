@@ -113,3 +113,13 @@ def test_a_device_the_map_does_not_name_is_refused(callee: str) -> None:
         pytest.skip("needs a second GPU")
     with pytest.raises(asyncrpc.SerializationError, match="cuda:1"):
         asyncrpc.rpc_sync(callee, fns.echo, args=(torch.ones(2, device="cuda:1"),))
+
+
+def test_callee_runs_on_a_pool_stream_not_the_default(
+    callee: str, request: pytest.FixtureRequest
+) -> None:
+    if request.node.callspec.params["callee"] != "staged":
+        pytest.skip("the host copy runs callees on their thread's current stream")
+    for fn in (fns.stream_ids, fns.async_stream_ids):
+        current, default = asyncrpc.rpc_sync(callee, fn)
+        assert current != default, fn.__name__

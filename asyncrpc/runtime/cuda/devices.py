@@ -67,6 +67,11 @@ class Devices(Protocol):
         not wait)."""
         ...
 
+    def keep(self, tensor: Any, stream: Stream) -> None:
+        """Keep ``tensor``'s memory from reuse, once it is freed, until the work queued on
+        ``stream`` by then is done (a tensor made on one stream and read on another)."""
+        ...
+
     def host_buffer(self, nbytes: int) -> Any:
         """A uint8 CPU tensor of ``nbytes`` in pinned memory (what a received segment bound
         for a GPU lands in, so its copy to the device needs no host wait)."""

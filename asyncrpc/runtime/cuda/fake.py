@@ -74,6 +74,7 @@ class FakeDevices:
         self.waits = 0
         self.copies = 0
         self.host_buffers = 0
+        self.kept: list[tuple[Any, FakeStream]] = []
 
     # -- the seam ------------------------------------------------------------------------
 
@@ -110,6 +111,9 @@ class FakeDevices:
     def wait(self, stream: FakeStream, event: FakeEvent) -> None:
         self.waits += 1
         stream.items.append(FakeWork(f"wait for {event.stream.name}", after=event))
+
+    def keep(self, tensor: Any, stream: FakeStream) -> None:
+        self.kept.append((tensor, stream))
 
     def host_buffer(self, nbytes: int) -> Any:
         import torch

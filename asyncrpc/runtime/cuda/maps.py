@@ -25,6 +25,7 @@ import torch
 from asyncrpc.errors import InitError, SerializationError
 from asyncrpc.protocol.serde.policy import TensorPolicy
 from asyncrpc.runtime.calls.pipeline import CallHook, IncomingCall, OutgoingCall
+from asyncrpc.runtime.cuda.callee import RequestStreams
 
 __all__ = [
     "FIELD",
@@ -121,6 +122,10 @@ class Transfer(Protocol):
         """What the first thread to use tensors unpickled under ``policy`` calls first."""
         ...
 
+    def serve(self, request: TensorPolicy, reply: TensorPolicy) -> RequestStreams | None:
+        """The pool streams a request runs on (None: its thread's current streams)."""
+        ...
+
 
 class HostCopy(TensorPolicy):
     """Maps devices and copies through host memory, waiting for the device on the spot.
@@ -154,6 +159,9 @@ class HostTransfer:
         return None
 
     def before_use(self, policy: TensorPolicy) -> Callable[[], None] | None:
+        return None
+
+    def serve(self, request: TensorPolicy, reply: TensorPolicy) -> RequestStreams | None:
         return None
 
 
@@ -206,12 +214,24 @@ class DeviceMapHook(CallHook):
         call.reply_policy.devices = self.transfer.policy(_checked(backward, call.caller))
 
     def incoming(self, call: IncomingCall) -> None:
+        streams = self.transfer.serve(call.policy.devices, call.reply_policy.devices)
+        if streams is not None:  # pool streams, ordered after the data, made current
+            call.state[self] = streams
+            call.wrap(functools.partial(streams.wrap, coroutine=call.coroutine))
+            return
         first = self.transfer.before_use(call.policy.devices)
         if first is not None:
             call.wrap(functools.partial(_after, first=first, coroutine=call.coroutine))
 
+    def replying(self, call: IncomingCall, ok: bool, value: Any) -> None:
+        streams = call.state.get(self)
+        if streams is not None:
+            streams.replied(ok, call.remote)
+
     def reply_ready(self, call: IncomingCall) -> Awaitable[None] | None:
-        return self.transfer.ready(call.reply_policy.devices)
+        ready = self.transfer.ready(call.reply_policy.devices)
+        streams = call.state.get(self)
+        return ready if streams is None else streams.leave(ready)
 
     def debug_info(self) -> dict[str, Any]:
         return {"device_maps": {callee: dict(m) for callee, m in self._maps.items()}}

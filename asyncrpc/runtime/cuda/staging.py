@@ -26,6 +26,7 @@ from typing import Any
 from asyncrpc.errors import SerializationError
 from asyncrpc.protocol.serde.policy import TensorPolicy
 from asyncrpc.protocol.serde.tensors import memory_view
+from asyncrpc.runtime.cuda.callee import CalleeStreams, RequestStreams
 from asyncrpc.runtime.cuda.devices import Devices, Event, Stream
 from asyncrpc.runtime.cuda.gate import FrameEvents, SendGate, order_after
 from asyncrpc.runtime.cuda.maps import HostCopy, cuda_index
@@ -44,15 +45,21 @@ def cuda_transfer(options: Any) -> StagedTransfer | None:
         return None
     from asyncrpc.runtime.cuda.real import CudaDevices
 
-    return StagedTransfer(CudaDevices())
+    devices = CudaDevices()
+    return StagedTransfer(devices, callee=CalleeStreams.from_options(devices, options))
 
 
 class StagedTransfer:
-    """One agent's staged CUDA transfers: its copy streams and its send gate."""
+    """One agent's staged CUDA transfers: its copy streams, its send gate, and the stream
+    pool its callees run on (None: a callee runs on its thread's current streams, made to
+    wait)."""
 
-    def __init__(self, devices: Devices, gate: SendGate | None = None) -> None:
+    def __init__(
+        self, devices: Devices, gate: SendGate | None = None, callee: CalleeStreams | None = None
+    ) -> None:
         self.devices = devices
         self.gate = gate if gate is not None else SendGate(devices)
+        self.callee = callee
         self._out: dict[int, Stream] = {}
         self._in: dict[int, Stream] = {}
         self.staged_out = 0  # tensors copied to the host, and to a device (metrics)
@@ -80,12 +87,29 @@ class StagedTransfer:
             return None
         frame = policy.frame_events()
         devices = self.devices
+        received = policy.received
 
         def order_current_streams() -> None:
             streams = [devices.current_stream(device) for device, _ in frame.events]
             order_after(devices, streams, frame)
+            # Made on the copy-in stream, read on these: not reused before they are done.
+            for device, tensor in received:
+                devices.keep(tensor, devices.current_stream(device))
 
         return order_current_streams
+
+    def serve(self, request: TensorPolicy, reply: TensorPolicy) -> RequestStreams | None:
+        """The pool streams a request received under ``request`` runs on, its reply to be
+        pickled under ``reply`` (None: no pool, or no device involved)."""
+        if self.callee is None:
+            return None
+        involved = set(request.events) if isinstance(request, StagedCopy) else set()
+        replies = reply.streams if isinstance(reply, StagedCopy) else None
+        if isinstance(reply, StagedCopy):
+            involved.update(i for i in map(cuda_index, reply.device_map) if i is not None)
+        if not involved:
+            return None
+        return self.callee.request(sorted(involved), self.before_use(request), replies)
 
     def out_stream(self, device: int) -> Stream:
         stream = self._out.get(device)
@@ -103,13 +127,17 @@ class StagedTransfer:
 class StagedCopy(TensorPolicy):
     """The CUDA half of one message's tensor policy (see the module's docstring)."""
 
-    __slots__ = ("_producers", "device_map", "events", "transfer")
+    __slots__ = ("_producers", "device_map", "events", "received", "streams", "transfer")
 
     def __init__(self, transfer: StagedTransfer, device_map: Mapping[str, str]) -> None:
         self.transfer = transfer
         self.device_map = device_map
         self._producers: dict[int, Event] = {}  # device -> the producer's work, recorded once
         self.events: dict[int, Event] = {}  # device -> after this message's last copy
+        # device -> the stream the producer's work is on, where it is not the pickling
+        # thread's current one (a reply: the callee's leased pool streams).
+        self.streams: dict[int, Stream] = {}
+        self.received: list[tuple[int, Any]] = []  # (device, tensor) copied in
 
     def blocking(self) -> TensorPolicy:
         return HostCopy(self.device_map)
@@ -132,7 +160,8 @@ class StagedCopy(TensorPolicy):
             )
         producer = self._producers.get(device)
         if producer is None:
-            producer = devices.record(devices.current_stream(device))
+            on = self.streams.get(device)
+            producer = devices.record(on if on is not None else devices.current_stream(device))
             self._producers[device] = producer
         stream = transfer.out_stream(device)
         devices.wait(stream, producer)
@@ -149,5 +178,6 @@ class StagedCopy(TensorPolicy):
         stream = transfer.in_stream(index)
         tensor = transfer.devices.stage_in(segment, index, stream)
         self.events[index] = transfer.devices.record(stream)
+        self.received.append((index, tensor))
         transfer.staged_in += 1
         return tensor
