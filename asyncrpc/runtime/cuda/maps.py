@@ -26,6 +26,7 @@ from asyncrpc.errors import InitError, SerializationError
 from asyncrpc.protocol.serde.policy import TensorPolicy
 from asyncrpc.runtime.calls.pipeline import CallHook, IncomingCall, OutgoingCall
 from asyncrpc.runtime.cuda.callee import RequestStreams
+from asyncrpc.runtime.cuda.ipc import FIELD as IPC_FIELD
 
 __all__ = [
     "FIELD",
@@ -110,8 +111,17 @@ def cuda_index(device: str) -> int | None:
 class Transfer(Protocol):
     """How one agent moves CUDA tensors: one policy per message, and the waits it needs."""
 
-    def policy(self, device_map: Mapping[str, str]) -> TensorPolicy:
-        """The tensor policy of one message sent (or received) under ``device_map``."""
+    def policy(self, device_map: Mapping[str, str], peer: int | None = None) -> TensorPolicy:
+        """The tensor policy of one message sent to (or received from) ``peer`` under
+        ``device_map``."""
+        ...
+
+    def field_out(self, peer: int) -> Any:
+        """What the next message to ``peer`` carries in the IPC field (None: nothing)."""
+        ...
+
+    def field_in(self, peer: int, value: Any) -> None:
+        """Take the IPC field a message from ``peer`` carried (None: it had none)."""
         ...
 
     def ready(self, policy: TensorPolicy) -> Awaitable[None] | None:
@@ -152,8 +162,14 @@ class HostCopy(TensorPolicy):
 class HostTransfer:
     """``HostCopy`` for every message: nothing to wait for afterwards."""
 
-    def policy(self, device_map: Mapping[str, str]) -> TensorPolicy:
+    def policy(self, device_map: Mapping[str, str], peer: int | None = None) -> TensorPolicy:
         return HostCopy(device_map)
+
+    def field_out(self, peer: int) -> Any:
+        return None
+
+    def field_in(self, peer: int, value: Any) -> None:
+        pass
 
     def ready(self, policy: TensorPolicy) -> Awaitable[None] | None:
         return None
@@ -191,9 +207,13 @@ class DeviceMapHook(CallHook):
         if forward is None:
             return
         backward = self._backward[call.callee]
-        call.policy.devices = self.transfer.policy(forward)
-        call.reply_policy.devices = self.transfer.policy(backward)
+        transfer, peer = self.transfer, call.callee_rank
+        call.policy.devices = transfer.policy(forward, peer)
+        call.reply_policy.devices = transfer.policy(backward, peer)
         call.headers[FIELD] = backward
+        ipc = transfer.field_out(peer)
+        if ipc is not None:
+            call.headers[IPC_FIELD] = ipc
 
     def ready(self, call: OutgoingCall) -> Awaitable[None] | None:
         return self.transfer.ready(call.policy.devices)
@@ -201,6 +221,8 @@ class DeviceMapHook(CallHook):
     def completed(
         self, call: OutgoingCall, headers: dict[str, Any] | None, error: BaseException | None
     ) -> None:
+        if headers is not None:
+            self.transfer.field_in(call.callee_rank, headers.get(IPC_FIELD))
         if error is None:
             call.on_value = self.transfer.before_use(call.reply_policy.devices)
 
@@ -210,8 +232,10 @@ class DeviceMapHook(CallHook):
         backward = call.headers.get(FIELD)
         if backward is None:
             return
-        call.policy.devices = self.transfer.policy({})  # receiving needs no map
-        call.reply_policy.devices = self.transfer.policy(_checked(backward, call.caller))
+        transfer, peer = self.transfer, call.caller_rank
+        transfer.field_in(peer, call.headers.get(IPC_FIELD))
+        call.policy.devices = transfer.policy({}, peer)  # receiving needs no map
+        call.reply_policy.devices = transfer.policy(_checked(backward, call.caller), peer)
 
     def incoming(self, call: IncomingCall) -> None:
         streams = self.transfer.serve(call.policy.devices, call.reply_policy.devices)
@@ -224,6 +248,10 @@ class DeviceMapHook(CallHook):
             call.wrap(functools.partial(_after, first=first, coroutine=call.coroutine))
 
     def replying(self, call: IncomingCall, ok: bool, value: Any) -> None:
+        if FIELD in call.headers:
+            ipc = self.transfer.field_out(call.caller_rank)
+            if ipc is not None:
+                call.reply_headers[IPC_FIELD] = ipc
         streams = call.state.get(self)
         if streams is not None:
             streams.replied(ok, call.remote)

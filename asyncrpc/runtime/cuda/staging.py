@@ -23,21 +23,28 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+import torch
+
 from asyncrpc.errors import SerializationError
 from asyncrpc.protocol.serde.policy import TensorPolicy
-from asyncrpc.protocol.serde.tensors import memory_view
+from asyncrpc.protocol.serde.tensors import _resolved_span, memory_view
 from asyncrpc.runtime.cuda.callee import CalleeStreams, RequestStreams
 from asyncrpc.runtime.cuda.devices import Devices, Event, Stream
 from asyncrpc.runtime.cuda.gate import FrameEvents, SendGate, order_after
+from asyncrpc.runtime.cuda.ipc import IpcLinks, is_ipc_tag
 from asyncrpc.runtime.cuda.maps import HostCopy, cuda_index
 
 __all__ = ["StagedCopy", "StagedTransfer", "cuda_transfer"]
 
 
-def cuda_transfer(options: Any) -> StagedTransfer | None:
-    """The agent's staged transfer where CUDA is set up and wanted, else None (the
-    device-map hook then copies through the host)."""
-    if getattr(options, "cuda_transfer", "staged") != "staged":
+def cuda_transfer(
+    options: Any, same_host: Callable[[int], bool] | None = None
+) -> StagedTransfer | None:
+    """The agent's CUDA transfer where CUDA is set up and wanted, else None (the
+    device-map hook then copies through the host). ``cuda_transfer`` "auto" adds CUDA IPC
+    to same-host peers whose probe passed, "ipc" to every same-host peer (``same_host``)."""
+    mode = getattr(options, "cuda_transfer", "auto")
+    if mode == "host":
         return None
     import torch
 
@@ -46,7 +53,10 @@ def cuda_transfer(options: Any) -> StagedTransfer | None:
     from asyncrpc.runtime.cuda.real import CudaDevices
 
     devices = CudaDevices()
-    return StagedTransfer(devices, callee=CalleeStreams.from_options(devices, options))
+    transfer = StagedTransfer(devices, callee=CalleeStreams.from_options(devices, options))
+    if mode in ("auto", "ipc") and same_host is not None:
+        transfer.ipc = IpcLinks(devices, same_host, mode == "auto", transfer.in_stream)
+    return transfer
 
 
 class StagedTransfer:
@@ -60,6 +70,7 @@ class StagedTransfer:
         self.devices = devices
         self.gate = gate if gate is not None else SendGate(devices)
         self.callee = callee
+        self.ipc: IpcLinks | None = None  # same-host peers by handle (set for "auto"/"ipc")
         self._out: dict[int, Stream] = {}
         self._in: dict[int, Stream] = {}
         self.staged_out = 0  # tensors copied to the host, and to a device (metrics)
@@ -71,8 +82,20 @@ class StagedTransfer:
         owner = self.devices.host_buffer(nbytes)
         return owner, memory_view(owner.data_ptr(), nbytes, writable=True)
 
-    def policy(self, device_map: Mapping[str, str]) -> StagedCopy:
-        return StagedCopy(self, device_map)
+    def policy(self, device_map: Mapping[str, str], peer: int | None = None) -> StagedCopy:
+        return StagedCopy(self, device_map, peer)
+
+    def field_out(self, peer: int) -> Any:
+        """The IPC header field for the next message to ``peer`` (None: nothing)."""
+        return None if self.ipc is None else self.ipc.field_out(peer)
+
+    def field_in(self, peer: int, value: Any) -> None:
+        if self.ipc is not None and value is not None:
+            self.ipc.field_in(peer, value)
+
+    def on_peer_lost(self, peer: int) -> None:
+        if self.ipc is not None:
+            self.ipc.on_peer_lost(peer)
 
     def ready(self, policy: TensorPolicy) -> Awaitable[None] | None:
         """What a frame sent under ``policy`` waits for (None: nothing was staged)."""
@@ -127,11 +150,16 @@ class StagedTransfer:
 class StagedCopy(TensorPolicy):
     """The CUDA half of one message's tensor policy (see the module's docstring)."""
 
-    __slots__ = ("_producers", "device_map", "events", "received", "streams", "transfer")
+    __slots__ = (
+        "_producers", "device_map", "events", "peer", "received", "streams", "transfer",
+    )  # fmt: skip
 
-    def __init__(self, transfer: StagedTransfer, device_map: Mapping[str, str]) -> None:
+    def __init__(
+        self, transfer: StagedTransfer, device_map: Mapping[str, str], peer: int | None = None
+    ) -> None:
         self.transfer = transfer
         self.device_map = device_map
+        self.peer = peer  # the other end (a rank): whether handles may go, whose they are
         self._producers: dict[int, Event] = {}  # device -> the producer's work, recorded once
         self.events: dict[int, Event] = {}  # device -> after this message's last copy
         # device -> the stream the producer's work is on, where it is not the pickling
@@ -158,9 +186,13 @@ class StagedCopy(TensorPolicy):
                 "entry for it; move the tensor to CPU or map this device to one of the "
                 "callee's"
             )
+        on = self.streams.get(device)
+        ipc = transfer.ipc
+        if ipc is not None and ipc.usable(self.peer):
+            assert self.peer is not None
+            return self._share(ipc, tensor, device, target, on)
         producer = self._producers.get(device)
         if producer is None:
-            on = self.streams.get(device)
             producer = devices.record(on if on is not None else devices.current_stream(device))
             self._producers[device] = producer
         stream = transfer.out_stream(device)
@@ -170,7 +202,23 @@ class StagedCopy(TensorPolicy):
         transfer.staged_out += 1
         return target, host
 
+    def _share(
+        self, ipc: IpcLinks, tensor: Any, device: int, target: str, on: Any
+    ) -> tuple[str, Any]:
+        # By handle: nothing to wait for here (the consumer's stream waits for the event
+        # ``share`` records on the producer's stream); the segment goes empty.
+        assert self.peer is not None
+        devices = self.transfer.devices
+        stream = on if on is not None else devices.current_stream(device)
+        nbytes = 0  # a FakeTensor has no bytes
+        if isinstance(tensor, torch.Tensor):
+            with devices.use_streams([stream]):  # conj/neg/contiguous, if any, on that stream
+                tensor, _, nbytes = _resolved_span(tensor)  # as the serializer will describe it
+        return ipc.export(self.peer, tensor, nbytes, target, stream), tensor
+
     def to_device(self, segment: Any, device: str) -> Any:
+        if is_ipc_tag(device):
+            return self._open(device)
         index = cuda_index(device)
         if index is None:
             return super().to_device(segment, device)
@@ -180,4 +228,16 @@ class StagedCopy(TensorPolicy):
         self.events[index] = transfer.devices.record(stream)
         self.received.append((index, tensor))
         transfer.staged_in += 1
+        return tensor
+
+    def _open(self, tag: str) -> Any:
+        transfer, ipc = self.transfer, self.transfer.ipc
+        if ipc is None or self.peer is None:
+            raise SerializationError("received a CUDA IPC handle but CUDA IPC is off here")
+        try:
+            index, tensor = ipc.open(self.peer, tag)
+        except (OSError, ValueError) as exc:
+            raise SerializationError(f"a CUDA IPC handle could not be opened: {exc}") from exc
+        self.events[index] = transfer.devices.record(transfer.in_stream(index))
+        self.received.append((index, tensor))
         return tensor
