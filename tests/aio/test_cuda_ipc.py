@@ -169,6 +169,16 @@ def test_memory_on_another_gpu_of_the_host_gets_a_peer_copy() -> None:
     assert any(label.startswith("peer copy 1 -> 0") for label in labels)
 
 
+def test_memory_opened_from_a_handle_goes_back_staged() -> None:
+    a, b = probed()
+    tag, _ = a.policy({"cuda:0": "cuda:0"}, B).to_host(FakeTensor(0, "x"))
+    x = b.policy({}, A).to_device(EMPTY, tag)
+    echoed, host_copy = b.policy({"cuda:0": "cuda:0"}, A).to_host(x)  # an echo's reply
+    assert echoed == "cuda:0"
+    assert host_copy.value == "x"
+    assert ipc(b).refused == 1
+
+
 def test_a_handle_that_does_not_open_is_a_serialization_error() -> None:
     host = FakeIpc()
     a, b = probed(host)

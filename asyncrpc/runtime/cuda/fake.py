@@ -59,6 +59,7 @@ class FakeTensor:
 
     fake_device: int | None
     value: Any = None
+    opened: bool = False  # opened from another process's handle (cannot be shared again)
 
 
 @dataclass(eq=False)
@@ -183,6 +184,8 @@ class FakeDevices:
         device = self.device_of(tensor)
         if device is None:
             raise ValueError("only device memory is shared")
+        if getattr(tensor, "opened", False):
+            raise RuntimeError("memory opened from another process cannot be shared again")
         ipc = self.ipc
         handle = next(ipc._ids)
         uuid = self._identity.uuids[device]
@@ -202,7 +205,7 @@ class FakeDevices:
         stream.items.append(FakeWork(f"wait for shared {handle}", after=entry.event))
         if local != device:
             stream.items.append(FakeWork(f"peer copy {local} -> {device} on {stream.name}"))
-        tensor = FakeTensor(device, getattr(entry.tensor, "value", None))
+        tensor = FakeTensor(device, getattr(entry.tensor, "value", None), opened=local == device)
         weakref.finalize(tensor, self.ipc.drop, handle)  # torch: the storage's deleter
         return tensor
 

@@ -93,6 +93,7 @@ class IpcLinks:
         self.shared = 0  # handles sent, opened, and given back by consumers (metrics)
         self.opened = 0
         self.released = 0
+        self.refused = 0  # tensors that could not be shared (sent staged instead)
 
     # -- deciding --------------------------------------------------------------------------
 
@@ -258,6 +259,7 @@ class IpcLinks:
             "cuda_ipc_shared": self.shared,
             "cuda_ipc_opened": self.opened,
             "cuda_ipc_released": self.released,
+            "cuda_ipc_refused": self.refused,
         }
 
 

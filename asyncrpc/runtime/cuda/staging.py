@@ -189,8 +189,9 @@ class StagedCopy(TensorPolicy):
         on = self.streams.get(device)
         ipc = transfer.ipc
         if ipc is not None and ipc.usable(self.peer):
-            assert self.peer is not None
-            return self._share(ipc, tensor, device, target, on)
+            shared = self._share(ipc, tensor, device, target, on)
+            if shared is not None:
+                return shared
         producer = self._producers.get(device)
         if producer is None:
             producer = devices.record(on if on is not None else devices.current_stream(device))
@@ -204,9 +205,11 @@ class StagedCopy(TensorPolicy):
 
     def _share(
         self, ipc: IpcLinks, tensor: Any, device: int, target: str, on: Any
-    ) -> tuple[str, Any]:
-        # By handle: nothing to wait for here (the consumer's stream waits for the event
-        # ``share`` records on the producer's stream); the segment goes empty.
+    ) -> tuple[str, Any] | None:
+        """By handle, or None where this memory cannot be shared (e.g. it was itself opened
+        from another process's handle: an echo): then it goes staged. Nothing to wait for
+        here: the consumer's stream waits for the event ``share`` records on the
+        producer's stream; the segment goes empty."""
         assert self.peer is not None
         devices = self.transfer.devices
         stream = on if on is not None else devices.current_stream(device)
@@ -214,7 +217,11 @@ class StagedCopy(TensorPolicy):
         if isinstance(tensor, torch.Tensor):
             with devices.use_streams([stream]):  # conj/neg/contiguous, if any, on that stream
                 tensor, _, nbytes = _resolved_span(tensor)  # as the serializer will describe it
-        return ipc.export(self.peer, tensor, nbytes, target, stream), tensor
+        try:
+            return ipc.export(self.peer, tensor, nbytes, target, stream), tensor
+        except (RuntimeError, ValueError):
+            ipc.refused += 1
+            return None
 
     def to_device(self, segment: Any, device: str) -> Any:
         if is_ipc_tag(device):
