@@ -287,3 +287,12 @@ def test_hook_carries_offer_answer_and_releases_in_request_and_reply_headers() -
     assert isinstance(third.policy.devices, StagedCopy)
     assert third.policy.devices.peer == B
     assert FIELD in third.headers
+
+
+def test_hook_debug_info_counts_handles() -> None:
+    a, _ = probed()
+    a.policy({"cuda:0": "cuda:0"}, B).to_host(FakeTensor(0, "x"))
+    info = DeviceMapHook({"w1": {"cuda:0": "cuda:0"}}, a).debug_info()
+    assert info["cuda_ipc_shared"] == 1
+    assert info["cuda_staged_out"] == 0
+    assert info["device_maps"] == {"w1": {"cuda:0": "cuda:0"}}

@@ -38,3 +38,20 @@ def stream_ids() -> tuple[int, int]:
 
 async def async_stream_ids() -> tuple[int, int]:
     return stream_ids()
+
+
+HELD: list[torch.Tensor] = []
+
+
+def hold(x: torch.Tensor) -> int:
+    """Keep ``x`` (memory another process may have shared) until this process dies."""
+    HELD.append(x)
+    return len(HELD)
+
+
+def cuda_stats() -> dict[str, int]:
+    """This worker's CUDA transfer counters (staged copies, stream leases, IPC handles)."""
+    import asyncrpc
+
+    info = asyncrpc.get_debug_info()
+    return {k: v for k, v in info.items() if k.startswith("cuda_")}

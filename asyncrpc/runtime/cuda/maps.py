@@ -262,7 +262,11 @@ class DeviceMapHook(CallHook):
         return ready if streams is None else streams.leave(ready)
 
     def debug_info(self) -> dict[str, Any]:
-        return {"device_maps": {callee: dict(m) for callee, m in self._maps.items()}}
+        info: dict[str, Any] = {"device_maps": {c: dict(m) for c, m in self._maps.items()}}
+        stats = getattr(self.transfer, "stats", None)
+        if stats is not None:
+            info.update(stats())
+        return info
 
 
 def _after(

@@ -97,6 +97,17 @@ class StagedTransfer:
         if self.ipc is not None:
             self.ipc.on_peer_lost(peer)
 
+    def stats(self) -> dict[str, int]:
+        """Counters for ``get_debug_info()``: tensors staged each way, the callee's stream
+        leases, and CUDA IPC handles."""
+        stats = {"cuda_staged_out": self.staged_out, "cuda_staged_in": self.staged_in}
+        if self.callee is not None:
+            pool = self.callee.pool
+            stats.update(cuda_stream_leases=pool.leased, cuda_stream_releases=pool.released)
+        if self.ipc is not None:
+            stats.update(self.ipc.stats())
+        return stats
+
     def ready(self, policy: TensorPolicy) -> Awaitable[None] | None:
         """What a frame sent under ``policy`` waits for (None: nothing was staged)."""
         if isinstance(policy, StagedCopy) and policy.events:
