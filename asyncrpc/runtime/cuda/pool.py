@@ -7,7 +7,7 @@ and then fails with ``StreamPoolExhaustedError`` rather than waiting forever.
 
 Threads: ``acquire`` runs on the loop; ``try_acquire`` (never waits) and ``release`` may be
 called from any thread (a callee's pool thread): the free lists sit behind a lock, and a
-release off the loop hands its streams to waiters through the loop.
+release off the loop hands its streams to waiters through their loop.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ class StreamPool:
         self._made: dict[int, int] = {}
         self._waiters: dict[int, deque[asyncio.Future[Stream]]] = {}
         self._lock = threading.Lock()  # the three tables above, for try_acquire off the loop
-        self._loop: asyncio.AbstractEventLoop | None = None  # where waiters wait, once any did
         self.leased = 0  # leases handed out, and given back (for tests and metrics)
         self.released = 0
 
@@ -92,7 +91,6 @@ class StreamPool:
         order = sorted(set(devices))
         deadline = time.monotonic() + self.timeout
         taken: list[Stream] = []
-        self._loop = asyncio.get_running_loop()
         try:
             for device in order:
                 taken.append(await self._take(device, deadline))
@@ -105,14 +103,6 @@ class StreamPool:
 
     def release(self, lease: StreamLease) -> None:
         """Give ``lease``'s streams back (once; later calls do nothing). Any thread."""
-        loop = self._loop
-        if loop is not None and not _running(loop):
-            try:  # waiters' futures are the loop's: hand the streams over there
-                loop.call_soon_threadsafe(self.release, lease)
-            except RuntimeError:  # the loop is closed: nobody waits any more
-                self._loop = None
-                self.release(lease)
-            return
         with self._lock:
             if lease.released:
                 return
@@ -168,8 +158,23 @@ class StreamPool:
                         break
                 if handed is None:
                     self._free.setdefault(device, []).append(stream)
-            if handed is not None:
+            if handed is None:
+                continue
+            loop = handed.get_loop()
+            if _running(loop):
                 handed.set_result(stream)
+            else:  # a release off the loop: the waiter's future is the loop's to set
+                try:
+                    loop.call_soon_threadsafe(self._hand, device, handed, stream)
+                except RuntimeError:  # its loop is closed: nobody waits any more
+                    with self._lock:
+                        self._free.setdefault(device, []).append(stream)
+
+    def _hand(self, device: int, waiter: asyncio.Future[Stream], stream: Stream) -> None:
+        if waiter.done():  # it gave up meanwhile: the next one gets it
+            self._give_back([device], [stream])
+        else:
+            waiter.set_result(stream)
 
 
 def _running(loop: asyncio.AbstractEventLoop) -> bool:
