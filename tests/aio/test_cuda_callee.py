@@ -20,12 +20,14 @@ from asyncrpc.protocol.serde.policy import TensorPolicy
 from asyncrpc.protocol.wire import Frame, FrameDecoder, encode_frame
 from asyncrpc.protocol.wire.messages import CallMode, Kind, Request, decode_message
 from asyncrpc.runtime.calls.dispatch import Dispatcher
-from asyncrpc.runtime.calls.pipeline import IncomingCall, Pipeline
+from asyncrpc.runtime.calls.pending import PendingCall
+from asyncrpc.runtime.calls.pipeline import IncomingCall, OutgoingCall, Pipeline
 from asyncrpc.runtime.cuda import FakeDevices, FakeTensor, StreamPool, StreamPoolExhaustedError
 from asyncrpc.runtime.cuda.callee import CalleeStreams, on_streams
 from asyncrpc.runtime.cuda.fake import FakeStream
 from asyncrpc.runtime.cuda.maps import FIELD, DeviceMapHook
 from asyncrpc.runtime.cuda.staging import StagedTransfer
+from asyncrpc.runtime.future import Future
 from asyncrpc.runtime.metrics import Counters
 from asyncrpc.runtime.threadpool import WorkerPool
 
@@ -404,3 +406,54 @@ async def test_Dispatcher_cancelled_request_gives_its_stream_back() -> None:
     await _until(lambda: pool.in_use(0) == 0)
     assert written == []
     workers.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_then_chain_on_the_caller_is_ordered_after_the_callee_kernel_and_the_copies() -> None:
+    gpu, transfer, pipeline = setup()  # the callee's process
+    call = served(pipeline)
+    kernel: list[Any] = []
+
+    def fn() -> FakeTensor:
+        kernel.append(gpu.launch(gpu.current_stream(0), "writes the reply"))
+        return FakeTensor(0, "y")
+
+    result = call.wrapped(fn)()
+    call.reply_policy.to_host(result)  # pickled off the pool stream, on the pool thread
+    pipeline.replying(call, True, result)
+    ready = pipeline.reply_ready(call)
+    assert ready is not None
+    leaving = asyncio.ensure_future(ready)
+    gpu.run(transfer.out_stream(0))
+    await asyncio.sleep(0.01)
+    assert not leaving.done()  # the copy waits for the callee's kernel on its pool stream
+    gpu.run(transfer.in_stream(0))
+    gpu.run(call.state[pipeline.hooks[0]].lease.streams[0])
+    gpu.run(transfer.out_stream(0))
+    await asyncio.wait_for(leaving, 5)
+    assert kernel[0].done
+
+    caller_gpu = FakeDevices()  # the caller's process: the frame's bytes arrived
+    caller = StagedTransfer(caller_gpu)
+    hook = DeviceMapHook({"w1": {"cuda:0": "cuda:0"}}, caller)
+    out = OutgoingCall("async", "w0", "w1", 1, print, "builtins.print", (), {})
+    hooks = Pipeline([hook]).active_hooks()
+    Pipeline.prepare(hooks, out)
+    value = out.reply_policy.to_device(b"y", "cuda:0")
+    future: Future[Any] = Future()
+    pending = PendingCall(future, 1, "m.f", 0.0)
+    pending.observed = (hooks, out)
+    pending.resolve(value, {})
+    doubled: list[str] = []
+
+    def twice(f: Future[Any]) -> None:
+        f.value()
+        doubled.append(caller_gpu.launch(caller_gpu.current_stream(0), "y * 2").label)
+
+    future.then(twice).wait(5)
+    assert doubled == ["y * 2"]
+    stream = caller_gpu.default_stream(0)
+    assert stream.items[0].label.startswith("wait for")
+    assert caller_gpu.run(stream) == 0  # the reply's copy to the device has not run
+    caller_gpu.run(caller.in_stream(0))
+    assert caller_gpu.run(stream) == 2
