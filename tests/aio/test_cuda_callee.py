@@ -172,6 +172,15 @@ async def test_two_concurrent_requests_get_different_streams() -> None:
     assert pool_of(transfer).in_use(0) == 0
 
 
+def test_a_caller_map_naming_devices_this_worker_lacks_leases_none_of_them() -> None:
+    _, transfer, pipeline = setup()
+    call = IncomingCall("w0", 0, "w1", 7, "m.f", False, {FIELD: {"cuda:7": "cuda:0"}})
+    pipeline.receiving(call)
+    pipeline.incoming(call)
+    assert call.wrappers == []  # runs as before; a tensor for cuda:7 fails, naming it
+    assert pool_of(transfer).leased == 0
+
+
 # -- the reply -------------------------------------------------------------------------------
 
 

@@ -71,6 +71,7 @@ class StagedTransfer:
         self.gate = gate if gate is not None else SendGate(devices)
         self.callee = callee
         self.ipc: IpcLinks | None = None  # same-host peers by handle (set for "auto"/"ipc")
+        self._count: int | None = None  # devices this process sees
         self._out: dict[int, Stream] = {}
         self._in: dict[int, Stream] = {}
         self.staged_out = 0  # tensors copied to the host, and to a device (metrics)
@@ -139,11 +140,18 @@ class StagedTransfer:
             return None
         involved = set(request.events) if isinstance(request, StagedCopy) else set()
         replies = reply.streams if isinstance(reply, StagedCopy) else None
-        if isinstance(reply, StagedCopy):
+        if isinstance(reply, StagedCopy):  # a caller's map may name devices we lack:
+            count = self._device_count()  # its tensors fail then, naming them; calls do not
             involved.update(i for i in map(cuda_index, reply.device_map) if i is not None)
+            involved = {i for i in involved if i < count}
         if not involved:
             return None
         return self.callee.request(sorted(involved), self.before_use(request), replies)
+
+    def _device_count(self) -> int:
+        if self._count is None:  # asked once: identity() asks the driver for each device
+            self._count = len(self.devices.identity().uuids)
+        return self._count
 
     def out_stream(self, device: int) -> Stream:
         stream = self._out.get(device)
