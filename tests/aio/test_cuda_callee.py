@@ -261,6 +261,17 @@ def test_lease_of_a_remote_value_goes_back_once_it_is_kept() -> None:
     assert pool_of(transfer).in_use(0) == 0
 
 
+def test_lease_of_a_stream_producer_goes_back_once_its_generator_is_made() -> None:
+    _, transfer, pipeline = setup()
+    call = served(pipeline)
+
+    def items() -> Any:
+        yield 1
+
+    assert list(call.wrapped(items)()) == [1]
+    assert pool_of(transfer).in_use(0) == 0
+
+
 def test_lease_of_a_request_dropped_unannounced_goes_back_when_it_is_collected() -> None:
     _, transfer, pipeline = setup()
     call = served(pipeline)

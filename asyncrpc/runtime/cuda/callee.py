@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import inspect
 import types
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
@@ -125,10 +126,15 @@ class RequestStreams:
             try:
                 with self.callee.devices.use_streams(self._leased(lease)):
                     self._order()
-                    return fn(*args, **kwargs)
+                    result = fn(*args, **kwargs)
             except BaseException:
                 self.release()
                 raise
+            if inspect.isgenerator(result) or inspect.isasyncgen(result):
+                # A stream's producer: its body runs later, item by item, not on these
+                # streams, and no reply frame follows: nothing to hold them for.
+                self.release()
+            return result
 
         return run
 
