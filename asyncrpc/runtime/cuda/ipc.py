@@ -68,8 +68,7 @@ class IpcLinks:
     """One agent's CUDA IPC with each peer: probes, handles out, handles in.
 
     Safe from any thread (messages are pickled on callers' and pool threads): one lock
-    over the tables; no device call is made under it except ``share``/``open``'s
-    bookkeeping-free parts, which run outside.
+    guards the tables, and device calls (``share``, ``open``, ``collect``) run outside it.
     """
 
     def __init__(
