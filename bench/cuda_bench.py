@@ -3,10 +3,13 @@ processes on one GPU with device maps {0: 0} both ways.
 
     python bench/cuda_bench.py                  # both libraries, every row
     python bench/cuda_bench.py --device cpu     # the same rows on CPU tensors (no GPU)
+    python bench/cuda_bench.py --transfers ipc,staged,host   # asyncrpc once per transfer
 
 Rows: echo (there and back) of 1-256 MiB, a small tensor's p50, how long ``rpc_async``
 takes to return while the GPU is busy with a long kernel writing its argument, and the
-p99 of no-op calls from another thread meanwhile. Each library runs in a fresh pair of
+p99 of no-op calls from another thread meanwhile. asyncrpc runs once per CUDA transfer
+(``cuda_transfer``: "ipc" by handle, "staged" through pinned memory, "auto", "host"; a
+column each). Each library runs in a fresh pair of
 processes; the figures are medians over ``--repeats`` runs. Wall times on a shared
 machine move; compare the two libraries' columns of one run.
 """
@@ -39,6 +42,7 @@ def noop() -> None:
 
 
 def _rpc(library: str) -> Any:
+    """torch's rpc for "torch"; asyncrpc for "asyncrpc" or "asyncrpc-<transfer>"."""
     if library == "torch":
         from torch.distributed import rpc
 
@@ -51,6 +55,9 @@ def _rpc(library: str) -> Any:
 def _options(library: str, port: int, peer: str, device: str) -> Any:
     rpc = _rpc(library)
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
+    transfer = library.partition("-")[2]
+    if transfer:
+        options.cuda_transfer = transfer
     if device == "cuda":
         options.set_device_map(peer, {0: 0})
     return options
@@ -165,17 +172,26 @@ def main() -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--json", default=None, help="also write the figures here")
+    parser.add_argument(
+        "--transfers", default="ipc,staged",
+        help="asyncrpc's cuda_transfer values to run, comma-separated (auto, ipc, staged, host)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("cuda bench: skipped, no CUDA device (use --device cpu to try the harness)")
         return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    results = {lib: run(lib, args.device, args.repeats) for lib in ("torch", "asyncrpc")}
-    print(f"{'row':44} {'torch':>10} {'asyncrpc':>10} {'ratio':>7}")
+    ours = [f"asyncrpc-{t}" for t in args.transfers.split(",") if t]
+    results = {lib: run(lib, args.device, args.repeats) for lib in ("torch", *ours)}
+    print(f"{'row':44} {'torch':>10}" + "".join(f" {lib[9:]:>10} {'ratio':>7}" for lib in ours))
     for row, theirs in results["torch"].items():
-        ours = results["asyncrpc"][row]
-        print(f"{row:44} {theirs:10.2f} {ours:10.2f} {theirs / ours:6.2f}x")
-    print("ratio: torch's figure / asyncrpc's (above 1: asyncrpc is faster)")
+        line = f"{row:44} {theirs:10.2f}"
+        for lib in ours:
+            mine = results[lib][row]
+            line += f" {mine:10.2f} {theirs / mine:6.2f}x"
+        print(line)
+    print("columns: asyncrpc per cuda_transfer; ratio: torch's figure / asyncrpc's (above 1:")
+    print("asyncrpc is faster)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": args.device, **results}, f, indent=2)

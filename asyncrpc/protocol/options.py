@@ -93,8 +93,10 @@ class RpcBackendOptions:
         devices: the CUDA devices this worker may send from or receive to.
         cuda_transfer: how CUDA tensors cross: "staged" (default: copies on side streams
             through pinned memory; no thread waits for the GPU, the frame leaves once its
-            copies are done and the receiver's streams wait on events) or "host" (the
-            sending thread waits for the tensor's stream, then copies; for comparison).
+            copies are done and the receiver's streams wait on events), "auto" (by CUDA IPC
+            handle to same-host peers whose probe passed, else staged; not the default
+            until it has run on a GPU), "ipc" (by handle to every same-host peer, unprobed)
+            or "host" (the sending thread waits for the tensor's stream, then copies).
         listen_host: the address the worker listens on (loopback by default; "0.0.0.0"
             for every interface).
         listen_port: the port to listen on (0: any free one).
@@ -192,8 +194,11 @@ class RpcBackendOptions:
                 f"max_worker_threads ({self.max_worker_threads}) must be >= "
                 f"num_worker_threads ({self.num_worker_threads})"
             )
-        if self.cuda_transfer not in ("staged", "host"):
-            raise InitError(f"cuda_transfer must be 'staged' or 'host', got {self.cuda_transfer!r}")
+        if self.cuda_transfer not in ("auto", "ipc", "staged", "host"):
+            raise InitError(
+                "cuda_transfer must be 'auto', 'ipc', 'staged' or 'host', "
+                f"got {self.cuda_transfer!r}"
+            )
         if self.device_maps is not None:
             self.device_maps = {
                 str(callee): {_device_key(k): _device_key(v) for k, v in mapping.items()}

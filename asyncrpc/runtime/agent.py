@@ -80,7 +80,7 @@ class Agent:
         )
         # Device maps ride on every agent (a callee applies its callers' reply maps); the
         # other hooks come from whoever starts the agent.
-        transfer = cuda_transfer(options)
+        transfer = self.cuda = cuda_transfer(options, group.same_host)
         self.pipeline = Pipeline([DeviceMapHook(options.device_maps, transfer), *hooks])
         self.rrefs = rrefs(self)
         self.shm = SharedMemory(
@@ -246,6 +246,8 @@ class Agent:
         self.streams.on_peer_lost(rank)
         self.shm.on_peer_lost(rank)
         self.rrefs.on_peer_lost(rank)
+        if self.cuda is not None:  # CUDA IPC memory it held is dropped on its behalf
+            self.cuda.on_peer_lost(rank)
 
     # -- stopping --------------------------------------------------------------------------
 

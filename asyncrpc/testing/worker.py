@@ -106,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="CALLEE=SRC:DST[,SRC:DST...] (CUDA indices), as device_maps[CALLEE]",
     )
-    parser.add_argument("--cuda-transfer", choices=("staged", "host"), default="staged")
+    parser.add_argument(
+        "--cuda-transfer", choices=("auto", "ipc", "staged", "host"), default="staged"
+    )
     parser.add_argument(
         "--import",
         dest="imports",

@@ -312,3 +312,20 @@ async def test_StreamPool_cancelled_waiter_gives_its_place_up() -> None:
     pool.release(held)
     got = await asyncio.wait_for(waiting, 1)
     assert got.streams == held.streams
+
+
+@pytest.mark.asyncio
+async def test_StreamPool_release_from_another_thread_hands_over_through_the_loop() -> None:
+    gpu = FakeDevices()
+    pool = StreamPool(gpu, per_device=1, timeout=5)
+    held = pool.try_acquire([0])
+    assert held is not None
+    assert pool.try_acquire([0]) is None  # never waits
+    waiting = asyncio.create_task(pool.acquire([0]))
+    await asyncio.sleep(0)
+    thread = threading.Thread(target=pool.release, args=(held,))
+    thread.start()
+    thread.join(5)
+    got = await asyncio.wait_for(waiting, 1)
+    assert got.streams == held.streams
+    assert (pool.leased, pool.released) == (2, 1)

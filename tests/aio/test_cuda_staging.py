@@ -124,6 +124,7 @@ def test_received_tensors_first_user_waits_for_their_copies_on_its_own_streams()
         first()
         kernel = gpu.launch(mine, "reads tensor")
     assert gpu.run(mine) == 0  # the wait comes first and its copy has not run
+    assert gpu.kept == [(tensor, mine)]  # its memory is not reused before `mine` read it
     gpu.run(transfer.in_stream(1))
     gpu.run(mine)
     assert kernel.done

@@ -1,7 +1,8 @@
 """CUDA tensors between two real processes on GPU 0 with device maps {0: 0} both ways
 (skipped without CUDA): values are right while the producers' kernels are still queued,
-in both directions and through wait(), then(), await, remote() and to_here(), with the
-staged transfer (default) and with the host copy; GPU memory stays flat over many calls.
+in both directions and through wait(), then(), await, remote() and to_here(), with each
+transfer forced (CUDA IPC unprobed, IPC after the probe, staged, host copy); GPU memory
+stays flat over many calls.
 How fast this is, is the CUDA bench's job (``bench/cuda_bench.py``), not these tests'."""
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ SLEEP_CYCLES = 200_000_000  # about 0.1-0.2 s of GPU time on current GPUs
 N = 1 << 20
 
 
-@pytest.fixture(scope="module", params=["staged", "host"])
+@pytest.fixture(scope="module", params=["ipc", "auto", "staged", "host"])
 def callee(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
@@ -113,3 +114,32 @@ def test_a_device_the_map_does_not_name_is_refused(callee: str) -> None:
         pytest.skip("needs a second GPU")
     with pytest.raises(asyncrpc.SerializationError, match="cuda:1"):
         asyncrpc.rpc_sync(callee, fns.echo, args=(torch.ones(2, device="cuda:1"),))
+
+
+def test_callee_runs_on_a_pool_stream_not_the_default(
+    callee: str, request: pytest.FixtureRequest
+) -> None:
+    if request.node.callspec.params["callee"] != "staged":
+        pytest.skip("the host copy runs callees on their thread's current stream")
+    for fn in (fns.stream_ids, fns.async_stream_ids):
+        current, default = asyncrpc.rpc_sync(callee, fn)
+        assert current != default, fn.__name__
+
+
+def test_the_forced_path_is_the_one_taken(callee: str, request: pytest.FixtureRequest) -> None:
+    transfer = request.node.callspec.params["callee"]
+    x = torch.ones(N, device="cuda:0")
+    for _ in range(3):  # "auto": the first call carries the probe, later ones handles
+        asyncrpc.rpc_sync(callee, fns.add_one, args=(x,))
+    before = asyncrpc.rpc_sync(callee, fns.cuda_stats)
+    asyncrpc.rpc_sync(callee, fns.add_one, args=(x,))
+    after = asyncrpc.rpc_sync(callee, fns.cuda_stats)
+    if transfer == "host":
+        assert after == before == {}
+        return
+    opened = after.get("cuda_ipc_opened", 0) - before.get("cuda_ipc_opened", 0)
+    staged = after["cuda_staged_in"] - before["cuda_staged_in"]
+    if transfer in ("ipc", "auto"):
+        assert (opened, staged) == (1, 0), (before, after)
+    else:
+        assert (opened, staged) == (0, 1), (before, after)

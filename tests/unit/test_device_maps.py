@@ -37,3 +37,22 @@ def test_bad_options_are_refused_with_what_is_wrong(
     with pytest.raises(DeviceMapError, match=message) as caught:
         check_device_maps("w0", maps, devices, count)
     assert "'w0'" in str(caught.value)
+
+
+@pytest.mark.parametrize("transfer", ["auto", "ipc", "staged", "host"])
+def test_cuda_transfer_options_are_accepted_and_mean_nothing_without_cuda(transfer: str) -> None:
+    import torch
+
+    from asyncrpc.protocol.options import RpcBackendOptions
+    from asyncrpc.runtime.cuda.staging import cuda_transfer
+
+    options = RpcBackendOptions(cuda_transfer=transfer)
+    if not torch.cuda.is_available():
+        assert cuda_transfer(options, lambda rank: True) is None  # the host copy's hook
+
+
+def test_an_unknown_cuda_transfer_is_an_init_error() -> None:
+    from asyncrpc.protocol.options import RpcBackendOptions
+
+    with pytest.raises(InitError):
+        RpcBackendOptions(cuda_transfer="nvlink")

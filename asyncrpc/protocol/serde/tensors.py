@@ -132,11 +132,16 @@ def export_tensor(
     else:
         device, tensor = policy.to_host(tensor)
     tensor, stride, nbytes = _resolved_span(tensor)
-    view = memory_view(tensor.data_ptr(), nbytes, writable=False)
+    # A tensor the policy left on its device went by a handle named in its tag (CUDA IPC):
+    # no bytes travel, the receiver's ``to_device`` opens the handle.
+    view = memory_view(tensor.data_ptr(), nbytes, writable=False) if tensor.is_cpu else _NONE
     shape = tuple(tensor.shape)
     dtype = _DTYPE_NAMES[tensor.dtype]
     descriptor = (TENSOR_PID, key, dtype, shape, stride, 0, requires_grad, is_param, device)
     return descriptor, (view, device), tensor
+
+
+_NONE = memoryview(b"")
 
 
 def _resolved_span(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], int]:

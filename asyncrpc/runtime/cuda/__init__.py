@@ -4,23 +4,26 @@
 ``gate`` decides when a frame carrying CUDA tensors may leave and orders a receiver's
 streams after it; ``staging`` moves tensors through pinned memory on side streams, its
 frames held in the call pipeline's ready stages by the gate; ``maps`` is the device-map
-hook that gives each call its transfer policy; ``pool`` leases streams (not used by the
-staged transfer yet: a callee runs on its thread's current streams, made to wait).
+hook that gives each call its transfer policy; ``pool`` leases streams and ``callee``
+runs each request's function on leased pool streams made to wait for its data.
 """
 
 from __future__ import annotations
 
+from asyncrpc.runtime.cuda.callee import CalleeStreams, RequestStreams
 from asyncrpc.runtime.cuda.devices import Devices, GpuIdentity, devices_of
 from asyncrpc.runtime.cuda.fake import FakeDevices, FakeTensor
 from asyncrpc.runtime.cuda.gate import FrameEvents, SendGate, order_after, record_for
 from asyncrpc.runtime.cuda.pool import StreamLease, StreamPool, StreamPoolExhaustedError
 
 __all__ = [
+    "CalleeStreams",
     "Devices",
     "FakeDevices",
     "FakeTensor",
     "FrameEvents",
     "GpuIdentity",
+    "RequestStreams",
     "SendGate",
     "StreamLease",
     "StreamPool",

@@ -9,15 +9,18 @@ back to the same ``Devices``. Devices are CUDA indices (``int``); a CPU tensor h
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["Devices", "Event", "GpuIdentity", "Stream", "devices_of"]
+__all__ = ["Devices", "Event", "GpuIdentity", "IpcDescriptor", "Stream", "devices_of"]
 
 Stream = Any  # a device's stream, as the Devices that made it knows it
 Event = Any  # a recorded event, likewise
+# What names shared device memory to another process on this host: a tuple of ints, bytes,
+# str and bools (msgpack-able), its first item the UUID of the GPU the memory is on.
+IpcDescriptor = tuple[Any, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,11 @@ class Devices(Protocol):
         not wait)."""
         ...
 
+    def keep(self, tensor: Any, stream: Stream) -> None:
+        """Keep ``tensor``'s memory from reuse, once it is freed, until the work queued on
+        ``stream`` by then is done (a tensor made on one stream and read on another)."""
+        ...
+
     def host_buffer(self, nbytes: int) -> Any:
         """A uint8 CPU tensor of ``nbytes`` in pinned memory (what a received segment bound
         for a GPU lands in, so its copy to the device needs no host wait)."""
@@ -87,6 +95,39 @@ class Devices(Protocol):
 
     def identity(self) -> GpuIdentity:
         """This process's boot id and visible GPUs' UUIDs."""
+        ...
+
+    def share(self, tensor: Any, stream: Stream) -> IpcDescriptor:
+        """Export the device memory ``tensor`` lives in to other processes on this host.
+
+        An interprocess event is recorded on ``stream`` (the producer's work so far): the
+        opener's stream waits for it, so nothing need be awaited here. The memory stays
+        allocated until every opener released it (``open``'s tensor freed, or ``unshare``).
+        """
+        ...
+
+    def open(self, desc: IpcDescriptor, nbytes: int, device: int, stream: Stream) -> Any:
+        """Open memory another process shared: a flat uint8 tensor of its ``nbytes`` on
+        ``device`` (a peer copy on ``stream`` where the memory is on another of this host's
+        GPUs); work queued on ``stream`` afterwards sees the producer's writes.
+
+        Raises:
+            OSError: this process cannot open it (another host, a GPU it cannot see, its
+                own handle, a driver refusal).
+        """
+        ...
+
+    def in_use(self, tensor: Any) -> Callable[[], bool]:
+        """A check that says whether the memory of ``tensor`` (an opened one) is still
+        referenced in this process (never blocks)."""
+        ...
+
+    def unshare(self, desc: IpcDescriptor) -> None:
+        """Drop the reference an opener that died held on shared memory (producer side)."""
+        ...
+
+    def collect(self) -> None:
+        """Free shared memory no opener references any more (producer side)."""
         ...
 
 

@@ -10,15 +10,17 @@ code above the seam made the calls it should (and no more).
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrpc.runtime.cuda.devices import GpuIdentity
 
-__all__ = ["FakeDevices", "FakeEvent", "FakeStream", "FakeTensor", "FakeWork"]
+__all__ = ["FakeDevices", "FakeEvent", "FakeIpc", "FakeStream", "FakeTensor", "FakeWork"]
 
 
 @dataclass(eq=False)
@@ -57,16 +59,59 @@ class FakeTensor:
 
     fake_device: int | None
     value: Any = None
+    opened: bool = False  # opened from another process's handle (cannot be shared again)
+
+
+@dataclass(eq=False)
+class _Shared:
+    owner: int  # the id() of the FakeDevices (the "process") that shared it
+    tensor: Any  # what keeps the producer's block alive while it is shared
+    event: FakeEvent
+    uuid: str
+    refs: int = 1  # openers' references, as torch's shared ref counter counts them
+
+
+class FakeIpc:
+    """One host's CUDA IPC, simulated: what ``share`` exported, by handle, with torch's
+    reference counting (a share counts one opener; the opener's tensor, once collected,
+    or ``unshare`` drops it; ``collect`` frees blocks nobody references). Give the same
+    instance to the ``FakeDevices`` of every "process" on one host."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self.shared: dict[int, _Shared] = {}
+        self.opened = 0
+        self.freed = 0
+        self.over_released = 0  # references dropped twice (a bug above the seam)
+        self.refuse = False  # every open fails (a driver that says no)
+
+    def live(self) -> int:
+        """Blocks still allocated for sharing (referenced, or not collected yet)."""
+        return len(self.shared)
+
+    def referenced(self) -> int:
+        return sum(1 for entry in self.shared.values() if entry.refs > 0)
+
+    def drop(self, handle: int) -> None:
+        entry = self.shared.get(handle)
+        if entry is None or entry.refs <= 0:
+            self.over_released += 1
+            return
+        entry.refs -= 1
 
 
 class FakeDevices:
-    """The seam, simulated. ``count`` devices; ``identity`` is what ``identity()`` says."""
+    """The seam, simulated. ``count`` devices; ``identity`` is what ``identity()`` says;
+    ``ipc`` the host's simulated CUDA IPC (one per FakeDevices unless given)."""
 
-    def __init__(self, count: int = 2, identity: GpuIdentity | None = None) -> None:
+    def __init__(
+        self, count: int = 2, identity: GpuIdentity | None = None, ipc: FakeIpc | None = None
+    ) -> None:
         self.count = count
         self._identity = identity or GpuIdentity(
             "fake-boot", tuple(f"GPU-fake-{i}" for i in range(count))
         )
+        self.ipc = ipc if ipc is not None else FakeIpc()
         self._defaults = [FakeStream(d, f"default{d}") for d in range(count)]
         self._current = threading.local()
         self.streams_made = 0
@@ -74,6 +119,7 @@ class FakeDevices:
         self.waits = 0
         self.copies = 0
         self.host_buffers = 0
+        self.kept: list[tuple[Any, FakeStream]] = []
 
     # -- the seam ------------------------------------------------------------------------
 
@@ -111,6 +157,9 @@ class FakeDevices:
         self.waits += 1
         stream.items.append(FakeWork(f"wait for {event.stream.name}", after=event))
 
+    def keep(self, tensor: Any, stream: FakeStream) -> None:
+        self.kept.append((tensor, stream))
+
     def host_buffer(self, nbytes: int) -> Any:
         import torch
 
@@ -130,6 +179,48 @@ class FakeDevices:
 
     def identity(self) -> GpuIdentity:
         return self._identity
+
+    def share(self, tensor: Any, stream: FakeStream) -> tuple[Any, ...]:
+        device = self.device_of(tensor)
+        if device is None:
+            raise ValueError("only device memory is shared")
+        if getattr(tensor, "opened", False):
+            raise RuntimeError("memory opened from another process cannot be shared again")
+        ipc = self.ipc
+        handle = next(ipc._ids)
+        uuid = self._identity.uuids[device]
+        ipc.shared[handle] = _Shared(id(self), tensor, self.record(stream), uuid)
+        return (uuid, handle)
+
+    def open(self, desc: tuple[Any, ...], nbytes: int, device: int, stream: FakeStream) -> Any:
+        uuid, handle = desc
+        entry = self.ipc.shared.get(handle)
+        local = self._identity.index_of(uuid)
+        if self.ipc.refuse or entry is None or local is None:
+            raise OSError(f"cannot open shared memory {desc!r}")
+        if entry.owner == id(self):
+            raise OSError("a process cannot open its own CUDA IPC handle")
+        self.ipc.opened += 1
+        self.waits += 1
+        stream.items.append(FakeWork(f"wait for shared {handle}", after=entry.event))
+        if local != device:
+            stream.items.append(FakeWork(f"peer copy {local} -> {device} on {stream.name}"))
+        tensor = FakeTensor(device, getattr(entry.tensor, "value", None), opened=local == device)
+        weakref.finalize(tensor, self.ipc.drop, handle)  # torch: the storage's deleter
+        return tensor
+
+    def in_use(self, tensor: Any) -> Callable[[], bool]:
+        ref = weakref.ref(tensor)
+        return lambda: ref() is not None
+
+    def unshare(self, desc: tuple[Any, ...]) -> None:
+        self.ipc.drop(desc[1])
+
+    def collect(self) -> None:
+        ipc = self.ipc
+        for handle in [h for h, e in ipc.shared.items() if e.refs <= 0 and e.owner == id(self)]:
+            del ipc.shared[handle]
+            ipc.freed += 1
 
     # -- what tests drive ----------------------------------------------------------------
 

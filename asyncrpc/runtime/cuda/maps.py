@@ -25,6 +25,8 @@ import torch
 from asyncrpc.errors import InitError, SerializationError
 from asyncrpc.protocol.serde.policy import TensorPolicy
 from asyncrpc.runtime.calls.pipeline import CallHook, IncomingCall, OutgoingCall
+from asyncrpc.runtime.cuda.callee import RequestStreams
+from asyncrpc.runtime.cuda.ipc import FIELD as IPC_FIELD
 
 __all__ = [
     "FIELD",
@@ -109,8 +111,17 @@ def cuda_index(device: str) -> int | None:
 class Transfer(Protocol):
     """How one agent moves CUDA tensors: one policy per message, and the waits it needs."""
 
-    def policy(self, device_map: Mapping[str, str]) -> TensorPolicy:
-        """The tensor policy of one message sent (or received) under ``device_map``."""
+    def policy(self, device_map: Mapping[str, str], peer: int | None = None) -> TensorPolicy:
+        """The tensor policy of one message sent to (or received from) ``peer`` under
+        ``device_map``."""
+        ...
+
+    def field_out(self, peer: int) -> Any:
+        """What the next message to ``peer`` carries in the IPC field (None: nothing)."""
+        ...
+
+    def field_in(self, peer: int, value: Any) -> None:
+        """Take the IPC field a message from ``peer`` carried (None: it had none)."""
         ...
 
     def ready(self, policy: TensorPolicy) -> Awaitable[None] | None:
@@ -119,6 +130,10 @@ class Transfer(Protocol):
 
     def before_use(self, policy: TensorPolicy) -> Callable[[], None] | None:
         """What the first thread to use tensors unpickled under ``policy`` calls first."""
+        ...
+
+    def serve(self, request: TensorPolicy, reply: TensorPolicy) -> RequestStreams | None:
+        """The pool streams a request runs on (None: its thread's current streams)."""
         ...
 
 
@@ -147,13 +162,22 @@ class HostCopy(TensorPolicy):
 class HostTransfer:
     """``HostCopy`` for every message: nothing to wait for afterwards."""
 
-    def policy(self, device_map: Mapping[str, str]) -> TensorPolicy:
+    def policy(self, device_map: Mapping[str, str], peer: int | None = None) -> TensorPolicy:
         return HostCopy(device_map)
+
+    def field_out(self, peer: int) -> Any:
+        return None
+
+    def field_in(self, peer: int, value: Any) -> None:
+        pass
 
     def ready(self, policy: TensorPolicy) -> Awaitable[None] | None:
         return None
 
     def before_use(self, policy: TensorPolicy) -> Callable[[], None] | None:
+        return None
+
+    def serve(self, request: TensorPolicy, reply: TensorPolicy) -> RequestStreams | None:
         return None
 
 
@@ -183,9 +207,13 @@ class DeviceMapHook(CallHook):
         if forward is None:
             return
         backward = self._backward[call.callee]
-        call.policy.devices = self.transfer.policy(forward)
-        call.reply_policy.devices = self.transfer.policy(backward)
+        transfer, peer = self.transfer, call.callee_rank
+        call.policy.devices = transfer.policy(forward, peer)
+        call.reply_policy.devices = transfer.policy(backward, peer)
         call.headers[FIELD] = backward
+        ipc = transfer.field_out(peer)
+        if ipc is not None:
+            call.headers[IPC_FIELD] = ipc
 
     def ready(self, call: OutgoingCall) -> Awaitable[None] | None:
         return self.transfer.ready(call.policy.devices)
@@ -193,6 +221,8 @@ class DeviceMapHook(CallHook):
     def completed(
         self, call: OutgoingCall, headers: dict[str, Any] | None, error: BaseException | None
     ) -> None:
+        if headers is not None:
+            self.transfer.field_in(call.callee_rank, headers.get(IPC_FIELD))
         if error is None:
             call.on_value = self.transfer.before_use(call.reply_policy.devices)
 
@@ -202,19 +232,41 @@ class DeviceMapHook(CallHook):
         backward = call.headers.get(FIELD)
         if backward is None:
             return
-        call.policy.devices = self.transfer.policy({})  # receiving needs no map
-        call.reply_policy.devices = self.transfer.policy(_checked(backward, call.caller))
+        transfer, peer = self.transfer, call.caller_rank
+        transfer.field_in(peer, call.headers.get(IPC_FIELD))
+        call.policy.devices = transfer.policy({}, peer)  # receiving needs no map
+        call.reply_policy.devices = transfer.policy(_checked(backward, call.caller), peer)
 
     def incoming(self, call: IncomingCall) -> None:
+        streams = self.transfer.serve(call.policy.devices, call.reply_policy.devices)
+        if streams is not None:  # pool streams, ordered after the data, made current
+            call.state[self] = streams
+            call.wrap(functools.partial(streams.wrap, coroutine=call.coroutine))
+            return
         first = self.transfer.before_use(call.policy.devices)
         if first is not None:
             call.wrap(functools.partial(_after, first=first, coroutine=call.coroutine))
 
+    def replying(self, call: IncomingCall, ok: bool, value: Any) -> None:
+        if FIELD in call.headers:
+            ipc = self.transfer.field_out(call.caller_rank)
+            if ipc is not None:
+                call.reply_headers[IPC_FIELD] = ipc
+        streams = call.state.get(self)
+        if streams is not None:
+            streams.replied(ok, call.remote)
+
     def reply_ready(self, call: IncomingCall) -> Awaitable[None] | None:
-        return self.transfer.ready(call.reply_policy.devices)
+        ready = self.transfer.ready(call.reply_policy.devices)
+        streams = call.state.get(self)
+        return ready if streams is None else streams.leave(ready)
 
     def debug_info(self) -> dict[str, Any]:
-        return {"device_maps": {callee: dict(m) for callee, m in self._maps.items()}}
+        info: dict[str, Any] = {"device_maps": {c: dict(m) for c, m in self._maps.items()}}
+        stats = getattr(self.transfer, "stats", None)
+        if stats is not None:
+            info.update(stats())
+        return info
 
 
 def _after(

@@ -4,11 +4,16 @@ those streams wait for the request's events first, so its kernels cannot read ea
 lease keeps two concurrent requests off one stream. Streams are made lazily up to
 ``per_device``; when all are leased, a request waits its turn (in order) up to ``timeout``
 and then fails with ``StreamPoolExhaustedError`` rather than waiting forever.
+
+Threads: ``acquire`` runs on the loop; ``try_acquire`` (never waits) and ``release`` may be
+called from any thread (a callee's pool thread): the free lists sit behind a lock, and a
+release off the loop hands its streams to waiters through their loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -52,9 +57,28 @@ class StreamPool:
         self._free: dict[int, list[Stream]] = {}
         self._made: dict[int, int] = {}
         self._waiters: dict[int, deque[asyncio.Future[Stream]]] = {}
+        self._lock = threading.Lock()  # the three tables above, for try_acquire off the loop
+        self.leased = 0  # leases handed out, and given back (for tests and metrics)
+        self.released = 0
 
     def in_use(self, device: int) -> int:
         return self._made.get(device, 0) - len(self._free.get(device, []))
+
+    def try_acquire(self, devices: Sequence[int]) -> StreamLease | None:
+        """A stream of each of ``devices`` if every one is free (or can still be made) and
+        nobody waits for one, else None; never waits. Safe from any thread."""
+        order = sorted(set(devices))
+        taken: list[Stream] = []
+        with self._lock:
+            for device in order:
+                stream = self._take_now(device)
+                if stream is None:
+                    for back, got in zip(order, taken, strict=False):
+                        self._free.setdefault(back, []).append(got)  # nobody waits for them
+                    return None
+                taken.append(stream)
+            self.leased += 1
+        return StreamLease(tuple(taken), tuple(order))
 
     async def acquire(self, devices: Sequence[int]) -> StreamLease:
         """A stream of each of ``devices`` (distinct, taken in ascending order so two
@@ -73,24 +97,39 @@ class StreamPool:
         except BaseException:
             self._give_back(order[: len(taken)], taken)
             raise
+        with self._lock:
+            self.leased += 1
         return StreamLease(tuple(taken), tuple(order))
 
     def release(self, lease: StreamLease) -> None:
-        if lease.released:
-            return
-        lease.released = True
+        """Give ``lease``'s streams back (once; later calls do nothing). Any thread."""
+        with self._lock:
+            if lease.released:
+                return
+            lease.released = True
+            self.released += 1
         self._give_back(list(lease.devices), list(lease.streams))
 
-    async def _take(self, device: int, deadline: float) -> Stream:
+    def _take_now(self, device: int) -> Stream | None:
+        # Under the lock: a free stream, or a new one below the bound, unless others wait.
         free = self._free.setdefault(device, [])
-        waiters = self._waiters.setdefault(device, deque())
-        if free and not waiters:
+        if self._waiters.get(device):
+            return None
+        if free:
             return free.pop()
         if self._made.get(device, 0) < self.per_device:
             self._made[device] = self._made.get(device, 0) + 1
             return self._devices.new_stream(device)
+        return None
+
+    async def _take(self, device: int, deadline: float) -> Stream:
         waiter: asyncio.Future[Stream] = asyncio.get_running_loop().create_future()
-        waiters.append(waiter)
+        with self._lock:
+            stream = self._take_now(device)
+            if stream is not None:
+                return stream
+            waiters = self._waiters.setdefault(device, deque())
+            waiters.append(waiter)
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 return await waiter
@@ -102,16 +141,45 @@ class StreamPool:
                 raise StreamPoolExhaustedError(device, self.per_device, self.timeout) from None
             raise
         finally:
-            if waiter in waiters:
-                waiters.remove(waiter)
+            with self._lock:
+                if waiter in waiters:
+                    waiters.remove(waiter)
 
     def _give_back(self, devices: list[int], streams: list[Stream]) -> None:
+        # On the loop (or with no loop ever waited on): waiters' futures are set here.
         for device, stream in zip(devices, streams, strict=True):
-            waiters = self._waiters.get(device)
-            while waiters:  # bounded by the queue: hand it to the first one still waiting
-                waiter = waiters.popleft()
-                if not waiter.done():
-                    waiter.set_result(stream)
-                    break
-            else:
-                self._free.setdefault(device, []).append(stream)
+            with self._lock:
+                waiters = self._waiters.get(device)
+                handed = None
+                while waiters:  # bounded by the queue: the first one still waiting gets it
+                    waiter = waiters.popleft()
+                    if not waiter.done():
+                        handed = waiter
+                        break
+                if handed is None:
+                    self._free.setdefault(device, []).append(stream)
+            if handed is None:
+                continue
+            loop = handed.get_loop()
+            if _running(loop):
+                handed.set_result(stream)
+            else:  # a release off the loop: the waiter's future is the loop's to set
+                try:
+                    loop.call_soon_threadsafe(self._hand, device, handed, stream)
+                except RuntimeError:  # its loop is closed: nobody waits any more
+                    with self._lock:
+                        self._free.setdefault(device, []).append(stream)
+
+    def _hand(self, device: int, waiter: asyncio.Future[Stream], stream: Stream) -> None:
+        if waiter.done():  # it gave up meanwhile: the next one gets it
+            self._give_back([device], [stream])
+        else:
+            waiter.set_result(stream)
+
+
+def _running(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether the calling thread is running ``loop``."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False

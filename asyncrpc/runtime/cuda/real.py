@@ -8,7 +8,7 @@ is the one ``FakeDevices`` simulates, checked on hardware by ``tests/gpu``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,9 @@ class CudaDevices:
     def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
         stream.wait_event(event)
 
+    def keep(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        tensor.record_stream(stream)
+
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
@@ -80,6 +83,68 @@ class CudaDevices:
     ) -> torch.Tensor:
         with torch.cuda.stream(stream):
             return segment.to(torch.device("cuda", device), non_blocking=True)
+
+    # -- CUDA IPC, through torch.multiprocessing's machinery (not yet run on a GPU) ----------
+
+    def share(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> tuple[Any, ...]:
+        # _share_cuda_ records its interprocess event on the current stream: the
+        # producer's stream here. Its ref counter keeps the block until openers freed it.
+        with torch.cuda.stream(stream):
+            storage = tensor.untyped_storage()
+            device, handle, size, offset, counter, counter_offset, event, sync = (
+                storage._share_cuda_()  # type: ignore[no-untyped-call]
+            )
+        uuid = str(torch.cuda.get_device_properties(int(device)).uuid)
+        at = tensor.storage_offset() * tensor.element_size()
+        return (uuid, handle, size, offset, counter, counter_offset, event, sync, at)
+
+    def open(
+        self, desc: tuple[Any, ...], nbytes: int, device: int, stream: torch.cuda.Stream
+    ) -> torch.Tensor:
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        uuid, handle, size, offset, counter, counter_offset, event, sync, at = desc
+        local = self.identity().index_of(uuid)
+        if local is None:
+            raise OSError(f"GPU {uuid} is not visible in this process")
+        side = stream if local == device else self._open_stream(local)
+        try:
+            with torch.cuda.stream(side):  # the producer's event is waited for on `side`
+                flat: torch.Tensor = rebuild_cuda_tensor(  # type: ignore[no-untyped-call]
+                    torch.Tensor, (nbytes,), (1,), at, torch.UntypedStorage, torch.uint8,
+                    local, handle, size, offset, False, counter, counter_offset, event, sync,
+                )  # fmt: skip
+        except RuntimeError as exc:  # the driver refused (another host, policies, limits)
+            raise OSError(f"cannot open CUDA IPC memory: {exc}") from exc
+        if local == device:
+            return flat
+        stream.wait_event(self.record(side))  # a peer copy, ordered after the event
+        with torch.cuda.stream(stream):
+            copy = flat.to(torch.device("cuda", device), non_blocking=True)
+        flat.record_stream(stream)
+        return copy
+
+    def _open_stream(self, device: int) -> torch.cuda.Stream:
+        streams: dict[int, torch.cuda.Stream] = self.__dict__.setdefault("_opening", {})
+        if device not in streams:
+            streams[device] = self.new_stream(device)
+        return streams[device]
+
+    def in_use(self, tensor: torch.Tensor) -> Callable[[], bool]:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        ref = StorageWeakRef(tensor.untyped_storage())  # type: ignore[no-untyped-call]
+        return lambda: not ref.expired()  # type: ignore[no-untyped-call]
+
+    def unshare(self, desc: tuple[Any, ...]) -> None:
+        _, _, _, _, counter, counter_offset, _, _, _ = desc
+        local = self.identity().index_of(desc[0])
+        torch.UntypedStorage._release_ipc_counter(  # type: ignore[no-untyped-call]
+            counter, counter_offset, device=local
+        )
+
+    def collect(self) -> None:
+        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
 
     def identity(self) -> GpuIdentity:
         uuids = tuple(

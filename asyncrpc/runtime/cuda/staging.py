@@ -23,20 +23,28 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+import torch
+
 from asyncrpc.errors import SerializationError
 from asyncrpc.protocol.serde.policy import TensorPolicy
-from asyncrpc.protocol.serde.tensors import memory_view
+from asyncrpc.protocol.serde.tensors import _resolved_span, memory_view
+from asyncrpc.runtime.cuda.callee import CalleeStreams, RequestStreams
 from asyncrpc.runtime.cuda.devices import Devices, Event, Stream
 from asyncrpc.runtime.cuda.gate import FrameEvents, SendGate, order_after
+from asyncrpc.runtime.cuda.ipc import IpcLinks, is_ipc_tag
 from asyncrpc.runtime.cuda.maps import HostCopy, cuda_index
 
 __all__ = ["StagedCopy", "StagedTransfer", "cuda_transfer"]
 
 
-def cuda_transfer(options: Any) -> StagedTransfer | None:
-    """The agent's staged transfer where CUDA is set up and wanted, else None (the
-    device-map hook then copies through the host)."""
-    if getattr(options, "cuda_transfer", "staged") != "staged":
+def cuda_transfer(
+    options: Any, same_host: Callable[[int], bool] | None = None
+) -> StagedTransfer | None:
+    """The agent's CUDA transfer where CUDA is set up and wanted, else None (the
+    device-map hook then copies through the host). ``cuda_transfer`` "auto" adds CUDA IPC
+    to same-host peers whose probe passed, "ipc" to every same-host peer (``same_host``)."""
+    mode = getattr(options, "cuda_transfer", "auto")
+    if mode == "host":
         return None
     import torch
 
@@ -44,15 +52,26 @@ def cuda_transfer(options: Any) -> StagedTransfer | None:
         return None
     from asyncrpc.runtime.cuda.real import CudaDevices
 
-    return StagedTransfer(CudaDevices())
+    devices = CudaDevices()
+    transfer = StagedTransfer(devices, callee=CalleeStreams.from_options(devices, options))
+    if mode in ("auto", "ipc") and same_host is not None:
+        transfer.ipc = IpcLinks(devices, same_host, mode == "auto", transfer.in_stream)
+    return transfer
 
 
 class StagedTransfer:
-    """One agent's staged CUDA transfers: its copy streams and its send gate."""
+    """One agent's staged CUDA transfers: its copy streams, its send gate, and the stream
+    pool its callees run on (None: a callee runs on its thread's current streams, made to
+    wait)."""
 
-    def __init__(self, devices: Devices, gate: SendGate | None = None) -> None:
+    def __init__(
+        self, devices: Devices, gate: SendGate | None = None, callee: CalleeStreams | None = None
+    ) -> None:
         self.devices = devices
         self.gate = gate if gate is not None else SendGate(devices)
+        self.callee = callee
+        self.ipc: IpcLinks | None = None  # same-host peers by handle (set for "auto"/"ipc")
+        self._count: int | None = None  # devices this process sees
         self._out: dict[int, Stream] = {}
         self._in: dict[int, Stream] = {}
         self.staged_out = 0  # tensors copied to the host, and to a device (metrics)
@@ -64,8 +83,31 @@ class StagedTransfer:
         owner = self.devices.host_buffer(nbytes)
         return owner, memory_view(owner.data_ptr(), nbytes, writable=True)
 
-    def policy(self, device_map: Mapping[str, str]) -> StagedCopy:
-        return StagedCopy(self, device_map)
+    def policy(self, device_map: Mapping[str, str], peer: int | None = None) -> StagedCopy:
+        return StagedCopy(self, device_map, peer)
+
+    def field_out(self, peer: int) -> Any:
+        """The IPC header field for the next message to ``peer`` (None: nothing)."""
+        return None if self.ipc is None else self.ipc.field_out(peer)
+
+    def field_in(self, peer: int, value: Any) -> None:
+        if self.ipc is not None and value is not None:
+            self.ipc.field_in(peer, value)
+
+    def on_peer_lost(self, peer: int) -> None:
+        if self.ipc is not None:
+            self.ipc.on_peer_lost(peer)
+
+    def stats(self) -> dict[str, int]:
+        """Counters for ``get_debug_info()``: tensors staged each way, the callee's stream
+        leases, and CUDA IPC handles."""
+        stats = {"cuda_staged_out": self.staged_out, "cuda_staged_in": self.staged_in}
+        if self.callee is not None:
+            pool = self.callee.pool
+            stats.update(cuda_stream_leases=pool.leased, cuda_stream_releases=pool.released)
+        if self.ipc is not None:
+            stats.update(self.ipc.stats())
+        return stats
 
     def ready(self, policy: TensorPolicy) -> Awaitable[None] | None:
         """What a frame sent under ``policy`` waits for (None: nothing was staged)."""
@@ -80,12 +122,36 @@ class StagedTransfer:
             return None
         frame = policy.frame_events()
         devices = self.devices
+        received = policy.received
 
         def order_current_streams() -> None:
             streams = [devices.current_stream(device) for device, _ in frame.events]
             order_after(devices, streams, frame)
+            # Made on the copy-in stream, read on these: not reused before they are done.
+            for device, tensor in received:
+                devices.keep(tensor, devices.current_stream(device))
 
         return order_current_streams
+
+    def serve(self, request: TensorPolicy, reply: TensorPolicy) -> RequestStreams | None:
+        """The pool streams a request received under ``request`` runs on, its reply to be
+        pickled under ``reply`` (None: no pool, or no device involved)."""
+        if self.callee is None:
+            return None
+        involved = set(request.events) if isinstance(request, StagedCopy) else set()
+        replies = reply.streams if isinstance(reply, StagedCopy) else None
+        if isinstance(reply, StagedCopy):  # a caller's map may name devices we lack:
+            count = self._device_count()  # its tensors fail then, naming them; calls do not
+            involved.update(i for i in map(cuda_index, reply.device_map) if i is not None)
+            involved = {i for i in involved if i < count}
+        if not involved:
+            return None
+        return self.callee.request(sorted(involved), self.before_use(request), replies)
+
+    def _device_count(self) -> int:
+        if self._count is None:  # asked once: identity() asks the driver for each device
+            self._count = len(self.devices.identity().uuids)
+        return self._count
 
     def out_stream(self, device: int) -> Stream:
         stream = self._out.get(device)
@@ -103,13 +169,22 @@ class StagedTransfer:
 class StagedCopy(TensorPolicy):
     """The CUDA half of one message's tensor policy (see the module's docstring)."""
 
-    __slots__ = ("_producers", "device_map", "events", "transfer")
+    __slots__ = (
+        "_producers", "device_map", "events", "peer", "received", "streams", "transfer",
+    )  # fmt: skip
 
-    def __init__(self, transfer: StagedTransfer, device_map: Mapping[str, str]) -> None:
+    def __init__(
+        self, transfer: StagedTransfer, device_map: Mapping[str, str], peer: int | None = None
+    ) -> None:
         self.transfer = transfer
         self.device_map = device_map
+        self.peer = peer  # the other end (a rank): whether handles may go, whose they are
         self._producers: dict[int, Event] = {}  # device -> the producer's work, recorded once
         self.events: dict[int, Event] = {}  # device -> after this message's last copy
+        # device -> the stream the producer's work is on, where it is not the pickling
+        # thread's current one (a reply: the callee's leased pool streams).
+        self.streams: dict[int, Stream] = {}
+        self.received: list[tuple[int, Any]] = []  # (device, tensor) copied in
 
     def blocking(self) -> TensorPolicy:
         return HostCopy(self.device_map)
@@ -130,9 +205,15 @@ class StagedCopy(TensorPolicy):
                 "entry for it; move the tensor to CPU or map this device to one of the "
                 "callee's"
             )
+        on = self.streams.get(device)
+        ipc = transfer.ipc
+        if ipc is not None and ipc.usable(self.peer):
+            shared = self._share(ipc, tensor, device, target, on)
+            if shared is not None:
+                return shared
         producer = self._producers.get(device)
         if producer is None:
-            producer = devices.record(devices.current_stream(device))
+            producer = devices.record(on if on is not None else devices.current_stream(device))
             self._producers[device] = producer
         stream = transfer.out_stream(device)
         devices.wait(stream, producer)
@@ -141,7 +222,29 @@ class StagedCopy(TensorPolicy):
         transfer.staged_out += 1
         return target, host
 
+    def _share(
+        self, ipc: IpcLinks, tensor: Any, device: int, target: str, on: Any
+    ) -> tuple[str, Any] | None:
+        """By handle, or None where this memory cannot be shared (e.g. it was itself opened
+        from another process's handle: an echo): then it goes staged. Nothing to wait for
+        here: the consumer's stream waits for the event ``share`` records on the
+        producer's stream; the segment goes empty."""
+        assert self.peer is not None
+        devices = self.transfer.devices
+        stream = on if on is not None else devices.current_stream(device)
+        nbytes = 0  # a FakeTensor has no bytes
+        if isinstance(tensor, torch.Tensor):
+            with devices.use_streams([stream]):  # conj/neg/contiguous, if any, on that stream
+                tensor, _, nbytes = _resolved_span(tensor)  # as the serializer will describe it
+        try:
+            return ipc.export(self.peer, tensor, nbytes, target, stream), tensor
+        except (RuntimeError, ValueError):
+            ipc.refused += 1
+            return None
+
     def to_device(self, segment: Any, device: str) -> Any:
+        if is_ipc_tag(device):
+            return self._open(device)
         index = cuda_index(device)
         if index is None:
             return super().to_device(segment, device)
@@ -149,5 +252,18 @@ class StagedCopy(TensorPolicy):
         stream = transfer.in_stream(index)
         tensor = transfer.devices.stage_in(segment, index, stream)
         self.events[index] = transfer.devices.record(stream)
+        self.received.append((index, tensor))
         transfer.staged_in += 1
+        return tensor
+
+    def _open(self, tag: str) -> Any:
+        transfer, ipc = self.transfer, self.transfer.ipc
+        if ipc is None or self.peer is None:
+            raise SerializationError("received a CUDA IPC handle but CUDA IPC is off here")
+        try:
+            index, tensor = ipc.open(self.peer, tag)
+        except (OSError, ValueError) as exc:
+            raise SerializationError(f"a CUDA IPC handle could not be opened: {exc}") from exc
+        self.events[index] = transfer.devices.record(transfer.in_stream(index))
+        self.received.append((index, tensor))
         return tensor

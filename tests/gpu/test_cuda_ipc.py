@@ -1,0 +1,94 @@
+"""CUDA IPC on one GPU between real processes (skipped without CUDA): ``CudaDevices``
+keeps the contract the fake simulates (a child process opens what the parent shared, after
+the parent's queued kernel, with no host sync at share time), and a consumer SIGKILLed while
+holding shared memory does not leak it on the producer once its loss is detected."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import asyncrpc
+from asyncrpc.testing import free_port, spawn_worker, stop_workers
+from tests.gpu import cuda_fns as fns
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.timeout(180),
+]
+
+SLEEP_CYCLES = 200_000_000
+N = 1 << 22  # 16 MiB of float32
+
+
+def _open_in_child(desc: tuple, nbytes: int, results: mp.Queue) -> None:  # type: ignore[type-arg]
+    from asyncrpc.runtime.cuda.real import CudaDevices
+
+    gpu = CudaDevices()
+    stream = gpu.new_stream(0)
+    flat = gpu.open(desc, nbytes, 0, stream)
+    with gpu.use_streams([stream]):
+        total = float(flat.view(torch.float32).sum().item())
+    del flat
+    results.put(total)
+
+
+def test_CudaDevices_share_then_open_in_another_process_sees_the_queued_write() -> None:
+    from asyncrpc.runtime.cuda.real import CudaDevices
+
+    gpu = CudaDevices()
+    x = torch.zeros(N, device="cuda:0")
+    torch.cuda._sleep(SLEEP_CYCLES)
+    x.fill_(2.0)
+    started = time.perf_counter()
+    desc = gpu.share(x, gpu.current_stream(0))  # records the interprocess event
+    assert time.perf_counter() - started < 0.05  # no host sync
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=_open_in_child, args=(desc, x.nbytes, results))
+    child.start()
+    try:
+        assert results.get(timeout=120) == 2.0 * N
+    finally:
+        child.join(60)
+    assert child.exitcode == 0
+
+
+def test_killed_consumer_holding_shared_memory_does_not_leak_it(tmp_path: Path) -> None:
+    init = f"tcp://127.0.0.1:{free_port()}"
+    worker = spawn_worker(
+        "gpu1", 1, 2, init, log_dir=tmp_path,
+        extra_args=["--device-map", "driver=0:0", "--cuda-transfer", "ipc",
+                    "--heartbeat-interval", "0.5", "--heartbeat-timeout", "2",
+                    "--import", "tests.gpu.cuda_fns"],
+    )  # fmt: skip
+    options = asyncrpc.RpcBackendOptions(
+        init_method=init, device_maps={"gpu1": {0: 0}}, cuda_transfer="ipc",
+        heartbeat_interval=0.5, heartbeat_timeout=2.0,
+    )  # fmt: skip
+    asyncrpc.init_rpc("driver", rank=0, world_size=2, rpc_backend_options=options)
+    try:
+        torch.cuda.synchronize()
+        baseline = torch.cuda.memory_allocated(0)
+        for _ in range(4):
+            asyncrpc.rpc_sync("gpu1", fns.hold, args=(torch.ones(N, device="cuda:0"),))
+        torch.cuda.synchronize()
+        torch.cuda.ipc_collect()
+        held = torch.cuda.memory_allocated(0)
+        assert held >= baseline + 4 * N * 4  # the consumer holds them: still allocated here
+        os.kill(worker.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while torch.cuda.memory_allocated(0) > baseline + N * 4:  # bounded by the deadline
+            assert time.monotonic() < deadline, torch.cuda.memory_allocated(0)
+            time.sleep(0.5)
+    finally:
+        try:
+            asyncrpc.shutdown(graceful=False)
+        finally:
+            stop_workers([worker], timeout=0)
