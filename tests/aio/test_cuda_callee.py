@@ -30,6 +30,7 @@ from asyncrpc.runtime.cuda.staging import StagedTransfer
 from asyncrpc.runtime.future import Future
 from asyncrpc.runtime.metrics import Counters
 from asyncrpc.runtime.threadpool import WorkerPool
+from tests.fakes import NoRRefs
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -325,17 +326,6 @@ class Caller:
     def __init__(self) -> None:
         self.peer: int | None = 1
         self.peer_name: str | None = "w1"
-
-
-class NoRRefs:
-    def take_minted(self) -> None:
-        return None
-
-    def take_unconfirmed(self) -> None:
-        return None
-
-    def undelivered(self, rank: int, forks: Any) -> None:
-        pass
 
 
 GPU = Gpu()

@@ -27,6 +27,7 @@ from asyncrpc.runtime.calls.pipeline import Pipeline
 from asyncrpc.runtime.group.membership import Directory
 from asyncrpc.runtime.metrics import Counters
 from asyncrpc.runtime.threadpool import WorkerPool
+from tests.fakes import NoRRefs
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(10)]
 
@@ -54,28 +55,6 @@ class RecordingSender:
 
     def undelivered(self, rank: int, forks: Any) -> None:
         pass
-
-
-class NoRRefs:
-    """The RRef service's side the outbox and dispatcher use, holding no reference."""
-
-    def take_minted(self) -> None:
-        return None
-
-    def take_unconfirmed(self) -> None:
-        return None
-
-    def take_unmade(self) -> None:
-        return None
-
-    def undelivered(self, rank: int, forks: Any) -> None:
-        pass
-
-    def on_remote_request(self, peer: int, request: Request) -> None:
-        pass
-
-    def on_value(self, request: Request, peer: int, ok: bool, value: Any) -> None:
-        self.kept = (request.call_id, ok, value)
 
 
 def _outbox() -> tuple[Outbox, RecordingSender]:
