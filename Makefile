@@ -35,7 +35,7 @@ bench: $(STAMP)
 
 # CUDA tensors against torch, two processes on GPU 0 (says it skipped without a GPU).
 bench-cuda: $(STAMP)
-	$(PY) bench/cuda_bench.py
+	$(PY) -m asyncrpc.bench --workloads cuda
 
 bench-full: $(STAMP)
 	$(PY) -m asyncrpc.bench --json bench/results.json

@@ -17,6 +17,8 @@ from asyncrpc.bench.report import PlotUnavailableError, check_plot_available, re
 
 __all__ = ["build_config", "main"]
 
+CUDA = "cuda"  # the CUDA rows' workload name (asyncrpc.bench.cuda)
+
 _EXAMPLES = """\
 examples:
   python -m asyncrpc.bench --quick
@@ -64,7 +66,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     add = p.add_argument
     add("--quick", action="store_true", help="a short run (under two minutes)")
-    add("--workloads", type=_csv(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
+    add(
+        "--workloads", type=_csv((*WORKLOADS, CUDA)),
+        help=f"comma list of {', '.join(WORKLOADS)}, or {CUDA} (the CUDA rows, on a GPU machine; "
+        "python -m asyncrpc.bench.cuda -h for their options)",
+    )  # fmt: skip
     add("--systems", type=_csv(ALL_SYSTEMS), help="comma list (default asyncrpc,torch,floor)")
     add("--torch-tcp", action="store_true", help="also run torch with TensorPipe forced to TCP")
     add("--rounds", type=int, help="measured rounds (default 5, quick 3)")
@@ -130,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         except PlotUnavailableError as exc:
             print(f"asyncrpc.bench: {exc}", file=sys.stderr)
             return 2
+    if args.workloads and CUDA in args.workloads:
+        # Their own harness (one GPU, device maps both ways): run alone or before the rest.
+        from asyncrpc.bench import cuda
+
+        cuda.main([])
+        if set(args.workloads) == {CUDA}:
+            return 0
     from asyncrpc.bench.runner import run_bench
 
     config = build_config(args)

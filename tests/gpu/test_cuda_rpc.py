@@ -3,7 +3,8 @@
 in both directions and through wait(), then(), await, remote() and to_here(), with each
 transfer forced (CUDA IPC unprobed, IPC after the probe, staged, host copy); GPU memory
 stays flat over many calls.
-How fast this is, is the CUDA bench's job (``bench/cuda_bench.py``), not these tests'."""
+How fast this is, is the CUDA bench's job (``make bench-cuda``, ``asyncrpc/bench/cuda.py``),
+not these tests'."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from asyncrpc.bench.cli import build_config, main
 from asyncrpc.bench.config import KIB, MIB, parse_size
@@ -155,3 +156,15 @@ def test_bench_without_torch_rpc_runs_the_other_systems(
     assert row["ratios"]["asyncrpc/torch"] is None
     assert isinstance(row["ratios"]["asyncrpc/floor"], float)
     assert "no RPC in this build" in render(doc)
+
+
+def test_cuda_workload_says_it_was_skipped_without_a_gpu() -> None:
+    # On a machine without CUDA the CUDA rows print one clear line and the run succeeds.
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the CUDA rows run (make bench-cuda)")
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncrpc.bench", "--workloads", "cuda"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "cuda: skipped, no CUDA device here" in out.stdout

@@ -1,9 +1,9 @@
 """CUDA bench: asyncrpc against torch.distributed.rpc, the same script for both, two
 processes on one GPU with device maps {0: 0} both ways.
 
-    python bench/cuda_bench.py                  # both libraries, every row
-    python bench/cuda_bench.py --device cpu     # the same rows on CPU tensors (no GPU)
-    python bench/cuda_bench.py --transfers ipc,staged,host   # asyncrpc once per transfer
+    python -m asyncrpc.bench --workloads cuda      # both libraries, every row (make bench-cuda)
+    python -m asyncrpc.bench.cuda --device cpu     # the same rows on CPU tensors (no GPU)
+    python -m asyncrpc.bench.cuda --transfers ipc,staged,host   # asyncrpc once per transfer
 
 Rows: echo (there and back) of 1-256 MiB, a small tensor's p50, how long ``rpc_async``
 takes to return while the GPU is busy with a long kernel writing its argument, and the
@@ -125,7 +125,7 @@ def _busy_gpu(rpc: Any, repeats: int) -> dict[str, float]:
     try:
         for _ in range(repeats):
             x = torch.zeros(16 * MIB // 4, device="cuda")
-            torch.cuda._sleep(BUSY_CYCLES)
+            torch.cuda._sleep(BUSY_CYCLES)  # type: ignore[no-untyped-call]
             x.fill_(1.0)
             start = time.perf_counter()
             fut = rpc.rpc_async("server", echo, args=(x,))
@@ -167,7 +167,11 @@ def run(library: str, device: str, repeats: int) -> dict[str, float]:
     return rows
 
 
-def main() -> int:
+SKIPPED = "cuda: skipped, no CUDA device here (torch.cuda.is_available() is False)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CUDA rows (or say they were skipped); 0 either way, 2 on bad options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--repeats", type=int, default=10)
@@ -176,9 +180,9 @@ def main() -> int:
         "--transfers", default="ipc,staged",
         help="asyncrpc's cuda_transfer values to run, comma-separated (auto, ipc, staged, host)",
     )  # fmt: skip
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("cuda bench: skipped, no CUDA device (use --device cpu to try the harness)")
+        print(f"{SKIPPED}; python -m asyncrpc.bench.cuda --device cpu runs the harness")
         return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ours = [f"asyncrpc-{t}" for t in args.transfers.split(",") if t]
