@@ -156,6 +156,7 @@ class ContextTable:
         # The batcher of releases to other workers (``asyncrpc.autograd.release``), made
         # on first use: it needs the agent, which the table does not know.
         self.releases: ReleaseBatcher | None = None
+        self.hops_received = 0  # backward hops run here (see count_hop)
 
     def __len__(self) -> int:
         return len(self._contexts)
@@ -166,6 +167,11 @@ class ContextTable:
         with self._lock:
             self._contexts[context.id] = context
         return context
+
+    def count_hop(self) -> None:
+        """A backward hop reached this worker (for ``get_debug_info``)."""
+        with self._lock:
+            self.hops_received += 1
 
     def joined(self, context_id: int) -> AutogradContext:
         """The context ``context_id`` as this worker takes part in it (made on first sight)."""

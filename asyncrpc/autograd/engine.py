@@ -84,8 +84,9 @@ async def propagate(
 
 
 @async_execution
-def grads_arrived(context_id: int, message_id: int, grads: list[Any]) -> Any:
-    """Runs on the worker that sent message ``message_id``: the backward goes on here.
+def grads_arrived(context_id: int, batches: list[tuple[int, list[Any]]]) -> Any:
+    """Runs on the worker that sent the tensors of each ``(message id, grads)`` batch: the
+    backward goes on here, in one local pass for all of them.
 
     On a pool thread (the local pass is CPU work), and an ``@async_execution`` function: the
     thread is free again while the hops further down run; the reply waits for them. The
@@ -94,9 +95,15 @@ def grads_arrived(context_id: int, message_id: int, grads: list[Any]) -> Any:
     """
     agent, table = context_table()
     context = table.get(context_id)
-    _, tensors = context.sent(message_id)
-    pairs = [(t, g) for t, g in zip(tensors, grads, strict=True) if g is not None]
-    outgoing = local_pass(context, [t for t, _ in pairs], [g for _, g in pairs], agent.rank)
+    table.count_hop()
+    roots, grad_outputs = [], []
+    for message_id, grads in batches:
+        _, tensors = context.sent(message_id)
+        for tensor, grad in zip(tensors, grads, strict=True):
+            if grad is not None:
+                roots.append(tensor)
+                grad_outputs.append(grad)
+    outgoing = local_pass(context, roots, grad_outputs, agent.rank)
     return _hand_back_from_loop(agent, context.id, outgoing)
 
 
@@ -105,13 +112,23 @@ async def _hand_back_from_loop(agent: Agent, context_id: int, outgoing: Outgoing
         await hand_back(agent, context_id, outgoing)
 
 
+def by_sender(outgoing: Outgoing) -> dict[int, list[tuple[int, list[Any]]]]:
+    """The gradients of a local pass grouped by the worker they go to: one hop each, however
+    many messages of this context came from it (a model-parallel step that calls one worker
+    for each micro-batch sends it one hop, not one per call)."""
+    hops: dict[int, list[tuple[int, list[Any]]]] = {}
+    for (sender, message_id), grads in outgoing.items():
+        hops.setdefault(sender, []).append((message_id, grads))
+    return hops
+
+
 def hand_back(agent: Agent, context_id: int, outgoing: Outgoing) -> Future[Any]:
-    """Send each batch of gradients to the worker that sent those tensors (any thread, with
-    no autograd context current); the future completes when every hop has, and fails with
-    the first hop's error."""
+    """Send the gradients to the workers that sent those tensors, one hop per worker (any
+    thread, with no autograd context current); the future completes when every hop has,
+    and fails with the first hop's error."""
     hops = [
-        agent.call_future(sender, grads_arrived, (context_id, msg, g), {}, UNSET_RPC_TIMEOUT)
-        for (sender, msg), g in outgoing.items()
+        agent.call_future(sender, grads_arrived, (context_id, batches), {}, UNSET_RPC_TIMEOUT)
+        for sender, batches in by_sender(outgoing).items()
     ]
     if not hops:
         done: Future[Any] = Future()

@@ -97,7 +97,11 @@ class AutogradHook(CallHook):
         call.reply_headers[FIELD] = [context.id, message_id]
 
     def debug_info(self) -> dict[str, Any]:
-        return {"num_autograd_contexts": len(self.contexts)}
+        contexts = self.contexts
+        return {
+            "num_autograd_contexts": len(contexts),
+            "autograd_hops_received": contexts.hops_received,
+        }
 
 
 def _within(fn: Callable[..., Any], context_id: int, coroutine: bool) -> Callable[..., Any]:

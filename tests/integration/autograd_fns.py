@@ -149,3 +149,7 @@ class FetchTwice(nn.Module):
 
     def forward(self, y: RRef[torch.Tensor]) -> torch.Tensor:
         return y.to_here() * 2
+
+
+def hops_received() -> int:
+    return int(asyncrpc.get_debug_info()["autograd_hops_received"])

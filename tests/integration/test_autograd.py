@@ -103,6 +103,30 @@ def test_autograd_mlp_split_over_two_workers(group: Group, layers: Callable) -> 
     assert contexts_settle_at([0] * WORLD) == [0] * WORLD  # released on every worker
 
 
+def test_autograd_micro_batches_to_one_worker_take_one_hop(group: Group, layers: Callable) -> None:
+    # Three micro-batches through w1's layer, then w2's: backward reaches each worker once
+    # (its gradients batched into one hop), with the gradients of three separate passes.
+    l1, l2 = layers("w1", 6, 4, 5), layers("w2", 7, 5, 2)
+    batches = [torch.randn(3, 4) for _ in range(3)]
+    hops_before = [asyncrpc.rpc_sync(w, fns.hops_received) for w in ("w1", "w2")]
+    with dist_autograd.context() as context_id:
+        outs = [
+            asyncrpc.rpc_sync(
+                "w2", fns.forward, args=(l2, asyncrpc.rpc_sync("w1", fns.forward, args=(l1, x)))
+            )
+            for x in batches
+        ]
+        dist_autograd.backward(context_id, [torch.stack(outs).pow(2).sum()])
+        m1, m2 = fns.make_linear(6, 4, 5), fns.make_linear(7, 5, 2)
+        torch.stack([m2(m1(x)) for x in batches]).pow(2).sum().backward()
+        assert_grads_match(context_id, [("w1", l1), ("w2", l2)], [m1, m2])
+    hops = [
+        asyncrpc.rpc_sync(w, fns.hops_received) - n
+        for w, n in zip(("w1", "w2"), hops_before, strict=True)
+    ]
+    assert hops == [1, 1]
+
+
 def test_autograd_three_worker_chain_nested(group: Group, layers: Callable) -> None:
     l1, l3 = layers("w1", 3, 4, 6), layers("w3", 4, 6, 2)
     x = torch.randn(3, 4, requires_grad=True)  # the driver's own leaf takes part too
