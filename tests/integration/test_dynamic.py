@@ -1,6 +1,6 @@
 """Dynamic groups for real: members join (and leave) while the others serve.
 
-Each member is a ``dynamic_scenarios`` process driven line by line, so the test fixes who
+Each member is a ``dynamic_member`` scenario process driven line by line, so the test fixes who
 joins when and who calls whom. Every process is killed in ``finally``.
 """
 
@@ -15,11 +15,9 @@ from typing import Any
 import pytest
 
 from asyncrpc.testing import free_port
-from tests.integration import scenarios
+from tests import scenarios
 
 pytestmark = pytest.mark.timeout(90)
-
-_MODULE = "tests.integration.dynamic_scenarios"
 
 
 class Member:
@@ -59,7 +57,7 @@ def _join(
     init_method: str, procs: list[scenarios.ScenarioProcess], name: str, rank: int, *extra: str
 ) -> Member:
     args = ["--init-method", init_method, "--name", name, "--rank", str(rank), *extra]
-    proc = scenarios.start("member", *args, module=_MODULE)
+    proc = scenarios.start("dynamic_member", *args)
     procs.append(proc)
     proc.wait_line("JOINED", 30.0)
     return Member(proc)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from asyncrpc.testing import free_port, spawn_worker, stop_workers
-from tests.integration import scenarios
+from tests import scenarios
 
 pytestmark = pytest.mark.timeout(150)
 HEARTBEATS = ["--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.0"]

@@ -1,7 +1,7 @@
 """Issue 15 with real worker processes: nested blocking calls deeper than the pool,
 frame limits known to both sides, connections that drop and heal, bounded shutdown.
 
-Each scenario runs in a driver process of its own (``heal_scenarios.py``).
+Each scenario runs in a driver process of its own (``tests/scenarios/heal.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from asyncrpc.testing import free_port, spawn_worker, stop_workers
-from tests.integration import scenarios
+from tests import scenarios
 
 pytestmark = pytest.mark.timeout(120)
 _IMPORT = ["--import", "tests.integration.remote_fns"]
@@ -37,7 +37,6 @@ def run_scenario(
     ]  # fmt: skip
     driver = scenarios.start(
         name, "--init-method", init, "--world-size", str(size), *args,
-        module="tests.integration.heal_scenarios",
     )  # fmt: skip
     try:
         code, obs = driver.result(timeout)
@@ -228,7 +227,6 @@ def test_shutdown_finds_a_never_contacted_dead_peer_within_seconds(tmp_path: Pat
     ]  # fmt: skip
     driver = scenarios.start(
         "dead_peer", "--init-method", init, "--world-size", "3",
-        module="tests.integration.heal_scenarios",
     )  # fmt: skip
     try:
         driver.wait_line("STARTED", 60.0)

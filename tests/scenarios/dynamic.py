@@ -1,9 +1,9 @@
 """A member of a dynamic group, driven line by line from its stdin (test layer).
 
-``python -m tests.integration.dynamic_scenarios member --name N --rank R --init-method M``
-joins without a world size, prints ``JOINED``, then runs one command per input line and
-prints ``DONE <command> <json>`` for each; ``shutdown`` stops it and prints the ``RESULT``
-line that ``scenarios.ScenarioProcess.result`` reads. The test decides who joins when and
+``python -m tests.scenarios dynamic_member --name N --rank R --init-method M`` joins
+without a world size, prints ``JOINED``, then runs one command per input line and prints
+``DONE <command> <json>`` for each; ``shutdown`` stops it and prints the ``RESULT`` line
+that ``ScenarioProcess.result`` reads. The test decides who joins when and
 who calls whom, so members that joined earlier and later meet in every order.
 
 Commands: ``call NAME`` (``rpc_sync`` from this thread), ``acall NAME`` (``await call`` on
@@ -19,7 +19,7 @@ import asyncio
 import gc
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,7 +27,8 @@ import torch
 import asyncrpc
 from asyncrpc.runtime.current import current_agent
 from tests.integration import remote_fns as fns
-from tests.integration.scenarios import RESULT_PREFIX, _attempt, _error
+from tests.scenarios.common import attempt, options, report
+from tests.scenarios.registry import option, scenario
 
 _held: list[asyncrpc.RRef[Any] | None] = []
 
@@ -71,42 +72,26 @@ COMMANDS: dict[str, Callable[..., Any]] = {
 }
 
 
-def member(args: argparse.Namespace) -> int:
-    options = asyncrpc.RpcBackendOptions(
-        init_method=args.init_method,
-        rpc_timeout=args.rpc_timeout,
-        shutdown_timeout=args.shutdown_timeout,
-        auth_key=args.auth_key or None,
-    )
-    try:
-        asyncrpc.init_rpc(args.name, rank=args.rank, rpc_backend_options=options)
-    except Exception as exc:  # the observation is the error itself
-        print(RESULT_PREFIX + json.dumps({"init": _error(exc)}), flush=True)
+@scenario(
+    "dynamic_member",
+    option("--auth-key", default=""),
+    rpc_timeout=20.0,
+    shutdown_timeout=20.0,
+)
+def dynamic_member(args: argparse.Namespace) -> int:
+    """Join a dynamic group (no world size) as ``--name``/``--rank``; then obey stdin."""
+    opts = options(args, auth_key=args.auth_key or None)
+    init = attempt(lambda: asyncrpc.init_rpc(args.name, rank=args.rank, rpc_backend_options=opts))
+    if init["error"] is not None:
+        report({"init": init["error"]})
         return 1
     print("JOINED", flush=True)
     for line in sys.stdin:  # bounded by the test, which always ends with "shutdown"
         command, *words = line.split()
         if command == "shutdown":
-            outcome = _attempt(lambda: asyncrpc.shutdown(timeout=args.shutdown_timeout))
-            print(RESULT_PREFIX + json.dumps({"shutdown": outcome}), flush=True)
+            outcome = attempt(lambda: asyncrpc.shutdown(timeout=args.shutdown_timeout))
+            report({"shutdown": outcome})
             return 0 if outcome["error"] is None else 3
-        outcome = _attempt(lambda: COMMANDS[command](*words))  # noqa: B023 (called at once)
+        outcome = attempt(lambda: COMMANDS[command](*words))  # noqa: B023 (called at once)
         print(f"DONE {command} {json.dumps(outcome, default=repr)}", flush=True)
     return 2  # stdin closed before "shutdown"
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("scenario", choices=["member"])
-    parser.add_argument("--init-method", required=True)
-    parser.add_argument("--name", required=True)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--rpc-timeout", type=float, default=20.0)
-    parser.add_argument("--shutdown-timeout", type=float, default=20.0)
-    parser.add_argument("--auth-key", default="")
-    args = parser.parse_args(argv)
-    return member(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
