@@ -148,6 +148,7 @@ def healed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_Agent_dropped_connection_fails_the_call_in_flight_typed(healed: dict[str, Any]) -> None:
     assert healed["code"] == 0, healed["logs"]
+    assert healed["slow_running"] is True  # the call ran on r1 when the link dropped
     error = healed["in_flight"]["error"]
     assert error is not None, healed["in_flight"]
     assert error["type"] == "PeerLostError"
@@ -174,6 +175,7 @@ def test_Agent_rref_held_across_a_dropped_connection_still_works(healed: dict[st
 
 
 def test_Agent_stranger_claiming_a_name_makes_nobody_lost(healed: dict[str, Any]) -> None:
+    assert healed["strays_closed"] is True  # both sides saw the strangers hang up
     assert healed["after_strays"]["value"] == 7, healed["after_strays"]
     assert healed["lost_after_strays"] == []
 

@@ -151,6 +151,7 @@ def test_RRef_owner_frees_the_survivor_once_the_others_drop_it(user_killed: dict
     assert obs["dropped"] == [1, 1]
     assert obs["after_drop"] == dict.fromkeys(DEBUG_KEYS, 0)
     # The value a dead caller's remote() was computing is discarded when it finishes.
+    assert obs["late_value_done"] is True
     assert obs["after_late_value"] == dict.fromkeys(DEBUG_KEYS, 0)
 
 

@@ -9,7 +9,8 @@ who calls whom, so members that joined earlier and later meet in every order.
 Commands: ``call NAME`` (``rpc_sync`` from this thread), ``acall NAME`` (``await call`` on
 the agent's loop), ``remote NAME`` (an RRef owned by NAME, held here), ``pass NAME I``
 (NAME fetches held RRef I through its own fork), ``fetch I`` (``to_here`` of held RRef I),
-``drop I`` (let held RRef I go), ``infos``, ``shutdown``.
+``drop I`` (let held RRef I go), ``infos``, ``shutdown``, and ``leave`` (``shutdown`` that
+first prints ``LEAVING`` once the shutdown has begun).
 """
 
 from __future__ import annotations
@@ -18,8 +19,12 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import sys
+import threading
+import time
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -27,6 +32,7 @@ import torch
 import asyncrpc
 from asyncrpc.runtime.current import current_agent
 from tests.integration import remote_fns as fns
+from tests.ordering import in_function, until
 from tests.scenarios.common import attempt, options, report
 from tests.scenarios.registry import option, scenario
 
@@ -61,6 +67,21 @@ def _drop(index: str) -> None:
     gc.collect()  # the RRef's release is sent from its __del__
 
 
+def _announce_leaving() -> None:
+    """Print ``LEAVING`` from another thread once this one is inside ``asyncrpc.shutdown``
+    (its stack shows it): the test then knows the member has begun to leave."""
+    main = threading.get_ident()
+
+    def in_shutdown(frame: FrameType) -> bool:
+        return frame.f_code.co_filename.endswith(os.path.join("asyncrpc", "api.py"))
+
+    def announce() -> None:
+        until(lambda: in_function(main, "shutdown", in_shutdown), 30.0, "shutdown entered")
+        print("LEAVING", flush=True)
+
+    threading.Thread(target=announce, daemon=True).start()
+
+
 COMMANDS: dict[str, Callable[..., Any]] = {
     "call": lambda name: asyncrpc.rpc_sync(name, fns.whoami, timeout=30.0),
     "acall": _on_loop,
@@ -88,9 +109,13 @@ def dynamic_member(args: argparse.Namespace) -> int:
     print("JOINED", flush=True)
     for line in sys.stdin:  # bounded by the test, which always ends with "shutdown"
         command, *words = line.split()
-        if command == "shutdown":
+        if command in ("shutdown", "leave"):
+            if command == "leave":
+                _announce_leaving()
             outcome = attempt(lambda: asyncrpc.shutdown(timeout=args.shutdown_timeout))
-            report({"shutdown": outcome})
+            # CLOCK_MONOTONIC is one clock for every process of the machine (Linux): the
+            # test compares this with its own readings to order events across processes.
+            report({"shutdown": outcome, "ended_at": time.monotonic()})
             return 0 if outcome["error"] is None else 3
         outcome = attempt(lambda: COMMANDS[command](*words))  # noqa: B023 (called at once)
         print(f"DONE {command} {json.dumps(outcome, default=repr)}", flush=True)

@@ -166,7 +166,9 @@ def faults(args: argparse.Namespace) -> int:
     obs["f2_detected_s"] = time.monotonic() - started
     # Drop: a reset; the call in flight fails at once.
     slow = asyncrpc.rpc_async("f3", fns.sleep, args=(30.0,), timeout=0)
-    time.sleep(0.2)
+    obs["f3_running"] = poll(
+        lambda: asyncrpc.rpc_sync("f3", fns.metrics)["running_requests"] >= 1, 10.0
+    )
     proxies["f3"].drop()
     started = time.monotonic()
     obs["f3_pending"] = attempt(lambda: slow.wait(20))
@@ -180,7 +182,8 @@ def faults(args: argparse.Namespace) -> int:
     for future in pending:
         with contextlib.suppress(Exception):
             future.wait(5)
-    time.sleep(0.2)  # done callbacks run on the agent's loop
+    # Done callbacks run on the callback pool, maybe after wait() returned: wait for each.
+    obs["all_ended"] = poll(lambda: all(e["ended"] for e in ledger.calls.values()), 10.0)
     obs["ledger"] = ledger.summary()
     obs["metrics"] = asyncrpc.get_metrics()
     asyncrpc.shutdown(graceful=False)

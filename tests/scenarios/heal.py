@@ -137,6 +137,10 @@ def _stalled(port: int) -> tuple[bool, bool]:
         return _closed_by_peer(idle, 5.0), _closed_by_peer(stalled, 5.0)
 
 
+def _running_on_r1() -> int:
+    return int(asyncrpc.rpc_sync("r1", fns.metrics)["running_requests"])
+
+
 def _on_r1(fn: Callable[[], Any]) -> Any:
     """``fn()`` on r1, or None if the call failed typed (a poll then tries again)."""
     try:
@@ -246,7 +250,7 @@ def heal(args: argparse.Namespace) -> int:
     baseline = {"driver": _fds(), "r1": asyncrpc.rpc_sync("r1", fns.open_fds)}
     # A live connection dropped in the middle of a call.
     slow = asyncrpc.rpc_async("r1", fns.sleep, args=(30.0,), timeout=0)
-    time.sleep(0.2)
+    obs["slow_running"] = poll(lambda: _running_on_r1() >= 1, 10.0)
     soak.drop()
     obs["in_flight"] = attempt(lambda: slow.wait(10.0))
     obs["next_call"] = attempt(lambda: asyncrpc.rpc_sync("r1", fns.add, args=(2, 3)))
@@ -260,9 +264,13 @@ def heal(args: argparse.Namespace) -> int:
     obs["ordered"] = attempt(lambda: asyncrpc.wait_all(ordered))
     obs["arrivals"] = asyncrpc.rpc_sync("r1", fns.arrivals)
     # Strangers claim each name and hang up: nobody becomes lost.
+    fds = {"driver": _fds(), "r1": asyncrpc.rpc_sync("r1", fns.open_fds)}
     _stray(args.proxy_port, "driver", 0)
     _stray(my_proxy, "r1", 1)
-    time.sleep(0.2)
+    # Both sides have closed the strays' connections (and so heard them hang up).
+    obs["strays_closed"] = poll(
+        lambda: _fds() == fds["driver"] and _on_r1(fns.open_fds) == fds["r1"], 10.0
+    )
     obs["after_strays"] = attempt(lambda: asyncrpc.rpc_sync("r1", fns.add, args=(3, 4)))
     obs["lost_after_strays"] = asyncrpc.get_debug_info()["lost_peers"]
     # Strangers that never finish a handshake: idle, and stalled in the middle of a prelude.

@@ -13,7 +13,7 @@ from typing import Any
 import asyncrpc
 from asyncrpc.runtime.current import current_agent
 from tests.integration import remote_fns as fns
-from tests.scenarios.common import Observations, attempt, handshake, report
+from tests.scenarios.common import Observations, attempt, handshake, poll, report
 from tests.scenarios.common import options as common_options
 from tests.scenarios.common import poll_value as _poll
 from tests.scenarios.registry import scenario
@@ -120,7 +120,11 @@ def user_killed(args: argparse.Namespace) -> int:
     obs["held_on_w2"] = attempt(lambda: asyncrpc.rpc_sync("w2", fns.fetch_held, args=(0,)).count)
     obs["dropped"] = [asyncrpc.rpc_sync(w, fns.drop_held) for w in ("w2", "w3")]
     obs["after_drop"] = _poll(_local_debug, lambda i: i["owner_rrefs"] == 0, 5.0)
-    time.sleep(3.5)  # the remote() value that was computing finishes: it must be discarded
+    # The remote() value that was computing (3 s on a pool thread here) finishes: it must be
+    # discarded. Wait for that thread to be done, then for a round trip through this loop
+    # (the value's hand-off to the loop comes before the reply), not a sleep of 3.5 s.
+    obs["late_value_done"] = poll(lambda: asyncrpc.get_metrics()["thread_pool_busy"] == 0, 10.0)
+    asyncrpc.rpc_sync("w2", fns.add, args=(1, 1))
     obs["after_late_value"] = _local_debug()
     obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(graceful=True, timeout=5.0))
     report(obs)
