@@ -200,6 +200,7 @@ class _Soak:
         ]
         rref = asyncrpc.remote("r1", fns.add, args=(i, 1), timeout=2.0)
         held = asyncrpc.rpc_async("r1", fns.hold, args=(asyncrpc.RRef(i),))
+        # Deliberate jitter, not ordering: the drop lands at varied points of the calls.
         time.sleep(random.uniform(0.0, 0.01))
         self.drop()
         for future, expected in futures:
