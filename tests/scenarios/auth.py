@@ -60,7 +60,7 @@ def attacks(host: str, port: int, marker: str) -> dict[str, bool]:
     #    wrong proof and a request right behind it.
     with socket.create_connection((host, port)) as sock:
         sock.sendall(frame(Hello(PROTOCOL_VERSION, "a2", 2, auth.new_nonce())))
-        decoder, frames = FrameDecoder(), []
+        decoder, frames = FrameDecoder(), list[Any]()
         sock.settimeout(5.0)
         while not frames:  # bounded by the timeout: the reply comes at once
             frames = decoder.feed(sock.recv(65536))

@@ -167,13 +167,13 @@ def reference(steps: tuple[int, int]) -> dict[str, object]:
         for trainer in (1, 2):
             if step < steps[trainer - 1]:
                 loss = loss_of(local(torch.relu(shared(batch(step, trainer)))))
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call]
                 losses[trainer].append(loss.item())
         with torch.no_grad():
             for p in shared.parameters():
-                p.sub_(LR * p.grad)
+                p.sub_(LR * p.grad)  # type: ignore[operator]
             for p in local.parameters():
-                p.sub_(LR * p.grad / 2)
+                p.sub_(LR * p.grad / 2)  # type: ignore[operator]
     return {
         "losses": losses,
         "local": [p.detach().clone() for p in local.parameters()],
@@ -236,6 +236,6 @@ def concurrent_reference() -> dict[int, list[torch.Tensor]]:
     expected = {}
     for trainer in range(THREADS):
         local.zero_grad()
-        loss_of(local(torch.relu(shared(batch(0, trainer))))).backward()
+        loss_of(local(torch.relu(shared(batch(0, trainer))))).backward()  # type: ignore[no-untyped-call]
         expected[trainer] = [p.grad.clone() for p in local.parameters()]  # type: ignore[union-attr]
     return expected

@@ -106,7 +106,8 @@ class _Ledger:
     def echo(self, worker: str, tag: str, size: int = 16, timeout: float = 0) -> Any:
         import torch
 
-        payload = {"tag": tag, "data": torch.full((size,), float(len(self.calls)))}
+        data = torch.full((size,), float(len(self.calls)))
+        payload = {"tag": tag, "data": data}
         entry: dict[str, Any] = {"ended": 0, "ok": None, "error": None}
         self.calls[tag] = entry
 
@@ -116,9 +117,7 @@ class _Ledger:
                 exc = done.exception()
                 if exc is None:
                     back = done.value()
-                    entry["ok"] = back["tag"] == tag and bool(
-                        torch.equal(back["data"], payload["data"])
-                    )
+                    entry["ok"] = back["tag"] == tag and bool(torch.equal(back["data"], data))
                 else:
                     entry["error"] = type(exc).__name__
 
@@ -148,7 +147,7 @@ def faults(args: argparse.Namespace) -> int:
     opts.heartbeat_interval, opts.heartbeat_timeout = 0.2, 1.0
     opts.unix_sockets = False  # through the proxies, which sit on TCP
     asyncrpc.init_rpc("driver", rank=0, world_size=5, rpc_backend_options=opts)
-    ledger, obs = _Ledger(), {}
+    ledger, obs = _Ledger(), Observations()
     for name in proxies:  # connect through each proxy first
         ledger.echo(name, f"{name}-warm").wait(10)
     # Delay: calls are slow, not lost.

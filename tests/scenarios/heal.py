@@ -334,7 +334,7 @@ def dead_peer(args: argparse.Namespace) -> int:
 
 
 def _contexts_on(name: str) -> int:
-    return asyncrpc.rpc_sync(name, chaos_fns.rref_counts, timeout=10.0)["autograd_contexts"]
+    return int(asyncrpc.rpc_sync(name, chaos_fns.rref_counts, timeout=10.0)["autograd_contexts"])
 
 
 @scenario("release_after_drop", *_BEHIND, **_DEFAULTS)

@@ -33,7 +33,7 @@ def _claim_size_last() -> None:
             time.sleep(0.01)
         original(group)
 
-    rendezvous.StoreGroup.claim_size = late  # type: ignore[method-assign]
+    rendezvous.StoreGroup.claim_size = late  # type: ignore[method-assign,assignment]
 
 
 @scenario(
