@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.heal_figures [--drops 100]    # from the repository root
 
-Runs the driver scenarios of ``tests/integration/heal_scenarios.py`` (the ones the tests
+Runs the driver scenarios of ``tests/scenarios/heal.py`` (the ones the tests
 run), each with its own workers on 127.0.0.1, and prints the figures for bench/RESULTS.md:
 the time from a dropped connection to the next successful call, the 100-drop soak (calls
 ended typed or right, hung, leaks), an oversized send, shutdown with a never-contacted dead
@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from asyncrpc.testing import free_port, spawn_worker, stop_workers
-from tests.integration import scenarios
+from tests import scenarios
 
 _IMPORT = ["--import", "tests.integration.remote_fns"]
-_MODULE = "tests.integration.heal_scenarios"
 
 
 def run(name: str, workers: list[tuple[str, list[str]]], *args: str, log: Path) -> Any:
@@ -34,9 +33,7 @@ def run(name: str, workers: list[tuple[str, list[str]]], *args: str, log: Path) 
                      extra_args=[*_IMPORT, *extra])
         for r, (n, extra) in enumerate(workers)
     ]  # fmt: skip
-    driver = scenarios.start(
-        name, "--init-method", init, "--world-size", str(size), *args, module=_MODULE
-    )
+    driver = scenarios.start(name, "--init-method", init, "--world-size", str(size), *args)
     try:
         if name == "dead_peer":
             driver.wait_line("STARTED", 60.0)

@@ -53,12 +53,22 @@ async def test_a_blocked_job_does_not_hold_the_one_it_waits_for() -> None:
 @pytest.mark.asyncio
 async def test_never_more_threads_than_its_size() -> None:
     pool = CallbackPool(2)
+    # Count the stall checks (each one may wake a thread), instead of sleeping through some.
+    checks = [0]
+    check = pool._check
+
+    def counted(loop: asyncio.AbstractEventLoop, finished_before: int) -> None:
+        checks[0] += 1
+        check(loop, finished_before)
+
+    pool._check = counted  # type: ignore[method-assign]
     release = threading.Event()
     ran: list[int] = []
     for i in range(3):
         pool.submit(lambda _, i=i: (release.wait(5), ran.append(i)), None)
     await until(lambda: pool.pending() == 1)
-    await asyncio.sleep(0.02)  # several stall checks: no third thread may start
+    seen = checks[0]
+    await until(lambda: checks[0] >= seen + 5)  # several stall checks: no third thread
     assert pool.pending() == 1
     assert threading.active_count() >= 2
     release.set()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -15,6 +14,7 @@ import uvloop
 from asyncrpc.errors import BlockingCallError
 from asyncrpc.runtime.callbacks import check_not_blocking_loop, set_default_callback_loop
 from asyncrpc.runtime.future import Future, wait_all
+from tests.ordering import until, until_async
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -62,9 +62,16 @@ def agent_loop() -> Iterator[LoopThread]:
     lt.close()
 
 
-def _complete_later(fut: Future[Any], value: object, delay: float = 0.05) -> threading.Thread:
+def _awaiters(fut: Future[Any]) -> int:
+    # An awaiting task leaves one wake-up hook on the future (none once it is done).
+    return len(fut._hooks or ())
+
+
+def _complete_once_awaited(fut: Future[Any], value: object, awaiters: int = 1) -> threading.Thread:
+    """Complete ``fut`` from a new thread once ``awaiters`` tasks await it (bounded)."""
+
     def run() -> None:
-        time.sleep(delay)
+        until(lambda: _awaiters(fut) >= awaiters, what="the awaiters")
         fut.set_result(value)
 
     thread = threading.Thread(target=run)
@@ -82,7 +89,7 @@ def _append(out: list[Any], item: object, _fut: object) -> None:
 @pytest.mark.asyncio
 async def test_Future_await_completed_later_from_another_thread() -> None:
     fut: Future[str] = Future()
-    thread = _complete_later(fut, "late")
+    thread = _complete_once_awaited(fut, "late")
     async with asyncio.timeout(5):
         assert await fut == "late"
     thread.join()
@@ -125,7 +132,7 @@ def test_Future_await_from_two_loops_in_two_threads() -> None:
     for thread in threads:
         thread.start()
     started.wait(5)
-    time.sleep(0.05)
+    until(lambda: _awaiters(fut) == 2, what="both loops awaiting")
     fut.set_result(11)
     for thread in threads:
         thread.join(5)
@@ -146,7 +153,7 @@ async def test_Future_await_of_future_completed_on_another_loop(loop_thread: Loo
 async def test_Future_cancelled_awaiter_leaves_future_pending_and_usable() -> None:
     fut: Future[int] = Future()
     task = asyncio.create_task(asyncio.wait_for(fut, 5))
-    await asyncio.sleep(0.01)
+    await until_async(lambda: _awaiters(fut) == 1, what="the task awaiting")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

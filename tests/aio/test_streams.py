@@ -192,11 +192,14 @@ async def test_Producers_advance_only_within_credit_and_close_runs_finally(fn: A
     producers, conn, told = Producers(host), Conn(host.serializer), []  # type: ignore[arg-type]
     producers.expect(conn, 2, 7, "gen")
     producers.start(2, 7, fn, fn, (), {}, _replying(told), host.serializer.dumps)
+    # Left as a sleep: this checks that nothing happens (no step without credit), and no
+    # public event marks "parked for credit" (the parking differs for sync and async
+    # producers, inside the runtime). A producer that ran ahead would fail it.
     await asyncio.sleep(0.05)
     assert PRODUCED == []  # no credit yet: not advanced at all
     producers.on_credit(2, 7, 3)
     await _until(lambda: len(conn.items) == 3)
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # nothing more may happen (see above: why a sleep)
     assert conn.items == [0, 1, 2]
     assert len(PRODUCED) == 3  # never past the credit
     producers.on_close(2, 7)

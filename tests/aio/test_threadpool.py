@@ -13,6 +13,7 @@ import pytest
 from asyncrpc.errors import ClosedError, ThreadPoolExhaustedError
 from asyncrpc.runtime.future import Future
 from asyncrpc.runtime.threadpool import WorkerPool
+from tests.ordering import until_async
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(10)]
 
@@ -162,7 +163,9 @@ async def test_WorkerPool_idle_thread_keeps_no_reference_to_its_last_job() -> No
     try:
         await pool.run(id, token)
         del token
-        await asyncio.sleep(0.05)  # the thread is back in its queue wait
+        # run() returns when the job is done, maybe before its thread is back in its
+        # queue wait: wait for that (bounded), then the token must be gone.
+        await until_async(lambda: pool.busy == 0, what="the thread idle again")
         gc.collect()
         assert ref() is None
     finally:
@@ -215,7 +218,8 @@ async def test_WorkerPool_run_fails_with_closed_when_shutdown_drops_its_job() ->
         pool.submit(lambda: (started.set(), gate.wait(5.0)))  # occupies the only thread
         assert await asyncio.to_thread(started.wait, 5.0)
         queued = asyncio.ensure_future(pool.run(int, "1"))
-        await asyncio.sleep(0.01)  # the run() job is queued behind the blocked one
+        # The run() job is queued behind the blocked one.
+        await until_async(lambda: pool._queued == 1, what="the job queued")
         pool.shutdown()
         with pytest.raises(ClosedError):
             async with asyncio.timeout(5):

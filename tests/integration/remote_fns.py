@@ -412,7 +412,7 @@ def train_steps(ps: asyncrpc.RRef[ParameterServer], steps: int) -> int:
     return last
 
 
-# -- RRef fault scenarios (tests/integration/rref_scenarios.py) ----------------------------
+# -- RRef fault scenarios (tests/scenarios/rref.py) ---------------------------------------
 
 
 def fetch_held(index: int) -> Any:

@@ -3,17 +3,14 @@ and nothing from anyone else is ever unpickled."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from asyncrpc.testing import free_port, spawn_worker, stop_workers
+from tests import scenarios
 
 pytestmark = pytest.mark.timeout(120)
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_auth_strangers_are_refused_and_nothing_is_unpickled(tmp_path: Path) -> None:
@@ -27,13 +24,14 @@ def test_auth_strangers_are_refused_and_nothing_is_unpickled(tmp_path: Path) -> 
                      shutdown_timeout=5.0),
     ]  # fmt: skip
     try:
-        driver = subprocess.run(
-            [sys.executable, "-m", "tests.integration.auth_scenarios", init, str(marker)],
-            check=False, capture_output=True, text=True, timeout=90, cwd=ROOT,
-            env={**_env(), **good},
-        )  # fmt: skip
-        assert driver.returncode == 0, driver.stdout + driver.stderr
-        out = json.loads(driver.stdout.strip().splitlines()[-1])
+        driver = scenarios.start(
+            "auth_attacks", "--init-method", init, "--marker", str(marker), env=good
+        )
+        try:
+            code, out = driver.result(90.0)
+        finally:
+            driver.kill()
+        assert code == 0, driver.text()
     finally:
         stop_workers(workers, timeout=5)
     assert out["a1_add"] == 5
@@ -49,9 +47,3 @@ def test_auth_strangers_are_refused_and_nothing_is_unpickled(tmp_path: Path) -> 
     assert out["a0_auth_failures"] >= 1
     log = (tmp_path / "a1.log").read_text()
     assert log.count("refused a connection") == 1  # rate-limited: one line, not four
-
-
-def _env() -> dict[str, str]:
-    import os
-
-    return {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -8,9 +8,6 @@ on its event loop.
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +26,7 @@ from asyncrpc.protocol.wire import FrameDecoder
 from asyncrpc.runtime.calls.pipeline import Pipeline
 from asyncrpc.runtime.current import current_agent
 from asyncrpc.testing import free_port, spawn_worker, stop_workers
+from tests import scenarios
 from tests.integration import autograd_fns as fns
 from tests.integration.conftest import WORLD, Group
 
@@ -303,16 +301,12 @@ def test_autograd_worker_killed_during_backward(tmp_path: Path) -> None:
         spawn_worker(f"k{r}", r, 3, init, log_dir=tmp_path, rpc_timeout=20.0) for r in (1, 2)
     ]
     try:
-        driver = subprocess.run(
-            [sys.executable, "-m", "tests.integration.autograd_scenarios", init],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=Path(__file__).parents[2],
-        )
-        assert driver.returncode == 0, driver.stdout + driver.stderr
-        outcome = json.loads(driver.stdout.strip().splitlines()[-1])
+        driver = scenarios.start("autograd_killed_in_backward", "--init-method", init)
+        try:
+            code, outcome = driver.result(60.0)
+        finally:
+            driver.kill()
+        assert code == 0, driver.text()
         assert outcome["error"] == "PeerLostError"
         # Found by the lost connection, not by a timeout (rpc_timeout is 20 s).
         assert outcome["seconds"] < 10

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from asyncrpc.testing import free_port, spawn_worker, stop_workers
-from tests.integration import scenarios
+from tests import scenarios
 
 pytestmark = pytest.mark.timeout(400)
 SIZE = int(os.environ.get("BIG_WORLD", "32"))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from asyncrpc.testing import chaos, free_port, spawn_worker, stop_workers
-from tests.integration import scenarios
+from tests import scenarios
 
 SECONDS = float(os.environ.get("CHAOS_SECONDS", "60"))
 
@@ -42,7 +42,7 @@ def test_autograd_release_lost_with_a_connection_reaches_the_peer(tmp_path: Path
                           shutdown_timeout=20.0, extra_args=behind)  # fmt: skip
     driver = scenarios.start(
         "release_after_drop", "--init-method", init, "--port", str(port),
-        "--proxy-port", str(proxy_port), module="tests.integration.heal_scenarios",
+        "--proxy-port", str(proxy_port),
     )  # fmt: skip
     try:
         code, obs = driver.result(100.0)

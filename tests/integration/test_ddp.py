@@ -4,9 +4,6 @@ inputs), and concurrent contexts on one worker keep their gradients apart."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,46 +11,37 @@ import pytest
 import torch
 
 from asyncrpc.testing import free_port
-from tests.integration import ddp_scenarios as scenario
+from tests import scenarios
+from tests.scenarios import ddp as scenario
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def run_ranks(argvs: list[list[str]], tmp_path: Path, timeout: float = 90.0) -> None:
-    """Start one process per argv, wait for all (bounded), kill any left; fail with the
-    logs if one did not exit 0."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    logs = [tmp_path / f"rank{i}.log" for i in range(len(argvs))]
-    procs = []
+def run_ranks(argvs: list[list[str]], timeout: float = 90.0) -> None:
+    """Start one scenario process per argv, wait for all (bounded), kill any left; fail
+    with their output if one did not exit 0."""
+    procs: list[scenarios.ScenarioProcess] = []
     try:
-        for argv, log in zip(argvs, logs, strict=True):
-            with log.open("w") as sink:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "tests.integration.ddp_scenarios", *argv],
-                    stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                ))  # fmt: skip
-        codes = [proc.wait(timeout=timeout) for proc in procs]
+        procs.extend(scenarios.start(*argv) for argv in argvs)
+        codes = [proc.result(timeout)[0] for proc in procs]
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    text = "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
+            proc.kill()
+    text = "\n".join(
+        f"--- {argv[0]}\n{proc.text()[-3000:]}" for argv, proc in zip(argvs, procs, strict=True)
+    )
     assert codes == [0] * len(argvs), text
 
 
 def hybrid(tmp_path: Path, steps: tuple[int, int]) -> dict[str, Any]:
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    pg_port = str(free_port())
+    common = ["--init-method", f"tcp://127.0.0.1:{free_port()}", "--pg-port", str(free_port())]
+    common += ["--steps", f"{steps[0]},{steps[1]}"]
     outs = [tmp_path / f"out{rank}.pt" for rank in range(3)]
     run_ranks(
         [
-            ["hybrid", str(rank), init_method, pg_port, f"{steps[0]},{steps[1]}", str(out)]
+            ["ddp_hybrid", *common, "--rank", str(rank), "--out", str(out)]
             for rank, out in enumerate(outs)
-        ],
-        tmp_path,
+        ]
     )
     return {"t1": torch.load(outs[1]), "t2": torch.load(outs[2])}
 
@@ -101,9 +89,12 @@ def test_DistAutogradContext_concurrent_passes_on_torch_engine_keep_apart(
     init_method = f"tcp://127.0.0.1:{free_port()}"
     out = tmp_path / "out.pt"
     run_ranks(
-        [["concurrent", init_method, str(free_port()), str(out)], ["serve", init_method]],
-        tmp_path,
-    )
+        [
+            ["ddp_concurrent", "--init-method", init_method, "--pg-port", str(free_port()),
+             "--out", str(out)],
+            ["ddp_serve", "--init-method", init_method],
+        ]
+    )  # fmt: skip
     got = torch.load(out)
     want = scenario.concurrent_reference()
     assert sorted(got["grads"]) == list(range(scenario.THREADS))

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from asyncrpc.testing import free_port, spawn_worker, stop_workers
-from tests.integration import scenarios
+from tests import scenarios
 
 pytestmark = pytest.mark.timeout(150)
 HEARTBEATS = ["--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.0"]
@@ -59,6 +59,7 @@ def test_FaultProxy_black_hole_is_found_by_heartbeats(faults: dict[str, Any]) ->
 
 
 def test_FaultProxy_reset_fails_the_call_in_flight(faults: dict[str, Any]) -> None:
+    assert faults["f3_running"] is True  # the call ran on f3 when the proxy reset
     assert faults["f3_pending"]["error"]["type"] == "PeerLostError", faults["f3_pending"]
     assert faults["f3_detected_s"] < 5.0
 
@@ -78,6 +79,7 @@ def test_FaultProxy_frame_cut_mid_way_fails_typed(faults: dict[str, Any]) -> Non
 
 def test_FaultProxy_ledger_nothing_lost_twice_or_mixed(faults: dict[str, Any]) -> None:
     ledger = faults["ledger"]
+    assert faults["all_ended"] is True, ledger
     assert ledger["ended_once"] is True, ledger
     assert ledger["mismatched"] == 0
     for tag, entry in ledger["by_tag"].items():

@@ -32,8 +32,8 @@ from asyncrpc.protocol.wire.messages import (
 from asyncrpc.runtime.current import current_agent
 from asyncrpc.runtime.group.rendezvous import StoreGroup
 from asyncrpc.testing import free_port, spawn_worker, stop_workers
+from tests import scenarios
 from tests.integration import remote_fns as fns
-from tests.integration import scenarios
 from tests.integration.conftest import Group
 
 pytestmark = pytest.mark.timeout(90)

@@ -1,7 +1,7 @@
 """Issue 15 with real worker processes: nested blocking calls deeper than the pool,
 frame limits known to both sides, connections that drop and heal, bounded shutdown.
 
-Each scenario runs in a driver process of its own (``heal_scenarios.py``).
+Each scenario runs in a driver process of its own (``tests/scenarios/heal.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from asyncrpc.testing import free_port, spawn_worker, stop_workers
-from tests.integration import scenarios
+from tests import scenarios
 
 pytestmark = pytest.mark.timeout(120)
 _IMPORT = ["--import", "tests.integration.remote_fns"]
@@ -37,7 +37,6 @@ def run_scenario(
     ]  # fmt: skip
     driver = scenarios.start(
         name, "--init-method", init, "--world-size", str(size), *args,
-        module="tests.integration.heal_scenarios",
     )  # fmt: skip
     try:
         code, obs = driver.result(timeout)
@@ -149,6 +148,7 @@ def healed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_Agent_dropped_connection_fails_the_call_in_flight_typed(healed: dict[str, Any]) -> None:
     assert healed["code"] == 0, healed["logs"]
+    assert healed["slow_running"] is True  # the call ran on r1 when the link dropped
     error = healed["in_flight"]["error"]
     assert error is not None, healed["in_flight"]
     assert error["type"] == "PeerLostError"
@@ -175,6 +175,7 @@ def test_Agent_rref_held_across_a_dropped_connection_still_works(healed: dict[st
 
 
 def test_Agent_stranger_claiming_a_name_makes_nobody_lost(healed: dict[str, Any]) -> None:
+    assert healed["strays_closed"] is True  # both sides saw the strangers hang up
     assert healed["after_strays"]["value"] == 7, healed["after_strays"]
     assert healed["lost_after_strays"] == []
 
@@ -228,7 +229,6 @@ def test_shutdown_finds_a_never_contacted_dead_peer_within_seconds(tmp_path: Pat
     ]  # fmt: skip
     driver = scenarios.start(
         "dead_peer", "--init-method", init, "--world-size", "3",
-        module="tests.integration.heal_scenarios",
     )  # fmt: skip
     try:
         driver.wait_line("STARTED", 60.0)

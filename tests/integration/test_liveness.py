@@ -9,14 +9,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from asyncrpc.testing import free_port, spawn_worker, stop_workers
-from tests.integration import scenarios
+from tests import scenarios
 
 pytestmark = pytest.mark.timeout(120)
 HEARTBEATS = ["--heartbeat-interval", "0.2", "--heartbeat-timeout", "1.0"]
@@ -41,8 +40,7 @@ def hung_peer(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         driver.kill()
         with contextlib.suppress(ProcessLookupError):
             os.kill(workers[0].pid, signal.SIGCONT)
-        time.sleep(0.1)
-        stop_workers(workers, timeout=10.0)
+        stop_workers(workers, timeout=10.0)  # waits for each to exit (bounded)
     obs.update(code=code, logs=driver.text() + "".join(w.log() for w in workers))
     return obs
 

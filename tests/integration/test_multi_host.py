@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from asyncrpc.testing import spawn_worker, stop_workers
-from tests.integration import netns, scenarios
+from tests import scenarios
+from tests.integration import netns
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]

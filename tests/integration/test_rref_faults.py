@@ -1,8 +1,8 @@
 """RRefs across faults between real processes: the owner SIGKILLed, a user SIGKILLed, and a
 graceful shutdown while users still hold RRefs.
 
-Each scenario runs in a group of its own (``rref_scenarios`` is its driver, rank 0) with real
-worker processes on 127.0.0.1; every process we start is killed by its PID in ``finally``.
+Each scenario runs in a group of its own (``tests/scenarios/rref.py`` is its driver, rank 0)
+with real worker processes on 127.0.0.1; every process we start is killed by its PID in ``finally``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from asyncrpc.testing import WorkerProcess, free_port, spawn_worker, stop_workers
-from tests.integration import rref_scenarios
-from tests.integration.scenarios import ScenarioProcess
+from tests import scenarios
+from tests.scenarios import ScenarioProcess
+from tests.scenarios.rref import DEBUG_KEYS
 
 pytestmark = pytest.mark.timeout(180)  # the first test of each group pays its start-up
 
@@ -33,7 +34,7 @@ def _run_kill(scenario: str, log_dir: Path) -> dict[str, Any]:
     """Run ``scenario`` with w1..w3; SIGKILL w1 (by the PID we started) once it is READY."""
     init = f"tcp://127.0.0.1:{free_port()}"
     workers = _spawn((1, 2, 3), init, log_dir)
-    driver = rref_scenarios.start(scenario, "--init-method", init)
+    driver = scenarios.start(scenario, "--init-method", init)
     killed_at = None
     try:
         driver.wait_line("READY", 60.0)
@@ -148,9 +149,10 @@ def test_RRef_owner_reclaims_what_a_killed_user_held(user_killed: dict[str, Any]
 def test_RRef_owner_frees_the_survivor_once_the_others_drop_it(user_killed: dict[str, Any]) -> None:
     obs = user_killed
     assert obs["dropped"] == [1, 1]
-    assert obs["after_drop"] == dict.fromkeys(rref_scenarios._DEBUG_KEYS, 0)
+    assert obs["after_drop"] == dict.fromkeys(DEBUG_KEYS, 0)
     # The value a dead caller's remote() was computing is discarded when it finishes.
-    assert obs["after_late_value"] == dict.fromkeys(rref_scenarios._DEBUG_KEYS, 0)
+    assert obs["late_value_done"] is True
+    assert obs["after_late_value"] == dict.fromkeys(DEBUG_KEYS, 0)
 
 
 def test_shutdown_after_user_kill_is_bounded(user_killed: dict[str, Any]) -> None:
@@ -173,9 +175,9 @@ def live_shutdown(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     workers = _spawn((1, 2), init, log_dir)
     procs: list[ScenarioProcess] = []
     try:
-        procs.append(rref_scenarios.start("leak_checked_member", "--init-method", init,
-                                          "--name", "w3", "--rank", "3"))  # fmt: skip
-        procs.append(rref_scenarios.start("live_rrefs_shutdown", "--init-method", init))
+        procs.append(scenarios.start("leak_checked_member", "--init-method", init,
+                                     "--name", "w3", "--rank", "3"))  # fmt: skip
+        procs.append(scenarios.start("live_rrefs_shutdown", "--init-method", init))
         w3_code, w3_obs = procs[0].result(60.0)
         code, obs = procs[1].result(60.0)
     finally:

@@ -17,9 +17,10 @@ import torch
 
 import asyncrpc
 from asyncrpc.testing import free_port, spawn_worker, stop_workers
+from tests import scenarios
 from tests.integration import remote_fns as fns
-from tests.integration import scenarios
 from tests.integration.conftest import Group
+from tests.scenarios.common import poll
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,7 +32,7 @@ def _shm(metrics: dict[str, Any]) -> dict[str, int]:
 
 
 def _wait(condition: Any, timeout: float = 10.0) -> bool:
-    return scenarios._poll(condition, timeout)
+    return poll(condition, timeout)
 
 
 @pytest.fixture
@@ -119,13 +120,11 @@ def test_shared_memory_chunks_come_back(group: Group, sharing: None) -> None:
 
 
 def _run(name: str, tmp_path: Path, *args: str, kill: bool = False) -> dict[str, Any]:
-    """Run shm_scenarios ``name`` against a fresh w1; with ``kill``, SIGKILL w1 when told."""
+    """Run shm scenario ``name`` against a fresh w1; with ``kill``, SIGKILL w1 when told."""
     init = f"tcp://127.0.0.1:{free_port()}"
     worker = spawn_worker("w1", 1, 2, init, log_dir=tmp_path, rpc_timeout=20.0,
                           shutdown_timeout=20.0)  # fmt: skip
-    driver = scenarios.start(
-        name, "--init-method", init, *args, module="tests.integration.shm_scenarios"
-    )
+    driver = scenarios.start(name, "--init-method", init, *args)
     try:
         if kill:
             driver.wait_line("HELD", 60)

@@ -1,6 +1,6 @@
 """Start-up mistakes name their cause on every member they affect, within a bounded time:
 differing world sizes, and rank 0 (the TCPStore's host) leaving during or right after
-start-up. Each member is an ``init_scenarios`` process, killed in ``finally``.
+start-up. Each member is a ``startup`` scenario process, killed in ``finally``.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ from typing import Any
 import pytest
 
 from asyncrpc.testing import free_port
-from tests.integration import scenarios
+from tests import scenarios
 
 pytestmark = pytest.mark.timeout(90)
 
-_MODULE = "tests.integration.init_scenarios"
 # Far below the 20 s rendezvous bound every member gets: an error seen only after a timeout
 # fails the test through ``elapsed``; ``result`` fails one that never ends at all.
 _PROMPT_S = 8.0
@@ -32,7 +31,7 @@ def _members(
     procs: list[scenarios.ScenarioProcess] = []
     try:
         for spec, env in zip(specs, envs or [None] * len(specs), strict=True):
-            procs.append(scenarios.start("startup", *spec, env=env, module=_MODULE))
+            procs.append(scenarios.start("startup", *spec, env=env))
         yield procs
     finally:
         for proc in procs:

@@ -1,5 +1,5 @@
 """Streams whose peer dies or shuts down mid-stream, each in a group of its own: the test
-starts w1 and a scenario driver (``stream_scenarios.py``) and kills w1 when told."""
+starts w1 and a scenario driver (``tests/scenarios/stream.py``) and kills w1 when told."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from asyncrpc.testing import free_port, spawn_worker, stop_workers
-from tests.integration import scenarios
+from tests import scenarios
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -19,9 +19,7 @@ def _run(name: str, tmp_path: Path, kill: bool) -> tuple[dict[str, Any], list[in
     init = f"tcp://127.0.0.1:{free_port()}"
     worker = spawn_worker("w1", 1, 2, init, log_dir=tmp_path, rpc_timeout=20.0,
                           shutdown_timeout=20.0)  # fmt: skip
-    driver = scenarios.start(
-        name, "--init-method", init, module="tests.integration.stream_scenarios"
-    )
+    driver = scenarios.start(name, "--init-method", init)
     try:
         if kill:
             driver.wait_line("STREAMING", 60)

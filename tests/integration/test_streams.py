@@ -209,6 +209,8 @@ def test_stream_stalled_consumer_stops_the_producer_at_the_window(group: Group) 
         assert next(stream) == 0
         # The consumer stalls with one item taken: the producer stops within the window.
         assert _eventually(lambda: asyncrpc.rpc_sync("w3", sf.produced, args=(tag,)) >= window)
+        # Left as a sleep: nothing more may be produced, and no event marks the producer
+        # parked for credit on w3 (inside the runtime). Overproduction would fail it.
         time.sleep(0.3)
         assert asyncrpc.rpc_sync("w3", sf.produced, args=(tag,)) <= window + 1
     assert _eventually(lambda: asyncrpc.rpc_sync("w3", sf.finally_count, args=(tag,)) == 1)

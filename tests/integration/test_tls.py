@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from asyncrpc.testing import free_port, spawn_worker, stop_workers
-from tests.integration import scenarios
+from tests import scenarios
 
 pytestmark = pytest.mark.timeout(120)
 

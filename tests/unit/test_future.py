@@ -10,6 +10,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -23,6 +24,7 @@ from asyncrpc.runtime.future import (
     collect_all,
     wait_all,
 )
+from tests.ordering import in_function, until
 
 with warnings.catch_warnings():
     # torch warns at import when numpy is missing; the library itself never imports numpy.
@@ -30,14 +32,24 @@ with warnings.catch_warnings():
     import torch
 
 
-def _complete_later(fut: Future[Any], value: object, delay: float = 0.05) -> threading.Thread:
+def _complete_when(
+    fut: Future[Any], value: object, ready: Callable[[], bool] = lambda: True
+) -> threading.Thread:
+    """Complete ``fut`` from a new thread once ``ready()`` holds (polled, bounded)."""
+
     def run() -> None:
-        time.sleep(delay)
+        until(ready, what="the waiter to block")
         fut.set_result(value)
 
     thread = threading.Thread(target=run)
     thread.start()
     return thread
+
+
+def _blocked_in(name: str, thread: int | None = None) -> Callable[[], bool]:
+    """Whether ``thread`` (this one by default) is inside function ``name`` right now."""
+    ident = threading.get_ident() if thread is None else thread
+    return lambda: in_function(ident, name)
 
 
 def _append(out: list[Any], item: object, _fut: object) -> None:
@@ -137,7 +149,7 @@ def test_Future_wait_timeout_raises_builtin_timeout_and_stays_pending() -> None:
 
 def test_Future_wait_returns_when_completed_from_another_thread() -> None:
     fut: Future[str] = Future()
-    thread = _complete_later(fut, "x")
+    thread = _complete_when(fut, "x", _blocked_in("_block"))  # once this thread waits
     assert fut.wait(5) == "x"
     thread.join()
 
@@ -155,7 +167,8 @@ def test_Future_many_threads_wait_on_one_future() -> None:
     threads = [threading.Thread(target=waiter) for _ in range(8)]
     for thread in threads:
         thread.start()
-    time.sleep(0.02)
+    # Every waiter is blocked in the future's wait before it completes.
+    until(lambda: all(in_function(t.ident or 0, "_block") for t in threads))
     fut.set_result(7)
     for thread in threads:
         thread.join(5)
@@ -197,7 +210,7 @@ def test_Future_callbacks_run_without_loop_in_completing_thread() -> None:
     fut: Future[int] = Future()
     seen: list[tuple[int, int]] = []
     fut.add_done_callback(lambda f: seen.append((f.value(), threading.get_ident())))
-    thread = _complete_later(fut, 4, delay=0)
+    thread = _complete_when(fut, 4)
     thread.join()
     assert seen == [(4, thread.ident)]
 
@@ -350,7 +363,7 @@ def test_collect_all_of_nothing_is_done() -> None:
 def test_wait_all_returns_values_in_order() -> None:
     a: Future[int] = Future()
     b: Future[int] = Future()
-    thread = _complete_later(b, 2)
+    thread = _complete_when(b, 2, _blocked_in("_first_failure"))  # once wait_all waits
     a.set_result(1)
     tf: torch.futures.Future[int] = torch.futures.Future()
     tf.set_result(3)
@@ -363,7 +376,8 @@ def test_wait_all_raises_the_first_failure_without_waiting_for_the_rest() -> Non
     a: Future[int] = Future()
     b: Future[int] = Future()
     c: Future[int] = Future()
-    failer = threading.Thread(target=lambda: (time.sleep(0.05), b.set_exception(BoomError("b"))))
+    waiting = _blocked_in("_first_failure")
+    failer = threading.Thread(target=lambda: (until(waiting), b.set_exception(BoomError("b"))))
     failer.start()
     with pytest.raises(BoomError):
         wait_all([a, b, c])
@@ -389,7 +403,9 @@ def test_wait_all_raises_the_first_failed_in_list_order_when_some_failed_already
 def test_wait_all_waits_for_all_when_none_fails() -> None:
     a: Future[int] = Future()
     b: Future[int] = Future()
-    threads = [_complete_later(a, 1, 0.02), _complete_later(b, 2, 0.05)]
+    waiting = _blocked_in("_first_failure")
+    # a, then b, both once wait_all waits.
+    threads = [_complete_when(a, 1, waiting), _complete_when(b, 2, lambda: waiting() and a.done())]
     assert wait_all([a, b]) == [1, 2]
     for thread in threads:
         thread.join()
@@ -534,7 +550,12 @@ def test_Future_is_a_torch_future() -> None:
 
 def test_Future_works_with_torch_wait_all() -> None:
     futs: list[Future[int]] = [Future() for _ in range(3)]
-    threads = [_complete_later(f, i, delay=0.01 * i) for i, f in enumerate(futs)]
+    waiting = _blocked_in("wait_all")  # torch's, which blocks in C++ below this frame
+    # In list order, each once torch's wait_all was entered and the one before is done.
+    threads = [
+        _complete_when(f, i, lambda i=i: waiting() and (i == 0 or futs[i - 1].done()))
+        for i, f in enumerate(futs)
+    ]
     assert torch.futures.wait_all(futs) == [0, 1, 2]
     for thread in threads:
         thread.join()

@@ -1,17 +1,15 @@
-"""A driver process for the authentication tests: rank 0 of a group of three.
+"""The authentication scenario (test layer): rank 0 ("a0") of a group of three.
 
-Usage: python -m tests.integration.auth_scenarios INIT_METHOD MARKER. a1 shares our key
-(ASYNCRPC_AUTH_KEY), a2 has another one. From raw sockets, we attack a1 the ways a stranger
-who reaches its port could, each with a request whose payload would create MARKER if it
-were ever unpickled and run. Prints one JSON line of observations.
+a1 shares our key (ASYNCRPC_AUTH_KEY), a2 has another one. From raw sockets, we attack a1
+the ways a stranger who reaches its port could, each with a request whose payload would
+create ``--marker`` if it were ever unpickled and run.
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,8 @@ from asyncrpc.protocol.wire import PROTOCOL_VERSION, FrameDecoder, encode_frame
 from asyncrpc.protocol.wire.messages import Auth, CallMode, Hello, Request, decode_message
 from asyncrpc.runtime.current import current_agent
 from tests.integration import remote_fns as fns
+from tests.scenarios.common import options, report
+from tests.scenarios.registry import option, scenario
 
 _SERIALIZER = Serializer()
 
@@ -60,7 +60,7 @@ def attacks(host: str, port: int, marker: str) -> dict[str, bool]:
     #    wrong proof and a request right behind it.
     with socket.create_connection((host, port)) as sock:
         sock.sendall(frame(Hello(PROTOCOL_VERSION, "a2", 2, auth.new_nonce())))
-        decoder, frames = FrameDecoder(), []
+        decoder, frames = FrameDecoder(), list[Any]()
         sock.settimeout(5.0)
         while not frames:  # bounded by the timeout: the reply comes at once
             frames = decoder.feed(sock.recv(65536))
@@ -82,11 +82,12 @@ def attacks(host: str, port: int, marker: str) -> dict[str, bool]:
     return results
 
 
-def main(init_method: str, marker: str) -> int:
-    options = asyncrpc.RpcBackendOptions(
-        init_method=init_method, rpc_timeout=20.0, shutdown_timeout=20.0
-    )
-    asyncrpc.init_rpc("a0", rank=0, world_size=3, rpc_backend_options=options)
+@scenario("auth_attacks", option("--marker", required=True), rpc_timeout=20.0,
+          shutdown_timeout=20.0)  # fmt: skip
+def auth_attacks(args: argparse.Namespace) -> int:
+    """Rank 0 of {a0, a1, a2}: attack a1 from raw sockets, then call a1 and a2."""
+    marker = args.marker
+    asyncrpc.init_rpc("a0", rank=0, world_size=3, rpc_backend_options=options(args))
     out: dict[str, Any] = {"a1_add": asyncrpc.rpc_sync("a1", fns.add, args=(2, 3))}
     before = asyncrpc.rpc_sync("a1", asyncrpc.get_metrics)["auth_failures"]
     a1 = current_agent().addresses[1]
@@ -103,9 +104,5 @@ def main(init_method: str, marker: str) -> int:
     out["a0_auth_failures"] = asyncrpc.get_metrics()["auth_failures"]
     out["marker_exists"] = os.path.exists(marker)
     asyncrpc.shutdown(graceful=False)
-    print(json.dumps(out), flush=True)
+    report(out)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))

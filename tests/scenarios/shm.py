@@ -1,24 +1,26 @@
-"""Driver programs for the shared-memory tests: rank 0 of {driver, w1} (test layer).
-
-``python -m tests.integration.shm_scenarios NAME --init-method URL [options]`` joins, runs
-one scenario against w1 (started by the test) and prints ``RESULT {json}`` (see
-``tests/integration/scenarios.py`` for the test-side half).
-"""
+"""Scenarios of shared memory (test layer): rank 0 of {driver, w1}, where w1 is started by
+the test; the kill scenarios print ``HELD`` and wait for the test's ``KILLED`` line."""
 
 from __future__ import annotations
 
 import argparse
 import gc
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
 import asyncrpc
 from tests.integration import remote_fns as fns
-from tests.integration.scenarios import Observations, _attempt, _poll, _report
+from tests.scenarios.common import Observations, attempt, poll, report
+from tests.scenarios.registry import option, scenario
 
 MIB_FLOATS = 1 << 18  # a float32 tensor of 1 MiB
+# Every shm scenario's own flags: shared memory on or off here, and this side's arena.
+_SHM = (
+    option("--shared-memory", type=int, choices=(0, 1), default=1),
+    option("--arena-bytes", type=int, default=1 << 30),
+)
 
 
 def _join(args: argparse.Namespace) -> None:
@@ -39,7 +41,7 @@ def _share_with_w1() -> bool:
     """Make both sides probe each other (the first large segments go over the socket)."""
     big = torch.ones(MIB_FLOATS)
     asyncrpc.rpc_sync("w1", fns.echo, args=(big,))
-    return _poll(
+    return poll(
         lambda: (
             asyncrpc.rpc_sync("w1", fns.echo, args=(big,)) is not None
             and _metrics()["shm_peers"] == 1
@@ -49,6 +51,7 @@ def _share_with_w1() -> bool:
     )
 
 
+@scenario("arena_full", *_SHM)
 def arena_full(args: argparse.Namespace) -> int:
     """A 2 MiB arena, eight 1 MiB tensors held by w1: the rest go over the socket, intact."""
     _join(args)
@@ -58,13 +61,14 @@ def arena_full(args: argparse.Namespace) -> int:
     obs["sums"] = asyncrpc.rpc_sync("w1", fns.held_sums)
     obs["while_held"] = _metrics()
     asyncrpc.rpc_sync("w1", fns.drop_held)
-    obs["returned"] = _poll(lambda: _metrics()["shm_lent_bytes"] == 0, 10.0)
+    obs["returned"] = poll(lambda: _metrics()["shm_lent_bytes"] == 0, 10.0)
     obs["after"] = _metrics()
     asyncrpc.shutdown()
-    _report(obs)
+    report(obs)
     return 0
 
 
+@scenario("disabled", *_SHM)
 def disabled(args: argparse.Namespace) -> int:
     """``shared_memory=False`` here: nothing is shared in either direction."""
     _join(args)
@@ -77,20 +81,21 @@ def disabled(args: argparse.Namespace) -> int:
         "w1": {k: v for k, v in asyncrpc.rpc_sync("w1", fns.metrics).items() if "shm" in k},
     }
     asyncrpc.shutdown()
-    _report(obs)
+    report(obs)
     return 0
 
 
 def _after_kill(obs: Observations, check: Callable[[], None]) -> int:
     print("HELD", flush=True)
     obs["stdin"] = sys.stdin.readline().strip()
-    obs["lost"] = _poll(lambda: "w1" in asyncrpc.get_debug_info()["lost_peers"], 10.0)
+    obs["lost"] = poll(lambda: "w1" in asyncrpc.get_debug_info()["lost_peers"], 10.0)
     check()
-    obs["shutdown"] = _attempt(lambda: asyncrpc.shutdown(graceful=False))
-    _report(obs)
+    obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(graceful=False))
+    report(obs)
     return 0
 
 
+@scenario("kill_receiver", *_SHM)
 def kill_receiver(args: argparse.Namespace) -> int:
     """w1 holds tensors in our chunks and is SIGKILLed: the chunks come back to the arena."""
     _join(args)
@@ -100,12 +105,13 @@ def kill_receiver(args: argparse.Namespace) -> int:
     obs["lent_before"] = _metrics()["shm_lent_bytes"]
 
     def check() -> None:
-        obs["returned"] = _poll(lambda: _metrics()["shm_lent_bytes"] == 0, 10.0)
+        obs["returned"] = poll(lambda: _metrics()["shm_lent_bytes"] == 0, 10.0)
         obs["after"] = _metrics()
 
     return _after_kill(obs, check)
 
 
+@scenario("kill_sender", *_SHM)
 def kill_sender(args: argparse.Namespace) -> int:
     """We hold tensors in w1's chunks and w1 is SIGKILLed: they stay readable, and once
     dropped no mapping of w1's memory is left in this process."""
@@ -119,28 +125,6 @@ def kill_sender(args: argparse.Namespace) -> int:
         obs["sums_after_kill"] = [float(t.sum()) for t in held]
         held.clear()
         gc.collect()
-        obs["unmapped"] = _poll(lambda: fns.mapped_chunks_of(w1_pid) == 0, 10.0)
+        obs["unmapped"] = poll(lambda: fns.mapped_chunks_of(w1_pid) == 0, 10.0)
 
     return _after_kill(obs, check)
-
-
-SCENARIOS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "arena_full": arena_full,
-    "disabled": disabled,
-    "kill_receiver": kill_receiver,
-    "kill_sender": kill_sender,
-}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("scenario", choices=sorted(SCENARIOS))
-    parser.add_argument("--init-method", required=True)
-    parser.add_argument("--shared-memory", type=int, choices=(0, 1), default=1)
-    parser.add_argument("--arena-bytes", type=int, default=1 << 30)
-    args = parser.parse_args(argv)
-    return SCENARIOS[args.scenario](args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,29 +1,29 @@
-"""One rank of the DDP + RPC hybrid training test, and the concurrent-contexts check.
+"""Scenarios of DDP inside distributed autograd (test layer): one rank of the DDP + RPC
+hybrid training test, and the concurrent-contexts check.
 
-Usage:
-    python -m tests.integration.ddp_scenarios hybrid RANK INIT_METHOD PG_PORT STEPS OUT
-    python -m tests.integration.ddp_scenarios concurrent INIT_METHOD PG_PORT OUT
+``ddp_hybrid --rank R --pg-port P --steps S1,S2 --out FILE``: rank 0 ("ps") holds a shared
+layer; ranks 1 and 2 ("t1", "t2") each hold a local layer wrapped in
+DistributedDataParallel over a gloo group of the two trainers. A step: the trainer sends
+its batch through the ps's layer, then its DDP layer, runs distributed backward, and steps
+a DistributedOptimizer over both layers' parameters. ``S1,S2`` are the trainers' step
+counts; when they differ, the loop runs inside ``ddp.join()`` (uneven inputs). The steps
+are ordered by a barrier on the ps (an RPC, not a collective: a gloo barrier would not be
+shadowed by ``join``), so the result is that of single-process training, which the test
+computes (``reference``).
 
-``hybrid``: rank 0 ("ps") holds a shared layer; ranks 1 and 2 ("t1", "t2") each hold a
-local layer wrapped in DistributedDataParallel over a gloo group of the two trainers. A
-step: the trainer sends its batch through the ps's layer, then its DDP layer, runs
-distributed backward, and steps a DistributedOptimizer over both layers' parameters.
-``STEPS`` is ``S1,S2``: the trainers' step counts; when they differ, the loop runs inside
-``ddp.join()`` (uneven inputs). The steps are ordered by a barrier on the ps (an RPC, not
-a collective: a gloo barrier would not be shadowed by ``join``), so the result is that of
-single-process training, which the test computes (``reference``).
+``ddp_concurrent --pg-port P --out FILE`` (beside ``ddp_serve``): one worker with a process
+group (so passes run on torch's engine) runs contexts on several threads at once through
+one local layer and a remote one; each context's gradients must be those of its own batch
+alone.
 
-``concurrent``: one worker with a process group (so passes run on torch's engine) runs
-contexts on several threads at once through one local layer and a remote one; each
-context's gradients must be those of its own batch alone.
-
-Writes its results as ``torch.save`` to ``OUT``.
+Each writes its results as ``torch.save`` to ``--out``. The test imports this module for
+``reference`` and ``concurrent_reference``.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import sys
 import threading
 from collections import defaultdict
 
@@ -35,6 +35,8 @@ from torch.nn.parallel import DistributedDataParallel
 import asyncrpc
 from asyncrpc import autograd as dist_autograd
 from asyncrpc.optim import DistributedOptimizer
+from tests.scenarios.common import options, report
+from tests.scenarios.registry import option, scenario
 
 LR = 0.1
 IN, HIDDEN, OUT_FEATURES = 3, 4, 2
@@ -126,14 +128,21 @@ def train(rank: int, pg_port: int, steps: tuple[int, int]) -> dict[str, object]:
     return {"losses": losses, "local": weights}
 
 
-def hybrid(rank: int, init_method: str, pg_port: int, steps_arg: str, out: str) -> int:
+_PG_PORT = option("--pg-port", type=int, required=True)
+_OUT = option("--out", required=True)
+_DEFAULTS = {"rpc_timeout": 60.0, "shutdown_timeout": 60.0}
+
+
+@scenario("ddp_hybrid", _PG_PORT, _OUT, option("--steps", required=True), **_DEFAULTS)
+def hybrid(args: argparse.Namespace) -> int:
+    """One rank (``--rank``) of {ps, t1, t2} training the hybrid model ``--steps S1,S2``."""
     global _shared
-    s1, s2 = (int(n) for n in steps_arg.split(","))
-    options = asyncrpc.RpcBackendOptions(init_method=init_method, rpc_timeout=60.0)
+    rank, pg_port, out = args.rank, args.pg_port, args.out
+    s1, s2 = (int(n) for n in args.steps.split(","))
     name = "ps" if rank == 0 else f"t{rank}"
     if rank == 0:
         _shared, _ = make_layers()
-    asyncrpc.init_rpc(name, rank=rank, world_size=3, rpc_backend_options=options)
+    asyncrpc.init_rpc(name, rank=rank, world_size=3, rpc_backend_options=options(args))
     result: dict[str, object] = {}
     if rank != 0:
         result = train(rank, pg_port, (s1, s2))
@@ -141,6 +150,7 @@ def hybrid(rank: int, init_method: str, pg_port: int, steps_arg: str, out: str) 
             result["shared"] = asyncrpc.rpc_sync("ps", shared_weights)
     asyncrpc.shutdown()
     torch.save(result, out)
+    report({"out": out})
     return 0
 
 
@@ -157,13 +167,13 @@ def reference(steps: tuple[int, int]) -> dict[str, object]:
         for trainer in (1, 2):
             if step < steps[trainer - 1]:
                 loss = loss_of(local(torch.relu(shared(batch(step, trainer)))))
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call]
                 losses[trainer].append(loss.item())
         with torch.no_grad():
             for p in shared.parameters():
-                p.sub_(LR * p.grad)
+                p.sub_(LR * p.grad)  # type: ignore[operator]
             for p in local.parameters():
-                p.sub_(LR * p.grad / 2)
+                p.sub_(LR * p.grad / 2)  # type: ignore[operator]
     return {
         "losses": losses,
         "local": [p.detach().clone() for p in local.parameters()],
@@ -176,11 +186,13 @@ def reference(steps: tuple[int, int]) -> dict[str, object]:
 THREADS = 4
 
 
-def concurrent(init_method: str, pg_port: int, out: str) -> int:
+@scenario("ddp_concurrent", _PG_PORT, _OUT, **_DEFAULTS)
+def concurrent(args: argparse.Namespace) -> int:
     """Rank 0 of two ("c0"; rank 1 "c1" serves): contexts on THREADS threads at once."""
-    options = asyncrpc.RpcBackendOptions(init_method=init_method, rpc_timeout=60.0)
-    asyncrpc.init_rpc("c0", rank=0, world_size=2, rpc_backend_options=options)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{pg_port}", rank=0, world_size=1)
+    asyncrpc.init_rpc("c0", rank=0, world_size=2, rpc_backend_options=options(args))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{args.pg_port}", rank=0, world_size=1
+    )
     _, local = make_layers()
     start = threading.Barrier(THREADS, timeout=30)
     grads: dict[int, list[torch.Tensor]] = {}
@@ -203,16 +215,19 @@ def concurrent(init_method: str, pg_port: int, out: str) -> int:
     leaked = [p.grad is not None for p in local.parameters()]
     dist.destroy_process_group()
     asyncrpc.shutdown()
-    torch.save({"grads": grads, "grad_set": leaked}, out)
+    torch.save({"grads": grads, "grad_set": leaked}, args.out)
+    report({"out": args.out})
     return 0
 
 
-def serve_concurrent(init_method: str) -> int:
+@scenario("ddp_serve", **_DEFAULTS)
+def serve_concurrent(args: argparse.Namespace) -> int:
+    """Rank 1 of two ("c1"): holds the shared layer and serves ``ddp_concurrent``."""
     global _shared
     _shared, _ = make_layers()
-    options = asyncrpc.RpcBackendOptions(init_method=init_method, rpc_timeout=60.0)
-    asyncrpc.init_rpc("c1", rank=1, world_size=2, rpc_backend_options=options)
+    asyncrpc.init_rpc("c1", rank=1, world_size=2, rpc_backend_options=options(args))
     asyncrpc.shutdown()
+    report({})
     return 0
 
 
@@ -221,23 +236,6 @@ def concurrent_reference() -> dict[int, list[torch.Tensor]]:
     expected = {}
     for trainer in range(THREADS):
         local.zero_grad()
-        loss_of(local(torch.relu(shared(batch(0, trainer))))).backward()
+        loss_of(local(torch.relu(shared(batch(0, trainer))))).backward()  # type: ignore[no-untyped-call]
         expected[trainer] = [p.grad.clone() for p in local.parameters()]  # type: ignore[union-attr]
     return expected
-
-
-def main(argv: list[str]) -> int:
-    mode, *args = argv
-    if mode == "hybrid":
-        rank, init_method, pg_port, steps, out = args
-        return hybrid(int(rank), init_method, int(pg_port), steps, out)
-    if mode == "concurrent":
-        init_method, pg_port, out = args
-        return concurrent(init_method, int(pg_port), out)
-    if mode == "serve":
-        return serve_concurrent(args[0])
-    raise SystemExit(f"unknown mode {mode!r}")
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,57 +1,39 @@
-"""Driver programs for the RRef fault tests: owners and users SIGKILLed, graceful shutdown
-with live RRefs (test layer).
-
-``python -m tests.integration.rref_scenarios NAME [options]`` joins a group of its own as a
-separate process, performs one scenario and prints one line ``RESULT {json}``. Scenarios
-that need a kill print ``READY`` and read one line (the test writes ``KILLED`` right after
-SIGKILL). ``start`` launches one and returns a ``scenarios.ScenarioProcess``.
-"""
+"""Scenarios of RRefs under faults (test layer): owners and users SIGKILLed, graceful
+shutdown with live RRefs. Each joins a group of its own; those that need a kill print
+``READY`` and read one line (the test writes ``KILLED`` right after SIGKILL)."""
 
 from __future__ import annotations
 
 import argparse
 import functools
 import gc
-import os
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import asyncrpc
 from asyncrpc.runtime.current import current_agent
 from tests.integration import remote_fns as fns
-from tests.integration.scenarios import (
-    ScenarioProcess,
-    _attempt,
-    _report,
-)
+from tests.scenarios.common import Observations, attempt, handshake, poll, report
+from tests.scenarios.common import options as common_options
+from tests.scenarios.common import poll_value as _poll
+from tests.scenarios.registry import scenario
 
-_ROOT = Path(__file__).resolve().parents[2]
-_DEBUG_KEYS = ("owner_rrefs", "user_rrefs", "pending_forks", "pending_users")
-
-Observations = dict[str, Any]
-T = TypeVar("T")
+DEBUG_KEYS = ("owner_rrefs", "user_rrefs", "pending_forks", "pending_users")
+# A driver of four by default, as rank 0 (``leak_checked_member`` takes --name and --rank).
+_DEFAULTS = {"rank": 0, "world_size": 4, "shutdown_timeout": 20.0}
 
 
 # -- helpers -------------------------------------------------------------------------------
 
 
 def _options(args: argparse.Namespace, rref_leaks: str = "warn") -> asyncrpc.RpcBackendOptions:
-    return asyncrpc.RpcBackendOptions(
-        init_method=args.init_method,
-        rpc_timeout=args.rpc_timeout,
-        shutdown_timeout=args.shutdown_timeout,
-        rref_leaks=rref_leaks,
-    )
+    return common_options(args, rref_leaks=rref_leaks)
 
 
 def _local_debug() -> dict[str, int]:
     gc.collect()
     info = asyncrpc.get_debug_info()
-    return {k: info[k] for k in _DEBUG_KEYS}
+    return {k: info[k] for k in DEBUG_KEYS}
 
 
 def _debug(worker: str) -> dict[str, int]:
@@ -60,25 +42,8 @@ def _debug(worker: str) -> dict[str, int]:
     return dict(asyncrpc.rpc_sync(worker, fns.rref_debug))
 
 
-def _poll(probe: Callable[[], T], done: Callable[[T], bool], timeout: float) -> T:
-    """Call ``probe`` until ``done(value)`` or ``timeout``; return the last value."""
-    deadline = time.monotonic() + timeout
-    value = probe()
-    while not done(value) and time.monotonic() < deadline:
-        time.sleep(0.02)
-        value = probe()
-    return value
-
-
 def _settled(info: dict[str, int]) -> bool:
     return info["pending_users"] == 0 and info["pending_forks"] == 0
-
-
-def _handshake(obs: Observations) -> None:
-    """Print READY, wait for the test's line (it kills a worker first), note the time."""
-    print("READY", flush=True)
-    obs["stdin"] = sys.stdin.readline().strip()
-    obs["resumed_at"] = time.monotonic()
 
 
 # -- scenario: the owner is killed ---------------------------------------------------------
@@ -100,25 +65,26 @@ def _owner_killed_setup(obs: Observations) -> tuple[asyncrpc.RRef[Any], asyncrpc
     return counter, pending
 
 
+@scenario("owner_killed", **_DEFAULTS)
 def owner_killed(args: argparse.Namespace) -> int:
     """Rank 0 of {driver, w1, w2, w3}: driver, w2 and w3 hold user RRefs owned by w1, one
     of whose values is still computing, when the test SIGKILLs w1."""
     asyncrpc.init_rpc("driver", rank=0, world_size=4, rpc_backend_options=_options(args))
     obs: Observations = {"w1_pid": asyncrpc.rpc_sync("w1", fns.pid)}
     counter, pending = _owner_killed_setup(obs)
-    _handshake(obs)
-    obs["to_here_first"] = _attempt(counter.to_here)  # may race the loss being noticed
-    obs["pending_to_here"] = _attempt(lambda: pending.wait(10.0))
-    obs["to_here"] = _attempt(counter.to_here)
-    obs["rpc_sync_proxy"] = _attempt(lambda: counter.rpc_sync().value())
-    obs["rpc_async_proxy"] = _attempt(lambda: counter.rpc_async().value().wait(10.0))
-    obs["remote_proxy"] = _attempt(lambda: counter.remote().value().to_here())
-    obs["held_on_w2"] = _attempt(lambda: asyncrpc.rpc_sync("w2", fns.fetch_held, args=(0,)))
+    handshake(obs)
+    obs["to_here_first"] = attempt(counter.to_here)  # may race the loss being noticed
+    obs["pending_to_here"] = attempt(lambda: pending.wait(10.0))
+    obs["to_here"] = attempt(counter.to_here)
+    obs["rpc_sync_proxy"] = attempt(lambda: counter.rpc_sync().value())
+    obs["rpc_async_proxy"] = attempt(lambda: counter.rpc_async().value().wait(10.0))
+    obs["remote_proxy"] = attempt(lambda: counter.remote().value().to_here())
+    obs["held_on_w2"] = attempt(lambda: asyncrpc.rpc_sync("w2", fns.fetch_held, args=(0,)))
     obs["identity"] = [counter.owner_name(), counter.is_owner()]
     obs["after_driver"] = _poll(_local_debug, lambda i: i["user_rrefs"] == 0, 5.0)
     obs["after_w2"] = _poll(lambda: _debug("w2"), lambda i: i["user_rrefs"] == 0, 5.0)
-    obs["shutdown"] = _attempt(lambda: asyncrpc.shutdown(graceful=True, timeout=5.0))
-    _report(obs)
+    obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(graceful=True, timeout=5.0))
+    report(obs)
     return 0
 
 
@@ -140,23 +106,28 @@ def _user_killed_setup(obs: Observations) -> None:
     obs["before_driver"] = _local_debug()
 
 
+@scenario("user_killed", **_DEFAULTS)
 def user_killed(args: argparse.Namespace) -> int:
     """Rank 0 of {driver, w1, w2, w3}: the driver owns RRefs that w1 holds (some passed on
     to w2 and w3, some made by w1's remote()) when the test SIGKILLs w1."""
     asyncrpc.init_rpc("driver", rank=0, world_size=4, rpc_backend_options=_options(args))
     obs: Observations = {"w1_pid": asyncrpc.rpc_sync("w1", fns.pid)}
     _user_killed_setup(obs)
-    _handshake(obs)
+    handshake(obs)
     # Only the RRef that w2 and w3 still hold may survive the loss of w1.
     obs["after_kill"] = _poll(_local_debug, lambda i: i["owner_rrefs"] <= 1, 5.0)
     obs["reclaimed_after"] = time.monotonic() - obs["resumed_at"]
-    obs["held_on_w2"] = _attempt(lambda: asyncrpc.rpc_sync("w2", fns.fetch_held, args=(0,)).count)
+    obs["held_on_w2"] = attempt(lambda: asyncrpc.rpc_sync("w2", fns.fetch_held, args=(0,)).count)
     obs["dropped"] = [asyncrpc.rpc_sync(w, fns.drop_held) for w in ("w2", "w3")]
     obs["after_drop"] = _poll(_local_debug, lambda i: i["owner_rrefs"] == 0, 5.0)
-    time.sleep(3.5)  # the remote() value that was computing finishes: it must be discarded
+    # The remote() value that was computing (3 s on a pool thread here) finishes: it must be
+    # discarded. Wait for that thread to be done, then for a round trip through this loop
+    # (the value's hand-off to the loop comes before the reply), not a sleep of 3.5 s.
+    obs["late_value_done"] = poll(lambda: asyncrpc.get_metrics()["thread_pool_busy"] == 0, 10.0)
+    asyncrpc.rpc_sync("w2", fns.add, args=(1, 1))
     obs["after_late_value"] = _local_debug()
-    obs["shutdown"] = _attempt(lambda: asyncrpc.shutdown(graceful=True, timeout=5.0))
-    _report(obs)
+    obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(graceful=True, timeout=5.0))
+    report(obs)
     return 0
 
 
@@ -179,6 +150,7 @@ def _live_rrefs_setup(obs: Observations) -> list[asyncrpc.RRef[Any]]:
     return [on_w3, here]
 
 
+@scenario("live_rrefs_shutdown", **_DEFAULTS)
 def live_rrefs_shutdown(args: argparse.Namespace) -> int:
     """Rank 0 of {driver, w1, w2, w3} with ``rref_leaks="error"``: w1 and w2 hold user RRefs
     owned by the driver and by w3 (and the driver keeps its own) when everyone shuts down."""
@@ -187,14 +159,15 @@ def live_rrefs_shutdown(args: argparse.Namespace) -> int:
     )
     obs: Observations = {}
     kept = _live_rrefs_setup(obs)
-    obs["shutdown"] = _attempt(lambda: asyncrpc.shutdown(timeout=args.shutdown_timeout))
+    obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(timeout=args.shutdown_timeout))
     obs["kept_owner_names"] = [r.owner_name() for r in kept]
     del kept  # releasing after shutdown must be a quiet no-op
     gc.collect()
-    _report(obs)
+    report(obs)
     return 0 if obs["shutdown"]["error"] is None else 3
 
 
+@scenario("leak_checked_member", **_DEFAULTS)
 def leak_checked_member(args: argparse.Namespace) -> int:
     """Join as ``--name``/``--rank`` with ``rref_leaks="error"``, serve, shut down gracefully.
 
@@ -206,55 +179,6 @@ def leak_checked_member(args: argparse.Namespace) -> int:
         world_size=args.world_size,
         rpc_backend_options=_options(args, rref_leaks="error"),
     )
-    obs: Observations = {"shutdown": _attempt(asyncrpc.shutdown)}
-    _report(obs)
+    obs: Observations = {"shutdown": attempt(asyncrpc.shutdown)}
+    report(obs)
     return 0 if obs["shutdown"]["error"] is None else 3
-
-
-SCENARIOS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "owner_killed": owner_killed,
-    "user_killed": user_killed,
-    "live_rrefs_shutdown": live_rrefs_shutdown,
-    "leak_checked_member": leak_checked_member,
-}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("scenario", choices=sorted(SCENARIOS))
-    parser.add_argument("--init-method", required=True)
-    parser.add_argument("--name", default="driver")
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--rpc-timeout", type=float, default=10.0)
-    parser.add_argument("--shutdown-timeout", type=float, default=20.0)
-    args = parser.parse_args(argv)
-    return SCENARIOS[args.scenario](args)
-
-
-# -- test side -----------------------------------------------------------------------------
-
-
-def start(scenario: str, *args: str) -> ScenarioProcess:
-    """Start ``python -m tests.integration.rref_scenarios scenario *args`` from the root.
-
-    Returns:
-        The running process; the caller stops it with ``kill`` in a ``finally``.
-    """
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH", "")) if p)
-    env["PYTHONUNBUFFERED"] = "1"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.rref_scenarios", scenario, *args],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=_ROOT,
-    )
-    return ScenarioProcess(process)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,11 +1,6 @@
-"""Driver programs for the tests of issue 15: connections that heal, bounded waits, nested
+"""Scenarios of issue 15 (test layer): connections that heal, bounded waits, nested
 blocking calls; and the regression the chaos soak found (an autograd release lost with
-its connection) (test layer).
-
-``python -m tests.integration.heal_scenarios NAME [options]`` joins a group of its own as
-rank 0 ("driver"), runs one scenario and prints ``RESULT {json}`` (see ``scenarios.py``,
-whose helpers and test-side half it shares).
-"""
+its connection). Each joins a group of its own as rank 0 ("driver")."""
 
 from __future__ import annotations
 
@@ -16,7 +11,7 @@ import random
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,41 +24,46 @@ from asyncrpc.protocol.wire.messages import Hello
 from asyncrpc.testing import chaos_fns, free_port
 from asyncrpc.testing.faultproxy import FaultProxy
 from tests.integration import remote_fns as fns
-from tests.integration.scenarios import Observations, _attempt, _options, _poll, _report
+from tests.scenarios.common import Observations, attempt, options, poll, report
+from tests.scenarios.registry import option, scenario
+
+# The heal scenarios' flags: a world of two by default, looser timeouts.
+_DEFAULTS = {"world_size": 2, "rpc_timeout": 20.0, "shutdown_timeout": 20.0}
+# The worker behind a proxy: where it listens, and the proxy's port in front of it.
+_BEHIND = (option("--port", type=int, default=0), option("--proxy-port", type=int, default=0))
 
 
 def _init(args: argparse.Namespace, **overrides: object) -> None:
-    options = _options(args)
-    for key, value in overrides.items():
-        setattr(options, key, value)
-    asyncrpc.init_rpc("driver", rank=0, world_size=args.world_size, rpc_backend_options=options)
+    opts = options(args, **overrides)
+    asyncrpc.init_rpc("driver", rank=0, world_size=args.world_size, rpc_backend_options=opts)
 
 
 # -- nested blocking calls deeper than the pool --------------------------------------------
 
 
+@scenario("nested", **_DEFAULTS)
 def nested(args: argparse.Namespace) -> int:
     """Rank 0 of {driver, n1, n2, n3, n4}, all workers with 4 pool threads; n3 and n4 also
     cap their pools at 4. Chains of nested ``rpc_sync`` between n1 and n2 (1 x 32, 8 x 8),
     then one too deep for the capped pair."""
     _init(args)
     obs: Observations = {}
-    obs["deep"] = _attempt(lambda: asyncrpc.rpc_sync("n1", fns.chain, args=(32, "n1", "n2")))
+    obs["deep"] = attempt(lambda: asyncrpc.rpc_sync("n1", fns.chain, args=(32, "n1", "n2")))
     chains = [
         asyncrpc.rpc_async(f"n{1 + i % 2}", fns.chain, args=(8, f"n{1 + i % 2}", f"n{2 - i % 2}"))
         for i in range(8)
     ]
-    obs["eight"] = _attempt(lambda: asyncrpc.wait_all(chains))
-    obs["capped"] = _attempt(lambda: asyncrpc.rpc_sync("n3", fns.chain, args=(16, "n3", "n4")))
-    obs["capped_after"] = _attempt(lambda: asyncrpc.rpc_sync("n3", fns.chain, args=(2, "n3", "n4")))
+    obs["eight"] = attempt(lambda: asyncrpc.wait_all(chains))
+    obs["capped"] = attempt(lambda: asyncrpc.rpc_sync("n3", fns.chain, args=(16, "n3", "n4")))
+    obs["capped_after"] = attempt(lambda: asyncrpc.rpc_sync("n3", fns.chain, args=(2, "n3", "n4")))
 
     def settled(name: str) -> Callable[[], bool]:
         return lambda: asyncrpc.rpc_sync(name, fns.metrics)["thread_pool_threads"] <= 4
 
-    obs["threads_back"] = all(_poll(settled(n), 10.0) for n in ("n1", "n2"))
+    obs["threads_back"] = all(poll(settled(n), 10.0) for n in ("n1", "n2"))
     obs["metrics"] = {n: asyncrpc.rpc_sync(n, fns.metrics) for n in ("n1", "n2", "n3", "n4")}
-    obs["shutdown"] = _attempt(lambda: asyncrpc.shutdown(timeout=20.0))
-    _report(obs)
+    obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(timeout=20.0))
+    report(obs)
     return 0
 
 
@@ -72,6 +72,7 @@ def nested(args: argparse.Namespace) -> int:
 MIB = 1 << 20
 
 
+@scenario("frames", **_DEFAULTS)
 def frames(args: argparse.Namespace) -> int:
     """Rank 0 of {driver, m1}; both take frames of at most 1 MiB. Oversized messages both
     ways, each followed by normal calls on the same connection."""
@@ -81,23 +82,23 @@ def frames(args: argparse.Namespace) -> int:
     # the large tensors beside the frames, where the frame limit does not apply).
     _init(args, max_frame_size=MIB, heartbeat_interval=0.0, shared_memory=False)
     obs: Observations = {}
-    obs["warm"] = _attempt(lambda: asyncrpc.rpc_sync("m1", fns.add, args=(1, 2)))
+    obs["warm"] = attempt(lambda: asyncrpc.rpc_sync("m1", fns.add, args=(1, 2)))
     before = asyncrpc.get_metrics()
     big = torch.zeros(2 * MIB, dtype=torch.uint8)
-    obs["send_big"] = _attempt(lambda: asyncrpc.rpc_sync("m1", fns.storage_nbytes, args=(big,)))
+    obs["send_big"] = attempt(lambda: asyncrpc.rpc_sync("m1", fns.storage_nbytes, args=(big,)))
     after = asyncrpc.get_metrics()
     obs["bytes_written"] = after["bytes_out"] - before["bytes_out"]
     obs["connections_lost"] = after["connections_lost"]
     half = torch.zeros(MIB // 2, dtype=torch.uint8)
-    obs["send_half"] = _attempt(lambda: asyncrpc.rpc_sync("m1", fns.storage_nbytes, args=(half,)))
-    obs["reply_big"] = _attempt(lambda: asyncrpc.rpc_sync("m1", fns.zeros, args=(2 * MIB,)))
-    obs["reply_half"] = _attempt(
+    obs["send_half"] = attempt(lambda: asyncrpc.rpc_sync("m1", fns.storage_nbytes, args=(half,)))
+    obs["reply_big"] = attempt(lambda: asyncrpc.rpc_sync("m1", fns.zeros, args=(2 * MIB,)))
+    obs["reply_half"] = attempt(
         lambda: int(asyncrpc.rpc_sync("m1", fns.zeros, args=(MIB // 2,)).numel())
     )
     obs["connections_opened"] = asyncrpc.get_metrics()["connections_opened"]
     obs["m1_metrics"] = asyncrpc.rpc_sync("m1", fns.metrics)
-    obs["shutdown"] = _attempt(lambda: asyncrpc.shutdown(timeout=20.0))
-    _report(obs)
+    obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(timeout=20.0))
+    report(obs)
     return 0
 
 
@@ -134,6 +135,10 @@ def _stalled(port: int) -> tuple[bool, bool]:
     ):
         stalled.sendall(b"ARPC\x02\x00")
         return _closed_by_peer(idle, 5.0), _closed_by_peer(stalled, 5.0)
+
+
+def _running_on_r1() -> int:
+    return int(asyncrpc.rpc_sync("r1", fns.metrics)["running_requests"])
 
 
 def _on_r1(fn: Callable[[], Any]) -> Any:
@@ -195,6 +200,7 @@ class _Soak:
         ]
         rref = asyncrpc.remote("r1", fns.add, args=(i, 1), timeout=2.0)
         held = asyncrpc.rpc_async("r1", fns.hold, args=(asyncrpc.RRef(i),))
+        # Deliberate jitter, not ordering: the drop lands at varied points of the calls.
         time.sleep(random.uniform(0.0, 0.01))
         self.drop()
         for future, expected in futures:
@@ -216,15 +222,16 @@ def _next_call_after(soak: _Soak) -> dict[str, Any]:
     typed: it went out on the dying connection), and how many attempts it took."""
     soak.drop()
     started = time.monotonic()
-    for attempt in range(1, 11):  # bounded
+    for tries in range(1, 11):  # bounded
         try:
             asyncrpc.rpc_sync("r1", fns.add, args=(1, 1), timeout=5.0)
         except asyncrpc.AsyncRpcError:
             continue
-        return {"s": time.monotonic() - started, "attempts": attempt}
+        return {"s": time.monotonic() - started, "attempts": tries}
     return {"s": None, "attempts": 10}
 
 
+@scenario("heal", *_BEHIND, option("--drops", type=int, default=100), **_DEFAULTS)
 def heal(args: argparse.Namespace) -> int:
     """Rank 0 of {driver, r1}; each listens behind a FaultProxy run here (``--port`` and
     ``--proxy-port`` are r1's), so every connection between them crosses a proxy. Drops a
@@ -236,32 +243,36 @@ def heal(args: argparse.Namespace) -> int:
           heartbeat_interval=0.5, heartbeat_timeout=5.0)  # fmt: skip
     soak = _Soak(proxies)
     obs: Observations = {}
-    obs["warm"] = _attempt(lambda: asyncrpc.rpc_sync("r1", fns.add, args=(1, 2)))
+    obs["warm"] = attempt(lambda: asyncrpc.rpc_sync("r1", fns.add, args=(1, 2)))
     # RRefs held across the drop: one r1 owns, one we own that r1 holds.
     kept = [asyncrpc.remote("r1", fns.add, args=(20, 22)), asyncrpc.RRef("driver's")]
-    obs["kept_before"] = _attempt(lambda: kept[0].to_here(timeout=5.0))
+    obs["kept_before"] = attempt(lambda: kept[0].to_here(timeout=5.0))
     asyncrpc.rpc_sync("r1", fns.hold, args=(kept[1],))
     baseline = {"driver": _fds(), "r1": asyncrpc.rpc_sync("r1", fns.open_fds)}
     # A live connection dropped in the middle of a call.
     slow = asyncrpc.rpc_async("r1", fns.sleep, args=(30.0,), timeout=0)
-    time.sleep(0.2)
+    obs["slow_running"] = poll(lambda: _running_on_r1() >= 1, 10.0)
     soak.drop()
-    obs["in_flight"] = _attempt(lambda: slow.wait(10.0))
-    obs["next_call"] = _attempt(lambda: asyncrpc.rpc_sync("r1", fns.add, args=(2, 3)))
-    obs["call_back"] = _attempt(lambda: asyncrpc.rpc_sync("r1", fns.call_back, args=("driver",)))
-    obs["kept_after"] = _attempt(lambda: kept[0].to_here(timeout=5.0))
+    obs["in_flight"] = attempt(lambda: slow.wait(10.0))
+    obs["next_call"] = attempt(lambda: asyncrpc.rpc_sync("r1", fns.add, args=(2, 3)))
+    obs["call_back"] = attempt(lambda: asyncrpc.rpc_sync("r1", fns.call_back, args=("driver",)))
+    obs["kept_after"] = attempt(lambda: kept[0].to_here(timeout=5.0))
     # Calls made once the link is known down leave, in order, on the new one.
     lost = asyncrpc.get_metrics()["connections_lost"]
     soak.drop()
-    _poll(lambda: asyncrpc.get_metrics()["connections_lost"] > lost, 5.0)
+    poll(lambda: asyncrpc.get_metrics()["connections_lost"] > lost, 5.0)
     ordered = [asyncrpc.rpc_async("r1", fns.inline_record, args=(i,)) for i in range(50)]
-    obs["ordered"] = _attempt(lambda: asyncrpc.wait_all(ordered))
+    obs["ordered"] = attempt(lambda: asyncrpc.wait_all(ordered))
     obs["arrivals"] = asyncrpc.rpc_sync("r1", fns.arrivals)
     # Strangers claim each name and hang up: nobody becomes lost.
+    fds = {"driver": _fds(), "r1": asyncrpc.rpc_sync("r1", fns.open_fds)}
     _stray(args.proxy_port, "driver", 0)
     _stray(my_proxy, "r1", 1)
-    time.sleep(0.2)
-    obs["after_strays"] = _attempt(lambda: asyncrpc.rpc_sync("r1", fns.add, args=(3, 4)))
+    # Both sides have closed the strays' connections (and so heard them hang up).
+    obs["strays_closed"] = poll(
+        lambda: _fds() == fds["driver"] and _on_r1(fns.open_fds) == fds["r1"], 10.0
+    )
+    obs["after_strays"] = attempt(lambda: asyncrpc.rpc_sync("r1", fns.add, args=(3, 4)))
     obs["lost_after_strays"] = asyncrpc.get_debug_info()["lost_peers"]
     # Strangers that never finish a handshake: idle, and stalled in the middle of a prelude.
     obs["idle_closed"], obs["stalled_closed"] = _stalled(args.port)
@@ -272,38 +283,39 @@ def heal(args: argparse.Namespace) -> int:
         soak.round(i)
     obs["soak_s"] = time.monotonic() - started
     obs["soak"] = soak.summary()
-    obs["after_soak"] = _attempt(lambda: asyncrpc.rpc_sync("r1", fns.add, args=(4, 5)))
+    obs["after_soak"] = attempt(lambda: asyncrpc.rpc_sync("r1", fns.add, args=(4, 5)))
     # Back to baseline: RRefs released everywhere, descriptors, pool threads.
     kept.clear()
     asyncrpc.rpc_sync("r1", fns.drop_held)
-    obs["rrefs_settled"] = _poll(_settled("r1"), 15.0)
+    obs["rrefs_settled"] = poll(_settled("r1"), 15.0)
     obs["rref_debug"] = {"driver": asyncrpc.get_debug_info(), "r1": _on_r1(fns.rref_debug)}
     # Forks whose frames died with a connection: asked about, and undone where lost.
     obs["forks_queried"] = asyncrpc.get_debug_info()["forks_queried"]
-    obs["ref_log_acked"] = _poll(
+    obs["ref_log_acked"] = poll(
         lambda: (
             asyncrpc.get_debug_info()["unacked_ref_frames"] == 0
             and (_on_r1(fns.debug_info) or {}).get("unacked_ref_frames") == 0
         ),
         10.0,
     )
-    obs["fds_back"] = _poll(
+    obs["fds_back"] = poll(
         lambda: _fds() == baseline["driver"] and _on_r1(fns.open_fds) == baseline["r1"], 10.0
     )
     obs["fds"] = {"baseline": baseline, "driver": _fds(), "r1": _on_r1(fns.open_fds)}
     obs["r1_metrics"] = _on_r1(fns.metrics)
     obs["metrics"] = asyncrpc.get_metrics()
     obs["lost_peers"] = asyncrpc.get_debug_info()["lost_peers"]
-    obs["shutdown"] = _attempt(lambda: asyncrpc.shutdown(timeout=20.0))
+    obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(timeout=20.0))
     for proxy in proxies:
         proxy.close()
-    _report(obs)
+    report(obs)
     return 0
 
 
 # -- shutdown with a dead peer never contacted ----------------------------------------------
 
 
+@scenario("dead_peer", **_DEFAULTS)
 def dead_peer(args: argparse.Namespace) -> int:
     """Rank 0 of {driver, d1, d2}. Prints ``STARTED`` once joined, without calling anybody;
     the test then SIGKILLs d1 and writes ``KILLED``; then a graceful shutdown with the
@@ -313,8 +325,8 @@ def dead_peer(args: argparse.Namespace) -> int:
     obs: Observations = {}
     print("STARTED", flush=True)
     obs["stdin"] = sys.stdin.readline().strip()
-    obs["shutdown"] = _attempt(asyncrpc.shutdown)
-    _report(obs)
+    obs["shutdown"] = attempt(asyncrpc.shutdown)
+    report(obs)
     return 0
 
 
@@ -322,18 +334,18 @@ def dead_peer(args: argparse.Namespace) -> int:
 
 
 def _contexts_on(name: str) -> int:
-    return asyncrpc.rpc_sync(name, chaos_fns.rref_counts, timeout=10.0)["autograd_contexts"]
+    return int(asyncrpc.rpc_sync(name, chaos_fns.rref_counts, timeout=10.0)["autograd_contexts"])
 
 
+@scenario("release_after_drop", *_BEHIND, **_DEFAULTS)
 def release_after_drop(args: argparse.Namespace) -> int:
     """Rank 0 of {driver, k1}; both listen behind FaultProxies run here (``--port`` and
     ``--proxy-port`` are k1's). A context reaches k1; its release leaves into a black hole
     and the connection is then reset: k1 must still drop the context."""
     mine, my_proxy = free_port(), free_port()
     proxies = [FaultProxy(args.port, args.proxy_port), FaultProxy(mine, my_proxy)]
-    options = _options(args)
-    options.listen_port, options.advertise_port, options.unix_sockets = mine, my_proxy, False
-    asyncrpc.init_rpc("driver", rank=0, world_size=2, rpc_backend_options=options)
+    opts = options(args, listen_port=mine, advertise_port=my_proxy, unix_sockets=False)
+    asyncrpc.init_rpc("driver", rank=0, world_size=2, rpc_backend_options=opts)
     obs: Observations = {}
     layer = asyncrpc.remote("k1", chaos_fns.make_layer, args=(0,))
     with dist_autograd.context() as context_id:
@@ -343,45 +355,15 @@ def release_after_drop(args: argparse.Namespace) -> int:
         for proxy in proxies:
             proxy.blackhole()
     # The release is on its way into the black hole; then the link resets.
-    _poll(lambda: False, 0.3)
+    poll(lambda: False, 0.3)
     for proxy in proxies:
         proxy.drop()
         proxy.heal()
-    obs["released"] = _poll(lambda: _contexts_on("k1") == 0, 15.0)
+    obs["released"] = poll(lambda: _contexts_on("k1") == 0, 15.0)
     obs["after"] = _contexts_on("k1")
     del layer
     asyncrpc.shutdown(timeout=20.0)
     for proxy in proxies:
         proxy.close()
-    _report(obs)
+    report(obs)
     return 0
-
-
-SCENARIOS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "dead_peer": dead_peer,
-    "nested": nested,
-    "frames": frames,
-    "heal": heal,
-    "release_after_drop": release_after_drop,
-}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("scenario", choices=sorted(SCENARIOS))
-    parser.add_argument("--init-method", required=True)
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--rpc-timeout", type=float, default=20.0)
-    parser.add_argument("--shutdown-timeout", type=float, default=20.0)
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--proxy-port", type=int, default=0)
-    parser.add_argument("--drops", type=int, default=100)
-    args = parser.parse_args(argv)
-    started = time.monotonic()
-    code = SCENARIOS[args.scenario](args)
-    print(f"scenario {args.scenario} took {time.monotonic() - started:.1f} s", flush=True)
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,192 @@
+"""Scenarios where a peer fails under the driver (test layer): SIGKILLed mid-call,
+hung by SIGSTOP, and faults injected by a proxy in front of each worker."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import threading
+import time
+from typing import Any
+
+import asyncrpc
+from tests.integration import remote_fns as fns
+from tests.scenarios.common import Observations, attempt, options, poll, report
+from tests.scenarios.registry import option, scenario
+
+# -- scenario: a peer is SIGKILLed in the middle of a call --------------------------------
+
+
+@scenario("kill_peer", option("--graceful", type=int, choices=(0, 1), default=1))
+def kill_peer(args: argparse.Namespace) -> int:
+    """Rank 0 of {driver, w1, w2}: a long call to w1 is pending when the test kills w1.
+
+    Protocol: prints ``STARTED`` once the call runs on w1, then reads one line (the test
+    writes ``KILLED`` right after SIGKILL) and observes the pending call, a later call, calls
+    to w2 and ``shutdown``.
+    """
+    asyncrpc.init_rpc("driver", rank=0, world_size=3, rpc_backend_options=options(args))
+    obs: Observations = {"w1_pid": asyncrpc.rpc_sync("w1", fns.pid)}
+    failed_at: list[float] = []
+    called_back = threading.Event()
+
+    def note_failure(_: object) -> None:
+        failed_at.append(time.monotonic())
+        called_back.set()
+
+    long_call = asyncrpc.rpc_async("w1", fns.sleep, args=(30.0,), timeout=0)
+    long_call.add_done_callback(note_failure)
+    w2_in_flight = asyncrpc.rpc_async("w2", fns.sleep, args=(1.0,))
+    obs["running_on_w1"] = poll(
+        lambda: asyncrpc.rpc_sync("w1", fns.metrics)["running_requests"] >= 1, 5.0
+    )
+    print("STARTED", flush=True)
+    obs["stdin"] = sys.stdin.readline().strip()
+    obs["pending"] = attempt(lambda: long_call.wait(5.0))
+    # The done callback runs on the callback pool, possibly after wait() returned.
+    called_back.wait(5.0)
+    obs["pending_failed_at"] = failed_at[0] if failed_at else None
+    obs["later_w1"] = attempt(lambda: asyncrpc.rpc_sync("w1", fns.add, args=(1, 2)))
+    obs["w2_in_flight"] = attempt(lambda: w2_in_flight.wait(5.0))
+    obs["later_w2"] = attempt(lambda: asyncrpc.rpc_sync("w2", fns.add, args=(1, 2)))
+    obs["debug_lost_peers"] = asyncrpc.get_debug_info()["lost_peers"]
+    obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(graceful=bool(args.graceful), timeout=5.0))
+    obs["not_initialized_after"] = attempt(asyncrpc.get_worker_info)["error"]
+    report(obs)
+    return 0
+
+
+# -- scenario: a peer hangs (SIGSTOP) with calls pending ----------------------------------
+
+
+@scenario("hang_peer")
+def hang_peer(args: argparse.Namespace) -> int:
+    """Rank 0 of {driver, w1, w2}, heartbeats every 0.2 s, silence limit 1 s.
+
+    Protocol: prints ``STARTED`` once a call with no timeout runs on w1, reads one line (the
+    test writes ``STOPPED`` right after SIGSTOP), then observes that call, a later call,
+    w2 (under load meanwhile: no false positive), and a graceful shutdown.
+    """
+    opts = options(args)
+    opts.heartbeat_interval, opts.heartbeat_timeout = 0.2, 1.0
+    asyncrpc.init_rpc("driver", rank=0, world_size=3, rpc_backend_options=opts)
+    obs: Observations = {}
+    stuck = asyncrpc.rpc_async("w1", fns.sleep, args=(60.0,), timeout=0)
+    obs["running_on_w1"] = poll(
+        lambda: asyncrpc.rpc_sync("w1", fns.metrics)["running_requests"] >= 1, 5.0
+    )
+    print("STARTED", flush=True)
+    obs["stdin"] = sys.stdin.readline().strip()
+    stopped_at = time.monotonic()
+    # w2 stays busy with a long call and many short ones: it must not be declared lost.
+    w2_long = asyncrpc.rpc_async("w2", fns.sleep, args=(3.0,), timeout=0)
+    w2_calls = [asyncrpc.rpc_async("w2", fns.add, args=(i, 1)) for i in range(256)]
+    obs["pending"] = attempt(lambda: stuck.wait(30.0))
+    obs["detected_after"] = time.monotonic() - stopped_at
+    obs["later_w1"] = attempt(lambda: asyncrpc.rpc_sync("w1", fns.add, args=(1, 2)))
+    obs["w2_long"] = attempt(lambda: w2_long.wait(10.0))
+    obs["w2_calls_ok"] = asyncrpc.wait_all(w2_calls) == [i + 1 for i in range(256)]
+    obs["debug_lost_peers"] = asyncrpc.get_debug_info()["lost_peers"]
+    obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(timeout=5.0))
+    report(obs)
+    return 0
+
+
+# -- scenario: faults injected by a proxy in front of each worker ---------------------------
+
+
+class _Ledger:
+    """Every call made, how it ended, and whether its reply was its own payload."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def echo(self, worker: str, tag: str, size: int = 16, timeout: float = 0) -> Any:
+        import torch
+
+        data = torch.full((size,), float(len(self.calls)))
+        payload = {"tag": tag, "data": data}
+        entry: dict[str, Any] = {"ended": 0, "ok": None, "error": None}
+        self.calls[tag] = entry
+
+        def ended(done: Any) -> None:
+            with self._lock:
+                entry["ended"] += 1
+                exc = done.exception()
+                if exc is None:
+                    back = done.value()
+                    entry["ok"] = back["tag"] == tag and bool(torch.equal(back["data"], data))
+                else:
+                    entry["error"] = type(exc).__name__
+
+        future = asyncrpc.rpc_async(worker, fns.echo, args=(payload,), timeout=timeout)
+        future.add_done_callback(ended)
+        return future
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "calls": len(self.calls),
+            "ended_once": all(e["ended"] == 1 for e in self.calls.values()),
+            "mismatched": sum(1 for e in self.calls.values() if e["ok"] is False),
+            "by_tag": self.calls,
+        }
+
+
+@scenario("faults", option("--proxies", required=True))
+def faults(args: argparse.Namespace) -> int:
+    """Rank 0 of {driver, f1..f4}; fi listens on a fixed port behind a FaultProxy that this
+    process runs (``--proxies`` lists listen:proxy ports). f1 is delayed, f2 black-holed,
+    f3 dropped, f4 cut mid-frame; heartbeats every 0.2 s, silence limit 1 s."""
+    from asyncrpc.testing.faultproxy import FaultProxy
+
+    pairs = [tuple(int(p) for p in item.split(":")) for item in args.proxies.split(",")]
+    proxies = {f"f{i + 1}": FaultProxy(target, port) for i, (target, port) in enumerate(pairs)}
+    opts = options(args)
+    opts.heartbeat_interval, opts.heartbeat_timeout = 0.2, 1.0
+    opts.unix_sockets = False  # through the proxies, which sit on TCP
+    asyncrpc.init_rpc("driver", rank=0, world_size=5, rpc_backend_options=opts)
+    ledger, obs = _Ledger(), Observations()
+    for name in proxies:  # connect through each proxy first
+        ledger.echo(name, f"{name}-warm").wait(10)
+    # Delay: calls are slow, not lost.
+    proxies["f1"].delay(0.3)
+    started = time.monotonic()
+    ledger.echo("f1", "f1-delayed").wait(10)
+    obs["f1_delayed_s"] = time.monotonic() - started
+    proxies["f1"].heal()
+    # Black hole: only heartbeats can tell; the pending call fails typed.
+    pending = [ledger.echo("f2", f"f2-{i}") for i in range(3)]
+    proxies["f2"].blackhole()
+    stuck = asyncrpc.rpc_async("f2", fns.sleep, args=(30.0,), timeout=0)
+    started = time.monotonic()
+    obs["f2_stuck"] = attempt(lambda: stuck.wait(20))
+    obs["f2_detected_s"] = time.monotonic() - started
+    # Drop: a reset; the call in flight fails at once.
+    slow = asyncrpc.rpc_async("f3", fns.sleep, args=(30.0,), timeout=0)
+    obs["f3_running"] = poll(
+        lambda: asyncrpc.rpc_sync("f3", fns.metrics)["running_requests"] >= 1, 10.0
+    )
+    proxies["f3"].drop()
+    started = time.monotonic()
+    obs["f3_pending"] = attempt(lambda: slow.wait(20))
+    obs["f3_detected_s"] = time.monotonic() - started
+    # Truncate: the next frame towards f4 is cut in the middle (a 1 MiB payload).
+    proxies["f4"].truncate(1000)
+    cut = ledger.echo("f4", "f4-cut", size=1 << 18)
+    obs["f4_cut"] = attempt(lambda: cut.wait(20))
+    obs["later_f4"] = attempt(lambda: ledger.echo("f4", "f4-later").wait(5))
+    obs["f1_after"] = attempt(lambda: ledger.echo("f1", "f1-after").wait(10) is not None)
+    for future in pending:
+        with contextlib.suppress(Exception):
+            future.wait(5)
+    # Done callbacks run on the callback pool, maybe after wait() returned: wait for each.
+    obs["all_ended"] = poll(lambda: all(e["ended"] for e in ledger.calls.values()), 10.0)
+    obs["ledger"] = ledger.summary()
+    obs["metrics"] = asyncrpc.get_metrics()
+    asyncrpc.shutdown(graceful=False)
+    for proxy in proxies.values():
+        proxy.close()
+    report(obs)
+    return 0
