@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from asyncrpc.errors import SerializationError
+from asyncrpc.protocol.options import RpcBackendOptions
 from asyncrpc.protocol.serde.policy import TensorPolicy
 from asyncrpc.protocol.serde.tensors import _resolved_span, memory_view
 from asyncrpc.runtime.cuda.callee import CalleeStreams, RequestStreams
@@ -38,12 +39,12 @@ __all__ = ["StagedCopy", "StagedTransfer", "cuda_transfer"]
 
 
 def cuda_transfer(
-    options: Any, same_host: Callable[[int], bool] | None = None
+    options: RpcBackendOptions, same_host: Callable[[int], bool] | None = None
 ) -> StagedTransfer | None:
     """The agent's CUDA transfer where CUDA is set up and wanted, else None (the
     device-map hook then copies through the host). ``cuda_transfer`` "auto" adds CUDA IPC
     to same-host peers whose probe passed, "ipc" to every same-host peer (``same_host``)."""
-    mode = getattr(options, "cuda_transfer", "auto")
+    mode = options.cuda_transfer
     if mode == "host":
         return None
     import torch
