@@ -34,8 +34,14 @@ from asyncrpc.runtime.cuda.devices import Devices, Event, Stream
 from asyncrpc.runtime.cuda.gate import FrameEvents, SendGate, order_after
 from asyncrpc.runtime.cuda.ipc import IpcLinks, is_ipc_tag
 from asyncrpc.runtime.cuda.maps import HostCopy, cuda_index
+from asyncrpc.runtime.cuda.pinned import PinnedPool
 
-__all__ = ["StagedCopy", "StagedTransfer", "cuda_transfer"]
+# Staged tensors are copied to the host in chunks of this size, an event after each, so a
+# writer that sends a frame in parts can start once the first chunk is on the host (see
+# docs/cuda.md: the links write a frame whole today, after its last chunk).
+CHUNK_BYTES = 8 << 20
+
+__all__ = ["CHUNK_BYTES", "StagedCopy", "StagedTransfer", "cuda_transfer"]
 
 
 def cuda_transfer(
@@ -66,11 +72,17 @@ class StagedTransfer:
     wait)."""
 
     def __init__(
-        self, devices: Devices, gate: SendGate | None = None, callee: CalleeStreams | None = None
-    ) -> None:
+        self, devices: Devices, gate: SendGate | None = None, callee: CalleeStreams | None = None,
+        pinned: PinnedPool | None = None, chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:  # fmt: skip
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         self.devices = devices
         self.gate = gate if gate is not None else SendGate(devices)
         self.callee = callee
+        self.pinned = pinned if pinned is not None else PinnedPool(devices)
+        self.chunk_bytes = chunk_bytes
+        self.chunked = 0  # chunk copies queued (metrics)
         self.ipc: IpcLinks | None = None  # same-host peers by handle (set for "auto"/"ipc")
         self._count: int | None = None  # devices this process sees
         self._out: dict[int, Stream] = {}
@@ -103,6 +115,7 @@ class StagedTransfer:
         """Counters for ``get_debug_info()``: tensors staged each way, the callee's stream
         leases, and CUDA IPC handles."""
         stats = {"cuda_staged_out": self.staged_out, "cuda_staged_in": self.staged_in}
+        stats.update(cuda_staged_chunks=self.chunked, **self.pinned.stats())
         if self.callee is not None:
             pool = self.callee.pool
             stats.update(cuda_stream_leases=pool.leased, cuda_stream_releases=pool.released)
@@ -171,7 +184,8 @@ class StagedCopy(TensorPolicy):
     """The CUDA half of one message's tensor policy (see the module's docstring)."""
 
     __slots__ = (
-        "_producers", "device_map", "events", "peer", "received", "streams", "transfer",
+        "_producers", "chunks", "device_map", "events", "peer", "received", "streams",
+        "transfer",
     )  # fmt: skip
 
     def __init__(
@@ -186,6 +200,9 @@ class StagedCopy(TensorPolicy):
         # thread's current one (a reply: the callee's leased pool streams).
         self.streams: dict[int, Stream] = {}
         self.received: list[tuple[int, Any]] = []  # (device, tensor) copied in
+        # Staged bytes by host address: [start, stop) valid once the event completed (a
+        # tensor's chunks in order; those of one device are ordered on its copy stream).
+        self.chunks: list[tuple[int, int, Event]] = []
 
     def blocking(self) -> TensorPolicy:
         return HostCopy(self.device_map)
@@ -218,10 +235,33 @@ class StagedCopy(TensorPolicy):
             self._producers[device] = producer
         stream = transfer.out_stream(device)
         devices.wait(stream, producer)
-        host = devices.stage_out(tensor, stream)
-        self.events[device] = devices.record(stream)
+        nbytes = devices.contiguous_nbytes(tensor)
+        if nbytes:
+            host, self.events[device] = self._copy_chunks(tensor, nbytes, stream)
+        else:  # not contiguous (or empty): one copy that keeps its strides, unpooled
+            host = devices.stage_out(tensor, stream)
+            self.events[device] = devices.record(stream)
         transfer.staged_out += 1
         return target, host
+
+    def _copy_chunks(self, tensor: Any, nbytes: int, stream: Stream) -> tuple[Any, Event]:
+        """Copy ``tensor`` into a pinned buffer of the pool, in chunks of the transfer's
+        ``chunk_bytes``, an event after each: ``chunks`` says which bytes each event covers
+        (where a writer that takes a frame in parts may start on the first one). Returns
+        the host tensor and the last chunk's event."""
+        transfer = self.transfer
+        devices, pool = transfer.devices, transfer.pinned
+        flat, block = pool.lend(nbytes)
+        address = int(flat.data_ptr())
+        step = transfer.chunk_bytes
+        for start in range(0, nbytes, step):  # bounded: nbytes / chunk_bytes copies
+            stop = min(start + step, nbytes)
+            devices.copy_out(tensor, flat, start, stop, stream)
+            event = devices.record(stream)
+            self.chunks.append((address + start, address + stop, event))
+            transfer.chunked += 1
+        pool.filled(block, event)  # nbytes > 0: at least one chunk was copied
+        return devices.host_view(flat, tensor), event
 
     def _share(
         self, ipc: IpcLinks, tensor: Any, device: int, target: str, on: Any
