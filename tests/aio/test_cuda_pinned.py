@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 import torch
 
+from asyncrpc.protocol.serde.tensors import memory_view
 from asyncrpc.runtime.cuda import FakeDevices, FakeTensor
+from asyncrpc.runtime.cuda.parts import address_of, frame_parts
 from asyncrpc.runtime.cuda.pinned import MIN_BLOCK, PinnedPool
 from asyncrpc.runtime.cuda.staging import StagedTransfer
 
@@ -195,3 +197,94 @@ def test_PinnedPool_1000_staged_transfers_use_one_block() -> None:
     stats = transfer.stats()
     assert stats["cuda_pinned_made"] == 1
     assert stats["cuda_staged_chunks"] == 3000
+
+
+# -- a frame in parts --------------------------------------------------------------------
+
+
+def frame_of(host: FakeTensor) -> list[Any]:
+    """A frame as the wire lays it out: prelude and header bytes, then the segment (a
+    read-only view of the staged host bytes), then a CPU segment."""
+    segment = memory_view(host.host.data_ptr(), host.host.numel(), writable=False)
+    return [b"prelude+header", segment, b"cpu tensor"]
+
+
+def test_address_of_reads_read_only_views() -> None:
+    flat = torch.zeros(16, dtype=torch.uint8)
+    view = memory_view(flat.data_ptr() + 4, 8, writable=False)
+    assert address_of(view) == flat.data_ptr() + 4
+    assert address_of(memoryview(b"")) >= 0
+
+
+def test_split_frame_cuts_pieces_at_chunk_boundaries() -> None:
+    gpu = FakeDevices()
+    transfer = StagedTransfer(gpu, chunk_bytes=8)
+    policy = transfer.policy(MAP)
+    _, host = policy.to_host(source(20))
+    parts = transfer.parts(policy, frame_of(host))
+    events = [event for _, _, event in policy.chunks]
+    assert [waits for _, waits in parts] == [(events[0],), (events[1],), (events[2],)]
+    sizes = [[len(bytes(p)) for p in pieces] for pieces, _ in parts]
+    assert sizes == [[14, 8], [8], [4, 10]]  # the header rides with chunk 1, the rest last
+    # Nothing staged in chunks: the frame whole, waiting for nothing.
+    assert transfer.parts(transfer.policy(MAP), [b"a", b"b"]) == [([b"a", b"b"], ())]
+
+
+@pytest.mark.asyncio
+async def test_frame_parts_write_nothing_before_the_first_chunk_and_no_chunk_early() -> None:
+    gpu = FakeDevices()
+    transfer = StagedTransfer(gpu, chunk_bytes=8)
+    gpu.launch(gpu.default_stream(0), "writes the tensor")
+    policy = transfer.policy(MAP)
+    tensor = source(20)
+    _, host = policy.to_host(tensor)
+    frame = frame_of(host)
+    parts = transfer.parts(policy, frame)
+    written: list[bytes] = []  # what a socket would have read, at the time it read it
+
+    async def write() -> None:
+        async for pieces in frame_parts(gpu, parts, first_poll=1e-4, max_poll=1e-3):
+            written.append(b"".join(bytes(p) for p in pieces))
+
+    writer = asyncio.ensure_future(write())
+    out = transfer.out_stream(0)
+    await asyncio.sleep(0.01)
+    assert written == []  # the producer still runs: not even the header went
+    gpu.run(gpu.default_stream(0))
+    gpu.run(out, 2)  # the wait and chunk 1
+    for _ in range(100):  # bounded: the writer polls every 1 ms at most
+        if written:
+            break
+        await asyncio.sleep(0.001)
+    await asyncio.sleep(0.01)
+    assert written == [b"prelude+header" + tensor.value[:8]]  # chunk 1's bytes, as copied
+    gpu.run(out)
+    await asyncio.wait_for(writer, 2)
+    assert b"".join(written) == b"prelude+header" + tensor.value + b"cpu tensor"
+    assert len(written) == 3
+
+
+@pytest.mark.asyncio
+async def test_frame_parts_of_two_tensors_on_two_devices_keep_the_frame_order() -> None:
+    gpu = FakeDevices()
+    transfer = StagedTransfer(gpu, chunk_bytes=8)
+    policy = transfer.policy(MAP)
+    a, b = source(12, seed=3), FakeTensor(1, source(12, seed=5).value, nbytes=12)
+    _, host_a = policy.to_host(a)
+    _, host_b = policy.to_host(b)
+    frame = [b"h", *frame_of(host_a)[1:2], b"-", *frame_of(host_b)[1:2]]
+    parts = transfer.parts(policy, frame)
+    assert len(parts) == 4
+    gpu.run(transfer.out_stream(1))  # device 1's copies finish first: they still wait
+    written: list[bytes] = []
+
+    async def write() -> None:
+        async for pieces in frame_parts(gpu, parts, first_poll=1e-4, max_poll=1e-3):
+            written.append(b"".join(bytes(p) for p in pieces))
+
+    writer = asyncio.ensure_future(write())
+    await asyncio.sleep(0.01)
+    assert written == []
+    gpu.run(transfer.out_stream(0))
+    await asyncio.wait_for(writer, 2)
+    assert b"".join(written) == b"h" + a.value + b"-" + b.value

@@ -34,6 +34,7 @@ from asyncrpc.runtime.cuda.devices import Devices, Event, Stream
 from asyncrpc.runtime.cuda.gate import FrameEvents, SendGate, order_after
 from asyncrpc.runtime.cuda.ipc import IpcLinks, is_ipc_tag
 from asyncrpc.runtime.cuda.maps import HostCopy, cuda_index
+from asyncrpc.runtime.cuda.parts import Part, split_frame
 from asyncrpc.runtime.cuda.pinned import PinnedPool
 
 # Staged tensors are copied to the host in chunks of this size, an event after each, so a
@@ -128,6 +129,13 @@ class StagedTransfer:
         if isinstance(policy, StagedCopy) and policy.events:
             return self.gate.ready(policy.frame_events())
         return None
+
+    def parts(self, policy: TensorPolicy, pieces: list[Any]) -> list[Part]:
+        """The frame of ``pieces``, sent under ``policy``, as parts a writer may send one
+        after another as their chunks reach the host (``parts.frame_parts``); one part
+        waiting for nothing when nothing was staged in chunks."""
+        chunks = policy.chunks if isinstance(policy, StagedCopy) else []
+        return split_frame(pieces, chunks)
 
     def before_use(self, policy: TensorPolicy) -> Callable[[], None] | None:
         """What the thread that first uses tensors received under ``policy`` calls first:
