@@ -85,3 +85,30 @@ def test_a_pooled_staged_tensor_crosses_the_wire_and_its_block_comes_back(
     del keep
     assert pool.lent == 0
     assert pool.free_bytes() == pool.pooled == MIN_BLOCK
+
+
+def test_CudaDevices_copies_only_plain_contiguous_tensors_in_ranges() -> None:
+    real = object.__new__(CudaDevices)  # contiguous_nbytes needs no GPU
+    x = torch.randn(4, 6, dtype=torch.complex64)
+    assert real.contiguous_nbytes(x) == 4 * 6 * 8
+    assert real.contiguous_nbytes(x.t()) is None  # strided: copied whole, strides kept
+    assert real.contiguous_nbytes(x.conj()) is None  # the bit is not in the bytes
+    assert real.contiguous_nbytes(torch.randn(3)._neg_view()) is None
+
+
+def test_PinnedPool_takes_blocks_back_from_other_threads() -> None:
+    import threading
+
+    pool = PinnedPool(FakeDevices())
+    held = [pool.lend(1000)[0] for _ in range(8)]
+    assert pool.lent == 8
+
+    def drop() -> None:
+        held.clear()  # the last references go on this thread
+
+    thread = threading.Thread(target=drop)
+    thread.start()
+    thread.join()
+    assert (pool.lent, pool.free_bytes()) == (0, 8 * MIN_BLOCK)
+    assert pool.lend(1000)[1] is not None
+    assert pool.reused == 1

@@ -15,7 +15,7 @@ gets a fresh buffer outside the pool (``fresh``), which goes back to the seam's 
 the thread that pickles a message, which must not block.
 
 Threads: ``lend`` runs on whichever thread pickles; a block comes back on whichever thread
-freed its last tensor. The tables sit behind a lock.
+freed its last tensor. The tables sit behind a (reentrant) lock.
 """
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ class PinnedPool:
         self._devices = devices
         self.limit = limit
         self._free: dict[int, list[_Block]] = {}  # by size class
-        self._lock = threading.Lock()
+        # Reentrant: a block may come back (a finalizer) in a garbage collection that runs
+        # while this thread holds the lock.
+        self._lock = threading.RLock()
         self.pooled = 0  # bytes of blocks the pool owns, lent or free
         self.lent = 0  # blocks out now
         self.made = 0  # blocks allocated for the pool, reused, dropped, and lends outside it

@@ -79,7 +79,9 @@ class CudaDevices:
         return host
 
     def contiguous_nbytes(self, tensor: torch.Tensor) -> int | None:
-        if not tensor.is_contiguous():
+        # Conjugate and negative bits live outside the bytes: those go whole (stage_out's
+        # copy_ resolves them).
+        if not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
             return None
         return tensor.numel() * tensor.element_size()
 
