@@ -32,7 +32,8 @@ from asyncrpc.runtime.cuda.devices import Devices, Event
 
 __all__ = ["MIN_BLOCK", "PINNED_POOL_BYTES", "PinnedPool"]
 
-# 512 MiB lets two 256 MiB tensors (the largest echo the bench sends) be staged at once.
+# 512 MiB lets two 256 MiB tensors (the largest echo the bench sends) be staged at once
+# (the default of RpcBackendOptions.cuda_pinned_pool_bytes; a test keeps them equal).
 PINNED_POOL_BYTES = 512 << 20
 MIN_BLOCK = 64 << 10  # small tensors share 64 KiB blocks' size class
 

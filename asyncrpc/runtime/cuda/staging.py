@@ -60,10 +60,9 @@ def cuda_transfer(
         return None
     from asyncrpc.runtime.cuda.real import CudaDevices
 
-    devices = CudaDevices()
-    transfer = StagedTransfer(devices, callee=CalleeStreams.from_options(devices, options))
+    transfer = StagedTransfer.from_options(CudaDevices(), options)
     if mode in ("auto", "ipc") and same_host is not None:
-        transfer.ipc = IpcLinks(devices, same_host, mode == "auto", transfer.in_stream)
+        transfer.ipc = IpcLinks(transfer.devices, same_host, mode == "auto", transfer.in_stream)
     return transfer
 
 
@@ -90,6 +89,14 @@ class StagedTransfer:
         self._in: dict[int, Stream] = {}
         self.staged_out = 0  # tensors copied to the host, and to a device (metrics)
         self.staged_in = 0
+
+    @classmethod
+    def from_options(cls, devices: Devices, options: RpcBackendOptions) -> StagedTransfer:
+        """A transfer whose callee stream pool and pinned pool are sized by ``options``."""
+        callee = CalleeStreams.from_options(devices, options)
+        return cls(
+            devices, callee=callee, pinned=PinnedPool(devices, options.cuda_pinned_pool_bytes)
+        )
 
     def allocate(self, nbytes: int) -> tuple[object, memoryview]:
         """The wire's allocator for segments tagged with a CUDA device: pinned memory, so
