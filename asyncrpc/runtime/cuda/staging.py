@@ -5,9 +5,10 @@ torch's stream rules, built on the device seam so all of it runs on ``FakeDevice
 - Sending (rule 1; rule 3 for replies): on the thread that pickles the message, one event
   is recorded on that thread's current stream of each device involved (the producer's
   work so far); a per-device copy-out stream waits on it and copies each tensor into
-  pinned host memory. The frame waits in the call pipeline's ``ready`` stage until the
-  copies are done (``SendGate``, polled on the loop): neither the caller nor the loop
-  waits for the GPU.
+  pinned host memory (a contiguous one in ``CHUNK_BYTES`` chunks, an event after each,
+  into a block of the bounded ``PinnedPool``; others whole). The frame waits in the call
+  pipeline's ``ready`` stage until the copies are done (``SendGate``, polled on the
+  loop): neither the caller nor the loop waits for the GPU.
 - Receiving (rules 2 and 4): each segment is copied to its device on a per-device
   copy-in stream, and an event is recorded after it. Whoever uses the tensors first makes
   its current streams wait on those events: the callee's thread before the function runs,
