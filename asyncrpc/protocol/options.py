@@ -97,6 +97,13 @@ class RpcBackendOptions:
             handle to same-host peers whose probe passed, else staged; not the default
             until it has run on a GPU), "ipc" (by handle to every same-host peer, unprobed)
             or "host" (the sending thread waits for the tensor's stream, then copies).
+        cuda_stream_pool_size: streams per CUDA device a callee leases requests' functions
+            from (one request holds one per device it involves, until its reply has left).
+        cuda_stream_pool_timeout: seconds a request waits for a free pool stream before
+            it fails with ``StreamPoolExhaustedError`` (a ``TimeoutError``).
+        cuda_pinned_pool_bytes: bytes of pinned host memory the staged transfer keeps for
+            reuse, at most (0: none kept; a staged tensor past the bound gets a fresh
+            pinned buffer rather than waiting).
         listen_host: the address the worker listens on (loopback by default; "0.0.0.0"
             for every interface).
         listen_port: the port to listen on (0: any free one).
@@ -144,6 +151,9 @@ class RpcBackendOptions:
     device_maps: dict[str, dict[str, str]] | None = None
     devices: list[str] | None = None
     cuda_transfer: str = "staged"
+    cuda_stream_pool_size: int = 32
+    cuda_stream_pool_timeout: float = 30.0
+    cuda_pinned_pool_bytes: int = 512 << 20
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
     unix_sockets: bool = True
@@ -199,6 +209,9 @@ class RpcBackendOptions:
                 "cuda_transfer must be 'auto', 'ipc', 'staged' or 'host', "
                 f"got {self.cuda_transfer!r}"
             )
+        _check_cuda_pools(
+            self.cuda_stream_pool_size, self.cuda_stream_pool_timeout, self.cuda_pinned_pool_bytes
+        )
         if self.device_maps is not None:
             self.device_maps = {
                 str(callee): {_device_key(k): _device_key(v) for k, v in mapping.items()}
@@ -218,6 +231,18 @@ class RpcBackendOptions:
     def set_devices(self, devices: list[Any]) -> None:
         """Set the devices this worker uses (torch's method of that name)."""
         self.devices = [_device_key(d) for d in devices]
+
+
+def _check_cuda_pools(size: object, timeout: object, pinned: object) -> None:
+    """Refuse CUDA pool sizes or a timeout that the pools cannot run with."""
+    if type(size) is not int or size < 1:
+        raise InitError(f"cuda_stream_pool_size must be an int >= 1, got {size!r}")
+    if type(timeout) not in (int, float) or not 0 < timeout < float("inf"):  # type: ignore[operator]
+        raise InitError(
+            f"cuda_stream_pool_timeout must be a finite number of seconds > 0, got {timeout!r}"
+        )
+    if type(pinned) is not int or pinned < 0:
+        raise InitError(f"cuda_pinned_pool_bytes must be an int >= 0, got {pinned!r}")
 
 
 def coerce_options(options: object | None, backend: object = None) -> RpcBackendOptions:

@@ -41,6 +41,31 @@ def test_CudaDevices_event_and_wait_order_work_without_a_host_sync() -> None:
     assert torch.all(y == 14.0)
 
 
+def test_CudaDevices_chunked_copy_out_into_a_pooled_pinned_block() -> None:
+    from asyncrpc.runtime.cuda.pinned import PinnedPool
+
+    gpu = _devices()
+    pool = PinnedPool(gpu)
+    stream = gpu.new_stream(0)
+    x = torch.arange(5 << 20, device="cuda:0", dtype=torch.float32)  # 20 MiB
+    nbytes = gpu.contiguous_nbytes(x)
+    assert nbytes == x.numel() * 4
+    assert gpu.contiguous_nbytes(x.view(-1, 4).t()) is None
+    flat, block = pool.lend(nbytes)
+    assert block is not None
+    assert flat.is_pinned()
+    gpu.wait(stream, gpu.record(gpu.current_stream(0)))
+    events = []
+    for start in range(0, nbytes, 8 << 20):
+        gpu.copy_out(x, flat, start, min(start + (8 << 20), nbytes), stream)
+        events.append(gpu.record(stream))
+    host = gpu.host_view(flat, x)
+    torch.cuda.synchronize()
+    assert all(gpu.done(event) for event in events)
+    assert host.shape == x.shape
+    assert torch.equal(host, x.cpu())
+
+
 @pytest.mark.asyncio
 async def test_SendGate_on_cuda_frame_leaves_after_the_kernel_loop_runs_on() -> None:
     from asyncrpc.runtime.cuda import SendGate, record_for

@@ -144,3 +144,23 @@ def test_the_forced_path_is_the_one_taken(callee: str, request: pytest.FixtureRe
         assert (opened, staged) == (1, 0), (before, after)
     else:
         assert (opened, staged) == (0, 1), (before, after)
+
+
+def test_echo_of_256_mib_is_exact(callee: str, request: pytest.FixtureRequest) -> None:
+    # Staged: 32 chunks of 8 MiB each way, into pinned blocks of the pools; every byte
+    # must come back where it was (a chunk copied out of order, or read before its copy
+    # was done, shows up as a mismatch).
+    transfer = request.node.callspec.params["callee"]
+    n = (256 << 20) // 4
+    torch.cuda._sleep(SLEEP_CYCLES)  # the pattern is written behind a long kernel
+    x = torch.arange(n, device="cuda:0", dtype=torch.int32) * 7 + 3
+    before = asyncrpc.rpc_sync(callee, fns.cuda_stats)
+    y = asyncrpc.rpc_async(callee, fns.echo, args=(x,)).wait()
+    assert y.shape == x.shape
+    assert y.dtype == x.dtype
+    assert torch.equal(y, x)
+    assert torch.equal(y[-8:], torch.arange(n - 8, n, device="cuda:0", dtype=torch.int32) * 7 + 3)
+    if transfer == "staged":
+        after = asyncrpc.rpc_sync(callee, fns.cuda_stats)
+        assert after["cuda_staged_chunks"] - before["cuda_staged_chunks"] == 32  # the reply
+        assert after["cuda_pinned_fresh"] == 0, after

@@ -2,10 +2,12 @@
 
 ``Devices`` is the seam (``CudaDevices`` on a GPU, ``FakeDevices`` on the CPU for tests);
 ``gate`` decides when a frame carrying CUDA tensors may leave and orders a receiver's
-streams after it; ``staging`` moves tensors through pinned memory on side streams, its
-frames held in the call pipeline's ready stages by the gate; ``maps`` is the device-map
-hook that gives each call its transfer policy; ``pool`` leases streams and ``callee``
-runs each request's function on leased pool streams made to wait for its data.
+streams after it; ``staging`` moves tensors through pinned memory on side streams (in
+chunks, into ``pinned``'s bounded pool), its frames held in the call pipeline's ready
+stages by the gate; ``parts`` cuts a staged frame into parts ready chunk by chunk;
+``maps`` is the device-map hook that gives each call its transfer policy; ``pool`` leases
+streams and ``callee`` runs each request's function on leased pool streams made to wait
+for its data.
 """
 
 from __future__ import annotations

@@ -26,15 +26,18 @@ import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from typing import Any
 
+from asyncrpc.protocol.options import RpcBackendOptions
 from asyncrpc.runtime.cuda.devices import Devices, Stream
 from asyncrpc.runtime.cuda.pool import StreamLease, StreamPool, StreamPoolExhaustedError
 
 __all__ = ["POOL_STREAMS", "POOL_TIMEOUT_S", "CalleeStreams", "RequestStreams", "on_streams"]
 
-# Defaults of the callee's stream pool, per device. torch keeps 32 streams per device and
-# priority and shares them round-robin; ours are leased one request at a time, so 32 lets
-# 32 requests per device run at once before one waits. A request waits its turn at most
-# POOL_TIMEOUT_S, then fails with StreamPoolExhaustedError (the caller gets it, typed).
+# Defaults of the callee's stream pool, per device (those of RpcBackendOptions'
+# cuda_stream_pool_size and cuda_stream_pool_timeout; a test keeps them equal). torch keeps
+# 32 streams per device and priority and shares them round-robin; ours are leased one
+# request at a time, so 32 lets 32 requests per device run at once before one waits. A
+# request waits its turn at most POOL_TIMEOUT_S, then fails with StreamPoolExhaustedError
+# (the caller gets it, typed).
 POOL_STREAMS = 32
 POOL_TIMEOUT_S = 30.0
 
@@ -48,12 +51,11 @@ class CalleeStreams:
         self.loop: asyncio.AbstractEventLoop | None = None  # set by the first request served
 
     @classmethod
-    def from_options(cls, devices: Devices, options: Any) -> CalleeStreams:
-        """Sized by ``options.cuda_stream_pool_size`` and ``cuda_stream_pool_timeout`` where
-        the options have them, else by ``POOL_STREAMS`` and ``POOL_TIMEOUT_S``."""
-        size = getattr(options, "cuda_stream_pool_size", POOL_STREAMS)
-        timeout = getattr(options, "cuda_stream_pool_timeout", POOL_TIMEOUT_S)
-        return cls(devices, StreamPool(devices, int(size), float(timeout)))
+    def from_options(cls, devices: Devices, options: RpcBackendOptions) -> CalleeStreams:
+        """Sized by ``options.cuda_stream_pool_size`` streams per device and
+        ``options.cuda_stream_pool_timeout`` (``RpcBackendOptions`` checked both at init)."""
+        pool = StreamPool(devices, options.cuda_stream_pool_size, options.cuda_stream_pool_timeout)
+        return cls(devices, pool)
 
     def request(
         self,

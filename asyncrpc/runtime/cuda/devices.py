@@ -87,6 +87,23 @@ class Devices(Protocol):
         reuse until then. The host does not wait."""
         ...
 
+    def contiguous_nbytes(self, tensor: Any) -> int | None:
+        """The size in bytes of ``tensor`` if its elements are contiguous in memory (its
+        bytes can be copied in ranges), else None."""
+        ...
+
+    def copy_out(self, tensor: Any, host: Any, start: int, stop: int, stream: Stream) -> None:
+        """Queue on ``stream`` a copy of bytes ``[start, stop)`` of the contiguous device
+        ``tensor`` into the same bytes of ``host`` (a flat uint8 pinned CPU tensor of its
+        size). They are valid once an event recorded on ``stream`` afterwards has
+        completed; ``tensor``'s memory is kept from reuse until then. No host wait."""
+        ...
+
+    def host_view(self, host: Any, like: Any) -> Any:
+        """``host`` (flat uint8 CPU bytes, filled by ``copy_out``) seen as a CPU tensor of
+        ``like``'s dtype and shape."""
+        ...
+
     def stage_in(self, segment: Any, device: int, stream: Stream) -> Any:
         """Queue on ``stream`` a copy of ``segment`` (host bytes) to ``device`` and return
         the device tensor; work queued on ``stream`` afterwards sees the bytes. The host

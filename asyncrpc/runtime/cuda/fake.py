@@ -25,11 +25,13 @@ __all__ = ["FakeDevices", "FakeEvent", "FakeIpc", "FakeStream", "FakeTensor", "F
 
 @dataclass(eq=False)
 class FakeWork:
-    """One item queued on a stream: a kernel (``after`` None) or a wait on an event."""
+    """One item queued on a stream: a kernel (``after`` None) or a wait on an event;
+    ``action`` runs when it completes (a copy's bytes land then)."""
 
     label: str
     after: FakeEvent | None = None
     done: bool = False
+    action: Callable[[], None] | None = None
 
 
 @dataclass(eq=False)
@@ -60,6 +62,10 @@ class FakeTensor:
     fake_device: int | None
     value: Any = None
     opened: bool = False  # opened from another process's handle (cannot be shared again)
+    # Contiguous, of this many bytes (``value`` is then its bytes): copied out in ranges.
+    # None: copied out whole (``stage_out``), as a non-contiguous tensor would be.
+    nbytes: int | None = None
+    host: Any = None  # the host bytes a staged copy lives in (kept alive with it)
 
 
 @dataclass(eq=False)
@@ -164,13 +170,37 @@ class FakeDevices:
         import torch
 
         self.host_buffers += 1
-        return torch.empty(nbytes, dtype=torch.uint8)  # "pinned": the CPU has nothing else
+        return torch.zeros(nbytes, dtype=torch.uint8)  # "pinned": the CPU has nothing else
 
     def stage_out(self, tensor: Any, stream: FakeStream) -> FakeTensor:
         self.copies += 1
         copy = FakeTensor(None, getattr(tensor, "value", tensor))
         stream.items.append(FakeWork(f"copy to host on {stream.name}"))
         return copy
+
+    def contiguous_nbytes(self, tensor: Any) -> int | None:
+        nbytes: int | None = getattr(tensor, "nbytes", None)
+        return nbytes
+
+    def copy_out(self, tensor: Any, host: Any, start: int, stop: int, stream: FakeStream) -> None:
+        import torch
+
+        self.copies += 1
+        source = bytes(tensor.value[start:stop])
+        # A queued copy does not keep its destination alive (nor does one on a GPU: the
+        # pinned pool's fill event keeps a freed buffer from reuse). One whose destination
+        # was freed meanwhile lands nowhere here.
+        destination = weakref.ref(host)
+
+        def land() -> None:  # the bytes are in host memory only once the copy has run
+            target = destination()
+            if target is not None:
+                target[start:stop] = torch.frombuffer(bytearray(source), dtype=torch.uint8)
+
+        stream.items.append(FakeWork(f"copy {start}:{stop} to host on {stream.name}", action=land))
+
+    def host_view(self, host: Any, like: Any) -> FakeTensor:
+        return FakeTensor(None, getattr(like, "value", None), nbytes=int(host.numel()), host=host)
 
     def stage_in(self, segment: Any, device: int, stream: FakeStream) -> FakeTensor:
         self.copies += 1
@@ -243,5 +273,8 @@ class FakeDevices:
             if item.after is not None and not item.after.done():
                 break
             item.done = True
+            if item.action is not None:
+                action, item.action = item.action, None  # what it held is let go, as on a GPU
+                action()
             completed += 1
         return completed

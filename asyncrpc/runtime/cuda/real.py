@@ -78,6 +78,25 @@ class CudaDevices:
         tensor.record_stream(stream)  # its memory is not reused before the copy ran
         return host
 
+    def contiguous_nbytes(self, tensor: torch.Tensor) -> int | None:
+        # Conjugate and negative bits live outside the bytes: those go whole (stage_out's
+        # copy_ resolves them).
+        if not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
+            return None
+        return tensor.numel() * tensor.element_size()
+
+    def copy_out(
+        self, tensor: torch.Tensor, host: torch.Tensor, start: int, stop: int,
+        stream: torch.cuda.Stream,
+    ) -> None:  # fmt: skip
+        flat = tensor.detach().reshape(-1).view(torch.uint8)  # contiguous: no copy
+        with torch.cuda.stream(stream):
+            host[start:stop].copy_(flat[start:stop], non_blocking=True)
+        tensor.record_stream(stream)  # its memory is not reused before the copy ran
+
+    def host_view(self, host: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return host.view(like.dtype).view(like.shape)
+
     def stage_in(
         self, segment: torch.Tensor, device: int, stream: torch.cuda.Stream
     ) -> torch.Tensor:

@@ -5,9 +5,10 @@ torch's stream rules, built on the device seam so all of it runs on ``FakeDevice
 - Sending (rule 1; rule 3 for replies): on the thread that pickles the message, one event
   is recorded on that thread's current stream of each device involved (the producer's
   work so far); a per-device copy-out stream waits on it and copies each tensor into
-  pinned host memory. The frame waits in the call pipeline's ``ready`` stage until the
-  copies are done (``SendGate``, polled on the loop): neither the caller nor the loop
-  waits for the GPU.
+  pinned host memory (a contiguous one in ``CHUNK_BYTES`` chunks, an event after each,
+  into a block of the bounded ``PinnedPool``; others whole). The frame waits in the call
+  pipeline's ``ready`` stage until the copies are done (``SendGate``, polled on the
+  loop): neither the caller nor the loop waits for the GPU.
 - Receiving (rules 2 and 4): each segment is copied to its device on a per-device
   copy-in stream, and an event is recorded after it. Whoever uses the tensors first makes
   its current streams wait on those events: the callee's thread before the function runs,
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from asyncrpc.errors import SerializationError
+from asyncrpc.protocol.options import RpcBackendOptions
 from asyncrpc.protocol.serde.policy import TensorPolicy
 from asyncrpc.protocol.serde.tensors import _resolved_span, memory_view
 from asyncrpc.runtime.cuda.callee import CalleeStreams, RequestStreams
@@ -33,17 +35,24 @@ from asyncrpc.runtime.cuda.devices import Devices, Event, Stream
 from asyncrpc.runtime.cuda.gate import FrameEvents, SendGate, order_after
 from asyncrpc.runtime.cuda.ipc import IpcLinks, is_ipc_tag
 from asyncrpc.runtime.cuda.maps import HostCopy, cuda_index
+from asyncrpc.runtime.cuda.parts import Part, split_frame
+from asyncrpc.runtime.cuda.pinned import PinnedPool
 
-__all__ = ["StagedCopy", "StagedTransfer", "cuda_transfer"]
+# Staged tensors are copied to the host in chunks of this size, an event after each, so a
+# writer that sends a frame in parts can start once the first chunk is on the host (see
+# docs/cuda.md: the links write a frame whole today, after its last chunk).
+CHUNK_BYTES = 8 << 20
+
+__all__ = ["CHUNK_BYTES", "StagedCopy", "StagedTransfer", "cuda_transfer"]
 
 
 def cuda_transfer(
-    options: Any, same_host: Callable[[int], bool] | None = None
+    options: RpcBackendOptions, same_host: Callable[[int], bool] | None = None
 ) -> StagedTransfer | None:
     """The agent's CUDA transfer where CUDA is set up and wanted, else None (the
     device-map hook then copies through the host). ``cuda_transfer`` "auto" adds CUDA IPC
     to same-host peers whose probe passed, "ipc" to every same-host peer (``same_host``)."""
-    mode = getattr(options, "cuda_transfer", "auto")
+    mode = options.cuda_transfer
     if mode == "host":
         return None
     import torch
@@ -52,10 +61,9 @@ def cuda_transfer(
         return None
     from asyncrpc.runtime.cuda.real import CudaDevices
 
-    devices = CudaDevices()
-    transfer = StagedTransfer(devices, callee=CalleeStreams.from_options(devices, options))
+    transfer = StagedTransfer.from_options(CudaDevices(), options)
     if mode in ("auto", "ipc") and same_host is not None:
-        transfer.ipc = IpcLinks(devices, same_host, mode == "auto", transfer.in_stream)
+        transfer.ipc = IpcLinks(transfer.devices, same_host, mode == "auto", transfer.in_stream)
     return transfer
 
 
@@ -65,17 +73,31 @@ class StagedTransfer:
     wait)."""
 
     def __init__(
-        self, devices: Devices, gate: SendGate | None = None, callee: CalleeStreams | None = None
-    ) -> None:
+        self, devices: Devices, gate: SendGate | None = None, callee: CalleeStreams | None = None,
+        pinned: PinnedPool | None = None, chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:  # fmt: skip
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         self.devices = devices
         self.gate = gate if gate is not None else SendGate(devices)
         self.callee = callee
+        self.pinned = pinned if pinned is not None else PinnedPool(devices)
+        self.chunk_bytes = chunk_bytes
+        self.chunked = 0  # chunk copies queued (metrics)
         self.ipc: IpcLinks | None = None  # same-host peers by handle (set for "auto"/"ipc")
         self._count: int | None = None  # devices this process sees
         self._out: dict[int, Stream] = {}
         self._in: dict[int, Stream] = {}
         self.staged_out = 0  # tensors copied to the host, and to a device (metrics)
         self.staged_in = 0
+
+    @classmethod
+    def from_options(cls, devices: Devices, options: RpcBackendOptions) -> StagedTransfer:
+        """A transfer whose callee stream pool and pinned pool are sized by ``options``."""
+        callee = CalleeStreams.from_options(devices, options)
+        return cls(
+            devices, callee=callee, pinned=PinnedPool(devices, options.cuda_pinned_pool_bytes)
+        )
 
     def allocate(self, nbytes: int) -> tuple[object, memoryview]:
         """The wire's allocator for segments tagged with a CUDA device: pinned memory, so
@@ -102,6 +124,7 @@ class StagedTransfer:
         """Counters for ``get_debug_info()``: tensors staged each way, the callee's stream
         leases, and CUDA IPC handles."""
         stats = {"cuda_staged_out": self.staged_out, "cuda_staged_in": self.staged_in}
+        stats.update(cuda_staged_chunks=self.chunked, **self.pinned.stats())
         if self.callee is not None:
             pool = self.callee.pool
             stats.update(cuda_stream_leases=pool.leased, cuda_stream_releases=pool.released)
@@ -114,6 +137,13 @@ class StagedTransfer:
         if isinstance(policy, StagedCopy) and policy.events:
             return self.gate.ready(policy.frame_events())
         return None
+
+    def parts(self, policy: TensorPolicy, pieces: list[Any]) -> list[Part]:
+        """The frame of ``pieces``, sent under ``policy``, as parts a writer may send one
+        after another as their chunks reach the host (``parts.frame_parts``); one part
+        waiting for nothing when nothing was staged in chunks."""
+        chunks = policy.chunks if isinstance(policy, StagedCopy) else []
+        return split_frame(pieces, chunks)
 
     def before_use(self, policy: TensorPolicy) -> Callable[[], None] | None:
         """What the thread that first uses tensors received under ``policy`` calls first:
@@ -170,7 +200,8 @@ class StagedCopy(TensorPolicy):
     """The CUDA half of one message's tensor policy (see the module's docstring)."""
 
     __slots__ = (
-        "_producers", "device_map", "events", "peer", "received", "streams", "transfer",
+        "_producers", "chunks", "device_map", "events", "peer", "received", "streams",
+        "transfer",
     )  # fmt: skip
 
     def __init__(
@@ -185,6 +216,9 @@ class StagedCopy(TensorPolicy):
         # thread's current one (a reply: the callee's leased pool streams).
         self.streams: dict[int, Stream] = {}
         self.received: list[tuple[int, Any]] = []  # (device, tensor) copied in
+        # Staged bytes by host address: [start, stop) valid once the event completed (a
+        # tensor's chunks in order; those of one device are ordered on its copy stream).
+        self.chunks: list[tuple[int, int, Event]] = []
 
     def blocking(self) -> TensorPolicy:
         return HostCopy(self.device_map)
@@ -217,10 +251,33 @@ class StagedCopy(TensorPolicy):
             self._producers[device] = producer
         stream = transfer.out_stream(device)
         devices.wait(stream, producer)
-        host = devices.stage_out(tensor, stream)
-        self.events[device] = devices.record(stream)
+        nbytes = devices.contiguous_nbytes(tensor)
+        if nbytes:
+            host, self.events[device] = self._copy_chunks(tensor, nbytes, stream)
+        else:  # not contiguous (or empty): one copy that keeps its strides, unpooled
+            host = devices.stage_out(tensor, stream)
+            self.events[device] = devices.record(stream)
         transfer.staged_out += 1
         return target, host
+
+    def _copy_chunks(self, tensor: Any, nbytes: int, stream: Stream) -> tuple[Any, Event]:
+        """Copy ``tensor`` into a pinned buffer of the pool, in chunks of the transfer's
+        ``chunk_bytes``, an event after each: ``chunks`` says which bytes each event covers
+        (where a writer that takes a frame in parts may start on the first one). Returns
+        the host tensor and the last chunk's event."""
+        transfer = self.transfer
+        devices, pool = transfer.devices, transfer.pinned
+        flat, block = pool.lend(nbytes)
+        address = int(flat.data_ptr())
+        step = transfer.chunk_bytes
+        for start in range(0, nbytes, step):  # bounded: nbytes / chunk_bytes copies
+            stop = min(start + step, nbytes)
+            devices.copy_out(tensor, flat, start, stop, stream)
+            event = devices.record(stream)
+            self.chunks.append((address + start, address + stop, event))
+            transfer.chunked += 1
+        pool.filled(block, event)  # nbytes > 0: at least one chunk was copied
+        return devices.host_view(flat, tensor), event
 
     def _share(
         self, ipc: IpcLinks, tensor: Any, device: int, target: str, on: Any
