@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from asyncrpc.protocol.wire.messages import Request
@@ -27,3 +28,17 @@ class NoRRefs:
 
     def on_value(self, request: Request, peer: int, ok: bool, value: Any) -> None:
         self.kept = (request.call_id, ok, value)
+
+
+async def settled(awaitable: Any, turns: int = 50) -> bool:
+    """Whether ``awaitable`` finishes within a few loop turns (it stays pending otherwise)."""
+    task = asyncio.ensure_future(awaitable)
+    for _ in range(turns):  # bounded; the CUDA gate polls with sleeps from 20 us
+        if task.done():
+            break
+        await asyncio.sleep(0.001)
+    if not task.done():
+        task.cancel()
+        return False
+    task.result()
+    return True

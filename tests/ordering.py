@@ -16,9 +16,20 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
-__all__ = ["in_function", "until", "until_async", "until_blocked"]
+__all__ = ["eventually", "in_function", "until", "until_async", "until_blocked"]
 
 _POLL_S = 0.001
+
+
+def eventually(condition: Callable[[], bool], timeout: float = 5.0, every: float = _POLL_S) -> bool:
+    """Whether ``condition()`` came true within ``timeout`` (polled every ``every`` s): for
+    a test that records the answer as an observation instead of failing on the spot."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(every)
+    return True
 
 
 def until(condition: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
@@ -27,11 +38,8 @@ def until(condition: Callable[[], bool], timeout: float = 5.0, what: str = "") -
     Polls every millisecond: the conditions here change on other threads (or in other
     processes), which signal nothing the test could wait on.
     """
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what or condition}")
-        time.sleep(_POLL_S)
+    if not eventually(condition, timeout):
+        raise AssertionError(f"not within {timeout} s: {what or condition}")
 
 
 async def until_async(condition: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:

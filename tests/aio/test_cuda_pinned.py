@@ -17,6 +17,7 @@ from asyncrpc.runtime.cuda import FakeDevices, FakeTensor
 from asyncrpc.runtime.cuda.parts import address_of, frame_parts
 from asyncrpc.runtime.cuda.pinned import MIN_BLOCK, PinnedPool
 from asyncrpc.runtime.cuda.staging import StagedTransfer
+from tests.fakes import settled
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -31,19 +32,6 @@ def source(nbytes: int, seed: int = 1) -> FakeTensor:
 
 def host_bytes(host: FakeTensor) -> bytes:
     return bytes(host.host.tolist())
-
-
-async def settled(awaitable: Any, turns: int = 50) -> bool:
-    task = asyncio.ensure_future(awaitable)
-    for _ in range(turns):  # bounded; the gate polls with sleeps from 20 us
-        if task.done():
-            break
-        await asyncio.sleep(0.001)
-    if not task.done():
-        task.cancel()
-        return False
-    task.result()
-    return True
 
 
 # -- chunked copies ----------------------------------------------------------------------

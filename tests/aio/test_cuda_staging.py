@@ -19,6 +19,7 @@ from asyncrpc.runtime.cuda import FakeDevices, FakeTensor
 from asyncrpc.runtime.cuda.maps import FIELD, DeviceMapHook, HostCopy, HostTransfer
 from asyncrpc.runtime.cuda.staging import StagedCopy, StagedTransfer
 from asyncrpc.runtime.future import Future
+from tests.fakes import settled
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -27,20 +28,6 @@ MAP = {"cuda:0": "cuda:1", "cuda:1": "cuda:0"}
 
 def staged(gpu: FakeDevices) -> StagedTransfer:
     return StagedTransfer(gpu)
-
-
-async def settled(awaitable: Any, turns: int = 50) -> bool:
-    """Whether ``awaitable`` finishes within a few loop turns (it stays pending otherwise)."""
-    task = asyncio.ensure_future(awaitable)
-    for _ in range(turns):  # bounded; the gate polls with sleeps from 20 us
-        if task.done():
-            break
-        await asyncio.sleep(0.001)
-    if not task.done():
-        task.cancel()
-        return False
-    task.result()
-    return True
 
 
 # -- sending ---------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from asyncrpc.profiling import remote_event_name, rpc_span_name
 from asyncrpc.profiling.names import stream_items_name
 from tests.integration import stream_fns as sf
 from tests.integration.conftest import Group
+from tests.ordering import eventually
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -31,12 +32,7 @@ def _tag() -> str:
 
 def _eventually(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
     """Poll ``condition`` (cross-process effects land asynchronously); bounded."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
+    return eventually(condition, timeout, every=0.02)
 
 
 def _no_streams_left(worker: str) -> bool:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import asyncrpc
+from tests.ordering import eventually
 from tests.scenarios.launch import RESULT_PREFIX, Observations
 
 __all__ = ["RESULT_PREFIX", "Observations", "attempt", "error", "handshake", "options", "poll",
@@ -60,13 +61,9 @@ def report(observations: Observations) -> None:
 
 
 def poll(condition: Callable[[], bool], timeout: float) -> bool:
-    """Whether ``condition()`` came true within ``timeout`` (checked every 20 ms)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
+    """Whether ``condition()`` came true within ``timeout`` (checked every 20 ms: each check
+    may be a call to another worker)."""
+    return eventually(condition, timeout, every=0.02)
 
 
 def poll_value(probe: Callable[[], T], done: Callable[[T], bool], timeout: float) -> T:

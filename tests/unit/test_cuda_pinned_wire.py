@@ -6,9 +6,6 @@ host view is ``CudaDevices.host_view`` itself."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 import torch
 
 from asyncrpc.protocol.serde import Serializer
@@ -20,20 +17,7 @@ from asyncrpc.runtime.cuda.parts import address_of, split_frame
 from asyncrpc.runtime.cuda.pinned import MIN_BLOCK, PinnedPool
 from asyncrpc.runtime.cuda.real import CudaDevices
 
-ON_DEVICE: set[int] = set()  # ids of the tensors that stand for CUDA tensors
 CHUNK = 4096
-
-
-@pytest.fixture
-def on_device(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[int]]:
-    cpu = torch._C.TensorBase.is_cpu
-
-    def is_cpu(self: torch.Tensor) -> bool:
-        return id(self) not in ON_DEVICE and bool(cpu.__get__(self))
-
-    monkeypatch.setattr(torch.Tensor, "is_cpu", property(is_cpu), raising=False)
-    yield ON_DEVICE
-    ON_DEVICE.clear()
 
 
 class Staged(TensorPolicy):

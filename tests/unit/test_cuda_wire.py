@@ -5,10 +5,8 @@ stands for a CUDA tensor."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 import torch
 
 from asyncrpc.protocol.serde import Serializer
@@ -17,21 +15,6 @@ from asyncrpc.protocol.wire import FrameDecoder, encode_frame
 from asyncrpc.protocol.wire.messages import Reply
 
 TAG = "ipc:cuda:0:7:96:aGFuZGxl"
-
-
-ON_DEVICE: set[int] = set()  # ids of the tensors that stand for CUDA tensors
-
-
-@pytest.fixture
-def on_device(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[int]]:
-    cpu = torch._C.TensorBase.is_cpu
-
-    def is_cpu(self: torch.Tensor) -> bool:
-        return id(self) not in ON_DEVICE and bool(cpu.__get__(self))
-
-    monkeypatch.setattr(torch.Tensor, "is_cpu", property(is_cpu), raising=False)
-    yield ON_DEVICE
-    ON_DEVICE.clear()
 
 
 class Share(TensorPolicy):
