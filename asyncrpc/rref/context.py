@@ -421,6 +421,8 @@ class RRefContext:
     def take_unconfirmed(self) -> Future[Any] | None:
         """A future done once every fork unpickled since the last call is confirmed by its
         owner, or None if all are (the dispatcher runs a request's function after that)."""
+        if not self._loaded:  # the common case, without the lock: nothing was unpickled
+            return None
         with self._lock:
             loaded, self._loaded = self._loaded, []
         pending = [f for f in loaded if not f.done()]
@@ -430,6 +432,8 @@ class RRefContext:
         """A future done once the values of the RRefs owned here that were unpickled since
         the last call exist (made or failed), or None if all do. The dispatcher starts an
         ``async def`` after that: on the loop, its ``local_value()`` cannot wait."""
+        if not self._unmade:  # the common case, without the lock
+            return None
         with self._lock:
             unmade, self._unmade = self._unmade, []
         pending = [f for f in unmade if not f.done()]

@@ -98,6 +98,7 @@ class ServedRequest:
     Attributes:
         conn: the connection it came on (its reply goes back there).
         peer: the caller's rank.
+        remote: a ``remote()`` request: its value stays here, no reply frame is built.
         runner: what runs it, while it runs as a task or a pool job (None: inline, or not
             started yet); the caller's Cancel cancels it.
         incoming: its view in the call pipeline, until the reply is built (None: no hook
@@ -106,19 +107,15 @@ class ServedRequest:
             a remote() request runs on: its value must still land here).
     """
 
-    __slots__ = ("bound", "conn", "incoming", "key", "peer", "request", "runner")
+    __slots__ = ("bound", "conn", "incoming", "key", "peer", "remote", "request", "runner")
 
     def __init__(self, conn: Caller, request: Request, peer: int) -> None:
         self.conn, self.request, self.peer = conn, request, peer
         self.key = (peer, request.call_id)
+        self.remote = request.mode == CallMode.REMOTE
         self.runner: Runner | None = None
         self.incoming: IncomingCall | None = None
         self.bound = False
-
-    @property
-    def remote(self) -> bool:
-        """A ``remote()`` request: its value stays here, no reply frame is built."""
-        return self.request.mode == CallMode.REMOTE
 
 
 class Dispatcher:
