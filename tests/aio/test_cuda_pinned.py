@@ -17,7 +17,9 @@ from asyncrpc.runtime.cuda import FakeDevices, FakeTensor
 from asyncrpc.runtime.cuda.parts import address_of, frame_parts
 from asyncrpc.runtime.cuda.pinned import MIN_BLOCK, PinnedPool
 from asyncrpc.runtime.cuda.staging import StagedTransfer
+from asyncrpc.runtime.net.links import FrameInParts
 from tests.fakes import settled
+from tests.ordering import until_async
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -276,3 +278,43 @@ async def test_frame_parts_of_two_tensors_on_two_devices_keep_the_frame_order() 
     gpu.run(transfer.out_stream(0))
     await asyncio.wait_for(writer, 2)
     assert b"".join(written) == b"h" + a.value + b"-" + b.value
+
+
+@pytest.mark.asyncio
+async def test_StagedTransfer_ready_gives_a_frame_of_several_chunks_in_parts() -> None:
+    gpu = FakeDevices()
+    transfer = StagedTransfer(gpu, chunk_bytes=8)
+    policy = transfer.policy(MAP)
+    tensor = source(20)
+    _, host = policy.to_host(tensor)
+    ready = transfer.ready(policy)
+    assert isinstance(ready, FrameInParts)  # what the links write part by part
+    written: list[bytes] = []
+
+    async def write() -> None:
+        async for pieces in ready.parts(frame_of(host)):
+            written.append(b"".join(bytes(p) for p in pieces))
+
+    writer = asyncio.ensure_future(write())
+    out = transfer.out_stream(0)
+    gpu.run(out, 2)  # the wait on the producer, and chunk 1
+    await until_async(lambda: bool(written), 2.0)
+    assert written == [b"prelude+header" + tensor.value[:8]]  # chunks 2 and 3 still copying
+    gpu.run(out)
+    await asyncio.wait_for(writer, 2)
+    assert b"".join(written) == b"prelude+header" + tensor.value + b"cpu tensor"
+
+
+def test_StagedTransfer_ready_waits_whole_for_one_chunk_or_a_strided_copy() -> None:
+    gpu = FakeDevices()
+    transfer = StagedTransfer(gpu, chunk_bytes=8)
+    one_chunk = transfer.policy(MAP)
+    one_chunk.to_host(source(8))
+    strided = transfer.policy(MAP)
+    strided.to_host(source(20))
+    strided.to_host(FakeTensor(0, "strided"))  # its bytes are in no chunk
+    for policy in (one_chunk, strided):
+        ready = transfer.ready(policy)
+        assert ready is not None
+        assert not isinstance(ready, FrameInParts)
+        ready.close()  # type: ignore[attr-defined]  # a coroutine never awaited here

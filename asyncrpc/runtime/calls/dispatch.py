@@ -37,6 +37,8 @@ from asyncrpc.runtime.calls.builtins import checked_op, is_torch_c_function, run
 from asyncrpc.runtime.calls.pipeline import IncomingCall, Pipeline
 from asyncrpc.runtime.future import Future, collect_all
 from asyncrpc.runtime.metrics import Counters
+from asyncrpc.runtime.net.links import FrameInParts, write_in_parts
+from asyncrpc.runtime.net.transport import Connection
 from asyncrpc.runtime.producer import Producers
 from asyncrpc.runtime.services import RRefService
 from asyncrpc.runtime.threadpool import Job as PoolJob
@@ -448,6 +450,19 @@ class Dispatcher:
     async def _write_when_ready(
         self, served: ServedRequest, pieces: list[Any], keep: _Keep, ready: Awaitable[None]
     ) -> None:
+        conn = served.conn
+        if isinstance(ready, FrameInParts) and isinstance(conn, Connection) and not keep[1]:
+            # A large reply whose CUDA tensors reach the host chunk by chunk: its first
+            # chunks are written while the next are copied (no forks to follow in it).
+            try:
+                await write_in_parts(conn, pieces, ready, keep[0])
+            except FrameTooLargeError as exc:  # over the caller's limit: it gets this
+                self._send_error(served, exc)
+                return
+            except ClosedError:
+                return  # the caller is gone, or its connection: the reply goes with it
+            self._counters.replies_sent += 1
+            return
         try:
             await ready
         except Exception as exc:  # the caller gets what held its reply back

@@ -23,12 +23,13 @@ import contextlib
 import inspect
 import types
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Sequence
 from typing import Any
 
 from asyncrpc.protocol.options import RpcBackendOptions
 from asyncrpc.runtime.cuda.devices import Devices, Stream
 from asyncrpc.runtime.cuda.pool import StreamLease, StreamPool, StreamPoolExhaustedError
+from asyncrpc.runtime.net.links import FrameInParts
 
 __all__ = ["POOL_STREAMS", "POOL_TIMEOUT_S", "CalleeStreams", "RequestStreams", "on_streams"]
 
@@ -196,6 +197,8 @@ class RequestStreams:
         if ready is None:
             self.release()
             return None
+        if isinstance(ready, FrameInParts):  # keep the reply's parts: its last one releases
+            return _ReleasingParts(ready, self.release)
         return self._release_after(ready)
 
     async def _release_after(self, ready: Awaitable[None]) -> None:
@@ -209,6 +212,30 @@ class RequestStreams:
         finalizer = self._finalizer
         if finalizer is not None:
             finalizer()  # runs pool.release once, and never again at collection
+
+
+class _ReleasingParts:
+    """A reply's parts (``FrameInParts``) that give the request's stream lease back once
+    the last part was yielded (its copies are done) or the writer stopped."""
+
+    __slots__ = ("_inner", "_release")
+
+    def __init__(self, inner: FrameInParts, release: Callable[[], None]) -> None:
+        self._inner, self._release = inner, release
+
+    async def parts(self, pieces: list[Any]) -> AsyncIterator[list[Any]]:
+        inner = self._inner.parts(pieces)
+        try:
+            async for part in inner:  # bounded by the frame's parts
+                yield part
+        finally:
+            self._release()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        try:
+            yield from self._inner.__await__()
+        finally:
+            self._release()
 
 
 @types.coroutine

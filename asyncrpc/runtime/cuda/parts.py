@@ -10,10 +10,9 @@ covers (the prelude, header, pickle, CPU tensors) travel with the part after the
 the first part waits for the first chunk: nothing of a frame leaves before its first
 chunk is on the host, and no byte of a chunk before its copy is done.
 
-Not wired into the links yet: they write a frame whole, after ``SendGate`` saw its last
-chunk (see docs/cuda.md). A writer that uses this must write nothing else on the
-connection between two parts of a frame (pings, control and refcount frames included)
-and check the frame's size against the peer's limit before its first part.
+``StagedTransfer.ready`` hands a frame of several chunks to the links as ``StagedParts``
+(a ``links.FrameInParts``); ``links.write_in_parts`` writes its parts with nothing else on
+the connection in between and checks the frame's size against the peer's limit first.
 """
 
 from __future__ import annotations

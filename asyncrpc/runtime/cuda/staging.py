@@ -21,7 +21,7 @@ event recorded on it covers every copy before it.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Mapping
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ from asyncrpc.runtime.cuda.devices import Devices, Event, Stream
 from asyncrpc.runtime.cuda.gate import FrameEvents, SendGate, order_after
 from asyncrpc.runtime.cuda.ipc import IpcLinks, is_ipc_tag
 from asyncrpc.runtime.cuda.maps import HostCopy, cuda_index
-from asyncrpc.runtime.cuda.parts import Part, split_frame
+from asyncrpc.runtime.cuda.parts import Part, frame_parts, split_frame
 from asyncrpc.runtime.cuda.pinned import PinnedPool
 
 # Staged tensors are copied to the host in chunks of this size, an event after each, so a
@@ -133,10 +133,14 @@ class StagedTransfer:
         return stats
 
     def ready(self, policy: TensorPolicy) -> Awaitable[None] | None:
-        """What a frame sent under ``policy`` waits for (None: nothing was staged)."""
-        if isinstance(policy, StagedCopy) and policy.events:
-            return self.gate.ready(policy.frame_events())
-        return None
+        """What a frame sent under ``policy`` waits for (None: nothing was staged): its
+        parts (``StagedParts``) when every tensor it stages was copied in several chunks,
+        so the links write its first chunks while the next are copied; else its events."""
+        if not isinstance(policy, StagedCopy) or not policy.events:
+            return None
+        if len(policy.chunks) > 1 and not policy.whole:
+            return StagedParts(self, policy)
+        return self.gate.ready(policy.frame_events())
 
     def parts(self, policy: TensorPolicy, pieces: list[Any]) -> list[Part]:
         """The frame of ``pieces``, sent under ``policy``, as parts a writer may send one
@@ -196,12 +200,30 @@ class StagedTransfer:
         return stream
 
 
+class StagedParts:
+    """A staged frame's readiness in parts (``asyncrpc.runtime.net.links.FrameInParts``):
+    the links write each part of the frame once its chunk's copy to the host is done, the
+    first after the first chunk, so the socket write overlaps the copy of the rest.
+    Awaited whole, it waits for every copy like ``SendGate.ready``."""
+
+    __slots__ = ("_policy", "_transfer")
+
+    def __init__(self, transfer: StagedTransfer, policy: StagedCopy) -> None:
+        self._transfer, self._policy = transfer, policy
+
+    def parts(self, pieces: list[Any]) -> AsyncIterator[list[Any]]:
+        return frame_parts(self._transfer.devices, split_frame(pieces, self._policy.chunks))
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._transfer.gate.ready(self._policy.frame_events()).__await__()
+
+
 class StagedCopy(TensorPolicy):
     """The CUDA half of one message's tensor policy (see the module's docstring)."""
 
     __slots__ = (
         "_producers", "chunks", "device_map", "events", "peer", "received", "streams",
-        "transfer",
+        "transfer", "whole",
     )  # fmt: skip
 
     def __init__(
@@ -219,6 +241,7 @@ class StagedCopy(TensorPolicy):
         # Staged bytes by host address: [start, stop) valid once the event completed (a
         # tensor's chunks in order; those of one device are ordered on its copy stream).
         self.chunks: list[tuple[int, int, Event]] = []
+        self.whole = False  # a tensor was copied in one piece (not contiguous)
 
     def blocking(self) -> TensorPolicy:
         return HostCopy(self.device_map)
@@ -257,6 +280,7 @@ class StagedCopy(TensorPolicy):
         else:  # not contiguous (or empty): one copy that keeps its strides, unpooled
             host = devices.stage_out(tensor, stream)
             self.events[device] = devices.record(stream)
+            self.whole = True  # its bytes are no chunk's: the frame waits for all
         transfer.staged_out += 1
         return target, host
 

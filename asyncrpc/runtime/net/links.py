@@ -5,8 +5,10 @@ frames already waiting) until one is made, or until what it must wait for is ove
 call pipeline's ``ready`` stage: GPU work still filling its bytes). Refcount frames, and
 the RRef forks that other frames carry, are followed in a per-peer log (``reflog.py``)
 until the peer has surely read them: a new connection replays the frames, and forks
-written on a connection that died first are asked about. The network owns one ``Links``
-and feeds it connection events.
+written on a connection that died first are asked about. A frame whose wait is a
+``FrameInParts`` (a large CUDA tensor still being copied to the host, chunk by chunk) is
+written part by part as its bytes appear, with nothing else on the connection in between.
+The network owns one ``Links`` and feeds it connection events.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Awaitable, Generator
+from typing import Any, Protocol, runtime_checkable
 
 from asyncrpc.errors import ClosedError, FrameTooLargeError, UnknownWorkerError
 from asyncrpc.protocol.address import PeerAddress
@@ -30,7 +32,7 @@ from asyncrpc.runtime.net.transport import Connection
 from asyncrpc.runtime.services import RRefService
 from asyncrpc.runtime.shm.shm import SharedMemory
 
-__all__ = ["LinkHost", "Links", "SentCalls"]
+__all__ = ["FrameInParts", "LinkHost", "Links", "SentCalls", "write_in_parts"]
 
 _log = logging.getLogger(__name__)
 
@@ -38,6 +40,49 @@ _log = logging.getLogger(__name__)
 # (0: none), what keeps its memory alive, the RRef forks it carries, and what it waits for
 # before it may be written (None: nothing).
 _Waiting = tuple[list[Any], int, object, list[Transfer] | None, Awaitable[None] | None]
+
+
+@runtime_checkable
+class FrameInParts(Protocol):
+    """What a ``ready`` stage may return instead of a plain wait, for a large frame whose
+    bytes are still being produced in order (a CUDA tensor copied to the host chunk by
+    chunk): the frame cut into parts, each yielded once its bytes exist, so that writing
+    the first parts overlaps producing the next. Awaiting it waits for all the bytes (for
+    a writer that takes frames whole)."""
+
+    def parts(self, pieces: list[Any]) -> AsyncIterator[list[Any]]: ...
+
+    def __await__(self) -> Generator[Any, None, None]: ...
+
+
+async def write_in_parts(
+    conn: Connection, pieces: list[Any], ready: FrameInParts, keep: object = None
+) -> None:
+    """Write one frame on ``conn`` part by part as ``ready`` yields them; nothing else is
+    written on ``conn`` in between (frames sent meanwhile follow the last part).
+
+    Raises:
+        FrameTooLargeError: over the peer's limit; nothing was written.
+        ClosedError: the connection closed; if a part was written, the connection is
+            aborted (the peer must not read a frame cut short).
+    """
+    conn.check_size(pieces)
+    if conn.in_parts:  # another frame is going out in parts: this one follows it, whole
+        await ready
+        conn.send(pieces, keep)
+        return
+    conn.begin_parts()
+    complete = False
+    parts = ready.parts(pieces)
+    try:
+        async for part in parts:  # bounded by the frame's parts
+            conn.send_part(part, keep)
+        complete = True
+    finally:
+        conn.end_parts(complete)
+        close = getattr(parts, "aclose", None)  # an async generator's: its finally runs now
+        if close is not None:
+            await close()
 
 
 class SentCalls(Protocol):
@@ -161,6 +206,8 @@ class Links:
         try:
             while waiting:  # bounded: each turn writes or drops the first frame
                 pieces, call_id, keep, forks, ready = waiting[0]
+                if isinstance(ready, FrameInParts) and await self._sent_in_parts(rank, waiting):
+                    continue
                 if ready is not None:
                     try:
                         await ready
@@ -215,6 +262,40 @@ class Links:
         try:
             conn.send(pieces, keep)
         except FrameTooLargeError as exc:  # nothing was written: the call fails alone
+            self._fail_unsent(rank, call_id, exc)
+            self.undelivered(rank, forks)
+            return
+        if forks:
+            self._wrote_forks(rank, forks)
+        if call_id:
+            self._host.calls.written(call_id, conn)
+
+    async def _sent_in_parts(self, rank: int, waiting: deque[_Waiting]) -> bool:
+        """Write (or drop) the first waiting frame, whose ready stage gives it in parts;
+        False to leave it to the whole-frame path (a frame to this worker itself)."""
+        pieces, call_id, keep, forks, ready = waiting[0]
+        assert isinstance(ready, FrameInParts)
+        if rank == self._host.rank:
+            return False
+        if call_id and not self._host.calls.wanted(call_id):
+            waiting.popleft()
+            self._host.shm.unlend(keep)
+            self.undelivered(rank, forks)
+            return True  # the callee never runs it; its parts are never made
+        conn = await self._connection(rank)
+        if conn is None:
+            return False
+        waiting.popleft()
+        await self._write_parts(conn, rank, pieces, call_id, keep, forks, ready)
+        return True
+
+    async def _write_parts(
+        self, conn: Connection, rank: int, pieces: list[Any], call_id: int, keep: object,
+        forks: list[Transfer] | None, ready: FrameInParts,
+    ) -> None:  # fmt: skip
+        try:
+            await write_in_parts(conn, pieces, ready, keep)
+        except (FrameTooLargeError, ClosedError) as exc:  # this call fails; the rest go on
             self._fail_unsent(rank, call_id, exc)
             self.undelivered(rank, forks)
             return

@@ -63,6 +63,9 @@ class Connection(asyncio.BufferedProtocol):
         self._closed = False
         # Tensors whose memory the transport may still be writing from (see send()).
         self._keepalive: list[object] = []
+        # While a frame is written in parts (see begin_parts), the frames sent meanwhile
+        # wait here, whole and in order (None: no frame in parts).
+        self._held: list[tuple[Sequence[bytes | memoryview], object]] | None = None
         self.initiated = initiated
         self.peer: int | None = None
         self.peer_name: str | None = None
@@ -160,16 +163,79 @@ class Connection(asyncio.BufferedProtocol):
             ClosedError: the connection is closed.
             FrameTooLargeError: the frame is over the peer's limit; nothing was written.
         """
-        transport = self._transport
-        if self._closed or transport is None or transport.is_closing():
-            raise ClosedError(f"connection to {self.peer_name or 'peer'} is closed")
+        transport = self._open_transport()
+        size = self.check_size(pieces)
+        if self._held is not None:  # a frame is going out in parts: this one goes after it
+            self._held.append((pieces, keepalive))
+            return
+        self.bytes_out += size
+        self._write(transport, pieces, keepalive)
+
+    def check_size(self, pieces: Sequence[bytes | memoryview]) -> int:
+        """The frame's size in bytes.
+
+        Raises:
+            FrameTooLargeError: it is over the peer's limit.
+        """
         size = 0
         for piece in pieces:
             size += piece.nbytes if isinstance(piece, memoryview) else len(piece)
         limit = self.peer_max_frame
         if limit and size - PRELUDE_SIZE > limit:
             raise FrameTooLargeError(size - PRELUDE_SIZE, limit, self.peer_name)
-        self.bytes_out += size
+        return size
+
+    # A frame in parts: for a large frame whose later bytes are still being produced (a
+    # CUDA tensor copied to the host chunk by chunk), so that the socket write of its first
+    # chunks overlaps the copy of the next ones. Nothing else is written on the connection
+    # between two parts: frames sent meanwhile are held and follow the last part in order.
+
+    @property
+    def in_parts(self) -> bool:
+        """Whether a frame is being written in parts now."""
+        return self._held is not None
+
+    def begin_parts(self) -> None:
+        """Start writing a frame in parts (on the loop; one at a time). Check its size
+        first (``check_size``): a frame cut short cannot be taken back."""
+        self._open_transport()
+        assert self._held is None, "one frame in parts at a time"
+        self._held = []
+
+    def send_part(self, pieces: Sequence[bytes | memoryview], keepalive: object = None) -> None:
+        """Write the next part of the frame begun with ``begin_parts``.
+
+        Raises:
+            ClosedError: the connection is closed (the frame is lost with it).
+        """
+        transport = self._open_transport()
+        for piece in pieces:
+            self.bytes_out += piece.nbytes if isinstance(piece, memoryview) else len(piece)
+        self._write(transport, pieces, keepalive)
+
+    def end_parts(self, complete: bool) -> None:
+        """The frame's last part was written (``complete``), or it will not be: then the
+        connection is aborted (the peer must not read a frame cut short). Frames held
+        meanwhile go now, in order."""
+        held, self._held = self._held, None
+        if not complete:
+            self.abort(ClosedError("a frame written in parts was cut short"))
+            return
+        for pieces, keepalive in held or ():  # bounded by the frames held
+            try:
+                self.send(pieces, keepalive)
+            except ClosedError:
+                return  # the rest go with the connection, as any unsent frame
+
+    def _open_transport(self) -> asyncio.Transport:
+        transport = self._transport
+        if self._closed or transport is None or transport.is_closing():
+            raise ClosedError(f"connection to {self.peer_name or 'peer'} is closed")
+        return transport
+
+    def _write(
+        self, transport: asyncio.Transport, pieces: Sequence[bytes | memoryview], keepalive: object
+    ) -> None:
         transport.writelines(pieces)
         if self._write_paused and keepalive is not None:
             self._keepalive.append(keepalive)
