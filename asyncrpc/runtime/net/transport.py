@@ -163,13 +163,18 @@ class Connection(asyncio.BufferedProtocol):
             ClosedError: the connection is closed.
             FrameTooLargeError: the frame is over the peer's limit; nothing was written.
         """
-        transport = self._open_transport()
+        # Every frame's path: only the size check goes through a helper (it is shared).
+        transport = self._transport
+        if self._closed or transport is None or transport.is_closing():
+            raise ClosedError(f"connection to {self.peer_name or 'peer'} is closed")
         size = self.check_size(pieces)
         if self._held is not None:  # a frame is going out in parts: this one goes after it
             self._held.append((pieces, keepalive))
             return
         self.bytes_out += size
-        self._write(transport, pieces, keepalive)
+        transport.writelines(pieces)
+        if self._write_paused and keepalive is not None:
+            self._keepalive.append(keepalive)
 
     def check_size(self, pieces: Sequence[bytes | memoryview]) -> int:
         """The frame's size in bytes.
