@@ -16,6 +16,7 @@ from asyncrpc.protocol.wire import Frame, FrameDecoder, encode_frame
 from asyncrpc.runtime.cuda.callee import _ReleasingParts
 from asyncrpc.runtime.net.links import FrameInParts, write_in_parts
 from asyncrpc.runtime.net.transport import Connection, open_connection, start_server
+from tests.ordering import until_async
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(10)]
 
@@ -96,7 +97,7 @@ async def test_a_frame_in_parts_arrives_whole_and_frames_sent_meanwhile_follow_i
         assert isinstance(gated, FrameInParts)
         writing = asyncio.create_task(write_in_parts(conn, _frame(1, 4096), gated))
         gated.release(0)
-        await asyncio.sleep(0.01)
+        await until_async(lambda: gated.yielded == 1, what="the first part written")
         conn.send(_frame(2, 256))  # sent while the big frame is half out: held
         conn.send(_frame(3, 256))
         assert conn.in_parts
@@ -121,7 +122,7 @@ async def test_a_frame_cut_short_aborts_the_connection_and_drops_what_was_held()
         gated = Gated([100])
         writing = asyncio.create_task(write_in_parts(conn, _frame(1, 1024), gated))
         gated.release(0)
-        await asyncio.sleep(0.01)
+        await until_async(lambda: gated.yielded == 1, what="the first part written")
         conn.send(_frame(2, 256))
         writing.cancel()  # a shutdown while the rest of the tensor was still being copied
         with pytest.raises(asyncio.CancelledError):
@@ -141,11 +142,12 @@ async def test_a_second_frame_in_parts_waits_and_follows_the_first_whole() -> No
     try:
         first, second = Gated([50]), Gated([50])
         one = asyncio.create_task(write_in_parts(conn, _frame(1, 512), first))
-        await asyncio.sleep(0)
+        await until_async(lambda: conn.in_parts, what="frame 1 begun in parts")
         two = asyncio.create_task(write_in_parts(conn, _frame(2, 512), second))
         second.release(0)
         second.release(1)  # ready first, but the connection is busy with frame 1
-        await asyncio.sleep(0.01)
+        await until_async(two.done, what="frame 2 handed over whole")
+        assert recorder.frames == []  # held behind frame 1, none of whose parts is ready
         first.release(0)
         first.release(1)
         await asyncio.gather(one, two)
