@@ -175,7 +175,6 @@ def test_Agent_rref_held_across_a_dropped_connection_still_works(healed: dict[st
 
 
 def test_Agent_stranger_claiming_a_name_makes_nobody_lost(healed: dict[str, Any]) -> None:
-    assert healed["strays_closed"] is True  # both sides saw the strangers hang up
     assert healed["after_strays"]["value"] == 7, healed["after_strays"]
     assert healed["lost_after_strays"] == []
 
