@@ -17,9 +17,6 @@ class NoRRefs:
     def take_unconfirmed(self) -> None:
         return None
 
-    def take_unmade(self) -> None:
-        return None
-
     def undelivered(self, rank: int, forks: Any) -> None:
         pass
 

@@ -128,10 +128,6 @@ class RRefContext:
         # the dispatcher runs it once they are confirmed, as torch does.
         self._confirming: dict[ForkId, tuple[int, Future[None]]] = {}
         self._loaded: list[Future[None]] = []
-        # Values of RRefs owned here, still being made, that the request being unpickled
-        # names: an ``async def`` cannot block in ``local_value()``, so it starts once
-        # they exist (see ``take_unmade``). Bounded like ``_loaded``.
-        self._unmade: list[Future[Any]] = []
         self.closed = False
 
     # -- creating --------------------------------------------------------------------------
@@ -341,7 +337,8 @@ class RRefContext:
             with self._lock:
                 actions = self.counter.returned_home(rref_id)
             self.apply(actions)
-            return RRef._make(self, rref_id, None, me, self._owned_value(rref_id))
+            value = self._values.setdefault(rref_id, Future(loop=self.loop))
+            return RRef._make(self, rref_id, None, me, value)
         _tag, rw, rl, fw, fl, owner, parent = pid
         rref_id, fork_id = RRefId(rw, rl), ForkId(fw, fl)
         with self._lock:
@@ -357,17 +354,9 @@ class RRefContext:
                     self._loaded.append(confirming)
         self.apply(actions)
         if owner == me:
-            return RRef._make(self, rref_id, None, me, self._owned_value(rref_id))
+            value = self._values.setdefault(rref_id, Future(loop=self.loop))
+            return RRef._make(self, rref_id, None, me, value)
         return RRef._make(self, rref_id, fork_id, owner, None)
-
-    def _owned_value(self, rref_id: RRefId) -> Future[Any]:
-        value = self._values.setdefault(rref_id, Future(loop=self.loop))
-        if not value.done():  # still being made: listed for take_unmade
-            with self._lock:
-                if len(self._unmade) >= _LOADED_LIMIT:  # no request took them: replies
-                    self._unmade = [f for f in self._unmade if not f.done()]
-                self._unmade.append(value)
-        return value
 
     # -- releasing -------------------------------------------------------------------------
 
@@ -426,17 +415,6 @@ class RRefContext:
         with self._lock:
             loaded, self._loaded = self._loaded, []
         pending = [f for f in loaded if not f.done()]
-        return collect_all(pending) if pending else None
-
-    def take_unmade(self) -> Future[Any] | None:
-        """A future done once the values of the RRefs owned here that were unpickled since
-        the last call exist (made or failed), or None if all do. The dispatcher starts an
-        ``async def`` after that: on the loop, its ``local_value()`` cannot wait."""
-        if not self._unmade:  # the common case, without the lock
-            return None
-        with self._lock:
-            unmade, self._unmade = self._unmade, []
-        pending = [f for f in unmade if not f.done()]
         return collect_all(pending) if pending else None
 
     def apply(self, actions: list[Action]) -> None:

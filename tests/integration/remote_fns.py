@@ -551,8 +551,3 @@ def remote_to_self_here(value: Any) -> tuple[bool, int, Any]:
     rref = asyncrpc.remote(asyncrpc.get_worker_info().name, make_lock_holder, args=(value,))
     held = rref.to_here()
     return held is rref.local_value(), held.made_in, held.value
-
-
-async def async_local_value(rref: Any) -> Any:
-    """Run on the owner's loop: the value, which must exist by the time this runs."""
-    return rref.local_value()

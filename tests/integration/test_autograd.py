@@ -77,6 +77,9 @@ def layers(group: Group) -> Iterator[Callable[[str, int, int, int], asyncrpc.RRe
 
     def make(worker: str, seed: int, n_in: int, n_out: int) -> asyncrpc.RRef[nn.Module]:
         rref = asyncrpc.remote(worker, fns.make_linear, args=(seed, n_in, n_out))
+        # Made before use: an async def on the owner (async_forward) cannot wait in
+        # local_value() for a value still being made (it raises BlockingCallError).
+        rref._get_future().wait()
         made.append(rref)
         return rref
 

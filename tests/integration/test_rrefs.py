@@ -95,17 +95,6 @@ def test_local_owner_rref_passed_to_a_worker(group: Group) -> None:
     assert asyncrpc.rpc_sync("w1", fns.forward_to, args=(rref, "driver")).tolist() == [0, 1, 2, 3]
 
 
-def test_async_def_on_the_owner_starts_once_the_rref_value_is_made(group: Group) -> None:
-    # The value is still being made (its remote() waits on an event) when a coroutine that
-    # reads it arrives at the owner: it cannot block the loop in local_value(), so it must
-    # start only once the value exists (it used to fail with BlockingCallError).
-    tag = f"unmade-{os.getpid()}-{time.monotonic_ns()}"
-    rref = asyncrpc.remote("w1", fns.wait_for_event, args=(tag, 30.0))
-    reading = asyncrpc.rpc_async("w1", fns.async_local_value, args=(rref,))
-    assert asyncrpc.rpc_sync("w1", fns.set_event, args=(tag,))
-    assert reading.wait() is True
-
-
 def test_rref_returned_as_a_result(group: Group) -> None:
     rref = asyncrpc.rpc_sync("w2", fns.owned_here, args=("held on w2",))
     assert rref.owner_name() == "w2"

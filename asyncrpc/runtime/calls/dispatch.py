@@ -35,7 +35,7 @@ from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import CallMode, ErrorReply, Reply, Request
 from asyncrpc.runtime.calls.builtins import checked_op, is_torch_c_function, runs_on_loop
 from asyncrpc.runtime.calls.pipeline import IncomingCall, Pipeline
-from asyncrpc.runtime.future import Future, collect_all
+from asyncrpc.runtime.future import Future
 from asyncrpc.runtime.metrics import Counters
 from asyncrpc.runtime.net.links import FrameInParts, write_in_parts
 from asyncrpc.runtime.net.transport import Connection
@@ -166,7 +166,6 @@ class Dispatcher:
             self.streams.expect(conn, peer, request.call_id, request.target)
         rrefs = self.rrefs
         rrefs.take_unconfirmed()  # forget forks unpickled elsewhere (replies)
-        rrefs.take_unmade()
         try:
             if self._pipeline.serves(request.headers):
                 self._receiving(served)
@@ -186,12 +185,6 @@ class Dispatcher:
         # RRefs in the arguments forked by a worker other than their owner: the function
         # runs once their owners confirmed them (as in torch), so they are usable there.
         unconfirmed = rrefs.take_unconfirmed()
-        unmade = rrefs.take_unmade()
-        if unmade is not None and is_coroutine_function(fn):
-            # An RRef owned here whose value is still being made (its remote() runs): an
-            # async def runs on the loop, where local_value() cannot wait, so it starts
-            # once the value exists. A def may wait in local_value() on its pool thread.
-            unconfirmed = unmade if unconfirmed is None else collect_all([unconfirmed, unmade])
         call = (fn, args, kwargs)
         if unconfirmed is not None:
             start = partial(self._start, served, call)
