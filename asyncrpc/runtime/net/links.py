@@ -265,6 +265,12 @@ class Links:
             self._fail_unsent(rank, call_id, exc)
             self.undelivered(rank, forks)
             return
+        self._written(conn, rank, call_id, forks)
+
+    def _written(
+        self, conn: Connection, rank: int, call_id: int, forks: list[Transfer] | None
+    ) -> None:
+        """A frame went out on ``conn``: follow its forks; losing ``conn`` fails its call."""
         if forks:
             self._wrote_forks(rank, forks)
         if call_id:
@@ -299,10 +305,7 @@ class Links:
             self._fail_unsent(rank, call_id, exc)
             self.undelivered(rank, forks)
             return
-        if forks:
-            self._wrote_forks(rank, forks)
-        if call_id:
-            self._host.calls.written(call_id, conn)
+        self._written(conn, rank, call_id, forks)
 
     def _fail_unsent(self, rank: int, call_id: int, exc: BaseException) -> None:
         host = self._host
