@@ -62,13 +62,9 @@ class Releases:
 
     def _flush(self) -> None:
         self._flush_armed = False
-        by_peer: dict[int, list[int]] = {}
         queued = self._queued
-        for _ in range(len(queued)):  # bounded: what was queued when the flush began
-            context_id, peers = queued.popleft()
-            for peer in peers:
-                by_peer.setdefault(peer, []).append(context_id)
-        send(self._agent, by_peer)
+        # Bounded: what was queued when the flush began.
+        send(self._agent, _by_peer(queued.popleft() for _ in range(len(queued))))
 
     def flush(self) -> None:
         """Send what is queued now (on the loop; shutdown calls it before the goodbyes)."""
@@ -81,6 +77,15 @@ def releases_of(agent: Agent, table: ContextTable) -> ReleaseBatcher:
     if table.releases is None:
         table.releases = Releases(agent, table)
     return table.releases
+
+
+def _by_peer(released: Iterable[tuple[int, Iterable[int]]]) -> dict[int, list[int]]:
+    """``(context id, workers to tell)`` pairs as the context ids to release on each worker."""
+    by_peer: dict[int, list[int]] = {}
+    for context_id, peers in released:
+        for peer in peers:
+            by_peer.setdefault(peer, []).append(context_id)
+    return by_peer
 
 
 def send(agent: Agent, by_peer: dict[int, list[int]]) -> None:
@@ -111,14 +116,12 @@ async def _release_on(agent: Agent, peer: int, context_ids: list[int]) -> None:
 
 def _onward(agent: Agent, table: ContextTable, context_ids: Iterable[int], sender: int) -> None:
     """Drop the contexts here and pass each on to the workers it reached but the sender."""
-    by_peer: dict[int, list[int]] = {}
+    released = []
     for context_id in context_ids:
         context = table.pop(context_id)
-        if context is None:
-            continue  # released already (a retry, or a second path to this worker)
-        for peer in sorted(context.peers - {sender, agent.rank}):
-            by_peer.setdefault(peer, []).append(context_id)
-    send(agent, by_peer)
+        if context is not None:  # else released already (a retry, or a second path here)
+            released.append((context_id, sorted(context.peers - {sender, agent.rank})))
+    send(agent, _by_peer(released))
 
 
 async def release_here(context_ids: list[int], sender: int) -> None:

@@ -22,7 +22,7 @@ from asyncrpc.errors import PeerLostError, RemoteProtocolError, ShutdownError
 from asyncrpc.protocol.options import RpcBackendOptions, WorkerInfo
 from asyncrpc.protocol.serde import Serializer
 from asyncrpc.protocol.wire import Allocator, Frame
-from asyncrpc.protocol.wire.messages import Kind, RefMessage, Request, ShmMessage, decode_message
+from asyncrpc.protocol.wire.messages import Kind, RefMessage, Request, ShmMessage
 from asyncrpc.protocol.wire.stream import STREAM_KINDS
 from asyncrpc.runtime import handoffs
 from asyncrpc.runtime.calls.dispatch import Dispatcher
@@ -204,11 +204,8 @@ class Agent:
         if type(kind) is int and kind in STREAM_KINDS:
             self.streams.on_frame(conn, frame)
             return
-        try:
-            message = decode_message(fields)
-        except RemoteProtocolError as exc:
-            self.counters.protocol_errors += 1
-            conn.abort(exc)
+        message = self.network.decode(conn, fields)
+        if message is None:
             return
         peer = conn.peer
         assert peer is not None  # the network hands over authenticated frames only

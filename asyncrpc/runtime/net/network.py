@@ -205,11 +205,8 @@ class Network:
         if conn.peer is not None and (not fields or fields[0] not in _OWN_KINDS):
             self._receiver.on_frame(conn, frame)  # the hot path: calls and replies
             return
-        try:
-            message = decode_message(fields)
-        except RemoteProtocolError as exc:
-            self.counters.protocol_errors += 1
-            conn.abort(exc)
+        message = self.decode(conn, fields)
+        if message is None:
             return
         if conn.peer is None:
             self._on_handshake(conn, message)
@@ -221,6 +218,16 @@ class Network:
             self.links.ponged(conn, conn.peer)
         else:
             self.write(conn, encode_frame(Pong().to_fields(), b""))
+
+    def decode(self, conn: Connection, fields: list[Any]) -> Any | None:
+        """The message a frame's fields hold; None when they are malformed, and then the
+        connection is aborted (a protocol error, counted)."""
+        try:
+            return decode_message(fields)
+        except RemoteProtocolError as exc:
+            self.counters.protocol_errors += 1
+            conn.abort(exc)
+            return None
 
     def _on_handshake(self, conn: Connection, message: Any) -> None:
         # The handshake's rules are in asyncrpc/protocol/handshake.py; the peer table drives

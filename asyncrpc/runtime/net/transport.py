@@ -163,18 +163,13 @@ class Connection(asyncio.BufferedProtocol):
             ClosedError: the connection is closed.
             FrameTooLargeError: the frame is over the peer's limit; nothing was written.
         """
-        # Every frame's path: only the size check goes through a helper (it is shared).
-        transport = self._transport
-        if self._closed or transport is None or transport.is_closing():
-            raise ClosedError(f"connection to {self.peer_name or 'peer'} is closed")
+        transport = self._open_transport()
         size = self.check_size(pieces)
         if self._held is not None:  # a frame is going out in parts: this one goes after it
             self._held.append((pieces, keepalive))
             return
         self.bytes_out += size
-        transport.writelines(pieces)
-        if self._write_paused and keepalive is not None:
-            self._keepalive.append(keepalive)
+        self._write(transport, pieces, keepalive)
 
     def check_size(self, pieces: Sequence[bytes | memoryview]) -> int:
         """The frame's size in bytes.
@@ -182,9 +177,7 @@ class Connection(asyncio.BufferedProtocol):
         Raises:
             FrameTooLargeError: it is over the peer's limit.
         """
-        size = 0
-        for piece in pieces:
-            size += piece.nbytes if isinstance(piece, memoryview) else len(piece)
+        size = _nbytes(pieces)
         limit = self.peer_max_frame
         if limit and size - PRELUDE_SIZE > limit:
             raise FrameTooLargeError(size - PRELUDE_SIZE, limit, self.peer_name)
@@ -214,8 +207,7 @@ class Connection(asyncio.BufferedProtocol):
             ClosedError: the connection is closed (the frame is lost with it).
         """
         transport = self._open_transport()
-        for piece in pieces:
-            self.bytes_out += piece.nbytes if isinstance(piece, memoryview) else len(piece)
+        self.bytes_out += _nbytes(pieces)
         self._write(transport, pieces, keepalive)
 
     def end_parts(self, complete: bool) -> None:
@@ -256,6 +248,14 @@ class Connection(asyncio.BufferedProtocol):
         """Close after the pending writes are flushed."""
         if self._transport is not None and not self._transport.is_closing():
             self._transport.close()
+
+
+def _nbytes(pieces: Sequence[bytes | memoryview]) -> int:
+    """How many bytes the pieces of a frame (or of a part of one) hold."""
+    size = 0
+    for piece in pieces:
+        size += piece.nbytes if isinstance(piece, memoryview) else len(piece)
+    return size
 
 
 async def start_server(
