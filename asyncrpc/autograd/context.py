@@ -157,6 +157,7 @@ class ContextTable:
         # on first use: it needs the agent, which the table does not know.
         self.releases: ReleaseBatcher | None = None
         self.hops_received = 0  # backward hops run here (see count_hop)
+        self.passes_on_loop = 0  # local passes run on the event loop (see count_pass_on_loop)
 
     def __len__(self) -> int:
         return len(self._contexts)
@@ -172,6 +173,11 @@ class ContextTable:
         """A backward hop reached this worker (for ``get_debug_info``)."""
         with self._lock:
             self.hops_received += 1
+
+    def count_pass_on_loop(self) -> None:
+        """A local pass ran on the loop, no pool round trip (for ``get_debug_info``)."""
+        with self._lock:
+            self.passes_on_loop += 1
 
     def joined(self, context_id: int) -> AutogradContext:
         """The context ``context_id`` as this worker takes part in it (made on first sight)."""

@@ -27,12 +27,11 @@ from asyncrpc.autograd.context import (
     context_table,
 )
 from asyncrpc.errors import as_backward_error
-from asyncrpc.functions import async_execution
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
 from asyncrpc.runtime.agent import Agent
 from asyncrpc.runtime.future import Future, collect_all
 
-__all__ = ["hand_back", "local_pass", "propagate"]
+__all__ = ["hand_back", "local_pass", "loop_pass", "pass_anywhere", "propagate"]
 
 # Gradients for the tensors of one message: (sender rank, message id) -> by index.
 Outgoing = dict[tuple[int, int], list[Any]]
@@ -44,8 +43,9 @@ def local_pass(
 ) -> Outgoing:  # fmt: skip
     """Run this worker's graph from ``roots``; returns the gradients to send back.
 
-    Runs on a pool thread (it is CPU work). Leaves received from other workers collect
-    their gradients for sending; this worker's own leaves accumulate in ``context``.
+    Runs on a pool thread or the caller's (it is CPU work, and may run user code that
+    blocks). Leaves received from other workers collect their gradients for sending; this
+    worker's own leaves accumulate in ``context``.
 
     Raises:
         The error of the graph as torch reports it: also a ``BackwardError`` naming this
@@ -55,6 +55,42 @@ def local_pass(
         routed, _ = context.graph.run(roots, grad_outputs, context.received, rank)
     except Exception as exc:
         raise as_backward_error(exc, rank) from exc
+    return _route(context, routed)
+
+
+def loop_pass(
+    context: AutogradContext, roots: Sequence[torch.Tensor], grad_outputs: Sequence[Any],
+    rank: int,
+) -> Outgoing | None:  # fmt: skip
+    """``local_pass`` run on the event loop, where the pass is small and runs no user code
+    (``LocalGraph.run_on_loop``); None where it is not, with nothing run.
+
+    Raises:
+        As ``local_pass``.
+    """
+    try:
+        routed = context.graph.run_on_loop(roots, grad_outputs)
+    except Exception as exc:
+        raise as_backward_error(exc, rank) from exc
+    return None if routed is None else _route(context, routed)
+
+
+async def pass_anywhere(
+    agent: Agent, context: AutogradContext, roots: Sequence[torch.Tensor],
+    grad_outputs: Sequence[Any],
+) -> Outgoing:  # fmt: skip
+    """The local pass, from the loop: run there where it may be (two thread wake-ups less
+    than the pool's round trip), else on a pool thread."""
+    outgoing = loop_pass(context, roots, grad_outputs, agent.rank)
+    if outgoing is not None:
+        context_table()[1].count_pass_on_loop()
+        return outgoing
+    return await agent.pool.run(  # type: ignore[no-any-return]
+        functools.partial(local_pass, context, roots, grad_outputs, agent.rank)
+    )
+
+
+def _route(context: AutogradContext, routed: list[tuple[torch.Tensor, Any]]) -> Outgoing:
     # A gradient the graph handed to two leaves (a function returning one tensor twice)
     # is copied for each; any other is kept as it is, where its layout allows.
     handed = Counter(id(grad) for _, grad in routed)
@@ -77,21 +113,17 @@ async def propagate(
     grad_outputs: Sequence[Any],
 ) -> None:
     """Run the local pass, then hand its gradients to the workers that sent the tensors."""
-    outgoing = await agent.pool.run(
-        functools.partial(local_pass, context, roots, grad_outputs, agent.rank)
-    )
+    outgoing = await pass_anywhere(agent, context, roots, grad_outputs)
     await hand_back(agent, context.id, outgoing)
 
 
-@async_execution
-def grads_arrived(context_id: int, batches: list[tuple[int, list[Any]]]) -> Any:
+async def grads_arrived(context_id: int, batches: list[tuple[int, list[Any]]]) -> None:
     """Runs on the worker that sent the tensors of each ``(message id, grads)`` batch: the
     backward goes on here, in one local pass for all of them.
 
-    On a pool thread (the local pass is CPU work), and an ``@async_execution`` function: the
-    thread is free again while the hops further down run; the reply waits for them. The
-    hops are sent from the loop, which runs the returned coroutine anyway (sending them
-    from this thread would cost a hand-off to the loop of its own).
+    On the loop: the pass runs there where it is small and runs no user code, else on a
+    pool thread; the hops further down are sent from the loop, and the reply waits for
+    them.
     """
     agent, table = context_table()
     context = table.get(context_id)
@@ -103,13 +135,9 @@ def grads_arrived(context_id: int, batches: list[tuple[int, list[Any]]]) -> Any:
             if grad is not None:
                 roots.append(tensor)
                 grad_outputs.append(grad)
-    outgoing = local_pass(context, roots, grad_outputs, agent.rank)
-    return _hand_back_from_loop(agent, context.id, outgoing)
-
-
-async def _hand_back_from_loop(agent: Agent, context_id: int, outgoing: Outgoing) -> None:
+    outgoing = await pass_anywhere(agent, context, roots, grad_outputs)
     if outgoing:
-        await hand_back(agent, context_id, outgoing)
+        await hand_back(agent, context.id, outgoing)
 
 
 def by_sender(outgoing: Outgoing) -> dict[int, list[tuple[int, list[Any]]]]:

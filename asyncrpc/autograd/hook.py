@@ -101,6 +101,7 @@ class AutogradHook(CallHook):
         return {
             "num_autograd_contexts": len(contexts),
             "autograd_hops_received": contexts.hops_received,
+            "autograd_passes_on_loop": contexts.passes_on_loop,
         }
 
 

@@ -13,10 +13,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.optim.optimizer as torch_optimizer
 
 from asyncrpc.api import remote, rpc_async
 from asyncrpc.autograd import get_gradients
+from asyncrpc.autograd.context import context_table
 from asyncrpc.rref.handle import RRef, current_rrefs
+from asyncrpc.runtime.current import current_agent
 from asyncrpc.runtime.future import Future, collect_all
 
 __all__ = ["DistributedOptimizer"]
@@ -78,6 +81,7 @@ class LocalOptimizer:
     # context's gradient, then steps, so two steps at once on shared parameters would
     # read each other's gradients or lose an update (a wrong result, no error).
     _step_lock = threading.Lock()
+    steps_on_loop = 0  # steps of this process run on the event loop (held by _step_lock)
 
     def __init__(
         self,
@@ -89,20 +93,78 @@ class LocalOptimizer:
         self.params = [rref.local_value() for rref in params_rref]
         self.optimizer = optimizer_class(self.params, *args, **kwargs)
 
+        # Whether a step may run on the event loop (see step_on_loop): decided once, on
+        # what cannot change after construction.
+        self._small = type(self.optimizer) is optimizer_class and _small_step(
+            optimizer_class, self.params
+        )
+
     def step(self, context_id: int) -> None:
         grads = get_gradients(context_id)
         with LocalOptimizer._step_lock:
-            for param in self.params:
-                param.grad = grads.get(param)
+            self._step_with(grads)
+
+    def step_on_loop(self, context_id: int) -> bool:
+        """Step here, on the event loop, where that cannot hold it up or run user code; False
+        (nothing done) where it might: then ``step`` it on a pool thread.
+
+        On the loop: one of torch's own optimizers (not a subclass), over at most
+        ``LOOP_STEP_MAX_ELEMENTS`` elements on the CPU, with no step hooks; a context whose
+        passes ran on torch's engine (DDP) and a step lock another step holds go to the
+        pool (the loop never waits on a lock).
+        """
+        if not self._small or _has_step_hooks(self.optimizer):
+            return False
+        _, table = context_table()
+        if table.get(context_id).graph.on_torch_engine:
+            return False
+        if not LocalOptimizer._step_lock.acquire(blocking=False):
+            return False
+        try:
+            self._step_with(get_gradients(context_id))
+            LocalOptimizer.steps_on_loop += 1
+        finally:
+            LocalOptimizer._step_lock.release()
+        return True
+
+    def _step_with(self, grads: dict[torch.Tensor, torch.Tensor]) -> None:
+        for param in self.params:
+            param.grad = grads.get(param)
+        try:
             self.optimizer.step()
+        finally:
             for param in self.params:
                 param.grad = None
 
 
-def _step(optimizer_id: tuple[int, int], context_id: int) -> None:
-    # wait(): the remote() that builds it may still be running (on a pool thread here).
-    optimizer: LocalOptimizer = current_rrefs().owned_value(*optimizer_id).wait()
-    optimizer.step(context_id)
+# A step on the loop saves the pool's round trip (two thread wake-ups) on each owner; torch's
+# optimizers cost ~1-5 ns per element, so this many stay well under a millisecond.
+LOOP_STEP_MAX_ELEMENTS = 1 << 16
+
+
+def _small_step(optimizer_class: type[Any], params: Sequence[torch.Tensor]) -> bool:
+    return (
+        optimizer_class.__module__.startswith("torch.optim.")
+        and all(isinstance(p, torch.Tensor) and p.is_cpu for p in params)
+        and sum(p.numel() for p in params) <= LOOP_STEP_MAX_ELEMENTS
+    )
+
+
+def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    # Hooks are user code: it may block, so it runs on a pool thread.
+    return bool(
+        optimizer._optimizer_step_pre_hooks
+        or optimizer._optimizer_step_post_hooks
+        or torch_optimizer._global_optimizer_pre_hooks
+        or torch_optimizer._global_optimizer_post_hooks
+    )
+
+
+async def _step(optimizer_id: tuple[int, int], context_id: int) -> None:
+    # On the loop: the remote() that builds the optimizer may still be running.
+    optimizer: LocalOptimizer = await current_rrefs().owned_value(*optimizer_id)
+    if not optimizer.step_on_loop(context_id):
+        await current_agent().pool.run(optimizer.step, context_id)
 
 
 def _wait_every(futures: list[Future[Any]]) -> None:

@@ -10,11 +10,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import asyncrpc
 from asyncrpc import autograd as dist_autograd
 from asyncrpc.functions import async_execution
+from asyncrpc.optim import LocalOptimizer
 from asyncrpc.rref.handle import RRef
+from asyncrpc.runtime.current import current_agent
 
 # Pool threads may build layers concurrently: seeding torch's one global generator and
 # drawing the initial weights must be one step, or two layers could share draws.
@@ -153,3 +156,44 @@ class FetchTwice(nn.Module):
 
 def hops_received() -> int:
     return int(asyncrpc.get_debug_info()["autograd_hops_received"])
+
+
+def passes_on_loop() -> int:
+    return int(asyncrpc.get_debug_info()["autograd_passes_on_loop"])
+
+
+def scale_factor() -> float:
+    return 3.0
+
+
+def forward_hooked_by_peer(module: RRef[nn.Module], x: torch.Tensor, peer: str) -> torch.Tensor:
+    """A forward whose output carries a tensor hook that makes a blocking call: user code
+    in the graph, which must run on a pool thread (on the loop, rpc_sync would raise)."""
+    y = module.local_value()(x)
+    y.register_hook(lambda grad: grad * asyncrpc.rpc_sync(peer, scale_factor))
+    return y
+
+
+def steps_on_loop() -> int:
+    return LocalOptimizer.steps_on_loop
+
+
+_step_hooks: list[Any] = []
+_step_hook_on_loop: list[bool] = []
+
+
+def hook_optimizer_steps() -> None:
+    """A global step pre-hook (user code) that records whether it ran on the loop."""
+
+    def record(*_: Any) -> None:
+        _step_hook_on_loop.append(threading.get_ident() == current_agent().loop_thread_id)
+
+    _step_hooks.append(register_optimizer_step_pre_hook(record))
+
+
+def unhook_optimizer_steps() -> list[bool]:
+    """Remove the hook; returns, per step it saw, whether it ran on the loop."""
+    while _step_hooks:
+        _step_hooks.pop().remove()
+    seen, _step_hook_on_loop[:] = list(_step_hook_on_loop), []
+    return seen

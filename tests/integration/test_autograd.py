@@ -128,6 +128,27 @@ def test_autograd_micro_batches_to_one_worker_take_one_hop(group: Group, layers:
     assert hops == [1, 1]
 
 
+def test_autograd_small_passes_run_on_the_loop_user_code_on_the_pool(
+    group: Group, layers: Callable
+) -> None:
+    # w1's pass is a plain layer: it runs on w1's loop. w3's graph holds a tensor hook that
+    # makes a blocking call (user code): it runs on a pool thread, where that works.
+    l1, l3 = layers("w1", 31, 4, 6), layers("w3", 32, 6, 2)
+    before = [asyncrpc.rpc_sync(w, fns.passes_on_loop) for w in ("w1", "w3")]
+    x = torch.randn(5, 4)
+    with dist_autograd.context() as context_id:
+        h = asyncrpc.rpc_sync("w1", fns.forward, args=(l1, x))
+        y = asyncrpc.rpc_sync("w3", fns.forward_hooked_by_peer, args=(l3, torch.relu(h), "w2"))
+        dist_autograd.backward(context_id, [y.pow(2).sum()])
+        m1, m3 = fns.make_linear(31, 4, 6), fns.make_linear(32, 6, 2)
+        out = m3(torch.relu(m1(x)))
+        out.register_hook(lambda grad: grad * fns.scale_factor())
+        out.pow(2).sum().backward()
+        assert_grads_match(context_id, [("w1", l1), ("w3", l3)], [m1, m3])
+    after = [asyncrpc.rpc_sync(w, fns.passes_on_loop) for w in ("w1", "w3")]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 0]
+
+
 def test_autograd_three_worker_chain_nested(group: Group, layers: Callable) -> None:
     l1, l3 = layers("w1", 3, 4, 6), layers("w3", 4, 6, 2)
     x = torch.randn(3, 4, requires_grad=True)  # the driver's own leaf takes part too
@@ -339,6 +360,32 @@ def test_distributed_optimizer_matches_local_sgd(group: Group, layers: Callable)
         remote_weights = asyncrpc.rpc_sync(worker, fns.weights, args=(rref,))
         for got, want in zip(remote_weights, module.parameters(), strict=True):
             torch.testing.assert_close(got, want.detach())
+    del params, optimizer
+
+
+def test_distributed_optimizer_steps_on_the_loop_unless_user_code_runs(
+    group: Group, layers: Callable
+) -> None:
+    layer = layers("w1", 41, 4, 2)
+    params = asyncrpc.rpc_sync("w1", fns.param_rrefs, args=(layer,))
+    optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=0.1)
+
+    def train_step(optimizer: DistributedOptimizer) -> None:
+        with dist_autograd.context() as context_id:
+            y = asyncrpc.rpc_sync("w1", fns.forward, args=(layer, torch.randn(3, 4)))
+            dist_autograd.backward(context_id, [y.sum()])
+            optimizer.step(context_id)
+
+    start = asyncrpc.rpc_sync("w1", fns.steps_on_loop)
+    train_step(optimizer)  # torch's SGD over 10 elements, no hooks: on w1's loop
+    assert asyncrpc.rpc_sync("w1", fns.steps_on_loop) == start + 1
+    asyncrpc.rpc_sync("w1", fns.hook_optimizer_steps)
+    try:
+        train_step(optimizer)  # a step hook is user code: the step runs on a pool thread
+    finally:
+        seen = asyncrpc.rpc_sync("w1", fns.unhook_optimizer_steps)
+    assert seen == [False]
+    assert asyncrpc.rpc_sync("w1", fns.steps_on_loop) == start + 1
     del params, optimizer
 
 
