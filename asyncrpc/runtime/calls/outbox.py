@@ -26,11 +26,11 @@ from asyncrpc.protocol.reflog import Transfer
 from asyncrpc.protocol.serde import Serializer, unpack_exception
 from asyncrpc.protocol.wire import Frame, encode_frame
 from asyncrpc.protocol.wire.messages import CallMode, Request, optional_headers
-from asyncrpc.runtime import handoffs
 from asyncrpc.runtime.calls.pending import PendingCall, PendingCalls, Waiter, describe_function
 from asyncrpc.runtime.calls.pipeline import CallHook, OutgoingCall, Pipeline
 from asyncrpc.runtime.future import Future
 from asyncrpc.runtime.group.membership import Directory
+from asyncrpc.runtime.loopinbox import LoopInbox
 from asyncrpc.runtime.metrics import Counters
 
 __all__ = ["EncodedRequest", "Minting", "Outbox", "Sender"]
@@ -102,6 +102,7 @@ class Outbox:
     ) -> None:
         self._name, self.loop = name, loop
         self.loop_thread_id = threading.get_ident()
+        self._inbox = LoopInbox(loop)
         self._serializer, self._pipeline, self._directory = serializer, pipeline, directory
         self._sender, self._rrefs, self._unlend = sender, rrefs, unlend
         self._counters, self._default_timeout = counters, default_timeout
@@ -247,12 +248,12 @@ class Outbox:
         return acknowledged
 
     def run_on_loop(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` on the loop: now if this is the loop thread."""
+        """Run ``fn(*args)`` on the loop: now if this is the loop thread, else in order
+        with what other threads hand over, one loop wake-up per batch."""
         if threading.get_ident() == self.loop_thread_id:
             fn(*args)
         else:
-            handoffs.count("thread_to_loop")
-            self.loop.call_soon_threadsafe(fn, *args)
+            self._inbox.put(fn, args)
 
     # -- on the loop -----------------------------------------------------------------------
 
