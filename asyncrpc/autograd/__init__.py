@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from asyncrpc.autograd.context import AutogradContext, context_table, current_context_id
+from asyncrpc.autograd.credit import FULL, PassCredit, first_of
 from asyncrpc.autograd.engine import hand_back, local_pass, propagate
 from asyncrpc.autograd.hook import AutogradHook
 from asyncrpc.autograd.release import releases_of
@@ -128,13 +129,16 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     # hand-off to the pool and back), then hands the gradients on and waits for the hops.
     context = table.get(context_id)
     grads = _start(context, context_id, roots, retain_graph)
+    pass_id, over = table.credits.begin()
     token = current_context_id.set(None)  # the gradient hops are not part of the context
     try:
         outgoing = local_pass(context, list(roots), grads, agent.rank)
-        hops = hand_back(agent, context.id, outgoing)
+        credit = PassCredit(agent.rank, pass_id, FULL)
+        # Over when all its credit is back (or every reply, with the first error).
+        first_of(over, hand_back(agent, table, context.id, outgoing, credit)).wait()
     finally:
         current_context_id.reset(token)
-    hops.wait()
+        table.credits.end(pass_id)
 
 
 async def backward_async(
@@ -160,7 +164,7 @@ async def _backward(
     _, table = context_table()
     context = table.get(context_id)
     grads = _start(context, context_id, roots, retain_graph)
-    await propagate(agent, context, list(roots), grads)
+    await propagate(agent, table, context, list(roots), grads)
 
 
 def _start(

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
+from asyncrpc.autograd.credit import Credits
 from asyncrpc.autograd.graph import LocalGraph
 from asyncrpc.errors import AutogradContextError, NotInitializedError
 from asyncrpc.runtime.agent import Agent
@@ -158,6 +159,7 @@ class ContextTable:
         self.releases: ReleaseBatcher | None = None
         self.hops_received = 0  # backward hops run here (see count_hop)
         self.passes_on_loop = 0  # local passes run on the event loop (see count_pass_on_loop)
+        self.credits = Credits()  # the backward passes this worker is the root of
 
     def __len__(self) -> int:
         return len(self._contexts)

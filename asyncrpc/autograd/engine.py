@@ -24,8 +24,10 @@ import torch
 
 from asyncrpc.autograd.context import (
     AutogradContext,
+    ContextTable,
     context_table,
 )
+from asyncrpc.autograd.credit import FULL, PassCredit, first_of, split
 from asyncrpc.errors import as_backward_error
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
 from asyncrpc.runtime.agent import Agent
@@ -108,22 +110,37 @@ def _route(context: AutogradContext, routed: list[tuple[torch.Tensor, Any]]) -> 
 
 async def propagate(
     agent: Agent,
+    table: ContextTable,
     context: AutogradContext,
     roots: Sequence[torch.Tensor],
     grad_outputs: Sequence[Any],
 ) -> None:
-    """Run the local pass, then hand its gradients to the workers that sent the tensors."""
-    outgoing = await pass_anywhere(agent, context, roots, grad_outputs)
-    await hand_back(agent, context.id, outgoing)
+    """Run the local pass as the root of a backward pass, then hand its gradients to the
+    workers that sent the tensors; returns once the whole pass is over."""
+    pass_id, over = table.credits.begin()
+    try:
+        outgoing = await pass_anywhere(agent, context, roots, grad_outputs)
+        credit = PassCredit(agent.rank, pass_id, FULL)
+        await first_of(over, hand_back(agent, table, context.id, outgoing, credit))
+    finally:
+        table.credits.end(pass_id)
 
 
-async def grads_arrived(context_id: int, batches: list[tuple[int, list[Any]]]) -> None:
+async def grads_arrived(
+    context_id: int,
+    batches: list[tuple[int, list[Any]]],
+    credit: PassCredit | None = None,
+    caller: int = -1,
+) -> int:
     """Runs on the worker that sent the tensors of each ``(message id, grads)`` batch: the
     backward goes on here, in one local pass for all of them.
 
     On the loop: the pass runs there where it is small and runs no user code, else on a
     pool thread; the hops further down are sent from the loop, and the reply waits for
-    them.
+    them. ``credit``: this hop's share of the pass's credit (``asyncrpc.autograd.credit``),
+    split among the hops sent on, or handed back to the root when none are; ``caller``:
+    the rank that sent this hop. Returns the credit the reply hands back (when the caller
+    is the root), else 0.
     """
     agent, table = context_table()
     context = table.get(context_id)
@@ -136,8 +153,34 @@ async def grads_arrived(context_id: int, batches: list[tuple[int, list[Any]]]) -
                 roots.append(tensor)
                 grad_outputs.append(grad)
     outgoing = await pass_anywhere(agent, context, roots, grad_outputs)
+    carried = credit is not None and split(credit, len(by_sender(outgoing))) is not None
     if outgoing:
-        await hand_back(agent, context.id, outgoing)
+        await hand_back(agent, table, context.id, outgoing, credit if carried else None)
+    if credit is None or carried:
+        return 0  # no credit, or it went on with the hops
+    return _return_credit(agent, table, credit, caller)
+
+
+def _return_credit(agent: Agent, table: ContextTable, credit: PassCredit, caller: int) -> int:
+    """Hand ``credit`` back to its root: here, in the reply (returned), or in a call."""
+    if credit.root == agent.rank:
+        table.credits.hand_back(credit.pass_id, credit.amount)
+        return 0
+    if credit.root == caller:
+        return credit.amount
+    # Its own call: a lost one only costs the root its early finish (the replies end it).
+    agent.call_future(
+        credit.root, credit_returned, (credit.pass_id, credit.amount), {}, UNSET_RPC_TIMEOUT
+    )
+    return 0
+
+
+async def credit_returned(pass_id: int, amount: int) -> None:
+    """Runs on the root of a backward pass: credit handed back by a worker whose pass
+    sent no hops further (and that the root had not called itself)."""
+    _, table = context_table()
+    table.credits.calls += 1  # on the loop, the one thread that counts them
+    table.credits.hand_back(pass_id, amount)
 
 
 def by_sender(outgoing: Outgoing) -> dict[int, list[tuple[int, list[Any]]]]:
@@ -150,21 +193,34 @@ def by_sender(outgoing: Outgoing) -> dict[int, list[tuple[int, list[Any]]]]:
     return hops
 
 
-def hand_back(agent: Agent, context_id: int, outgoing: Outgoing) -> Future[Any]:
+def hand_back(
+    agent: Agent, table: ContextTable, context_id: int, outgoing: Outgoing,
+    credit: PassCredit | None = None,
+) -> Future[None]:  # fmt: skip
     """Send the gradients to the workers that sent those tensors, one hop per worker (any
-    thread, with no autograd context current); the future completes when every hop has,
-    and fails with the first hop's error."""
-    hops = [
-        agent.call_future(sender, grads_arrived, (context_id, batches), {}, UNSET_RPC_TIMEOUT)
-        for sender, batches in by_sender(outgoing).items()
+    thread, with no autograd context current), each with a share of ``credit``; the future
+    completes when every hop has replied, and fails with the first hop's error. Credit the
+    replies hand back (only the root is handed credit in replies) goes to ``table``."""
+    hops = by_sender(outgoing)
+    shares = None if credit is None else split(credit, len(hops))
+    shared: list[PassCredit | None] = [*shares] if shares else [None] * len(hops)
+    calls = [
+        agent.call_future(
+            sender, grads_arrived, (context_id, batches, share, agent.rank), {}, UNSET_RPC_TIMEOUT
+        )
+        for (sender, batches), share in zip(hops.items(), shared, strict=True)
     ]
-    if not hops:
-        done: Future[Any] = Future()
+    if not calls:
+        done: Future[None] = Future()
         done.set_result(None)
         return done
-    return collect_all(hops)._then(_raise_first_error)
+    pass_id = None if credit is None else credit.pass_id
+    return collect_all(calls)._then(functools.partial(_replied, table, pass_id))
 
 
-def _raise_first_error(done: Future[list[Future[Any]]]) -> None:
+def _replied(table: ContextTable, pass_id: int | None, done: Future[list[Future[Any]]]) -> None:
+    returned = 0
     for hop in done.value():
-        hop.value()  # raises the hop's error, with its original type
+        returned += hop.value() or 0  # raises the hop's error, with its original type
+    if returned and pass_id is not None:
+        table.credits.hand_back(pass_id, returned)

@@ -29,6 +29,7 @@ from asyncrpc.testing import free_port, spawn_worker, stop_workers
 from tests import scenarios
 from tests.integration import autograd_fns as fns
 from tests.integration.conftest import WORLD, Group
+from tests.ordering import until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -162,6 +163,29 @@ def test_autograd_three_worker_chain_nested(group: Group, layers: Callable) -> N
         assert_grads_match(context_id, [("w1", l1), ("w3", l3)], [m1, m3])
         torch.testing.assert_close(grads[x], x_local.grad)
         assert x.grad is None
+
+
+@pytest.mark.parametrize("x_grad", [True, False])
+def test_autograd_chain_hands_its_credit_back_to_the_root(
+    group: Group, layers: Callable, x_grad: bool
+) -> None:
+    # driver -> w1 -> w3 -> w1 (-> driver when x requires grad). The last pass ends on the
+    # driver (its credit handed back here, locally) or on w1, called by w3: then w1 hands
+    # the credit back in a call of its own. Either way the driver's backward ends on it.
+    l1, l3 = layers("w1", 5, 4, 6), layers("w3", 6, 6, 2)
+    x = torch.randn(3, 4, requires_grad=x_grad)
+    info = asyncrpc.get_debug_info
+    by_credit, by_call = info()["autograd_passes_over_by_credit"], info()["autograd_credit_calls"]
+    with dist_autograd.context() as context_id:
+        y = asyncrpc.rpc_sync("w1", fns.forward_then, args=(l1, x, "w3", l3))
+        dist_autograd.backward(context_id, [y.sum()])
+        m1, m3 = fns.make_linear(5, 4, 6), fns.make_linear(6, 6, 2)
+        m3(torch.relu(m1(x.detach()))).sum().backward()
+        assert_grads_match(context_id, [("w1", l1), ("w3", l3)], [m1, m3])
+    calls = 0 if x_grad else 1
+    until(lambda: info()["autograd_credit_calls"] == by_call + calls, what="w1's credit call")
+    if x_grad:  # handed back here, before backward returned
+        assert info()["autograd_passes_over_by_credit"] == by_credit + 1
 
 
 def test_autograd_rref_proxy_forward_and_parameter_used_twice(

@@ -1,0 +1,109 @@
+"""Knowing early that a distributed backward pass is over (layer L3): credit.
+
+A backward pass is a tree of hops, each an RPC whose reply waits for the hops it started
+(torch's FAST mode nests them the same way), so the worker that called ``backward`` hears
+the pass is over only once every reply has come back up the tree: in a chain
+A -> B -> A -> C, two replies travel after C's pass ended, carrying nothing.
+
+Credit (weight-throwing termination detection) lets the root know at the moment the last
+pass ends. The root starts with ``FULL`` credit; a worker that runs a hop's pass splits
+the hop's credit among the hops it sends on, or, when it sends none, hands the credit
+back to the root: in its reply when the root called it, else in a call of its own. The
+pass is over when the root holds ``FULL`` again, since credit is handed back only after a
+pass that has accumulated its gradients and sent all its hops. The nested replies still
+come (and still carry errors: a pass that fails hands no credit back); credit only lets
+the root stop waiting for acknowledgements. Losing a credit message costs nothing but
+that: the root then finishes when the nested replies arrive, as before.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any, NamedTuple
+
+from asyncrpc.runtime.future import Future
+
+__all__ = ["FULL", "Credits", "PassCredit", "first_of", "split"]
+
+# The root's credit. Split in equal integer shares, it lasts 62 levels of binary fan-out;
+# a hop whose credit cannot be split (fewer units than hops) sends its hops without
+# credit and hands its own back once they have all replied (the nested way).
+FULL = 1 << 62
+
+
+class PassCredit(NamedTuple):
+    """The credit a hop carries: which pass, its root, and how much."""
+
+    root: int  # the rank of the worker that called backward
+    pass_id: int
+    amount: int
+
+
+def split(credit: PassCredit, hops: int) -> list[PassCredit] | None:
+    """``credit`` in ``hops`` shares of at least one unit each (the first takes what does
+    not divide), or None when it has fewer units than that."""
+    if hops <= 0 or credit.amount < hops:
+        return None
+    share, rest = divmod(credit.amount, hops)
+    amounts = [share + rest] + [share] * (hops - 1)
+    return [PassCredit(credit.root, credit.pass_id, amount) for amount in amounts]
+
+
+class Credits:
+    """The passes this worker is the root of, and the credit handed back to each."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._passes: dict[int, tuple[int, Future[None]]] = {}  # id -> (held, over)
+        self.passes_over_early = 0  # passes whose credit came back before the replies
+        self.calls = 0  # credit handed back in calls of their own (credit_returned)
+
+    def begin(self) -> tuple[int, Future[None]]:
+        """A new pass: its id, and a future completed once all its credit is back."""
+        over: Future[None] = Future()
+        with self._lock:
+            pass_id = next(self._ids)
+            self._passes[pass_id] = (0, over)
+        return pass_id, over
+
+    def hand_back(self, pass_id: int, amount: int) -> None:
+        """Credit returned to pass ``pass_id`` (unknown or ended passes ignore it)."""
+        with self._lock:
+            entry = self._passes.get(pass_id)
+            if entry is None:
+                return
+            held, over = entry
+            held += amount
+            if held < FULL:
+                self._passes[pass_id] = (held, over)
+                return
+            del self._passes[pass_id]
+            self.passes_over_early += 1
+        over._try_set_result(None)
+
+    def end(self, pass_id: int) -> None:
+        """Forget pass ``pass_id`` (its replies came back, or it failed)."""
+        with self._lock:
+            self._passes.pop(pass_id, None)
+
+    def __len__(self) -> int:
+        return len(self._passes)
+
+
+def first_of(over: Future[None], replies: Future[Any]) -> Future[None]:
+    """Done when the credit is back (``over``) or when the nested replies are (``replies``:
+    then with their error, if any)."""
+    done: Future[None] = Future()
+
+    def from_replies(replies: Future[Any]) -> None:
+        error = replies.exception()
+        if error is None:
+            done._try_set_result(None)
+        else:
+            done._try_set_exception(error)
+
+    over._add_hook(lambda _: done._try_set_result(None))
+    replies._add_hook(from_replies)
+    return done
