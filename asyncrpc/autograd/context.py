@@ -142,7 +142,13 @@ def _copy_in_layout(tensor: Any, grad: Any) -> Any:
 class ReleaseBatcher(Protocol):
     """What the table keeps of ``asyncrpc.autograd.release.Releases``."""
 
+    carried: int
+
     def left(self, context_id: int) -> None: ...
+
+    def take_for(self, peer: int) -> list[int]: ...
+
+    def queue(self, peer: int, context_ids: list[int]) -> None: ...
 
     def flush(self) -> None: ...
 

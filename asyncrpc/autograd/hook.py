@@ -17,14 +17,28 @@ import functools
 import inspect
 from collections.abc import Callable, Coroutine
 from types import BuiltinFunctionType
-from typing import Any
+from typing import Any, NamedTuple
 
-from asyncrpc.autograd.context import AutogradContext, ContextTable, current_context_id
+from asyncrpc.autograd.context import (
+    AutogradContext,
+    ContextTable,
+    context_table,
+    current_context_id,
+)
+from asyncrpc.autograd.release import release_onward
 from asyncrpc.runtime.calls.pipeline import CallHook, IncomingCall, OutgoingCall
 
-__all__ = ["FIELD", "AutogradHook"]
+__all__ = ["FIELD", "RELEASED", "AutogradHook"]
 
-FIELD = "ag"  # the header field this hook owns
+FIELD = "ag"  # the header fields this hook owns: the call's context and message ids,
+RELEASED = "agr"  # and the ids of contexts the caller left (see asyncrpc.autograd.release)
+
+
+class _Sent(NamedTuple):
+    """What a call made through the hook carries: its context, the releases riding on it."""
+
+    context: AutogradContext | None
+    released: list[int]
 
 
 class AutogradHook(CallHook):
@@ -54,29 +68,48 @@ class AutogradHook(CallHook):
             call.track_grads()
 
     def outgoing(self, call: OutgoingCall) -> None:
+        released = self._riding(call)
         context = self.contexts.current()
-        if context is None:
-            return  # its id is set, but it was released (a call after the block ended)
-        if not call.grads and isinstance(call.fn, BuiltinFunctionType):
+        if context is None or (not call.grads and isinstance(call.fn, BuiltinFunctionType)):
+            # Released, or a builtin op with no tensor requiring grad (see the docstring).
+            if released:
+                call.state[self] = _Sent(None, released)
             return
         message_id = context.next_message_id(self._rank)
         context.record_send(message_id, call.callee_rank, call.grads)
         call.headers[FIELD] = [context.id, message_id]
-        call.state[self] = context
+        call.state[self] = _Sent(context, released)
+
+    def _riding(self, call: OutgoingCall) -> list[int]:
+        """Releases queued for the callee, taken to ride along on this call."""
+        releases = self.contexts.releases
+        released = [] if releases is None else releases.take_for(call.callee_rank)
+        if released:
+            call.headers[RELEASED] = released
+        return released
 
     def completed(
         self, call: OutgoingCall, headers: dict[str, Any] | None, error: BaseException | None
     ) -> None:
-        context = call.state.pop(self, None)
+        sent = call.state.pop(self, None)
+        if not isinstance(sent, _Sent):
+            return
+        releases = self.contexts.releases
+        if sent.released and error is not None and releases is not None:
+            releases.queue(call.callee_rank, sent.released)  # may not have arrived
         fields = None if headers is None else headers.get(FIELD)
-        if isinstance(context, AutogradContext) and fields and call.reply_grads:
-            context.record_recv(call.callee_rank, int(fields[1]), call.reply_grads)
+        if sent.context is not None and fields and call.reply_grads:
+            sent.context.record_recv(call.callee_rank, int(fields[1]), call.reply_grads)
 
     # -- callee ----------------------------------------------------------------------------
 
     def receiving(self, call: IncomingCall) -> None:
         if call.headers.get(FIELD):
             call.track_grads()
+        released = call.headers.get(RELEASED)
+        if released:  # contexts the caller left, riding along: released here and onward
+            agent, table = context_table()
+            release_onward(agent, table, [int(c) for c in released], call.caller_rank)
 
     def incoming(self, call: IncomingCall) -> None:
         fields = call.headers.get(FIELD)
@@ -98,12 +131,14 @@ class AutogradHook(CallHook):
 
     def debug_info(self) -> dict[str, Any]:
         contexts = self.contexts
+        releases = contexts.releases
         return {
             "num_autograd_contexts": len(contexts),
             "autograd_hops_received": contexts.hops_received,
             "autograd_passes_on_loop": contexts.passes_on_loop,
             "autograd_passes_over_by_credit": contexts.credits.passes_over_early,
             "autograd_credit_calls": contexts.credits.calls,
+            "autograd_releases_carried": 0 if releases is None else releases.carried,
         }
 
 

@@ -1,9 +1,11 @@
 """Releasing distributed autograd contexts on the workers they reached, in batches (layer L3).
 
 Leaving a context drops it here at once, on the leaving thread (as torch's ``__exit__``
-does), and queues a release for the workers it exchanged messages with. Releases leave
-every ``BATCH_DELAY`` seconds, one call per worker for all the contexts queued meanwhile,
-and each worker passes them on to the workers it reached in turn. A training loop leaves a
+does), and queues a release for the workers it exchanged messages with. Releases ride along
+on the next call this worker makes to each of those workers (a header field the autograd
+hook adds), or leave ``BATCH_DELAY`` seconds after they were queued, one call per worker
+for all the contexts queued meanwhile; each worker passes them on to the workers it reached
+in turn. A training loop leaves a
 context per step: one release call per worker per step cost the caller a thread hand-off
 and each server a wake-up and a reply, on the step's critical path on a small machine; a
 batch costs that once per ``BATCH_DELAY``. Contexts live on the other workers at most that
@@ -13,7 +15,7 @@ much longer (nothing reads them after the step: torch releases them in the backg
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import threading
 from collections.abc import Iterable
 
 from asyncrpc.autograd.context import (
@@ -26,7 +28,7 @@ from asyncrpc.errors import ConnectionLostError, RpcTimeoutError
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
 from asyncrpc.runtime.agent import Agent
 
-__all__ = ["BATCH_DELAY", "Releases", "release_here"]
+__all__ = ["BATCH_DELAY", "Releases", "release_here", "release_onward"]
 
 BATCH_DELAY = 0.005  # seconds between batches (bounds how long a left context lingers)
 _RELEASE_TRIES = 6  # backoff 0.05 s doubling: about 3 s of waits in all
@@ -38,38 +40,60 @@ class Releases:
     def __init__(self, agent: Agent, table: ContextTable) -> None:
         self._agent = agent
         self._table = table
-        self._queued: deque[tuple[int, frozenset[int]]] = deque()  # (context id, peers)
+        self._lock = threading.Lock()  # left() runs on user threads, the flush on the loop
+        self._queued: dict[int, list[int]] = {}  # peer -> context ids to release there
         self._flush_armed = False
+        self.carried = 0  # context ids that rode along on a call (see take_for)
 
     def left(self, context_id: int) -> None:
         """The context was left on this worker (any thread): drop it here now, and release
-        it on the workers it reached with the next batch."""
+        it on the workers it reached with the next call to each, or the next batch."""
         context = self._table.pop(context_id)
         if context is None:
             return
-        peers = frozenset(context.peers - {self._agent.rank})
+        peers = context.peers - {self._agent.rank}
         if not peers:
             return  # it never left this worker: nothing to tell anybody
-        # Queue first, then look at the flag: a flush that cleared it drains afterwards
-        # (see _flush), so an entry is never left behind without a flush armed.
-        self._queued.append((context_id, peers))
-        if not self._flush_armed:
+        with self._lock:
+            for peer in peers:
+                self._queued.setdefault(peer, []).append(context_id)
+            if self._flush_armed:
+                return
             self._flush_armed = True
-            self._agent.run_on_loop(self._arm)
+        self._agent.run_on_loop(self._arm)
+
+    def take_for(self, peer: int) -> list[int]:
+        """The releases queued for ``peer``, taken to ride along on a call to it (any
+        thread): a training loop's next step calls the same workers, so its releases
+        cost no call of their own. Queue them again (``queue``) if that call fails."""
+        with self._lock:
+            taken = self._queued.pop(peer, [])
+        self.carried += len(taken)
+        return taken
+
+    def queue(self, peer: int, context_ids: list[int]) -> None:
+        """Release ``context_ids`` on ``peer`` with the next call to it, or the next batch:
+        contexts this worker passes on, and releases whose call failed (queued again:
+        releasing twice is harmless)."""
+        with self._lock:
+            self._queued.setdefault(peer, []).extend(context_ids)
+            if self._flush_armed:
+                return
+            self._flush_armed = True
+        self._agent.run_on_loop(self._arm)
 
     def _arm(self) -> None:
         self._agent.loop.call_later(BATCH_DELAY, self._flush)
 
     def _flush(self) -> None:
-        self._flush_armed = False
-        queued = self._queued
-        # Bounded: what was queued when the flush began.
-        send(self._agent, _by_peer(queued.popleft() for _ in range(len(queued))))
+        with self._lock:
+            self._flush_armed = False
+            queued, self._queued = self._queued, {}
+        send(self._agent, queued)
 
     def flush(self) -> None:
         """Send what is queued now (on the loop; shutdown calls it before the goodbyes)."""
-        if self._queued:
-            self._flush()
+        self._flush()
 
 
 def releases_of(agent: Agent, table: ContextTable) -> ReleaseBatcher:
@@ -114,17 +138,24 @@ async def _release_on(agent: Agent, peer: int, context_ids: list[int]) -> None:
             return
 
 
-def _onward(agent: Agent, table: ContextTable, context_ids: Iterable[int], sender: int) -> None:
-    """Drop the contexts here and pass each on to the workers it reached but the sender."""
+def release_onward(
+    agent: Agent, table: ContextTable, context_ids: Iterable[int], sender: int
+) -> None:
+    """Drop the contexts here and pass each on to the workers it reached but the sender
+    (queued like this worker's own releases: riding along on a call, or in a batch)."""
     released = []
     for context_id in context_ids:
         context = table.pop(context_id)
         if context is not None:  # else released already (a retry, or a second path here)
             released.append((context_id, sorted(context.peers - {sender, agent.rank})))
-    send(agent, _by_peer(released))
+    onward = _by_peer(released)
+    if onward:
+        batcher = releases_of(agent, table)
+        for peer, ids in onward.items():
+            batcher.queue(peer, ids)
 
 
 async def release_here(context_ids: list[int], sender: int) -> None:
     """Runs on a worker the contexts reached (an ``async def``: on its loop, no pool hop)."""
     agent, table = context_table()
-    _onward(agent, table, context_ids, sender)
+    release_onward(agent, table, context_ids, sender)

@@ -120,7 +120,36 @@ async def test_a_worker_passes_releases_on_to_the_workers_it_reached() -> None:
     a.peers.update({0, 2})
     b = table.joined(200)
     b.peers.update({0, 2, 3})
-    releasing._onward(agent, table, [100, 200, 300], sender=0)  # type: ignore[arg-type]
+    releasing.release_onward(agent, table, [100, 200, 300], sender=0)  # type: ignore[arg-type]
     await _settle(agent, 2)
     assert sorted(agent.calls) == [(2, [100, 200], 1), (3, [200], 1)]
     assert len(table) == 0
+
+
+@pytest.mark.asyncio
+async def test_releases_ride_along_on_the_next_call_to_a_worker() -> None:
+    agent, table = FakeAgent(0, asyncio.get_running_loop()), ContextTable()
+    batcher = releasing.releases_of(agent, table)  # type: ignore[arg-type]
+    first = _context_reaching(table, 0, {2, 3})
+    second = _context_reaching(table, 0, {2})
+    batcher.left(first)
+    batcher.left(second)
+    assert batcher.take_for(2) == [first, second]  # a call to worker 2 carries both
+    assert batcher.take_for(2) == []
+    assert batcher.carried == 2
+    await _settle(agent, 1)
+    assert agent.calls == [(3, [first], 0)]  # worker 3 saw no call: its batch went alone
+    await asyncio.sleep(releasing.BATCH_DELAY * 4)
+    assert agent.calls == [(3, [first], 0)]
+
+
+@pytest.mark.asyncio
+async def test_releases_of_a_failed_call_are_queued_again() -> None:
+    agent, table = FakeAgent(0, asyncio.get_running_loop()), ContextTable()
+    batcher = releasing.releases_of(agent, table)  # type: ignore[arg-type]
+    context_id = _context_reaching(table, 0, {2})
+    batcher.left(context_id)
+    carried = batcher.take_for(2)
+    batcher.queue(2, carried)  # what the hook does when the call carrying them fails
+    await _settle(agent, 1)
+    assert agent.calls == [(2, [context_id], 0)]
