@@ -109,11 +109,20 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def _stray(port: int, claim: str, rank: int) -> None:
-    """A stranger connects, claims to be worker ``claim`` and hangs up."""
+def _hello(claim: str, rank: int) -> bytes:
+    hello = Hello(PROTOCOL_VERSION, claim, rank, auth.new_nonce())
+    return b"".join(bytes(p) for p in encode_frame(hello.to_fields(), b""))
+
+
+def _stray(port: int, claim: str, rank: int) -> bool:
+    """A stranger connects, claims to be worker ``claim`` and hangs up once the worker has
+    answered (its handshake holds the connection by then); whether it answered."""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-        hello = Hello(PROTOCOL_VERSION, claim, rank, auth.new_nonce())
-        sock.sendall(b"".join(bytes(p) for p in encode_frame(hello.to_fields(), b"")))
+        sock.sendall(_hello(claim, rank))
+        try:
+            return sock.recv(1) != b""
+        except OSError:  # reset, or no answer within the socket's timeout
+            return False
 
 
 def _closed_by_peer(sock: socket.socket, timeout: float) -> bool:
@@ -135,6 +144,12 @@ def _stalled(port: int) -> tuple[bool, bool]:
     ):
         stalled.sendall(b"ARPC\x02\x00")
         return _closed_by_peer(idle, 5.0), _closed_by_peer(stalled, 5.0)
+
+
+def _at_baseline(baseline: dict[str, int]) -> Callable[[], bool]:
+    """Whether both sides hold as many descriptors as at ``baseline`` (this process's count
+    includes both proxies' sockets, so every connection between the two shows in it)."""
+    return lambda: _fds() == baseline["driver"] and _on_r1(fns.open_fds) == baseline["r1"]
 
 
 def _running_on_r1() -> int:
@@ -240,7 +255,7 @@ def heal(args: argparse.Namespace) -> int:
     mine, my_proxy = free_port(), free_port()
     proxies = [FaultProxy(args.port, args.proxy_port), FaultProxy(mine, my_proxy)]
     _init(args, listen_port=mine, advertise_port=my_proxy, unix_sockets=False,
-          heartbeat_interval=0.5, heartbeat_timeout=5.0)  # fmt: skip
+          heartbeat_interval=0.5, heartbeat_timeout=5.0, handshake_timeout=1.5)  # fmt: skip
     soak = _Soak(proxies)
     obs: Observations = {}
     obs["warm"] = attempt(lambda: asyncrpc.rpc_sync("r1", fns.add, args=(1, 2)))
@@ -264,16 +279,14 @@ def heal(args: argparse.Namespace) -> int:
     ordered = [asyncrpc.rpc_async("r1", fns.inline_record, args=(i,)) for i in range(50)]
     obs["ordered"] = attempt(lambda: asyncrpc.wait_all(ordered))
     obs["arrivals"] = asyncrpc.rpc_sync("r1", fns.arrivals)
-    # Strangers claim each name and hang up: nobody becomes lost.
-    _stray(args.proxy_port, "driver", 0)
-    _stray(my_proxy, "r1", 1)
-    # A pause, not an ordering: the strays' connections stay half-open behind the proxies
-    # until each worker's handshake deadline closes them (1.5 s on r1, 5 s here), and the
-    # soak's drops below close them sooner. Waiting here until both sides had closed them
-    # (by their descriptor counts) left r1 refusing every redial of this worker for good
-    # in about one run in five ("connection closed in handshake", 6 tries): a liveness bug
-    # found that way and not yet fixed (docs/reliability.md, "Known issues").
-    time.sleep(0.2)
+    # Strangers claim each name and hang up: nobody becomes lost. Each hangs up once the
+    # worker has answered, so the worker holds its connection; behind a proxy that stays
+    # half-open until the worker's handshake deadline closes it (1.5 s on either side).
+    # Then the descriptor counts are back to the baseline's. (Not to counts taken just
+    # before the strangers came: those could include a connection of the drop above still
+    # in its handshake, which also closes meanwhile; the counts then never came back.)
+    obs["strays_answered"] = [_stray(args.proxy_port, "driver", 0), _stray(my_proxy, "r1", 1)]
+    obs["strays_closed"] = poll(_at_baseline(baseline), 10.0)
     obs["after_strays"] = attempt(lambda: asyncrpc.rpc_sync("r1", fns.add, args=(3, 4)))
     obs["lost_after_strays"] = asyncrpc.get_debug_info()["lost_peers"]
     # Strangers that never finish a handshake: idle, and stalled in the middle of a prelude.
@@ -300,9 +313,7 @@ def heal(args: argparse.Namespace) -> int:
         ),
         10.0,
     )
-    obs["fds_back"] = poll(
-        lambda: _fds() == baseline["driver"] and _on_r1(fns.open_fds) == baseline["r1"], 10.0
-    )
+    obs["fds_back"] = poll(_at_baseline(baseline), 10.0)
     obs["fds"] = {"baseline": baseline, "driver": _fds(), "r1": _on_r1(fns.open_fds)}
     obs["r1_metrics"] = _on_r1(fns.metrics)
     obs["metrics"] = asyncrpc.get_metrics()
