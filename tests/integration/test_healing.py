@@ -225,6 +225,33 @@ def test_Agent_graceful_shutdown_after_drops_reports_nobody_dead(healed: dict[st
     assert healed["worker_codes"] == [0], healed["logs"]
 
 
+# -- names claimed by strangers while their workers redial ---------------------------------
+
+
+def test_Agent_strangers_claiming_a_name_never_keep_its_worker_out(tmp_path: Path) -> None:
+    # s1 gives a handshake 30 s, so the strangers' claims are all live through the redial.
+    # A claim that made its name taken would fail the redial (PeerUnavailableError); one
+    # the driver waited on instead of dialling would time it out.
+    port, proxy = free_port(), free_port()
+    extra = ["--listen-port", str(port), "--advertise-port", str(proxy),
+             "--handshake-timeout", "30"]  # fmt: skip
+    obs = run_scenario(
+        "claimed_name", tmp_path, [("s1", extra)], "--port", str(port), "--proxy-port", str(proxy)
+    )
+    assert obs["code"] == 0, obs["logs"]
+    assert obs["warm"]["value"] == 3, obs["warm"]
+    assert obs["challenged_while_up"] is False  # refused: s1 was connected to the driver
+    assert obs["challenged_at_s1"] is True  # claims the handshake holds, awaiting an Auth
+    assert obs["challenged_here"] is True
+    assert obs["redial"]["value"] == 7, obs["redial"]
+    assert obs["redial"]["elapsed"] < 5.0, obs["redial"]
+    assert obs["claims_held"] == [True, True, True]  # all live through the redial
+    assert obs["call_back"]["value"] == "driver", obs["call_back"]
+    assert obs["lost_peers"] == {"driver": [], "s1": []}
+    assert obs["shutdown"]["error"] is None, obs["shutdown"]
+    assert obs["worker_codes"] == [0], obs["logs"]
+
+
 # -- shutdown with a dead peer never contacted ----------------------------------------------
 
 

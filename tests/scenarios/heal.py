@@ -19,8 +19,8 @@ import torch
 import asyncrpc
 from asyncrpc import autograd as dist_autograd
 from asyncrpc.protocol import auth
-from asyncrpc.protocol.wire import PROTOCOL_VERSION, encode_frame
-from asyncrpc.protocol.wire.messages import Hello
+from asyncrpc.protocol.wire import PROTOCOL_VERSION, FrameDecoder, encode_frame
+from asyncrpc.protocol.wire.messages import Hello, decode_message
 from asyncrpc.testing import chaos_fns, free_port
 from asyncrpc.testing.faultproxy import FaultProxy
 from tests.integration import remote_fns as fns
@@ -321,6 +321,91 @@ def heal(args: argparse.Namespace) -> int:
     obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(timeout=20.0))
     for proxy in proxies:
         proxy.close()
+    report(obs)
+    return 0
+
+
+# -- names claimed by strangers while their workers redial ---------------------------------
+
+
+def _claim(port: int, claim: str, rank: int) -> tuple[socket.socket, bool | None]:
+    """A stranger claims to be worker ``claim`` and stays, silent after its Hello. Returns
+    its socket and whether the worker challenged the claim (None: it did not answer)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(_hello(claim, rank))
+    decoder, frames = FrameDecoder(), list[Any]()
+    try:
+        while not frames:  # bounded: each read waits 5 s at most, and returns b"" at EOF
+            data = sock.recv(65536)
+            if not data:
+                return sock, None
+            frames = decoder.feed(data)
+    except OSError:  # reset, or no answer in time
+        return sock, None
+    return sock, getattr(decode_message(frames[0].fields), "accepted", False) is True
+
+
+def _open(sock: socket.socket) -> bool:
+    """Whether the worker still holds the stranger's connection (nothing more was sent)."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+@scenario("claimed_name", *_BEHIND, **_DEFAULTS)
+def claimed_name(args: argparse.Namespace) -> int:
+    """Rank 0 of {driver, s1}; both listen behind FaultProxies run here (``--port`` and
+    ``--proxy-port`` are s1's; s1 gives a handshake 30 s). Strangers claim each worker's
+    name at the other and stay; the link is cut; the driver's redial must get through at
+    once, whatever the claims."""
+    mine, my_proxy = free_port(), free_port()
+    to_s1, to_me = FaultProxy(args.port, args.proxy_port), FaultProxy(mine, my_proxy)
+    _init(args, listen_port=mine, advertise_port=my_proxy, unix_sockets=False,
+          handshake_timeout=30.0)  # fmt: skip
+    obs: Observations = {}
+    obs["warm"] = attempt(lambda: asyncrpc.rpc_sync("s1", fns.add, args=(1, 2)))
+    # A claim while the link is up: s1 refuses it (already connected); the stranger stays.
+    up, obs["challenged_while_up"] = _claim(args.port, "driver", 0)
+    held = [up]
+    # The link is cut, and the proxies cut every redial at once (each side's own redial
+    # fails: unavailable, not lost) until the claims below are in place.
+    to_s1.drop()
+    to_me.drop()
+
+    def claimed(port: int, name: str, rank: int) -> Callable[[], bool]:
+        def challenged() -> bool:  # once the worker has seen the link go
+            sock, accepted = _claim(port, name, rank)
+            if accepted is not True:  # refused (the worker still dials, or is connected)
+                sock.close()
+                return False
+            held.append(sock)
+            return True
+
+        return challenged
+
+    # Claims while the link is down: each worker challenges one, and waits (30 s on either
+    # side) for an Auth that never comes.
+    obs["challenged_at_s1"] = poll(claimed(args.port, "driver", 0), 10.0)
+    obs["challenged_here"] = poll(claimed(mine, "s1", 1), 10.0)
+    to_s1.heal()  # the driver's dials reach s1 again; s1's dials still cannot reach us
+    obs["redial"] = attempt(lambda: asyncrpc.rpc_sync("s1", fns.add, args=(3, 4), timeout=10))
+    obs["claims_held"] = [_open(sock) for sock in held]  # live claims all through the redial
+    obs["call_back"] = attempt(
+        lambda: asyncrpc.rpc_sync("s1", fns.call_back, args=("driver",), timeout=10)
+    )
+    for sock in held:
+        sock.close()
+    to_me.heal()
+    s1_info = attempt(lambda: asyncrpc.rpc_sync("s1", fns.debug_info, timeout=10))["value"]
+    obs["lost_peers"] = {"driver": asyncrpc.get_debug_info()["lost_peers"],
+                         "s1": (s1_info or {}).get("lost_peers")}  # fmt: skip
+    obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(timeout=20.0))
+    to_s1.close()
+    to_me.close()
     report(obs)
     return 0
 
