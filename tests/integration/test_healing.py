@@ -25,14 +25,19 @@ def run_scenario(
     workers: Sequence[tuple[str, Sequence[str]]],
     *args: str,
     timeout: float = 90.0,
+    worker_shutdown: float = 20.0,
 ) -> dict[str, Any]:
     """Start ``workers`` (name, extra CLI args) as ranks 1.., run scenario ``name`` as rank 0;
-    return its observations with ``code``, ``worker_codes`` and ``logs``."""
+    return its observations with ``code``, ``worker_codes`` and ``logs``.
+
+    A worker calls shutdown as soon as it has joined, so ``worker_shutdown`` (its shutdown
+    timeout) must outlast the scenario: past it, the worker gives up and closes.
+    """
     init = f"tcp://127.0.0.1:{free_port()}"
     size = len(workers) + 1
     procs = [
         spawn_worker(n, r + 1, size, init, log_dir=tmp_path, rpc_timeout=20.0,
-                     shutdown_timeout=20.0, extra_args=[*_IMPORT, *extra])
+                     shutdown_timeout=worker_shutdown, extra_args=[*_IMPORT, *extra])
         for r, (n, extra) in enumerate(workers)
     ]  # fmt: skip
     driver = scenarios.start(
@@ -140,9 +145,11 @@ def healed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     extra = ["--listen-port", str(port), "--advertise-port", str(proxy),
              "--heartbeat-interval", "0.5", "--heartbeat-timeout", "5",
              "--handshake-timeout", "1.5"]  # fmt: skip
+    # About 20 s of scenario (more on a busy machine): r1 gets 60 s before it gives up.
     return run_scenario(
         "heal", tmp_path_factory.mktemp("heal"), [("r1", extra)],
         "--port", str(port), "--proxy-port", str(proxy), "--drops", "100",
+        worker_shutdown=60.0,
     )  # fmt: skip
 
 
@@ -175,6 +182,8 @@ def test_Agent_rref_held_across_a_dropped_connection_still_works(healed: dict[st
 
 
 def test_Agent_stranger_claiming_a_name_makes_nobody_lost(healed: dict[str, Any]) -> None:
+    assert healed["strays_answered"] == [True, True]
+    assert healed["strays_closed"] is True, healed["fds"]  # by the handshake deadlines
     assert healed["after_strays"]["value"] == 7, healed["after_strays"]
     assert healed["lost_after_strays"] == []
 
@@ -214,6 +223,33 @@ def test_Agent_graceful_shutdown_after_drops_reports_nobody_dead(healed: dict[st
     assert healed["lost_peers"] == []
     assert healed["shutdown"]["error"] is None, healed["shutdown"]
     assert healed["worker_codes"] == [0], healed["logs"]
+
+
+# -- names claimed by strangers while their workers redial ---------------------------------
+
+
+def test_Agent_strangers_claiming_a_name_never_keep_its_worker_out(tmp_path: Path) -> None:
+    # s1 gives a handshake 30 s, so the strangers' claims are all live through the redial.
+    # A claim that made its name taken would fail the redial (PeerUnavailableError); one
+    # the driver waited on instead of dialling would time it out.
+    port, proxy = free_port(), free_port()
+    extra = ["--listen-port", str(port), "--advertise-port", str(proxy),
+             "--handshake-timeout", "30"]  # fmt: skip
+    obs = run_scenario(
+        "claimed_name", tmp_path, [("s1", extra)], "--port", str(port), "--proxy-port", str(proxy)
+    )
+    assert obs["code"] == 0, obs["logs"]
+    assert obs["warm"]["value"] == 3, obs["warm"]
+    assert obs["challenged_while_up"] is False  # refused: s1 was connected to the driver
+    assert obs["challenged_at_s1"] is True  # claims the handshake holds, awaiting an Auth
+    assert obs["challenged_here"] is True
+    assert obs["redial"]["value"] == 7, obs["redial"]
+    assert obs["redial"]["elapsed"] < 5.0, obs["redial"]
+    assert obs["claims_held"] == [True, True, True]  # all live through the redial
+    assert obs["call_back"]["value"] == "driver", obs["call_back"]
+    assert obs["lost_peers"] == {"driver": [], "s1": []}
+    assert obs["shutdown"]["error"] is None, obs["shutdown"]
+    assert obs["worker_codes"] == [0], obs["logs"]
 
 
 # -- shutdown with a dead peer never contacted ----------------------------------------------

@@ -19,8 +19,8 @@ import torch
 import asyncrpc
 from asyncrpc import autograd as dist_autograd
 from asyncrpc.protocol import auth
-from asyncrpc.protocol.wire import PROTOCOL_VERSION, encode_frame
-from asyncrpc.protocol.wire.messages import Hello
+from asyncrpc.protocol.wire import PROTOCOL_VERSION, FrameDecoder, encode_frame
+from asyncrpc.protocol.wire.messages import Hello, decode_message
 from asyncrpc.testing import chaos_fns, free_port
 from asyncrpc.testing.faultproxy import FaultProxy
 from tests.integration import remote_fns as fns
@@ -109,11 +109,20 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def _stray(port: int, claim: str, rank: int) -> None:
-    """A stranger connects, claims to be worker ``claim`` and hangs up."""
+def _hello(claim: str, rank: int) -> bytes:
+    hello = Hello(PROTOCOL_VERSION, claim, rank, auth.new_nonce())
+    return b"".join(bytes(p) for p in encode_frame(hello.to_fields(), b""))
+
+
+def _stray(port: int, claim: str, rank: int) -> bool:
+    """A stranger connects, claims to be worker ``claim`` and hangs up once the worker has
+    answered (its handshake holds the connection by then); whether it answered."""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-        hello = Hello(PROTOCOL_VERSION, claim, rank, auth.new_nonce())
-        sock.sendall(b"".join(bytes(p) for p in encode_frame(hello.to_fields(), b"")))
+        sock.sendall(_hello(claim, rank))
+        try:
+            return sock.recv(1) != b""
+        except OSError:  # reset, or no answer within the socket's timeout
+            return False
 
 
 def _closed_by_peer(sock: socket.socket, timeout: float) -> bool:
@@ -135,6 +144,12 @@ def _stalled(port: int) -> tuple[bool, bool]:
     ):
         stalled.sendall(b"ARPC\x02\x00")
         return _closed_by_peer(idle, 5.0), _closed_by_peer(stalled, 5.0)
+
+
+def _at_baseline(baseline: dict[str, int]) -> Callable[[], bool]:
+    """Whether both sides hold as many descriptors as at ``baseline`` (this process's count
+    includes both proxies' sockets, so every connection between the two shows in it)."""
+    return lambda: _fds() == baseline["driver"] and _on_r1(fns.open_fds) == baseline["r1"]
 
 
 def _running_on_r1() -> int:
@@ -240,7 +255,7 @@ def heal(args: argparse.Namespace) -> int:
     mine, my_proxy = free_port(), free_port()
     proxies = [FaultProxy(args.port, args.proxy_port), FaultProxy(mine, my_proxy)]
     _init(args, listen_port=mine, advertise_port=my_proxy, unix_sockets=False,
-          heartbeat_interval=0.5, heartbeat_timeout=5.0)  # fmt: skip
+          heartbeat_interval=0.5, heartbeat_timeout=5.0, handshake_timeout=1.5)  # fmt: skip
     soak = _Soak(proxies)
     obs: Observations = {}
     obs["warm"] = attempt(lambda: asyncrpc.rpc_sync("r1", fns.add, args=(1, 2)))
@@ -264,16 +279,14 @@ def heal(args: argparse.Namespace) -> int:
     ordered = [asyncrpc.rpc_async("r1", fns.inline_record, args=(i,)) for i in range(50)]
     obs["ordered"] = attempt(lambda: asyncrpc.wait_all(ordered))
     obs["arrivals"] = asyncrpc.rpc_sync("r1", fns.arrivals)
-    # Strangers claim each name and hang up: nobody becomes lost.
-    _stray(args.proxy_port, "driver", 0)
-    _stray(my_proxy, "r1", 1)
-    # A pause, not an ordering: the strays' connections stay half-open behind the proxies
-    # until each worker's handshake deadline closes them (1.5 s on r1, 5 s here), and the
-    # soak's drops below close them sooner. Waiting here until both sides had closed them
-    # (by their descriptor counts) left r1 refusing every redial of this worker for good
-    # in about one run in five ("connection closed in handshake", 6 tries): a liveness bug
-    # found that way and not yet fixed (docs/reliability.md, "Known issues").
-    time.sleep(0.2)
+    # Strangers claim each name and hang up: nobody becomes lost. Each hangs up once the
+    # worker has answered, so the worker holds its connection; behind a proxy that stays
+    # half-open until the worker's handshake deadline closes it (1.5 s on either side).
+    # Then the descriptor counts are back to the baseline's. (Not to counts taken just
+    # before the strangers came: those could include a connection of the drop above still
+    # in its handshake, which also closes meanwhile; the counts then never came back.)
+    obs["strays_answered"] = [_stray(args.proxy_port, "driver", 0), _stray(my_proxy, "r1", 1)]
+    obs["strays_closed"] = poll(_at_baseline(baseline), 10.0)
     obs["after_strays"] = attempt(lambda: asyncrpc.rpc_sync("r1", fns.add, args=(3, 4)))
     obs["lost_after_strays"] = asyncrpc.get_debug_info()["lost_peers"]
     # Strangers that never finish a handshake: idle, and stalled in the middle of a prelude.
@@ -300,9 +313,7 @@ def heal(args: argparse.Namespace) -> int:
         ),
         10.0,
     )
-    obs["fds_back"] = poll(
-        lambda: _fds() == baseline["driver"] and _on_r1(fns.open_fds) == baseline["r1"], 10.0
-    )
+    obs["fds_back"] = poll(_at_baseline(baseline), 10.0)
     obs["fds"] = {"baseline": baseline, "driver": _fds(), "r1": _on_r1(fns.open_fds)}
     obs["r1_metrics"] = _on_r1(fns.metrics)
     obs["metrics"] = asyncrpc.get_metrics()
@@ -310,6 +321,91 @@ def heal(args: argparse.Namespace) -> int:
     obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(timeout=20.0))
     for proxy in proxies:
         proxy.close()
+    report(obs)
+    return 0
+
+
+# -- names claimed by strangers while their workers redial ---------------------------------
+
+
+def _claim(port: int, claim: str, rank: int) -> tuple[socket.socket, bool | None]:
+    """A stranger claims to be worker ``claim`` and stays, silent after its Hello. Returns
+    its socket and whether the worker challenged the claim (None: it did not answer)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(_hello(claim, rank))
+    decoder, frames = FrameDecoder(), list[Any]()
+    try:
+        while not frames:  # bounded: each read waits 5 s at most, and returns b"" at EOF
+            data = sock.recv(65536)
+            if not data:
+                return sock, None
+            frames = decoder.feed(data)
+    except OSError:  # reset, or no answer in time
+        return sock, None
+    return sock, getattr(decode_message(frames[0].fields), "accepted", False) is True
+
+
+def _open(sock: socket.socket) -> bool:
+    """Whether the worker still holds the stranger's connection (nothing more was sent)."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+@scenario("claimed_name", *_BEHIND, **_DEFAULTS)
+def claimed_name(args: argparse.Namespace) -> int:
+    """Rank 0 of {driver, s1}; both listen behind FaultProxies run here (``--port`` and
+    ``--proxy-port`` are s1's; s1 gives a handshake 30 s). Strangers claim each worker's
+    name at the other and stay; the link is cut; the driver's redial must get through at
+    once, whatever the claims."""
+    mine, my_proxy = free_port(), free_port()
+    to_s1, to_me = FaultProxy(args.port, args.proxy_port), FaultProxy(mine, my_proxy)
+    _init(args, listen_port=mine, advertise_port=my_proxy, unix_sockets=False,
+          handshake_timeout=30.0)  # fmt: skip
+    obs: Observations = {}
+    obs["warm"] = attempt(lambda: asyncrpc.rpc_sync("s1", fns.add, args=(1, 2)))
+    # A claim while the link is up: s1 refuses it (already connected); the stranger stays.
+    up, obs["challenged_while_up"] = _claim(args.port, "driver", 0)
+    held = [up]
+    # The link is cut, and the proxies cut every redial at once (each side's own redial
+    # fails: unavailable, not lost) until the claims below are in place.
+    to_s1.drop()
+    to_me.drop()
+
+    def claimed(port: int, name: str, rank: int) -> Callable[[], bool]:
+        def challenged() -> bool:  # once the worker has seen the link go
+            sock, accepted = _claim(port, name, rank)
+            if accepted is not True:  # refused (the worker still dials, or is connected)
+                sock.close()
+                return False
+            held.append(sock)
+            return True
+
+        return challenged
+
+    # Claims while the link is down: each worker challenges one, and waits (30 s on either
+    # side) for an Auth that never comes.
+    obs["challenged_at_s1"] = poll(claimed(args.port, "driver", 0), 10.0)
+    obs["challenged_here"] = poll(claimed(mine, "s1", 1), 10.0)
+    to_s1.heal()  # the driver's dials reach s1 again; s1's dials still cannot reach us
+    obs["redial"] = attempt(lambda: asyncrpc.rpc_sync("s1", fns.add, args=(3, 4), timeout=10))
+    obs["claims_held"] = [_open(sock) for sock in held]  # live claims all through the redial
+    obs["call_back"] = attempt(
+        lambda: asyncrpc.rpc_sync("s1", fns.call_back, args=("driver",), timeout=10)
+    )
+    for sock in held:
+        sock.close()
+    to_me.heal()
+    s1_info = attempt(lambda: asyncrpc.rpc_sync("s1", fns.debug_info, timeout=10))["value"]
+    obs["lost_peers"] = {"driver": asyncrpc.get_debug_info()["lost_peers"],
+                         "s1": (s1_info or {}).get("lost_peers")}  # fmt: skip
+    obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(timeout=20.0))
+    to_s1.close()
+    to_me.close()
     report(obs)
     return 0
 
