@@ -49,8 +49,12 @@ TensorDescriptor = tuple[int, int, str, tuple[int, ...], tuple[int, ...], int, b
 TENSOR_PID: Final = 0
 HOOK_PID: Final = 1
 
-SMALL_TENSOR_BYTES: Final = 4096
-"""Dense CPU tensors up to this size travel inside the pickle, not as segments."""
+SMALL_TENSOR_BYTES: Final = 16384
+"""Dense CPU tensors up to this size travel inside the pickle, not as segments: a segment
+costs a receive buffer (a torch allocation, cold between messages), a read of its own and a
+frame piece, ~50 µs of round trip for an 8 KiB tensor on the 2-core VM; copying 16 KiB into
+the pickle and out again costs a few. At 32 KiB the two ways cost the same, at 64 KiB the
+copies lose (bench/RESULTS.md, "Tensors inside the pickle up to 16 KiB")."""
 
 _Parameter = torch.nn.Parameter
 _UINT8 = torch.uint8
