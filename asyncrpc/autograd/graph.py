@@ -176,12 +176,7 @@ class LocalGraph:
 
         Raises the graph's error as torch reports it.
         """
-        with torch.enable_grad():
-            pairs = [
-                (root if root.grad_fn is not None else _enter(root), grad)
-                for root, grad in zip(roots, grad_outputs, strict=True)
-                if root.requires_grad
-            ]
+        pairs = _entered(roots, grad_outputs)
         leaves = reachable_leaves([root for root, _ in pairs])
         if not leaves:
             return [], False
@@ -296,6 +291,19 @@ class LocalGraph:
         return (None,)
 
 
+def _entered(
+    roots: Sequence[torch.Tensor], grad_outputs: Sequence[Any]
+) -> list[tuple[torch.Tensor, Any]]:
+    """The (root, gradient) pairs of a pass, a root that is a leaf entered through
+    ``_Entry`` (so its hooks see the gradient); roots not requiring grad are left out."""
+    with torch.enable_grad():
+        return [
+            (root if root.grad_fn is not None else _enter(root), grad)
+            for root, grad in zip(roots, grad_outputs, strict=True)
+            if root.requires_grad
+        ]
+
+
 def _plan_loop_pass(
     roots: Sequence[torch.Tensor], grad_outputs: Sequence[Any]
 ) -> tuple[list[tuple[torch.Tensor, Any]], list[torch.Tensor]] | None:
@@ -310,12 +318,7 @@ def _plan_loop_pass(
     tensors = [*roots, *(g for g in grad_outputs if isinstance(g, torch.Tensor))]
     if any(not tensor.is_cpu for tensor in tensors):
         return None
-    with torch.enable_grad():
-        pairs = [
-            (root if root.grad_fn is not None else _enter(root), grad)
-            for root, grad in zip(roots, grad_outputs, strict=True)
-            if root.requires_grad
-        ]
+    pairs = _entered(roots, grad_outputs)
     leaves = _small_graph_leaves([root for root, _ in pairs])
     if leaves is None:
         return None
