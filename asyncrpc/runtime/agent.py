@@ -267,7 +267,12 @@ class Agent:
         """
         limit = self.options.shutdown_timeout if timeout is None else timeout
         failure: ShutdownError | None = None
-        self.streams.close_all()  # open streams are not outstanding work: they end now
+        # This worker reads no more: the streams it consumes end now. Those it produces are
+        # not outstanding work (an endless one would hold the barrier) but go on while the
+        # barrier waits: a worker that calls shutdown() right after joining, torch's way
+        # of serving until everybody is done, still serves streams. They end when their
+        # consumers close them (a consumer's own shutdown does) or when this worker stops.
+        self.streams.close_consumers()
         for hook in self.pipeline.hooks:
             hook.flush()
         if graceful:

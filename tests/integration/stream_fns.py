@@ -107,6 +107,11 @@ def consume(to: str, n: int) -> list[int]:
     return list(asyncrpc.stream(to, count, n))
 
 
+def consume_tracked(to: str, tag: str, n: int, delay: float) -> list[int]:
+    """A synchronous consumer of ``to``'s ``tracked`` stream (n items, ``delay`` apart)."""
+    return list(asyncrpc.stream(to, tracked, tag, n, delay))
+
+
 async def aconsume(to: str, n: int) -> list[int]:
     """An asyncio consumer on this worker's loop (the agent's own loop on an async worker)."""
     return [x async for x in asyncrpc.stream(to, acount, n)]

@@ -54,6 +54,20 @@ def test_stream_killed_consumer_stops_the_producer(tmp_path: Path) -> None:
     assert obs["producing_after"] is True
 
 
+def test_stream_a_producer_in_graceful_shutdown_serves_its_stream_to_the_end(
+    tmp_path: Path,
+) -> None:
+    # The worker that produces calls shutdown mid-stream: it reads no more, but the
+    # stream it serves is its consumer's, which reads all of it before the barrier ends.
+    obs, codes = _run("producer_shutdown", tmp_path, kill=False)
+    assert obs["started"] is True
+    assert obs["shutdown"]["error"] is None, obs["shutdown"]
+    assert obs["consumed"]["error"] is None, obs["consumed"]
+    assert obs["consumed"]["value"] == list(range(40))
+    assert obs["produced"] == 40
+    assert codes == [0]
+
+
 def test_stream_graceful_shutdown_closes_open_streams(tmp_path: Path) -> None:
     obs, codes = _run("shutdown_mid_stream", tmp_path, kill=False)
     assert obs["first"] == [0, 1, 2, 3, 4]

@@ -71,6 +71,21 @@ def killed_consumer(args: argparse.Namespace) -> int:
     return 0
 
 
+@scenario("producer_shutdown")
+def producer_shutdown(args: argparse.Namespace) -> int:
+    """This worker produces a stream w1 consumes and calls shutdown meanwhile (as torch's
+    passive workers do right after joining): the stream goes on to its end."""
+    _join(args)
+    obs: Observations = {}
+    consuming = asyncrpc.rpc_async("w1", sf.consume_tracked, args=("driver", "served", 40, 0.01))
+    obs["started"] = poll(lambda: sf.produced("served") >= 5, 10.0)
+    obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(graceful=True, timeout=20.0))
+    obs["consumed"] = attempt(lambda: consuming.wait(1.0))
+    obs["produced"] = sf.produced("served")
+    report(obs)
+    return 0
+
+
 @scenario("shutdown_mid_stream")
 def shutdown_mid_stream(args: argparse.Namespace) -> int:
     """A graceful shutdown with a stream open: it closes the stream and does not hang."""

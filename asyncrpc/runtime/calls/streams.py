@@ -207,12 +207,18 @@ class Streams:
     def on_peer_lost(self, rank: int) -> None:
         self.producers.close_peer(rank)
 
-    def close_all(self) -> None:
-        """This worker shuts down: its consumers get ``ClosedError``, its consumers'
-        producers are told and stopped, and every producer's consumer is told."""
+    def close_consumers(self) -> None:
+        """This worker begins to shut down: it reads no more. Its consumers get
+        ``ClosedError`` and their producers are told and stopped; the streams it produces
+        go on (see ``close_all``)."""
         host = self._host
         for stream in list(self._consumers.values()):
             self.close(stream, ClosedError(f"worker {host.name!r} shut down"))
+
+    def close_all(self) -> None:
+        """This worker stops: ``close_consumers``, and every producer's consumer is told."""
+        host = self._host
+        self.close_consumers()
         if len(self.producers):
             self.producers.close_all(PeerLostError(host.name, "it shut down while streaming"))
 
