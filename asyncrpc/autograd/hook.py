@@ -63,7 +63,7 @@ class AutogradHook(CallHook):
         return current_context_id.get() is not None
 
     def prepare(self, call: OutgoingCall) -> None:
-        # Tensors requiring grad travel as segments, listed in order on both sides.
+        # Tensors requiring grad are listed on both sides, in the order they are pickled.
         if self.contexts.current() is not None:
             call.track_grads()
 

@@ -12,6 +12,7 @@ with warnings.catch_warnings():
     # torch warns at import when numpy is missing; the library itself never imports numpy.
     warnings.simplefilter("ignore", UserWarning)
     import torch
+    from torch import nn
 
     from asyncrpc.errors import SerializationError
     from asyncrpc.protocol.serde import Serializer
@@ -22,6 +23,7 @@ with warnings.catch_warnings():
         rebuild_small_tensor,
         reduce_small_tensor,
     )
+    from asyncrpc.runtime.calls.pipeline import CallTensors
     from asyncrpc.runtime.cuda.maps import HostCopy
     from tests.unit import _serde_helpers as helpers
 
@@ -454,3 +456,36 @@ def test_Serializer_view_with_small_gaps_keeps_its_strides(serializer: Serialize
     assert not sent.value.is_contiguous()
     assert sent.value.stride() == view.stride()
     assert torch.equal(sent.value, view)
+
+
+def test_tensors_requiring_grad_are_listed_in_one_order_on_both_sides(
+    inlining: Serializer,
+) -> None:
+    # Distributed autograd pairs the tensors requiring grad of a message by position: the
+    # sender's list (exported) and the receiver's (imported) must match, small tensors
+    # inside the pickle and big ones in segments alike, each listed once.
+    small_a = torch.randn(3, requires_grad=True)
+    big = torch.randn(SMALL_TENSOR_BYTES // 4 + 1, requires_grad=True)
+    small_b = nn.Parameter(torch.randn(2, 2))
+    plain = torch.randn(4)
+    message = {"x": [small_a, big, plain, small_a], "p": small_b, "again": big}
+    sent_policy, received_policy = CallTensors(), CallTensors()
+    sent_policy.track_grads()
+    received_policy.track_grads()
+    payload, segments, _ = inlining.dumps(message, policy=sent_policy)
+    assert len(segments) == 1  # only the big one
+    owners = []
+    for view, tag in segments:
+        owner, destination = inlining.allocate(view.nbytes, tag)
+        destination[:] = view
+        owners.append(owner)
+    received = inlining.loads(payload, owners, policy=received_policy)
+    assert sent_policy.grads == [small_a, big, small_b]
+    assert received_policy.grads is not None
+    assert len(received_policy.grads) == 3
+    for got, want in zip(received_policy.grads, sent_policy.grads, strict=True):
+        assert got.requires_grad
+        assert torch.equal(got.detach(), want.detach())
+    assert received_policy.grads[0] is received["x"][0] is received["x"][3]
+    assert received_policy.grads[1] is received["again"]
+    assert isinstance(received_policy.grads[2], nn.Parameter)

@@ -34,6 +34,7 @@ from asyncrpc.protocol.serde.tensors import (
     import_tensor,
     is_small_tensor,
     memory_view,
+    rebuild_small_tensor,
     reduce_small_tensor,
     reduce_tensor_fallback,
 )
@@ -157,6 +158,10 @@ class _Pickler(pickle.Pickler):
             return reduce_fn(obj)
         if cls is _Tensor or cls is _Parameter:
             if is_small_tensor(obj, self._inline_bytes):
+                # Called once per tensor (pickle's memo answers a second appearance), in
+                # the order persistent_id exports segments: the policy sees one sequence.
+                if self._policy is not None:
+                    self._policy.exported(obj)
                 return reduce_small_tensor(obj)
             reduced = reduce_tensor_fallback(obj)
             if reduced is not None:
@@ -204,10 +209,19 @@ class _Unpickler(pickle.Unpickler):
 
     def find_class(self, module_name: str, global_name: str) -> Any:
         try:
-            return super().find_class(module_name, global_name)
+            found = super().find_class(module_name, global_name)
         except (ImportError, AttributeError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
             raise MissingReferenceError(module_name, global_name, reason) from exc
+        if found is rebuild_small_tensor and self._policy is not None:
+            return self._rebuild_small_tensor  # so the policy sees it, in pickle order
+        return found
+
+    def _rebuild_small_tensor(self, packed: bytes) -> torch.Tensor:
+        tensor = rebuild_small_tensor(packed)
+        assert self._policy is not None
+        self._policy.imported(tensor)
+        return tensor
 
 
 class Serializer:

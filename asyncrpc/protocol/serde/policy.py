@@ -23,9 +23,11 @@ class TensorPolicy:
     """Override what one message needs; each default is the serializer's own behaviour.
 
     Sender side, while pickling (on the thread that pickles): ``met`` for every tensor,
-    ``exported`` for each tensor that became a segment, ``to_host`` for each such tensor
-    not in CPU memory. Receiver side, while unpickling: ``to_device`` for each segment
-    tagged with a device, then ``imported`` for the tensor rebuilt from it.
+    ``exported`` for each tensor sent (a segment, or a small one inside the pickle),
+    ``to_host`` for each segment not in CPU memory. Receiver side, while unpickling:
+    ``to_device`` for each segment tagged with a device, then ``imported`` for each tensor
+    rebuilt (from a segment or from the pickle). Both sides see the tensors in the same
+    order: the order of their first appearance in the pickle.
     """
 
     __slots__ = ()
@@ -36,7 +38,8 @@ class TensorPolicy:
         return False
 
     def exported(self, tensor: torch.Tensor) -> None:
-        """``tensor`` became a segment: once per tensor, in segment order."""
+        """``tensor`` was sent, as a segment or inside the pickle: once per tensor, in the
+        order of its first appearance in the pickle."""
 
     def to_host(self, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
         """The bytes of ``tensor``, a tensor not in CPU memory, for the wire.
@@ -64,7 +67,8 @@ class TensorPolicy:
         return segment.to(device)
 
     def imported(self, tensor: torch.Tensor) -> None:
-        """``tensor`` was rebuilt from a segment: once per segment, in segment order."""
+        """``tensor`` was rebuilt, from a segment or from the pickle: once per tensor, in
+        the order of its first appearance in the pickle (the sender's ``exported`` order)."""
 
     def blocking(self) -> TensorPolicy:
         """This policy for frames written as soon as they are built (no ready stage to

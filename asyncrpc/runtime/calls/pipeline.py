@@ -76,10 +76,11 @@ STAGES = (
 class CallTensors(TensorPolicy):
     """The tensor policy of one message through the pipeline, as its hooks configured it.
 
-    It notes every tensor (``seen``: each one pickled, or rebuilt from a segment), and
-    while ``grads`` is a list, sends every tensor requiring grad as a segment and lists
-    them in segment order (so both sides agree on their order). A tensor not in CPU
-    memory goes through ``devices`` (the device-map hook's policy; by default refused).
+    It notes every tensor (``seen``: each one pickled, or rebuilt), and while ``grads`` is
+    a list, lists every tensor requiring grad the message carries, in the order of its
+    first appearance in the pickle, which both sides share (a segment or a small tensor
+    inside the pickle alike). A tensor not in CPU memory goes through ``devices`` (the
+    device-map hook's policy; by default refused).
     """
 
     __slots__ = ("devices", "grads", "seen")
@@ -95,7 +96,7 @@ class CallTensors(TensorPolicy):
 
     def met(self, tensor: torch.Tensor) -> bool:
         self.seen.append(tensor)
-        return self.grads is not None and tensor.requires_grad
+        return False  # small ones, requiring grad or not, ride inside the pickle
 
     def exported(self, tensor: torch.Tensor) -> None:
         if self.grads is not None and tensor.requires_grad:
