@@ -280,7 +280,10 @@ class Agent:
                 await GracefulShutdown(self).run(time.monotonic() + limit)
             except ShutdownError as exc:
                 failure = exc
-        await self._close_transports(graceful and failure is None)
+        # A graceful shutdown says Goodbye even when it failed (a peer died, or the time ran
+        # out): this worker is leaving all the same, and its peers should learn it is gone
+        # (calls to it fail with PeerLostError) rather than redial a closed listener.
+        await self._close_transports(graceful)
         if failure is not None:
             raise failure
 

@@ -11,6 +11,7 @@ import signal
 import socket
 import struct
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -288,3 +289,25 @@ def test_PeerTable_dialer_accepts_a_request_right_behind_the_hello_reply() -> No
         finally:
             member.kill()
     assert value == 5, member.text()
+
+
+def test_a_worker_whose_graceful_shutdown_fails_still_says_goodbye(tmp_path: Path) -> None:
+    # w1's shutdown (1 s) runs out while the driver keeps running: w1 leaves anyway, and
+    # the driver is told (Goodbye), not left to find a closed listener by redialling.
+    init = f"tcp://127.0.0.1:{free_port()}"
+    worker = spawn_worker("w1", 1, 2, init, log_dir=tmp_path, shutdown_timeout=1.0)
+    driver = scenarios.start("failed_shutdown", "--init-method", init)
+    try:
+        code, obs = driver.result(60.0)
+        assert code == 0, driver.text()
+    finally:
+        driver.kill()
+        stop_workers([worker], timeout=15)
+    assert obs["w1_answers"] == 3
+    assert obs["lost_without_a_call"] is True
+    error = obs["call_after"]["error"]
+    assert error is not None, obs
+    assert error["type"] == "PeerLostError"
+    assert "shut down" in error["message"]
+    assert obs["shutdown"]["error"] is None
+    assert "shutdown failed" in (tmp_path / "w1.log").read_text()

@@ -57,6 +57,23 @@ def kill_peer(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- scenario: a peer whose graceful shutdown fails still says Goodbye ---------------------
+
+
+@scenario("failed_shutdown")
+def failed_shutdown(args: argparse.Namespace) -> int:
+    """Rank 0 of {driver, w1}; w1 called shutdown on joining with a short timeout and this
+    worker does not shut down meanwhile, so w1's shutdown fails: w1 leaves all the same,
+    and says so (Goodbye). This worker learns w1 is gone without calling it."""
+    asyncrpc.init_rpc("driver", rank=0, world_size=2, rpc_backend_options=options(args))
+    obs: Observations = {"w1_answers": asyncrpc.rpc_sync("w1", fns.add, args=(1, 2))}
+    obs["lost_without_a_call"] = poll(lambda: "w1" in asyncrpc.get_debug_info()["lost_peers"], 20.0)
+    obs["call_after"] = attempt(lambda: asyncrpc.rpc_sync("w1", fns.add, args=(1, 2)))
+    obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(graceful=False))
+    report(obs)
+    return 0
+
+
 # -- scenario: a peer hangs (SIGSTOP) with calls pending ----------------------------------
 
 
