@@ -15,7 +15,6 @@ Stand-ins that are no longer needed exit once their job is done.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import contextvars
 import functools
@@ -28,6 +27,7 @@ from typing import Any
 from asyncrpc.errors import ClosedError, ThreadPoolExhaustedError
 from asyncrpc.runtime import handoffs
 from asyncrpc.runtime.blocking import set_blocking_host
+from asyncrpc.runtime.loopinbox import LoopInbox
 
 __all__ = ["Job", "WorkerPool"]
 
@@ -72,10 +72,7 @@ class WorkerPool:
         self._loop = loop
         self._name = name
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._done: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = (
-            collections.deque()
-        )
-        self._wakeup_pending = False
+        self._completions = LoopInbox(loop, "pool_to_loop")  # what post hands the loop
         self._lock = threading.Lock()  # guards the counts below
         self._threads = 0
         self._idle = 0
@@ -209,15 +206,9 @@ class WorkerPool:
 
     def post(self, callback: Callable[..., Any], *args: Any) -> None:
         """Run ``callback(*args)`` on the loop (from any thread); completions are batched."""
-        self._done.append((callback, args))
-        if self._wakeup_pending:
-            return  # the loop will drain this entry with the ones before it
-        self._wakeup_pending = True
-        handoffs.count("pool_to_loop")
-        try:
-            self._loop.call_soon_threadsafe(self._drain)
-        except RuntimeError:  # the loop is closed: the agent is gone, nobody reads replies
-            self._done.clear()
+        # A closed loop: the agent is gone and nobody reads replies.
+        with contextlib.suppress(RuntimeError):
+            self._completions.put(callback, args)
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on a pool thread and return (or raise) what it did.
@@ -292,25 +283,6 @@ class WorkerPool:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
         return not self._running
-
-    def _drain(self) -> None:
-        # Clear the flag before draining: an entry appended after this point either is
-        # drained below or sees the flag clear and schedules another drain.
-        self._wakeup_pending = False
-        done = self._done
-        try:
-            for _ in range(len(done)):  # bounded: later entries wait for the next drain
-                callback, args = done.popleft()
-                try:
-                    callback(*args)
-                except Exception as exc:  # one failing callback must not strand the rest
-                    self._loop.call_exception_handler(
-                        {"message": f"asyncrpc: {callback!r} failed", "exception": exc}
-                    )
-        finally:  # a KeyboardInterrupt mid-way: what is left gets another drain
-            if done and not self._wakeup_pending:
-                self._wakeup_pending = True
-                self._loop.call_soon(self._drain)
 
     def _start_thread(self) -> None:
         """Start the thread reserved by ``_reserve_thread`` (released again on failure)."""

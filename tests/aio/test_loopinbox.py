@@ -32,7 +32,7 @@ class CountingLoop:
 @pytest.mark.asyncio
 async def test_a_burst_from_one_thread_runs_in_order_in_one_wakeup() -> None:
     loop = CountingLoop(asyncio.get_running_loop())
-    inbox = LoopInbox(loop)  # type: ignore[arg-type]
+    inbox = LoopInbox(loop, "thread_to_loop")  # type: ignore[arg-type]
     seen: list[tuple[int, bool]] = []
     done = asyncio.Event()
     loop_thread = threading.get_ident()
@@ -57,7 +57,7 @@ async def test_a_burst_from_one_thread_runs_in_order_in_one_wakeup() -> None:
 @pytest.mark.asyncio
 async def test_items_after_a_drain_schedule_the_next_one() -> None:
     loop = CountingLoop(asyncio.get_running_loop())
-    inbox = LoopInbox(loop)  # type: ignore[arg-type]
+    inbox = LoopInbox(loop, "thread_to_loop")  # type: ignore[arg-type]
     seen: list[int] = []
     for n in range(3):
         await asyncio.to_thread(inbox.put, seen.append, (n,))
@@ -72,7 +72,7 @@ async def test_a_failing_item_is_reported_and_the_rest_run() -> None:
     reported: list[dict[str, Any]] = []
     running.set_exception_handler(lambda _, context: reported.append(context))
     try:
-        inbox = LoopInbox(running)
+        inbox = LoopInbox(running, "thread_to_loop")
         seen: list[int] = []
 
         def fail() -> None:
@@ -95,7 +95,7 @@ async def test_a_failing_item_is_reported_and_the_rest_run() -> None:
 def test_a_closed_loop_refuses_and_forgets_the_item() -> None:
     loop = asyncio.new_event_loop()
     loop.close()
-    inbox = LoopInbox(loop)
+    inbox = LoopInbox(loop, "thread_to_loop")
     with pytest.raises(RuntimeError, match="closed"):
         inbox.put(print, ("never",))
     with pytest.raises(RuntimeError, match="closed"):  # not stuck believing one is queued

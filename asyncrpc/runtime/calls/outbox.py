@@ -102,7 +102,7 @@ class Outbox:
     ) -> None:
         self._name, self.loop = name, loop
         self.loop_thread_id = threading.get_ident()
-        self._inbox = LoopInbox(loop)
+        self._inbox = LoopInbox(loop, "thread_to_loop")
         self._serializer, self._pipeline, self._directory = serializer, pipeline, directory
         self._sender, self._rrefs, self._unlend = sender, rrefs, unlend
         self._counters, self._default_timeout = counters, default_timeout
