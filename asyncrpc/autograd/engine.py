@@ -78,14 +78,14 @@ def loop_pass(
 
 
 async def pass_anywhere(
-    agent: Agent, context: AutogradContext, roots: Sequence[torch.Tensor],
-    grad_outputs: Sequence[Any],
+    agent: Agent, table: ContextTable, context: AutogradContext,
+    roots: Sequence[torch.Tensor], grad_outputs: Sequence[Any],
 ) -> Outgoing:  # fmt: skip
     """The local pass, from the loop: run there where it may be (two thread wake-ups less
     than the pool's round trip), else on a pool thread."""
     outgoing = loop_pass(context, roots, grad_outputs, agent.rank)
     if outgoing is not None:
-        context_table()[1].count_pass_on_loop()
+        table.count_pass_on_loop()
         return outgoing
     return await agent.pool.run(  # type: ignore[no-any-return]
         functools.partial(local_pass, context, roots, grad_outputs, agent.rank)
@@ -119,7 +119,7 @@ async def propagate(
     workers that sent the tensors; returns once the whole pass is over."""
     pass_id, over = table.credits.begin()
     try:
-        outgoing = await pass_anywhere(agent, context, roots, grad_outputs)
+        outgoing = await pass_anywhere(agent, table, context, roots, grad_outputs)
         credit = PassCredit(agent.rank, pass_id, FULL)
         await first_of(over, hand_back(agent, table, context.id, outgoing, credit))
     finally:
@@ -152,11 +152,12 @@ async def grads_arrived(
             if grad is not None:
                 roots.append(tensor)
                 grad_outputs.append(grad)
-    outgoing = await pass_anywhere(agent, context, roots, grad_outputs)
-    carried = credit is not None and split(credit, len(by_sender(outgoing))) is not None
-    if outgoing:
-        await hand_back(agent, table, context.id, outgoing, credit if carried else None)
-    if credit is None or carried:
+    outgoing = await pass_anywhere(agent, table, context, roots, grad_outputs)
+    hops = by_sender(outgoing)
+    shares = None if credit is None else split(credit, len(hops))
+    if hops:
+        await _send_hops(agent, table, context.id, hops, shares)
+    if credit is None or shares is not None:
         return 0  # no credit, or it went on with the hops
     return _return_credit(agent, table, credit, caller)
 
@@ -202,7 +203,17 @@ def hand_back(
     completes when every hop has replied, and fails with the first hop's error. Credit the
     replies hand back (only the root is handed credit in replies) goes to ``table``."""
     hops = by_sender(outgoing)
-    shares = None if credit is None else split(credit, len(hops))
+    return _send_hops(
+        agent, table, context_id, hops, None if credit is None else split(credit, len(hops))
+    )
+
+
+def _send_hops(
+    agent: Agent, table: ContextTable, context_id: int,
+    hops: dict[int, list[tuple[int, list[Any]]]], shares: list[PassCredit] | None,
+) -> Future[None]:  # fmt: skip
+    """``hand_back`` of gradients already grouped by worker, with their credit shares
+    (None: the hops carry none, as when it could not be split)."""
     shared: list[PassCredit | None] = [*shares] if shares else [None] * len(hops)
     calls = [
         agent.call_future(
@@ -214,7 +225,7 @@ def hand_back(
         done: Future[None] = Future()
         done.set_result(None)
         return done
-    pass_id = None if credit is None else credit.pass_id
+    pass_id = None if shares is None else shares[0].pass_id
     return collect_all(calls)._then(functools.partial(_replied, table, pass_id))
 
 

@@ -57,39 +57,36 @@ LOOP_PASS_MAX_ELEMENTS = 1 << 16
 
 def reachable_leaves(roots: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The leaf tensors requiring grad that the graph of ``roots`` reaches."""
-    leaves: list[torch.Tensor] = []
-    seen: set[Any] = set()
-    stack: list[Any] = [r.grad_fn for r in roots if r.grad_fn is not None]
-    while stack:  # bounded by the graph: each node is expanded once
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
-        if variable is not None:
-            leaves.append(variable)
-            continue
-        stack.extend(child for child, _ in node.next_functions)
+    leaves = _walk_leaves(roots, max_nodes=None)
+    assert leaves is not None  # with no bound the walk never gives up
     return leaves
 
 
 def _small_graph_leaves(roots: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
     """``reachable_leaves`` for a pass that may run on the loop: None as soon as the graph
-    has more than ``LOOP_PASS_MAX_NODES`` nodes or a tensor off the CPU (a CUDA graph runs
+    has more than ``LOOP_PASS_MAX_NODES`` nodes or a leaf off the CPU (a CUDA graph runs
     on torch's device threads, where the guard below cannot see)."""
+    return _walk_leaves(roots, max_nodes=LOOP_PASS_MAX_NODES, cpu_only=True)
+
+
+def _walk_leaves(
+    roots: Sequence[torch.Tensor], max_nodes: int | None, cpu_only: bool = False
+) -> list[torch.Tensor] | None:
+    """The leaves the graph of ``roots`` reaches; None past ``max_nodes`` nodes, or at a
+    leaf off the CPU when ``cpu_only``."""
     leaves: list[torch.Tensor] = []
     seen: set[Any] = set()
     stack: list[Any] = [r.grad_fn for r in roots if r.grad_fn is not None]
-    while stack:  # bounded: at most LOOP_PASS_MAX_NODES expansions
+    while stack:  # bounded by the graph (and max_nodes): each node is expanded once
         node = stack.pop()
         if node is None or node in seen:
             continue
-        if len(seen) >= LOOP_PASS_MAX_NODES:
+        if max_nodes is not None and len(seen) >= max_nodes:
             return None
         seen.add(node)
-        variable = getattr(node, "variable", None)
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
         if variable is not None:
-            if not variable.is_cpu:
+            if cpu_only and not variable.is_cpu:
                 return None
             leaves.append(variable)
             continue

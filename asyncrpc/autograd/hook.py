@@ -96,7 +96,7 @@ class AutogradHook(CallHook):
             return
         releases = self.contexts.releases
         if sent.released and error is not None and releases is not None:
-            releases.queue(call.callee_rank, sent.released)  # may not have arrived
+            releases.queue({call.callee_rank: sent.released})  # may not have arrived
         fields = None if headers is None else headers.get(FIELD)
         if sent.context is not None and fields and call.reply_grads:
             sent.context.record_recv(call.callee_rank, int(fields[1]), call.reply_grads)

@@ -5,11 +5,11 @@ does), and queues a release for the workers it exchanged messages with. Releases
 on the next call this worker makes to each of those workers (a header field the autograd
 hook adds), or leave ``BATCH_DELAY`` seconds after they were queued, one call per worker
 for all the contexts queued meanwhile; each worker passes them on to the workers it reached
-in turn. A training loop leaves a
-context per step: one release call per worker per step cost the caller a thread hand-off
-and each server a wake-up and a reply, on the step's critical path on a small machine; a
-batch costs that once per ``BATCH_DELAY``. Contexts live on the other workers at most that
-much longer (nothing reads them after the step: torch releases them in the background too).
+in turn. A training loop leaves a context per step: one release call per worker per step
+cost the caller a thread hand-off and each server a wake-up and a reply, on the step's
+critical path on a small machine; a batch costs that once per ``BATCH_DELAY``. Contexts
+live on the other workers at most that much longer (nothing reads them after the step:
+torch releases them in the background too).
 """
 
 from __future__ import annotations
@@ -52,15 +52,8 @@ class Releases:
         if context is None:
             return
         peers = context.peers - {self._agent.rank}
-        if not peers:
-            return  # it never left this worker: nothing to tell anybody
-        with self._lock:
-            for peer in peers:
-                self._queued.setdefault(peer, []).append(context_id)
-            if self._flush_armed:
-                return
-            self._flush_armed = True
-        self._agent.run_on_loop(self._arm)
+        if peers:  # else it never left this worker: nothing to tell anybody
+            self.queue({peer: [context_id] for peer in peers})
 
     def take_for(self, peer: int) -> list[int]:
         """The releases queued for ``peer``, taken to ride along on a call to it (any
@@ -68,15 +61,16 @@ class Releases:
         cost no call of their own. Queue them again (``queue``) if that call fails."""
         with self._lock:
             taken = self._queued.pop(peer, [])
-        self.carried += len(taken)
+            self.carried += len(taken)
         return taken
 
-    def queue(self, peer: int, context_ids: list[int]) -> None:
-        """Release ``context_ids`` on ``peer`` with the next call to it, or the next batch:
-        contexts this worker passes on, and releases whose call failed (queued again:
-        releasing twice is harmless)."""
+    def queue(self, by_peer: dict[int, list[int]]) -> None:
+        """Release the context ids listed for each peer with the next call to it, or the
+        next batch: contexts left here or passed on by this worker, and releases whose call
+        failed (queued again: releasing twice is harmless)."""
         with self._lock:
-            self._queued.setdefault(peer, []).extend(context_ids)
+            for peer, context_ids in by_peer.items():
+                self._queued.setdefault(peer, []).extend(context_ids)
             if self._flush_armed:
                 return
             self._flush_armed = True
@@ -150,9 +144,7 @@ def release_onward(
             released.append((context_id, sorted(context.peers - {sender, agent.rank})))
     onward = _by_peer(released)
     if onward:
-        batcher = releases_of(agent, table)
-        for peer, ids in onward.items():
-            batcher.queue(peer, ids)
+        releases_of(agent, table).queue(onward)
 
 
 async def release_here(context_ids: list[int], sender: int) -> None:

@@ -116,12 +116,13 @@ class LocalOptimizer:
         if not self._small or _has_step_hooks(self.optimizer):
             return False
         _, table = context_table()
-        if table.get(context_id).graph.on_torch_engine:
+        context = table.get(context_id)
+        if context.graph.on_torch_engine:
             return False
         if not LocalOptimizer._step_lock.acquire(blocking=False):
             return False
         try:
-            self._step_with(get_gradients(context_id))
+            self._step_with(context.gradients())
             LocalOptimizer.steps_on_loop += 1
         finally:
             LocalOptimizer._step_lock.release()

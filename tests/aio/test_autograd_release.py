@@ -150,6 +150,6 @@ async def test_releases_of_a_failed_call_are_queued_again() -> None:
     context_id = _context_reaching(table, 0, {2})
     batcher.left(context_id)
     carried = batcher.take_for(2)
-    batcher.queue(2, carried)  # what the hook does when the call carrying them fails
+    batcher.queue({2: carried})  # what the hook does when the call carrying them fails
     await _settle(agent, 1)
     assert agent.calls == [(2, [context_id], 0)]
