@@ -325,9 +325,7 @@ def rpc_sync(
         raise BlockingCallError(
             "rpc_sync() would block the agent's event loop; use `await asyncrpc.call(...)`"
         )
-    return agent.call_future(
-        to, func, tuple(args or ()), dict(kwargs or {}), timeout, "sync"
-    ).wait()
+    return agent.call_sync(to, func, tuple(args or ()), dict(kwargs or {}), timeout)
 
 
 def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:

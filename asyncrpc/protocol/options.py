@@ -151,6 +151,13 @@ class RpcBackendOptions:
             caller gets the exception either way.
         stream_window: the default flow-control window of streams (``asyncrpc.stream``):
             a producer runs at most this many items ahead of its consumer.
+        sync_lanes: lanes this worker serves at once (0 turns lanes off, on both sides).
+            A lane is a connection a calling thread opens to a peer at its second
+            ``rpc_sync`` there and then uses alone, in blocking I/O: its calls skip the
+            event loop on both sides (a plain function runs on the lane's thread at the
+            callee). Past the limit, and for calls a lane does not carry (hooks active,
+            RRef forks, large frames, ``async def`` functions), calls go through the
+            event loop as before. Off with TLS.
     """
 
     init_method: str = DEFAULT_INIT_METHOD
@@ -184,6 +191,7 @@ class RpcBackendOptions:
     heartbeat_timeout: float = 10.0
     print_errors: bool = True
     stream_window: int = 128
+    sync_lanes: int = 64
     _extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -204,6 +212,8 @@ class RpcBackendOptions:
             raise InitError("TLS needs all of tls_cert, tls_key and tls_ca")
         if type(self.stream_window) is not int or self.stream_window < 1:
             raise InitError(f"stream_window must be an int >= 1, got {self.stream_window!r}")
+        if type(self.sync_lanes) is not int or self.sync_lanes < 0:
+            raise InitError(f"sync_lanes must be an int >= 0, got {self.sync_lanes!r}")
         if self.num_worker_threads < 1:
             raise InitError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
         if self.max_worker_threads < self.num_worker_threads:

@@ -128,6 +128,16 @@ def thread_kind() -> str:
     return "loop" if threading.get_ident() == current_agent().loop_thread_id else "pool"
 
 
+def thread_name() -> str:
+    """The name of the callee's thread that runs this (a lane's, a pool's...)."""
+    return threading.current_thread().name
+
+
+def stop_server_profiler_names() -> list[str]:
+    """Stop this worker's server profiler; the names of the requests it recorded."""
+    return [event.name for event in asyncrpc.profiling.disable_server_profiler()]
+
+
 @inline
 def inline_thread_kind() -> str:
     return thread_kind()

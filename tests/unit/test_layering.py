@@ -32,6 +32,8 @@ FLOORS: list[tuple[float, tuple[str, ...]]] = [
     (2.4, ("asyncrpc.runtime.calls",)),
     # The CUDA path plugs into the call pipeline as hooks (device maps, the send gate).
     (2.45, ("asyncrpc.runtime.cuda",)),
+    # Lanes: calling threads' own connections; their server hands requests to the dispatcher.
+    (2.46, ("asyncrpc.runtime.lanes",)),
     (2.5, ("asyncrpc.runtime.agent", "asyncrpc.runtime.current")),
     (3, ("asyncrpc.rref", "asyncrpc.profiling", "asyncrpc.autograd")),
     (

@@ -32,7 +32,7 @@ from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inl
 from asyncrpc.protocol.serde import MissingReferenceError, Serializer, pack_exception
 from asyncrpc.protocol.serde.policy import DEFAULT, NoGrads
 from asyncrpc.protocol.wire import encode_frame
-from asyncrpc.protocol.wire.messages import CallMode, ErrorReply, Reply, Request
+from asyncrpc.protocol.wire.messages import ACK_WANTED, CallMode, ErrorReply, Reply, Request
 from asyncrpc.runtime.calls.builtins import checked_op, is_torch_c_function, runs_on_loop
 from asyncrpc.runtime.calls.pipeline import IncomingCall, Pipeline
 from asyncrpc.runtime.future import Future
@@ -44,7 +44,13 @@ from asyncrpc.runtime.services import RRefService
 from asyncrpc.runtime.threadpool import Job as PoolJob
 from asyncrpc.runtime.threadpool import WorkerPool
 
-__all__ = ["Dispatcher", "ServedRequest", "await_async_result"]
+__all__ = [
+    "Dispatcher",
+    "ServedRequest",
+    "await_async_result",
+    "missing_reference_error",
+    "print_request_error",
+]
 
 _log = logging.getLogger("asyncrpc.runtime.calls.dispatch")
 # What a built reply keeps alive while it is written, the RRef forks it carries, and the
@@ -83,6 +89,30 @@ async def await_async_result(result: Any) -> Any:
         f"{type(result).__name__} (Functions decorated with @rpc.async_function must return "
         "a torch.futures.Future object, or with asyncrpc a coroutine)"
     )
+
+
+def missing_reference_error(name: str, request: Request, exc: MissingReferenceError) -> Exception:
+    """What the caller gets when worker ``name`` cannot import what a request names."""
+    missing = f"{exc.module}.{exc.qualname}"
+    if request.target.endswith(exc.qualname):
+        return FunctionNotFoundError(missing, name, exc.reason)
+    return SerializationError(
+        f"{missing} (used by the arguments of {request.target}) cannot be imported on worker "
+        f"{name!r}: {exc.reason}"
+    )
+
+
+def print_request_error(
+    name: str, request: Request, caller: str | None, exc: BaseException
+) -> None:
+    """Print, on worker ``name``'s stderr, what a request it ran raised.
+
+    As torch's agent does: the callee's own log shows what failed there (the caller gets
+    the exception too). ``sys.stderr`` is looked up now: it may have been replaced.
+    """
+    lines = traceback.format_exception(exc)
+    text = f"On worker {name!r}, {request.target} called by {caller!r} raised:\n"
+    print(text + "".join(lines), end="", file=sys.stderr, flush=True)
 
 
 def _is_future_like(value: Any) -> bool:
@@ -192,6 +222,13 @@ class Dispatcher:
             return
         self._start(served, call)
 
+    def on_unpickled(self, conn: Caller, request: Request, call: tuple[Any, Any, Any]) -> None:
+        """Run a request whose payload a lane's thread already unpickled, with no hook
+        serving it: a function that runs on the loop (``async def``, ``async_execution``)."""
+        peer = conn.peer
+        assert peer is not None
+        self._start(ServedRequest(conn, request, peer), call)
+
     def _start(self, served: ServedRequest, call: tuple[Any, Any, Any]) -> None:
         fn, args, kwargs = call
         # Decided on the function itself: a hook's wrapper may hide what kind it is.
@@ -267,13 +304,7 @@ class Dispatcher:
         return incoming.reply_headers or None
 
     def _missing(self, request: Request, exc: MissingReferenceError) -> Exception:
-        name = f"{exc.module}.{exc.qualname}"
-        if request.target.endswith(exc.qualname):
-            return FunctionNotFoundError(name, self._name, exc.reason)
-        return SerializationError(
-            f"{name} (used by the arguments of {request.target}) cannot be imported on worker "
-            f"{self._name!r}: {exc.reason}"
-        )
+        return missing_reference_error(self._name, request, exc)
 
     # -- cancelling ------------------------------------------------------------------------
 
@@ -402,6 +433,9 @@ class Dispatcher:
             return None, (None, None, None), error
         forks = rrefs.take_minted()
         headers = self._replying(served, True, result)
+        if forks and getattr(served.conn, "acks_forks", False):
+            # A lane (runtime/lanes/): its caller says when it has read the forks.
+            headers = {**(headers or {}), ACK_WANTED: 1}
         reply = Reply(served.request.call_id, headers).to_fields()
         return encode_frame(reply, payload, segments), (keep, forks, incoming), None
 
@@ -498,11 +532,7 @@ class Dispatcher:
         self._deliver(served, *self._encode_reply(served, value))
 
     def _print_error(self, request: Request, caller: str | None, exc: BaseException) -> None:
-        # As torch's agent does: the callee's own log shows what failed there (the caller
-        # gets the exception too). sys.stderr is looked up now: it may have been replaced.
-        lines = traceback.format_exception(exc)
-        text = f"On worker {self._name!r}, {request.target} called by {caller!r} raised:\n"
-        print(text + "".join(lines), end="", file=sys.stderr, flush=True)
+        print_request_error(self._name, request, caller, exc)
 
     def _acknowledge(self, served: ServedRequest, ok: bool, value: Any) -> None:
         # A remote() request with pipeline fields: its caller's hooks wait for the end of

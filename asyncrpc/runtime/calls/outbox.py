@@ -21,10 +21,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from asyncrpc.errors import ClosedError, PeerLostError, RpcTimeoutError
+from asyncrpc.functions import is_async_execution, is_coroutine_function
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
 from asyncrpc.protocol.reflog import Transfer
 from asyncrpc.protocol.serde import Serializer, unpack_exception
-from asyncrpc.protocol.wire import Frame, encode_frame
+from asyncrpc.protocol.wire import Frame, encode_frame, frame_nbytes
 from asyncrpc.protocol.wire.messages import CallMode, Request, optional_headers
 from asyncrpc.runtime.calls.pending import PendingCall, PendingCalls, Waiter, describe_function
 from asyncrpc.runtime.calls.pipeline import CallHook, OutgoingCall, Pipeline
@@ -33,7 +34,7 @@ from asyncrpc.runtime.group.membership import Directory
 from asyncrpc.runtime.loopinbox import LoopInbox
 from asyncrpc.runtime.metrics import Counters
 
-__all__ = ["EncodedRequest", "Minting", "Outbox", "Sender"]
+__all__ = ["EncodedRequest", "Minting", "Outbox", "Sender", "SyncLanes"]
 
 # The pipeline hooks a call went through, with their view of it.
 Observed = tuple[tuple[CallHook, ...], OutgoingCall]
@@ -76,6 +77,18 @@ class Sender(Protocol):
     def undelivered(self, rank: int, forks: list[Transfer] | None) -> None: ...
 
 
+class SyncLanes(Protocol):
+    """Calling threads' own connections for synchronous calls (``runtime/lanes/``)."""
+
+    def lane(self, rank: int, nbytes: int) -> Any | None:
+        """This thread's lane to ``rank`` for a plain call of ``nbytes`` (None: none)."""
+
+    UNSENT: object  # what ``call`` returns when the request never left
+
+    def call(self, lane: Any, call_id: int, pieces: list[Any], timeout: float, target: str) -> Any:
+        """Run one call on ``lane``, blocking this thread until its reply (or ``UNSENT``)."""
+
+
 class Minting(Protocol):
     """What the outbox asks of the RRef service: the forks the last pickling made."""
 
@@ -99,6 +112,7 @@ class Outbox:
         unlend: Callable[[object], None],
         counters: Counters,
         default_timeout: float,
+        lanes: SyncLanes | None = None,
     ) -> None:
         self._name, self.loop = name, loop
         self.loop_thread_id = threading.get_ident()
@@ -106,6 +120,7 @@ class Outbox:
         self._serializer, self._pipeline, self._directory = serializer, pipeline, directory
         self._sender, self._rrefs, self._unlend = sender, rrefs, unlend
         self._counters, self._default_timeout = counters, default_timeout
+        self._lanes = lanes
         # Its expiry calls ``expire`` (the agent builds it first: the network needs it too).
         self.pending = pending
         self._call_ids = itertools.count(1)
@@ -191,11 +206,45 @@ class Outbox:
         rank = self._directory.resolve(to)
         encoded = self.encode(rank, fn, args, kwargs, self.effective_timeout(timeout), kind,
                               target=target)  # fmt: skip
+        return self._start_future(encoded)
+
+    def _start_future(self, encoded: EncodedRequest) -> Future[Any]:
         future: Future[Any] = Future(loop=self.loop)
         call_id = encoded.call_id
         future._cancel_hook = lambda: self.loop.call_soon_threadsafe(self.cancel, call_id)
         self.run_on_loop(self.start, encoded, future)
         return future
+
+    def call_sync(
+        self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float
+    ) -> Any:
+        """Run a call for a thread that blocks until its result (``rpc_sync``).
+
+        A plain call (no hook active, no RRef fork, a small frame, a function that does
+        not run on the callee's loop) goes on this thread's lane to the callee, when it
+        has one (``runtime/lanes/``); any other the way ``call_future`` sends it.
+
+        Raises:
+            The errors of ``call_future`` and of the call.
+        """
+        rank = self._directory.resolve(to)
+        encoded = self.encode(rank, fn, args, kwargs, self.effective_timeout(timeout), "sync")
+        lanes = self._lanes
+        if (
+            lanes is not None
+            and encoded.observed is None
+            and encoded.forks is None
+            and not is_coroutine_function(fn)
+            and not is_async_execution(fn)
+        ):
+            lane = lanes.lane(rank, frame_nbytes(encoded.pieces))
+            if lane is not None:
+                e = encoded
+                value = lanes.call(lane, e.call_id, e.pieces, e.timeout, e.target)
+                if value is not lanes.UNSENT:
+                    return value
+                # The lane broke before the request left: it goes the loop's way.
+        return self._start_future(encoded).wait()
 
     async def call(
         self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float

@@ -209,14 +209,14 @@ def _pack(address: PeerAddress) -> bytes:
     return bytes(
         msgpack.packb(
             [address.name, address.rank, address.host, address.port, address.device_maps,
-             address.host_id, address.unix_path]
+             address.host_id, address.unix_path, address.lane_port, address.lane_path]
         )
     )  # fmt: skip
 
 
 def _unpack(record: bytes) -> PeerAddress:
-    name, rank, host, port, maps, host_id, unix_path = msgpack.unpackb(record)
-    return PeerAddress(name, rank, host, port, maps, host_id, unix_path)
+    name, rank, host, port, maps, host_id, unix_path, lane_port, lane_path = msgpack.unpackb(record)
+    return PeerAddress(name, rank, host, port, maps, host_id, unix_path, lane_port, lane_path)
 
 
 class StoreGroup:
@@ -468,6 +468,8 @@ def join_group(
     device_maps: dict[str, dict[str, str]] | None = None,
     auth_key: bytes | None = None,
     unix_path: str | None = None,
+    lane_port: int | None = None,
+    lane_path: str | None = None,
 ) -> tuple[StoreGroup, dict[int, PeerAddress], bytes]:
     """Rendezvous, publish this worker and gather every peer's address (blocking).
 
@@ -483,6 +485,7 @@ def join_group(
         device_maps: this worker's device maps, published for its callees.
         auth_key: the configured group key; None to share a random one through the store.
         unix_path: the Unix socket this worker also listens on, for peers on its host.
+        lane_port, lane_path: where this worker takes lanes (``runtime/lanes/``), if it does.
 
     Returns:
         The store group, every worker's address by rank (dynamic: the members there
@@ -500,7 +503,9 @@ def join_group(
     if rank < 0 or (size is not None and rank >= size):
         raise InitError(f"rank {rank} is outside a world of size {size}")
     group = StoreGroup(store, rank, size)
-    address = PeerAddress(name, rank, host, port, device_maps, this_host_id(), unix_path)
+    address = PeerAddress(
+        name, rank, host, port, device_maps, this_host_id(), unix_path, lane_port, lane_path
+    )
     try:
         peers, key = _join_store(group, address, auth_key, timeout)
     except InitError as exc:
