@@ -50,6 +50,7 @@ __all__ = [
     "ShutdownError",
     "StoreHostLostError",
     "ThreadPoolExhaustedError",
+    "TorchScriptCallError",
     "UnknownWorkerError",
     "WorkerNameError",
     "WorldSizeMismatchError",
@@ -235,6 +236,29 @@ class SerializationError(AsyncRpcError, TypeError, RuntimeError):
 class AsyncExecutionError(AsyncRpcError, TypeError, RuntimeError):
     """An ``@async_execution`` function returned something that is not a future or a
     coroutine."""
+
+
+class TorchScriptCallError(AsyncRpcError, NotImplementedError):
+    """A ``torch.jit.script`` function calls asyncrpc's ``rpc_sync``, ``rpc_async`` or
+    ``remote``; raised while it is scripted.
+
+    TorchScript (deprecated) compiles torch's own RPC calls into its C++ agent's ops and
+    cannot compile asyncrpc's Python ones. A scripted function can still be what a call
+    runs (``rpc_sync(to, scripted_fn, args)``). A ``NotImplementedError``, so also a
+    ``RuntimeError``.
+    """
+
+    def __init__(self, function: str) -> None:
+        super().__init__(function)
+        self.function = function
+
+    def __str__(self) -> str:
+        return (
+            f"asyncrpc does not support calling RPC from TorchScript: {self.function} is "
+            "called inside a torch.jit.script function. Call it from Python (a scripted "
+            "function can still be the function a call runs), or keep "
+            "torch.distributed.rpc for scripted code"
+        )
 
 
 class OperatorArgumentsError(AsyncRpcError, TypeError, RuntimeError):
