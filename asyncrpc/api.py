@@ -16,6 +16,7 @@ from typing import Any, ParamSpec, TypeVar, overload
 
 from asyncrpc.autograd import AutogradHook
 from asyncrpc.errors import BlockingCallError, InitArgumentError, InitError
+from asyncrpc.functions import not_scriptable
 from asyncrpc.profiling import ProfilingHook
 from asyncrpc.protocol.options import (
     UNSET_RPC_TIMEOUT,
@@ -287,6 +288,7 @@ async def call(to: Any, func: Callable[..., Any], /, *args: Any, **kwargs: Any) 
     return value
 
 
+@not_scriptable
 def rpc_async(
     to: Any,
     func: Callable[..., Any],
@@ -307,6 +309,7 @@ def rpc_async(
     )
 
 
+@not_scriptable
 def rpc_sync(
     to: Any,
     func: Callable[..., Any],
@@ -363,6 +366,7 @@ def get_debug_info() -> dict[str, Any]:
     return current_agent().debug_info()
 
 
+@not_scriptable
 def remote(
     to: Any,
     func: Callable[..., Any],

@@ -12,7 +12,7 @@ Every error pickles, because errors travel between workers.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from asyncrpc.errorstate import paired_copy
 
 __all__ = [
     "AsyncExecutionError",
@@ -51,6 +51,7 @@ __all__ = [
     "ShutdownTimeoutError",
     "StoreHostLostError",
     "ThreadPoolExhaustedError",
+    "TorchScriptCallError",
     "UnknownWorkerError",
     "WorkerNameError",
     "WorkersLostError",
@@ -277,6 +278,29 @@ class AsyncExecutionError(AsyncRpcError, TypeError, RuntimeError):
     coroutine."""
 
 
+class TorchScriptCallError(AsyncRpcError, NotImplementedError):
+    """A ``torch.jit.script`` function calls asyncrpc's ``rpc_sync``, ``rpc_async`` or
+    ``remote``; raised while it is scripted.
+
+    TorchScript (deprecated) compiles torch's own RPC calls into its C++ agent's ops and
+    cannot compile asyncrpc's Python ones. A scripted function can still be what a call
+    runs (``rpc_sync(to, scripted_fn, args)``). A ``NotImplementedError``, so also a
+    ``RuntimeError``.
+    """
+
+    def __init__(self, function: str) -> None:
+        super().__init__(function)
+        self.function = function
+
+    def __str__(self) -> str:
+        return (
+            f"asyncrpc does not support calling RPC from TorchScript: {self.function} is "
+            "called inside a torch.jit.script function. Call it from Python (a scripted "
+            "function can still be the function a call runs), or keep "
+            "torch.distributed.rpc for scripted code"
+        )
+
+
 class OperatorArgumentsError(AsyncRpcError, TypeError, RuntimeError):
     """A builtin torch op called through RPC did not take its arguments.
 
@@ -328,7 +352,7 @@ def as_remote_call_error(exc: BaseException) -> BaseException:
         return exc
     # No local cause: the original was raised on another worker, and its traceback is in
     # the remote_traceback attribute and the note, which the copy keeps.
-    return _paired_copy(exc, RemoteCallError, {}, chain=False) or exc
+    return paired_copy(exc, RemoteCallError, {}, chain=False) or exc
 
 
 class RemoteError(RemoteCallError):
@@ -462,71 +486,7 @@ def as_callback_error(exc: BaseException) -> BaseException:
     """
     if isinstance(exc, RuntimeError) or not isinstance(exc, Exception):
         return exc
-    return _paired_copy(exc, CallbackError, {}) or exc
-
-
-# Paired types: (original type, asyncrpc base) -> a class deriving from both.
-_paired_types: dict[tuple[type, type], type[BaseException]] = {}
-
-
-def _paired_copy(
-    exc: BaseException, base: type, extra: dict[str, object], chain: bool = True
-) -> BaseException | None:
-    """A copy of ``exc`` whose class derives from ``type(exc)`` and ``base``, with the
-    attributes ``extra`` added (and ``exc`` as its cause if ``chain``); None when the two
-    cannot be paired."""
-    state = {**getattr(exc, "__dict__", {}), **extra}
-    try:
-        copy = _rebuild_paired(type(exc), base, _constructor_args(exc), state)
-    except Exception:  # a class that cannot be paired (a layout conflict, a strict __new__)
-        return None
-    if chain:
-        copy.__cause__ = exc
-        copy.__suppress_context__ = True
-    return copy.with_traceback(exc.__traceback__)
-
-
-def _paired_type(cls: type, base: type) -> type[BaseException]:
-    dual = _paired_types.get((cls, base))
-    if dual is None:
-        namespace: dict[str, object] = {"__module__": cls.__module__, "__reduce__": _reduce_paired}
-        if "wrap_text" in vars(base):  # the base's words around the original type's text
-            namespace["__str__"] = _paired_str
-        dual = cast("type[BaseException]", type(cls.__name__, (cls, base), namespace))
-        dual.__qualname__ = cls.__qualname__
-        _paired_types[(cls, base)] = dual
-    return dual
-
-
-def _paired_str(self: Any) -> str:
-    original, base = cast("tuple[Any, Any]", type(self).__bases__)
-    return cast("str", base.wrap_text(self, original.__str__(self)))
-
-
-def _reduce_paired(self: BaseException) -> tuple[object, ...]:
-    original, base = type(self).__bases__
-    return (_rebuild_paired, (original, base, _constructor_args(self), dict(self.__dict__)))
-
-
-def _constructor_args(exc: BaseException) -> tuple[object, ...]:
-    # An OSError keeps its file names outside args (and outside __dict__): only its
-    # constructor sets them, so they go back in through it (args stays errno, strerror).
-    if isinstance(exc, OSError) and (exc.filename is not None or exc.filename2 is not None):
-        return (exc.errno, exc.strerror, exc.filename, None, exc.filename2)
-    return exc.args
-
-
-def _rebuild_paired(
-    cls: type, base: type, args: tuple[object, ...], state: dict[str, object]
-) -> BaseException:
-    dual = _paired_type(cls, base)
-    try:
-        copy: BaseException = dual(*args)  # __init__ sets what str() reads
-    except Exception:  # an __init__ that does not take its own args back
-        copy = dual.__new__(dual, *args)
-        copy.args = args
-    copy.__dict__.update(state)
-    return copy
+    return paired_copy(exc, CallbackError, {}) or exc
 
 
 class AutogradContextError(AsyncRpcError, RuntimeError):
@@ -559,7 +519,7 @@ def as_backward_error(exc: BaseException, node: int) -> BaseException:
     """
     if isinstance(exc, BackwardError) or not isinstance(exc, Exception):
         return exc
-    paired = _paired_copy(exc, BackwardError, {"node": node})
+    paired = paired_copy(exc, BackwardError, {"node": node})
     if paired is None:
         paired = BackwardError(str(exc))
         paired.node = node

@@ -4,7 +4,8 @@ A function marked ``@async_execution`` returns a future (``asyncrpc.Future``,
 ``torch.futures.Future``, an asyncio future or a coroutine) and the callee replies when it
 completes, without holding a pool thread meanwhile. Functions marked with torch's own
 ``torch.distributed.rpc.functions.async_execution`` are honoured too. A function marked
-``@inline`` runs on the callee's event loop instead of its thread pool.
+``@inline`` runs on the callee's event loop instead of its thread pool. ``not_scriptable``
+makes TorchScript refuse a function of asyncrpc's API with a clear error.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
+
+from asyncrpc.errors import TorchScriptCallError
 
 __all__ = [
     "async_execution",
@@ -20,6 +23,7 @@ __all__ = [
     "is_async_execution",
     "is_coroutine_function",
     "is_inline",
+    "not_scriptable",
     "per_callable_cache",
 ]
 
@@ -73,6 +77,28 @@ def inline(fn: F) -> F:
 def is_inline(fn: Any) -> bool:
     """True when ``fn`` (or the function under a bound method) is marked ``inline``."""
     return bool(getattr(fn, _INLINE_MARK, False))
+
+
+def not_scriptable(fn: F) -> F:
+    """Make ``torch.jit.script`` raise ``TorchScriptCallError`` where a scripted function
+    calls ``fn`` (or ``fn`` itself is scripted), instead of failing on its annotations.
+
+    TorchScript compiles each Python function a scripted one calls, and first calls its
+    ``__prepare_scriptable__`` if it has one: that hook raises. Calls from Python are
+    untouched.
+
+    Args:
+        fn: a function of asyncrpc's API.
+
+    Returns:
+        ``fn``, with the hook.
+    """
+
+    def refuse() -> NoReturn:
+        raise TorchScriptCallError(f"asyncrpc.{fn.__name__}")
+
+    setattr(fn, "__prepare_scriptable__", refuse)  # noqa: B010 (a dunder mypy would refuse)
+    return fn
 
 
 R = TypeVar("R")

@@ -11,7 +11,6 @@ an RRef never does I/O: ``__del__`` hands the release to the agent's loop.
 from __future__ import annotations
 
 import asyncio
-import copy
 import functools
 import traceback
 from collections.abc import Callable, Sequence
@@ -22,6 +21,7 @@ import torch
 from asyncrpc.autograd import backward as dist_backward
 from asyncrpc.autograd import backward_async as dist_backward_async
 from asyncrpc.errors import PeerLostError, RRefError, RRefOwnerLostError
+from asyncrpc.errorstate import copy_exception
 from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT, WorkerInfo
 from asyncrpc.protocol.refmessages import (
@@ -429,7 +429,7 @@ async def _owner_value(value: Future[Any]) -> Any:
         return await value
     except BaseException as exc:
         traceback.clear_frames(exc.__traceback__)
-        raise copy.copy(exc).with_traceback(None) from None
+        raise copy_exception(exc) from None
 
 
 def _owned(value: Future[Any]) -> Future[Any]:
@@ -448,7 +448,7 @@ def _copy_of_failure(done: Future[Any]) -> Any:
     exc = done.exception()
     if exc is None:
         return done.value()
-    raise copy.copy(exc).with_traceback(None) from None
+    raise copy_exception(exc) from None
 
 
 def _fetched(owner: str, rref: RRef[Any], done: Future[Any]) -> Any:
@@ -476,7 +476,7 @@ def _ignored(done: Future[Any]) -> None:
 def _made(done: Future[Any]) -> None:
     exc = done.exception()
     if exc is not None:  # a copy: the stored exception is shared (see _owner_value)
-        raise copy.copy(exc).with_traceback(None) from None
+        raise copy_exception(exc) from None
 
 
 async def _made_on_owner(rref: RRef[Any]) -> None:

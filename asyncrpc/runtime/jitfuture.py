@@ -481,8 +481,9 @@ class Future(torch.futures.Future[T]):
     # -- bridges -------------------------------------------------------------------------------
 
     @classmethod
-    def from_torch(cls, fut: torch.futures.Future[S]) -> Future[S]:
-        """Return a new future completed with the outcome of the ``torch.futures.Future`` ``fut``.
+    def from_torch(cls, fut: torch._C.Future[S]) -> Future[S]:
+        """Return a new future completed with the outcome of the torch future ``fut`` (a
+        ``torch.futures.Future``, or the bare ``torch._C.Future`` its ``then`` returns).
 
         Cancellation: torch futures cannot be cancelled; cancelling the result leaves
         ``fut`` running.

@@ -270,17 +270,6 @@ def chain(depth: int, here: str, there: str) -> int:
     return int(asyncrpc.rpc_sync(there, chain, args=(depth - 1, there, here))) + 1
 
 
-class Unrebuildable(Exception):
-    """Its __init__ signature does not match its args, so it cannot be unpickled."""
-
-    def __init__(self, a: int, b: int) -> None:
-        super().__init__(f"{a}-{b}")
-
-
-def raise_unrebuildable() -> None:
-    raise Unrebuildable(1, 2)
-
-
 async def blocking_rpc_on_loop() -> Any:
     """Runs on the agent's loop: a blocking rpc_sync there must raise, not deadlock."""
     return asyncrpc.rpc_sync(asyncrpc.get_worker_info().name, noop)

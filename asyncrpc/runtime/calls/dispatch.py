@@ -36,6 +36,7 @@ from asyncrpc.protocol.wire.messages import ACK_WANTED, CallMode, ErrorReply, Re
 from asyncrpc.runtime.calls.builtins import checked_op, is_torch_c_function, runs_on_loop
 from asyncrpc.runtime.calls.pipeline import IncomingCall, Pipeline
 from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.futurebridge import CFuture
 from asyncrpc.runtime.metrics import Counters
 from asyncrpc.runtime.net.links import FrameInParts, write_in_parts
 from asyncrpc.runtime.net.transport import Connection
@@ -73,16 +74,21 @@ Writer = Callable[[Any, list[Any], object, Any], None]
 
 
 async def await_async_result(result: Any) -> Any:
-    """Await whatever an ``async_execution`` function returned, on the agent's loop."""
+    """Await whatever an ``async_execution`` function returned, on the agent's loop.
+
+    Raises:
+        AsyncExecutionError: ``result`` is no future and no coroutine; the dispatcher
+            replies with it, as with any exception the function raised.
+    """
     if isinstance(result, Future):
         return await result
     if asyncio.isfuture(result) or asyncio.iscoroutine(result):
         return await result
     if isinstance(result, concurrent.futures.Future):
         return await asyncio.wrap_future(result)
-    import torch
-
-    if isinstance(result, torch.futures.Future):
+    # Any torch future: a torch.futures.Future, and the bare torch._C.Future its then()
+    # returns (pytorch/examples' batch RL agent returns `self.future_actions.then(...)`).
+    if isinstance(result, CFuture):
         return await Future.from_torch(result)
     raise AsyncExecutionError(
         f"an @async_execution function must return a future or a coroutine, got "
@@ -117,10 +123,9 @@ def print_request_error(
 
 def _is_future_like(value: Any) -> bool:
     return (
-        isinstance(value, Future | concurrent.futures.Future)
+        isinstance(value, Future | concurrent.futures.Future | CFuture)
         or asyncio.isfuture(value)
         or asyncio.iscoroutine(value)
-        or type(value).__name__ == "Future"  # torch.futures.Future, without importing torch
     )
 
 
