@@ -17,7 +17,7 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# No worker processes: the unit tests (no loop) and the one-process asyncio tests, under a
+# No worker processes: the unit tests (no loop) and the one-process asyncio tests, about a
 # minute (the whole `make test` takes about 8 minutes on 2 cores).
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests/unit tests/aio

@@ -348,7 +348,10 @@ def _render_class(entry: Entry) -> list[str]:
     if bases:
         out += [f"Bases: {', '.join(bases)}", ""]
     made_for_you = f"{cls.__module__}.{cls.__qualname__}" in MADE_FOR_YOU
-    if not (_is_error(cls) or made_for_you or isinstance(cls, enum.EnumMeta)):
+    # An error's constructor is shown when it has its own: its arguments are the fields
+    # it carries (``e.worker``, ``e.timeout``...).
+    own_init = "__init__" in vars(cls)
+    if not (made_for_you or isinstance(cls, enum.EnumMeta) or (_is_error(cls) and not own_init)):
         out += [*signature(entry.name, cls), ""]
     is_options = dataclasses.is_dataclass(cls) and "Attributes" in sections(docstring(cls))
     out += render_doc(docstring(cls), skip=("Attributes",) if is_options else ())
