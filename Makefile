@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-fast test-gpu lint docs bench bench-cuda bench-full example check clean conformance conformance-ci chaos soak fuzz size
+.PHONY: install test test-fast test-long test-gpu lint docs bench bench-cuda bench-full example check clean conformance conformance-ci chaos soak fuzz size
 
 $(STAMP): pyproject.toml .ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ test: $(STAMP)
 # minute (the whole `make test` takes about 8 minutes on 2 cores).
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests/unit tests/aio
+
+# Jobs at a user's lengths, left out of `make test`: a torch-style ps/trainer job for
+# 70 s and for 10 minutes (tests marked `long`), about 13 minutes in all.
+test-long: $(STAMP)
+	$(PY) -m pytest -q -m long
 
 # The CUDA tests (tests/gpu); they skip without a GPU.
 test-gpu: $(STAMP)

@@ -53,10 +53,12 @@ from asyncrpc.errors import (
     RRefTimeoutError,
     SerializationError,
     ShutdownError,
+    ShutdownTimeoutError,
     StoreHostLostError,
     ThreadPoolExhaustedError,
     UnknownWorkerError,
     WorkerNameError,
+    WorkersLostError,
     WorldSizeMismatchError,
 )
 from asyncrpc.protocol.options import RpcBackendOptions, TensorPipeRpcBackendOptions, WorkerInfo
@@ -99,6 +101,7 @@ __all__ = [
     "RpcTimeoutError",
     "SerializationError",
     "ShutdownError",
+    "ShutdownTimeoutError",
     "StoreHostLostError",
     "Stream",
     "TensorPipeRpcBackendOptions",
@@ -106,6 +109,7 @@ __all__ = [
     "UnknownWorkerError",
     "WorkerInfo",
     "WorkerNameError",
+    "WorkersLostError",
     "WorldSizeMismatchError",
     "call",
     "collect_all",

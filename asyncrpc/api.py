@@ -29,6 +29,7 @@ from asyncrpc.rref.handle import RRef, current_rrefs
 from asyncrpc.runtime.agent import Agent
 from asyncrpc.runtime.current import clear_agent, current_agent, set_agent
 from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.group.shutdown import shutdown_limit
 from asyncrpc.runtime.loopthread import LoopThread
 
 __all__ = [
@@ -181,13 +182,27 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
     """Stop this process's worker (torch's ``shutdown``), blocking until it is done.
 
     With ``graceful``, every worker first finishes its outstanding work and waits for all
-    the others; the wait is bounded by ``timeout`` (default
-    ``RpcBackendOptions.shutdown_timeout``). ``graceful=False`` stops only this worker.
+    the others, serving their calls meanwhile: as in torch, a worker may call
+    ``shutdown()`` right after ``init_rpc`` and serve until everybody is done. The wait has
+    no limit unless ``timeout`` (or ``RpcBackendOptions.shutdown_timeout`` when
+    ``timeout`` is None) gives one; 0 means no limit too. Workers that died during the job
+    are not waited for: the survivors finish together, and the dead are reported as
+    ``RpcBackendOptions.lost_workers`` says (a warning by default). ``graceful=False``
+    stops only this worker.
+
+    Args:
+        graceful: wait for the whole group (True) or stop only this worker.
+        timeout: seconds the graceful part may take; None: the option's; 0: no limit.
 
     Raises:
-        ShutdownError: a peer died or the timeout ran out; this worker is stopped anyway.
+        ShutdownTimeoutError: the bound ran out (a ``ShutdownError`` and a ``TimeoutError``).
+        WorkersLostError: workers died and ``lost_workers="error"`` was asked for.
+        ShutdownError: the rendezvous store is gone (its host, rank 0, died).
+            After any of these this worker is stopped all the same.
+        ValueError: ``timeout`` is negative (nothing is stopped).
         BlockingCallError: called on the agent's own loop thread (use ``shutdown_async``).
     """
+    shutdown_limit(timeout)  # a bad timeout is refused before anything stops
     agent = current_agent()
     if threading.get_ident() == agent.loop_thread_id:
         raise BlockingCallError("shutdown() would block the agent's loop; use shutdown_async()")
@@ -205,6 +220,7 @@ async def shutdown_async(graceful: bool = True, timeout: float | None = None) ->
 
     Cancelling it leaves the worker stopping in the background.
     """
+    shutdown_limit(timeout)  # a bad timeout is refused before anything stops
     agent = current_agent()
     thread = _loop_threads.pop(id(agent), None)
     try:

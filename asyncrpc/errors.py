@@ -48,10 +48,12 @@ __all__ = [
     "RpcTimeoutError",
     "SerializationError",
     "ShutdownError",
+    "ShutdownTimeoutError",
     "StoreHostLostError",
     "ThreadPoolExhaustedError",
     "UnknownWorkerError",
     "WorkerNameError",
+    "WorkersLostError",
     "WorldSizeMismatchError",
     "as_backward_error",
     "as_callback_error",
@@ -167,7 +169,45 @@ class NotInitializedError(AsyncRpcError, RuntimeError):
 
 
 class ShutdownError(AsyncRpcError, RuntimeError):
-    """A graceful shutdown could not complete (a peer died or the timeout ran out)."""
+    """A graceful shutdown could not complete (the rendezvous store went away, the time
+    given ran out, or workers died and ``lost_workers="error"`` asked to hear of it)."""
+
+
+class ShutdownTimeoutError(ShutdownError, TimeoutError):
+    """A bounded graceful shutdown ran out of time waiting for the named workers.
+
+    A shutdown waits without limit unless ``RpcBackendOptions.shutdown_timeout`` or
+    ``shutdown(timeout=...)`` bounds it.
+    """
+
+    def __init__(self, limit: float, waiting_for: str, stage: str) -> None:
+        super().__init__(limit, waiting_for, stage)
+        self.limit, self.waiting_for, self.stage = limit, waiting_for, stage
+
+    def __str__(self) -> str:
+        return (
+            f"shutdown timed out after {self.limit:g} s waiting for {self.waiting_for} "
+            f"({self.stage}); the bound comes from shutdown(timeout=...) or "
+            "RpcBackendOptions.shutdown_timeout: raise it, or pass 0 or None to wait "
+            "without limit (the default)"
+        )
+
+
+class WorkersLostError(ShutdownError):
+    """Workers died during the job; the survivors shut down without them.
+
+    Raised by ``shutdown()`` after the survivors' barrier, only with
+    ``RpcBackendOptions.lost_workers="error"`` (the default logs a warning instead).
+    ``workers`` names the dead ones.
+    """
+
+    def __init__(self, workers: tuple[str, ...]) -> None:
+        super().__init__(workers)
+        self.workers = tuple(workers)
+
+    def __str__(self) -> str:
+        names = ", ".join(repr(w) for w in self.workers)
+        return f"worker(s) {names} died before shutdown; the others shut down without them"
 
 
 class BlockingCallError(AsyncRpcError, RuntimeError):

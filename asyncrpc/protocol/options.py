@@ -130,7 +130,16 @@ class RpcBackendOptions:
             accepted from a peer, checked before allocating; 4 GiB by default. Peers learn
             it at the handshake: a larger message fails at its sender with
             ``FrameTooLargeError`` before any byte is written, and the connection stays up.
-        shutdown_timeout: bound on a graceful shutdown when ``shutdown`` is given none.
+        shutdown_timeout: seconds a graceful shutdown may wait for the other workers
+            when ``shutdown`` is given no timeout. None or 0 (the default, as torch's
+            ``DEFAULT_SHUTDOWN_TIMEOUT``) waits without limit: a worker that calls
+            ``shutdown()`` right after joining serves its peers until all are done. Past
+            a bound, ``shutdown`` raises ``ShutdownTimeoutError``.
+        lost_workers: what a graceful shutdown does about workers that died during the
+            job. The survivors never wait for a dead worker (it is left out of the
+            barriers once declared lost) and finish together; then "warn" (log a warning
+            naming them), "error" (raise ``WorkersLostError`` once this worker stopped)
+            or "ignore".
         rref_leaks: what a graceful shutdown does with owner RRefs still referenced
             elsewhere: "warn" (log a warning), "error" (raise ShutdownError) or "ignore".
         auth_key: the group's shared secret (bytes or str); every worker must be given
@@ -171,7 +180,8 @@ class RpcBackendOptions:
     advertise_host: str | None = None
     advertise_port: int | None = None
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
-    shutdown_timeout: float = 60.0
+    shutdown_timeout: float | None = None
+    lost_workers: str = "warn"
     rref_leaks: str = "warn"
     auth_key: bytes | str | None = field(default=None, repr=False)
     handshake_timeout: float = 5.0
@@ -187,10 +197,7 @@ class RpcBackendOptions:
     def __post_init__(self) -> None:
         if self.rpc_timeout < 0:
             raise InitError(f"rpc_timeout must be >= 0 seconds, got {self.rpc_timeout}")
-        if self.rref_leaks not in ("warn", "error", "ignore"):
-            raise InitError(
-                f"rref_leaks must be 'warn', 'error' or 'ignore', got {self.rref_leaks!r}"
-            )
+        _check_shutdown(self.shutdown_timeout, self.lost_workers, self.rref_leaks)
         if not self.handshake_timeout > 0:
             raise InitError(f"handshake_timeout must be > 0 seconds, got {self.handshake_timeout}")
         if self.heartbeat_interval < 0 or (
@@ -251,6 +258,17 @@ class RpcBackendOptions:
                 set before.
         """
         self.devices = [_device_key(d) for d in devices]
+
+
+def _check_shutdown(timeout: float | None, lost_workers: str, rref_leaks: str) -> None:
+    """Refuse a negative shutdown bound or an unknown reporting policy."""
+    if timeout is not None and not timeout >= 0:
+        raise InitError(
+            f"shutdown_timeout must be None or >= 0 seconds (0 and None: no limit), got {timeout}"
+        )
+    for name, value in (("lost_workers", lost_workers), ("rref_leaks", rref_leaks)):
+        if value not in ("warn", "error", "ignore"):
+            raise InitError(f"{name} must be 'warn', 'error' or 'ignore', got {value!r}")
 
 
 def _check_cuda_pools(size: object, timeout: object, pinned: object) -> None:

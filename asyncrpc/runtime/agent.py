@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -34,7 +33,7 @@ from asyncrpc.runtime.cuda.maps import DeviceMapHook, check_device_maps
 from asyncrpc.runtime.cuda.staging import cuda_transfer
 from asyncrpc.runtime.future import set_default_callback_loop
 from asyncrpc.runtime.group.join import Group, join
-from asyncrpc.runtime.group.shutdown import GracefulShutdown
+from asyncrpc.runtime.group.shutdown import GracefulShutdown, shutdown_limit
 from asyncrpc.runtime.metrics import Counters, LagProbe
 from asyncrpc.runtime.net.listener import Listener
 from asyncrpc.runtime.net.network import Network
@@ -116,6 +115,7 @@ class Agent:
         self.effective_timeout = self.outbox.effective_timeout
         self.send_ref, self.is_lost = self.network.send_ref, self.network.is_lost
         self.probe = self.network.probe  # dial unless connected or lost (shutdown)
+        self.is_connected = self.network.peers.connected
         self.dispatcher = Dispatcher(
             self.name, loop, self.pool, self.serializer, self.network.write, self.counters,
             self.pipeline, self.rrefs, options.print_errors,
@@ -262,11 +262,13 @@ class Agent:
         """Stop this worker; see ``asyncrpc.shutdown``.
 
         Raises:
-            ShutdownError: the graceful part failed (a peer died, or ``timeout`` ran out);
-                this worker is stopped all the same.
+            ShutdownError: the graceful part failed (the store's host died, or ``timeout``
+                ran out: ``ShutdownTimeoutError``), or workers died and ``lost_workers``
+                is "error" (``WorkersLostError``); this worker is stopped all the same.
         """
-        limit = self.options.shutdown_timeout if timeout is None else timeout
+        limit = shutdown_limit(self.options.shutdown_timeout if timeout is None else timeout)
         failure: ShutdownError | None = None
+        rounds = GracefulShutdown(self)
         # This worker reads no more: the streams it consumes end now. Those it produces are
         # not outstanding work (an endless one would hold the barrier) but go on while the
         # barrier waits: a worker that calls shutdown() right after joining, torch's way
@@ -277,7 +279,7 @@ class Agent:
             hook.flush()
         if graceful:
             try:
-                await GracefulShutdown(self).run(time.monotonic() + limit)
+                await rounds.run(limit)
             except ShutdownError as exc:
                 failure = exc
         # A graceful shutdown says Goodbye even when it failed (a peer died, or the time ran
@@ -286,6 +288,7 @@ class Agent:
         await self._close_transports(graceful)
         if failure is not None:
             raise failure
+        rounds.report_dead(self.options.lost_workers)
 
     async def _close_transports(self, graceful: bool) -> None:
         self.lag.stop()

@@ -109,18 +109,19 @@ def test_Agent_other_peers_keep_working_after_a_kill(killed_peer: dict[str, Any]
 def test_shutdown_returns_despite_a_dead_peer(killed_peer: dict[str, Any]) -> None:
     obs = killed_peer
     result = obs["shutdown"]
+    # Graceful: the survivors leave the dead w1 out of the barriers and finish together
+    # (torch hangs forever here); the driver logs a warning naming w1.
+    assert result["error"] is None, result
+    assert result["elapsed"] < (5.0 if obs["graceful"] else 2.0)
     if obs["graceful"]:
-        assert result["error"] is not None, result
-        assert result["error"]["type"] == "ShutdownError"
-        assert "'w1'" in result["error"]["message"]  # names the dead worker (a detail)
-        assert result["elapsed"] < 5.5  # the 5 s limit at worst; torch hangs forever here
-    else:
-        assert result["error"] is None, result
-        assert result["elapsed"] < 2.0
+        assert "worker(s) 'w1' died before shutdown" in obs["logs"]
     assert obs["not_initialized_after"]["type"] == "NotInitializedError"
-    # w1 was killed by us; w2 exits on its own (its shutdown fails: the group is broken).
+    # w1 was killed by us; w2 exits on its own, its shutdown done (graceful) or failed
+    # (the driver left without waiting for it).
     assert obs["worker_codes"][0] == -signal.SIGKILL
     assert obs["worker_codes"][1] not in (None, -signal.SIGKILL), obs["logs"]
+    if obs["graceful"]:
+        assert obs["worker_codes"][1] == 0, obs["logs"]
 
 
 # -- raw sockets sending garbage to a worker of the shared group ----------------------------

@@ -276,9 +276,8 @@ def test_shutdown_finds_a_never_contacted_dead_peer_within_seconds(tmp_path: Pat
     logs = driver.text() + "".join(p.log() for p in procs)
     assert code == 0, logs
     assert obs["stdin"] == "KILLED"
-    error = obs["shutdown"]["error"]
-    assert error is not None, obs["shutdown"]
-    assert error["type"] == "ShutdownError"
-    assert "'d1'" in error["message"]  # names the dead worker (a detail)
-    assert obs["shutdown"]["elapsed"] < 5.0, obs["shutdown"]  # not the 60 s limit
-    assert codes[1] not in (None, -9), logs  # d2 exits on its own, its shutdown failed too
+    # The probe finds d1 dead; the survivors finish without it and name it in a warning.
+    assert obs["shutdown"]["error"] is None, obs["shutdown"]
+    assert "worker(s) 'd1' died before shutdown" in logs
+    assert obs["shutdown"]["elapsed"] < 5.0, obs["shutdown"]  # the probe, not a wait
+    assert codes[1] == 0, logs  # d2 exits on its own, its shutdown done too

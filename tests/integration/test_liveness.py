@@ -69,9 +69,10 @@ def test_Heartbeat_later_calls_fail_fast_and_shutdown_does_not_wait(
     assert later["error"]["type"] == "PeerLostError"
     assert later["elapsed"] < 0.5
     assert hung_peer["debug_lost_peers"] == ["w1"]
+    # The survivors leave the hung w1 out of the barriers: no wait for it, a warning.
     shutdown = hung_peer["shutdown"]
-    assert shutdown["error"]["type"] == "ShutdownError"
-    assert "w1" in shutdown["error"]["message"]
+    assert shutdown["error"] is None, shutdown
+    assert "worker(s) 'w1' died before shutdown" in hung_peer["logs"]
     assert shutdown["elapsed"] < 5.0
 
 

@@ -19,6 +19,7 @@ from tests.scenarios import (  # noqa: F401 (imported to register their scenario
     heal,
     hosts,
     init,
+    jobs,
     rref,
     shm,
     stream,

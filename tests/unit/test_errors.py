@@ -28,6 +28,8 @@ SAMPLES: dict[str, tuple[Any, ...]] = {
     "DuplicateNameError": ("w1", 1, 0),
     "DuplicateRankError": (1, "w1b", "w1"),
     "StoreHostLostError": ("tcp://127.0.0.1:1", "Connection reset by peer"),
+    "ShutdownTimeoutError": (30.0, "'w1'", "calls-done"),
+    "WorkersLostError": (("w1", "w2"),),
 }
 
 # Where torch raises RuntimeError, ours are RuntimeErrors too.

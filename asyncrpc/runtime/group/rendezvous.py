@@ -23,7 +23,8 @@ import os
 import socket
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlparse, urlunparse
 
 import msgpack
@@ -45,6 +46,7 @@ __all__ = ["MIXED_GROUP", "PeerAddress", "StoreGroup", "is_dynamic", "join_group
 
 _log = logging.getLogger("asyncrpc.runtime.group.rendezvous")
 _PREFIX = "asyncrpc/"
+_T = TypeVar("_T")
 _POLL_S = 0.01
 # How long rank 0, whose process hosts a TCPStore, keeps it up after a failed start, for
 # the other members to read why (they acknowledge it); bounded, as they may never come.
@@ -394,15 +396,33 @@ class StoreGroup:
         keys = [f"{_PREFIX}barrier/{tag}/{r}" for r in range(self.world_size)]
         self._wait_for(keys, timeout, what)
 
+    def declare_lost(self, rank: int) -> None:
+        """Record that this worker found ``rank`` dead while shutting down."""
+        self._store_op(lambda: self.store.set(f"{_PREFIX}lost/{rank}", b"1"))
+
+    def declared_lost(self, ranks: list[int]) -> list[int]:
+        """Those of ``ranks`` some worker recorded as dead (never blocks)."""
+        return self._store_op(
+            lambda: [r for r in ranks if self.store.check([f"{_PREFIX}lost/{r}"])]
+        )
+
     def missing(self, tag: str) -> list[int]:
         """Ranks that have not reached barrier ``tag`` yet (never blocks). In a dynamic
         group: the members listed now."""
-        try:
+
+        def read() -> list[int]:
             ranks = self.member_ranks() if self.world_size is None else range(self.world_size)
             keys = {r: f"{_PREFIX}barrier/{tag}/{r}" for r in ranks}
             if self.store.check(list(keys.values())):
                 return []
             return [r for r, key in keys.items() if not self.store.check([key])]
+
+        return self._store_op(read)
+
+    def _store_op(self, op: Callable[[], _T]) -> _T:
+        """Run a shutdown-time store operation; an unreachable store is a ShutdownError."""
+        try:
+            return op()
         except (RuntimeError, OSError) as exc:
             raise ShutdownError(
                 f"the rendezvous store is unreachable (with tcp:// and env:// rank 0 hosts "

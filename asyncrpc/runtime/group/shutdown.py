@@ -1,12 +1,19 @@
 """Graceful shutdown: rounds of work separated by store barriers (layer L2).
 
-Graceful shutdown runs in rounds separated by store barriers, each bounded by one
-deadline: (1) every worker finishes its own outstanding calls; (2) every worker releases
-its user RRefs and waits for the owners to hear of it; (3) owners drain their deletes and
-report leaks; then connections close. A barrier fails fast, naming the peer, when a missing
-worker is known to be lost, so a dead peer never hangs shutdown. A worker still missing after
-``PROBE_AFTER_S`` is probed (dialled): a dead one, even one never contacted, refuses and is
-declared lost within a fraction of a second.
+Graceful shutdown runs in rounds separated by store barriers: (1) every worker finishes
+its own outstanding calls; (2) every worker releases its user RRefs and waits for the
+owners to hear of it; (3) owners drain their deletes and report leaks; then connections
+close. As in torch, the rounds wait without limit by default: a worker that calls
+``shutdown()`` right after joining serves its peers for as long as they run. A bound is
+opt-in (``ShutdownTimeoutError`` names where it comes from).
+
+A worker that died is left out: a barrier stops waiting for a missing worker once it is
+declared lost (its connection broke and redials were refused, its heartbeats stopped), so
+the survivors finish together. A worker still missing after ``PROBE_AFTER_S`` is probed
+(dialled): a dead one, even one never contacted, refuses and is declared lost within a
+fraction of a second. Each verdict is also written to the store, so that a survivor that
+never reached the dead worker (a host that went away answers no dial) does not wait for
+it either. The dead are reported once this worker has stopped (``lost_workers``).
 
 A member of a dynamic group leaves on its own, as members join: no barrier waits for the
 others (they may run on for long). It finishes its calls, releases its user RRefs, waits
@@ -19,19 +26,38 @@ members still there to leave, as in a static group.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from typing import Protocol
 
-from asyncrpc.errors import ShutdownError
+from asyncrpc.errors import ShutdownError, ShutdownTimeoutError, WorkersLostError
 from asyncrpc.runtime.group.join import Group
 from asyncrpc.runtime.services import RRefService
 
-__all__ = ["PROBE_AFTER_S", "GracefulShutdown", "ShutdownHost"]
+__all__ = ["PROBE_AFTER_S", "GracefulShutdown", "ShutdownHost", "shutdown_limit"]
+_log = logging.getLogger(__name__)
 _POLL_S = 0.005
+# A wait polls fast at first (a healthy group's barriers take milliseconds), then backs
+# off: a worker serving its peers for hours from inside shutdown() costs the store a few
+# reads a second, not two hundred.
+_MAX_POLL_S = 0.25
 # How long a barrier waits for a missing worker before probing it: long enough that a
 # healthy group (its barriers take milliseconds) opens no connection for it.
 PROBE_AFTER_S = 1.0
+
+
+def shutdown_limit(timeout: float | None) -> float | None:
+    """The bound of a graceful shutdown in seconds, or None for no limit (None or 0).
+
+    Raises:
+        ValueError: ``timeout`` is negative.
+    """
+    if timeout is None or timeout == 0:
+        return None
+    if not timeout > 0:
+        raise ValueError(f"a shutdown timeout must be >= 0 seconds (0: no limit), got {timeout}")
+    return float(timeout)
 
 
 class ShutdownHost(Protocol):
@@ -49,95 +75,155 @@ class ShutdownHost(Protocol):
 
     def is_lost(self, rank: int) -> bool: ...
 
+    def is_connected(self, rank: int) -> bool: ...
+
     def probe(self, rank: int) -> None:
         """Dial ``rank`` if not connected: it is declared lost if it refuses (no wait)."""
 
 
+class _Clock:
+    """The deadline of one shutdown: none, or ``limit`` seconds from its start."""
+
+    def __init__(self, limit: float | None) -> None:
+        self.limit = limit
+        self.at = None if limit is None else time.monotonic() + limit
+
+    def passed(self) -> bool:
+        return self.at is not None and time.monotonic() > self.at
+
+    def within(self, seconds: float) -> float:
+        """A deadline ``seconds`` from now, or this one's if it comes first."""
+        soon = time.monotonic() + seconds
+        return soon if self.at is None else min(soon, self.at)
+
+    def expired(self, waiting_for: str, stage: str) -> ShutdownTimeoutError:
+        assert self.limit is not None
+        return ShutdownTimeoutError(self.limit, waiting_for, stage)
+
+
 class GracefulShutdown:
-    """The graceful-shutdown protocol of one agent."""
+    """The graceful-shutdown protocol of one agent.
+
+    ``dead`` names the workers it stopped waiting for because they died, by rank.
+    """
 
     def __init__(self, agent: ShutdownHost) -> None:
         self._agent = agent
+        self.dead: dict[int, str] = {}
 
-    async def run(self, deadline: float) -> None:
-        """Run the shutdown rounds; raise ``ShutdownError`` if one cannot complete."""
-        agent = self._agent
+    async def run(self, limit: float | None) -> None:
+        """Run the shutdown rounds, for at most ``limit`` seconds (None: no limit).
+
+        Raises:
+            ShutdownTimeoutError: the limit ran out.
+            ShutdownError: the rendezvous store is unreachable (its host died).
+        """
+        agent, clock = self._agent, _Clock(limit)
         if agent.group.dynamic:
-            await self._leave(deadline)
+            await self._leave(clock)
             return
-        await self._until(lambda: agent.calls_in_flight() == 0, deadline, "finishing own calls")
-        await self._barrier("calls-done", deadline)
+        await _until(lambda: agent.calls_in_flight() == 0, clock, "this worker's own calls")
+        await self._barrier("calls-done", clock)
         rrefs = agent.rrefs
         rrefs.release_all_users()
-        await self._until(rrefs.quiescent, deadline, "releasing user RRefs")
-        await self._barrier("users-released", deadline)
+        await _until(rrefs.quiescent, clock, "the owners of its user RRefs")
+        await self._barrier("users-released", clock)
         # Deletes sent before the barrier may still be on the wire: give them a moment.
-        await self._until(
-            lambda: not rrefs.owner_leaks(), min(deadline, time.monotonic() + 1.0), None
-        )
+        await _until(lambda: not rrefs.owner_leaks(), _Clock(1.0), None)
         rrefs.report_leaks()
-        await self._until(lambda: agent.requests_running() == 0, deadline, "finishing requests")
-        await self._barrier("closing", deadline)
-        await self._release_store(deadline)
+        await _until(lambda: agent.requests_running() == 0, clock, "requests it runs")
+        await self._barrier("closing", clock)
+        await self._release_store(clock)
 
-    async def _leave(self, deadline: float) -> None:
+    def report_dead(self, policy: str) -> None:
+        """Tell of the workers that died, as ``policy`` (``lost_workers``) says.
+
+        Raises:
+            WorkersLostError: some died and ``policy`` is "error".
+        """
+        if not self.dead or policy == "ignore":
+            return
+        error = WorkersLostError(tuple(self.dead[r] for r in sorted(self.dead)))
+        if policy == "error":
+            raise error
+        _log.warning("worker %r: %s", self._agent.group.name, error)
+
+    async def _leave(self, clock: _Clock) -> None:
         """Leave a dynamic group: this member's own rounds, no barrier."""
         agent = self._agent
-        await self._until(lambda: agent.calls_in_flight() == 0, deadline, "finishing own calls")
+        await _until(lambda: agent.calls_in_flight() == 0, clock, "this worker's own calls")
         rrefs = agent.rrefs
         rrefs.release_all_users()
-        await self._until(rrefs.quiescent, deadline, "releasing user RRefs")
+        await _until(rrefs.quiescent, clock, "the owners of its user RRefs")
         # Holders release them, or leave (then their forks are dropped when they are
-        # declared lost); a holder that runs on past the deadline leaks them.
-        await self._until(lambda: not rrefs.owner_leaks(), deadline, None)
+        # declared lost); a holder that runs on past the deadline leaks them. Without a
+        # deadline a member waits for as long as they hold them.
+        await _until(lambda: not rrefs.owner_leaks(), clock, None)
         rrefs.report_leaks()
-        await self._until(lambda: agent.requests_running() == 0, deadline, "finishing requests")
-        await self._release_store(deadline)
+        await _until(lambda: agent.requests_running() == 0, clock, "requests it runs")
+        await self._release_store(clock)
 
-    async def _until(
-        self, condition: Callable[[], bool], deadline: float, what: str | None
-    ) -> None:
-        while not condition():
-            if time.monotonic() > deadline:
-                if what is None:
-                    return
-                raise ShutdownError(f"shutdown timed out while {what}")
-            await asyncio.sleep(_POLL_S)
-
-    async def _barrier(self, tag: str, deadline: float) -> None:
+    async def _barrier(self, tag: str, clock: _Clock) -> None:
         agent = self._agent
-        group, addresses = agent.group.store, agent.group.addresses
+        store = agent.group.store
         if agent.group.world_size is None or agent.group.world_size <= 1:
             return
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, group.arrive, tag)
+        await loop.run_in_executor(None, store.arrive, tag)
         delay = _POLL_S
         probe_at = time.monotonic() + PROBE_AFTER_S
-        while True:
-            missing = await loop.run_in_executor(None, group.missing, tag)
+        while True:  # bounded by the clock, or by every live worker arriving
+            missing = await self._waiting_for(tag)
             if not missing:
                 return
             if time.monotonic() > probe_at:
-                for rank in missing:
-                    agent.probe(rank)
+                await self._probe(missing)
                 probe_at = time.monotonic() + PROBE_AFTER_S
-            lost = [r for r in missing if agent.is_lost(r)]
-            if lost:
-                # A peer may have arrived since the read above and then closed its
-                # connections: it is dead only if the store still misses it now.
-                still = set(await loop.run_in_executor(None, group.missing, tag))
-                dead = [repr(addresses[r].name) for r in lost if r in still]
-                if dead:
-                    raise ShutdownError(f"worker(s) {', '.join(dead)} died before shutdown ({tag})")
-            if time.monotonic() > deadline:
-                names = ", ".join(repr(addresses[r].name) for r in missing)
-                raise ShutdownError(f"shutdown timed out waiting for {names} ({tag})")
+                continue
+            if clock.passed():
+                raise clock.expired(self._names(missing), tag)
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.05)
+            delay = min(delay * 2, _MAX_POLL_S)
 
-    async def _release_store(self, deadline: float) -> None:
-        # Rank 0 hosts the TCPStore: it waits until everyone has left the last barrier,
-        # so nobody polls a store that has already gone away.
+    async def _waiting_for(self, tag: str) -> list[int]:
+        """The live workers that have not reached barrier ``tag``; the dead ones found
+        missing are set aside (and named in the store)."""
+        agent, loop = self._agent, asyncio.get_running_loop()
+        store = agent.group.store
+        missing: list[int] = await loop.run_in_executor(None, store.missing, tag)
+        lost = [r for r in missing if r not in self.dead and agent.is_lost(r)]
+        if lost:
+            # A peer may have arrived since the read above and then closed its
+            # connections (it left: not dead): it is dead only if still missing now.
+            still = set(await loop.run_in_executor(None, store.missing, tag))
+            for rank in (r for r in lost if r in still):
+                self._set_aside(rank, tag)
+                await loop.run_in_executor(None, store.declare_lost, rank)
+        return [r for r in missing if r not in self.dead]
+
+    async def _probe(self, missing: list[int]) -> None:
+        """Dial the workers missing for long; adopt the verdicts other survivors stored
+        about those this worker has no live connection to."""
+        agent, loop = self._agent, asyncio.get_running_loop()
+        for rank in missing:
+            agent.probe(rank)
+        declared = await loop.run_in_executor(None, agent.group.store.declared_lost, missing)
+        for rank in declared:
+            if not agent.is_connected(rank):
+                self._set_aside(rank, "declared lost by another worker")
+
+    def _set_aside(self, rank: int, why: str) -> None:
+        name = self._agent.group.addresses[rank].name
+        self.dead[rank] = name
+        _log.info("worker %r: not waiting for %r: it died (%s)", self._agent.group.name, name, why)
+
+    def _names(self, ranks: list[int]) -> str:
+        addresses = self._agent.group.addresses
+        return ", ".join(repr(addresses[r].name) for r in ranks)
+
+    async def _release_store(self, clock: _Clock) -> None:
+        # Rank 0 hosts the TCPStore: it waits until everyone still alive has left the last
+        # barrier, so nobody polls a store that has already gone away.
         agent = self._agent
         group = agent.group.store
         if agent.group.world_size is not None and agent.group.world_size <= 1:
@@ -151,8 +237,21 @@ class GracefulShutdown:
             return  # rank 0 has left and its TCPStore with it: nobody is left to tell
         if agent.group.rank != 0:
             return
-        limit = min(deadline, time.monotonic() + 5.0)
-        while await loop.run_in_executor(None, group.missing, "left"):
+        limit = clock.within(5.0)
+        while await self._waiting_for("left"):
             if time.monotonic() > limit:
                 return
             await asyncio.sleep(_POLL_S)
+
+
+async def _until(condition: Callable[[], bool], clock: _Clock, what: str | None) -> None:
+    """Wait until ``condition`` holds; past the clock, raise (``what`` names the wait)
+    or, for a best-effort wait (``what`` None), return."""
+    delay = _POLL_S
+    while not condition():  # bounded by the clock, or by the work it waits for ending
+        if clock.passed():
+            if what is None:
+                return
+            raise clock.expired(what, "finishing")
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, _MAX_POLL_S)
