@@ -138,3 +138,6 @@ __all__ = [
 
 # torch's name of the RRef class its RRef subclasses (``isinstance(x, rpc.PyRRef)``).
 PyRRef = RRef
+
+__version__ = "0.1.0"
+"""The version of asyncrpc, as in pyproject.toml (the distribution ``asyncrpc-torch``)."""

@@ -347,6 +347,13 @@ def as_remote_call_error(exc: BaseException) -> BaseException:
     A ``RuntimeError``, or a ``BaseException`` that is no ``Exception``, is returned as is;
     so is an exception whose class cannot be paired (a layout conflict, a strict
     ``__new__``): it keeps its own type rather than losing it.
+
+    Args:
+        exc: the exception as unpickled from the callee's reply.
+
+    Returns:
+        A copy whose class derives from ``type(exc)`` and ``RemoteCallError``, with the
+        same ``args`` and attributes; or ``exc`` itself in the cases above.
     """
     if isinstance(exc, RuntimeError) or not isinstance(exc, Exception):
         return exc
@@ -483,6 +490,12 @@ def as_callback_error(exc: BaseException) -> BaseException:
     A ``RuntimeError`` (or a ``BaseException`` that is no ``Exception``) is returned as is.
     Otherwise the copy's class derives from both ``type(exc)`` and ``CallbackError``,
     keeps ``args``, attributes, message and traceback, and pickles as that pair.
+
+    Args:
+        exc: what a ``then`` callback raised.
+
+    Returns:
+        The copy (its ``__cause__`` is ``exc``), or ``exc`` itself as said above.
     """
     if isinstance(exc, RuntimeError) or not isinstance(exc, Exception):
         return exc
@@ -516,6 +529,14 @@ def as_backward_error(exc: BaseException, node: int) -> BaseException:
     A ``BackwardError`` (from a deeper worker) or a ``BaseException`` that is no
     ``Exception`` is returned as is. Where the two types cannot be paired (a
     ``RuntimeError`` of its own already), a plain ``BackwardError`` with the same text.
+
+    Args:
+        exc: the error raised in that worker's part of the pass.
+        node: that worker's rank.
+
+    Returns:
+        The paired copy (``node`` set, ``exc`` its ``__cause__``), a plain
+        ``BackwardError``, or ``exc`` itself, as said above.
     """
     if isinstance(exc, BackwardError) or not isinstance(exc, Exception):
         return exc

@@ -50,7 +50,14 @@ def async_execution(fn: F) -> F:
 
 
 def is_async_execution(fn: Any) -> bool:
-    """True when ``fn`` (or the function under a bound method) is marked ``async_execution``."""
+    """True when ``fn`` (or the function under a bound method) is marked ``async_execution``.
+
+    Args:
+        fn: any callable; torch's ``rpc.functions.async_execution`` mark counts too.
+
+    Returns:
+        Whether the callee replies with the outcome of the future ``fn`` returns.
+    """
     return bool(getattr(fn, _MARK, False)) or getattr(fn, _TORCH_MARK, None) is not None
 
 
@@ -75,7 +82,14 @@ def inline(fn: F) -> F:
 
 
 def is_inline(fn: Any) -> bool:
-    """True when ``fn`` (or the function under a bound method) is marked ``inline``."""
+    """True when ``fn`` (or the function under a bound method) is marked ``inline``.
+
+    Args:
+        fn: any callable.
+
+    Returns:
+        Whether the callee runs ``fn`` on its event loop.
+    """
     return bool(getattr(fn, _INLINE_MARK, False))
 
 
@@ -108,6 +122,12 @@ def per_callable_cache(compute: Callable[[Any], R]) -> Callable[[Any], R]:
     """Memoise ``compute(fn)`` per callable (bounded): it runs on every call's hot path.
 
     Unhashable callables are computed every time.
+
+    Args:
+        compute: a pure function of one callable.
+
+    Returns:
+        ``compute`` with a cache of its last 4,096 callables (its name and docstring kept).
     """
     cached = functools.lru_cache(maxsize=4096)(compute)
 
@@ -117,12 +137,19 @@ def per_callable_cache(compute: Callable[[Any], R]) -> Callable[[Any], R]:
         except TypeError:  # unhashable: nothing to cache
             return compute(fn)
 
-    return lookup
+    return functools.update_wrapper(lookup, compute)  # compute's name and docstring
 
 
 @per_callable_cache
 def is_coroutine_function(fn: Any) -> bool:
-    """True when calling ``fn`` returns a coroutine (``async def``), cached per function."""
+    """True when calling ``fn`` returns a coroutine (``async def``), cached per function.
+
+    Args:
+        fn: any callable; an object with an ``async def __call__`` counts.
+
+    Returns:
+        Whether the callee awaits ``fn(...)`` on its event loop.
+    """
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
         getattr(fn, "__call__", None)  # noqa: B004 - objects with an async __call__
     )

@@ -57,7 +57,15 @@ def check_worker_name(name: object) -> None:
 
 @dataclass(frozen=True, slots=True)
 class WorkerInfo:
-    """A worker's identity: its unique ``name`` and its rank ``id`` (torch's names)."""
+    """A worker's identity: its unique ``name`` and its rank ``id`` (torch's names).
+
+    Attributes:
+        name: the worker's name, unique in its group.
+        id: its rank.
+
+    Raises:
+        WorkerNameError: ``name`` is not a valid worker name.
+    """
 
     name: str
     id: int
@@ -238,7 +246,14 @@ class RpcBackendOptions:
             self.devices = [_device_key(d) for d in self.devices]
 
     def set_device_map(self, to: str, device_map: Mapping[Any, Any]) -> None:
-        """Add or extend the device map towards worker ``to`` (torch's method of that name)."""
+        """Add or extend the device map towards worker ``to`` (torch's method of that name).
+
+        Args:
+            to: the callee's name.
+            device_map: this worker's devices to the callee's (``{0: 1}``,
+                ``{"cuda:0": "cuda:1"}``, ``torch.device`` keys); merged into any map
+                already set for ``to``.
+        """
         maps = self.device_maps if self.device_maps is not None else {}
         maps.setdefault(to, {}).update(
             {_device_key(k): _device_key(v) for k, v in device_map.items()}
@@ -246,7 +261,12 @@ class RpcBackendOptions:
         self.device_maps = maps
 
     def set_devices(self, devices: list[Any]) -> None:
-        """Set the devices this worker uses (torch's method of that name)."""
+        """Set the devices this worker uses (torch's method of that name).
+
+        Args:
+            devices: CUDA devices (``0``, ``"cuda:0"``, ``torch.device``), replacing any
+                set before.
+        """
         self.devices = [_device_key(d) for d in devices]
 
 

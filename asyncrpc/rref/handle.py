@@ -171,9 +171,12 @@ class RRef(Generic[T]):
     def local_value(self) -> T:
         """The value itself; owner only. Waits if a ``remote()`` is still computing it.
 
+        Returns:
+            The very object the owner holds (no copy).
+
         Raises:
             RRefError: this worker is not the owner.
-            The exception that creating the value raised.
+            Exception: the exception that creating the value raised.
         """
         if self._value is None:
             me, owner = self._ctx.worker_info(self._ctx.rank), self.owner()
@@ -222,9 +225,16 @@ class RRef(Generic[T]):
 
         In async code use ``await rref.to_here_future()``.
 
+        Args:
+            timeout: seconds; -1 means the default rpc timeout, 0 none.
+
+        Returns:
+            A copy of the value (on the owner, the value itself).
+
         Raises:
             BlockingCallError: called on the agent's loop thread before the value is here.
-            The errors of ``to_here_future`` and the exception creating the value raised.
+            Exception: the errors of ``to_here_future`` and the exception creating the
+                value raised, as its own type.
         """
         return self._fetch(timeout, "sync").wait()
 
@@ -328,20 +338,56 @@ class RRef(Generic[T]):
     # -- proxies ---------------------------------------------------------------------------
 
     def rpc_sync(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
-        """Proxy: ``rref.rpc_sync().method(*args)`` runs ``value.method`` on the owner."""
+        """Proxy: ``rref.rpc_sync().method(*args)`` runs ``value.method`` on the owner.
+
+        Args:
+            timeout: seconds for each call made through the proxy; -1 means the default
+                ``rpc_timeout``, 0 none.
+
+        Returns:
+            A proxy whose method calls block for the result, as ``rpc_sync``.
+        """
         return _Proxy(self, "sync", timeout)
 
     def rpc_async(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
-        """Proxy: ``rref.rpc_async().method(*args)`` returns a Future of the result."""
+        """Proxy: ``rref.rpc_async().method(*args)`` returns a Future of the result.
+
+        Args:
+            timeout: seconds for each call made through the proxy; -1 means the default
+                ``rpc_timeout``, 0 none.
+
+        Returns:
+            A proxy whose method calls return a ``Future``, as ``rpc_async``.
+        """
         return _Proxy(self, "async", timeout)
 
     def remote(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
-        """Proxy: ``rref.remote().method(*args)`` returns an RRef of the result."""
+        """Proxy: ``rref.remote().method(*args)`` returns an RRef of the result.
+
+        As torch's, the proxy first checks that the value's type has ``method``.
+
+        Args:
+            timeout: seconds for each ``remote`` made through the proxy; -1 means the
+                default ``rpc_timeout``, 0 none.
+
+        Returns:
+            A proxy whose method calls return an ``RRef`` owned by this RRef's owner.
+        """
         return _Proxy(self, "remote", timeout)
 
     def stream(self, timeout: float = UNSET_RPC_TIMEOUT, window: int | None = None) -> Any:
         """Proxy: ``rref.stream().method(*args)`` iterates the generator method ``method``
-        of the value on its owner, as ``asyncrpc.rpc_stream`` does (returns a ``Stream``)."""
+        of the value on its owner, as ``asyncrpc.rpc_stream`` does.
+
+        Args:
+            timeout: seconds each wait for the next item may last; -1 means the default
+                ``rpc_timeout``, 0 none.
+            window: items the producer may run ahead (default:
+                ``RpcBackendOptions.stream_window``).
+
+        Returns:
+            A proxy whose method calls return a ``Stream``.
+        """
         return _StreamProxy(self, timeout, window)
 
 
