@@ -20,10 +20,12 @@ pytestmark = pytest.mark.timeout(150)
 EXACT = {"rtol": 0.0, "atol": 0.0}
 
 
-def _run_both(name: str, tmp_path: Path) -> tuple[dict[int, Any], ...]:
+def _run_both(name: str, tmp_path: Path, argv: tuple[str, ...] = ()) -> tuple[dict[int, Any], ...]:
     """Run the program with each implementation at once (torch's results first)."""
     with ThreadPoolExecutor(len(IMPLS)) as pool:
-        futures = [pool.submit(run_program, name, impl, tmp_path / impl) for impl in IMPLS]
+        futures = [
+            pool.submit(run_program, name, impl, tmp_path / impl, argv=argv) for impl in IMPLS
+        ]
         return tuple(future.result() for future in futures)
 
 
@@ -88,3 +90,13 @@ def test_DdpRpc_hybrid_model_matches_torch(tmp_path: Path) -> None:
     # DDP averaged the gradients: both trainers hold the same Linear.
     assert_close(master["trainers"][0]["fc"], master["trainers"][1]["fc"], **EXACT)
     _assert_trained(master["initial"], master["final"])
+
+
+@pytest.mark.parametrize("mode", ["batch", "single"])
+def test_BatchReinforce_agent_matches_torch(tmp_path: Path, mode: str) -> None:
+    # Exact: a batched step runs the policy once for both observers, under the agent's
+    # lock; a single one draws each observer's action from that observer's generator.
+    torch_run, ours = _run_both("batch_reinforce", tmp_path, ("--mode", mode))
+    assert_close(ours, torch_run, **EXACT)
+    assert len(ours[0]["rewards"]) == 3
+    _assert_trained(ours[0]["initial"], ours[0]["final"])

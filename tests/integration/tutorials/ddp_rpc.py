@@ -8,6 +8,8 @@ distributed autograd and a ``DistributedOptimizer`` over the remote module's
 ``remote_parameters()`` and the trainer's own ``RRef(param)``s. Changes from the tutorial:
 CPU, fewer and smaller batches, seeds, and a barrier of the trainers after each step (so
 each forward sees both trainers' updates of the shared table, whatever the timing).
+With ``--full``, the sizes and lengths of pytorch/examples ``distributed/rpc/ddp_rpc``:
+100 epochs of 10 batches of 20 to 50 indices into a table of 100.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.integration.tutorials.common import impl, main, save, seeded
+from tests.integration.tutorials.common import full, impl, main, save, seeded
 
 if impl() == "torch":
     import torch.distributed.autograd as dist_autograd
@@ -37,7 +39,11 @@ else:
     from asyncrpc.nn import RemoteModule
     from asyncrpc.optim import DistributedOptimizer
 
-NUM_EMBEDDINGS, EMBEDDING_DIM, EPOCHS, BATCHES = 20, 16, 2, 3
+EMBEDDING_DIM = 16
+if full():
+    NUM_EMBEDDINGS, EPOCHS, BATCHES, INDICES, MAX_BAG = 100, 100, 10, (20, 50), 10
+else:
+    NUM_EMBEDDINGS, EPOCHS, BATCHES, INDICES, MAX_BAG = 20, 2, 3, (6, 12), 4
 
 
 class HybridModel(torch.nn.Module):
@@ -56,12 +62,12 @@ class HybridModel(torch.nn.Module):
 
 def get_next_batch() -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     for _ in range(BATCHES):
-        num_indices = random.randint(6, 12)
+        num_indices = random.randint(*INDICES)
         indices = torch.randint(0, NUM_EMBEDDINGS, (num_indices,))
         offsets, start, batch_size = [], 0, 0
         while start < num_indices:
             offsets.append(start)
-            start += random.randint(1, 4)
+            start += random.randint(1, MAX_BAG)
             batch_size += 1
         target = torch.randint(0, 8, (batch_size,))
         yield indices, torch.tensor(offsets), target
