@@ -146,18 +146,24 @@ class Agent:
         rets = torch.futures.wait_all(futs)
         returns = torch.stack([ret[0] for ret in rets]).t()  # (steps, observers)
         ep_reward = sum(ret[1] for ret in rets) / len(rets)
+        # The upstream sums every step's loss and calls backward once; we call it on each
+        # step's own graph in the steps' order (see reinforce.backward_in_order for why).
+        n = len(rets)
         if self.batch:
-            log_probs = torch.stack(self.saved_log_probs)
+            terms = [
+                -(lp * ret).sum() / n for lp, ret in zip(self.saved_log_probs, returns, strict=True)
+            ]
         else:
-            log_probs = torch.stack([torch.stack(lps) for lps in self.single_log_probs]).t()
-        policy_loss = (-log_probs * returns / len(rets)).sum()
-        policy_loss.backward()
+            steps = zip(*self.single_log_probs, returns, strict=True)
+            terms = [-lp * ret[o] / n for *lps, ret in steps for o, lp in enumerate(lps)]
+        for term in terms:
+            term.backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.saved_log_probs = []
         self.single_log_probs = [[] for _ in self.ob_rrefs]
         self.running_reward = 0.5 * ep_reward + 0.5 * self.running_reward
-        return ep_reward, self.running_reward, policy_loss.detach()
+        return ep_reward, self.running_reward, torch.stack(terms).sum().detach()
 
 
 def run_worker(args: argparse.Namespace) -> None:

@@ -167,13 +167,25 @@ class Agent:
             returns.insert(0, R)
         returns_t = torch.tensor(returns)
         returns_t = (returns_t - returns_t.mean()) / (returns_t.std() + self.eps)
-        policy_loss = torch.cat(
-            [-log_prob * R for log_prob, R in zip(probs, returns_t, strict=True)]
-        ).sum()
+        terms = [-log_prob * R for log_prob, R in zip(probs, returns_t, strict=True)]
         self.optimizer.zero_grad()
-        policy_loss.backward()
+        backward_in_order(terms)
         self.optimizer.step()
-        return min_reward, policy_loss.detach()
+        return min_reward, torch.cat(terms).sum().detach()
+
+
+def backward_in_order(terms: list[torch.Tensor]) -> None:
+    """Backward through each step's term in turn (the tutorial: one backward of their sum).
+
+    Each term's graph was built on whichever pool thread served its call, and one backward
+    over all of them would add their gradients in the order of the nodes' sequence
+    numbers, which autograd counts per thread: an order torch's and asyncrpc's pools (or
+    two torch runs) need not share. One float32 rounding apart, a policy draws another
+    action some hundred episodes later, and the runs part. Term by term, the gradients
+    add in the steps' order.
+    """
+    for term in terms:
+        term.sum().backward()
 
 
 def run_worker(args: argparse.Namespace) -> None:
