@@ -185,9 +185,9 @@ def run_program(
         # torch warns at import when numpy is absent; the programs do not use numpy.
         PYTHONWARNINGS="ignore:Failed to initialize NumPy",
     )  # fmt: skip
-    argv = [sys.executable, "-m", f"tests.integration.tutorials.{name}", "--impl", impl_name,
-            "--out", str(out), "--timeout", str(timeout), *argv]  # fmt: skip
-    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+    command = [sys.executable, "-m", f"tests.integration.tutorials.{name}", "--impl", impl_name,
+               "--out", str(out), "--timeout", str(timeout), *argv]  # fmt: skip
+    proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)  # fmt: skip
     try:
         output, _ = proc.communicate(timeout=timeout + 20.0)

@@ -5,7 +5,8 @@ first trainer's ``rpc.remote``. Each trainer holds an RRef to it, runs the forwa
 there, and trains with distributed autograd and a ``DistributedOptimizer`` over the
 server's parameter RRefs. Changes from the tutorial: a tiny conv net on seeded synthetic
 images instead of MNIST, no dropout, and a turn gate on the server so the two trainers'
-steps interleave in one fixed order (T1, T2, T1, ...) and the result is reproducible.
+steps interleave in one fixed order (T1, T2, T1, ...) and the result is reproducible
+(each trainer then tests the model once all have finished).
 With ``--full``, the lengths of pytorch/examples ``distributed/rpc/parameter_server``:
 three trainers, each one pass in batches of 32 over a training set of MNIST's size and
 shape (60,000 images of 28x28 in 10 classes, synthetic), then its accuracy over a test
@@ -151,6 +152,9 @@ def run_training_loop(trainer: int) -> dict[str, Any]:
         losses.append(loss.detach())
         # Sorted: the dict's order is the owner's, and float sums depend on the order.
         grad_norms.append(torch.stack(sorted(g.pow(2).sum() for g in grads.values())).sum())
+    # Not in the tutorial: measure the model every trainer has finished with (a trainer
+    # done first would otherwise test a model the others are still stepping).
+    rpc.rpc_sync("parameter_server", wait_turn, args=(len(losses) * TRAINERS,))
     return {"losses": torch.stack(losses), "grad_norms": torch.stack(grad_norms),
             "accuracy": get_accuracy(net)}  # fmt: skip
 
