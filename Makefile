@@ -28,7 +28,7 @@ test-long: $(STAMP)
 
 # The programs of pytorch/examples distributed/rpc at their own default lengths, torch and
 # asyncrpc one after the other, results compared (tests marked `examples_full`, about 20
-# minutes on a 2-core VM); each run's wall time goes to examples-report.json.
+# minutes on a 2-core VM); each run's wall and CPU time go to examples-report.json.
 examples-torch: $(STAMP)
 	rm -f examples-report.json
 	EXAMPLES_REPORT=examples-report.json $(PY) -m pytest -q -m examples_full tests/integration/test_tutorials_full.py
