@@ -109,11 +109,10 @@ def test_Rnn_ten_epochs_match_torch(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(2400)
 def test_DdpRpc_hundred_epochs_match_torch(tmp_path: Path) -> None:
-    # Within rounding, as at the short length: both trainers step the shared table.
+    # Exact: the trainers step the shared table in turn (see the program's docstring).
     torch_run, ours = _run_both("ddp_rpc", tmp_path, timeout=1000)
     master, torch_master = ours[2], torch_run[2]
-    assert_close(master["initial"], torch_master["initial"], **EXACT)
-    assert_close(master, torch_master)
+    assert_close(master, torch_master, **EXACT)
     assert_close(master["trainers"][0]["fc"], master["trainers"][1]["fc"], **EXACT)
     assert all(t["losses"].shape == (1000,) for t in master["trainers"])
     _assert_trained(master["initial"], master["final"])
