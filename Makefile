@@ -31,8 +31,8 @@ test-long: $(STAMP)
 # minutes on a 2-core VM); each run's wall and CPU time go to examples-report.json.
 examples-torch: $(STAMP)
 	rm -f examples-report.json
-	EXAMPLES_REPORT=examples-report.json $(PY) -m pytest -q -m examples_full tests/integration/test_tutorials_full.py
-	cat examples-report.json
+	EXAMPLES_REPORT=examples-report.json $(PY) -m pytest -q -m examples_full \
+		tests/integration/test_tutorials_full.py; status=$$?; cat examples-report.json; exit $$status
 
 # The CUDA tests (tests/gpu); they skip without a GPU.
 test-gpu: $(STAMP)
