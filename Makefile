@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-fast test-long test-gpu lint docs bench bench-cuda bench-full example check clean conformance conformance-ci chaos soak fuzz size
+.PHONY: install test test-fast test-long examples-torch test-gpu lint docs bench bench-cuda bench-full example check clean conformance conformance-ci chaos soak fuzz size
 
 $(STAMP): pyproject.toml .ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,14 @@ test-fast: $(STAMP)
 # 70 s and for 10 minutes (tests marked `long`), about 13 minutes in all.
 test-long: $(STAMP)
 	$(PY) -m pytest -q -m long
+
+# The programs of pytorch/examples distributed/rpc at their own default lengths, torch and
+# asyncrpc one after the other, results compared (tests marked `examples_full`, about 20
+# minutes on a 2-core VM); each run's wall and CPU time go to examples-report.json.
+examples-torch: $(STAMP)
+	rm -f examples-report.json
+	EXAMPLES_REPORT=examples-report.json $(PY) -m pytest -q -m examples_full \
+		tests/integration/test_tutorials_full.py; status=$$?; cat examples-report.json; exit $$status
 
 # The CUDA tests (tests/gpu); they skip without a GPU.
 test-gpu: $(STAMP)
@@ -90,4 +98,4 @@ example: $(STAMP)
 check: lint test conformance-ci
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache conformance-report.json chaos-report.json soak-report.json size-report.json
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache conformance-report.json examples-report.json chaos-report.json soak-report.json size-report.json
