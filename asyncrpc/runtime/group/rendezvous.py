@@ -41,6 +41,7 @@ from asyncrpc.errors import (
 )
 from asyncrpc.protocol import auth
 from asyncrpc.protocol.address import PeerAddress
+from asyncrpc.runtime.group.quiet import QuietStore, quiet_cpp_logs
 
 __all__ = ["MIXED_GROUP", "PeerAddress", "StoreGroup", "is_dynamic", "join_group"]
 
@@ -105,6 +106,15 @@ def check_rank(init_method: str, rank: int) -> None:
 def _open_store(
     init_method: str, rank: int, world_size: int | None, timeout: float, host: str = ""
 ) -> Any:
+    # Connecting to a store nobody serves yet logs each attempt in C++, with its stack:
+    # the InitError raised says the same in one line (see quiet.py).
+    with quiet_cpp_logs():
+        return _open_store_loudly(init_method, rank, world_size, timeout, host)
+
+
+def _open_store_loudly(
+    init_method: str, rank: int, world_size: int | None, timeout: float, host: str
+) -> Any:
     # The module (``torch.distributed.rendezvous`` the attribute is its function).
     torch_rendezvous = importlib.import_module("torch.distributed.rendezvous")
     seconds = datetime.timedelta(seconds=timeout)
@@ -134,7 +144,12 @@ def _open_store(
             )
         store, rank_out, world_out = next(opened)
     except (ValueError, RuntimeError, OSError) as exc:
-        raise InitError(f"rendezvous through {init_method!r} failed: {exc}") from exc
+        hint = ""
+        if _hosts_store(init_method) and rank != 0 and isinstance(exc, (RuntimeError, OSError)):
+            hint = " (rank 0's process serves this store: has it started, at that address?)"
+        raise InitError(
+            f"rendezvous through {init_method!r} failed: {_first_line(exc)}{hint}"
+        ) from exc
     return store, int(rank_out), int(world_out)
 
 
@@ -223,7 +238,9 @@ class StoreGroup:
     """The store of a worker group, with the keys asyncrpc keeps in it."""
 
     def __init__(self, store: Any, rank: int, world_size: int | None) -> None:
-        self.store = store
+        # Every call through it is quiet in C++: a store whose host has gone would log
+        # its failure with a C++ stack before raising it (see quiet.py).
+        self.store = store if isinstance(store, QuietStore) else QuietStore(store)
         self.rank = rank
         self.world_size = world_size  # None: a dynamic group
 
