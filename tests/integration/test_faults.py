@@ -315,9 +315,9 @@ def test_a_worker_whose_graceful_shutdown_fails_still_says_goodbye(tmp_path: Pat
 
 
 def test_a_worker_whose_program_ends_without_shutdown_is_named_so_on_both_sides() -> None:
-    # The leaver's program returns without shutdown(), its worker still running: the
-    # stayer's errors say the leaver closed without a Goodbye, a hint of the forgotten
-    # shutdown(). The stayer never says "the next call reconnects": the
+    # The leaver's program returns without shutdown(), its worker still running: it warns
+    # at exit, and the stayer's errors say the leaver closed without a Goodbye, a hint of
+    # the forgotten shutdown(). The stayer never says "the next call reconnects": the
     # leaver is gone, as its refused redial proves.
     init = f"tcp://127.0.0.1:{free_port()}"
     common = ["--init-method", init, "--rpc-timeout", "20", "--role"]
@@ -334,6 +334,7 @@ def test_a_worker_whose_program_ends_without_shutdown_is_named_so_on_both_sides(
     finally:
         stayer.kill()
         leaver.kill()
+    assert "asyncrpc worker 'leaver' was not shut down; call asyncrpc.shutdown()" in leaver.text()
     assert obs["running"], obs
     assert obs["declared_lost"], obs
     pending, later = obs["pending"]["error"], obs["later"]["error"]
