@@ -3,8 +3,10 @@
 Every worker claims its rank and name in the store, publishes its listening address, and
 reads everyone else's. Duplicate names or ranks and differing world sizes fail at init: the
 first worker to see one posts the typed error in the store, and every member still joining
-raises the same error at once instead of waiting out the timeout. All calls here block; the
-agent runs them on a helper thread so its loop keeps serving.
+raises the same error at once instead of waiting out the timeout. So does a static group
+whose members did not all come in time: the first to give up posts which ranks are
+missing. All calls here block; the agent runs them on a helper thread so its loop keeps
+serving.
 
 A group is static (``world_size`` given: everyone waits for everyone) or dynamic (no
 ``world_size``: a member joins at once, reads the members already there, and is found by
