@@ -341,6 +341,9 @@ def test_a_worker_whose_program_ends_without_shutdown_is_named_so_on_both_sides(
     assert pending["type"] == later["type"] == "PeerLostError", obs
     assert "without a Goodbye" in pending["message"], pending
     assert "without calling asyncrpc.shutdown()" in pending["message"], pending
+    blocking = obs["pending_blocking"]["error"]  # on a lane: the same hint
+    assert blocking["type"] == "PeerLostError", obs
+    assert "without calling asyncrpc.shutdown()" in blocking["message"], blocking
     assert "its process has ended" in later["message"], later
     assert "without calling asyncrpc.shutdown()" in later["message"], later
     assert obs["shutdown"]["error"] is None, obs

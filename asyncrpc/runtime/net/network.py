@@ -44,7 +44,7 @@ from asyncrpc.runtime.net.heartbeat import Heartbeat, Watched
 from asyncrpc.runtime.net.links import Links, SentCalls
 from asyncrpc.runtime.net.listener import Listener, Parked
 from asyncrpc.runtime.net.loopback import LoopbackConnection
-from asyncrpc.runtime.net.peers import GOODBYE_REASON, NO_GOODBYE_HINT, PeerTable
+from asyncrpc.runtime.net.peers import GOODBYE_REASON, PeerTable, without_goodbye
 from asyncrpc.runtime.net.tls import TlsContexts
 from asyncrpc.runtime.net.transport import Connection
 from asyncrpc.runtime.services import RRefService
@@ -273,10 +273,8 @@ class Network:
         # Forks whose frames may have died with it: ask the peer (see reflog.py).
         self.links.on_lost(rank, conn, ask=peer.lost is None and not self.closed)
         cause = f"connection lost ({exc or 'EOF'})"
-        if peer.vanished is not None:  # the peer closed it unannounced: a hint of why
-            reason = f"{cause} without a Goodbye (if it is gone, {NO_GOODBYE_HINT})"
-        else:
-            reason = cause
+        # The peer closed it unannounced: a hint of why.
+        reason = cause if peer.vanished is None else without_goodbye(cause)
         self._receiver.on_connection_lost(
             rank, conn, peer.lost or PeerLostError(peer.address.name, reason)
         )

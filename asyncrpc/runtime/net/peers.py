@@ -45,6 +45,7 @@ __all__ = [
     "Peer",
     "PeerTable",
     "closed_by_peer",
+    "without_goodbye",
 ]
 
 _log = logging.getLogger("asyncrpc.runtime.net.peers")
@@ -68,6 +69,11 @@ def closed_by_peer(exc: BaseException | None) -> bool:
     return exc is None or isinstance(
         exc, (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
     )
+
+
+def without_goodbye(reason: str) -> str:
+    """``reason`` for a connection the peer closed unannounced, with a hint of why."""
+    return f"{reason} without a Goodbye (if it is gone, {NO_GOODBYE_HINT})"
 
 
 class Peer:
