@@ -8,7 +8,9 @@ the caller's loop, no extra thread). ``await call(...)`` works from any running 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import enum
+import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -55,9 +57,11 @@ __all__ = [
 P = ParamSpec("P")
 R = TypeVar("R")
 
+_log = logging.getLogger("asyncrpc")
 # The loop thread of an agent started by init_rpc (None for init_rpc_async agents).
 _loop_threads: dict[int, LoopThread] = {}
 _lifecycle_lock = threading.Lock()
+_exit_check = threading.Event()  # set once the check at exit is registered
 
 
 class BackendType(enum.Enum):
@@ -166,10 +170,39 @@ async def init_rpc_async(
 async def _start(name: str, rank: int, world_size: int | None, options: RpcBackendOptions) -> Agent:
     # The composition root: the runtime's agent, with this package's RRef layer and the
     # call pipeline's hooks plugged in (profiling first: its span covers the others).
-    return await Agent.start(
+    agent = await Agent.start(
         name, rank, world_size, options, RRefContext, set_agent,
         hooks=lambda group: [ProfilingHook(group.rank), AutogradHook(group.rank)],
     )  # fmt: skip
+    if not _exit_check.is_set():
+        _exit_check.set()
+        # Registered after logging's own exit handler (atexit runs the last first), so the
+        # warning is still written.
+        atexit.register(_warn_if_running)
+    return agent
+
+
+def _warn_if_running() -> None:
+    """At exit: a worker still running was never shut down. Its peers will see it vanish
+    (a reset, or nothing until a timeout), so say here what was forgotten."""
+    agent = _peek_agent()
+    if agent is None or agent.closed:
+        return
+    # A plain flag, read on the loop thread only to choose what to log: peers that go
+    # away now are not followed by "the next call reconnects".
+    agent.network.leaving = True
+    _log.warning(
+        "asyncrpc worker %r was not shut down; call asyncrpc.shutdown() before the program "
+        "ends (rpc.shutdown() in torch's words): its peers see it vanish, their calls to it "
+        "fail and their own shutdown() waits for it or fails",
+        agent.name,
+    )
+
+
+async def _leave(agent: Agent, graceful: bool, timeout: float | None) -> None:
+    """``agent.shutdown``, once the network knows this worker is leaving (on its loop)."""
+    agent.network.leaving = True
+    await agent.shutdown(graceful, timeout)
 
 
 def _peek_agent() -> Agent | None:
@@ -209,7 +242,7 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
         raise BlockingCallError("shutdown() would block the agent's loop; use shutdown_async()")
     thread = _loop_threads.pop(id(agent), None)
     try:
-        asyncio.run_coroutine_threadsafe(agent.shutdown(graceful, timeout), agent.loop).result()
+        asyncio.run_coroutine_threadsafe(_leave(agent, graceful, timeout), agent.loop).result()
     finally:
         clear_agent(agent)
         if thread is not None:
@@ -226,10 +259,10 @@ async def shutdown_async(graceful: bool = True, timeout: float | None = None) ->
     thread = _loop_threads.pop(id(agent), None)
     try:
         if asyncio.get_running_loop() is agent.loop:
-            await agent.shutdown(graceful, timeout)
+            await _leave(agent, graceful, timeout)
         else:
             await asyncio.wrap_future(
-                asyncio.run_coroutine_threadsafe(agent.shutdown(graceful, timeout), agent.loop)
+                asyncio.run_coroutine_threadsafe(_leave(agent, graceful, timeout), agent.loop)
             )
     finally:
         clear_agent(agent)

@@ -45,6 +45,7 @@ __all__ = [
     "RemoteCallError",
     "RemoteError",
     "RemoteProtocolError",
+    "RendezvousTimeoutError",
     "RpcTimeoutError",
     "SerializationError",
     "ShutdownError",
@@ -162,6 +163,33 @@ class StoreHostLostError(InitError, ConnectionError):
         return (
             f"the rendezvous store at {self.init_method} is gone while joining the group: "
             f"its host (rank 0) died or left during start-up ({self.reason})"
+        )
+
+
+class RendezvousTimeoutError(InitError, TimeoutError):
+    """Members of a static group did not all come within the rendezvous timeout (one was
+    never started, or failed before it joined).
+
+    Raised on every member still joining, naming the missing ranks: the first to give up
+    posts it in the store, as ``WorldSizeMismatchError`` is posted.
+    """
+
+    def __init__(
+        self, rank: int, world_size: int, timeout: float, missing: list[int], what: str
+    ) -> None:
+        super().__init__(rank, world_size, timeout, missing, what)
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.missing = missing
+        self.what = what
+
+    def __str__(self) -> str:
+        ranks = ", ".join(str(r) for r in self.missing)
+        return (
+            f"timed out after {self.timeout:g} s {self.what}: "
+            f"{'rank' if len(self.missing) == 1 else 'ranks'} {ranks} of "
+            f"world_size={self.world_size} never came (rank {self.rank} gave up waiting)"
         )
 
 

@@ -31,6 +31,7 @@ SAMPLES: dict[str, tuple[Any, ...]] = {
     "StoreHostLostError": ("tcp://127.0.0.1:1", "Connection reset by peer"),
     "ShutdownTimeoutError": (30.0, "'w1'", "calls-done"),
     "WorkersLostError": (("w1", "w2"),),
+    "RendezvousTimeoutError": (0, 3, 5.0, [2], "joining the group"),
 }
 
 # Where torch raises RuntimeError, ours are RuntimeErrors too.
@@ -44,6 +45,7 @@ RUNTIME_ERRORS = [
     "DuplicateNameError",
     "DuplicateRankError",
     "StoreHostLostError",
+    "RendezvousTimeoutError",
     "NotInitializedError",
     "ShutdownError",
     "BlockingCallError",

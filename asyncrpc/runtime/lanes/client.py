@@ -44,6 +44,7 @@ from asyncrpc.protocol.wire.messages import ACK_WANTED, Ack, Cancel, Kind, optio
 from asyncrpc.runtime.blocking import blocking
 from asyncrpc.runtime.lanes.frames import BlockingFrames, Unsent
 from asyncrpc.runtime.lanes.handshake import HANDSHAKE_ERRORS, dial_lane
+from asyncrpc.runtime.net.peers import closed_by_peer, without_goodbye
 
 __all__ = ["LANES_PER_PEER", "UNSENT", "CallerLanes", "Lane"]
 
@@ -281,7 +282,10 @@ class CallerLanes:
             return "calls_failed", ClosedError(
                 f"worker {self._me[0]!r} shut down before the reply came"
             )
-        return "calls_failed", PeerLostError(lane.name, f"its lane broke: {exc}")
+        reason = f"its lane broke: {exc}"
+        if isinstance(exc, ConnectionLostError) and closed_by_peer(exc.__cause__):
+            reason = without_goodbye(reason)  # the peer closed it: as on the loop's path
+        return "calls_failed", PeerLostError(lane.name, reason)
 
     def _count(self, outcome: str) -> None:
         """One call is over: count it as sent (every call that left), and how it failed,
