@@ -332,3 +332,37 @@ def test_Lanes_off_on_either_side_means_every_call_takes_the_loop(
     assert obs["lane_calls"] == 0
     assert obs["shutdown"]["error"] is None
     assert codes == [0]
+
+
+def test_Lanes_carry_calls_inside_a_distributed_autograd_context(group: Group) -> None:
+    # The autograd hook is lane-safe: a forward inside a context takes the thread's lane,
+    # the callee records it in the context on its lane thread, and the backward reaches
+    # the remote parameters as through the loop.
+    from asyncrpc import autograd as dist_autograd
+    from tests.integration import autograd_fns as afns
+
+    layer = asyncrpc.remote("w1", afns.make_linear, args=(3, 4, 4))
+    x = torch.arange(8.0).reshape(2, 4).requires_grad_()
+
+    def run() -> tuple[int, list[torch.Tensor | None], torch.Tensor | None]:
+        asyncrpc.rpc_sync("w1", fns.noop)  # the thread's first call opens nothing
+        before = _lane_calls()
+        with dist_autograd.context() as context_id:
+            y = asyncrpc.rpc_sync("w1", afns.forward, args=(layer, x))
+            y = asyncrpc.rpc_sync("w1", afns.forward, args=(layer, torch.relu(y)))
+            on_lanes = _lane_calls() - before
+            dist_autograd.backward(context_id, [y.sum()])
+            remote = asyncrpc.rpc_sync("w1", afns.grads_of, args=(context_id, layer))
+            local = dist_autograd.get_gradients(context_id).get(x)
+        return on_lanes, remote, local
+
+    on_lanes, remote, local = _in_thread(run)
+    assert on_lanes == 2
+    # The same model run locally: the gradients are the same numbers.
+    lin = afns.make_linear(3, 4, 4)
+    xl = torch.arange(8.0).reshape(2, 4).requires_grad_()
+    lin(torch.relu(lin(xl))).sum().backward()
+    assert local is not None
+    assert torch.allclose(local, xl.grad)
+    assert remote[0] is not None
+    assert torch.allclose(remote[0], lin.weight.grad)

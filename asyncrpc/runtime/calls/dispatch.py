@@ -227,12 +227,18 @@ class Dispatcher:
             return
         self._start(served, call)
 
-    def on_unpickled(self, conn: Caller, request: Request, call: tuple[Any, Any, Any]) -> None:
-        """Run a request whose payload a lane's thread already unpickled, with no hook
-        serving it: a function that runs on the loop (``async def``, ``async_execution``)."""
+    def on_unpickled(
+        self, conn: Caller, request: Request, call: tuple[Any, Any, Any],
+        incoming: IncomingCall | None = None,
+    ) -> None:  # fmt: skip
+        """Run a request whose payload a lane's thread already unpickled (through the
+        hooks' ``receiving`` stage when ``incoming`` is given): a function that runs on
+        the loop (``async def``, ``async_execution``, ``@inline``)."""
         peer = conn.peer
         assert peer is not None
-        self._start(ServedRequest(conn, request, peer), call)
+        served = ServedRequest(conn, request, peer)
+        served.incoming = incoming
+        self._start(served, call)
 
     def _start(self, served: ServedRequest, call: tuple[Any, Any, Any]) -> None:
         fn, args, kwargs = call
@@ -286,27 +292,22 @@ class Dispatcher:
     def _receiving(self, served: ServedRequest) -> None:
         """The request as the pipeline sees it, its policies set before it is unpickled."""
         request, peer = served.request, served.peer
-        incoming = IncomingCall(
+        served.incoming = self._pipeline.received(
             served.conn.peer_name or str(peer), peer, self._name, request.call_id,
-            request.target, served.remote, request.headers or {},
+            request.target, served.remote, request.headers,
         )  # fmt: skip
-        served.incoming = incoming
-        self._pipeline.receiving(incoming)
 
     def _serve(self, incoming: IncomingCall, call: Any) -> Callable[..., Any]:
         """Run the pipeline's callee side; returns the function wrapped by the hooks."""
-        fn, incoming.args, incoming.kwargs = call
-        incoming.fn, incoming.coroutine = fn, is_coroutine_function(fn)
-        self._pipeline.incoming(incoming)
-        return incoming.wrapped(fn)
+        result: Callable[..., Any] = self._pipeline.serve(incoming, *call)
+        return result
 
     def _replying(self, served: ServedRequest, ok: bool, value: Any) -> dict[str, Any] | None:
         """The pipeline's last look at a served request; returns its reply header fields."""
         incoming, served.incoming = served.incoming, None
         if incoming is None:
             return None
-        self._pipeline.replying(incoming, ok, value)
-        return incoming.reply_headers or None
+        return self._pipeline.reply_fields(incoming, ok, value)
 
     def _missing(self, request: Request, exc: MissingReferenceError) -> Exception:
         return missing_reference_error(self._name, request, exc)

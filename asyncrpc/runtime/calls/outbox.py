@@ -34,7 +34,7 @@ from asyncrpc.runtime.group.membership import Directory
 from asyncrpc.runtime.loopinbox import LoopInbox
 from asyncrpc.runtime.metrics import Counters
 
-__all__ = ["EncodedRequest", "Minting", "Outbox", "Sender", "SyncLanes"]
+__all__ = ["EncodedRequest", "Minting", "Observed", "Outbox", "Sender", "SyncLanes"]
 
 # The pipeline hooks a call went through, with their view of it.
 Observed = tuple[tuple[CallHook, ...], OutgoingCall]
@@ -85,7 +85,7 @@ class SyncLanes(Protocol):
 
     UNSENT: object  # what ``call`` returns when the request never left
 
-    def call(self, lane: Any, call_id: int, pieces: list[Any], timeout: float, target: str) -> Any:
+    def call(self, lane: Any, encoded: EncodedRequest) -> Any:
         """Run one call on ``lane``, blocking this thread until its reply (or ``UNSENT``)."""
 
 
@@ -220,27 +220,26 @@ class Outbox:
     ) -> Any:
         """Run a call for a thread that blocks until its result (``rpc_sync``).
 
-        A plain call (no hook active, no RRef fork, a small frame, a function that does
-        not run on the callee's loop) goes on this thread's lane to the callee, when it
-        has one (``runtime/lanes/``); any other the way ``call_future`` sends it.
+        A plain call (only lane-safe hooks active, no RRef fork, a small frame, a function
+        that does not run on the callee's loop) goes on this thread's lane to the callee,
+        when it has one (``runtime/lanes/``); any other the way ``call_future`` sends it.
 
         Raises:
             The errors of ``call_future`` and of the call.
         """
         rank = self._directory.resolve(to)
         encoded = self.encode(rank, fn, args, kwargs, self.effective_timeout(timeout), "sync")
-        lanes = self._lanes
+        lanes, observed = self._lanes, encoded.observed
         if (
             lanes is not None
-            and encoded.observed is None
             and encoded.forks is None
+            and (observed is None or all(hook.lane_safe for hook in observed[0]))
             and not is_coroutine_function(fn)
             and not is_async_execution(fn)
         ):
             lane = lanes.lane(rank, frame_nbytes(encoded.pieces))
             if lane is not None:
-                e = encoded
-                value = lanes.call(lane, e.call_id, e.pieces, e.timeout, e.target)
+                value = lanes.call(lane, encoded)
                 if value is not lanes.UNSENT:
                     return value
                 # The lane broke before the request left: it goes the loop's way.

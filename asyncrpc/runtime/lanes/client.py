@@ -10,11 +10,13 @@ synchronous call to it (a thread that calls once pays no handshake), at most
 ``LANES_PER_PEER`` per peer; past that, or when the peer takes no lanes, calls take the
 loop's path as before.
 
-Only plain calls take a lane: no pipeline hook active on the call (a profiler, a
-distributed autograd context, a device map), no RRef fork in its payload, a frame small
-enough for the loop's path not to use shared memory, and a plain function (an ``async
-def`` or ``async_execution`` function runs on the callee's loop: its loop's path costs
-that side nothing). What travels is the wire's own frames and the same handshake.
+Only plain calls take a lane: no pipeline hook active on the call but lane-safe ones
+(a distributed autograd context is; a profiler or a device map is not), no RRef fork in
+its payload, a frame small enough for the loop's path not to use shared memory, and a
+plain function (an ``async def`` or ``async_execution`` function runs on the callee's
+loop: its loop's path costs that side nothing). The hooks that saw the call are told how
+it ended on this thread, as the loop tells them for its own calls. What travels is the
+wire's own frames and the same handshake.
 
 A timed-out call leaves its lane usable: a late reply is recognised by its call id and
 dropped. A lane breaks when its socket does, or when the agent closes it (the peer is
@@ -39,9 +41,12 @@ from asyncrpc.errors import (
 )
 from asyncrpc.protocol.address import PeerAddress
 from asyncrpc.protocol.serde import Serializer, unpack_exception
+from asyncrpc.protocol.serde.policy import TensorPolicy
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import ACK_WANTED, Ack, Cancel, Kind, optional_headers
 from asyncrpc.runtime.blocking import blocking
+from asyncrpc.runtime.calls.outbox import EncodedRequest, Observed
+from asyncrpc.runtime.calls.pipeline import Pipeline
 from asyncrpc.runtime.lanes.frames import BlockingFrames, Unsent
 from asyncrpc.runtime.lanes.handshake import HANDSHAKE_ERRORS, dial_lane
 from asyncrpc.runtime.net.peers import closed_by_peer, without_goodbye
@@ -68,13 +73,15 @@ class Lane:
         self.lost: PeerLostError | None = None  # why the agent closed it, if it did
 
     def call(
-        self, call_id: int, pieces: list[Any], timeout: float, loads: Callable[..., Any]
-    ) -> tuple[Any, BaseException | None]:
+        self, call_id: int, pieces: list[Any], timeout: float, loads: Callable[..., Any],
+        policy: TensorPolicy | None = None,
+    ) -> tuple[Any, BaseException | None, dict[str, Any] | None]:  # fmt: skip
         """Write a request and read its reply on this lane (blocking this thread).
 
         Returns:
-            ``(value, None)``, or ``(None, the remote exception)`` as its original type:
-            raised by the caller, so that it is never taken for the lane's own failure.
+            ``(value, None, headers)``, or ``(None, the remote exception, headers)`` with
+            the exception as its original type: raised by the caller, so that it is never
+            taken for the lane's own failure. ``headers`` are the reply's header fields.
 
         Raises:
             TimeoutError: ``timeout`` (seconds, 0: none) passed before the reply.
@@ -92,10 +99,10 @@ class Lane:
                 raise RemoteProtocolError(f"unexpected frame of kind {kind!r} on a lane")
             if fields[1] != call_id:
                 continue  # the reply of a call that timed out
-            if kind == Kind.ERROR:
-                return None, unpack_exception(bytes(frame.payload))
-            value = loads(frame.payload, frame.segments, context=self.rank)
             headers = optional_headers(fields, 2)
+            if kind == Kind.ERROR:
+                return None, unpack_exception(bytes(frame.payload)), headers
+            value = loads(frame.payload, frame.segments, context=self.rank, policy=policy)
             if headers is not None and ACK_WANTED in headers:
                 # The reply's RRef forks are unpickled: its owner may stop following them.
                 # If the Ack cannot go, the lane is broken: the owner asks about them.
@@ -103,7 +110,7 @@ class Lane:
                     frames.write(encode_frame(Ack(call_id).to_fields(), b""), deadline)
                 except (Unsent, OSError, ClosedError, ConnectionLostError):
                     frames.close()
-            return value, None
+            return value, None, headers
 
     def cancel(self, call_id: int) -> None:
         """Tell the callee the call is over (it will not run it if it has not yet)."""
@@ -227,45 +234,51 @@ class CallerLanes:
             return (address.host, address.lane_port)
         return None
 
-    def call(self, lane: Lane, call_id: int, pieces: list[Any], timeout: float, target: str) -> Any:
+    def call(self, lane: Lane, encoded: EncodedRequest) -> Any:
         """Run one call on ``lane`` (see ``Lane.call``), its errors as the loop's path
-        gives them: ``RpcTimeoutError``, ``PeerLostError`` or ``ClosedError``.
+        gives them (``RpcTimeoutError``, ``PeerLostError`` or ``ClosedError``), and the
+        hooks that saw it told how it ended, as the loop's pending calls tell them.
 
         Returns:
             The call's value, or ``UNSENT`` when the lane broke before one byte of the
             request was written: the call did not happen, and may go another way.
         """
+        observed = encoded.observed
+        policy = None if observed is None else observed[1].reply_policy
         with self._lock:
             self.in_flight += 1
-        outcome = "calls_failed"
+        outcome, headers = "calls_failed", None
         try:
             # A pool thread waiting here holds a pool thread: its pool may start a stand-in,
             # so nested synchronous calls deeper than the pool never deadlock.
             with blocking():
-                value, error = lane.call(call_id, pieces, timeout, self._loads)
+                value, error, headers = lane.call(
+                    encoded.call_id, encoded.pieces, encoded.timeout, self._loads, policy
+                )
             outcome = "calls_sent" if error is None else "calls_failed"
         except (Unsent, TimeoutError, ClosedError, ConnectionLostError, RemoteProtocolError,
                 OSError) as exc:  # fmt: skip
-            outcome, error = self._failure(lane, call_id, exc, target, timeout)
+            outcome, error = self._failure(lane, encoded, exc)
             if error is None:
                 return UNSENT
+            _completed(observed, None, None, error)
             raise error from None
-        except BaseException:  # interrupted mid-call (KeyboardInterrupt...): start afresh
+        except BaseException as exc:  # interrupted mid-call (KeyboardInterrupt...): start afresh
             lane.frames.close()
+            _completed(observed, None, None, exc)
             raise
         finally:
             self._count(outcome)
             if lane.frames.closed:
                 self._remove([lane])
-        if error is not None:
-            raise error
-        return value
+        return _completed(observed, value, headers, error)
 
     def _failure(
-        self, lane: Lane, call_id: int, exc: BaseException, target: str, timeout: float
+        self, lane: Lane, encoded: EncodedRequest, exc: BaseException
     ) -> tuple[str, BaseException | None]:
         """What a lane's failure means for its call: the counter it goes in, and the error
         its caller gets (None: the request never left, it may go another way)."""
+        call_id, target, timeout = encoded.call_id, encoded.target, encoded.timeout
         if isinstance(exc, Unsent) and not isinstance(exc.reason, TimeoutError):
             lane.frames.close()
             return "", None
@@ -338,3 +351,20 @@ class CallerLanes:
                 "lane_calls": self.counts["calls_sent"], **self.counts,
                 "bytes_in": bytes_in, "bytes_out": bytes_out,
             }  # fmt: skip
+
+
+def _completed(
+    observed: Observed | None, value: Any, headers: dict[str, Any] | None,
+    error: BaseException | None,
+) -> Any:  # fmt: skip
+    """Tell the hooks that saw a call how it ended (lane-safe hooks, on this thread); its
+    value, or its error raised."""
+    if observed is not None:
+        hooks, call = observed
+        call.result = value
+        Pipeline.completed(hooks, call, headers, error)
+        if error is None and call.on_value is not None:
+            call.on_value()  # e.g. this thread's CUDA streams wait for the reply
+    if error is not None:
+        raise error
+    return value

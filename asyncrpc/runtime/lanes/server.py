@@ -5,9 +5,9 @@ A lane is one blocking connection a peer's calling thread opened for its ``rpc_s
 calls (see ``client.py``). Its thread here reads a request, runs a plain function right
 there and writes the reply: no hand-off to the event loop or to the pool, so a ``def``
 call costs one thread wake-up on each side, where the loop's path costs three. What
-belongs to the loop still goes there: a request that pipeline hooks serve (the profiler,
-a distributed autograd context), an ``async def``, ``async_execution`` or ``@inline``
-function. The
+belongs to the loop still goes there: a request some hook serves that is not lane-safe
+(the profiler, a device map), an ``async def``, ``async_execution`` or ``@inline``
+function. A lane-safe hook (distributed autograd) runs its stages here. The
 lane's thread hands it to the dispatcher with a ``LaneReply`` as its connection and
 writes the reply the dispatcher builds.
 
@@ -54,7 +54,7 @@ from asyncrpc.runtime.calls.dispatch import (
     missing_reference_error,
     print_request_error,
 )
-from asyncrpc.runtime.calls.pipeline import Pipeline
+from asyncrpc.runtime.calls.pipeline import IncomingCall, Pipeline
 from asyncrpc.runtime.lanes.frames import BlockingFrames, Unsent
 from asyncrpc.runtime.lanes.handshake import HANDSHAKE_ERRORS, LaneRoster, accept_lane
 from asyncrpc.runtime.services import RRefService
@@ -268,39 +268,59 @@ class LaneServer:
             # A Cancel names a call already answered (the lane runs one at a time).
 
     def _serve(self, serving: Serving, lane: _Lane, request: Request, frame: Frame) -> None:
-        rank = lane.rank
-        if serving.pipeline.serves(request.headers):  # hooks run on the loop
-            start = serving.dispatcher.on_request
-            self._hand_over(serving, lane, request, start, frame.payload, frame.segments)
-            return
+        rank, pipeline, headers = lane.rank, serving.pipeline, request.headers
+        incoming = None
+        if pipeline.serves(headers):
+            if not pipeline.on_lanes(headers):  # a hook that runs on the loop only
+                start = serving.dispatcher.on_request
+                self._hand_over(serving, lane, request, start, frame.payload, frame.segments)
+                return
+            incoming = pipeline.received(
+                lane.name, rank, serving.name, request.call_id, request.target, False, headers
+            )
         serving.rrefs.take_minted()  # a pickling that failed elsewhere on this thread
         try:
-            call = serving.serializer.loads(frame.payload, frame.segments, context=rank)
+            policy = None if incoming is None else incoming.policy
+            call = serving.serializer.loads(
+                frame.payload, frame.segments, context=rank, policy=policy
+            )
         except MissingReferenceError as exc:
             error = missing_reference_error(serving.name, request, exc)
-            self._reply_error(serving, lane, request, error)
+            self._reply_error(serving, lane, request, incoming, error)
             return
         except Exception as exc:
-            self._reply_error(serving, lane, request, exc)
+            self._reply_error(serving, lane, request, incoming, exc)
             return
-        fn, args, kwargs = call
+        fn = call[0]
         if is_coroutine_function(fn) or is_async_execution(fn) or is_inline(fn):
             # These run on the loop (an @inline function may rely on it, as on one thread).
-            self._hand_over(serving, lane, request, serving.dispatcher.on_unpickled, call)
+            on_loop = serving.dispatcher.on_unpickled
+            self._hand_over(serving, lane, request, on_loop, call, incoming)
             return
-        run = partial(checked_op, fn) if is_torch_c_function(fn) else fn
+        self._run_here(serving, lane, request, incoming, call)
+
+    def _run_here(
+        self, serving: Serving, lane: _Lane, request: Request, incoming: IncomingCall | None,
+        call: tuple[Any, Any, Any],
+    ) -> None:  # fmt: skip
+        """Run a plain function here, through the hooks that serve it, and reply."""
+        fn, args, kwargs = call
+        if incoming is not None:
+            run = serving.pipeline.serve(incoming, fn, args, kwargs)
+        else:
+            run = partial(checked_op, fn) if is_torch_c_function(fn) else fn
         with self._lock:
             self.running += 1
         try:
             result = run(*args, **kwargs)
         except BaseException as exc:  # the caller gets it, as from a pool thread
-            self._reply_error(serving, lane, request, exc)
+            self._reply_error(serving, lane, request, incoming, exc)
             return
         finally:
             with self._lock:
                 self.running -= 1
             del call, args, kwargs  # the arguments' RRefs are released now, not later
-        self._reply(serving, lane, request, result)
+        self._reply(serving, lane, request, incoming, result)
 
     def _hand_over(
         self, serving: Serving, lane: _Lane, request: Request, start: Callable[..., None],
@@ -317,31 +337,44 @@ class LaneServer:
         self._write(serving, lane, request, pieces, forks)
         del keep  # the reply's tensors may be freed once written
 
-    def _reply(self, serving: Serving, lane: _Lane, request: Request, result: Any) -> None:
+    def _reply(
+        self, serving: Serving, lane: _Lane, request: Request, incoming: IncomingCall | None,
+        result: Any,
+    ) -> None:  # fmt: skip
         rrefs = serving.rrefs
+        policy = None if incoming is None else incoming.reply_policy
         try:
-            payload, segments, keep = serving.serializer.dumps(result, context=lane.rank)
+            payload, segments, keep = serving.serializer.dumps(
+                result, context=lane.rank, policy=policy
+            )
         except Exception as exc:
             self._undelivered(serving, lane.rank, rrefs.take_minted())
             error = SerializationError(
                 f"the result of {request.target} on worker {serving.name!r} cannot be sent: {exc}"
             )
             error.__cause__ = exc
-            self._reply_error(serving, lane, request, error)
+            self._reply_error(serving, lane, request, incoming, error)
             return
         forks = rrefs.take_minted()
-        headers = {ACK_WANTED: 1} if forks else None
+        headers = (
+            None if incoming is None else serving.pipeline.reply_fields(incoming, True, result)
+        )
+        if forks:
+            headers = {**(headers or {}), ACK_WANTED: 1}
         pieces = encode_frame(Reply(request.call_id, headers).to_fields(), payload, segments)
         self._write(serving, lane, request, pieces, forks, "replies_sent")
         del keep
 
     def _reply_error(
-        self, serving: Serving, lane: _Lane, request: Request, exc: BaseException
-    ) -> None:
+        self, serving: Serving, lane: _Lane, request: Request, incoming: IncomingCall | None,
+        exc: BaseException,
+    ) -> None:  # fmt: skip
         if serving.print_errors:
             print_request_error(serving.name, request, lane.name, exc)
+        pipeline = serving.pipeline
+        headers = None if incoming is None else pipeline.reply_fields(incoming, False, exc)
         payload = pack_exception(exc, serving.name)
-        pieces = encode_frame(ErrorReply(request.call_id).to_fields(), payload)
+        pieces = encode_frame(ErrorReply(request.call_id, headers).to_fields(), payload)
         self._write(serving, lane, request, pieces, None, "errors_sent")
 
     def _write(
@@ -354,7 +387,7 @@ class LaneServer:
             lane.frames.check_size(pieces)
         except FrameTooLargeError as exc:  # over the caller's limit: it gets this instead
             self._undelivered(serving, lane.rank, forks)
-            self._reply_error(serving, lane, request, exc)
+            self._reply_error(serving, lane, request, None, exc)
             return
         if forks:
             lane.unacked[request.call_id] = forks
