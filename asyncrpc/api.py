@@ -199,12 +199,6 @@ def _warn_if_running() -> None:
     )
 
 
-async def _leave(agent: Agent, graceful: bool, timeout: float | None) -> None:
-    """``agent.shutdown``, once the network knows this worker is leaving (on its loop)."""
-    agent.network.leaving = True
-    await agent.shutdown(graceful, timeout)
-
-
 def _peek_agent() -> Agent | None:
     try:
         return current_agent()
@@ -242,7 +236,7 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
         raise BlockingCallError("shutdown() would block the agent's loop; use shutdown_async()")
     thread = _loop_threads.pop(id(agent), None)
     try:
-        asyncio.run_coroutine_threadsafe(_leave(agent, graceful, timeout), agent.loop).result()
+        asyncio.run_coroutine_threadsafe(agent.shutdown(graceful, timeout), agent.loop).result()
     finally:
         clear_agent(agent)
         if thread is not None:
@@ -259,10 +253,10 @@ async def shutdown_async(graceful: bool = True, timeout: float | None = None) ->
     thread = _loop_threads.pop(id(agent), None)
     try:
         if asyncio.get_running_loop() is agent.loop:
-            await _leave(agent, graceful, timeout)
+            await agent.shutdown(graceful, timeout)
         else:
             await asyncio.wrap_future(
-                asyncio.run_coroutine_threadsafe(_leave(agent, graceful, timeout), agent.loop)
+                asyncio.run_coroutine_threadsafe(agent.shutdown(graceful, timeout), agent.loop)
             )
     finally:
         clear_agent(agent)

@@ -314,6 +314,7 @@ class Agent:
                 is "error" (``WorkersLostError``); this worker is stopped all the same.
         """
         limit = shutdown_limit(self.options.shutdown_timeout if timeout is None else timeout)
+        self.network.leaving = True  # peers that go away now are not "reconnected" in logs
         failure: ShutdownError | None = None
         rounds = GracefulShutdown(self)
         # This worker reads no more: the streams it consumes end now. Those it produces are

@@ -429,6 +429,14 @@ class StoreGroup:
         """Mark this rank as having reached barrier ``tag``."""
         self.store.set(f"{_PREFIX}barrier/{tag}/{self.rank}", b"1")
 
+    def reach(self, tag: str) -> None:
+        """``arrive`` at a shutdown barrier.
+
+        Raises:
+            ShutdownError: the store is unreachable (naming the worker that served it).
+        """
+        self._store_op(lambda: self.arrive(tag))
+
     def wait_arrived(self, tag: str, timeout: float, what: str) -> None:
         """Static: wait until every rank has reached barrier ``tag`` (start-up only)."""
         assert self.world_size is not None
