@@ -366,3 +366,23 @@ def test_Lanes_carry_calls_inside_a_distributed_autograd_context(group: Group) -
     assert torch.allclose(local, xl.grad)
     assert remote[0] is not None
     assert torch.allclose(remote[0], lin.weight.grad)
+
+
+def test_Lanes_sync_call_behind_a_pending_async_call_takes_its_connection(group: Group) -> None:
+    # rpc_async then rpc_sync to one worker from one thread: the callee starts them in that
+    # order, as on one connection; once the async call is over, the lane serves again.
+    def run() -> tuple[int, int, list[Any]]:
+        asyncrpc.rpc_sync("w1", fns.noop)
+        asyncrpc.rpc_sync("w1", fns.noop)  # the lane is open now
+        before = _lane_calls()
+        pending = asyncrpc.rpc_async("w1", fns.sleep, args=(0.3,))
+        behind = asyncrpc.rpc_sync("w1", fns.add, args=(1, 1))
+        during = _lane_calls() - before
+        slept = pending.wait()
+        after = asyncrpc.rpc_sync("w1", fns.add, args=(2, 2))
+        return during, _lane_calls() - before, [behind, slept, after]
+
+    during, total, values = _in_thread(run)
+    assert values == [2, "slept", 4]
+    assert during == 0
+    assert total == 1

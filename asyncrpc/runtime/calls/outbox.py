@@ -17,6 +17,7 @@ import asyncio
 import itertools
 import math
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -33,9 +34,12 @@ from asyncrpc.runtime.future import Future
 from asyncrpc.runtime.group.membership import Directory
 from asyncrpc.runtime.loopinbox import LoopInbox
 from asyncrpc.runtime.metrics import Counters
+from asyncrpc.runtime.shm.shm import SHM_TAG_PREFIX
 
 __all__ = ["EncodedRequest", "Minting", "Observed", "Outbox", "Sender", "SyncLanes"]
 
+# Per calling thread: its last call_future to each rank (see Outbox.call_sync).
+_Issued = dict[int, "weakref.ref[Future[Any]]"]
 # The pipeline hooks a call went through, with their view of it.
 Observed = tuple[tuple[CallHook, ...], OutgoingCall]
 # For remote(): makes the RRef id and the caller's fork id once the payload is pickled.
@@ -52,6 +56,7 @@ class EncodedRequest(NamedTuple):
         keep: what keeps the memory of its zero-copy pieces valid until written.
         observed: the pipeline hooks it went through (None: no hook was active).
         forks: the RRef forks its payload carries (None: none).
+        shared: whether a segment went into shared memory (a lane cannot carry it).
     """
 
     call_id: int
@@ -62,6 +67,7 @@ class EncodedRequest(NamedTuple):
     keep: object
     observed: Observed | None
     forks: list[Transfer] | None
+    shared: bool = False  # some segment went into shared memory (its tag names a chunk)
 
 
 class Sender(Protocol):
@@ -121,6 +127,11 @@ class Outbox:
         self._sender, self._rrefs, self._unlend = sender, rrefs, unlend
         self._counters, self._default_timeout = counters, default_timeout
         self._lanes = lanes
+        # Per calling thread, its last call_future to each rank (weakly: its pending call
+        # holds it until the reply). A synchronous call to a rank whose earlier call from
+        # the same thread is still pending takes the same connection, behind it, so that
+        # the callee starts them in the order this thread made them.
+        self._issued = threading.local()
         # Its expiry calls ``expire`` (the agent builds it first: the network needs it too).
         self.pending = pending
         self._call_ids = itertools.count(1)
@@ -190,7 +201,8 @@ class Outbox:
             raise
         observed = None if call is None else (hooks, call)
         forks = self._rrefs.take_minted()
-        return EncodedRequest(call_id, rank, target, timeout, pieces, keep, observed, forks)
+        shared = bool(segments) and any(tag.startswith(SHM_TAG_PREFIX) for _, tag in segments)
+        return EncodedRequest(call_id, rank, target, timeout, pieces, keep, observed, forks, shared)
 
     def _undo_minted(self, rank: int) -> None:
         self._sender.undelivered(rank, self._rrefs.take_minted())
@@ -206,7 +218,15 @@ class Outbox:
         rank = self._directory.resolve(to)
         encoded = self.encode(rank, fn, args, kwargs, self.effective_timeout(timeout), kind,
                               target=target)  # fmt: skip
-        return self._start_future(encoded)
+        future = self._start_future(encoded)
+        if self._lanes is not None:
+            issued: dict[int, weakref.ref[Future[Any]]] | None = getattr(
+                self._issued, "by_rank", None
+            )
+            if issued is None:
+                issued = self._issued.by_rank = {}
+            issued[rank] = weakref.ref(future)
+        return future
 
     def _start_future(self, encoded: EncodedRequest) -> Future[Any]:
         future: Future[Any] = Future(loop=self.loop)
@@ -232,7 +252,9 @@ class Outbox:
         lanes, observed = self._lanes, encoded.observed
         if (
             lanes is not None
+            and not self._behind_pending(rank)
             and encoded.forks is None
+            and not encoded.shared  # a lane's callee maps no shared memory
             and (observed is None or all(hook.lane_safe for hook in observed[0]))
             and not is_coroutine_function(fn)
             and not is_async_execution(fn)
@@ -244,6 +266,13 @@ class Outbox:
                     return value
                 # The lane broke before the request left: it goes the loop's way.
         return self._start_future(encoded).wait()
+
+    def _behind_pending(self, rank: int) -> bool:
+        """Whether this thread's last ``call_future`` to ``rank`` is still pending."""
+        issued = getattr(self._issued, "by_rank", None)
+        earlier = None if issued is None else issued.get(rank)
+        future = None if earlier is None else earlier()
+        return future is not None and not future.done()
 
     async def call(
         self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float
