@@ -39,7 +39,7 @@ def headline(doc: dict[str, Any]) -> list[dict[str, Any]]:
     checks = doc.get("plain_checks") or plain_checks(doc)
     lines = []
     for name, summary in doc["workloads"].items():
-        ratios = [r["ratios"]["asyncrpc/torch"] for r in summary["rows"]]
+        ratios = [r["ratios"].get("asyncrpc/torch") for r in summary["rows"]]
         ratios = [r for r in ratios if r]
         if not ratios:
             continue
@@ -96,8 +96,8 @@ def _rows_by_key(doc: dict[str, Any], workload: str) -> dict[str, dict[str, Any]
 
 
 def _per_round_ratios(row: dict[str, Any]) -> list[float]:
-    mine = row["values"]["asyncrpc"].get("rounds") or []
-    theirs = row["values"]["torch"].get("rounds") or []
+    mine = row["values"].get("asyncrpc", {}).get("rounds") or []
+    theirs = row["values"].get("torch", {}).get("rounds") or []
     return [a / t for a, t in zip(mine, theirs, strict=False) if t]
 
 
@@ -116,7 +116,9 @@ def plain_checks(doc: dict[str, Any]) -> list[dict[str, Any]]:
         check: dict[str, Any] = {"workload": workload, "label": row["label"], "plain": plain_key}
         sides: dict[str, dict[str, Any]] = {}
         for system in PLAIN_SYSTEMS:
-            h, p = row["values"][system].get("rounds"), twin["values"][system].get("rounds")
+            # A run without one of the libraries (--systems) has nothing to check.
+            h = row["values"].get(system, {}).get("rounds")
+            p = twin["values"].get(system, {}).get("rounds")
             if not h or not p:
                 sides = {}
                 break
@@ -129,8 +131,8 @@ def plain_checks(doc: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         ok, diff, tolerance = agree(*ratios)
         check["systems"] = sides
-        check["ratio"] = {"harness": row["ratios"]["asyncrpc/torch"],
-                          "plain": twin["ratios"]["asyncrpc/torch"],
+        check["ratio"] = {"harness": row["ratios"].get("asyncrpc/torch"),
+                          "plain": twin["ratios"].get("asyncrpc/torch"),
                           "diff": diff, "tolerance": tolerance, "agrees": ok}  # fmt: skip
         every = ok and all(side["agrees"] for side in sides.values())
         checks.append({**check, "verdict": "agrees" if every else "disagrees"})

@@ -101,7 +101,7 @@ def _render_workload(name: str, summary: dict[str, Any], systems: list[str]) -> 
     rows = summary["rows"]
     # Only the systems that answer this workload (no floor for ps, none but two for plain).
     systems = [s for s in systems if any(r["values"][s].get("note") != "n/a" for r in rows)]
-    pairs = [p for p in (rows[0]["ratios"] if rows else {}) if p.split("/")[1] in systems]
+    pairs = [p for p in (rows[0]["ratios"] if rows else {}) if set(p.split("/")) <= set(systems)]
     header = ["", *systems]
     for pair in pairs:
         header.append(_ratio_header(pair, kind, "p50" if latency else ""))

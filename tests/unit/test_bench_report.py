@@ -167,6 +167,20 @@ def test_spread_of_five_rounds_leaves_out_a_stalled_one() -> None:
     assert spread([100.0]) == 0.0
 
 
+@pytest.mark.parametrize("left_out", ["asyncrpc", "torch"])
+def test_report_of_a_run_without_one_library_has_nothing_to_check(left_out: str) -> None:
+    doc = _doc()
+    doc["config"]["systems"] = [s for s in doc["config"]["systems"] if s != left_out]
+    for summary in doc["workloads"].values():
+        for row in summary["rows"]:
+            del row["values"][left_out]
+            row["ratios"] = {k: v for k, v in row["ratios"].items() if k != "asyncrpc/torch"}
+    assert [c["verdict"] for c in plain_checks(doc)] == ["not measured"]
+    text = render(doc)
+    assert "== the harness against the plain program" not in text
+    assert "== latency" in text
+
+
 def test_report_hides_targets_unless_asked() -> None:
     assert "targets" not in render(_doc())
     assert "[         met] latency <= 0.5x torch: 0.50x" in render(_doc(), targets=True)
