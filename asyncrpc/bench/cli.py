@@ -1,7 +1,7 @@
 """The command line of ``python -m asyncrpc.bench``: options, presets and output files.
 
-Part of ``asyncrpc.bench``. ``--quick`` is the short preset ``make bench`` runs (about three
-minutes on 2 cores); ``--json`` writes the full document for machines, ``--plot`` a PNG for
+Part of ``asyncrpc.bench``. ``--quick`` is the short preset ``make bench`` runs (3-6 minutes
+on 2 cores); ``--json`` writes the full document for machines, ``--plot`` a PNG for
 people.
 """
 
@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
         "in fresh processes on 127.0.0.1, rounds interleaved between systems.",
     )
     add = p.add_argument
-    add("--quick", action="store_true", help="a short run (about three minutes on 2 cores)")
+    add("--quick", action="store_true", help="a short run (3-6 minutes on 2 cores)")
     add(
         "--workloads", type=_csv((*WORKLOADS, CUDA)),
         help=f"comma list of {', '.join(WORKLOADS)}, or {CUDA} (the CUDA rows, on a GPU machine; "
