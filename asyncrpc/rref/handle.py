@@ -64,6 +64,12 @@ class RRefBackend(Protocol):
         self, to: int, fn: Any, args: Sequence[Any], timeout: float, kind: str, target: str
     ) -> Future[Any]: ...
 
+    def call_sync(
+        self, to: int, fn: Any, args: Sequence[Any], timeout: float, target: str
+    ) -> Any: ...
+
+    def off_loop(self) -> bool: ...
+
     async def run_in_pool(self, fn: Callable[[], Any]) -> Any: ...
 
 
@@ -236,6 +242,17 @@ class RRef(Generic[T]):
             Exception: the errors of ``to_here_future`` and the exception creating the
                 value raised, as its own type.
         """
+        ctx = self._ctx
+        if self._value is None and self._rref_id.worker == ctx.rank and ctx.off_loop():
+            # We made it: fetch it by id with a synchronous call, which takes this thread's
+            # lane to the owner when it has one (the owner waits for the value there, and
+            # for its remote() if that is still on its way).
+            ctx.check_usable(self)
+            try:
+                return cast(T, ctx.call_sync(self._owner, _fetch_now, tuple(self._rref_id),
+                                             timeout, _TO_HERE))  # fmt: skip
+            except PeerLostError as exc:
+                raise RRefOwnerLostError(self.owner_name(), str(exc)) from exc
         return self._fetch(timeout, "sync").wait()
 
     def _get_type(self, timeout: float = UNSET_RPC_TIMEOUT, blocking: bool = True) -> Any:
@@ -487,14 +504,19 @@ def _owned(value: Future[Any]) -> Future[Any]:
     """
     if value.done() and value.exception() is None:
         return value
-    return value._then(_copy_of_failure)
+    owned: Future[Any] = Future(loop=value._loop)
+    value._add_hook(functools.partial(_copy_outcome, owned))
+    return owned
 
 
-def _copy_of_failure(done: Future[Any]) -> Any:
+def _copy_outcome(owned: Future[Any], done: Future[Any]) -> None:
+    # Not through then(): then() flattens a future-like result, and the value itself may
+    # be a future (a function that returned a torch.futures.Future): it is the value.
     exc = done.exception()
     if exc is None:
-        return done.value()
-    raise copy_exception(exc) from None
+        owned._try_set_result(done.value())
+    else:
+        owned._try_set_exception(copy_exception(exc))
 
 
 def _fetched(owner: str, rref: RRef[Any], done: Future[Any]) -> Any:
@@ -569,6 +591,12 @@ def _check_tensor(value: Any) -> None:
         raise RRefError(  # torch's words first
             f"RRef should contain a tensor for .backward(), this one holds a {type(value).__name__}"
         )
+
+
+def _fetch_now(worker_id: int, local_id: int) -> Any:
+    """Runs on the owner, on a lane's thread (or a pool's): the value of the RRef with this
+    id, waited for here; a failure is raised as a copy (see ``_owner_value``)."""
+    return _owned(current_rrefs().owned_value(worker_id, local_id)).wait()
 
 
 async def _fetch(worker_id: int, local_id: int) -> Any:
