@@ -59,6 +59,10 @@ def _times(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio:.2f}x"
 
 
+def _rows(count: int) -> str:
+    return f"{count} row" if count == 1 else f"{count} rows"
+
+
 def _table(header: list[str], lines: list[list[str]]) -> list[str]:
     """Columns right-aligned but the first; a header cell may span lines (``\n``)."""
     parts = [cell.split("\n") for cell in header]
@@ -136,7 +140,7 @@ def _render_headline(doc: dict[str, Any]) -> list[str]:
             else f", {line['rows']} rows: {line['lowest']:.2f}x to {line['highest']:.2f}x"
         )
         plain = {
-            "agrees": f"; agrees with the plain program ({line['plain_rows_checked']} rows)",
+            "agrees": f"; agrees with the plain program ({_rows(line['plain_rows_checked'])})",
             "disagrees": "; DISAGREES with the plain program: not a figure to quote "
             "(see the check below)",
             "unchecked": "",

@@ -134,7 +134,7 @@ def test_check_against_the_plain_program_agrees_within_the_spread() -> None:
     assert check["systems"]["torch"]["plain"] == 200
     assert check["ratio"]["harness"] == pytest.approx(0.5)
     text = render(_doc())
-    assert "agrees with the plain program (1 rows)" in text
+    assert "agrees with the plain program (1 row)" in text
     assert "def no-op, rpc_sync (noop)" in text
 
 
@@ -148,6 +148,19 @@ def test_a_harness_row_that_disagrees_with_the_plain_program_is_not_a_headline()
     (latency,) = [line for line in headline(doc) if line["workload"] == "latency"]
     assert latency["plain"] == "disagrees"
     assert "DISAGREES with the plain program: not a figure to quote" in render(doc)
+
+
+def test_check_compares_the_ratios_the_report_prints() -> None:
+    # The harness's median of per-round ratios (0.5, 0.6, 0.75: 0.6) is not its ratio of
+    # medians (100 / 200: 0.5), the figure its tables print; the check's difference must be
+    # the one a reader computes from the printed ratios.
+    doc = _doc()
+    row = _latency_row("def no-op, rpc_sync", "sync/sync", [100, 60, 300], [200, 100, 400])
+    doc["workloads"]["latency"]["rows"][0] = row
+    (check,) = plain_checks(doc)
+    ratio = check["ratio"]
+    assert ratio["harness"] == pytest.approx(0.5)
+    assert ratio["diff"] == pytest.approx(ratio["harness"] / ratio["plain"] - 1)
 
 
 def test_agree_uses_the_rounds_spread_and_a_floor_of_its_own() -> None:
