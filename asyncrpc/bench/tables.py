@@ -158,7 +158,8 @@ def _render_checks(doc: dict[str, Any]) -> list[str]:
     if not checks:
         return []
     header = ["harness row (plain row)", "torch\nharness", "torch\nplain", "asyncrpc\nharness",
-              "asyncrpc\nplain", "asyncrpc/torch time\nharness", "\nplain", "verdict"]  # fmt: skip
+              "asyncrpc\nplain", "asyncrpc/torch time,\nharness", "round by round\nplain",
+              "verdict"]  # fmt: skip
     lines = []
     for check in checks:
         sides = [check["systems"]["torch"], check["systems"]["asyncrpc"], check["ratio"]]
@@ -170,7 +171,9 @@ def _render_checks(doc: dict[str, Any]) -> list[str]:
     title = (
         "== the harness against the plain program: the same call, p50 in this run. Beside each "
         "harness figure: harness / plain - 1, and the tolerance (the larger of "
-        f"{MIN_TOLERANCE:.0%} and the rounds' own spread); the verdict needs all three within it"
+        f"{MIN_TOLERANCE:.0%} and the rounds' own spread); the verdict needs all three within it. "
+        "asyncrpc/torch round by round: the median of each round's ratio (both libraries ran in "
+        "that round's minutes), which can differ from the tables' ratio of the medians"
     )
     return [title, *_table(header, lines), ""]
 

@@ -152,15 +152,16 @@ def test_a_harness_row_that_disagrees_with_the_plain_program_is_not_a_headline()
 
 def test_check_compares_the_ratios_the_report_prints() -> None:
     # The harness's median of per-round ratios (0.5, 0.6, 0.75: 0.6) is not its ratio of
-    # medians (100 / 200: 0.5), the figure its tables print; the check's difference must be
-    # the one a reader computes from the printed ratios.
+    # medians (100 / 200: 0.5). The check compares the former, so it prints the former: its
+    # difference is the one a reader computes from the two ratios printed beside it.
     doc = _doc()
     row = _latency_row("def no-op, rpc_sync", "sync/sync", [100, 60, 300], [200, 100, 400])
     doc["workloads"]["latency"]["rows"][0] = row
     (check,) = plain_checks(doc)
     ratio = check["ratio"]
-    assert ratio["harness"] == pytest.approx(0.5)
+    assert ratio["harness"] == pytest.approx(0.6)
     assert ratio["diff"] == pytest.approx(ratio["harness"] / ratio["plain"] - 1)
+    assert "0.60x (+20%" in render(doc)
 
 
 def test_agree_uses_the_rounds_spread_and_a_floor_of_its_own() -> None:
