@@ -214,10 +214,12 @@ def check_plot_available() -> None:
 
 
 def write_plot(doc: dict[str, Any], path: str) -> None:
-    """One panel per workload: each row's ratio to torch as a point, oriented so that right
-    of the 1x line is better for asyncrpc, on a log axis (2x better and 2x worse lie at
-    the same distance). The other systems (torch over TCP, the raw floor) are points of
-    their own shape; the key sits under the panels, never over the data.
+    """One panel per workload: each row's ratio to torch as a point, the same figure as the
+    tables print (asyncrpc's over the other's), on a log axis whose direction is set so that
+    right of the 1x line is faster for asyncrpc in every panel (a time panel's axis runs
+    from high to low), so half the time and twice the rate lie at the same distance. The
+    other systems (torch over TCP, the raw floor) are points of their own shape; the key
+    sits under the panels, never over the data.
 
     Raises:
         PlotUnavailableError: matplotlib is not installed.
@@ -229,7 +231,7 @@ def write_plot(doc: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     names = list(doc["workloads"])
-    heights = [0.8 + 0.28 * len(doc["workloads"][n]["rows"]) for n in names]
+    heights = [1.0 + 0.28 * len(doc["workloads"][n]["rows"]) for n in names]
     fig, axes = plt.subplots(len(names), 1, figsize=(10, 1.4 + sum(heights)), squeeze=False,
                              gridspec_kw={"height_ratios": heights})  # fmt: skip
     handles: dict[str, Any] = {}
@@ -257,11 +259,7 @@ def _plot_panel(ax: Any, name: str, summary: dict[str, Any]) -> dict[str, Any]:
     handles: dict[str, Any] = {}
     xs_all: list[float] = []
     for key, (marker, label) in _MARKERS.items():
-        points = [
-            (1.0 / r if not higher else r, y)
-            for y, row in enumerate(rows)
-            if (r := row["ratios"].get(key))
-        ]
+        points = [(r, y) for y, row in enumerate(rows) if (r := row["ratios"].get(key))]
         if not points:
             continue
         xs = [x for x, _ in points]
@@ -281,9 +279,12 @@ def _plot_panel(ax: Any, name: str, summary: dict[str, Any]) -> dict[str, Any]:
     ticks = [t for t in _RATIO_TICKS if 1.0 / (span * 1.5) <= t <= span * 1.5]
     ax.set_xticks(ticks, [f"{t:g}x" for t in ticks], fontsize=7)
     ax.minorticks_off()
-    # Unlike the tables, every panel reads the same way: a speed-up, right of 1x faster.
-    speedup = "asyncrpc rate / torch rate" if higher else "torch time / asyncrpc time"
-    ax.set_title(f"{TITLES[name]}: {speedup} (right of 1x: asyncrpc faster)", fontsize=8)
+    # The figures are the tables' own (never inverted); only a time panel's axis is turned
+    # round, so that every panel reads the same way: right of 1x, asyncrpc faster.
+    if not higher:
+        ax.invert_xaxis()
+    ratio = "asyncrpc rate / torch rate" if higher else "asyncrpc time / torch time"
+    ax.set_title(f"{TITLES[name]}\n{ratio} (right of 1x: asyncrpc faster)", fontsize=8)
     return handles
 
 

@@ -209,3 +209,27 @@ def test_plot_of_ratios_is_written(tmp_path: Any) -> None:
     path = tmp_path / "bench.png"
     write_plot(doc, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_prints_the_tables_ratios_and_turns_a_time_axis_round() -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from asyncrpc.bench.report import _plot_panel
+
+    doc = _doc()
+    fig, (latency, throughput) = plt.subplots(2, 1)
+    try:
+        _plot_panel(latency, "latency", doc["workloads"]["latency"])
+        _plot_panel(throughput, "throughput", doc["workloads"]["throughput"])
+        # The figures the tables print (0.50x), not their inverse (2.00x); right of 1x is
+        # faster in both panels, so the time axis runs from high to low.
+        assert [t.get_text() for t in latency.texts] == ["0.50x", "0.25x", "2.00x"]
+        assert latency.xaxis_inverted()
+        assert [t.get_text() for t in throughput.texts] == ["3.00x"]
+        assert not throughput.xaxis_inverted()
+    finally:
+        plt.close(fig)
