@@ -37,6 +37,8 @@ from typing import Any
 import torch
 import torch._C._distributed_autograd as torch_dist_engine
 
+from asyncrpc.runtime.intraop import one_thread
+
 __all__ = ["LOOP_PASS_MAX_ELEMENTS", "LOOP_PASS_MAX_NODES", "LocalGraph", "reachable_leaves"]
 
 # (leaf, its gradient from one pass)
@@ -207,25 +209,27 @@ class LocalGraph:
         if not leaves:
             return []
         # No collection meanwhile: a finalizer it ran would be Python code the guard stops.
+        # One intra-op thread: the loop must not wait at a parallel region's barrier.
         collecting = gc.isenabled()
         gc.disable()
-        sys.setprofile(_refuse_python)
-        try:
-            grads = _ENGINE.run_backward(
-                tuple(root for root, _ in pairs),
-                tuple(grad for _, grad in pairs),
-                True,  # keep the graph: other hops of the context may run it again
-                False,
-                tuple(leaves),
-                True,  # allow unused leaves
-                False,  # return the leaves' gradients, never accumulate into .grad
-            )
-        except _PythonInGraph:
-            return None
-        finally:
-            sys.setprofile(None)
-            if collecting:
-                gc.enable()
+        with one_thread():
+            sys.setprofile(_refuse_python)
+            try:
+                grads = _ENGINE.run_backward(
+                    tuple(root for root, _ in pairs),
+                    tuple(grad for _, grad in pairs),
+                    True,  # keep the graph: other hops of the context may run it again
+                    False,
+                    tuple(leaves),
+                    True,  # allow unused leaves
+                    False,  # return the leaves' gradients, never accumulate into .grad
+                )
+            except _PythonInGraph:
+                return None
+            finally:
+                sys.setprofile(None)
+                if collecting:
+                    gc.enable()
         return [(leaf, grad) for leaf, grad in zip(leaves, grads, strict=True) if grad is not None]
 
     @property

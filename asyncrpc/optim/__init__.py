@@ -21,6 +21,7 @@ from asyncrpc.autograd.context import context_table
 from asyncrpc.rref.handle import RRef, current_rrefs
 from asyncrpc.runtime.current import current_agent
 from asyncrpc.runtime.future import Future, collect_all
+from asyncrpc.runtime.intraop import one_thread
 
 __all__ = ["DistributedOptimizer"]
 
@@ -122,7 +123,8 @@ class LocalOptimizer:
         if not LocalOptimizer._step_lock.acquire(blocking=False):
             return False
         try:
-            self._step_with(context.gradients())
+            with one_thread():  # the loop must not wait at a parallel region's barrier
+                self._step_with(context.gradients())
             LocalOptimizer.steps_on_loop += 1
         finally:
             LocalOptimizer._step_lock.release()
