@@ -126,17 +126,22 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     if threading.get_ident() == agent.loop_thread_id:
         raise BlockingCallError("backward() would block the agent's loop; use backward_async()")
     # The calling thread waits anyway: it runs this worker's part of the pass itself (no
-    # hand-off to the pool and back), then hands the gradients on and waits for the hops.
+    # hand-off to the pool and back), hands the gradients on, and while it waits runs the
+    # hops of the pass that come back here (asyncrpc.autograd.roots).
     context = table.get(context_id)
     grads = _start(context, context_id, roots, retain_graph)
     pass_id, over = table.credits.begin()
+    table.root_threads.open(pass_id)
     token = current_context_id.set(None)  # the gradient hops are not part of the context
     try:
         outgoing = local_pass(context, list(roots), grads, agent.rank)
         credit = PassCredit(agent.rank, pass_id, FULL)
         # Over when all its credit is back (or every reply, with the first error).
-        first_of(over, hand_back(agent, table, context.id, outgoing, credit)).wait()
+        done = first_of(over, hand_back(agent, table, context.id, outgoing, credit))
+        table.root_threads.serve(pass_id, done)
+        done.value()  # raises the pass's error
     finally:
+        table.root_threads.close(pass_id)
         current_context_id.reset(token)
         table.credits.end(pass_id)
 

@@ -20,6 +20,7 @@ import torch
 
 from asyncrpc.autograd.credit import Credits
 from asyncrpc.autograd.graph import LocalGraph
+from asyncrpc.autograd.roots import RootThreads
 from asyncrpc.errors import AutogradContextError, NotInitializedError
 from asyncrpc.runtime.agent import Agent
 from asyncrpc.runtime.current import current_agent
@@ -166,6 +167,7 @@ class ContextTable:
         self.hops_received = 0  # backward hops run here (see count_hop)
         self.passes_on_loop = 0  # local passes run on the event loop (see count_pass_on_loop)
         self.credits = Credits()  # the backward passes this worker is the root of
+        self.root_threads = RootThreads()  # threads waiting in backward() take their hops
 
     def __len__(self) -> int:
         return len(self._contexts)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from asyncrpc.autograd.context import (
 )
 from asyncrpc.autograd.credit import FULL, PassCredit, first_of, split
 from asyncrpc.errors import as_backward_error
+from asyncrpc.functions import async_execution, inline
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
 from asyncrpc.runtime.agent import Agent
 from asyncrpc.runtime.future import Future, collect_all
@@ -126,21 +127,25 @@ async def propagate(
         table.credits.end(pass_id)
 
 
-async def grads_arrived(
+@inline
+@async_execution
+def grads_arrived(
     context_id: int,
     batches: list[tuple[int, list[Any]]],
     credit: PassCredit | None = None,
     caller: int = -1,
-) -> int:
+) -> Future[int] | Coroutine[Any, Any, int]:
     """Runs on the worker that sent the tensors of each ``(message id, grads)`` batch: the
     backward goes on here, in one local pass for all of them.
 
-    On the loop: the pass runs there where it is small and runs no user code, else on a
-    pool thread; the hops further down are sent from the loop, and the reply waits for
-    them. ``credit``: this hop's share of the pass's credit (``asyncrpc.autograd.credit``),
-    split among the hops sent on, or handed back to the root when none are; ``caller``:
-    the rank that sent this hop. Returns the credit the reply hands back (when the caller
-    is the root), else 0.
+    On the loop, as the request arrives (no task before the pass). A hop of a pass whose
+    root is a thread of this worker waiting in ``backward()`` goes to that thread
+    (``asyncrpc.autograd.roots``); otherwise the pass runs on the loop where it is small
+    and runs no user code, else on a pool thread. The hops further down are sent from
+    there, and the reply waits for them. ``credit``: this hop's share of the pass's credit
+    (``asyncrpc.autograd.credit``), split among the hops sent on, or handed back to the
+    root when none are; ``caller``: the rank that sent this hop. Returns the future of the
+    credit the reply hands back (when the caller is the root), else of 0.
     """
     agent, table = context_table()
     context = table.get(context_id)
@@ -152,14 +157,82 @@ async def grads_arrived(
             if grad is not None:
                 roots.append(tensor)
                 grad_outputs.append(grad)
-    outgoing = await pass_anywhere(agent, table, context, roots, grad_outputs)
-    hops = by_sender(outgoing)
-    shares = None if credit is None else split(credit, len(hops))
-    if hops:
-        await _send_hops(agent, table, context.id, hops, shares)
-    if credit is None or shares is not None:
-        return 0  # no credit, or it went on with the hops
-    return _return_credit(agent, table, credit, caller)
+    hop = _Hop(agent, table, context, credit, caller)
+    if credit is not None and credit.root == agent.rank:
+        replied: Future[int] = Future()
+        work = functools.partial(hop.run_on_thread, roots, grad_outputs, replied)
+        if table.root_threads.post(credit.pass_id, work):
+            return replied
+    outgoing = loop_pass(context, roots, grad_outputs, agent.rank)
+    if outgoing is None:
+        return hop.run_on_pool(roots, grad_outputs)
+    table.count_pass_on_loop()
+    return hop.onward(outgoing)
+
+
+class _Hop:
+    """One hop's work on the worker it reached, after its pass: the hops it sends on and
+    the credit its reply hands back."""
+
+    __slots__ = ("agent", "caller", "context", "credit", "table")
+
+    def __init__(
+        self, agent: Agent, table: ContextTable, context: AutogradContext,
+        credit: PassCredit | None, caller: int,
+    ) -> None:  # fmt: skip
+        self.agent, self.table, self.context = agent, table, context
+        self.credit, self.caller = credit, caller
+
+    def onward(self, outgoing: Outgoing) -> Future[int]:
+        """Send the pass's gradients on (any thread); the future of what the reply hands
+        back, done once the hops sent on have replied (failed with the first error)."""
+        hops = by_sender(outgoing)
+        credit = self.credit
+        shares = None if credit is None else split(credit, len(hops))
+        replied: Future[int] = Future()
+        if not hops:
+            replied.set_result(self._credit_back())
+            return replied
+        sent = _send_hops(self.agent, self.table, self.context.id, hops, shares)
+        # Its credit went on with the hops, unless it had none or too little to split.
+        keep = credit is not None and shares is None
+
+        def finish(sent: Future[None]) -> None:
+            error = sent.exception()
+            if error is not None:
+                replied._try_set_exception(error)
+            else:
+                replied._try_set_result(self._credit_back() if keep else 0)
+
+        sent._add_hook(finish)
+        return replied
+
+    def run_on_thread(
+        self, roots: list[torch.Tensor], grad_outputs: list[Any], replied: Future[int]
+    ) -> None:
+        """The pass on the thread waiting in ``backward()``, then ``onward``; ``replied``
+        gets the outcome (this never raises: the thread serves other hops after it)."""
+        try:
+            onward = self.onward(local_pass(self.context, roots, grad_outputs, self.agent.rank))
+        except BaseException as exc:  # the caller gets it in the reply, as from a pool thread
+            replied._try_set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        onward._add_hook(replied._copy_from)
+
+    async def run_on_pool(self, roots: list[torch.Tensor], grad_outputs: list[Any]) -> int:
+        """The pass on a pool thread (it may run user code that blocks), then ``onward``."""
+        outgoing = await self.agent.pool.run(
+            functools.partial(local_pass, self.context, roots, grad_outputs, self.agent.rank)
+        )
+        return await self.onward(outgoing)
+
+    def _credit_back(self) -> int:
+        credit = self.credit
+        if credit is None:
+            return 0
+        return _return_credit(self.agent, self.table, credit, self.caller)
 
 
 def _return_credit(agent: Agent, table: ContextTable, credit: PassCredit, caller: int) -> int:

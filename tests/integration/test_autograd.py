@@ -223,6 +223,46 @@ def test_autograd_echo_returns_the_gradient_to_its_owner(group: Group) -> None:
         )
 
 
+def test_autograd_hops_back_to_the_root_run_on_the_thread_in_backward(
+    group: Group, layers: Callable
+) -> None:
+    # x's gradient comes back from w1 in a hop of the pass this thread is the root of: the
+    # thread waiting in backward() runs its pass, so x's hook (user code) runs there.
+    layer = layers("w1", 41, 4, 3)
+    x = torch.randn(2, 4, requires_grad=True)
+    seen: list[int] = []
+    x.register_hook(lambda grad: seen.append(threading.get_ident()))
+    taken = int(asyncrpc.get_debug_info()["autograd_hops_taken_by_root"])
+    with dist_autograd.context() as context_id:
+        loss = asyncrpc.rpc_sync("w1", fns.forward, args=(layer, x)).pow(2).sum()
+        dist_autograd.backward(context_id, [loss])
+        grads = dist_autograd.get_gradients(context_id)
+    assert seen == [threading.get_ident()]
+    assert int(asyncrpc.get_debug_info()["autograd_hops_taken_by_root"]) == taken + 1
+    x_local = x.detach().clone().requires_grad_()
+    fns.make_linear(41, 4, 3)(x_local).pow(2).sum().backward()
+    torch.testing.assert_close(grads[x], x_local.grad)
+
+
+def test_autograd_error_in_a_hop_the_root_thread_runs_reaches_backward(group: Group) -> None:
+    x = torch.randn(3, requires_grad=True)
+
+    def fail(grad: torch.Tensor) -> torch.Tensor:
+        raise KeyError("hook of the root's own tensor")
+
+    x.register_hook(fail)
+    with dist_autograd.context() as context_id:
+        back = asyncrpc.rpc_sync("w1", fns.echo, args=(x * 2,))
+        with pytest.raises(KeyError) as raised:
+            dist_autograd.backward(context_id, [back.sum()])
+        assert isinstance(raised.value, BackwardError)
+        assert raised.value.node == 0
+        # The context stays usable: a pass that does not reach the hook works.
+        y = torch.randn(3, requires_grad=True)
+        dist_autograd.backward(context_id, [asyncrpc.rpc_sync("w1", fns.echo, args=(y,)).sum()])
+        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[y], torch.ones(3))
+
+
 def test_autograd_retain_graph_two_backwards_accumulate(group: Group, layers: Callable) -> None:
     layer = layers("w1", 6, 3, 3)
     x = torch.randn(2, 3)
