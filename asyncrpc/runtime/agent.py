@@ -34,6 +34,7 @@ from asyncrpc.runtime.cuda.staging import cuda_transfer
 from asyncrpc.runtime.future import set_default_callback_loop
 from asyncrpc.runtime.group.join import Group, join
 from asyncrpc.runtime.group.shutdown import GracefulShutdown, shutdown_limit
+from asyncrpc.runtime.intraop import keep_team
 from asyncrpc.runtime.metrics import Counters, LagProbe
 from asyncrpc.runtime.net.listener import Listener
 from asyncrpc.runtime.net.network import Network
@@ -176,6 +177,7 @@ class Agent:
             await agent._close_transports(graceful=False)
             raise
         set_default_callback_loop(agent.loop, agent.loop_thread_id)
+        keep_team()  # the loop thread's OpenMP team, as before its passes ran alone
         agent.lag.start()
         agent.network.start()
         return agent

@@ -1,18 +1,28 @@
-"""Torch work the library runs on the event loop runs on one intra-op thread (layer L2).
+"""Small torch work the library runs itself: BLAS on the calling thread alone, and the
+process's OpenMP runtime kept as it was (layer L2).
 
-A small backward pass or optimizer step on the loop (``asyncrpc.autograd.graph``,
-``asyncrpc.optim``) calls torch kernels that may open an OpenMP parallel region: MKL's
-``sgemm`` does so for a 32x64 by 64x64 product. On a busy machine the region's other
-threads are asleep or off-core between two messages, and the loop waits at the region's
-barrier for them: a ``Linear(64, 64)`` pass measured 3-4x slower on the loop than run
-single-threaded (bench/RESULTS.md, "One backward hop"). Work small enough for the loop
-gains nothing from more threads, so ``one_thread()`` runs it on the calling thread alone.
+A small backward pass or optimizer step (``asyncrpc.autograd.graph``, ``asyncrpc.optim``)
+multiplies small matrices: MKL's ``sgemm`` opens an OpenMP parallel region even for a
+32x64 by 64x64 product. On a busy machine the region's other thread is asleep or
+off-core between two messages, and the caller waits at the region's barrier: a
+``Linear(64, 64)`` pass measured 3-4x slower on the loop than run single-threaded
+(bench/RESULTS.md, "One backward hop"). ``one_thread()`` makes the block's BLAS calls
+run on the calling thread: MKL's per-thread setting (``mkl_set_num_threads_local``) is set
+and restored. torch's ``set_num_threads`` would not do: it also sets the count every thread
+not yet started inherits.
 
-torch's own ``torch.set_num_threads`` cannot do this: besides the calling thread, it sets
-the count every thread not yet started inherits. So the OpenMP runtime's per-thread
-setting (``omp_set_num_threads``) and MKL's (``mkl_set_num_threads_local``) are set and
-restored directly, in the libraries torch loaded. Where they are not found (another
-platform, another parallel backend) the block runs as it is.
+The thread's OpenMP count is left alone: changing it between two regions shrinks and
+regrows the thread's OpenMP team, and the user's next region on that thread (a forward
+on the thread that called ``backward``) then stalled for milliseconds.
+
+``keep_team()`` is for the loop thread. libgomp (torch's OpenMP runtime on Linux) keeps
+the idle threads of every team spinning for 300,000 pauses after a region, about 10 ms on
+recent x86, unless it manages more threads than there are cores; then they sleep at
+once. Before small passes ran single-threaded, the loop thread's own team (from the
+passes' ``sgemm``) kept that count above the cores of a small machine; without it, the
+team of the user's thread spun after each of its regions and took one core of two away
+from the RPC threads (a training step measured 3-4x slower). The loop thread therefore
+still starts its team, once, with one region of the default size.
 """
 
 from __future__ import annotations
@@ -25,15 +35,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["one_thread"]
+__all__ = ["keep_team", "one_thread"]
 
-
-class _Knobs:
-    """The per-thread thread-count setters of the OpenMP runtime and MKL torch loaded."""
-
-    def __init__(self, omp_set: Any, mkl_set_local: Any) -> None:
-        self.omp_set = omp_set
-        self.mkl_set_local = mkl_set_local
+# More elements than one grain of at::parallel_for (32,768): an op on them opens a region.
+_TEAM_ELEMENTS = 1 << 17
 
 
 def _loaded(fragment: str) -> str | None:
@@ -50,60 +55,65 @@ def _loaded(fragment: str) -> str | None:
     return None
 
 
-def _symbol(path: str | None, name: str) -> Any:
+def _mkl_setter() -> Any:
+    """MKL's ``mkl_set_num_threads_local`` (C interface) in the libtorch torch loaded, or
+    None (no MKL, or not found)."""
+    if not torch.backends.mkl.is_available():  # type: ignore[no-untyped-call]
+        return None
+    path = _loaded("libtorch_cpu")
     if path is None:
         return None
     try:  # the library already loaded, never a second copy
         library = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
     except (OSError, AttributeError):  # not loaded, or no RTLD_NOLOAD on this platform
         return None
-    function = getattr(library, name, None)
-    if function is not None:
-        function.argtypes = [ctypes.c_int]
-        function.restype = ctypes.c_int if name.startswith("MKL") else None
-    return function
+    setter = getattr(library, "MKL_Set_Num_Threads_Local", None)
+    if setter is not None:
+        setter.argtypes = [ctypes.c_int]
+        setter.restype = ctypes.c_int
+    return setter
 
 
-_knobs: _Knobs | None = None
-_knobs_lock = threading.Lock()
+_UNSET: Any = object()
+_mkl_set_local: Any = _UNSET
+_lookup_lock = threading.Lock()
 
 
-def _find_knobs() -> _Knobs:
-    global _knobs
-    with _knobs_lock:
-        if _knobs is None:
-            omp_set = None
-            if "OpenMP" in torch.__config__.parallel_info():
-                omp_set = _symbol(_loaded("gomp") or _loaded("iomp5"), "omp_set_num_threads")
-            mkl_set = None
-            if torch.backends.mkl.is_available():  # type: ignore[no-untyped-call]
-                mkl_set = _symbol(_loaded("libtorch_cpu"), "MKL_Set_Num_Threads_Local")
-            _knobs = _Knobs(omp_set, mkl_set)
-        return _knobs
+def _setter() -> Any:
+    global _mkl_set_local
+    if _mkl_set_local is _UNSET:
+        with _lookup_lock:
+            if _mkl_set_local is _UNSET:
+                _mkl_set_local = _mkl_setter()
+    return _mkl_set_local
 
 
 class one_thread:  # lower case: it reads as a function, ``with one_thread():``
-    """Run the block's torch kernels on the calling thread only; restores the thread's
-    settings on leaving. Cheap (~1 µs): two or four calls into the runtimes."""
+    """Run the block's BLAS calls on the calling thread only; restores the thread's
+    setting on leaving (~1 µs: two calls into MKL). A no-op without MKL."""
 
-    __slots__ = ("_mkl", "_omp")
+    __slots__ = ("_before",)
 
     def __enter__(self) -> None:
-        knobs = _knobs or _find_knobs()
-        # torch sets a thread's count on its first parallel op (from the count every new
-        # thread inherits): asking for it first makes sure that does not happen inside.
-        self._omp = torch.get_num_threads()
-        self._mkl = -1
-        if self._omp > 1 and knobs.omp_set is not None:
-            knobs.omp_set(1)
-            if knobs.mkl_set_local is not None:
-                self._mkl = knobs.mkl_set_local(1)  # the thread's setting before (0: none)
+        setter = _setter()
+        if setter is None:
+            self._before = -1
+            return
+        # torch sets a thread's OpenMP count on its first parallel op, to MKL's count where
+        # that is set: asking for it first keeps the block's 1 out of the thread's setting.
+        torch.get_num_threads()
+        self._before = setter(1)  # the thread's own setting before (0: none)
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:  # fmt: skip
-        if self._omp > 1 and _knobs is not None and _knobs.omp_set is not None:
-            _knobs.omp_set(self._omp)
-            if self._mkl >= 0 and _knobs.mkl_set_local is not None:
-                _knobs.mkl_set_local(self._mkl)
+        if self._before >= 0:
+            _mkl_set_local(self._before)
+
+
+def keep_team() -> None:
+    """Start the calling thread's OpenMP team (one region of the thread's default size)
+    where torch runs on OpenMP with more than one thread; see the module's docstring."""
+    if torch.get_num_threads() > 1 and "OpenMP" in torch.__config__.parallel_info():
+        torch.ones(_TEAM_ELEMENTS).add_(1)
