@@ -21,7 +21,7 @@ import torch
 
 from asyncrpc.autograd.context import AutogradContext, context_table, current_context_id
 from asyncrpc.autograd.credit import FULL, PassCredit, first_of
-from asyncrpc.autograd.engine import hand_back, local_pass, propagate
+from asyncrpc.autograd.engine import Hop, local_pass, propagate
 from asyncrpc.autograd.hook import AutogradHook
 from asyncrpc.autograd.release import releases_of
 from asyncrpc.errors import AutogradContextError, BlockingCallError
@@ -135,9 +135,9 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     token = current_context_id.set(None)  # the gradient hops are not part of the context
     try:
         outgoing = local_pass(context, list(roots), grads, agent.rank)
-        credit = PassCredit(agent.rank, pass_id, FULL)
+        root = Hop(agent, table, context, PassCredit(agent.rank, pass_id, FULL))
         # Over when all its credit is back (or every reply, with the first error).
-        done = first_of(over, hand_back(agent, table, context.id, outgoing, credit))
+        done = first_of(over, root.onward(outgoing))
         table.root_threads.serve(pass_id, done)
         done.value()  # raises the pass's error
     finally:

@@ -165,27 +165,34 @@ def test_autograd_three_worker_chain_nested(group: Group, layers: Callable) -> N
         assert x.grad is None
 
 
-@pytest.mark.parametrize("x_grad", [True, False])
+@pytest.mark.parametrize("shape", ["x requires grad", "x does not", "w3 ends it"])
 def test_autograd_chain_hands_its_credit_back_to_the_root(
-    group: Group, layers: Callable, x_grad: bool
+    group: Group, layers: Callable, shape: str
 ) -> None:
-    # driver -> w1 -> w3 -> w1 (-> driver when x requires grad). The last pass ends on the
-    # driver (its credit handed back here, locally) or on w1, called by w3: then w1 hands
-    # the credit back in a call of its own. Either way the driver's backward ends on it.
+    # driver -> w1 -> w3, then back to w1 (and to the driver when x requires grad): w3's
+    # gradients for w1 ride in its reply, and the last pass ends on the driver (its credit
+    # handed back here, locally) or on w1, whose reply to the driver carries the credit.
+    # Where the pass ends on w3 (w1 sent it a tensor cut from its graph), w3 hands the
+    # credit back in a call of its own. Either way the driver's backward ends on it.
     l1, l3 = layers("w1", 5, 4, 6), layers("w3", 6, 6, 2)
-    x = torch.randn(3, 4, requires_grad=x_grad)
+    x = torch.randn(3, 4, requires_grad=shape == "x requires grad")
     info = asyncrpc.get_debug_info
     by_credit, by_call = info()["autograd_passes_over_by_credit"], info()["autograd_credit_calls"]
+    forward_then = fns.forward_then_detached if shape == "w3 ends it" else fns.forward_then
     with dist_autograd.context() as context_id:
-        y = asyncrpc.rpc_sync("w1", fns.forward_then, args=(l1, x, "w3", l3))
+        y = asyncrpc.rpc_sync("w1", forward_then, args=(l1, x, "w3", l3))
         dist_autograd.backward(context_id, [y.sum()])
         m1, m3 = fns.make_linear(5, 4, 6), fns.make_linear(6, 6, 2)
-        m3(torch.relu(m1(x.detach()))).sum().backward()
-        assert_grads_match(context_id, [("w1", l1), ("w3", l3)], [m1, m3])
-    calls = 0 if x_grad else 1
-    until(lambda: info()["autograd_credit_calls"] == by_call + calls, what="w1's credit call")
-    if x_grad:  # handed back here, before backward returned
-        assert info()["autograd_passes_over_by_credit"] == by_credit + 1
+        if shape == "w3 ends it":
+            (m3(torch.relu(m1(x)).detach()) * 2).sum().backward()
+            assert_grads_match(context_id, [("w3", l3)], [m3])
+        else:
+            m3(torch.relu(m1(x.detach()))).sum().backward()
+            assert_grads_match(context_id, [("w1", l1), ("w3", l3)], [m1, m3])
+    calls = 1 if shape == "w3 ends it" else 0
+    until(lambda: info()["autograd_credit_calls"] == by_call + calls, what="w3's credit call")
+    assert info()["autograd_credit_calls"] == by_call + calls
+    assert info()["autograd_passes_over_by_credit"] == by_credit + 1
 
 
 def test_autograd_rref_proxy_forward_and_parameter_used_twice(
@@ -232,13 +239,16 @@ def test_autograd_hops_back_to_the_root_run_on_the_thread_in_backward(
     x = torch.randn(2, 4, requires_grad=True)
     seen: list[int] = []
     x.register_hook(lambda grad: seen.append(threading.get_ident()))
-    taken = int(asyncrpc.get_debug_info()["autograd_hops_taken_by_root"])
+    info = asyncrpc.get_debug_info
+    taken, received = info()["autograd_hops_taken_by_root"], info()["autograd_hops_received"]
     with dist_autograd.context() as context_id:
         loss = asyncrpc.rpc_sync("w1", fns.forward, args=(layer, x)).pow(2).sum()
         dist_autograd.backward(context_id, [loss])
         grads = dist_autograd.get_gradients(context_id)
     assert seen == [threading.get_ident()]
-    assert int(asyncrpc.get_debug_info()["autograd_hops_taken_by_root"]) == taken + 1
+    assert info()["autograd_hops_taken_by_root"] == taken + 1
+    # x's gradient came back in the reply to the driver's hop, not in a hop of its own.
+    assert info()["autograd_hops_received"] == received
     x_local = x.detach().clone().requires_grad_()
     fns.make_linear(41, 4, 3)(x_local).pow(2).sum().backward()
     torch.testing.assert_close(grads[x], x_local.grad)
