@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-fast test-long test-gpu lint bench bench-cuda bench-full example check clean conformance conformance-ci chaos soak fuzz size
+.PHONY: install test test-fast test-long examples-torch test-gpu lint docs bench bench-cuda bench-full example check clean conformance conformance-ci chaos soak fuzz size
 
 $(STAMP): pyproject.toml .ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,7 +17,8 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# No worker processes: the unit tests (no loop) and the one-process asyncio tests, under 30 s.
+# No worker processes: the unit tests (no loop) and the one-process asyncio tests, about a
+# minute (the whole `make test` takes about 8 minutes on 2 cores).
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests/unit tests/aio
 
@@ -26,14 +27,27 @@ test-fast: $(STAMP)
 test-long: $(STAMP)
 	$(PY) -m pytest -q -m long
 
+# The programs of pytorch/examples distributed/rpc at their own default lengths, torch and
+# asyncrpc one after the other, results compared (tests marked `examples_full`, about 20
+# minutes on a 2-core VM); each run's wall and CPU time go to examples-report.json.
+examples-torch: $(STAMP)
+	rm -f examples-report.json
+	EXAMPLES_REPORT=examples-report.json $(PY) -m pytest -q -m examples_full \
+		tests/integration/test_tutorials_full.py; status=$$?; cat examples-report.json; exit $$status
+
 # The CUDA tests (tests/gpu); they skip without a GPU.
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q tests/gpu
 
 lint: $(STAMP)
-	$(PY) -m ruff check asyncrpc tests examples bench
-	$(PY) -m ruff format --check asyncrpc tests examples bench
+	$(PY) -m ruff check asyncrpc tests examples bench docs/apidoc.py
+	$(PY) -m ruff format --check asyncrpc tests examples bench docs/apidoc.py
 	$(PY) -m mypy
+
+# docs/reference.md, the API reference, written from the docstrings by docs/apidoc.py
+# (tests/unit/test_reference.py fails when the checked-in file is stale).
+docs: $(STAMP)
+	$(PY) docs/apidoc.py
 
 bench: $(STAMP)
 	$(PY) -m asyncrpc.bench --quick
@@ -84,4 +98,4 @@ example: $(STAMP)
 check: lint test conformance-ci
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache conformance-report.json chaos-report.json soak-report.json size-report.json
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache conformance-report.json examples-report.json chaos-report.json soak-report.json size-report.json

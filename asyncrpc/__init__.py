@@ -47,6 +47,7 @@ from asyncrpc.errors import (
     RemoteCallError,
     RemoteError,
     RemoteProtocolError,
+    RendezvousTimeoutError,
     RpcTimeoutError,
     RRefError,
     RRefOwnerLostError,
@@ -56,6 +57,7 @@ from asyncrpc.errors import (
     ShutdownTimeoutError,
     StoreHostLostError,
     ThreadPoolExhaustedError,
+    TorchScriptCallError,
     UnknownWorkerError,
     WorkerNameError,
     WorkersLostError,
@@ -97,6 +99,7 @@ __all__ = [
     "RemoteCallError",
     "RemoteError",
     "RemoteProtocolError",
+    "RendezvousTimeoutError",
     "RpcBackendOptions",
     "RpcTimeoutError",
     "SerializationError",
@@ -106,6 +109,7 @@ __all__ = [
     "Stream",
     "TensorPipeRpcBackendOptions",
     "ThreadPoolExhaustedError",
+    "TorchScriptCallError",
     "UnknownWorkerError",
     "WorkerInfo",
     "WorkerNameError",
@@ -136,3 +140,6 @@ __all__ = [
 
 # torch's name of the RRef class its RRef subclasses (``isinstance(x, rpc.PyRRef)``).
 PyRRef = RRef
+
+__version__ = "0.1.0"
+"""The version of asyncrpc, as in pyproject.toml (the distribution ``asyncrpc-torch``)."""

@@ -8,7 +8,9 @@ the caller's loop, no extra thread). ``await call(...)`` works from any running 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import enum
+import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -16,6 +18,7 @@ from typing import Any, ParamSpec, TypeVar, overload
 
 from asyncrpc.autograd import AutogradHook
 from asyncrpc.errors import BlockingCallError, InitArgumentError, InitError
+from asyncrpc.functions import not_scriptable
 from asyncrpc.profiling import ProfilingHook
 from asyncrpc.protocol.options import (
     UNSET_RPC_TIMEOUT,
@@ -54,9 +57,11 @@ __all__ = [
 P = ParamSpec("P")
 R = TypeVar("R")
 
+_log = logging.getLogger("asyncrpc")
 # The loop thread of an agent started by init_rpc (None for init_rpc_async agents).
 _loop_threads: dict[int, LoopThread] = {}
 _lifecycle_lock = threading.Lock()
+_exit_check = threading.Event()  # set once the check at exit is registered
 
 
 class BackendType(enum.Enum):
@@ -68,8 +73,12 @@ class BackendType(enum.Enum):
 
 
 def is_available() -> bool:
-    """Whether RPC can be used in this build: always, for asyncrpc (torch's
-    ``rpc.is_available``, false in torch builds without distributed support)."""
+    """Whether RPC can be used in this build (torch's ``rpc.is_available``).
+
+    Returns:
+        True, always: asyncrpc needs no distributed build of torch (torch's is False in
+        builds without distributed support).
+    """
     return True
 
 
@@ -135,8 +144,21 @@ async def init_rpc_async(
 ) -> None:
     """Start this process's worker on the running event loop (no extra thread).
 
-    Same arguments and errors as ``init_rpc``. Cancelling it abandons the start and closes
-    what was opened.
+    The agent then runs on this loop: keep the loop running (``await`` your work on it)
+    until ``shutdown_async``. Cancelling it abandons the start and closes what was opened.
+
+    Args:
+        name: a name unique in the group.
+        backend: None, or torch's ``BackendType.TENSORPIPE``.
+        rank: this worker's rank; -1 reads ``RANK`` with ``env://``.
+        world_size: number of workers; None joins a dynamic group (see ``init_rpc``).
+        rpc_backend_options: ``asyncrpc.RpcBackendOptions`` or torch's
+            ``TensorPipeRpcBackendOptions``.
+
+    Raises:
+        MissingRankError: no rank, and the init method has none (a ``ValueError``).
+        MixedGroupError: the group mixes static and dynamic members.
+        InitError: as for ``init_rpc``.
     """
     _check_name(name, backend)
     options = coerce_options(rpc_backend_options, backend)
@@ -148,10 +170,33 @@ async def init_rpc_async(
 async def _start(name: str, rank: int, world_size: int | None, options: RpcBackendOptions) -> Agent:
     # The composition root: the runtime's agent, with this package's RRef layer and the
     # call pipeline's hooks plugged in (profiling first: its span covers the others).
-    return await Agent.start(
+    agent = await Agent.start(
         name, rank, world_size, options, RRefContext, set_agent,
         hooks=lambda group: [ProfilingHook(group.rank), AutogradHook(group.rank)],
     )  # fmt: skip
+    if not _exit_check.is_set():
+        _exit_check.set()
+        # Registered after logging's own exit handler (atexit runs the last first), so the
+        # warning is still written.
+        atexit.register(_warn_if_running)
+    return agent
+
+
+def _warn_if_running() -> None:
+    """At exit: a worker still running was never shut down. Its peers will see it vanish
+    (a reset, or nothing until a timeout), so say here what was forgotten."""
+    agent = _peek_agent()
+    if agent is None or agent.closed:
+        return
+    # A plain flag, read on the loop thread only to choose what to log: peers that go
+    # away now are not followed by "the next call reconnects".
+    agent.network.leaving = True
+    _log.warning(
+        "asyncrpc worker %r was not shut down; call asyncrpc.shutdown() before the program "
+        "ends (rpc.shutdown() in torch's words): its peers see it vanish, their calls to it "
+        "fail and their own shutdown() waits for it or fails",
+        agent.name,
+    )
 
 
 def _peek_agent() -> Agent | None:
@@ -232,6 +277,17 @@ async def worker(
     """``async with asyncrpc.worker(...)``: ``init_rpc_async`` on entry, shutdown on exit.
 
     Exits with a graceful shutdown unless the block raised (then only this worker stops).
+    Cancelling the task inside the block leaves it as an exception does.
+
+    Args:
+        name, backend, rank, world_size, rpc_backend_options: as for ``init_rpc``.
+        graceful: False stops only this worker on exit, without waiting for the others.
+
+    Yields:
+        This worker's ``WorkerInfo``.
+
+    Raises:
+        The errors of ``init_rpc`` on entry and of ``shutdown`` on exit.
     """
     await init_rpc_async(name, backend, rank, world_size, rpc_backend_options)
     agent = current_agent()
@@ -272,8 +328,15 @@ async def call(to: Any, func: Callable[..., Any], /, *args: Any, **kwargs: Any) 
         The function's result.
 
     Raises:
-        The remote exception as its original type; RpcTimeoutError; UnknownWorkerError;
-        SerializationError; FunctionNotFoundError; PeerLostError.
+        Exception: the exception ``func`` raised, as its original type (and a
+            ``RuntimeError`` too: see ``RemoteCallError``); ``RemoteError`` when it cannot
+            be rebuilt here.
+        RpcTimeoutError: no reply within the default ``rpc_timeout``.
+        UnknownWorkerError: ``to`` names no worker of the group.
+        SerializationError: an argument cannot be pickled (raised before sending).
+        FunctionNotFoundError: the callee cannot import ``func``.
+        PeerLostError: the callee died or its connection dropped with the call on it.
+        NotInitializedError: no worker runs in this process.
     """
     agent = current_agent()
     if asyncio.get_running_loop() is agent.loop:
@@ -287,6 +350,7 @@ async def call(to: Any, func: Callable[..., Any], /, *args: Any, **kwargs: Any) 
     return value
 
 
+@not_scriptable
 def rpc_async(
     to: Any,
     func: Callable[..., Any],
@@ -296,17 +360,32 @@ def rpc_async(
 ) -> Future[Any]:
     """Start ``func(*args, **kwargs)`` on ``to`` and return an ``asyncrpc.Future`` (torch's).
 
-    ``timeout`` in seconds: -1 means the default ``rpc_timeout``, 0 means none.
-    ``Future.cancel()`` cancels the remote work.
+    ``Future.cancel()`` cancels the remote work (an ``async def`` is cancelled on the
+    callee; a pool job not yet started is dropped).
+
+    Args:
+        to: a worker name, rank or ``WorkerInfo``.
+        func: what ``call`` takes (a module-level function, ``async def``, builtin op...).
+        args: positional arguments (a tuple or list), pickled.
+        kwargs: keyword arguments.
+        timeout: seconds; -1 means the default ``rpc_timeout``, 0 (or ``inf``) none.
+
+    Returns:
+        A ``Future`` of the result: ``wait()`` it, ``await`` it, or chain ``then``. It
+        fails with the errors of ``call`` (the remote exception as its type,
+        ``RpcTimeoutError``, ``PeerLostError``...).
 
     Raises:
-        UnknownWorkerError, SerializationError at once; other errors through the future.
+        UnknownWorkerError: ``to`` names no worker (at once, not through the future).
+        SerializationError: an argument cannot be pickled (at once).
+        NotInitializedError: no worker runs in this process.
     """
     return current_agent().call_future(
         to, func, tuple(args or ()), dict(kwargs or {}), timeout, "async"
     )
 
 
+@not_scriptable
 def rpc_sync(
     to: Any,
     func: Callable[..., Any],
@@ -316,25 +395,40 @@ def rpc_sync(
 ) -> Any:
     """Run ``func(*args, **kwargs)`` on ``to`` and block for the result (torch's ``rpc_sync``).
 
+    Args:
+        to: a worker name, rank or ``WorkerInfo``.
+        func: what ``call`` takes (a module-level function, ``async def``, builtin op...).
+        args: positional arguments (a tuple or list), pickled.
+        kwargs: keyword arguments.
+        timeout: seconds; -1 means the default ``rpc_timeout``, 0 (or ``inf``) none.
+
+    Returns:
+        The function's result.
+
     Raises:
         BlockingCallError: called on the agent's loop thread (use ``await call``).
-        The remote exception as its original type, and the errors of ``call``.
+        Exception: the remote exception as its original type, and the errors of ``call``.
     """
     agent = current_agent()
     if threading.get_ident() == agent.loop_thread_id:
         raise BlockingCallError(
             "rpc_sync() would block the agent's event loop; use `await asyncrpc.call(...)`"
         )
-    return agent.call_future(
-        to, func, tuple(args or ()), dict(kwargs or {}), timeout, "sync"
-    ).wait()
+    return agent.call_sync(to, func, tuple(args or ()), dict(kwargs or {}), timeout)
 
 
 def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:
     """``WorkerInfo`` of ``worker_name`` (a name or rank), or of this worker when None.
 
+    Args:
+        worker_name: a worker's name or rank; None for this worker.
+
+    Returns:
+        Its ``WorkerInfo`` (``name`` and rank ``id``).
+
     Raises:
         UnknownWorkerError: no such worker.
+        NotInitializedError: no worker runs in this process.
     """
     agent = current_agent()
     rank = agent.rank if worker_name is None else agent.resolve(worker_name)
@@ -346,25 +440,66 @@ def get_worker_infos() -> list[WorkerInfo]:
 
     In a dynamic group: the members in the group now, read in the rendezvous store; called
     on the agent's loop thread (it must not block there), the members this worker knows.
+
+    Returns:
+        A list of ``WorkerInfo``, this worker's included, sorted by rank.
+
+    Raises:
+        NotInitializedError: no worker runs in this process.
     """
     return current_agent().worker_infos()
 
 
 def get_rpc_timeout() -> float:
-    """The default timeout of calls, in seconds (0: none)."""
+    """The default timeout of calls, in seconds (``RpcBackendOptions.rpc_timeout``).
+
+    Returns:
+        Seconds; 0 means calls have no default limit.
+
+    Raises:
+        NotInitializedError: no worker runs in this process.
+    """
     return current_agent().options.rpc_timeout
 
 
 def get_metrics() -> dict[str, Any]:
-    """This worker's counters: calls, bytes, connections, thread pool, loop lag."""
+    """This worker's counters: calls, bytes, connections, thread pool, loop lag.
+
+    Returns:
+        A fresh dict of numbers, among them ``calls_sent``, ``calls_received``,
+        ``calls_failed``, ``calls_timed_out``, ``pending_calls`` (calls of this worker
+        waiting for a reply), ``running_requests`` (requests it runs for others),
+        ``bytes_in``/``bytes_out``, ``open_connections``, ``connections_lost``,
+        ``reconnects``, ``thread_pool_busy``/``thread_pool_idle``/``thread_pool_blocked``,
+        ``loop_lag_ms``/``loop_lag_max_ms`` (how late the event loop runs), the
+        ``shm_*`` and ``stream*`` counters and the thread hand-offs (``handoffs_*``).
+
+    Raises:
+        NotInitializedError: no worker runs in this process.
+    """
     return current_agent().metrics()
 
 
 def get_debug_info() -> dict[str, Any]:
-    """``get_metrics()`` plus identity, peers and RRef bookkeeping."""
+    """``get_metrics()`` plus identity, peers and RRef bookkeeping.
+
+    What to read when a call hangs: ``pending_by_peer`` (this worker's calls waiting for
+    a reply, by callee), ``running_requests``, ``lost_peers`` and ``rpc_timeout``.
+
+    Returns:
+        A fresh dict: ``name``, ``rank``, ``world_size``, ``rpc_timeout``,
+        ``pending_by_peer``, ``lost_peers``, every key of ``get_metrics()``, the RRef
+        counts (``owner_rrefs``, ``user_rrefs``, ``pending_forks``, ``pending_users``,
+        ``forks_queried``, ``forks_undelivered``, ``unacked_ref_frames``) and the call
+        hooks' counters (``num_autograd_contexts``, ``autograd_*``, ``device_maps``...).
+
+    Raises:
+        NotInitializedError: no worker runs in this process.
+    """
     return current_agent().debug_info()
 
 
+@not_scriptable
 def remote(
     to: Any,
     func: Callable[..., Any],
@@ -376,10 +511,24 @@ def remote(
 
     Returns at once; the owner confirms the reference in the background. Errors raised
     while creating the value surface on ``to_here()`` and proxy calls, as their original
-    type. If the owner does not confirm within ``timeout`` (-1: the default, 0: none), the
-    RRef becomes unusable and its next use raises ``RRefTimeoutError``.
+    type. If the owner does not confirm within ``timeout``, the RRef becomes unusable and
+    its next use raises ``RRefTimeoutError``.
+
+    Args:
+        to: the worker that runs ``func`` and owns the result (a name, rank or
+            ``WorkerInfo``); this worker's own name keeps the value unpickled.
+        func: what ``call`` takes (a module-level function, ``async def``, builtin op...).
+        args: positional arguments (a tuple or list), pickled.
+        kwargs: keyword arguments.
+        timeout: seconds; -1 means the default ``rpc_timeout``, 0 (or ``inf``) none.
+
+    Returns:
+        A user ``RRef`` to the value on ``to`` (the owner ``RRef`` when ``to`` is this
+        worker).
 
     Raises:
-        UnknownWorkerError, SerializationError at once.
+        UnknownWorkerError: ``to`` names no worker (at once).
+        SerializationError: an argument cannot be pickled (at once).
+        NotInitializedError: no worker runs in this process.
     """
     return current_rrefs().remote(to, func, tuple(args or ()), dict(kwargs or {}), timeout)

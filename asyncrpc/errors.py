@@ -12,7 +12,7 @@ Every error pickles, because errors travel between workers.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from asyncrpc.errorstate import paired_copy
 
 __all__ = [
     "AsyncExecutionError",
@@ -45,12 +45,14 @@ __all__ = [
     "RemoteCallError",
     "RemoteError",
     "RemoteProtocolError",
+    "RendezvousTimeoutError",
     "RpcTimeoutError",
     "SerializationError",
     "ShutdownError",
     "ShutdownTimeoutError",
     "StoreHostLostError",
     "ThreadPoolExhaustedError",
+    "TorchScriptCallError",
     "UnknownWorkerError",
     "WorkerNameError",
     "WorkersLostError",
@@ -161,6 +163,33 @@ class StoreHostLostError(InitError, ConnectionError):
         return (
             f"the rendezvous store at {self.init_method} is gone while joining the group: "
             f"its host (rank 0) died or left during start-up ({self.reason})"
+        )
+
+
+class RendezvousTimeoutError(InitError, TimeoutError):
+    """Members of a static group did not all come within the rendezvous timeout (one was
+    never started, or failed before it joined).
+
+    Raised on every member still joining, naming the missing ranks: the first to give up
+    posts it in the store, as ``WorldSizeMismatchError`` is posted.
+    """
+
+    def __init__(
+        self, rank: int, world_size: int, timeout: float, missing: list[int], what: str
+    ) -> None:
+        super().__init__(rank, world_size, timeout, missing, what)
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.missing = missing
+        self.what = what
+
+    def __str__(self) -> str:
+        ranks = ", ".join(str(r) for r in self.missing)
+        return (
+            f"timed out after {self.timeout:g} s {self.what}: "
+            f"{'rank' if len(self.missing) == 1 else 'ranks'} {ranks} of "
+            f"world_size={self.world_size} never came (rank {self.rank} gave up waiting)"
         )
 
 
@@ -277,6 +306,29 @@ class AsyncExecutionError(AsyncRpcError, TypeError, RuntimeError):
     coroutine."""
 
 
+class TorchScriptCallError(AsyncRpcError, NotImplementedError):
+    """A ``torch.jit.script`` function calls asyncrpc's ``rpc_sync``, ``rpc_async`` or
+    ``remote``; raised while it is scripted.
+
+    TorchScript (deprecated) compiles torch's own RPC calls into its C++ agent's ops and
+    cannot compile asyncrpc's Python ones. A scripted function can still be what a call
+    runs (``rpc_sync(to, scripted_fn, args)``). A ``NotImplementedError``, so also a
+    ``RuntimeError``.
+    """
+
+    def __init__(self, function: str) -> None:
+        super().__init__(function)
+        self.function = function
+
+    def __str__(self) -> str:
+        return (
+            f"asyncrpc does not support calling RPC from TorchScript: {self.function} is "
+            "called inside a torch.jit.script function. Call it from Python (a scripted "
+            "function can still be the function a call runs), or keep "
+            "torch.distributed.rpc for scripted code"
+        )
+
+
 class OperatorArgumentsError(AsyncRpcError, TypeError, RuntimeError):
     """A builtin torch op called through RPC did not take its arguments.
 
@@ -323,12 +375,19 @@ def as_remote_call_error(exc: BaseException) -> BaseException:
     A ``RuntimeError``, or a ``BaseException`` that is no ``Exception``, is returned as is;
     so is an exception whose class cannot be paired (a layout conflict, a strict
     ``__new__``): it keeps its own type rather than losing it.
+
+    Args:
+        exc: the exception as unpickled from the callee's reply.
+
+    Returns:
+        A copy whose class derives from ``type(exc)`` and ``RemoteCallError``, with the
+        same ``args`` and attributes; or ``exc`` itself in the cases above.
     """
     if isinstance(exc, RuntimeError) or not isinstance(exc, Exception):
         return exc
     # No local cause: the original was raised on another worker, and its traceback is in
     # the remote_traceback attribute and the note, which the copy keeps.
-    return _paired_copy(exc, RemoteCallError, {}, chain=False) or exc
+    return paired_copy(exc, RemoteCallError, {}, chain=False) or exc
 
 
 class RemoteError(RemoteCallError):
@@ -459,74 +518,16 @@ def as_callback_error(exc: BaseException) -> BaseException:
     A ``RuntimeError`` (or a ``BaseException`` that is no ``Exception``) is returned as is.
     Otherwise the copy's class derives from both ``type(exc)`` and ``CallbackError``,
     keeps ``args``, attributes, message and traceback, and pickles as that pair.
+
+    Args:
+        exc: what a ``then`` callback raised.
+
+    Returns:
+        The copy (its ``__cause__`` is ``exc``), or ``exc`` itself as said above.
     """
     if isinstance(exc, RuntimeError) or not isinstance(exc, Exception):
         return exc
-    return _paired_copy(exc, CallbackError, {}) or exc
-
-
-# Paired types: (original type, asyncrpc base) -> a class deriving from both.
-_paired_types: dict[tuple[type, type], type[BaseException]] = {}
-
-
-def _paired_copy(
-    exc: BaseException, base: type, extra: dict[str, object], chain: bool = True
-) -> BaseException | None:
-    """A copy of ``exc`` whose class derives from ``type(exc)`` and ``base``, with the
-    attributes ``extra`` added (and ``exc`` as its cause if ``chain``); None when the two
-    cannot be paired."""
-    state = {**getattr(exc, "__dict__", {}), **extra}
-    try:
-        copy = _rebuild_paired(type(exc), base, _constructor_args(exc), state)
-    except Exception:  # a class that cannot be paired (a layout conflict, a strict __new__)
-        return None
-    if chain:
-        copy.__cause__ = exc
-        copy.__suppress_context__ = True
-    return copy.with_traceback(exc.__traceback__)
-
-
-def _paired_type(cls: type, base: type) -> type[BaseException]:
-    dual = _paired_types.get((cls, base))
-    if dual is None:
-        namespace: dict[str, object] = {"__module__": cls.__module__, "__reduce__": _reduce_paired}
-        if "wrap_text" in vars(base):  # the base's words around the original type's text
-            namespace["__str__"] = _paired_str
-        dual = cast("type[BaseException]", type(cls.__name__, (cls, base), namespace))
-        dual.__qualname__ = cls.__qualname__
-        _paired_types[(cls, base)] = dual
-    return dual
-
-
-def _paired_str(self: Any) -> str:
-    original, base = cast("tuple[Any, Any]", type(self).__bases__)
-    return cast("str", base.wrap_text(self, original.__str__(self)))
-
-
-def _reduce_paired(self: BaseException) -> tuple[object, ...]:
-    original, base = type(self).__bases__
-    return (_rebuild_paired, (original, base, _constructor_args(self), dict(self.__dict__)))
-
-
-def _constructor_args(exc: BaseException) -> tuple[object, ...]:
-    # An OSError keeps its file names outside args (and outside __dict__): only its
-    # constructor sets them, so they go back in through it (args stays errno, strerror).
-    if isinstance(exc, OSError) and (exc.filename is not None or exc.filename2 is not None):
-        return (exc.errno, exc.strerror, exc.filename, None, exc.filename2)
-    return exc.args
-
-
-def _rebuild_paired(
-    cls: type, base: type, args: tuple[object, ...], state: dict[str, object]
-) -> BaseException:
-    dual = _paired_type(cls, base)
-    try:
-        copy: BaseException = dual(*args)  # __init__ sets what str() reads
-    except Exception:  # an __init__ that does not take its own args back
-        copy = dual.__new__(dual, *args)
-        copy.args = args
-    copy.__dict__.update(state)
-    return copy
+    return paired_copy(exc, CallbackError, {}) or exc
 
 
 class AutogradContextError(AsyncRpcError, RuntimeError):
@@ -556,10 +557,18 @@ def as_backward_error(exc: BaseException, node: int) -> BaseException:
     A ``BackwardError`` (from a deeper worker) or a ``BaseException`` that is no
     ``Exception`` is returned as is. Where the two types cannot be paired (a
     ``RuntimeError`` of its own already), a plain ``BackwardError`` with the same text.
+
+    Args:
+        exc: the error raised in that worker's part of the pass.
+        node: that worker's rank.
+
+    Returns:
+        The paired copy (``node`` set, ``exc`` its ``__cause__``), a plain
+        ``BackwardError``, or ``exc`` itself, as said above.
     """
     if isinstance(exc, BackwardError) or not isinstance(exc, Exception):
         return exc
-    paired = _paired_copy(exc, BackwardError, {"node": node})
+    paired = paired_copy(exc, BackwardError, {"node": node})
     if paired is None:
         paired = BackwardError(str(exc))
         paired.node = node

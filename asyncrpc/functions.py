@@ -4,7 +4,8 @@ A function marked ``@async_execution`` returns a future (``asyncrpc.Future``,
 ``torch.futures.Future``, an asyncio future or a coroutine) and the callee replies when it
 completes, without holding a pool thread meanwhile. Functions marked with torch's own
 ``torch.distributed.rpc.functions.async_execution`` are honoured too. A function marked
-``@inline`` runs on the callee's event loop instead of its thread pool.
+``@inline`` runs on the callee's event loop instead of its thread pool. ``not_scriptable``
+makes TorchScript refuse a function of asyncrpc's API with a clear error.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
+
+from asyncrpc.errors import TorchScriptCallError
 
 __all__ = [
     "async_execution",
@@ -20,6 +23,7 @@ __all__ = [
     "is_async_execution",
     "is_coroutine_function",
     "is_inline",
+    "not_scriptable",
     "per_callable_cache",
 ]
 
@@ -46,7 +50,14 @@ def async_execution(fn: F) -> F:
 
 
 def is_async_execution(fn: Any) -> bool:
-    """True when ``fn`` (or the function under a bound method) is marked ``async_execution``."""
+    """True when ``fn`` (or the function under a bound method) is marked ``async_execution``.
+
+    Args:
+        fn: any callable; torch's ``rpc.functions.async_execution`` mark counts too.
+
+    Returns:
+        Whether the callee replies with the outcome of the future ``fn`` returns.
+    """
     return bool(getattr(fn, _MARK, False)) or getattr(fn, _TORCH_MARK, None) is not None
 
 
@@ -71,8 +82,37 @@ def inline(fn: F) -> F:
 
 
 def is_inline(fn: Any) -> bool:
-    """True when ``fn`` (or the function under a bound method) is marked ``inline``."""
+    """True when ``fn`` (or the function under a bound method) is marked ``inline``.
+
+    Args:
+        fn: any callable.
+
+    Returns:
+        Whether the callee runs ``fn`` on its event loop.
+    """
     return bool(getattr(fn, _INLINE_MARK, False))
+
+
+def not_scriptable(fn: F) -> F:
+    """Make ``torch.jit.script`` raise ``TorchScriptCallError`` where a scripted function
+    calls ``fn`` (or ``fn`` itself is scripted), instead of failing on its annotations.
+
+    TorchScript compiles each Python function a scripted one calls, and first calls its
+    ``__prepare_scriptable__`` if it has one: that hook raises. Calls from Python are
+    untouched.
+
+    Args:
+        fn: a function of asyncrpc's API.
+
+    Returns:
+        ``fn``, with the hook.
+    """
+
+    def refuse() -> NoReturn:
+        raise TorchScriptCallError(f"asyncrpc.{fn.__name__}")
+
+    setattr(fn, "__prepare_scriptable__", refuse)  # noqa: B010 (a dunder mypy would refuse)
+    return fn
 
 
 R = TypeVar("R")
@@ -82,6 +122,12 @@ def per_callable_cache(compute: Callable[[Any], R]) -> Callable[[Any], R]:
     """Memoise ``compute(fn)`` per callable (bounded): it runs on every call's hot path.
 
     Unhashable callables are computed every time.
+
+    Args:
+        compute: a pure function of one callable.
+
+    Returns:
+        ``compute`` with a cache of its last 4,096 callables (its name and docstring kept).
     """
     cached = functools.lru_cache(maxsize=4096)(compute)
 
@@ -91,12 +137,19 @@ def per_callable_cache(compute: Callable[[Any], R]) -> Callable[[Any], R]:
         except TypeError:  # unhashable: nothing to cache
             return compute(fn)
 
-    return lookup
+    return functools.update_wrapper(lookup, compute)  # compute's name and docstring
 
 
 @per_callable_cache
 def is_coroutine_function(fn: Any) -> bool:
-    """True when calling ``fn`` returns a coroutine (``async def``), cached per function."""
+    """True when calling ``fn`` returns a coroutine (``async def``), cached per function.
+
+    Args:
+        fn: any callable; an object with an ``async def __call__`` counts.
+
+    Returns:
+        Whether the callee awaits ``fn(...)`` on its event loop.
+    """
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
         getattr(fn, "__call__", None)  # noqa: B004 - objects with an async __call__
     )

@@ -55,10 +55,16 @@ def stream(to: Any, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Str
         and a (async) context manager that closes it on exit.
 
     Raises:
-        UnknownWorkerError, SerializationError at once. While iterating: the producer's
-        exception as its original type (after the items before it), ``RpcTimeoutError``,
-        ``PeerLostError``, ``ClosedError`` (this worker shut down), ``BlockingCallError``
-        (``for`` on the agent's loop thread).
+        UnknownWorkerError: ``to`` names no worker (at once).
+        SerializationError: an argument cannot be pickled (at once).
+        Exception: while iterating, the producer's exception as its original type, after
+            the items yielded before it.
+        RpcTimeoutError: while iterating, no item within the default ``rpc_timeout`` (the
+            stream is closed).
+        PeerLostError: while iterating, the producer's worker was lost (after the items
+            already received).
+        ClosedError: while iterating, this worker shut down.
+        BlockingCallError: ``for`` on the agent's loop thread.
     """
     return current_agent().streams.open(to, fn, args, kwargs, UNSET_RPC_TIMEOUT, None)
 

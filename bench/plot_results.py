@@ -1,7 +1,7 @@
 """Draw the chart of a saved run: ``python bench/plot_results.py RESULTS.json OUT.png``.
 
 The same chart ``python -m asyncrpc.bench --plot`` draws, made afterwards from ``--json``
-output (needs matplotlib: ``pip install 'asyncrpc[plot]'``).
+output (needs matplotlib: ``pip install matplotlib``).
 """
 
 from __future__ import annotations

@@ -89,12 +89,25 @@ class context:
 
 
 def current_context() -> int | None:
-    """The id of the context the calling code runs in, or None."""
+    """The id of the context the calling code runs in, or None.
+
+    Returns:
+        The id of the ``context()`` block this thread or task runs in (on a callee: of
+        the context the caller's RPC was made in), None outside any.
+    """
     return current_context_id.get()
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
     """The gradients accumulated on this worker in context ``context_id``, by tensor.
+
+    Args:
+        context_id: a context this worker took part in (the id ``context()`` yielded on
+            the worker that opened it, passed to the others).
+
+    Returns:
+        A dict from each tensor of this worker that got a gradient in that context to
+        the gradient accumulated so far; ``.grad`` is never touched.
 
     Raises:
         AutogradContextError: this worker has no such context.
@@ -149,8 +162,21 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
 async def backward_async(
     context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False
 ) -> None:
-    """``backward`` for async code, from any loop. Cancelling the wait does not stop the
-    pass (the workers finish it); the context stays usable."""
+    """``backward`` for async code, from any loop.
+
+    Cancelling the wait does not stop the pass (the workers finish it); the context stays
+    usable.
+
+    Args:
+        context_id: the context the forward pass ran in (on this worker).
+        roots: scalar tensors requiring grad (usually the loss).
+        retain_graph: allow another backward in this context.
+
+    Raises:
+        AutogradContextError: no such context on a worker the pass reaches.
+        BackwardError: a worker's part of the pass failed (as for ``backward``).
+        PeerLostError: a worker died meanwhile.
+    """
     agent, _ = context_table()
     await _on_agent_loop(agent, _backward(agent, context_id, roots, retain_graph))
 

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch._C._distributed_autograd as torch_dist_engine
 
+from asyncrpc.autograd.groups import keep_default_group
 from asyncrpc.runtime.intraop import one_thread
 
 __all__ = ["LOOP_PASS_MAX_ELEMENTS", "LOOP_PASS_MAX_NODES", "LocalGraph", "reachable_leaves"]
@@ -252,6 +253,7 @@ class LocalGraph:
     ) -> Routed:  # fmt: skip
         if self._torch_context is None:
             self._torch_context = _new_torch_context(rank)
+        keep_default_group()  # a reducer may hold it: see groups.py
         for leaf_id, leaf in received().items():
             if leaf_id not in self._hooked:
                 self._hooked[leaf_id] = _hook_accumulator(

@@ -42,7 +42,14 @@ class _Sent(NamedTuple):
 
 
 class AutogradHook(CallHook):
-    """Records the sends and receives of every call made in a distributed autograd context."""
+    """Records the sends and receives of every call made in a distributed autograd context.
+
+    Lane-safe: its stages touch the context table and contexts under their locks, and the
+    release batcher under its own, so they may run on a lane's thread (runtime/lanes/).
+    """
+
+    fields = frozenset({FIELD, RELEASED})
+    lane_safe = True
 
     def __init__(self, rank: int) -> None:
         self._rank = rank  # this worker's rank

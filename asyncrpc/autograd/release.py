@@ -90,11 +90,18 @@ class Releases:
         self._flush()
 
 
+_MADE = threading.Lock()  # one batcher per table, whichever threads ask first at once
+
+
 def releases_of(agent: Agent, table: ContextTable) -> ReleaseBatcher:
-    """The batcher of ``table`` (made on first use; one per worker)."""
-    if table.releases is None:
-        table.releases = Releases(agent, table)
-    return table.releases
+    """The batcher of ``table`` (made on first use; one per worker; any thread)."""
+    releases = table.releases
+    if releases is None:
+        with _MADE:
+            if table.releases is None:
+                table.releases = Releases(agent, table)
+            releases = table.releases
+    return releases
 
 
 def _by_peer(released: Iterable[tuple[int, Iterable[int]]]) -> dict[int, list[int]]:

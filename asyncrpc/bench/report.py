@@ -366,7 +366,9 @@ def check_plot_available() -> None:
         import matplotlib  # noqa: F401
     except ImportError as exc:
         raise PlotUnavailableError(
-            "--plot needs matplotlib: pip install 'asyncrpc[plot]' (or matplotlib)"
+            # Not `asyncrpc[plot]`: the PyPI package named asyncrpc is an unrelated project
+            # (ours is distributed as asyncrpc-torch, not on PyPI), so name matplotlib itself.
+            "--plot needs matplotlib, which is not installed: pip install matplotlib"
         ) from exc
 
 

@@ -84,8 +84,9 @@ class RemoteModule(nn.Module):
         NotInitializedError: RPC is not initialized here.
         UnknownWorkerError: no such worker.
         ScriptRemoteModuleError: ``_module_interface_cls`` was given.
-        The constructor's own errors (and a ``ValueError`` if it does not return an
-        ``nn.Module``) surface, with their original type, on the first ``forward``.
+        Exception: the constructor's own errors (and a ``ValueError`` if it does not
+            return an ``nn.Module``) surface, with their original type, on the first
+            ``forward``.
     """
 
     forward_async: Callable[..., Future[Any]]
@@ -132,7 +133,9 @@ class RemoteModule(nn.Module):
             A RemoteModule whose ``forward`` runs the module behind ``module_rref``.
 
         Raises:
-            ScriptRemoteModuleError, and the constructor's ``remote_device`` errors.
+            ScriptRemoteModuleError: ``_module_interface_cls`` was given.
+            ValueError, RuntimeError: a malformed ``remote_device``.
+            NotInitializedError, UnknownWorkerError: as in the constructor.
         """
         _refuse_script(_module_interface_cls)
         handle: RemoteModule = object.__new__(RemoteModule)
@@ -178,7 +181,7 @@ class RemoteModule(nn.Module):
             One ``RRef`` per parameter, owned by the module's worker. Blocks.
 
         Raises:
-            The module's construction error, and the errors of ``rpc_sync``.
+            Exception: the module's construction error, and the errors of ``rpc_sync``.
         """
         owner = self.module_rref.owner_name()
         rrefs: list[RRef[nn.Parameter]] = rpc_sync(
@@ -192,6 +195,9 @@ class RemoteModule(nn.Module):
 
     def train(self, mode: bool = True) -> RemoteModule:
         """Set the remote module's training mode (blocks until the owner has).
+
+        Args:
+            mode: True for training, False for evaluation.
 
         Returns:
             This RemoteModule (torch's returns a copy of the remote module instead).

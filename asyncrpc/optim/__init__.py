@@ -58,13 +58,25 @@ class DistributedOptimizer:
     def step(self, context_id: int) -> None:
         """Step every owner's optimizer with the gradients of ``context_id``; blocks.
 
+        Args:
+            context_id: the distributed autograd context whose gradients to apply.
+
         Raises:
-            The first owner's error (with its original type), once all have finished.
+            Exception: the first owner's error (with its original type), once all have
+                finished.
         """
         _wait_every(self.step_future(context_id))
 
     def step_future(self, context_id: int) -> list[Future[None]]:
-        """Start the steps on every owner; returns their futures (await or wait them)."""
+        """Start the steps on every owner, without blocking.
+
+        Args:
+            context_id: the distributed autograd context whose gradients to apply.
+
+        Returns:
+            One ``Future`` per owner (``await`` them, or ``wait()``); each fails with
+            that owner's error, with its original type.
+        """
         # By RRef id: pickling the RRef itself would fork it (and acknowledge the fork)
         # on every step. This object holds the RRefs, so the owners keep the optimizers.
         return [

@@ -66,6 +66,8 @@ class _Nested:
 class ProfilingHook(CallHook):
     """RPC spans for the caller's profiler; recordings from the callee."""
 
+    fields = frozenset({FIELD})
+
     def __init__(self, rank: int) -> None:
         self._rank = rank  # this worker's rank: the node_id of its events
         self._lock = threading.Lock()

@@ -25,6 +25,8 @@ __all__ = [
 ]
 
 REMOTE_OP = "#remote_op: "
+"""What joins an RPC span's name to the name of an event its callee ran:
+``rpc_sync#fn(a -> b)#remote_op: aten::mm``, as torch names remote events."""
 
 # Calls an RRef makes for itself, under their names in torch's traces. torch asks the
 # owner for the type of an RRef's value with an RPC of its function _rref_typeof_on_owner.
@@ -56,7 +58,17 @@ def call_name(target: str, default: str, fn: Any) -> str:
 
 
 def rpc_span_name(kind: str, function: str, caller: str, callee: str) -> str:
-    """``rpc_sync#fn(caller -> callee)``; ``kind`` is "sync", "async", "remote" or "stream"."""
+    """The name of an RPC's span in the caller's profile, as torch names it.
+
+    Args:
+        kind: "sync", "async", "remote" or "stream".
+        function: the function's name (``aten::add``, a ``__qualname__``).
+        caller: the calling worker's name.
+        callee: the called worker's name.
+
+    Returns:
+        ``rpc_{kind}#{function}({caller} -> {callee})``, e.g. ``rpc_sync#fn(a -> b)``.
+    """
     return f"rpc_{kind}#{function}({caller} -> {callee})"
 
 
@@ -66,5 +78,13 @@ def stream_items_name(count: int) -> str:
 
 
 def remote_event_name(span: str, event: str) -> str:
-    """The caller's name for ``event``, which ran on the callee of the RPC ``span``."""
+    """The caller's name for ``event``, which ran on the callee of the RPC ``span``.
+
+    Args:
+        span: the RPC's span name (``rpc_span_name``).
+        event: the name of the event on the callee (``aten::mm``).
+
+    Returns:
+        ``{span}#remote_op: {event}``.
+    """
     return f"{span}{REMOTE_OP}{event}"

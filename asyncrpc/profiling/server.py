@@ -86,6 +86,11 @@ class server_profile:
         self.function_events = disable_server_profiler()
 
     def key_averages(self) -> Any:
+        """The recorded events summed by name (torch's ``EventList.key_averages``).
+
+        Raises:
+            RuntimeError: the ``with`` block has not ended yet.
+        """
         if self.function_events is None:
             raise RuntimeError("the server profile has not finished yet")
         return self.function_events.key_averages()

@@ -23,3 +23,7 @@ class PeerAddress:
     # to try before TCP (None: the worker takes no Unix connections).
     host_id: str = ""
     unix_path: str | None = None
+    # Where it takes lanes (asyncrpc/runtime/lanes/): one blocking connection per calling
+    # thread of a peer, for synchronous calls. None: it takes none that way.
+    lane_port: int | None = None
+    lane_path: str | None = None

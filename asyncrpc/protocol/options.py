@@ -57,7 +57,15 @@ def check_worker_name(name: object) -> None:
 
 @dataclass(frozen=True, slots=True)
 class WorkerInfo:
-    """A worker's identity: its unique ``name`` and its rank ``id`` (torch's names)."""
+    """A worker's identity: its unique ``name`` and its rank ``id`` (torch's names).
+
+    Attributes:
+        name: the worker's name, unique in its group.
+        id: its rank.
+
+    Raises:
+        WorkerNameError: ``name`` is not a valid worker name.
+    """
 
     name: str
     id: int
@@ -151,6 +159,13 @@ class RpcBackendOptions:
             caller gets the exception either way.
         stream_window: the default flow-control window of streams (``asyncrpc.stream``):
             a producer runs at most this many items ahead of its consumer.
+        sync_lanes: lanes this worker serves at once (0 turns lanes off, on both sides).
+            A lane is a connection a calling thread opens to a peer at its second
+            ``rpc_sync`` there and then uses alone, in blocking I/O: its calls skip the
+            event loop on both sides (a plain function runs on the lane's thread at the
+            callee). Past the limit, and for calls a lane does not carry (hooks active,
+            RRef forks, large frames, ``async def`` functions), calls go through the
+            event loop as before. Off with TLS.
     """
 
     init_method: str = DEFAULT_INIT_METHOD
@@ -184,6 +199,7 @@ class RpcBackendOptions:
     heartbeat_timeout: float = 10.0
     print_errors: bool = True
     stream_window: int = 128
+    sync_lanes: int = 64
     _extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -204,6 +220,8 @@ class RpcBackendOptions:
             raise InitError("TLS needs all of tls_cert, tls_key and tls_ca")
         if type(self.stream_window) is not int or self.stream_window < 1:
             raise InitError(f"stream_window must be an int >= 1, got {self.stream_window!r}")
+        if type(self.sync_lanes) is not int or self.sync_lanes < 0:
+            raise InitError(f"sync_lanes must be an int >= 0, got {self.sync_lanes!r}")
         if self.num_worker_threads < 1:
             raise InitError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
         if self.max_worker_threads < self.num_worker_threads:
@@ -228,7 +246,14 @@ class RpcBackendOptions:
             self.devices = [_device_key(d) for d in self.devices]
 
     def set_device_map(self, to: str, device_map: Mapping[Any, Any]) -> None:
-        """Add or extend the device map towards worker ``to`` (torch's method of that name)."""
+        """Add or extend the device map towards worker ``to`` (torch's method of that name).
+
+        Args:
+            to: the callee's name.
+            device_map: this worker's devices to the callee's (``{0: 1}``,
+                ``{"cuda:0": "cuda:1"}``, ``torch.device`` keys); merged into any map
+                already set for ``to``.
+        """
         maps = self.device_maps if self.device_maps is not None else {}
         maps.setdefault(to, {}).update(
             {_device_key(k): _device_key(v) for k, v in device_map.items()}
@@ -236,7 +261,12 @@ class RpcBackendOptions:
         self.device_maps = maps
 
     def set_devices(self, devices: list[Any]) -> None:
-        """Set the devices this worker uses (torch's method of that name)."""
+        """Set the devices this worker uses (torch's method of that name).
+
+        Args:
+            devices: CUDA devices (``0``, ``"cuda:0"``, ``torch.device``), replacing any
+                set before.
+        """
         self.devices = [_device_key(d) for d in devices]
 
 

@@ -11,7 +11,6 @@ an RRef never does I/O: ``__del__`` hands the release to the agent's loop.
 from __future__ import annotations
 
 import asyncio
-import copy
 import functools
 import traceback
 from collections.abc import Callable, Sequence
@@ -22,6 +21,7 @@ import torch
 from asyncrpc.autograd import backward as dist_backward
 from asyncrpc.autograd import backward_async as dist_backward_async
 from asyncrpc.errors import PeerLostError, RRefError, RRefOwnerLostError
+from asyncrpc.errorstate import copy_exception
 from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT, WorkerInfo
 from asyncrpc.protocol.refmessages import (
@@ -171,9 +171,12 @@ class RRef(Generic[T]):
     def local_value(self) -> T:
         """The value itself; owner only. Waits if a ``remote()`` is still computing it.
 
+        Returns:
+            The very object the owner holds (no copy).
+
         Raises:
             RRefError: this worker is not the owner.
-            The exception that creating the value raised.
+            Exception: the exception that creating the value raised.
         """
         if self._value is None:
             me, owner = self._ctx.worker_info(self._ctx.rank), self.owner()
@@ -222,9 +225,16 @@ class RRef(Generic[T]):
 
         In async code use ``await rref.to_here_future()``.
 
+        Args:
+            timeout: seconds; -1 means the default rpc timeout, 0 none.
+
+        Returns:
+            A copy of the value (on the owner, the value itself).
+
         Raises:
             BlockingCallError: called on the agent's loop thread before the value is here.
-            The errors of ``to_here_future`` and the exception creating the value raised.
+            Exception: the errors of ``to_here_future`` and the exception creating the
+                value raised, as its own type.
         """
         return self._fetch(timeout, "sync").wait()
 
@@ -328,20 +338,56 @@ class RRef(Generic[T]):
     # -- proxies ---------------------------------------------------------------------------
 
     def rpc_sync(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
-        """Proxy: ``rref.rpc_sync().method(*args)`` runs ``value.method`` on the owner."""
+        """Proxy: ``rref.rpc_sync().method(*args)`` runs ``value.method`` on the owner.
+
+        Args:
+            timeout: seconds for each call made through the proxy; -1 means the default
+                ``rpc_timeout``, 0 none.
+
+        Returns:
+            A proxy whose method calls block for the result, as ``rpc_sync``.
+        """
         return _Proxy(self, "sync", timeout)
 
     def rpc_async(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
-        """Proxy: ``rref.rpc_async().method(*args)`` returns a Future of the result."""
+        """Proxy: ``rref.rpc_async().method(*args)`` returns a Future of the result.
+
+        Args:
+            timeout: seconds for each call made through the proxy; -1 means the default
+                ``rpc_timeout``, 0 none.
+
+        Returns:
+            A proxy whose method calls return a ``Future``, as ``rpc_async``.
+        """
         return _Proxy(self, "async", timeout)
 
     def remote(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
-        """Proxy: ``rref.remote().method(*args)`` returns an RRef of the result."""
+        """Proxy: ``rref.remote().method(*args)`` returns an RRef of the result.
+
+        As torch's, the proxy first checks that the value's type has ``method``.
+
+        Args:
+            timeout: seconds for each ``remote`` made through the proxy; -1 means the
+                default ``rpc_timeout``, 0 none.
+
+        Returns:
+            A proxy whose method calls return an ``RRef`` owned by this RRef's owner.
+        """
         return _Proxy(self, "remote", timeout)
 
     def stream(self, timeout: float = UNSET_RPC_TIMEOUT, window: int | None = None) -> Any:
         """Proxy: ``rref.stream().method(*args)`` iterates the generator method ``method``
-        of the value on its owner, as ``asyncrpc.rpc_stream`` does (returns a ``Stream``)."""
+        of the value on its owner, as ``asyncrpc.rpc_stream`` does.
+
+        Args:
+            timeout: seconds each wait for the next item may last; -1 means the default
+                ``rpc_timeout``, 0 none.
+            window: items the producer may run ahead (default:
+                ``RpcBackendOptions.stream_window``).
+
+        Returns:
+            A proxy whose method calls return a ``Stream``.
+        """
         return _StreamProxy(self, timeout, window)
 
 
@@ -429,7 +475,7 @@ async def _owner_value(value: Future[Any]) -> Any:
         return await value
     except BaseException as exc:
         traceback.clear_frames(exc.__traceback__)
-        raise copy.copy(exc).with_traceback(None) from None
+        raise copy_exception(exc) from None
 
 
 def _owned(value: Future[Any]) -> Future[Any]:
@@ -448,7 +494,7 @@ def _copy_of_failure(done: Future[Any]) -> Any:
     exc = done.exception()
     if exc is None:
         return done.value()
-    raise copy.copy(exc).with_traceback(None) from None
+    raise copy_exception(exc) from None
 
 
 def _fetched(owner: str, rref: RRef[Any], done: Future[Any]) -> Any:
@@ -476,7 +522,7 @@ def _ignored(done: Future[Any]) -> None:
 def _made(done: Future[Any]) -> None:
     exc = done.exception()
     if exc is not None:  # a copy: the stored exception is shared (see _owner_value)
-        raise copy.copy(exc).with_traceback(None) from None
+        raise copy_exception(exc) from None
 
 
 async def _made_on_owner(rref: RRef[Any]) -> None:

@@ -35,6 +35,9 @@ from asyncrpc.runtime.future import set_default_callback_loop
 from asyncrpc.runtime.group.join import Group, join
 from asyncrpc.runtime.group.shutdown import GracefulShutdown, shutdown_limit
 from asyncrpc.runtime.intraop import keep_team
+from asyncrpc.runtime.lanes.client import CallerLanes
+from asyncrpc.runtime.lanes.handshake import LaneRoster
+from asyncrpc.runtime.lanes.server import LaneReply, LaneServer, Serving
 from asyncrpc.runtime.metrics import Counters, LagProbe
 from asyncrpc.runtime.net.listener import Listener
 from asyncrpc.runtime.net.network import Network
@@ -68,6 +71,7 @@ class Agent:
         loop: asyncio.AbstractEventLoop,
         rrefs: RRefFactory,
         hooks: Sequence[CallHook] = (),
+        lane_server: LaneServer | None = None,
     ) -> None:
         self.group, self.options, self.loop = group, options, loop
         self.name, self.rank, self.world_size = group.name, group.rank, group.world_size
@@ -102,23 +106,35 @@ class Agent:
             group, options, loop, self.counters, receiver=self, calls=self.pending,
             rrefs=self.rrefs, shm=self.shm, allocate=allocate, listener=listener,
         )  # fmt: skip
+        # Lanes (lanes/): calling threads' own connections for rpc_sync, and the threads
+        # serving peers' lanes here. Their frames never use shared memory.
+        lane_serializer = Serializer(persistent_dump=self.rrefs.dump,
+                                     persistent_load=self.rrefs.load)  # fmt: skip
+        self.lanes = CallerLanes(
+            (self.name, self.rank), self.addresses, group.host_id, group.key,
+            options.max_frame_size, options.handshake_timeout, lane_serializer,
+            small=options.shm_threshold if options.shared_memory else 1 << 20,
+            enabled=options.sync_lanes > 0 and group.tls is None,
+        )  # fmt: skip
+        self.lane_server = lane_server
         self.outbox = Outbox(
             self.name, loop, self.pending, serializer=self.serializer, pipeline=self.pipeline,
             directory=self.directory, sender=self.network, rrefs=self.rrefs,
             unlend=self.shm.unlend, counters=self.counters,
-            default_timeout=options.rpc_timeout,
+            default_timeout=options.rpc_timeout, lanes=self.lanes,
         )  # fmt: skip
         # What the API and the RRef layer use, as the parts' own methods (no extra call on
         # the hot path): addressing, the ways in for calls, refcount frames, liveness.
         self.resolve, self.worker_info = self.directory.resolve, self.directory.worker_info
         self.call_future, self.call = self.outbox.call_future, self.outbox.call
+        self.call_sync = self.outbox.call_sync
         self.send_remote, self.run_on_loop = self.outbox.send_remote, self.outbox.run_on_loop
         self.effective_timeout = self.outbox.effective_timeout
         self.send_ref, self.is_lost = self.network.send_ref, self.network.is_lost
         self.probe = self.network.probe  # dial unless connected or lost (shutdown)
         self.is_connected = self.network.peers.connected
         self.dispatcher = Dispatcher(
-            self.name, loop, self.pool, self.serializer, self.network.write, self.counters,
+            self.name, loop, self.pool, self.serializer, self._write_reply, self.counters,
             self.pipeline, self.rrefs, options.print_errors,
         )  # fmt: skip
         # Streaming calls (calls/streams.py): the dispatcher starts their producers.
@@ -126,6 +142,24 @@ class Agent:
         self.streams = Streams(self, self._send_control)
         self.dispatcher.streams = self.streams.producers
         self.lag = LagProbe(loop)
+        if lane_server is not None:
+            lane_server.serve(Serving(
+                self.name, self.rank, group.key, options.max_frame_size,
+                options.handshake_timeout, LaneRoster(self._member_name, self.is_lost),
+                lane_serializer, self.pipeline, self.dispatcher, self.rrefs, self.run_on_loop,
+                options.print_errors,
+            ))  # fmt: skip
+
+    def _write_reply(self, conn: Any, pieces: list[Any], keep: object, forks: Any) -> None:
+        # A request a lane handed to the loop is answered through the lane's thread.
+        if type(conn) is LaneReply:
+            conn.deliver(pieces, keep, forks)
+        else:
+            self.network.write(conn, pieces, keep, forks)
+
+    def _member_name(self, rank: int) -> str | None:
+        address = self.addresses.get(rank)
+        return None if address is None else address.name
 
     def _send_control(self, rank: int, pieces: list[Any], connect: bool = False) -> None:
         self.network.send_control(rank, pieces, connect)  # shared memory's bookkeeping
@@ -163,12 +197,21 @@ class Agent:
         listener = await Listener.start(
             options.listen_host, options.listen_port, tls, options.unix_sockets
         )
+        lanes = None
         try:
-            group = await join(name, rank, world_size, options, listener, tls)
+            if options.sync_lanes and tls is None:
+                lanes = LaneServer.listen(
+                    options.listen_host, options.unix_sockets, options.sync_lanes
+                )
+            where = (None, None) if lanes is None else (lanes.port, lanes.path)
+            group = await join(name, rank, world_size, options, listener, tls, where)
             made = () if hooks is None else hooks(group)
-            agent = cls(group, listener, options, asyncio.get_running_loop(), rrefs, made)
+            loop = asyncio.get_running_loop()
+            agent = cls(group, listener, options, loop, rrefs, made, lanes)
         except BaseException:
             listener.close()
+            if lanes is not None:
+                lanes.close()
             raise
         try:
             if register is not None:
@@ -245,16 +288,20 @@ class Agent:
         self.streams.on_peer_lost(rank)
         self.shm.on_peer_lost(rank)
         self.rrefs.on_peer_lost(rank)
+        self.lanes.on_peer_lost(rank, error)
+        if self.lane_server is not None:
+            self.lane_server.on_peer_lost(rank)
         if self.cuda is not None:  # CUDA IPC memory it held is dropped on its behalf
             self.cuda.on_peer_lost(rank)
 
     # -- stopping --------------------------------------------------------------------------
 
     def calls_in_flight(self) -> int:
-        return len(self.pending)
+        return len(self.pending) + self.lanes.in_flight
 
     def requests_running(self) -> int:
-        return len(self.dispatcher)
+        running = len(self.dispatcher)
+        return running if self.lane_server is None else running + self.lane_server.running
 
     @property
     def closed(self) -> bool:
@@ -269,6 +316,7 @@ class Agent:
                 is "error" (``WorkersLostError``); this worker is stopped all the same.
         """
         limit = shutdown_limit(self.options.shutdown_timeout if timeout is None else timeout)
+        self.network.leaving = True  # peers that go away now are not "reconnected" in logs
         failure: ShutdownError | None = None
         rounds = GracefulShutdown(self)
         # This worker reads no more: the streams it consumes end now. Those it produces are
@@ -299,6 +347,9 @@ class Agent:
         self.outbox.close()
         self.rrefs.close()
         self.shm.close()
+        self.lanes.close()
+        if self.lane_server is not None:
+            self.lane_server.close()
         await asyncio.sleep(0)  # let the transports flush and call connection_lost
         self.pool.shutdown()
         await self.pool.stopped(timeout=1.0)
@@ -308,10 +359,10 @@ class Agent:
 
     def metrics(self) -> dict[str, Any]:
         """Counters and gauges of this worker (see ``asyncrpc.get_metrics``)."""
-        return {
+        figures: dict[str, Any] = {
             **self.counters.as_dict(),
             "pending_calls": len(self.pending),
-            "running_requests": len(self.dispatcher),
+            "running_requests": self.requests_running(),
             **self.network.metrics(),
             **self.pool.stats(),
             "loop_lag_ms": round(self.lag.last_ms, 3),
@@ -321,6 +372,11 @@ class Agent:
             # Work handed between threads, by kind, in this whole process (runtime/handoffs).
             **{f"handoffs_{kind}": n for kind, n in handoffs.snapshot().items()},
         }
+        # Calls, replies and bytes count the lanes' too; their own figures are lanes_*.
+        for part in (self.lanes, self.lane_server):
+            for key, value in ({} if part is None else part.stats()).items():
+                figures[key] = figures.get(key, 0) + value if not key.startswith("lane") else value
+        return figures
 
     def debug_info(self) -> dict[str, Any]:
         """Metrics plus identity, peers and RRef bookkeeping (see ``asyncrpc.get_debug_info``)."""

@@ -79,6 +79,9 @@ def wait_all(futures: Sequence[Any]) -> list[Any]:
     Args:
         futures: asyncrpc or torch futures (anything ``Future.wrap`` takes).
 
+    Returns:
+        The values of ``futures``, in their order.
+
     Raises:
         BlockingCallError: Some are not done and this is the agent's loop thread.
         BaseException: The stored exception of the first future to fail (of the first in

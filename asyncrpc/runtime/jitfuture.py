@@ -114,6 +114,9 @@ class Future(torch.futures.Future[T]):
 
         With ``loop=None`` they run on the agent loop registered with
         ``set_default_callback_loop`` while it runs, else in the completing thread.
+
+        Args:
+            loop: the event loop that runs this future's callbacks (see the class).
         """
         _c_init(self, _NO_DEVICES)
         self._state = _PENDING
@@ -143,6 +146,9 @@ class Future(torch.futures.Future[T]):
 
     def value(self) -> T:
         """Return the result without waiting (torch ``Future.value``).
+
+        Returns:
+            The result the future was completed with.
 
         Raises:
             FutureNotDoneError: The future is not done yet.
@@ -178,6 +184,9 @@ class Future(torch.futures.Future[T]):
         Args:
             timeout: Seconds to wait at most; None waits forever.
 
+        Returns:
+            The result.
+
         Raises:
             BlockingCallError: Not done and called on the agent's loop thread.
             TimeoutError: Not done within ``timeout`` (the future stays pending).
@@ -188,7 +197,14 @@ class Future(torch.futures.Future[T]):
         return self.value()
 
     def result(self, timeout: float | None = None) -> T:
-        """Alias of ``wait()`` for concurrent.futures-style code (same arguments and errors)."""
+        """Alias of ``wait()`` for concurrent.futures-style code (same arguments and errors).
+
+        Args:
+            timeout: seconds to wait at most; None waits forever.
+
+        Returns:
+            The result.
+        """
         return self.wait(timeout)
 
     def _block(self, timeout: float | None) -> bool:
@@ -218,6 +234,9 @@ class Future(torch.futures.Future[T]):
     def set_result(self, result: T) -> None:
         """Complete the future with ``result`` and schedule its callbacks.
 
+        Args:
+            result: the value waiters and callbacks get.
+
         Raises:
             FutureAlreadyDoneError: The future was already completed or cancelled.
         """
@@ -227,6 +246,9 @@ class Future(torch.futures.Future[T]):
     # torch annotates the argument as T; it takes an exception, as ours does.
     def set_exception(self, exc: BaseException) -> None:  # type: ignore[override]
         """Complete the future with the exception instance ``exc``; waiters raise it.
+
+        Args:
+            exc: an exception instance.
 
         Raises:
             TypeError: ``exc`` is not an exception instance.
@@ -481,8 +503,15 @@ class Future(torch.futures.Future[T]):
     # -- bridges -------------------------------------------------------------------------------
 
     @classmethod
-    def from_torch(cls, fut: torch.futures.Future[S]) -> Future[S]:
-        """Return a new future completed with the outcome of the ``torch.futures.Future`` ``fut``.
+    def from_torch(cls, fut: torch._C.Future[S]) -> Future[S]:
+        """Return a new future completed with the outcome of the torch future ``fut`` (a
+        ``torch.futures.Future``, or the bare ``torch._C.Future`` its ``then`` returns).
+
+        Args:
+            fut: a torch future (from torch's own RPC, ``torch.jit.fork``, ...).
+
+        Returns:
+            An asyncrpc ``Future`` that completes when ``fut`` does.
 
         Cancellation: torch futures cannot be cancelled; cancelling the result leaves
         ``fut`` running.

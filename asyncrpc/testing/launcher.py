@@ -20,7 +20,17 @@ __all__ = ["WorkerProcess", "free_port", "spawn_worker", "stop_workers"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago on ``host`` (the OS picks it)."""
+    """A port that was free a moment ago on ``host`` (the OS picks it).
+
+    Another process may take it before you bind it: retry on "address already in use",
+    or let a worker bind port 0 itself (``listen_port=0``) where it can.
+
+    Args:
+        host: the address to bind on.
+
+    Returns:
+        The port number.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
@@ -38,9 +48,11 @@ class WorkerProcess:
 
     @property
     def pid(self) -> int:
+        """The worker's process id."""
         return self.process.pid
 
     def log(self) -> str:
+        """What the worker wrote to stdout and stderr so far ("" if unreadable)."""
         try:
             return self.log_path.read_text(errors="replace")
         except OSError:
@@ -70,8 +82,28 @@ def spawn_worker(
     """Start ``python -m asyncrpc.testing.worker`` as rank ``rank`` of a group.
 
     The worker joins, serves until every worker calls shutdown, then exits 0 (or 3 when
-    the shutdown failed). ``prefix`` goes before the command, for a launcher that execs it
-    in place (``ip netns exec NS``: the PID stays the worker's).
+    the shutdown failed).
+
+    Args:
+        name: the worker's name.
+        rank: its rank.
+        world_size: the group's size.
+        init_method: the rendezvous URL (``tcp://127.0.0.1:PORT``, ``file://...``).
+        log_dir: where its output goes (``<name>.log``).
+        mode: "sync" (``init_rpc``) or "async" (``init_rpc_async`` on its own loop).
+        rpc_timeout: its default call timeout, in seconds.
+        shutdown_timeout: its bound on the graceful shutdown, in seconds.
+        extra_args: more command-line options of ``asyncrpc.testing.worker``
+            (``--threads``, ``--heartbeat-timeout``, ``--listen-host``...).
+        env: variables added to this process's environment for it.
+        prefix: what goes before the command, for a launcher that execs it in place
+            (``ip netns exec NS``: the PID stays the worker's).
+
+    Returns:
+        The started ``WorkerProcess``; stop it with ``stop_workers`` or ``kill``.
+
+    Raises:
+        OSError: the process could not be started.
     """
     log_path = log_dir / f"{name}.log"
     full_env = dict(os.environ)
@@ -94,6 +126,10 @@ def spawn_worker(
 
 def stop_workers(workers: Sequence[WorkerProcess], timeout: float = 30.0) -> list[int | None]:
     """Wait up to ``timeout`` for the workers to exit, then SIGKILL the rest (by PID).
+
+    Args:
+        workers: the workers, as ``spawn_worker`` returned them.
+        timeout: seconds to wait for all of them together.
 
     Returns:
         Each worker's exit code (None only if it could not be reaped).

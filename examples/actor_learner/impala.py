@@ -26,7 +26,7 @@ from torch import nn
 
 import asyncrpc
 from asyncrpc.testing import free_port
-from examples._launch import workers, write_json
+from examples._launch import DEADLINE_S, workers, write_json
 
 OBS, ACTIONS = 6, 3
 
@@ -137,9 +137,14 @@ async def act(actor: int, unrolls: int, length: int) -> AsyncIterator[dict[str, 
 # -- the programs ---------------------------------------------------------------------------
 
 
-def _options(args: argparse.Namespace) -> asyncrpc.RpcBackendOptions:
+def _options(args: argparse.Namespace, *, serves_whole_run: bool) -> asyncrpc.RpcBackendOptions:
+    # An actor is in its graceful shutdown from the moment it joins (it serves ``act``
+    # until the learner is done): the whole run, bounded by the deadline, not a call's
+    # timeout, or a run slower than ``--timeout`` (a loaded machine) loses its actors.
     return asyncrpc.RpcBackendOptions(
-        init_method=args.init_method, rpc_timeout=args.timeout, shutdown_timeout=args.timeout
+        init_method=args.init_method,
+        rpc_timeout=args.timeout,
+        shutdown_timeout=args.deadline if serves_whole_run else args.timeout,
     )
 
 
@@ -147,8 +152,8 @@ async def learn(args: argparse.Namespace) -> dict[str, Any]:
     """Rank 0: merge the actors' streams into one queue and learn from each unroll."""
     global LEARNER
     world = args.actors + 1
-    async with asyncrpc.worker("learner", rank=0, world_size=world,
-                               rpc_backend_options=_options(args)):  # fmt: skip
+    options = _options(args, serves_whole_run=False)
+    async with asyncrpc.worker("learner", rank=0, world_size=world, rpc_backend_options=options):
         learner = LEARNER = Learner(args.lr)
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=args.actors)
         lags: list[int] = []
@@ -161,24 +166,28 @@ async def learn(args: argparse.Namespace) -> dict[str, Any]:
                 async for unroll in stream:
                     await queue.put(unroll)
 
-        pumps = [asyncio.create_task(pump(a)) for a in range(1, world)]
-        for step in range(1, args.actors * args.unrolls + 1):
-            unroll = await queue.get()
-            lags.append(learner.version - unroll["version"])
-            await learner.learn(unroll)
-            if step % 20 == 0:
-                recent = learner.rewards[-20:]
-                print(f"update {step:4d}  reward {sum(recent) / len(recent):.3f}  "
-                      f"policy lag {max(lags[-20:])}", flush=True)  # fmt: skip
-        await asyncio.gather(*pumps)
+        # In a task group: an actor's stream that fails (the actor died) ends the learner
+        # at once with its error, instead of leaving it waiting for unrolls for good.
+        async with asyncio.TaskGroup() as pumps:
+            for actor in range(1, world):
+                pumps.create_task(pump(actor))
+            for step in range(1, args.actors * args.unrolls + 1):
+                unroll = await queue.get()
+                lags.append(learner.version - unroll["version"])
+                await learner.learn(unroll)
+                if step % 20 == 0:
+                    recent = learner.rewards[-20:]
+                    print(f"update {step:4d}  reward {sum(recent) / len(recent):.3f}  "
+                          f"policy lag {max(lags[-20:])}", flush=True)  # fmt: skip
         LEARNER = None
     return {"rewards": learner.rewards, "max_lag": max(lags), "updates": learner.version}
 
 
 async def serve(args: argparse.Namespace) -> None:
     """Ranks 1..N: an actor joins and serves (``act`` is streamed from it) until shutdown."""
+    options = _options(args, serves_whole_run=True)
     async with asyncrpc.worker(f"actor{args.rank}", rank=args.rank, world_size=args.world_size,
-                               rpc_backend_options=_options(args)):  # fmt: skip
+                               rpc_backend_options=options):  # fmt: skip
         pass
 
 
@@ -188,7 +197,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--unrolls", type=int, default=150, help="per actor")
     parser.add_argument("--length", type=int, default=32, help="steps per unroll")
     parser.add_argument("--lr", type=float, default=0.5)
-    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--timeout", type=float, default=60.0, help="per call, and to join")
+    parser.add_argument("--deadline", type=float, default=DEADLINE_S,
+                        help="seconds for the whole run; past it the run is stopped")  # fmt: skip
     parser.add_argument("--json", help="write the rewards here")
     parser.add_argument("--role", choices=("main", "worker"), default="main")
     parser.add_argument("--rank", type=int, default=0)
@@ -206,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     args.init_method = f"tcp://127.0.0.1:{free_port()}"
     start = time.monotonic()
     print(f"learner + {args.actors} actors, {args.unrolls} unrolls each", flush=True)
-    extra = ["--timeout", str(args.timeout)]
-    with workers(__name__, range(1, args.actors + 1), args.actors + 1, args.init_method, extra):
+    extra = ["--timeout", str(args.timeout), "--deadline", str(args.deadline)]
+    ranks = range(1, args.actors + 1)
+    with workers(__name__, ranks, args.actors + 1, args.init_method, extra, args.deadline):
         result = asyncio.run(learn(args))
     rewards = result["rewards"]
     k = max(1, len(rewards) // 5)

@@ -21,7 +21,7 @@ from torch import nn
 import asyncrpc
 from asyncrpc.functions import async_execution
 from asyncrpc.testing import free_port
-from examples._launch import workers, write_json
+from examples._launch import DEADLINE_S, workers, write_json
 
 IN, HIDDEN, CLASSES = 16, 32, 4
 
@@ -133,16 +133,21 @@ async def train(
     return losses
 
 
-def _options(args: argparse.Namespace) -> asyncrpc.RpcBackendOptions:
+def _options(args: argparse.Namespace, *, serves_whole_run: bool) -> asyncrpc.RpcBackendOptions:
+    # A trainer is in its graceful shutdown from the moment it joins (``train`` is called
+    # in, and runs the whole training): bounded by the run's deadline, not a call's timeout.
     return asyncrpc.RpcBackendOptions(
-        init_method=args.init_method, rpc_timeout=args.timeout, shutdown_timeout=args.timeout
+        init_method=args.init_method,
+        rpc_timeout=args.timeout,
+        shutdown_timeout=args.deadline if serves_whole_run else args.timeout,
     )
 
 
 async def serve(args: argparse.Namespace) -> ParameterServer:
     """Rank 0: own the server, start every trainer's loop, wait for all of them."""
     world = args.trainers + 1
-    async with asyncrpc.worker("ps", rank=0, world_size=world, rpc_backend_options=_options(args)):
+    options = _options(args, serves_whole_run=False)
+    async with asyncrpc.worker("ps", rank=0, world_size=world, rpc_backend_options=options):
         server = ParameterServer(args.trainers, args.steps, args.lr)
         ps_rref = asyncrpc.RRef(server)
         await asyncio.gather(*(
@@ -155,9 +160,9 @@ async def serve(args: argparse.Namespace) -> ParameterServer:
 
 async def trainer_worker(args: argparse.Namespace) -> None:
     """Ranks 1..N: join the group and serve (``train`` is called in) until shutdown."""
-    name = f"trainer{args.rank}"
+    name, options = f"trainer{args.rank}", _options(args, serves_whole_run=True)
     async with asyncrpc.worker(name, rank=args.rank, world_size=args.world_size,
-                               rpc_backend_options=_options(args)):  # fmt: skip
+                               rpc_backend_options=options):  # fmt: skip
         pass
 
 
@@ -167,7 +172,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.5)
-    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--timeout", type=float, default=60.0, help="per call, and to join")
+    parser.add_argument("--deadline", type=float, default=DEADLINE_S,
+                        help="seconds for the whole run; past it the run is stopped")  # fmt: skip
     parser.add_argument("--json", help="write the final losses here")
     parser.add_argument("--role", choices=("main", "worker"), default="main")
     parser.add_argument("--rank", type=int, default=0)
@@ -185,9 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     args.init_method = f"tcp://127.0.0.1:{free_port()}"
     start = time.monotonic()
     print(f"parameter server + {args.trainers} trainers, {args.steps} steps", flush=True)
-    extra = ["--timeout", str(args.timeout)]
+    extra = ["--timeout", str(args.timeout), "--deadline", str(args.deadline)]
     ranks = range(1, args.trainers + 1)
-    with workers(__name__, ranks, args.trainers + 1, args.init_method, extra):
+    with workers(__name__, ranks, args.trainers + 1, args.init_method, extra, args.deadline):
         server = asyncio.run(serve(args))
     losses = server.losses
     k = max(1, len(losses) // 5)

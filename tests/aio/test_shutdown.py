@@ -23,7 +23,7 @@ class ScriptedGroup:
         self.reads = 0
         self.dynamic = False  # a static group: shutdown runs its barriers
 
-    def arrive(self, tag: str) -> None:
+    def reach(self, tag: str) -> None:
         self.arrived.append(tag)
 
     def missing(self, tag: str) -> list[int]:

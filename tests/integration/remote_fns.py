@@ -128,6 +128,16 @@ def thread_kind() -> str:
     return "loop" if threading.get_ident() == current_agent().loop_thread_id else "pool"
 
 
+def thread_name() -> str:
+    """The name of the callee's thread that runs this (a lane's, a pool's...)."""
+    return threading.current_thread().name
+
+
+def stop_server_profiler_names() -> list[str]:
+    """Stop this worker's server profiler; the names of the requests it recorded."""
+    return [event.name for event in asyncrpc.profiling.disable_server_profiler()]
+
+
 @inline
 def inline_thread_kind() -> str:
     return thread_kind()
@@ -258,17 +268,6 @@ def chain(depth: int, here: str, there: str) -> int:
     if depth <= 0:
         return 0
     return int(asyncrpc.rpc_sync(there, chain, args=(depth - 1, there, here))) + 1
-
-
-class Unrebuildable(Exception):
-    """Its __init__ signature does not match its args, so it cannot be unpickled."""
-
-    def __init__(self, a: int, b: int) -> None:
-        super().__init__(f"{a}-{b}")
-
-
-def raise_unrebuildable() -> None:
-    raise Unrebuildable(1, 2)
 
 
 async def blocking_rpc_on_loop() -> Any:

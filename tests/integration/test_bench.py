@@ -65,12 +65,12 @@ def test_bench_quick_reports_every_workload_for_all_systems(tmp_path: Path) -> N
                     assert cpu["cpu_us_total"] == pytest.approx(parts)
                 if system == "asyncrpc" and name in ("latency", "throughput", "remote"):
                     # The cost model's hand-offs: none for an awaited coroutine or @inline
-                    # function, a few at most for any call; a def over rpc_sync always takes
-                    # the server's pool (there and back) and wakes the caller's thread.
+                    # function, a few at most for any call; a def over rpc_sync takes the
+                    # calling thread's lane (runtime/lanes/): no hand-off on either side.
                     handoffs = cell["median"]["handoffs_total"]
                     assert 0 <= handoffs < 20, (name, row["label"], cell["median"])
                     if row["label"] == "def no-op, rpc_sync":
-                        assert handoffs >= 3, cell["median"]
+                        assert handoffs < 0.5, cell["median"]
             assert isinstance(row["ratios"]["asyncrpc/torch"], float)
     assert {t["verdict"] for t in doc["targets"]} <= {"met", "missed", "not measured"}
     assert "== latency" in proc.stdout
@@ -111,7 +111,11 @@ def test_bench_plot_without_matplotlib_is_a_clear_usage_error(
     if importlib.util.find_spec("matplotlib") is not None:
         pytest.skip("matplotlib is installed")
     assert main(["--plot", str(tmp_path / "x.png"), "--workloads", "latency"]) == 2
-    assert "matplotlib" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # The hint names a package pip can install for this: `asyncrpc[plot]` would fetch the
+    # unrelated PyPI project named asyncrpc.
+    assert "pip install matplotlib" in err
+    assert "asyncrpc[" not in err
     assert not (tmp_path / "x.png").exists()
 
 

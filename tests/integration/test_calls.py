@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import asyncrpc
+from asyncrpc.runtime.current import current_agent
 from tests.integration import remote_fns as fns
 from tests.integration.conftest import Group
 
@@ -188,10 +189,20 @@ def test_same_host_peers_talk_over_unix_sockets(group: Group) -> None:
 def test_small_builtin_ops_run_on_the_callee_loop(group: Group) -> None:
     """torch.add on small tensors skips the callee's pool; on large ones it does not."""
     small, large = torch.arange(6.0).reshape(2, 3), torch.ones(1 << 16)
+
+    async def on_loop() -> int:  # awaited calls take the loop's path, never a lane
+        await asyncrpc.call("w1", torch.add, small, small)
+        metrics = await asyncrpc.call("w1", fns.metrics)
+        return int(metrics["calls_on_loop"])
+
     before = asyncrpc.rpc_sync("w1", fns.metrics)["calls_on_loop"]
+    after = asyncio.run_coroutine_threadsafe(on_loop(), current_agent().loop).result(30)
+    assert after - before == 1  # the metrics call itself is a plain def function
+    # From a thread: a small op on its lane runs on the lane's thread, a large one (its
+    # frame too big for a lane) on the pool; neither on the loop.
     assert torch.equal(asyncrpc.rpc_sync("w1", torch.add, args=(small, small)), small * 2)
+    pool_before = asyncrpc.rpc_sync("w1", fns.metrics)["handoffs_loop_to_pool"]
     assert asyncrpc.rpc_sync("w1", torch.add, args=(large, 1)).sum() == 2 * (1 << 16)
-    after = asyncrpc.rpc_sync("w1", fns.metrics)["calls_on_loop"]
-    assert after - before == 1  # the metrics calls themselves are plain def functions
-    with pytest.raises(RuntimeError):  # the op's own error, raised on the loop
+    assert asyncrpc.rpc_sync("w1", fns.metrics)["handoffs_loop_to_pool"] - pool_before == 1
+    with pytest.raises(RuntimeError):  # the op's own error
         asyncrpc.rpc_sync("w1", torch.add, args=(torch.ones(3), torch.ones(4)))

@@ -17,13 +17,14 @@ from tests.scenarios import ddp as scenario
 pytestmark = pytest.mark.timeout(120)
 
 
-def run_ranks(argvs: list[list[str]], timeout: float = 90.0) -> None:
+def run_ranks(argvs: list[list[str]], timeout: float = 90.0) -> list[scenarios.Observations]:
     """Start one scenario process per argv, wait for all (bounded), kill any left; fail
-    with their output if one did not exit 0."""
+    with their output if one did not exit 0. Returns each one's observations."""
     procs: list[scenarios.ScenarioProcess] = []
     try:
         procs.extend(scenarios.start(*argv) for argv in argvs)
-        codes = [proc.result(timeout)[0] for proc in procs]
+        results = [proc.result(timeout) for proc in procs]
+        codes = [code for code, _ in results]
     finally:
         for proc in procs:
             proc.kill()
@@ -31,6 +32,7 @@ def run_ranks(argvs: list[list[str]], timeout: float = 90.0) -> None:
         f"--- {argv[0]}\n{proc.text()[-3000:]}" for argv, proc in zip(argvs, procs, strict=True)
     )
     assert codes == [0] * len(argvs), text
+    return [observed for _, observed in results]
 
 
 def hybrid(tmp_path: Path, steps: tuple[int, int]) -> dict[str, Any]:
@@ -102,3 +104,18 @@ def test_DistAutogradContext_concurrent_passes_on_torch_engine_keep_apart(
         for mine, ref in zip(grads, want[trainer], strict=True):
             torch.testing.assert_close(mine, ref)
     assert got["grad_set"] == [False, False]  # never into .grad
+
+
+def test_DdpUnderDistAutograd_module_dropped_after_its_group_never_hangs() -> None:
+    """torch's reducer drops its group's last reference where the program drops the DDP
+    module: after ``destroy_process_group`` it would tear the group down there, holding
+    the GIL and waiting for gloo's threads; one of them needing the GIL (to let go of a
+    tensor made in Python) hangs the program for good. Here rank 0 drops its module with
+    an all-reduce in flight that rank 1 joins only when rank 0 has gone on: with the
+    group torn down on rank 0's thread, rank 0 never goes on (the test times out)."""
+    common = ["--init-method", f"tcp://127.0.0.1:{free_port()}", "--pg-port", str(free_port())]
+    d0, d1 = run_ranks(
+        [["ddp_teardown", *common, "--rank", str(rank)] for rank in range(2)], timeout=60.0
+    )
+    assert d1["took_part"] is True
+    assert d0["let_go"] is True  # and asyncrpc lets the group go afterwards

@@ -14,7 +14,6 @@ import asyncrpc
 from asyncrpc.errors import (
     FunctionNotFoundError,
     RemoteCallError,
-    RemoteError,
     RpcTimeoutError,
     SerializationError,
     UnknownWorkerError,
@@ -205,14 +204,6 @@ def test_function_missing_on_the_callee(group: Group) -> None:
 def test_result_that_cannot_be_pickled(group: Group) -> None:
     with pytest.raises(SerializationError):
         asyncrpc.rpc_sync("w1", fns.return_lambda)
-
-
-def test_exception_that_cannot_be_rebuilt_falls_back_to_remote_error(group: Group) -> None:
-    with pytest.raises(RemoteError) as info:
-        asyncrpc.rpc_sync("w1", fns.raise_unrebuildable)
-    assert info.value.type_name.endswith("Unrebuildable")
-    assert info.value.remote_worker == "w1"
-    assert "raise_unrebuildable" in info.value.remote_traceback
 
 
 def test_blocking_wait_on_the_agent_loop_raises(group: Group) -> None:

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import queue
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+
+from examples._launch import EXIT_OVERTIME
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(240)
@@ -65,3 +71,84 @@ def test_actor_learner_reward_rises_with_bounded_lag(tmp_path: Path) -> None:
     # Each actor runs at most its window (2 unrolls) ahead; what lags is bounded, not growing.
     assert result["max_lag"] < 40
     assert "(rose)" in proc.stdout
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _worker_pids(stdout: str) -> list[int]:
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("WORKERS "))
+    return [int(pid) for pid in line.removeprefix("WORKERS ").strip("[]").split(",")]
+
+
+def test_example_stopped_at_its_deadline_with_its_workers() -> None:
+    """A run whose main process and worker both wait for good: the launcher's watchdog
+    kills the worker, says where the main process was, and exits with EXIT_OVERTIME."""
+    proc = _run("tests.integration.stuck_example", "--stuck", "main", "--deadline", "3")
+    assert proc.returncode == EXIT_OVERTIME, proc.stdout + proc.stderr
+    assert "deadline" in proc.stderr
+    assert "stuck_example.py" in proc.stderr  # the main thread's stack
+    assert all(_gone(pid) for pid in _worker_pids(proc.stdout))
+
+
+def test_example_worker_that_never_exits_is_killed_and_reported() -> None:
+    proc = _run("tests.integration.stuck_example", "--stuck", "worker", "--exit-grace", "2")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "worker ranks [1] still running" in proc.stderr
+    assert all(_gone(pid) for pid in _worker_pids(proc.stdout))
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="ascii") as stat:
+                    fields = stat.read().rpartition(")")[2].split()
+            except OSError:  # gone meanwhile
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def test_actor_learner_fails_at_once_when_an_actor_dies(tmp_path: Path) -> None:
+    """The learner waits on a queue its actors' streams fill: an actor that dies ends the
+    run with the stream's error, not a wait for unrolls that never come."""
+    errors = tmp_path / "stderr.txt"
+    with errors.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-W", "ignore", "-m", "examples.actor_learner", "--actors", "2",
+             "--unrolls", "100000", "--deadline", "180"],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True,
+        )  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        for line in proc.stdout or ():
+            lines.put(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        while not lines.get(timeout=150).startswith("update"):  # the actors are streaming
+            pass
+        os.kill(_children(proc.pid)[0], signal.SIGKILL)
+        proc.wait(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        reader.join(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    text = errors.read_text()
+    assert proc.returncode == 1, text
+    assert "PeerLostError" in text
+    assert "deadline" not in text

@@ -312,3 +312,40 @@ def test_a_worker_whose_graceful_shutdown_fails_still_says_goodbye(tmp_path: Pat
     assert "shut down" in error["message"]
     assert obs["shutdown"]["error"] is None
     assert "shutdown failed" in (tmp_path / "w1.log").read_text()
+
+
+def test_a_worker_whose_program_ends_without_shutdown_is_named_so_on_both_sides() -> None:
+    # The leaver's program returns without shutdown(), its worker still running: it warns
+    # at exit, and the stayer's errors say the leaver closed without a Goodbye, a hint of
+    # the forgotten shutdown(). The stayer never says "the next call reconnects": the
+    # leaver is gone, as its refused redial proves.
+    init = f"tcp://127.0.0.1:{free_port()}"
+    common = ["--init-method", init, "--rpc-timeout", "20", "--role"]
+    stayer = scenarios.start("forgets_shutdown", *common, "stayer")
+    leaver = scenarios.start("forgets_shutdown", *common, "leaver")
+    try:
+        leaver.wait_line("STARTED", 30.0)
+        stayer.wait_line("STARTED", 30.0)
+        leaver.send("EXIT")
+        code, _ = leaver.result(30.0)
+        assert code == 0, leaver.text()
+        code, obs = stayer.result(30.0)
+        assert code == 0, stayer.text()
+    finally:
+        stayer.kill()
+        leaver.kill()
+    assert "asyncrpc worker 'leaver' was not shut down; call asyncrpc.shutdown()" in leaver.text()
+    assert obs["running"], obs
+    assert obs["declared_lost"], obs
+    pending, later = obs["pending"]["error"], obs["later"]["error"]
+    assert pending["type"] == later["type"] == "PeerLostError", obs
+    assert "without a Goodbye" in pending["message"], pending
+    assert "without calling asyncrpc.shutdown()" in pending["message"], pending
+    blocking = obs["pending_blocking"]["error"]  # on a lane: the same hint
+    assert blocking["type"] == "PeerLostError", obs
+    assert "without calling asyncrpc.shutdown()" in blocking["message"], blocking
+    assert "its process has ended" in later["message"], later
+    assert "without calling asyncrpc.shutdown()" in later["message"], later
+    assert obs["shutdown"]["error"] is None, obs
+    assert "the next call reconnects" not in stayer.text()
+    assert scenarios.cpp_log_lines(stayer.text() + leaver.text()) == []

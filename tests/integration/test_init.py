@@ -104,6 +104,7 @@ def test_init_rpc_store_host_dying_mid_rendezvous_raises_store_host_lost() -> No
     assert _init_error(obs) == "StoreHostLostError", obs
     assert "InitError" in obs["init"]["error"]["mro"]
     assert "Exception raised from" not in obs["init"]["error"]["message"]  # no C++ stack
+    assert scenarios.cpp_log_lines(member.text()) == []  # nor on stderr
 
 
 @pytest.mark.parametrize("names_from", ["torch", "asyncrpc"])

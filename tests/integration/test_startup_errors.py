@@ -83,6 +83,27 @@ def test_init_rpc_world_size_mismatch_under_env_rendezvous() -> None:
     assert all(obs["init"]["elapsed"] < _PROMPT_S for obs in results), results
 
 
+def test_init_rpc_a_rank_never_started_is_named_on_every_rank() -> None:
+    # Rank 2 of 3 never comes. Rank 0 gives up first (its bound is shorter) and would take
+    # its store with it: rank 1 still hears which rank is missing, not that the store
+    # died, and no C++ stack reaches anyone's stderr.
+    init = f"tcp://127.0.0.1:{free_port()}"
+    specs = [_spec(init, "m0", 0, 3), _spec(init, "m1", 1, 3)]
+    specs[0][specs[0].index("--rpc-timeout") + 1] = "2"
+    with _members(specs) as procs:
+        results = [proc.result(40.0)[1] for proc in procs]
+        texts = [proc.text() for proc in procs]
+    assert [_error_type(obs) for obs in results] == ["RendezvousTimeoutError"] * 2, texts
+    for obs in results:
+        error = obs["init"]["error"]
+        assert "TimeoutError" in error["mro"]
+        assert "InitError" in error["mro"]
+        assert "rank 2 of world_size=3 never came" in error["message"], error
+    # Rank 1 (bound 20 s) learns it from rank 0 at once, not from its own timeout.
+    assert results[1]["init"]["elapsed"] < results[0]["init"]["elapsed"] + _PROMPT_S, results
+    assert scenarios.cpp_log_lines("".join(texts)) == []
+
+
 def test_init_rpc_store_host_failing_at_once_still_tells_the_others() -> None:
     # Rank 0 compares sizes last (it waits for rank 1's to be recorded), so it is the one to
     # see the difference; it then exits at once, without teardown. Its store must stay up
@@ -106,7 +127,9 @@ def test_init_rpc_store_host_leaving_right_after_start_breaks_no_start() -> None
     init = f"tcp://127.0.0.1:{free_port()}"
     specs = [_spec(init, "m0", 0, 3, "--exit-after-init")]
     specs += [_spec(init, f"m{r}", r, 3, "--call", "m0") for r in (1, 2)]
-    results = _results(specs)
+    with _members(specs) as procs:
+        results = [proc.result(40.0)[1] for proc in procs]
+        texts = [proc.text() for proc in procs]
     assert all(_error_type(obs) is None for obs in results), results
     for obs in results[1:]:
         call = obs["calls"]["m0"]
@@ -114,8 +137,13 @@ def test_init_rpc_store_host_leaving_right_after_start_breaks_no_start() -> None
         if call["error"] is not None:
             assert "ConnectionError" in call["error"]["mro"], obs
         assert obs["shutdown"]["error"]["type"] == "ShutdownError", obs
-        assert "Exception raised from" not in obs["shutdown"]["error"]["message"]
+        # The worker that is gone is named, not only its store.
+        assert "worker 'm0' (rank 0) is gone" in obs["shutdown"]["error"]["message"], obs
         assert obs["shutdown"]["elapsed"] < _PROMPT_S, obs
+    # m0 is gone for good: nobody says a reconnect will follow, and torch's C++ store
+    # client logs no stack on anyone's stderr.
+    assert not any("the next call reconnects" in text for text in texts), texts
+    assert scenarios.cpp_log_lines("".join(texts)) == []
 
 
 def test_init_rpc_refuses_a_device_map_naming_a_missing_gpu() -> None:

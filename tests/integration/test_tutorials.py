@@ -20,10 +20,12 @@ pytestmark = pytest.mark.timeout(150)
 EXACT = {"rtol": 0.0, "atol": 0.0}
 
 
-def _run_both(name: str, tmp_path: Path) -> tuple[dict[int, Any], ...]:
+def _run_both(name: str, tmp_path: Path, argv: tuple[str, ...] = ()) -> tuple[dict[int, Any], ...]:
     """Run the program with each implementation at once (torch's results first)."""
     with ThreadPoolExecutor(len(IMPLS)) as pool:
-        futures = [pool.submit(run_program, name, impl, tmp_path / impl) for impl in IMPLS]
+        futures = [
+            pool.submit(run_program, name, impl, tmp_path / impl, argv=argv) for impl in IMPLS
+        ]
         return tuple(future.result() for future in futures)
 
 
@@ -56,10 +58,10 @@ def test_Reinforce_rewards_and_policy_match_torch(tmp_path: Path) -> None:
     agent, torch_agent = ours[0], torch_run[0]
     assert agent["min_rewards"] == torch_agent["min_rewards"]
     assert len(agent["min_rewards"]) == 4
-    # Within rounding: the policy's gradient sums the branches of graphs built on the
-    # agent's pool threads in the order the observers' calls came (torch vs torch differs
-    # in the last bit too).
-    assert_close(agent, torch_agent)
+    # Exact: each observer's actions come from its own generator, and the policy's
+    # gradient adds the steps' terms one backward at a time, in order (one backward over
+    # all would add them in an order set by the pool threads that built them).
+    assert_close(agent, torch_agent, **EXACT)
     _assert_trained(agent["initial"], agent["final"])
 
 
@@ -81,10 +83,18 @@ def test_PipelineParallel_micro_batches_match_torch(tmp_path: Path) -> None:
 def test_DdpRpc_hybrid_model_matches_torch(tmp_path: Path) -> None:
     torch_run, ours = _run_both("ddp_rpc", tmp_path)
     master, torch_master = ours[2], torch_run[2]
-    assert_close(master["initial"], torch_master["initial"], **EXACT)
-    # Within rounding: both trainers step the shared table, in either order, and the
-    # table's rounding reaches the next losses and the Linear's gradients.
-    assert_close(master, torch_master)
+    # Exact: the trainers step the shared table in turn (see the program's docstring).
+    assert_close(master, torch_master, **EXACT)
     # DDP averaged the gradients: both trainers hold the same Linear.
     assert_close(master["trainers"][0]["fc"], master["trainers"][1]["fc"], **EXACT)
     _assert_trained(master["initial"], master["final"])
+
+
+@pytest.mark.parametrize("mode", ["batch", "single"])
+def test_BatchReinforce_agent_matches_torch(tmp_path: Path, mode: str) -> None:
+    # Exact: a batched step runs the policy once for both observers, under the agent's
+    # lock; a single one draws each observer's action from that observer's generator.
+    torch_run, ours = _run_both("batch_reinforce", tmp_path, ("--mode", mode))
+    assert_close(ours, torch_run, **EXACT)
+    assert len(ours[0]["rewards"]) == 3
+    _assert_trained(ours[0]["initial"], ours[0]["final"])

@@ -9,6 +9,6 @@ scenarios live in one module per topic (auth, autograd, ddp, dynamic, faults, he
 init, rref, shm, stream).
 """
 
-from tests.scenarios.launch import Observations, ScenarioProcess, start
+from tests.scenarios.launch import Observations, ScenarioProcess, cpp_log_lines, start
 
-__all__ = ["Observations", "ScenarioProcess", "start"]
+__all__ = ["Observations", "ScenarioProcess", "cpp_log_lines", "start"]

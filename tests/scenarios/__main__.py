@@ -20,6 +20,7 @@ from tests.scenarios import (  # noqa: F401 (imported to register their scenario
     hosts,
     init,
     jobs,
+    lanes,
     rref,
     shm,
     stream,

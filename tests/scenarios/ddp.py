@@ -16,26 +16,39 @@ group (so passes run on torch's engine) runs contexts on several threads at once
 one local layer and a remote one; each context's gradients must be those of its own batch
 alone.
 
-Each writes its results as ``torch.save`` to ``--out``. The test imports this module for
-``reference`` and ``concurrent_reference``.
+``ddp_teardown --rank R --pg-port P`` (two ranks): rank 0 destroys its gloo group and drops
+its DDP module while an all-reduce it started is in flight, and only then asks rank 1 to
+take part in it. torch's reducer, dropping the group's last reference, would tear the group
+down on rank 0's thread with the GIL held, waiting for that all-reduce for good; asyncrpc
+keeps the group and lets it go later on a thread of its own.
+
+``ddp_hybrid`` and ``ddp_concurrent`` write their results as ``torch.save`` to ``--out``.
+The test imports this module for ``reference`` and ``concurrent_reference``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import threading
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+
+# Imported before any group exists: its functions take ``group=group.WORLD`` as a default,
+# read at import, so importing it later (DDP's constructor does) pins the default group for
+# good, and ``ddp_teardown`` would never see a reducer hold the group's last reference.
+import torch.distributed.nn
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import asyncrpc
 from asyncrpc import autograd as dist_autograd
+from asyncrpc.autograd.groups import kept_groups
 from asyncrpc.optim import DistributedOptimizer
-from tests.scenarios.common import options, report
+from tests.scenarios.common import options, poll, report
 from tests.scenarios.registry import option, scenario
 
 LR = 0.1
@@ -239,3 +252,45 @@ def concurrent_reference() -> dict[int, list[torch.Tensor]]:
         loss_of(local(torch.relu(shared(batch(0, trainer))))).backward()  # type: ignore[no-untyped-call]
         expected[trainer] = [p.grad.clone() for p in local.parameters()]  # type: ignore[union-attr]
     return expected
+
+
+# -- a DDP module dropped after its group was destroyed --------------------------------
+
+_go = threading.Event()
+
+
+def go() -> None:
+    """Run on "d1": "d0" has dropped its DDP module; take part in its all-reduce now."""
+    _go.set()
+
+
+@scenario("ddp_teardown", _PG_PORT, **_DEFAULTS)
+def teardown(args: argparse.Namespace) -> int:
+    """Rank ``--rank`` of two ("d0", "d1"): d0 destroys its group and drops its DDP module
+    while an all-reduce is in flight, which d1 takes part in only after that."""
+    rank = args.rank
+    asyncrpc.init_rpc(f"d{rank}", rank=rank, world_size=2, rpc_backend_options=options(args))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{args.pg_port}", rank=rank, world_size=2
+    )
+    ddp = DistributedDataParallel(nn.Linear(IN, OUT_FEATURES))
+    with dist_autograd.context() as context_id:  # a pass on torch's engine, feeding DDP
+        dist_autograd.backward(context_id, [loss_of(ddp(batch(0, rank + 1)))])
+    observed: dict[str, object] = {}
+    if rank == 0:
+        # As DDP's join() does: an all-reduce of a tensor made in Python, its handle
+        # dropped. It stays in flight until d1 takes part, after the module is gone.
+        dist.all_reduce(torch.ones(1), async_op=True)
+        dist.destroy_process_group()
+        del ddp
+        gc.collect()  # the module sits in a reference cycle: it is freed here
+        asyncrpc.rpc_sync("d1", go)
+        observed["let_go"] = poll(lambda: kept_groups() == 0, 30)
+    else:
+        observed["took_part"] = _go.wait(60)
+        if observed["took_part"]:
+            dist.all_reduce(torch.ones(1))
+        dist.destroy_process_group()
+    asyncrpc.shutdown()
+    report(observed)
+    return 0

@@ -74,6 +74,51 @@ def failed_shutdown(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- scenario: a peer's program ends without calling shutdown() ---------------------------
+
+
+@scenario("forgets_shutdown", option("--role", choices=("stayer", "leaver"), default="stayer"))
+def forgets_shutdown(args: argparse.Namespace) -> int:
+    """{stayer (rank 0), leaver (rank 1)}: the leaver's program ends without shutdown().
+
+    Leaver: prints ``STARTED`` once joined, reads one line, reports, and returns (its
+    process exits, with its worker still running). Stayer: prints ``STARTED`` once two
+    long calls run on the leaver (one from the loop's path, one blocking on a thread's
+    lane), then observes them, a later call once the leaver is declared lost, and a
+    non-graceful shutdown (a graceful one would wait for the leaver).
+    """
+    if args.role == "leaver":
+        asyncrpc.init_rpc("leaver", rank=1, world_size=2, rpc_backend_options=options(args))
+        print("STARTED", flush=True)
+        report({"stdin": sys.stdin.readline().strip()})
+        return 0  # no shutdown(): the mistake under test
+    asyncrpc.init_rpc("stayer", rank=0, world_size=2, rpc_backend_options=options(args))
+    long_call = asyncrpc.rpc_async("leaver", fns.sleep, args=(60.0,), timeout=0)
+    # A thread's blocking call goes on its own lane from its second call on.
+    on_lane: dict[str, Any] = {}
+
+    def blocking_call() -> None:
+        asyncrpc.rpc_sync("leaver", fns.add, args=(1, 2))
+        on_lane.update(attempt(lambda: asyncrpc.rpc_sync("leaver", fns.sleep, args=(60.0,))))
+
+    caller = threading.Thread(target=blocking_call, daemon=True)
+    caller.start()
+    obs: Observations = {
+        "running": poll(
+            lambda: asyncrpc.rpc_sync("leaver", fns.metrics)["running_requests"] >= 2, 10.0
+        )
+    }
+    print("STARTED", flush=True)
+    obs["pending"] = attempt(lambda: long_call.wait(20.0))
+    caller.join(20.0)
+    obs["pending_blocking"] = on_lane
+    obs["declared_lost"] = poll(lambda: "leaver" in asyncrpc.get_debug_info()["lost_peers"], 10.0)
+    obs["later"] = attempt(lambda: asyncrpc.rpc_sync("leaver", fns.add, args=(1, 2)))
+    obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(graceful=False))
+    report(obs)
+    return 0
+
+
 # -- scenario: a peer hangs (SIGSTOP) with calls pending ----------------------------------
 
 

@@ -24,6 +24,16 @@ _ROOT = Path(__file__).resolve().parents[2]
 Observations = dict[str, Any]
 
 
+# What torch's C++ code writes on stderr when it logs an error with its stack: the c10d
+# tag, the line naming where it was raised, and one line per C++ frame.
+_CPP_LOG_MARKS = ("[c10d]", "Exception raised from", "frame #")
+
+
+def cpp_log_lines(text: str) -> list[str]:
+    """The lines of ``text`` that torch's C++ logging wrote (see ``_CPP_LOG_MARKS``)."""
+    return [line for line in text.splitlines() if any(m in line for m in _CPP_LOG_MARKS)]
+
+
 class ScenarioProcess:
     """A scenario process we started: its output lines arrive through a reader thread."""
 

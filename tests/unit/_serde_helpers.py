@@ -84,7 +84,8 @@ class UserError(Exception):
 
 
 class BadInitError(Exception):
-    """A user exception whose __init__ does not accept its own args: unpickling fails."""
+    """A user exception whose __init__ does not accept its own args: pickle's default
+    unpickling fails; asyncrpc rebuilds it from its state."""
 
     def __init__(self, a: int, b: int) -> None:
         super().__init__(f"bad {a} {b}")

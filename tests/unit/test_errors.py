@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from asyncrpc import errors
+from asyncrpc.errorstate import copy_exception
 from asyncrpc.protocol.options import RpcBackendOptions, WorkerInfo, coerce_options
 
 # One instance of every error, with the arguments its constructor takes.
@@ -30,6 +31,7 @@ SAMPLES: dict[str, tuple[Any, ...]] = {
     "StoreHostLostError": ("tcp://127.0.0.1:1", "Connection reset by peer"),
     "ShutdownTimeoutError": (30.0, "'w1'", "calls-done"),
     "WorkersLostError": (("w1", "w2"),),
+    "RendezvousTimeoutError": (0, 3, 5.0, [2], "joining the group"),
 }
 
 # Where torch raises RuntimeError, ours are RuntimeErrors too.
@@ -43,6 +45,7 @@ RUNTIME_ERRORS = [
     "DuplicateNameError",
     "DuplicateRankError",
     "StoreHostLostError",
+    "RendezvousTimeoutError",
     "NotInitializedError",
     "ShutdownError",
     "BlockingCallError",
@@ -77,6 +80,17 @@ def test_error_pickles_with_its_type_and_text(name: str) -> None:
     back = pickle.loads(pickle.dumps(exc))
     assert type(back) is type(exc)
     assert str(back) == str(exc)
+
+
+@pytest.mark.parametrize("name", ERROR_NAMES)
+def test_error_rebuilds_from_its_state(name: str) -> None:
+    # How errors travel between workers (asyncrpc.errorstate): without calling __init__.
+    exc = _make(name)
+    back = copy_exception(exc)
+    assert type(back) is type(exc)
+    assert back.args == exc.args
+    assert str(back) == str(exc)
+    assert vars(back) == vars(exc)
 
 
 @pytest.mark.parametrize("name", RUNTIME_ERRORS)

@@ -23,7 +23,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[2] / "asyncrpc"
 # shm/, net/, group/, calls/, cuda/ (hooks on the call pipeline), and at the top the agent
 # that wires them. A module sits on the floor of the longest prefix that names it.
 FLOORS: list[tuple[float, tuple[str, ...]]] = [
-    (0, ("asyncrpc.errors", "asyncrpc.functions")),
+    (0, ("asyncrpc.errors", "asyncrpc.errorstate", "asyncrpc.functions")),
     (1, ("asyncrpc.protocol",)),
     (2.0, ("asyncrpc.runtime",)),
     (2.1, ("asyncrpc.runtime.shm",)),
@@ -32,6 +32,8 @@ FLOORS: list[tuple[float, tuple[str, ...]]] = [
     (2.4, ("asyncrpc.runtime.calls",)),
     # The CUDA path plugs into the call pipeline as hooks (device maps, the send gate).
     (2.45, ("asyncrpc.runtime.cuda",)),
+    # Lanes: calling threads' own connections; their server hands requests to the dispatcher.
+    (2.46, ("asyncrpc.runtime.lanes",)),
     (2.5, ("asyncrpc.runtime.agent", "asyncrpc.runtime.current")),
     (3, ("asyncrpc.rref", "asyncrpc.profiling", "asyncrpc.autograd")),
     (
@@ -187,9 +189,12 @@ def test_layering_protocol_is_sans_io(path: Path) -> None:
     assert _stray_imports(path, NO_IO_OR_TORCH if pure else NO_IO) == []
 
 
-def test_layering_errors_imports_only_the_stdlib() -> None:
-    source = (PACKAGE_DIR / "errors.py").read_text(encoding="utf-8")
-    roots = {name.partition(".")[0] for name in imported_modules(source, "asyncrpc.errors", False)}
+@pytest.mark.parametrize("module", ["errors", "errorstate"])
+def test_layering_errors_imports_only_the_stdlib(module: str) -> None:
+    source = (PACKAGE_DIR / f"{module}.py").read_text(encoding="utf-8")
+    names = imported_modules(source, f"asyncrpc.{module}", False)
+    # errors builds on errorstate, which is held to the same rule
+    roots = {n.partition(".")[0] for n in names if not n.startswith("asyncrpc.errorstate")}
     outside = roots - set(sys.stdlib_module_names) - {"__future__"}
     assert outside == set()
 

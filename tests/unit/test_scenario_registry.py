@@ -21,7 +21,7 @@ def test_scenario_takes_the_common_flags(name: str) -> None:
     required = {"faults": ["--proxies", "1:2"], "tls": ["--tls-dir", "d"],
                 "auth_attacks": ["--marker", "m"], "ddp_hybrid": ["--pg-port", "1", "--out", "o",
                 "--steps", "1,1"], "ddp_concurrent": ["--pg-port", "1", "--out", "o"],
-                "ps_job": ["--role", "ps"]}  # fmt: skip
+                "ps_job": ["--role", "ps"], "ddp_teardown": ["--pg-port", "1"]}  # fmt: skip
     args = parse([name, *COMMON, *required.get(name, [])])
     assert (args.scenario, args.init_method, args.name) == (name, "tcp://127.0.0.1:1", "n")
     assert (args.rank, args.world_size) == (2, 3)

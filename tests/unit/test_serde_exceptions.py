@@ -102,13 +102,15 @@ def test_unpack_exception_rebuilds_user_exception() -> None:
     assert (got.code, got.detail) == (17, "disk full")
 
 
-def test_unpack_exception_bad_init_becomes_remote_error() -> None:
+def test_unpack_exception_init_with_other_arguments_keeps_class_and_fields() -> None:
+    # BadInitError(a, b) calls super().__init__(f"bad {a} {b}"): pickle's cls(*args) fails.
     got = roundtrip(helpers.BadInitError(1, 2), worker="w2")
-    assert type(got) is RemoteError
-    assert got.type_name == "tests.unit._serde_helpers.BadInitError"
-    assert got.message == "bad 1 2"
-    assert got.remote_worker == "w2"
-    assert "BadInitError" in got.remote_traceback
+    assert _remote(got, helpers.BadInitError)
+    assert (got.a, got.b) == (1, 2)  # type: ignore[attr-defined]
+    assert got.args == ("bad 1 2",)
+    assert str(got) == "bad 1 2"
+    assert got.remote_worker == "w2"  # type: ignore[attr-defined]
+    assert "BadInitError" in got.remote_traceback  # type: ignore[attr-defined]
 
 
 def test_unpack_exception_unpicklable_attribute_becomes_remote_error() -> None:

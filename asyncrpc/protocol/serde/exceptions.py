@@ -2,17 +2,22 @@
 
 ``pack_exception`` records an exception raised on a worker (type, message, traceback,
 worker, and the pickled exception when it round-trips); ``unpack_exception`` rebuilds the
-original object and notes where it came from, or falls back to ``RemoteError``.
+original object and notes where it came from, or falls back to ``RemoteError``. Every
+call path (replies, streams, RRef values) goes through these two, and exceptions are
+pickled from their state (``asyncrpc.errorstate``), so a class comes back with its
+fields whatever its ``__init__`` takes.
 """
 
 from __future__ import annotations
 
+import io
 import pickle
 import traceback
 from collections.abc import Callable
-from typing import Final
+from typing import Any, Final
 
 from asyncrpc.errors import RemoteError, as_remote_call_error
+from asyncrpc.errorstate import reduce_exception
 
 __all__ = ["pack_exception", "unpack_exception"]
 
@@ -60,8 +65,8 @@ def unpack_exception(data: bytes) -> BaseException:
 
     Returns:
         The rebuilt exception, or a ``RemoteError`` (type name, message, traceback,
-        worker) when it cannot be rebuilt here: unpicklable, its class missing here, or an
-        ``__init__`` that does not accept its own ``args``.
+        worker) when it cannot be rebuilt here: its state could not be pickled on the
+        worker, or its class cannot be imported here.
     """
     try:
         record = pickle.loads(data)
@@ -102,10 +107,29 @@ def _safe_text(produce: Callable[[], object]) -> str:
         return f"<unavailable: {type(exc).__name__}>"
 
 
+class _StatePickler(pickle.Pickler):
+    """Pickles exceptions (the one sent and any it holds) from their state, not by calling
+    their class with their ``args`` again: see ``asyncrpc.errorstate``."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, BaseException):
+            reduced = reduce_exception(obj)
+            if reduced is not None:
+                return reduced
+        return NotImplemented
+
+
+def _pickle_state(value: object) -> bytes:
+    """Pickle ``value``, its exceptions from their state. Raises what pickling raises."""
+    out = io.BytesIO()
+    _StatePickler(out, protocol=_PROTOCOL).dump(value)
+    return out.getvalue()
+
+
 def _pickle_exception(exc: BaseException) -> bytes | None:
     """Pickle ``exc`` if it also unpickles here as the same type, else None."""
     try:
-        data = pickle.dumps(exc, protocol=_PROTOCOL)
+        data = _pickle_state(exc)
         back = pickle.loads(data)
     except Exception:
         return None

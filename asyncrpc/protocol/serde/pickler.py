@@ -16,6 +16,7 @@ from typing import Any, Final
 import torch
 
 from asyncrpc.errors import AsyncRpcError, SerializationError
+from asyncrpc.errorstate import reduce_exception
 from asyncrpc.protocol.serde.buffers import ReceiveBuffers
 from asyncrpc.protocol.serde.policy import DEFAULT, TensorPolicy
 from asyncrpc.protocol.serde.reducers import (
@@ -166,6 +167,10 @@ class _Pickler(pickle.Pickler):
             reduced = reduce_tensor_fallback(obj)
             if reduced is not None:
                 return reduced
+        elif isinstance(obj, BaseException):
+            # An exception in a value (returned, or held by one) is rebuilt from its state,
+            # as a raised one is: its class need not take its args back (see errorstate).
+            return reduce_exception(obj) or NotImplemented
         return NotImplemented
 
 

@@ -151,10 +151,14 @@ default_registry = ReducerRegistry({torch.jit.ScriptFunction: reduce_script_func
 
 
 def register_reducer(cls: type[T], reduce_fn: Callable[[T], tuple[Any, ...]]) -> None:
-    """Register ``reduce_fn`` for exactly ``cls`` in ``default_registry``.
+    """Pickle instances of exactly ``cls`` (not its subclasses) as ``reduce_fn`` says.
+
+    For the calls of this process: register it on every worker that sends such objects
+    (at import time of the module that defines ``cls``, say).
 
     Args:
         cls: the type.
-        reduce_fn: returns ``(callable, args)``; see ``ReducerRegistry.register``.
+        reduce_fn: returns ``(callable, args)`` (any reduce tuple pickle accepts); the
+            receiver calls ``callable(*args)``, so that callable must be importable there.
     """
     default_registry.register(cls, reduce_fn)

@@ -17,6 +17,7 @@ from asyncrpc.protocol.wire.frame import (
     Frame,
     bytearray_allocator,
     encode_frame,
+    frame_nbytes,
 )
 
 __all__ = [
@@ -30,4 +31,5 @@ __all__ = [
     "FrameDecoder",
     "bytearray_allocator",
     "encode_frame",
+    "frame_nbytes",
 ]

@@ -98,6 +98,14 @@ def byte_view(view: memoryview, what: str) -> memoryview:
     return view.cast("B")
 
 
+def frame_nbytes(pieces: Sequence[bytes | memoryview]) -> int:
+    """How many bytes the pieces of a frame (or of a part of one) hold."""
+    size = 0
+    for piece in pieces:
+        size += piece.nbytes if isinstance(piece, memoryview) else len(piece)
+    return size
+
+
 def encode_frame(
     fields: Sequence[Any],
     payload: bytes | bytearray | memoryview,

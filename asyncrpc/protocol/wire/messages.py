@@ -11,11 +11,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import Any, Final
 
 from asyncrpc.errors import RemoteProtocolError
 
 __all__ = [
+    "ACK_WANTED",
+    "Ack",
     "Auth",
     "CallMode",
     "Cancel",
@@ -60,6 +62,8 @@ class Kind(IntEnum):
     STREAM_END = 15
     STREAM_ERROR = 16
     STREAM_CLOSE = 17
+    # Lanes only (asyncrpc/runtime/lanes/): the caller read a reply carrying RRef forks.
+    ACK = 18
 
 
 class CallMode(IntEnum):
@@ -214,6 +218,22 @@ class Reply:
         return [Kind.REPLY, self.call_id]
 
 
+# The reply header field a lane's server sets when the reply carries RRef forks: the
+# caller answers with an ``Ack`` once it has unpickled the reply, which proves the forks
+# arrived (asyncrpc/runtime/lanes/). Hooks' own fields never use this key.
+ACK_WANTED: Final = "ack"
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """On a lane: the caller has read reply ``call_id`` and the RRef forks it carried."""
+
+    call_id: int
+
+    def to_fields(self) -> list[Any]:
+        return [Kind.ACK, self.call_id]
+
+
 @dataclass(frozen=True, slots=True)
 class ErrorReply:
     """Request ``call_id`` raised; the payload is a packed exception."""
@@ -299,6 +319,7 @@ Message = (
     | Ping
     | Pong
     | ShmMessage
+    | Ack
 )
 
 
@@ -440,4 +461,5 @@ _DECODERS: dict[int, Any] = {
     Kind.PING: lambda f: Ping(),
     Kind.PONG: lambda f: Pong(),
     Kind.SHM: _decode_shm,
+    Kind.ACK: lambda f: Ack(_int(f[1])),
 }

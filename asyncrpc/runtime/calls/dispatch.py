@@ -32,10 +32,11 @@ from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inl
 from asyncrpc.protocol.serde import MissingReferenceError, Serializer, pack_exception
 from asyncrpc.protocol.serde.policy import DEFAULT, NoGrads
 from asyncrpc.protocol.wire import encode_frame
-from asyncrpc.protocol.wire.messages import CallMode, ErrorReply, Reply, Request
+from asyncrpc.protocol.wire.messages import ACK_WANTED, CallMode, ErrorReply, Reply, Request
 from asyncrpc.runtime.calls.builtins import checked_op, is_torch_c_function, runs_on_loop
 from asyncrpc.runtime.calls.pipeline import IncomingCall, Pipeline
 from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.futurebridge import CFuture
 from asyncrpc.runtime.metrics import Counters
 from asyncrpc.runtime.net.links import FrameInParts, write_in_parts
 from asyncrpc.runtime.net.transport import Connection
@@ -44,7 +45,13 @@ from asyncrpc.runtime.services import RRefService
 from asyncrpc.runtime.threadpool import Job as PoolJob
 from asyncrpc.runtime.threadpool import WorkerPool
 
-__all__ = ["Dispatcher", "ServedRequest", "await_async_result"]
+__all__ = [
+    "Dispatcher",
+    "ServedRequest",
+    "await_async_result",
+    "missing_reference_error",
+    "print_request_error",
+]
 
 _log = logging.getLogger("asyncrpc.runtime.calls.dispatch")
 # What a built reply keeps alive while it is written, the RRef forks it carries, and the
@@ -67,16 +74,21 @@ Writer = Callable[[Any, list[Any], object, Any], None]
 
 
 async def await_async_result(result: Any) -> Any:
-    """Await whatever an ``async_execution`` function returned, on the agent's loop."""
+    """Await whatever an ``async_execution`` function returned, on the agent's loop.
+
+    Raises:
+        AsyncExecutionError: ``result`` is no future and no coroutine; the dispatcher
+            replies with it, as with any exception the function raised.
+    """
     if isinstance(result, Future):
         return await result
     if asyncio.isfuture(result) or asyncio.iscoroutine(result):
         return await result
     if isinstance(result, concurrent.futures.Future):
         return await asyncio.wrap_future(result)
-    import torch
-
-    if isinstance(result, torch.futures.Future):
+    # Any torch future: a torch.futures.Future, and the bare torch._C.Future its then()
+    # returns (pytorch/examples' batch RL agent returns `self.future_actions.then(...)`).
+    if isinstance(result, CFuture):
         return await Future.from_torch(result)
     raise AsyncExecutionError(
         f"an @async_execution function must return a future or a coroutine, got "
@@ -85,12 +97,35 @@ async def await_async_result(result: Any) -> Any:
     )
 
 
+def missing_reference_error(name: str, request: Request, exc: MissingReferenceError) -> Exception:
+    """What the caller gets when worker ``name`` cannot import what a request names."""
+    missing = f"{exc.module}.{exc.qualname}"
+    if request.target.endswith(exc.qualname):
+        return FunctionNotFoundError(missing, name, exc.reason)
+    return SerializationError(
+        f"{missing} (used by the arguments of {request.target}) cannot be imported on worker "
+        f"{name!r}: {exc.reason}"
+    )
+
+
+def print_request_error(
+    name: str, request: Request, caller: str | None, exc: BaseException
+) -> None:
+    """Print, on worker ``name``'s stderr, what a request it ran raised.
+
+    As torch's agent does: the callee's own log shows what failed there (the caller gets
+    the exception too). ``sys.stderr`` is looked up now: it may have been replaced.
+    """
+    lines = traceback.format_exception(exc)
+    text = f"On worker {name!r}, {request.target} called by {caller!r} raised:\n"
+    print(text + "".join(lines), end="", file=sys.stderr, flush=True)
+
+
 def _is_future_like(value: Any) -> bool:
     return (
-        isinstance(value, Future | concurrent.futures.Future)
+        isinstance(value, Future | concurrent.futures.Future | CFuture)
         or asyncio.isfuture(value)
         or asyncio.iscoroutine(value)
-        or type(value).__name__ == "Future"  # torch.futures.Future, without importing torch
     )
 
 
@@ -192,6 +227,19 @@ class Dispatcher:
             return
         self._start(served, call)
 
+    def on_unpickled(
+        self, conn: Caller, request: Request, call: tuple[Any, Any, Any],
+        incoming: IncomingCall | None = None,
+    ) -> None:  # fmt: skip
+        """Run a request whose payload a lane's thread already unpickled (through the
+        hooks' ``receiving`` stage when ``incoming`` is given): a function that runs on
+        the loop (``async def``, ``async_execution``, ``@inline``)."""
+        peer = conn.peer
+        assert peer is not None
+        served = ServedRequest(conn, request, peer)
+        served.incoming = incoming
+        self._start(served, call)
+
     def _start(self, served: ServedRequest, call: tuple[Any, Any, Any]) -> None:
         fn, args, kwargs = call
         # Decided on the function itself: a hook's wrapper may hide what kind it is.
@@ -244,36 +292,25 @@ class Dispatcher:
     def _receiving(self, served: ServedRequest) -> None:
         """The request as the pipeline sees it, its policies set before it is unpickled."""
         request, peer = served.request, served.peer
-        incoming = IncomingCall(
+        served.incoming = self._pipeline.received(
             served.conn.peer_name or str(peer), peer, self._name, request.call_id,
-            request.target, served.remote, request.headers or {},
+            request.target, served.remote, request.headers,
         )  # fmt: skip
-        served.incoming = incoming
-        self._pipeline.receiving(incoming)
 
     def _serve(self, incoming: IncomingCall, call: Any) -> Callable[..., Any]:
         """Run the pipeline's callee side; returns the function wrapped by the hooks."""
-        fn, incoming.args, incoming.kwargs = call
-        incoming.fn, incoming.coroutine = fn, is_coroutine_function(fn)
-        self._pipeline.incoming(incoming)
-        return incoming.wrapped(fn)
+        result: Callable[..., Any] = self._pipeline.serve(incoming, *call)
+        return result
 
     def _replying(self, served: ServedRequest, ok: bool, value: Any) -> dict[str, Any] | None:
         """The pipeline's last look at a served request; returns its reply header fields."""
         incoming, served.incoming = served.incoming, None
         if incoming is None:
             return None
-        self._pipeline.replying(incoming, ok, value)
-        return incoming.reply_headers or None
+        return self._pipeline.reply_fields(incoming, ok, value)
 
     def _missing(self, request: Request, exc: MissingReferenceError) -> Exception:
-        name = f"{exc.module}.{exc.qualname}"
-        if request.target.endswith(exc.qualname):
-            return FunctionNotFoundError(name, self._name, exc.reason)
-        return SerializationError(
-            f"{name} (used by the arguments of {request.target}) cannot be imported on worker "
-            f"{self._name!r}: {exc.reason}"
-        )
+        return missing_reference_error(self._name, request, exc)
 
     # -- cancelling ------------------------------------------------------------------------
 
@@ -407,6 +444,9 @@ class Dispatcher:
             return None, (None, None, None), error
         forks = rrefs.take_minted()
         headers = self._replying(served, True, result)
+        if forks and getattr(served.conn, "acks_forks", False):
+            # A lane (runtime/lanes/): its caller says when it has read the forks.
+            headers = {**(headers or {}), ACK_WANTED: 1}
         reply = Reply(served.request.call_id, headers).to_fields()
         return encode_frame(reply, payload, segments), (keep, forks, incoming), None
 
@@ -503,11 +543,7 @@ class Dispatcher:
         self._deliver(served, *self._encode_reply(served, value))
 
     def _print_error(self, request: Request, caller: str | None, exc: BaseException) -> None:
-        # As torch's agent does: the callee's own log shows what failed there (the caller
-        # gets the exception too). sys.stderr is looked up now: it may have been replaced.
-        lines = traceback.format_exception(exc)
-        text = f"On worker {self._name!r}, {request.target} called by {caller!r} raised:\n"
-        print(text + "".join(lines), end="", file=sys.stderr, flush=True)
+        print_request_error(self._name, request, caller, exc)
 
     def _acknowledge(self, served: ServedRequest, ok: bool, value: Any) -> None:
         # A remote() request with pipeline fields: its caller's hooks wait for the end of

@@ -17,14 +17,16 @@ import asyncio
 import itertools
 import math
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from asyncrpc.errors import ClosedError, PeerLostError, RpcTimeoutError
+from asyncrpc.functions import is_async_execution, is_coroutine_function
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
 from asyncrpc.protocol.reflog import Transfer
 from asyncrpc.protocol.serde import Serializer, unpack_exception
-from asyncrpc.protocol.wire import Frame, encode_frame
+from asyncrpc.protocol.wire import Frame, encode_frame, frame_nbytes
 from asyncrpc.protocol.wire.messages import CallMode, Request, optional_headers
 from asyncrpc.runtime.calls.pending import PendingCall, PendingCalls, Waiter, describe_function
 from asyncrpc.runtime.calls.pipeline import CallHook, OutgoingCall, Pipeline
@@ -32,9 +34,12 @@ from asyncrpc.runtime.future import Future
 from asyncrpc.runtime.group.membership import Directory
 from asyncrpc.runtime.loopinbox import LoopInbox
 from asyncrpc.runtime.metrics import Counters
+from asyncrpc.runtime.shm.shm import SHM_TAG_PREFIX
 
-__all__ = ["EncodedRequest", "Minting", "Outbox", "Sender"]
+__all__ = ["EncodedRequest", "Minting", "Observed", "Outbox", "Sender", "SyncLanes"]
 
+# Per calling thread: its last call_future to each rank (see Outbox.call_sync).
+_Issued = dict[int, "weakref.ref[Future[Any]]"]
 # The pipeline hooks a call went through, with their view of it.
 Observed = tuple[tuple[CallHook, ...], OutgoingCall]
 # For remote(): makes the RRef id and the caller's fork id once the payload is pickled.
@@ -51,6 +56,7 @@ class EncodedRequest(NamedTuple):
         keep: what keeps the memory of its zero-copy pieces valid until written.
         observed: the pipeline hooks it went through (None: no hook was active).
         forks: the RRef forks its payload carries (None: none).
+        shared: whether a segment went into shared memory (a lane cannot carry it).
     """
 
     call_id: int
@@ -61,6 +67,7 @@ class EncodedRequest(NamedTuple):
     keep: object
     observed: Observed | None
     forks: list[Transfer] | None
+    shared: bool = False  # some segment went into shared memory (its tag names a chunk)
 
 
 class Sender(Protocol):
@@ -74,6 +81,18 @@ class Sender(Protocol):
     def send_cancel(self, rank: int, call_id: int) -> None: ...
 
     def undelivered(self, rank: int, forks: list[Transfer] | None) -> None: ...
+
+
+class SyncLanes(Protocol):
+    """Calling threads' own connections for synchronous calls (``runtime/lanes/``)."""
+
+    def lane(self, rank: int, nbytes: int) -> Any | None:
+        """This thread's lane to ``rank`` for a plain call of ``nbytes`` (None: none)."""
+
+    UNSENT: object  # what ``call`` returns when the request never left
+
+    def call(self, lane: Any, encoded: EncodedRequest) -> Any:
+        """Run one call on ``lane``, blocking this thread until its reply (or ``UNSENT``)."""
 
 
 class Minting(Protocol):
@@ -99,6 +118,7 @@ class Outbox:
         unlend: Callable[[object], None],
         counters: Counters,
         default_timeout: float,
+        lanes: SyncLanes | None = None,
     ) -> None:
         self._name, self.loop = name, loop
         self.loop_thread_id = threading.get_ident()
@@ -106,6 +126,12 @@ class Outbox:
         self._serializer, self._pipeline, self._directory = serializer, pipeline, directory
         self._sender, self._rrefs, self._unlend = sender, rrefs, unlend
         self._counters, self._default_timeout = counters, default_timeout
+        self._lanes = lanes
+        # Per calling thread, its last call_future to each rank (weakly: its pending call
+        # holds it until the reply). A synchronous call to a rank whose earlier call from
+        # the same thread is still pending takes the same connection, behind it, so that
+        # the callee starts them in the order this thread made them.
+        self._issued = threading.local()
         # Its expiry calls ``expire`` (the agent builds it first: the network needs it too).
         self.pending = pending
         self._call_ids = itertools.count(1)
@@ -175,7 +201,8 @@ class Outbox:
             raise
         observed = None if call is None else (hooks, call)
         forks = self._rrefs.take_minted()
-        return EncodedRequest(call_id, rank, target, timeout, pieces, keep, observed, forks)
+        shared = bool(segments) and any(tag.startswith(SHM_TAG_PREFIX) for _, tag in segments)
+        return EncodedRequest(call_id, rank, target, timeout, pieces, keep, observed, forks, shared)
 
     def _undo_minted(self, rank: int) -> None:
         self._sender.undelivered(rank, self._rrefs.take_minted())
@@ -191,11 +218,61 @@ class Outbox:
         rank = self._directory.resolve(to)
         encoded = self.encode(rank, fn, args, kwargs, self.effective_timeout(timeout), kind,
                               target=target)  # fmt: skip
+        future = self._start_future(encoded)
+        if self._lanes is not None:
+            issued: dict[int, weakref.ref[Future[Any]]] | None = getattr(
+                self._issued, "by_rank", None
+            )
+            if issued is None:
+                issued = self._issued.by_rank = {}
+            issued[rank] = weakref.ref(future)
+        return future
+
+    def _start_future(self, encoded: EncodedRequest) -> Future[Any]:
         future: Future[Any] = Future(loop=self.loop)
         call_id = encoded.call_id
         future._cancel_hook = lambda: self.loop.call_soon_threadsafe(self.cancel, call_id)
         self.run_on_loop(self.start, encoded, future)
         return future
+
+    def call_sync(
+        self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float
+    ) -> Any:
+        """Run a call for a thread that blocks until its result (``rpc_sync``).
+
+        A plain call (only lane-safe hooks active, no RRef fork, a small frame, a function
+        that does not run on the callee's loop) goes on this thread's lane to the callee,
+        when it has one (``runtime/lanes/``); any other the way ``call_future`` sends it.
+
+        Raises:
+            The errors of ``call_future`` and of the call.
+        """
+        rank = self._directory.resolve(to)
+        encoded = self.encode(rank, fn, args, kwargs, self.effective_timeout(timeout), "sync")
+        lanes, observed = self._lanes, encoded.observed
+        if (
+            lanes is not None
+            and not self._behind_pending(rank)
+            and encoded.forks is None
+            and not encoded.shared  # a lane's callee maps no shared memory
+            and (observed is None or all(hook.lane_safe for hook in observed[0]))
+            and not is_coroutine_function(fn)
+            and not is_async_execution(fn)
+        ):
+            lane = lanes.lane(rank, frame_nbytes(encoded.pieces))
+            if lane is not None:
+                value = lanes.call(lane, encoded)
+                if value is not lanes.UNSENT:
+                    return value
+                # The lane broke before the request left: it goes the loop's way.
+        return self._start_future(encoded).wait()
+
+    def _behind_pending(self, rank: int) -> bool:
+        """Whether this thread's last ``call_future`` to ``rank`` is still pending."""
+        issued = getattr(self._issued, "by_rank", None)
+        earlier = None if issued is None else issued.get(rank)
+        future = None if earlier is None else earlier()
+        return future is not None and not future.done()
 
     async def call(
         self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float

@@ -45,6 +45,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from asyncrpc.functions import is_coroutine_function
 from asyncrpc.protocol.serde.policy import DEFAULT, TensorPolicy
 
 if TYPE_CHECKING:
@@ -225,6 +226,11 @@ class CallHook:
     """
 
     stages: ClassVar[frozenset[str]] = frozenset()  # the stages this class overrides
+    # The header keys this hook owns (a request naming none of them is nothing to it,
+    # unless it serves all), and whether its stages may run on a lane's thread instead of
+    # the loop: all they touch is locked, and ``ready``/``reply_ready`` wait for nothing.
+    fields: ClassVar[frozenset[str]] = frozenset()
+    lane_safe: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -368,6 +374,38 @@ class Pipeline:
             if hook.serves_all():
                 return True
         return False
+
+    def on_lanes(self, headers: dict[str, Any] | None) -> bool:
+        """Whether a request with these header fields may be served on a lane's thread:
+        no hook serves every request, and those its fields name are lane-safe."""
+        if headers is None:
+            return not self.serves(None)
+        for hook in self._hooks:  # bounded by the hooks
+            if hook.serves_all() or (not hook.lane_safe and not hook.fields.isdisjoint(headers)):
+                return False
+        return True
+
+    def received(
+        self, caller: str, caller_rank: int, callee: str, call_id: int, target: str,
+        remote: bool, headers: dict[str, Any] | None,
+    ) -> IncomingCall:  # fmt: skip
+        """A request as the hooks see it, their ``receiving`` stage run: its tensor
+        policies are set before it is unpickled."""
+        call = IncomingCall(caller, caller_rank, callee, call_id, target, remote, headers or {})
+        self.receiving(call)
+        return call
+
+    def serve(self, call: IncomingCall, fn: Any, args: Any, kwargs: Any) -> Any:
+        """Run the ``incoming`` stage on the unpickled request; its function, wrapped."""
+        call.fn, call.args, call.kwargs = fn, args, kwargs
+        call.coroutine = is_coroutine_function(fn)
+        self.incoming(call)
+        return call.wrapped(fn)
+
+    def reply_fields(self, call: IncomingCall, ok: bool, value: Any) -> dict[str, Any] | None:
+        """Run the ``replying`` stage; the reply's header fields (None: none)."""
+        self.replying(call, ok, value)
+        return call.reply_headers or None
 
     def receiving(self, call: IncomingCall) -> None:
         for hook in self._by_stage["receiving"]:

@@ -185,6 +185,8 @@ class DeviceMapHook(CallHook):
     """Gives each call to a mapped callee, and each reply to a mapped caller, its map, and
     holds their frames and orders their users' streams as the transfer says."""
 
+    fields = frozenset({FIELD, IPC_FIELD})
+
     def __init__(
         self,
         device_maps: Mapping[str, Mapping[str, str]] | None,

@@ -81,8 +81,13 @@ async def join(
     options: RpcBackendOptions,
     listener: Listener,
     tls: TlsContexts | None,
+    lanes: tuple[int | None, str | None] = (None, None),
 ) -> Group:
     """Rendezvous (on a helper thread, so the loop keeps serving) and describe the group.
+
+    ``lanes`` is where this worker takes lanes (a TCP port, an abstract Unix path), to
+    publish with its address; a port is not published behind ``advertise_host`` or
+    ``advertise_port`` (a NAT or proxy maps only the main port).
 
     Cancelling it stops waiting; the rendezvous thread runs on until its own timeout.
 
@@ -107,6 +112,8 @@ async def join(
         options.device_maps,
         configured_key,
         listener.unix_path,
+        None if options.advertise_host or options.advertise_port else lanes[0],
+        lanes[1],
     )
     directory = Directory(addresses, store)
     return Group(name, store.rank, store.world_size, addresses, key, tls, directory, store)

@@ -3,8 +3,10 @@
 Every worker claims its rank and name in the store, publishes its listening address, and
 reads everyone else's. Duplicate names or ranks and differing world sizes fail at init: the
 first worker to see one posts the typed error in the store, and every member still joining
-raises the same error at once instead of waiting out the timeout. All calls here block; the
-agent runs them on a helper thread so its loop keeps serving.
+raises the same error at once instead of waiting out the timeout. So does a static group
+whose members did not all come in time: the first to give up posts which ranks are
+missing. All calls here block; the agent runs them on a helper thread so its loop keeps
+serving.
 
 A group is static (``world_size`` given: everyone waits for everyone) or dynamic (no
 ``world_size``: a member joins at once, reads the members already there, and is found by
@@ -35,12 +37,14 @@ from asyncrpc.errors import (
     InitError,
     MissingRankError,
     MixedGroupError,
+    RendezvousTimeoutError,
     ShutdownError,
     StoreHostLostError,
     WorldSizeMismatchError,
 )
 from asyncrpc.protocol import auth
 from asyncrpc.protocol.address import PeerAddress
+from asyncrpc.runtime.group.quiet import QuietStore, quiet_cpp_logs
 
 __all__ = ["MIXED_GROUP", "PeerAddress", "StoreGroup", "is_dynamic", "join_group"]
 
@@ -54,7 +58,13 @@ _LINGER_S = 5.0
 # Errors a member posts in the store for the others to raise too: by class name, with their
 # arguments (msgpack, never pickle: whoever reaches the store can write to it).
 _POSTED: dict[str, type[InitError]] = {
-    cls.__name__: cls for cls in (WorldSizeMismatchError, DuplicateNameError, DuplicateRankError)
+    cls.__name__: cls
+    for cls in (
+        WorldSizeMismatchError,
+        DuplicateNameError,
+        DuplicateRankError,
+        RendezvousTimeoutError,
+    )
 }
 # torch's sentence for a group whose members disagree on being static or dynamic.
 MIXED_GROUP = (
@@ -105,6 +115,15 @@ def check_rank(init_method: str, rank: int) -> None:
 def _open_store(
     init_method: str, rank: int, world_size: int | None, timeout: float, host: str = ""
 ) -> Any:
+    # Connecting to a store nobody serves yet logs each attempt in C++, with its stack:
+    # the InitError raised says the same in one line (see quiet.py).
+    with quiet_cpp_logs():
+        return _open_store_loudly(init_method, rank, world_size, timeout, host)
+
+
+def _open_store_loudly(
+    init_method: str, rank: int, world_size: int | None, timeout: float, host: str
+) -> Any:
     # The module (``torch.distributed.rendezvous`` the attribute is its function).
     torch_rendezvous = importlib.import_module("torch.distributed.rendezvous")
     seconds = datetime.timedelta(seconds=timeout)
@@ -134,7 +153,12 @@ def _open_store(
             )
         store, rank_out, world_out = next(opened)
     except (ValueError, RuntimeError, OSError) as exc:
-        raise InitError(f"rendezvous through {init_method!r} failed: {exc}") from exc
+        hint = ""
+        if _hosts_store(init_method) and rank != 0 and isinstance(exc, (RuntimeError, OSError)):
+            hint = " (rank 0's process serves this store: has it started, at that address?)"
+        raise InitError(
+            f"rendezvous through {init_method!r} failed: {_first_line(exc)}{hint}"
+        ) from exc
     return store, int(rank_out), int(world_out)
 
 
@@ -209,23 +233,28 @@ def _pack(address: PeerAddress) -> bytes:
     return bytes(
         msgpack.packb(
             [address.name, address.rank, address.host, address.port, address.device_maps,
-             address.host_id, address.unix_path]
+             address.host_id, address.unix_path, address.lane_port, address.lane_path]
         )
     )  # fmt: skip
 
 
 def _unpack(record: bytes) -> PeerAddress:
-    name, rank, host, port, maps, host_id, unix_path = msgpack.unpackb(record)
-    return PeerAddress(name, rank, host, port, maps, host_id, unix_path)
+    name, rank, host, port, maps, host_id, unix_path, lane_port, lane_path = msgpack.unpackb(record)
+    return PeerAddress(name, rank, host, port, maps, host_id, unix_path, lane_port, lane_path)
 
 
 class StoreGroup:
     """The store of a worker group, with the keys asyncrpc keeps in it."""
 
     def __init__(self, store: Any, rank: int, world_size: int | None) -> None:
-        self.store = store
+        # Every call through it is quiet in C++: a store whose host has gone would log
+        # its failure with a C++ stack before raising it (see quiet.py).
+        self.store = store if isinstance(store, QuietStore) else QuietStore(store)
         self.rank = rank
         self.world_size = world_size  # None: a dynamic group
+        # The worker whose process serves the store (rank 0 with tcp:// and env://), once
+        # known: errors of a store gone away name it.
+        self.host_name: str | None = None
 
     @property
     def dynamic(self) -> bool:
@@ -332,9 +361,9 @@ class StoreGroup:
         Dynamic: the members there now (never waits)."""
         if self.world_size is None:
             return {r: a for r in self.member_ranks() if (a := self.find(r)) is not None}
-        keys = [f"{_PREFIX}worker/{r}" for r in range(self.world_size)]
+        keys = {r: f"{_PREFIX}worker/{r}" for r in range(self.world_size)}
         self._wait_for(keys, timeout, "joining the group")
-        return {r: _unpack(self.store.get(key)) for r, key in enumerate(keys)}
+        return {r: _unpack(self.store.get(key)) for r, key in keys.items()}
 
     def shared_key(self) -> bytes:
         """The group key rank 0 published (call after ``gather``)."""
@@ -374,14 +403,24 @@ class StoreGroup:
         """Whether ``rank`` has finished its shutdown (reached the "left" barrier)."""
         return bool(self.store.check([f"{_PREFIX}barrier/left/{rank}"]))
 
-    def _wait_for(self, keys: list[str], timeout: float, what: str) -> None:
+    def _wait_for(self, keys: dict[int, str], timeout: float, what: str) -> None:
+        """Wait until every key (by rank) is set.
+
+        Raises:
+            RendezvousTimeoutError: some are still missing after ``timeout`` (posted for
+                the others, so that every member names the missing ranks, not only the
+                first to give up; rank 0 then keeps its store up until they have read it).
+        """
         deadline = time.monotonic() + timeout
         # Bounded poll: check() never blocks, so an abort or the deadline is seen promptly.
-        while not self.store.check(keys):
+        while not self.store.check(list(keys.values())):
             self.check_aborted()
             if time.monotonic() > deadline:
-                missing = [k.rsplit("/", 1)[-1] for k in keys if not self.store.check([k])]
-                raise InitError(f"timed out after {timeout:g} s {what}; missing ranks {missing}")
+                missing = [r for r, key in keys.items() if not self.store.check([key])]
+                assert self.world_size is not None  # only a static group waits
+                raise self._post(
+                    RendezvousTimeoutError(self.rank, self.world_size, timeout, missing, what)
+                )
             time.sleep(_POLL_S)
 
     # -- barriers --------------------------------------------------------------------------
@@ -390,10 +429,18 @@ class StoreGroup:
         """Mark this rank as having reached barrier ``tag``."""
         self.store.set(f"{_PREFIX}barrier/{tag}/{self.rank}", b"1")
 
+    def reach(self, tag: str) -> None:
+        """``arrive`` at a shutdown barrier.
+
+        Raises:
+            ShutdownError: the store is unreachable (naming the worker that served it).
+        """
+        self._store_op(lambda: self.arrive(tag))
+
     def wait_arrived(self, tag: str, timeout: float, what: str) -> None:
         """Static: wait until every rank has reached barrier ``tag`` (start-up only)."""
         assert self.world_size is not None
-        keys = [f"{_PREFIX}barrier/{tag}/{r}" for r in range(self.world_size)]
+        keys = {r: f"{_PREFIX}barrier/{tag}/{r}" for r in range(self.world_size)}
         self._wait_for(keys, timeout, what)
 
     def declare_lost(self, rank: int) -> None:
@@ -424,10 +471,17 @@ class StoreGroup:
         try:
             return op()
         except (RuntimeError, OSError) as exc:
-            raise ShutdownError(
-                f"the rendezvous store is unreachable (with tcp:// and env:// rank 0 hosts "
-                f"it: it died or left): {_first_line(exc)}"
-            ) from exc
+            raise self.unreachable(exc) from exc
+
+    def unreachable(self, exc: BaseException) -> ShutdownError:
+        """The error of a store call that failed after start-up: naming the worker that
+        served the store, when one did (its process has ended, or it closed the store)."""
+        if self.host_name is None:
+            return ShutdownError(f"the rendezvous store is unreachable: {_first_line(exc)}")
+        return ShutdownError(
+            f"worker {self.host_name!r} (rank 0) is gone: its process served the rendezvous "
+            f"store, which no longer answers ({_first_line(exc)})"
+        )
 
 
 def _hosts_store(init_method: str) -> bool:
@@ -468,6 +522,8 @@ def join_group(
     device_maps: dict[str, dict[str, str]] | None = None,
     auth_key: bytes | None = None,
     unix_path: str | None = None,
+    lane_port: int | None = None,
+    lane_path: str | None = None,
 ) -> tuple[StoreGroup, dict[int, PeerAddress], bytes]:
     """Rendezvous, publish this worker and gather every peer's address (blocking).
 
@@ -483,6 +539,7 @@ def join_group(
         device_maps: this worker's device maps, published for its callees.
         auth_key: the configured group key; None to share a random one through the store.
         unix_path: the Unix socket this worker also listens on, for peers on its host.
+        lane_port, lane_path: where this worker takes lanes (``runtime/lanes/``), if it does.
 
     Returns:
         The store group, every worker's address by rank (dynamic: the members there
@@ -500,7 +557,9 @@ def join_group(
     if rank < 0 or (size is not None and rank >= size):
         raise InitError(f"rank {rank} is outside a world of size {size}")
     group = StoreGroup(store, rank, size)
-    address = PeerAddress(name, rank, host, port, device_maps, this_host_id(), unix_path)
+    address = PeerAddress(
+        name, rank, host, port, device_maps, this_host_id(), unix_path, lane_port, lane_path
+    )
     try:
         peers, key = _join_store(group, address, auth_key, timeout)
     except InitError as exc:
@@ -515,5 +574,7 @@ def join_group(
             raise StoreHostLostError(init_method, _first_line(exc)) from exc
         raise InitError(f"the rendezvous store became unreachable: {_first_line(exc)}") from exc
     peers[rank] = address
+    if _hosts_store(init_method) and 0 in peers:
+        group.host_name = peers[0].name
     _log.debug("worker %r (rank %d) joined a group of %s", name, rank, size or "any size")
     return group, peers, key

@@ -169,7 +169,7 @@ class GracefulShutdown:
         if agent.group.world_size is None or agent.group.world_size <= 1:
             return
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, store.arrive, tag)
+        await loop.run_in_executor(None, store.reach, tag)
         delay = _POLL_S
         probe_at = time.monotonic() + PROBE_AFTER_S
         while True:  # bounded by the clock, or by every live worker arriving
@@ -230,10 +230,10 @@ class GracefulShutdown:
             return
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(None, group.arrive, "left")
-        except (RuntimeError, OSError) as exc:
+            await loop.run_in_executor(None, group.reach, "left")
+        except ShutdownError:  # the store is unreachable (arrive names its host)
             if not group.dynamic:
-                raise ShutdownError(f"the rendezvous store is unreachable: {exc}") from exc
+                raise
             return  # rank 0 has left and its TCPStore with it: nobody is left to tell
         if agent.group.rank != 0:
             return

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Generator
 from typing import Any, Protocol, runtime_checkable
 
-from asyncrpc.errors import ClosedError, FrameTooLargeError, UnknownWorkerError
+from asyncrpc.errors import ClosedError, FrameTooLargeError, PeerLostError, UnknownWorkerError
 from asyncrpc.protocol.address import PeerAddress
 from asyncrpc.protocol.reflog import RefLog, Transfer
 from asyncrpc.protocol.wire import encode_frame
@@ -313,7 +313,9 @@ class Links:
             host.counters.calls_failed += 1
         else:
             address = host.addresses.get(rank)  # None: a rank nobody could look up
-            _log.warning("could not send to %s: %s", address.name if address else rank, exc)
+            # A peer declared lost was logged then, with why: this frame adds nothing.
+            log = _log.debug if isinstance(exc, PeerLostError) else _log.warning
+            log("could not send to %s: %s", address.name if address else rank, exc)
 
     # -- forks inside frames ---------------------------------------------------------------
 

@@ -44,7 +44,7 @@ from asyncrpc.runtime.net.heartbeat import Heartbeat, Watched
 from asyncrpc.runtime.net.links import Links, SentCalls
 from asyncrpc.runtime.net.listener import Listener, Parked
 from asyncrpc.runtime.net.loopback import LoopbackConnection
-from asyncrpc.runtime.net.peers import GOODBYE_REASON, PeerTable
+from asyncrpc.runtime.net.peers import GOODBYE_REASON, PeerTable, without_goodbye
 from asyncrpc.runtime.net.tls import TlsContexts
 from asyncrpc.runtime.net.transport import Connection
 from asyncrpc.runtime.services import RRefService
@@ -116,6 +116,9 @@ class Network:
         self._auth_log = RateLimitedLog(_log, interval=10.0)
         self.connections: set[Connection] = set()
         self.closed = False
+        # This worker is leaving (its shutdown has begun, or its program is ending): a
+        # lost connection is then not followed by "the next call reconnects".
+        self.leaving = False
         self.peers = PeerTable(
             members.name, members.rank, members.addresses, self._new_connection, members.key,
             options.max_frame_size, self._refuse,
@@ -269,14 +272,20 @@ class Network:
         peer = self.peers.peers[rank]
         # Forks whose frames may have died with it: ask the peer (see reflog.py).
         self.links.on_lost(rank, conn, ask=peer.lost is None and not self.closed)
-        error = peer.lost or PeerLostError(peer.address.name, f"connection lost ({exc or 'EOF'})")
-        if peer.lost is None and not self.closed:
-            _log.warning("worker %r: %s; the next call reconnects", self.members.name, error)
-        self._receiver.on_connection_lost(rank, conn, error)
+        cause = f"connection lost ({exc or 'EOF'})"
+        # The peer closed it unannounced: a hint of why.
+        reason = cause if peer.vanished is None else without_goodbye(cause)
+        self._receiver.on_connection_lost(
+            rank, conn, peer.lost or PeerLostError(peer.address.name, reason)
+        )
         if peer.lost is None and not self.closed and peer.conn is None:
             # Dial again now, not at the next call: the link heals before it is needed, and
-            # a dead peer is found (refused) and declared lost, which frees its RRefs.
-            self.loop.create_task(self._redial(rank))
+            # a dead peer is found (refused) and declared lost, which frees its RRefs. The
+            # loss is logged once the dial has told what it was (see _redial).
+            self.loop.create_task(self._redial(rank, cause))
+        elif peer.lost is None:
+            _log.debug("worker %r: a connection to %r closed: %s", self.members.name,
+                       peer.address.name, cause)  # fmt: skip
 
     def _on_adopted(self, rank: int, conn: Connection) -> None:
         self.links.on_adopted(rank, conn)
@@ -330,11 +339,30 @@ class Network:
         if peer.lost is None and not self.peers.connected(rank) and not peer.dialing:
             self.loop.create_task(self._redial(rank))
 
-    async def _redial(self, rank: int) -> None:
+    async def _redial(self, rank: int, lost: str | None = None) -> None:
+        """Dial ``rank`` again. After a lost connection (``lost`` says how it ended), log
+        what the dial found: the peer answers again, it is gone (declared lost, which
+        ``_on_declared_lost`` logs), or it cannot be reached yet."""
+        name = self.peers.peers[rank].address.name
         try:
             await self.peers.connection(rank)
-        except (ConnectionError, OSError) as exc:  # declared lost, or not reachable yet
-            _log.debug("worker %r: redial of rank %d failed: %s", self.members.name, rank, exc)
+        except PeerLostError:
+            return  # declared lost: logged there, with why
+        except (ConnectionError, OSError) as exc:  # not reachable yet: nothing is proven
+            if lost is None or self.closed:
+                _log.debug("worker %r: redial of %r failed: %s", self.members.name, name, exc)
+            elif self.leaving:
+                _log.warning("worker %r: lost the connection to worker %r (%s), and this "
+                             "worker is shutting down: %s", self.members.name, name, lost,
+                             exc)  # fmt: skip
+            else:
+                _log.warning("worker %r: lost the connection to worker %r (%s): %s; the "
+                             "next call reconnects", self.members.name, name, lost,
+                             exc)  # fmt: skip
+            return
+        if lost is not None:
+            _log.warning("worker %r: lost the connection to worker %r (%s); connected again",
+                         self.members.name, name, lost)  # fmt: skip
 
     # -- sending ---------------------------------------------------------------------------
 

@@ -37,7 +37,16 @@ from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import Auth, Hello, HelloReply
 from asyncrpc.runtime.net.transport import Connection, open_connection, open_unix_connection
 
-__all__ = ["DIAL_RETRY_DELAYS", "GOODBYE_REASON", "REFUSED_RETRY_DELAYS", "Peer", "PeerTable"]
+__all__ = [
+    "DIAL_RETRY_DELAYS",
+    "GOODBYE_REASON",
+    "NO_GOODBYE_HINT",
+    "REFUSED_RETRY_DELAYS",
+    "Peer",
+    "PeerTable",
+    "closed_by_peer",
+    "without_goodbye",
+]
 
 _log = logging.getLogger("asyncrpc.runtime.net.peers")
 
@@ -49,12 +58,28 @@ _log = logging.getLogger("asyncrpc.runtime.net.peers")
 REFUSED_RETRY_DELAYS: Final = (0.05, 0.15)
 GOODBYE_REASON: Final = "the worker shut down"  # a peer that said Goodbye: not a failure
 DIAL_RETRY_DELAYS: Final = (0.05, 0.1, 0.2, 0.4, 0.8)
+# What a peer that closed without a Goodbye may have done: a worker says Goodbye whenever
+# it leaves through shutdown(), so its process ended some other way.
+NO_GOODBYE_HINT: Final = "it crashed, or ended without calling asyncrpc.shutdown()"
+
+
+def closed_by_peer(exc: BaseException | None) -> bool:
+    """Whether a connection ended with ``exc`` was closed by the other side (an end of
+    file or a reset), not by this side or a protocol error."""
+    return exc is None or isinstance(
+        exc, (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
+    )
+
+
+def without_goodbye(reason: str) -> str:
+    """``reason`` for a connection the peer closed unannounced, with a hint of why."""
+    return f"{reason} without a Goodbye (if it is gone, {NO_GOODBYE_HINT})"
 
 
 class Peer:
     """What this agent knows of one other worker."""
 
-    __slots__ = ("address", "conn", "dialing", "lost", "ready")
+    __slots__ = ("address", "conn", "dialing", "lost", "ready", "vanished")
 
     def __init__(self, address: PeerAddress) -> None:
         self.address = address
@@ -62,6 +87,10 @@ class Peer:
         self.ready: asyncio.Future[Connection] | None = None
         self.dialing = False
         self.lost: PeerLostError | None = None
+        # How its last connection ended when the peer closed it without a Goodbye ("EOF",
+        # a reset); None once a new connection is adopted. A dial that is then refused
+        # says its process has ended, and how.
+        self.vanished: str | None = None
 
 
 def send_message(conn: Connection, message: Hello | HelloReply | Auth) -> None:
@@ -175,8 +204,7 @@ class PeerTable:
                 if peer.conn is not None and not peer.conn.closed:
                     return  # adopted meanwhile, dialled by the peer
                 if refused > len(REFUSED_RETRY_DELAYS):
-                    reason = f"connection refused {refused} times ({error})"
-                    self.declare_lost(rank, PeerLostError(name, reason))
+                    self.declare_lost(rank, PeerLostError(name, _refused(peer, refused, error)))
                     return
                 if isinstance(error, ConnectionRefusedError):
                     delay: float | None = REFUSED_RETRY_DELAYS[refused - 1]
@@ -267,6 +295,7 @@ class PeerTable:
         conn.peer = rank
         conn.peer_name = peer.address.name
         peer.conn = conn
+        peer.vanished = None
         if peer.ready is None or peer.ready.done():
             peer.ready = asyncio.get_running_loop().create_future()
         peer.ready.set_result(conn)
@@ -365,6 +394,8 @@ class PeerTable:
             peer.conn = None
         if conn.goodbye:
             self.declare_lost(rank, PeerLostError(peer.address.name, GOODBYE_REASON))
+        elif closed_by_peer(exc) and peer.conn is None:
+            peer.vanished = str(exc or "EOF")
         return rank
 
     def _challenge_failed(self, rank: int | None) -> None:
@@ -381,6 +412,17 @@ class PeerTable:
 
     def is_lost(self, rank: int) -> bool:
         return self.peers[rank].lost is not None
+
+
+def _refused(peer: Peer, times: int, error: BaseException | None) -> str:
+    """Why a peer whose address refuses connections is lost: its process has ended, and if
+    it closed its last connection without a Goodbye, it did not end through shutdown()."""
+    if peer.vanished is None:
+        return f"connection refused {times} times ({error})"
+    return (
+        f"it closed its connection without a Goodbye ({peer.vanished}) and its address now "
+        f"refuses connections: its process has ended ({NO_GOODBYE_HINT})"
+    )
 
 
 # How long a dial that lost the tie-break waits for the peer's own dial to reach it.

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, cast
 
 from asyncrpc.errors import ClosedError, FrameTooLargeError, ProtocolError
-from asyncrpc.protocol.wire import PRELUDE_SIZE, Frame, FrameDecoder
+from asyncrpc.protocol.wire import PRELUDE_SIZE, Frame, FrameDecoder, frame_nbytes
 
 __all__ = [
     "Connection",
@@ -177,7 +177,7 @@ class Connection(asyncio.BufferedProtocol):
         Raises:
             FrameTooLargeError: it is over the peer's limit.
         """
-        size = _nbytes(pieces)
+        size = frame_nbytes(pieces)
         limit = self.peer_max_frame
         if limit and size - PRELUDE_SIZE > limit:
             raise FrameTooLargeError(size - PRELUDE_SIZE, limit, self.peer_name)
@@ -207,7 +207,7 @@ class Connection(asyncio.BufferedProtocol):
             ClosedError: the connection is closed (the frame is lost with it).
         """
         transport = self._open_transport()
-        self.bytes_out += _nbytes(pieces)
+        self.bytes_out += frame_nbytes(pieces)
         self._write(transport, pieces, keepalive)
 
     def end_parts(self, complete: bool) -> None:
@@ -248,14 +248,6 @@ class Connection(asyncio.BufferedProtocol):
         """Close after the pending writes are flushed."""
         if self._transport is not None and not self._transport.is_closing():
             self._transport.close()
-
-
-def _nbytes(pieces: Sequence[bytes | memoryview]) -> int:
-    """How many bytes the pieces of a frame (or of a part of one) hold."""
-    size = 0
-    for piece in pieces:
-        size += piece.nbytes if isinstance(piece, memoryview) else len(piece)
-    return size
 
 
 async def start_server(

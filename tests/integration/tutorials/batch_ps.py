@@ -6,7 +6,9 @@ trainer's call adds its gradients and returns the server's current future, witho
 holding a thread; the last trainer of a round steps the optimizer and completes that
 future, which answers every trainer of the round with the new model. Changes from the
 tutorial: a tiny conv net instead of torchvision's ResNet-50, and the gradient sum is
-taken under the lock (two in-place adds racing on one tensor can lose one).
+taken under the lock (two in-place adds racing on one tensor can lose one). With
+``--full``, the lengths of pytorch/examples ``distributed/rpc/batch/parameter_server.py``:
+five trainers, six batches each of 20 images of 64x64 in 30 classes.
 """
 
 from __future__ import annotations
@@ -19,15 +21,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from tests.integration.tutorials.common import impl, main, save, seeded
+from tests.integration.tutorials.common import full, impl, main, save, seeded
 
 if impl() == "torch":
     import torch.distributed.rpc as rpc  # noqa: PLR0402 (the tutorials spell it so)
 else:
     import asyncrpc as rpc
 
-TRAINERS, NUM_CLASSES, NUM_BATCHES = 2, 6, 3
-BATCH_SIZE, IMAGE_W, IMAGE_H = 8, 8, 8
+if full():
+    TRAINERS, NUM_CLASSES, NUM_BATCHES, BATCH_SIZE, IMAGE_W, IMAGE_H = 5, 30, 6, 20, 64, 64
+else:
+    TRAINERS, NUM_CLASSES, NUM_BATCHES, BATCH_SIZE, IMAGE_W, IMAGE_H = 2, 6, 3, 8, 8, 8
 
 
 def make_model() -> nn.Module:

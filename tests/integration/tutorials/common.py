@@ -1,7 +1,9 @@
 """What the tutorial programs share: the command line, the launcher of their ranks, and
 where each rank writes its results.
 
-A program is ``python -m tests.integration.tutorials.<name> --impl torch|asyncrpc --out DIR``.
+A program is ``python -m tests.integration.tutorials.<name> --impl torch|asyncrpc --out DIR``,
+at the short lengths ``make test`` runs, or with ``--full`` at the default lengths of the
+pytorch/examples program it stands for (``make examples-torch``).
 That process imports the program (and so torch and the chosen RPC module) once, then
 forks one process per rank, as ``torch.multiprocessing`` would, but without each rank
 importing torch again (on two cores, imports were most of the suite's time). Ranks meet
@@ -46,18 +48,37 @@ def impl() -> str:
     return str(args.impl)
 
 
-def main(world_size: int, run: Callable[[argparse.Namespace], None]) -> None:
+def full() -> bool:
+    """Whether this process's command line asks for the upstream program's lengths.
+
+    Read at import, as ``impl()`` is: the programs size themselves in module constants.
+    """
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--full", action="store_true")
+    args, _ = parser.parse_known_args()
+    return bool(args.full)
+
+
+def main(
+    world_size: int,
+    run: Callable[[argparse.Namespace], None],
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> None:
     """A program's entry point: fork its ranks and wait for them.
 
     Args:
         world_size: how many ranks the program has.
         run: the body of one rank; it gets the command line plus ``rank``, ``world_size``
             and ``pg_port`` (a free port for a c10d process group).
+        add_arguments: adds the program's own options to the command line.
     """
     parser = argparse.ArgumentParser()
     parser.add_argument("--impl", choices=IMPLS, required=True)
     parser.add_argument("--out", type=Path, required=True, help="folder for rank<r>.pt")
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--full", action="store_true", help="the upstream program's lengths")
+    if add_arguments is not None:
+        add_arguments(parser)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -136,7 +157,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_program(name: str, impl_name: str, out: Path, timeout: float = 60.0) -> dict[int, Any]:
+def run_program(
+    name: str, impl_name: str, out: Path, timeout: float = 60.0, argv: tuple[str, ...] = ()
+) -> dict[int, Any]:
     """Run ``tests.integration.tutorials.<name> --impl impl_name``; return each rank's results.
 
     The program kills its ranks when they outlive ``timeout``; it is itself killed (by the
@@ -147,6 +170,7 @@ def run_program(name: str, impl_name: str, out: Path, timeout: float = 60.0) -> 
         impl_name: ``torch`` or ``asyncrpc``.
         out: folder for results and logs (created).
         timeout: seconds the program's ranks may run.
+        argv: more of the program's command line (``--full``, its own options).
 
     Returns:
         ``{rank: results}`` for the ranks that saved results.
@@ -161,9 +185,9 @@ def run_program(name: str, impl_name: str, out: Path, timeout: float = 60.0) -> 
         # torch warns at import when numpy is absent; the programs do not use numpy.
         PYTHONWARNINGS="ignore:Failed to initialize NumPy",
     )  # fmt: skip
-    argv = [sys.executable, "-m", f"tests.integration.tutorials.{name}", "--impl", impl_name,
-            "--out", str(out), "--timeout", str(timeout)]  # fmt: skip
-    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+    command = [sys.executable, "-m", f"tests.integration.tutorials.{name}", "--impl", impl_name,
+               "--out", str(out), "--timeout", str(timeout), *argv]  # fmt: skip
+    proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)  # fmt: skip
     try:
         output, _ = proc.communicate(timeout=timeout + 20.0)
@@ -179,7 +203,7 @@ def run_program(name: str, impl_name: str, out: Path, timeout: float = 60.0) -> 
             for p in sorted(out.glob("rank*.log"))
         )
         raise RuntimeError(
-            f"{name} --impl {impl_name} exited with {proc.returncode}:\n"
+            f"{name} --impl {impl_name} {' '.join(argv)} exited with {proc.returncode}:\n"
             f"{output.decode(errors='replace')[-2000:]}\n{logs}"
         )
     return {int(p.stem[4:]): torch.load(p, weights_only=False) for p in out.glob("rank*.pt")}

@@ -6,8 +6,12 @@ trainers with ``rpc_async``. Each trainer wraps a local ``Linear`` in
 ``DistributedDataParallel`` over a gloo group of the two trainers, and trains with
 distributed autograd and a ``DistributedOptimizer`` over the remote module's
 ``remote_parameters()`` and the trainer's own ``RRef(param)``s. Changes from the tutorial:
-CPU, fewer and smaller batches, seeds, and a barrier of the trainers after each step (so
-each forward sees both trainers' updates of the shared table, whatever the timing).
+CPU, fewer and smaller batches, seeds, and the trainers' optimizer steps taken in turn,
+trainer 0's then trainer 1's, between barriers: each forward sees both trainers' updates
+of the shared table, and the two updates of a row round in one order, whatever the timing
+(in either order, one rounding apart grew to 7e-4 in the table over the full length).
+With ``--full``, the sizes and lengths of pytorch/examples ``distributed/rpc/ddp_rpc``:
+100 epochs of 10 batches of 20 to 50 indices into a table of 100.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.integration.tutorials.common import impl, main, save, seeded
+from tests.integration.tutorials.common import full, impl, main, save, seeded
 
 if impl() == "torch":
     import torch.distributed.autograd as dist_autograd
@@ -37,7 +41,11 @@ else:
     from asyncrpc.nn import RemoteModule
     from asyncrpc.optim import DistributedOptimizer
 
-NUM_EMBEDDINGS, EMBEDDING_DIM, EPOCHS, BATCHES = 20, 16, 2, 3
+EMBEDDING_DIM = 16
+if full():
+    NUM_EMBEDDINGS, EPOCHS, BATCHES, INDICES, MAX_BAG = 100, 100, 10, (20, 50), 10
+else:
+    NUM_EMBEDDINGS, EPOCHS, BATCHES, INDICES, MAX_BAG = 20, 2, 3, (6, 12), 4
 
 
 class HybridModel(torch.nn.Module):
@@ -56,12 +64,12 @@ class HybridModel(torch.nn.Module):
 
 def get_next_batch() -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     for _ in range(BATCHES):
-        num_indices = random.randint(6, 12)
+        num_indices = random.randint(*INDICES)
         indices = torch.randint(0, NUM_EMBEDDINGS, (num_indices,))
         offsets, start, batch_size = [], 0, 0
         while start < num_indices:
             offsets.append(start)
-            start += random.randint(1, 4)
+            start += random.randint(1, MAX_BAG)
             batch_size += 1
         target = torch.randint(0, 8, (batch_size,))
         yield indices, torch.tensor(offsets), target
@@ -83,11 +91,18 @@ def _run_trainer(remote_emb_module: Any, rank: int) -> dict[str, Any]:
                 output = model(indices, offsets)
                 loss = criterion(output, target)
                 dist_autograd.backward(context_id, [loss])
-                opt.step(context_id)
-            dist.barrier()  # not in the tutorial: see the module's docstring
+                step_in_turn(opt, context_id, rank)
             losses.append(loss.detach())
     fc = [p.detach().clone() for p in model.fc.parameters()]
     return {"losses": torch.stack(losses), "fc": fc}
+
+
+def step_in_turn(opt: Any, context_id: int, rank: int) -> None:
+    """Not in the tutorial: trainer 0 steps, then trainer 1 (see the module's docstring)."""
+    for turn in (0, 1):
+        if rank == turn:
+            opt.step(context_id)
+        dist.barrier()
 
 
 def seed(value: int) -> None:

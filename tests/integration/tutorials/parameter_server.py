@@ -5,20 +5,26 @@ first trainer's ``rpc.remote``. Each trainer holds an RRef to it, runs the forwa
 there, and trains with distributed autograd and a ``DistributedOptimizer`` over the
 server's parameter RRefs. Changes from the tutorial: a tiny conv net on seeded synthetic
 images instead of MNIST, no dropout, and a turn gate on the server so the two trainers'
-steps interleave in one fixed order (T1, T2, T1, ...) and the result is reproducible.
+steps interleave in one fixed order (T1, T2, T1, ...) and the result is reproducible
+(each trainer then tests the model once all have finished).
+With ``--full``, the lengths of pytorch/examples ``distributed/rpc/parameter_server``:
+three trainers, each one pass in batches of 32 over a training set of MNIST's size and
+shape (60,000 images of 28x28 in 10 classes, synthetic), then its accuracy over a test
+set of 10,000.
 """
 
 from __future__ import annotations
 
 import argparse
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.integration.tutorials.common import impl, main, save, seeded
+from tests.integration.tutorials.common import full, impl, main, save, seeded
 
 if impl() == "torch":
     import torch.distributed.autograd as dist_autograd
@@ -29,14 +35,17 @@ else:
     from asyncrpc import autograd as dist_autograd
     from asyncrpc.optim import DistributedOptimizer
 
-TRAINERS, BATCHES, BATCH, CLASSES, SIDE = 2, 4, 8, 4, 10
+if full():
+    TRAINERS, BATCH, CLASSES, SIDE, TRAIN_SET, TEST_SET = 3, 32, 10, 28, 60_000, 10_000
+else:
+    TRAINERS, BATCH, CLASSES, SIDE, TRAIN_SET, TEST_SET = 2, 8, 4, 10, 32, 16
 
 
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(1, 4, 3, 1)
-        self.fc1 = nn.Linear(4 * 4 * 4, 16)
+        self.fc1 = nn.Linear(4 * ((SIDE - 2) // 2) ** 2, 16)
         self.fc2 = nn.Linear(16, CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -113,16 +122,16 @@ class TrainerNet(nn.Module):
         return remote_method(ParameterServer.forward, self.param_server_rref, x)
 
 
-def make_data(seed: int, batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Images whose label is the brightest quadrant, so there is something to learn."""
+def make_data(seed: int, images: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches of ``images`` in all (the last one short, as a DataLoader's), each image
+    labelled by its brightest of ``CLASSES`` strips of its pixels in order, so there is
+    something to learn."""
     gen = torch.Generator().manual_seed(seed)
-    data = []
-    for _ in range(batches):
-        images = torch.rand(BATCH, 1, SIDE, SIDE, generator=gen)
-        half = SIDE // 2
-        quadrants = images.unfold(2, half, half).unfold(3, half, half).sum((-1, -2))
-        data.append((images, quadrants.flatten(1).argmax(1)))
-    return data
+    strip = SIDE * SIDE // CLASSES
+    for start in range(0, images, BATCH):
+        batch = torch.rand(min(BATCH, images - start), 1, SIDE, SIDE, generator=gen)
+        strips = batch.flatten(1)[:, : strip * CLASSES].unflatten(1, (CLASSES, strip))
+        yield batch, strips.sum(-1).argmax(1)
 
 
 def run_training_loop(trainer: int) -> dict[str, Any]:
@@ -130,7 +139,7 @@ def run_training_loop(trainer: int) -> dict[str, Any]:
     param_rrefs = net.get_global_param_rrefs()
     opt = DistributedOptimizer(torch.optim.SGD, param_rrefs, lr=0.03)
     losses, grad_norms = [], []
-    for i, (data, target) in enumerate(make_data(trainer, BATCHES)):
+    for i, (data, target) in enumerate(make_data(trainer, TRAIN_SET)):
         rpc.rpc_sync("parameter_server", wait_turn, args=(i * TRAINERS + trainer,))
         with dist_autograd.context() as cid:
             model_output = net(data)
@@ -143,6 +152,9 @@ def run_training_loop(trainer: int) -> dict[str, Any]:
         losses.append(loss.detach())
         # Sorted: the dict's order is the owner's, and float sums depend on the order.
         grad_norms.append(torch.stack(sorted(g.pow(2).sum() for g in grads.values())).sum())
+    # Not in the tutorial: measure the model every trainer has finished with (a trainer
+    # done first would otherwise test a model the others are still stepping).
+    rpc.rpc_sync("parameter_server", wait_turn, args=(len(losses) * TRAINERS,))
     return {"losses": torch.stack(losses), "grad_norms": torch.stack(grad_norms),
             "accuracy": get_accuracy(net)}  # fmt: skip
 
@@ -150,9 +162,9 @@ def run_training_loop(trainer: int) -> dict[str, Any]:
 def get_accuracy(net: TrainerNet) -> float:
     correct = 0
     with torch.no_grad():
-        for data, target in make_data(100, 2):
+        for data, target in make_data(100, TEST_SET):
             correct += int((net(data).argmax(dim=1) == target).sum())
-    return correct / (2 * BATCH)
+    return correct / TEST_SET
 
 
 def run_worker(args: argparse.Namespace) -> None:

@@ -6,7 +6,9 @@ input in an ``RRef``, asks shard 1 for an RRef to its output (``rref.remote()``)
 2 for a future of the final output (``rref.rpc_async()``), so the shards work on
 different micro-batches at once; distributed autograd and a ``DistributedOptimizer`` train
 both shards. Changes from the tutorial: a tiny residual conv net instead of ResNet-50,
-CPU only, one split setting.
+CPU only, one split setting a run (``--split``). With ``--full``, the lengths of
+pytorch/examples ``distributed/rpc/pipeline``: three batches of 120 images of 128x128 in
+1000 classes; that program runs once for each micro-batch size of 1, 2, 4 and 8.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tests.integration.tutorials.common import impl, main, save, seeded
+from tests.integration.tutorials.common import full, impl, main, save, seeded
 
 if impl() == "torch":
     import torch.distributed.autograd as dist_autograd
@@ -31,7 +33,12 @@ else:
     from asyncrpc import autograd as dist_autograd
     from asyncrpc.optim import DistributedOptimizer
 
-NUM_CLASSES, NUM_BATCHES, BATCH_SIZE, SPLIT_SIZE, IMAGE_W, IMAGE_H = 5, 3, 8, 4, 12, 12
+if full():
+    NUM_CLASSES, NUM_BATCHES, BATCH_SIZE, IMAGE_W, IMAGE_H = 1000, 3, 120, 128, 128
+    THREADS, RPC_TIMEOUT = 256, 300  # the upstream's options
+else:
+    NUM_CLASSES, NUM_BATCHES, BATCH_SIZE, IMAGE_W, IMAGE_H = 5, 3, 8, 12, 12
+    THREADS, RPC_TIMEOUT = 16, 60
 
 
 class BasicBlock(nn.Module):
@@ -148,16 +155,20 @@ def run_master(split_size: int) -> dict[str, Any]:
 
 
 def run_worker(args: argparse.Namespace) -> None:
-    options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=60)
+    options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=THREADS, rpc_timeout=RPC_TIMEOUT)
     if args.rank == 0:
         rpc.init_rpc("master", rank=args.rank, world_size=args.world_size,
                      rpc_backend_options=options)  # fmt: skip
-        save(args, run_master(SPLIT_SIZE))
+        save(args, run_master(args.split))
     else:
         rpc.init_rpc(f"worker{args.rank}", rank=args.rank, world_size=args.world_size,
                      rpc_backend_options=options)  # fmt: skip
     rpc.shutdown()
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--split", type=int, default=4, help="images in a micro-batch")
+
+
 if __name__ == "__main__":
-    main(3, run_worker)
+    main(3, run_worker, add_arguments)

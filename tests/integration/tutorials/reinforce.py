@@ -8,6 +8,12 @@ with REINFORCE. Changes from the tutorial: a tiny deterministic environment stan
 for gym's CartPole, the policy has no dropout, and each observer's actions are drawn from
 a generator of its own, so the result does not depend on how the observers' calls
 interleave on the agent.
+
+With ``--full``, the lengths of pytorch/examples ``distributed/rpc/rl``: one observer,
+episodes of up to 5000 steps, the upstream's policy (128 wide, with dropout), on
+``CartPole`` (ours, with CartPole-v1's 500-step limit and reward threshold of 475), until
+the running reward passes the threshold. The upstream program has no episode limit; ours
+stops after ``MAX_EPISODES`` and says in its results whether it got there.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributions import Categorical
 
-from tests.integration.tutorials.common import impl, main, save, seeded
+from tests.integration.tutorials.cartpole import CartPole
+from tests.integration.tutorials.common import full, impl, main, save, seeded
 
 if impl() == "torch":
     import torch.distributed.rpc as rpc  # noqa: PLR0402 (the tutorials spell it so)
@@ -30,7 +37,12 @@ else:
     from asyncrpc import RRef, rpc_async, rpc_sync
 
 AGENT_NAME, OBSERVER_NAME = "agent", "observer{}"
-OBSERVERS, EPISODES, N_STEPS, GAMMA = 2, 4, 12, 0.99
+GAMMA, LOG_INTERVAL = 0.99, 10
+if full():
+    # The upstream's world of 2 and its 5000 steps an episode, split among the observers.
+    OBSERVERS, MAX_EPISODES, N_STEPS, HIDDEN, DROPOUT = 1, 3000, 5000, 128, 0.6
+else:
+    OBSERVERS, MAX_EPISODES, N_STEPS, HIDDEN, DROPOUT = 2, 4, 24, 16, 0.0
 
 
 class DummyEnv:
@@ -59,14 +71,21 @@ class DummyEnv:
         return torch.tensor(self.state), 1.0, done, {}
 
 
+Env = CartPole if full() else DummyEnv
+
+
 class Policy(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.affine1 = nn.Linear(4, 16)
-        self.affine2 = nn.Linear(16, 2)
+        self.affine1 = nn.Linear(4, HIDDEN)
+        # Dropout draws its masks from the global generator, in the order the observers'
+        # calls come: reproducible with one observer only. Without it, the policy of the
+        # full run settles on one action within 20 episodes and never learns.
+        self.dropout = nn.Dropout(DROPOUT) if DROPOUT else nn.Identity()
+        self.affine2 = nn.Linear(HIDDEN, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.softmax(self.affine2(F.relu(self.affine1(x))), dim=1)
+        return F.softmax(self.affine2(F.relu(self.dropout(self.affine1(x)))), dim=1)
 
 
 def _call_method(method: Any, rref: Any, *args: Any, **kwargs: Any) -> Any:
@@ -80,7 +99,7 @@ def _remote_method(method: Any, rref: Any, *args: Any, **kwargs: Any) -> Any:
 class Observer:
     def __init__(self) -> None:
         self.id = rpc.get_worker_info().id
-        self.env = DummyEnv(seed=self.id)
+        self.env = Env(seed=self.id)
 
     def run_episode(self, agent_rref: Any, n_steps: int) -> None:
         state = self.env.reset()
@@ -104,7 +123,7 @@ class Agent:
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=1e-2)
         self.eps = torch.finfo(torch.float32).eps
         self.running_reward = 0.0
-        self.reward_threshold = DummyEnv.reward_threshold
+        self.reward_threshold = Env.reward_threshold
         for ob_rank in range(1, world_size):
             ob_info = rpc.get_worker_info(OBSERVER_NAME.format(ob_rank))
             self.ob_rrefs.append(rpc.remote(ob_info, Observer))
@@ -148,13 +167,25 @@ class Agent:
             returns.insert(0, R)
         returns_t = torch.tensor(returns)
         returns_t = (returns_t - returns_t.mean()) / (returns_t.std() + self.eps)
-        policy_loss = torch.cat(
-            [-log_prob * R for log_prob, R in zip(probs, returns_t, strict=True)]
-        ).sum()
+        terms = [-log_prob * R for log_prob, R in zip(probs, returns_t, strict=True)]
         self.optimizer.zero_grad()
-        policy_loss.backward()
+        backward_in_order(terms)
         self.optimizer.step()
-        return min_reward, policy_loss.detach()
+        return min_reward, torch.cat(terms).sum().detach()
+
+
+def backward_in_order(terms: list[torch.Tensor]) -> None:
+    """Backward through each step's term in turn (the tutorial: one backward of their sum).
+
+    Each term's graph was built on whichever pool thread served its call, and one backward
+    over all of them would add their gradients in the order of the nodes' sequence
+    numbers, which autograd counts per thread: an order torch's and asyncrpc's pools (or
+    two torch runs) need not share. One float32 rounding apart, a policy draws another
+    action some hundred episodes later, and the runs part. Term by term, the gradients
+    add in the steps' order.
+    """
+    for term in terms:
+        term.sum().backward()
 
 
 def run_worker(args: argparse.Namespace) -> None:
@@ -163,17 +194,22 @@ def run_worker(args: argparse.Namespace) -> None:
         agent = Agent(args.world_size)
         initial = [p.detach().clone() for p in agent.policy.parameters()]
         min_rewards, running, losses = [], [], []
-        for _episode in range(EPISODES):
-            agent.run_episode(n_steps=N_STEPS)
+        for episode in range(1, MAX_EPISODES + 1):
+            agent.run_episode(n_steps=N_STEPS // OBSERVERS)
             last_reward, loss = agent.finish_episode()
             min_rewards.append(last_reward)
             running.append(agent.running_reward)
             losses.append(loss)
+            if episode % LOG_INTERVAL == 0:
+                print(f"episode {episode}: last reward {last_reward:.2f}, "
+                      f"running reward {agent.running_reward:.2f}", flush=True)  # fmt: skip
             if agent.running_reward > agent.reward_threshold:
+                print(f"solved at episode {episode}", flush=True)
                 break
         final = [p.detach().clone() for p in agent.policy.parameters()]
         save(args, {"min_rewards": min_rewards, "running_rewards": torch.tensor(running),
-                    "losses": torch.stack(losses), "initial": initial, "final": final})  # fmt: skip
+                    "losses": torch.stack(losses), "initial": initial, "final": final,
+                    "solved": agent.running_reward > agent.reward_threshold})  # fmt: skip
     else:
         rpc.init_rpc(OBSERVER_NAME.format(args.rank), rank=args.rank, world_size=args.world_size)
         # observers passively wait for the agent's instructions

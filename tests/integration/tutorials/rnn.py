@@ -3,7 +3,8 @@
 The embedding table and the decoder live on ``ps`` behind RRefs; the LSTM is local to the
 trainer. ``DistributedOptimizer`` takes the remote parameters' RRefs and the trainer's own
 ``RRef(p)`` for the LSTM's, side by side. Sizes are tiny and the batches are seeded
-(the tutorial draws them from uninitialized memory).
+(the tutorial draws them from uninitialized memory). With ``--full``, the sizes and
+lengths of pytorch/examples ``distributed/rpc/rnn``: 10 epochs of 5 batches.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tests.integration.tutorials.common import impl, main, save, seeded
+from tests.integration.tutorials.common import full, impl, main, save, seeded
 
 if impl() == "torch":
     import torch.distributed.autograd as dist_autograd
@@ -25,8 +26,12 @@ else:
     from asyncrpc import autograd as dist_autograd
     from asyncrpc.optim import DistributedOptimizer
 
-NTOKEN, NINP, NHID, NLAYERS, NBATCH = 10, 2, 3, 2, 5
-EPOCHS, BATCHES = 2, 3
+if full():
+    NTOKEN, NINP, NHID, NLAYERS, NBATCH, NINDICES = 7, 2, 3, 4, 5, 6
+    EPOCHS, BATCHES = 10, 5
+else:
+    NTOKEN, NINP, NHID, NLAYERS, NBATCH, NINDICES = 10, 2, 3, 2, 5, 10
+    EPOCHS, BATCHES = 2, 3
 
 
 def _call_method(method: Any, rref: Any, *args: Any, **kwargs: Any) -> Any:
@@ -105,8 +110,8 @@ class RNNModel(nn.Module):
 
 def get_next_batch(gen: torch.Generator) -> Any:
     for _ in range(BATCHES):
-        data = torch.randint(0, NTOKEN, (NBATCH, NTOKEN), generator=gen)
-        target = torch.randint(0, NTOKEN, (NBATCH * NTOKEN,), generator=gen)
+        data = torch.randint(0, NTOKEN, (NBATCH, NINDICES), generator=gen)
+        target = torch.randint(0, NTOKEN, (NBATCH * NINDICES,), generator=gen)
         yield data, target
 
 
@@ -115,7 +120,7 @@ def run_trainer() -> dict[str, Any]:
     initial = model.weights()
     opt = DistributedOptimizer(torch.optim.SGD, model.parameter_rrefs(), lr=0.05)
     criterion = nn.CrossEntropyLoss()
-    hidden = (torch.zeros(NLAYERS, NTOKEN, NHID), torch.zeros(NLAYERS, NTOKEN, NHID))
+    hidden = (torch.zeros(NLAYERS, NINDICES, NHID), torch.zeros(NLAYERS, NINDICES, NHID))
     gen, losses = torch.Generator().manual_seed(0), []
     for _epoch in range(EPOCHS):
         for data, target in get_next_batch(gen):

@@ -1,0 +1,370 @@
+"""The caller's side of lanes: a calling thread's own connection to a peer, for its
+synchronous calls (layer L2.46).
+
+``rpc_sync`` from a user thread used to hand its request to the event loop and sleep
+until the loop handed the reply back: two thread wake-ups on the caller, on top of the
+callee's. A lane is a connection owned by one calling thread and one peer: the thread
+writes its request and blocks in ``recv`` for the reply itself (the GIL released), so no
+other thread takes part on this side. A thread opens a lane to a peer at its second
+synchronous call to it (a thread that calls once pays no handshake), at most
+``LANES_PER_PEER`` per peer; past that, or when the peer takes no lanes, calls take the
+loop's path as before.
+
+Only plain calls take a lane: no pipeline hook active on the call but lane-safe ones
+(a distributed autograd context is; a profiler or a device map is not), no RRef fork in
+its payload, a frame small enough for the loop's path not to use shared memory, and a
+plain function (an ``async def`` or ``async_execution`` function runs on the callee's
+loop: its loop's path costs that side nothing). The hooks that saw the call are told how
+it ended on this thread, as the loop tells them for its own calls. What travels is the
+wire's own frames and the same handshake.
+
+A timed-out call leaves its lane usable: a late reply is recognised by its call id and
+dropped. A lane breaks when its socket does, or when the agent closes it (the peer is
+declared lost, or this worker shuts down); the call fails as it would on the loop's path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any, Final
+
+from asyncrpc.errors import (
+    ClosedError,
+    ConnectionLostError,
+    PeerLostError,
+    RemoteProtocolError,
+    RpcTimeoutError,
+)
+from asyncrpc.protocol.address import PeerAddress
+from asyncrpc.protocol.serde import Serializer, unpack_exception
+from asyncrpc.protocol.serde.policy import TensorPolicy
+from asyncrpc.protocol.wire import encode_frame
+from asyncrpc.protocol.wire.messages import ACK_WANTED, Ack, Cancel, Kind, optional_headers
+from asyncrpc.runtime.blocking import blocking
+from asyncrpc.runtime.calls.outbox import EncodedRequest, Observed
+from asyncrpc.runtime.calls.pipeline import Pipeline
+from asyncrpc.runtime.lanes.frames import BlockingFrames, Unsent
+from asyncrpc.runtime.lanes.handshake import HANDSHAKE_ERRORS, dial_lane
+from asyncrpc.runtime.net.peers import closed_by_peer, without_goodbye
+
+__all__ = ["LANES_PER_PEER", "UNSENT", "CallerLanes", "Lane"]
+
+_log = logging.getLogger(__name__)
+
+# What ``CallerLanes.call`` returns for a request that never left: it may go another way.
+UNSENT: Final = object()
+# Lanes to one peer from this process at most (one per calling thread).
+LANES_PER_PEER = 16
+# A peer whose lane could not be opened is not dialled again for this long.
+_RETRY_AFTER_S = 30.0
+
+
+class Lane:
+    """One calling thread's connection to one peer."""
+
+    __slots__ = ("__weakref__", "frames", "lost", "name", "rank")
+
+    def __init__(self, frames: BlockingFrames, rank: int, name: str) -> None:
+        self.frames, self.rank, self.name = frames, rank, name
+        self.lost: PeerLostError | None = None  # why the agent closed it, if it did
+
+    def call(
+        self, call_id: int, pieces: list[Any], timeout: float, loads: Callable[..., Any],
+        policy: TensorPolicy | None = None,
+    ) -> tuple[Any, BaseException | None, dict[str, Any] | None]:  # fmt: skip
+        """Write a request and read its reply on this lane (blocking this thread).
+
+        Returns:
+            ``(value, None, headers)``, or ``(None, the remote exception, headers)`` with
+            the exception as its original type: raised by the caller, so that it is never
+            taken for the lane's own failure. ``headers`` are the reply's header fields.
+
+        Raises:
+            TimeoutError: ``timeout`` (seconds, 0: none) passed before the reply.
+            ClosedError, ConnectionLostError, RemoteProtocolError: the lane broke.
+            SerializationError: the reply cannot be unpickled here (the lane is fine).
+        """
+        deadline = None if timeout == 0 else time.monotonic() + timeout
+        frames = self.frames
+        frames.write(pieces, deadline)
+        while True:  # bounded by the deadline: late replies of earlier calls are dropped
+            frame = frames.read(deadline)
+            fields = frame.fields
+            kind = fields[0]
+            if kind not in (Kind.REPLY, Kind.ERROR):
+                raise RemoteProtocolError(f"unexpected frame of kind {kind!r} on a lane")
+            if fields[1] != call_id:
+                continue  # the reply of a call that timed out
+            headers = optional_headers(fields, 2)
+            if kind == Kind.ERROR:
+                return None, unpack_exception(bytes(frame.payload)), headers
+            value = loads(frame.payload, frame.segments, context=self.rank, policy=policy)
+            if headers is not None and ACK_WANTED in headers:
+                # The reply's RRef forks are unpickled: its owner may stop following them.
+                # If the Ack cannot go, the lane is broken: the owner asks about them.
+                try:
+                    frames.write(encode_frame(Ack(call_id).to_fields(), b""), deadline)
+                except (Unsent, OSError, ClosedError, ConnectionLostError):
+                    frames.close()
+            return value, None, headers
+
+    def cancel(self, call_id: int) -> None:
+        """Tell the callee the call is over (it will not run it if it has not yet)."""
+        try:
+            self.frames.write(
+                encode_frame(Cancel(call_id).to_fields(), b""), time.monotonic() + 1.0
+            )
+        except (Unsent, OSError, ClosedError, ConnectionLostError):
+            self.frames.close()
+
+
+class _ThreadLanes:
+    """What one calling thread holds: its lanes by peer, and its calls before it opens one.
+
+    Its death (with its thread's locals) closes its lanes, through a finalizer.
+    """
+
+    __slots__ = ("__weakref__", "calls", "lanes")
+
+    def __init__(self) -> None:
+        self.lanes: dict[int, Lane] = {}
+        self.calls: dict[int, int] = {}
+
+
+class CallerLanes:
+    """The lanes this worker's calling threads hold, one per thread and peer.
+
+    Args:
+        me: this worker's name and rank.
+        addresses: the group's addresses by rank (a live dict: a dynamic group adds to it).
+        host_id: this host's identity, for Unix sockets (None: this worker uses none).
+        key: the group key, for the handshake.
+        max_frame_size: the largest frame this worker takes.
+        timeout: bound on a lane's handshake, in seconds.
+        serializer: unpickles replies (its RRef hooks; no shared memory on a lane).
+        small: the frame size below which the loop's path would not use shared memory.
+        enabled: whether this worker opens lanes at all.
+    """
+
+    def __init__(
+        self, me: tuple[str, int], addresses: dict[int, PeerAddress], host_id: str | None,
+        key: bytes, max_frame_size: int, timeout: float, serializer: Serializer, small: int,
+        enabled: bool,
+    ) -> None:  # fmt: skip
+        self._me, self._addresses, self._host_id = me, addresses, host_id
+        self._key, self._max_frame_size, self._timeout = key, max_frame_size, timeout
+        self._loads = serializer.loads
+        self._small = small
+        self._enabled = enabled
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._lanes: set[Lane] = set()  # every open lane, for the agent to close
+        self._refused: dict[int, float] = {}  # rank -> when a lane may be dialled again
+        self._lost: dict[int, PeerLostError] = {}
+        self.UNSENT = UNSENT  # what call() returns for a request that never left
+        self.closed = False
+        self.in_flight = 0
+        self.opened = 0
+        # Counted like the loop's calls (get_metrics adds them up), under the lock; the
+        # bytes of lanes already closed are kept in ``_retired``.
+        self.counts = {"calls_sent": 0, "calls_failed": 0, "calls_timed_out": 0}
+        self._retired = {"bytes_in": 0, "bytes_out": 0}
+
+    def lane(self, rank: int, nbytes: int) -> Lane | None:
+        """This thread's lane to ``rank`` for a plain call of ``nbytes`` bytes, opened if
+        this is its second call there; None: use the loop's path."""
+        if not self._enabled or nbytes >= self._small or rank == self._me[1]:
+            return None
+        held = getattr(self._local, "held", None)
+        if held is None:
+            held = self._local.held = _ThreadLanes()
+            # The finalizer holds the dict of its lanes, not the object (it would never die).
+            weakref.finalize(held, self._remove, held.lanes.values())
+        lane = held.lanes.get(rank)
+        if lane is not None:
+            if not lane.frames.closed:
+                return lane
+            del held.lanes[rank]
+        calls = held.calls[rank] = held.calls.get(rank, 0) + 1
+        if calls < 2:
+            return None
+        lane = self._open(rank)
+        if lane is not None:
+            held.lanes[rank] = lane
+        return lane
+
+    def _open(self, rank: int) -> Lane | None:
+        address = self._addresses.get(rank)
+        target = None if address is None else self._target(address)
+        if target is None or self.closed or rank in self._lost:
+            return None
+        with self._lock:
+            if time.monotonic() < self._refused.get(rank, 0.0):
+                return None
+            if sum(1 for lane in self._lanes if lane.rank == rank) >= LANES_PER_PEER:
+                return None
+        assert address is not None
+        try:
+            opened = dial_lane(
+                target, self._me, (address.name, rank), self._key, self._max_frame_size,
+                self._timeout,
+            )  # fmt: skip
+        except HANDSHAKE_ERRORS as exc:
+            _log.debug("no lane to %r (the loop's path instead): %s", address.name, exc)
+            with self._lock:
+                self._refused[rank] = time.monotonic() + _RETRY_AFTER_S
+            return None
+        lane = Lane(opened.frames, rank, address.name)
+        with self._lock:
+            if self.closed or rank in self._lost:
+                lane.frames.close()
+                return None
+            self._lanes.add(lane)
+            self.opened += 1
+        return lane
+
+    def _target(self, address: PeerAddress) -> str | tuple[str, int] | None:
+        if address.lane_path and self._host_id and address.host_id == self._host_id:
+            return address.lane_path
+        if address.lane_port:
+            return (address.host, address.lane_port)
+        return None
+
+    def call(self, lane: Lane, encoded: EncodedRequest) -> Any:
+        """Run one call on ``lane`` (see ``Lane.call``), its errors as the loop's path
+        gives them (``RpcTimeoutError``, ``PeerLostError`` or ``ClosedError``), and the
+        hooks that saw it told how it ended, as the loop's pending calls tell them.
+
+        Returns:
+            The call's value, or ``UNSENT`` when the lane broke before one byte of the
+            request was written: the call did not happen, and may go another way.
+        """
+        observed = encoded.observed
+        policy = None if observed is None else observed[1].reply_policy
+        with self._lock:
+            self.in_flight += 1
+        outcome, headers = "calls_failed", None
+        try:
+            # A pool thread waiting here holds a pool thread: its pool may start a stand-in,
+            # so nested synchronous calls deeper than the pool never deadlock.
+            with blocking():
+                value, error, headers = lane.call(
+                    encoded.call_id, encoded.pieces, encoded.timeout, self._loads, policy
+                )
+            outcome = "calls_sent" if error is None else "calls_failed"
+        except (Unsent, TimeoutError, ClosedError, ConnectionLostError, RemoteProtocolError,
+                OSError) as exc:  # fmt: skip
+            outcome, error = self._failure(lane, encoded, exc)
+            if error is None:
+                return UNSENT
+            _completed(observed, None, None, error)
+            raise error from None
+        except BaseException as exc:  # interrupted mid-call (KeyboardInterrupt...): start afresh
+            lane.frames.close()
+            _completed(observed, None, None, exc)
+            raise
+        finally:
+            self._count(outcome)
+            if lane.frames.closed:
+                self._remove([lane])
+        return _completed(observed, value, headers, error)
+
+    def _failure(
+        self, lane: Lane, encoded: EncodedRequest, exc: BaseException
+    ) -> tuple[str, BaseException | None]:
+        """What a lane's failure means for its call: the counter it goes in, and the error
+        its caller gets (None: the request never left, it may go another way)."""
+        call_id, target, timeout = encoded.call_id, encoded.target, encoded.timeout
+        if isinstance(exc, Unsent) and not isinstance(exc.reason, TimeoutError):
+            lane.frames.close()
+            return "", None
+        if isinstance(exc, (Unsent, TimeoutError)):
+            if isinstance(exc, Unsent) or not lane.frames.decoder.at_frame_boundary():
+                lane.frames.close()
+            else:
+                lane.cancel(call_id)  # a reply cut short is finished by the next read
+            return "calls_timed_out", RpcTimeoutError(lane.name, target, timeout)
+        lane.frames.close()
+        if lane.lost is not None:
+            return "calls_failed", lane.lost
+        if self.closed:
+            return "calls_failed", ClosedError(
+                f"worker {self._me[0]!r} shut down before the reply came"
+            )
+        reason = f"its lane broke: {exc}"
+        if isinstance(exc, ConnectionLostError) and closed_by_peer(exc.__cause__):
+            reason = without_goodbye(reason)  # the peer closed it: as on the loop's path
+        return "calls_failed", PeerLostError(lane.name, reason)
+
+    def _count(self, outcome: str) -> None:
+        """One call is over: count it as sent (every call that left), and how it failed,
+        if it did."""
+        with self._lock:
+            self.in_flight -= 1
+            if not outcome:
+                return  # never left
+            self.counts["calls_sent"] += 1
+            if outcome != "calls_sent":
+                self.counts[outcome] += 1
+
+    def _remove(self, lanes: Iterable[Lane], lost: PeerLostError | None = None) -> None:
+        """Close ``lanes`` and forget them (their bytes stay counted); a blocked caller
+        gets ``lost``, if given (its peer is gone), or the lane's own error."""
+        lanes = list(lanes)
+        with self._lock:
+            for lane in lanes:
+                if lane in self._lanes:
+                    self._lanes.discard(lane)
+                    self._retired["bytes_in"] += lane.frames.bytes_in
+                    self._retired["bytes_out"] += lane.frames.bytes_out
+        for lane in lanes:
+            if lost is not None:
+                lane.lost = lost
+            lane.frames.close()
+
+    def on_peer_lost(self, rank: int, error: PeerLostError) -> None:
+        """``rank`` is gone for good: close its lanes (a blocked caller gets ``error``)."""
+        with self._lock:
+            self._lost[rank] = error
+            lanes = [lane for lane in self._lanes if lane.rank == rank]
+        self._remove(lanes, error)
+
+    def close(self) -> None:
+        """This worker shuts down: close every lane (blocked callers get ``ClosedError``)."""
+        with self._lock:
+            self.closed = True
+            lanes = list(self._lanes)
+        self._remove(lanes)
+
+    def stats(self) -> dict[str, int]:
+        """The lanes' own figures (``lanes_*``), and their share of the agent's counters."""
+        with self._lock:
+            lanes = list(self._lanes)
+            bytes_in = self._retired["bytes_in"] + sum(lane.frames.bytes_in for lane in lanes)
+            bytes_out = self._retired["bytes_out"] + sum(lane.frames.bytes_out for lane in lanes)
+            return {
+                "lanes_open": len(lanes), "lanes_opened": self.opened,
+                "lane_calls": self.counts["calls_sent"], **self.counts,
+                "bytes_in": bytes_in, "bytes_out": bytes_out,
+            }  # fmt: skip
+
+
+def _completed(
+    observed: Observed | None, value: Any, headers: dict[str, Any] | None,
+    error: BaseException | None,
+) -> Any:  # fmt: skip
+    """Tell the hooks that saw a call how it ended (lane-safe hooks, on this thread); its
+    value, or its error raised."""
+    if observed is not None:
+        hooks, call = observed
+        call.result = value
+        Pipeline.completed(hooks, call, headers, error)
+        if error is None and call.on_value is not None:
+            call.on_value()  # e.g. this thread's CUDA streams wait for the reply
+    if error is not None:
+        raise error
+    return value

@@ -1,0 +1,166 @@
+"""Frames over one blocking socket, read and written by the thread that owns it (layer L2.46).
+
+A lane is driven by one thread at a time, in blocking I/O: the GIL is released while the
+thread waits in ``recv_into`` or ``sendmsg``, and no event loop takes part. The frames are
+the wire's own (``protocol/wire``): the same sans-I/O decoder parses them, with the same
+caps before the peer authenticated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from typing import Any
+
+import torch
+
+from asyncrpc.errors import ClosedError, ConnectionLostError, FrameTooLargeError
+from asyncrpc.protocol.serde.tensors import memory_view
+from asyncrpc.protocol.wire import PRELUDE_SIZE, Frame, FrameDecoder, frame_nbytes
+
+__all__ = ["BlockingFrames", "Unsent", "lane_allocate"]
+
+_UINT8 = torch.uint8
+
+
+def lane_allocate(nbytes: int, tag: str) -> tuple[object, memoryview]:
+    """Receive memory for a segment on a lane: a fresh uint8 tensor and a view of its bytes.
+
+    The serializer's own allocator pools large buffers for the loop's thread only; lanes
+    carry small messages, and each thread gets its memory from torch directly.
+    """
+    del tag  # the bytes land in CPU memory; the unpickler moves them where the tag says
+    owner = torch.empty(nbytes, dtype=_UINT8)
+    return owner, memory_view(owner.data_ptr(), nbytes, writable=True)
+
+
+class Unsent(Exception):
+    """Not one byte of the frame was written (the socket broke, or the lane was closed,
+    before): whatever it asked for cannot have happened. ``reason`` is the lane's error."""
+
+    def __init__(self, reason: Exception) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class BlockingFrames:
+    """One socket and its decoder: ``write`` whole frames, ``read`` the next one.
+
+    Not thread-safe: one thread uses it at a time (the lane's owner). ``close`` may come
+    from any thread: a thread blocked in ``read`` then wakes with ``ClosedError``.
+    """
+
+    def __init__(self, sock: socket.socket, decoder: FrameDecoder, max_frame_size: int) -> None:
+        self.sock = sock
+        self.decoder = decoder
+        self.max_frame_size = max_frame_size  # what it takes once the peer authenticated
+        self.peer_max_frame = 0  # what the peer takes (0: not said), known once open
+        self.peer_name: str | None = None
+        self._frames: list[Frame] = []
+        self.closed = False
+        # The socket's timeout now: switching it costs system calls, so it is switched
+        # only when a deadline starts or ends (a call without one keeps it blocking).
+        self._timeout: float | None = sock.gettimeout()
+        self.bytes_in = self.bytes_out = 0  # written by the owning thread only
+
+    def open(self, peer_name: str, peer_max_frame: int) -> None:
+        """The peer proved the key: lift the decoder's caps, and parse the frames already
+        received behind the one that authenticated it."""
+        self.peer_name, self.peer_max_frame = peer_name, peer_max_frame
+        self.decoder.open(self.max_frame_size)
+        self._frames.extend(self.decoder.buffer_updated(0))
+
+    def check_size(self, pieces: list[Any]) -> int:
+        """The frame's size in bytes.
+
+        Raises:
+            FrameTooLargeError: it is over the peer's limit (nothing was written).
+        """
+        size = frame_nbytes(pieces)
+        limit = self.peer_max_frame
+        if limit and size - PRELUDE_SIZE > limit:
+            raise FrameTooLargeError(size - PRELUDE_SIZE, limit, self.peer_name)
+        return size
+
+    def write(self, pieces: list[Any], deadline: float | None = None) -> None:
+        """Write one frame's pieces, whole (partial sends are resumed).
+
+        Raises:
+            Unsent: nothing was written (the socket broke, or the deadline passed, first).
+            ClosedError: the lane was closed in the middle of the frame.
+            ConnectionLostError: the socket broke in the middle of the frame.
+            TimeoutError: ``deadline`` passed with the frame partly written (the lane is
+                closed: nothing can follow a frame cut short).
+        """
+        views: list[Any] = list(pieces)  # bytes and byte views (``encode_frame``'s pieces)
+        started = False
+        try:
+            while views:  # bounded: each pass sends at least one byte or raises
+                self._wait_budget(deadline)
+                sent = self.sock.sendmsg(views)
+                started = True
+                self.bytes_out += sent
+                while views and sent >= len(views[0]):
+                    sent -= len(views.pop(0))
+                if sent:
+                    views[0] = memoryview(views[0])[sent:]
+        except OSError as exc:
+            if started:  # a frame cut short: nothing more can follow it on this socket
+                self.close()
+                raise self._broken("writing", exc) from exc
+            raise Unsent(self._broken("writing", exc)) from exc
+
+    def read(self, deadline: float | None = None) -> Frame:
+        """The next frame; blocks until it is complete or ``deadline`` passes.
+
+        Raises:
+            TimeoutError: ``deadline`` passed first (the lane stays usable: a frame cut
+                short is completed by the next read).
+            ClosedError: the lane was closed.
+            ConnectionLostError: the peer closed the socket, or it broke.
+            RemoteProtocolError: the peer sent a malformed frame.
+        """
+        frames = self._frames
+        decoder = self.decoder
+        while not frames:  # bounded by the deadline, or by the peer closing
+            self._wait_budget(deadline)
+            buffer = decoder.get_buffer()
+            try:
+                nbytes = self.sock.recv_into(buffer)
+            except OSError as exc:
+                raise self._broken("reading", exc) from exc
+            if nbytes == 0:
+                raise self._broken("reading", None)
+            self.bytes_in += nbytes
+            frames.extend(decoder.buffer_updated(nbytes))
+        return frames.pop(0)
+
+    def _wait_budget(self, deadline: float | None) -> None:
+        if deadline is None:
+            if self._timeout is not None:
+                self.sock.settimeout(None)
+                self._timeout = None
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the lane's deadline passed")
+        self.sock.settimeout(left)
+        self._timeout = left
+
+    def _broken(self, doing: str, exc: OSError | None) -> Exception:
+        if isinstance(exc, TimeoutError):
+            return exc
+        if self.closed:
+            return ClosedError("the lane was closed")
+        what = "the peer closed the connection" if exc is None else f"{exc}"
+        return ConnectionLostError(f"lane broke while {doing}: {what}")
+
+    def close(self) -> None:
+        """Close the socket; a thread blocked on it wakes up (any thread may call this)."""
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(OSError):  # not connected any more: closing is enough
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()

@@ -1,0 +1,186 @@
+"""Lanes without a worker: frames over a blocking socket pair, and the lane handshake
+driven by two threads (``asyncrpc/runtime/lanes/``)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from asyncrpc.errors import (
+    AuthenticationError,
+    ClosedError,
+    ConnectionLostError,
+    FrameTooLargeError,
+    RemoteProtocolError,
+)
+from asyncrpc.protocol.handshake import pre_auth_decoder
+from asyncrpc.protocol.wire import FrameDecoder, encode_frame
+from asyncrpc.protocol.wire.messages import Ack, Cancel, decode_message
+from asyncrpc.runtime.lanes.frames import BlockingFrames, Unsent, lane_allocate
+from asyncrpc.runtime.lanes.handshake import LaneRoster, Opened, accept_lane, dial_lane
+
+pytestmark = pytest.mark.timeout(30)
+
+KEY = b"k" * 32
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[BlockingFrames, BlockingFrames]]:
+    a, b = socket.socketpair()
+    left = BlockingFrames(a, FrameDecoder(allocate=lane_allocate), 1 << 20)
+    right = BlockingFrames(b, FrameDecoder(allocate=lane_allocate), 1 << 20)
+    yield left, right
+    left.close()
+    right.close()
+
+
+def test_BlockingFrames_round_trip_with_a_segment(pair: tuple[Any, Any]) -> None:
+    left, right = pair
+    segment = memoryview(bytes(range(256)) * 64)
+    left.write(encode_frame(Cancel(7).to_fields(), b"payload", [(segment, "cpu")]))
+    frame = right.read(time.monotonic() + 5)
+    assert decode_message(frame.fields) == Cancel(7)
+    assert bytes(frame.payload) == b"payload"
+    assert bytes(memoryview(frame.segments[0].numpy())) == bytes(segment)  # type: ignore[attr-defined]
+    assert left.bytes_out == right.bytes_in > len(segment)
+
+
+def test_BlockingFrames_frames_cut_in_pieces_are_joined(pair: tuple[Any, Any]) -> None:
+    left, right = pair
+    wire = b"".join(bytes(p) for p in encode_frame(Ack(3).to_fields(), b"x" * 1000))
+    for i in range(0, len(wire), 7):  # the socket delivers the frame 7 bytes at a time
+        left.sock.sendall(wire[i : i + 7])
+    assert decode_message(right.read(time.monotonic() + 5).fields) == Ack(3)
+
+
+def test_BlockingFrames_read_times_out_and_stays_usable(pair: tuple[Any, Any]) -> None:
+    left, right = pair
+    with pytest.raises(TimeoutError):
+        right.read(time.monotonic() + 0.05)
+    left.write(encode_frame(Ack(1).to_fields(), b""))
+    assert decode_message(right.read(time.monotonic() + 5).fields) == Ack(1)
+
+
+def test_BlockingFrames_close_wakes_a_blocked_reader(pair: tuple[Any, Any]) -> None:
+    _, right = pair
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            right.read()
+        except Exception as exc:  # the observation is the error
+            errors.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.05)  # let it block in recv (a wake-up works either way)
+    right.close()
+    reader.join(5)
+    assert not reader.is_alive()
+    assert isinstance(errors[0], ClosedError)
+
+
+def test_BlockingFrames_peer_gone_is_a_lost_connection(pair: tuple[Any, Any]) -> None:
+    left, right = pair
+    left.close()
+    with pytest.raises(ConnectionLostError):
+        right.read(time.monotonic() + 5)
+
+
+def test_BlockingFrames_write_to_a_closed_peer_is_unsent(pair: tuple[Any, Any]) -> None:
+    left, right = pair
+    right.close()
+    with pytest.raises(Unsent):  # a socket pair whose peer closed refuses every byte
+        left.write(encode_frame(Ack(1).to_fields(), b""))
+
+
+def test_BlockingFrames_checks_the_peers_limit_before_writing(pair: tuple[Any, Any]) -> None:
+    left, _ = pair
+    left.peer_max_frame, left.peer_name = 100, "w1"
+    with pytest.raises(FrameTooLargeError) as info:
+        left.check_size(encode_frame(Ack(1).to_fields(), b"x" * 200))
+    assert info.value.worker == "w1"
+    assert left.bytes_out == 0
+
+
+# -- the handshake, both roles on two threads ----------------------------------------------
+
+
+def _listen() -> tuple[socket.socket, str]:
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    path = f"\0asyncrpc-test-lane-{time.monotonic_ns()}"
+    server.bind(path)
+    server.listen(1)
+    return server, path
+
+
+def _both(
+    dial_key: bytes, roster: LaneRoster, dial_as: tuple[str, int] = ("w0", 0)
+) -> tuple[Any, Any]:
+    """Dial and accept at once; each side's Opened or error."""
+    server, path = _listen()
+    accepted: list[Any] = []
+
+    def accept() -> None:
+        sock, _ = server.accept()
+        try:
+            accepted.append(accept_lane(sock, ("w1", 1), KEY, 1 << 20, roster, 5.0))
+        except Exception as exc:  # the observation is the error
+            accepted.append(exc)
+
+    acceptor = threading.Thread(target=accept)
+    acceptor.start()
+    try:
+        dialled: Any = dial_lane(path, dial_as, ("w1", 1), dial_key, 1 << 20, 5.0)
+    except Exception as exc:  # the observation is the error
+        dialled = exc
+    acceptor.join(10)
+    server.close()
+    return dialled, accepted[0]
+
+
+def _roster() -> LaneRoster:
+    return LaneRoster({0: "w0", 1: "w1"}.get, lambda rank: False)
+
+
+def test_lane_handshake_both_sides_adopt_with_the_key() -> None:
+    dialled, accepted = _both(KEY, _roster())
+    assert isinstance(dialled, Opened)
+    assert isinstance(accepted, Opened)
+    assert (dialled.rank, dialled.name, accepted.rank, accepted.name) == (1, "w1", 0, "w0")
+    # Frames flow both ways once open, with the caps lifted.
+    dialled.frames.write(encode_frame(Ack(5).to_fields(), b"y" * 10_000))
+    assert decode_message(accepted.frames.read(time.monotonic() + 5).fields) == Ack(5)
+    dialled.frames.close()
+    accepted.frames.close()
+
+
+def test_lane_handshake_wrong_key_is_refused_on_both_sides() -> None:
+    dialled, accepted = _both(b"x" * 32, _roster())
+    assert isinstance(dialled, AuthenticationError)  # the acceptor's proof fails here
+    assert isinstance(accepted, (AuthenticationError, ConnectionLostError))
+
+
+def test_lane_handshake_a_stranger_name_is_refused() -> None:
+    dialled, accepted = _both(KEY, _roster(), dial_as=("mallory", 0))
+    assert isinstance(dialled, ConnectionLostError)
+    assert "refused" in str(dialled)
+    assert isinstance(accepted, (ConnectionLostError, RemoteProtocolError))
+
+
+def test_lane_handshake_a_lost_worker_is_refused() -> None:
+    dialled, _ = _both(KEY, LaneRoster({0: "w0", 1: "w1"}.get, lambda rank: rank == 0))
+    assert isinstance(dialled, ConnectionLostError)
+
+
+def test_lane_handshake_caps_reads_before_the_key() -> None:
+    # The acceptor's decoder takes handshake-sized frames only until the peer proved the key.
+    decoder = pre_auth_decoder(lane_allocate)
+    huge = b"".join(bytes(p) for p in encode_frame(Ack(1).to_fields(), b"z" * 10_000))
+    with pytest.raises(RemoteProtocolError):
+        decoder.feed(huge)
