@@ -91,6 +91,14 @@ class RRefHost(Protocol):
         kind: str = ..., target: str | None = ...,
     ) -> Future[Any]: ...  # fmt: skip
 
+    def call_sync(
+        self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
+        target: str | None = ...,
+    ) -> Any: ...  # fmt: skip
+
+    @property
+    def loop_thread_id(self) -> int: ...
+
     def send_remote(
         self, rank: int, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
         register: Callable[[], tuple[tuple[int, int], tuple[int, int] | None]],
@@ -231,8 +239,10 @@ class RRefContext:
             raise RemoteProtocolError(f"worker {peer} sent a remote() request without a fork")
         # else a remote() to oneself: registered before it was sent (and maybe freed since,
         # if its only handle was dropped: on_value then discards the result)
-        if request.timeout > 0:
-            self.loop.call_later(request.timeout, self._expire_value, peer, request)
+        if request.timeout > 0:  # from the loop, or a lane's thread (runtime/lanes/)
+            self.agent.run_on_loop(
+                self.loop.call_later, request.timeout, self._expire_value, peer, request
+            )
 
     def _expire_value(self, peer: int, request: Request) -> None:
         assert request.rref_id is not None
@@ -264,17 +274,25 @@ class RRefContext:
             future.set_exception(as_remote_call_error(value))
 
     def owned_value(self, worker_id: int, local_id: int) -> Future[Any]:
-        """The future of a value owned here, by its RRef id (``to_here`` fetches by id).
+        """The future of a value owned here, by its RRef id (``to_here`` fetches by id);
+        made pending if the remote() that creates it is still on its way.
 
         Raises:
             RRefError: this worker owns no such value (freed, or never created here).
         """
-        value = self._values.get(RRefId(worker_id, local_id))
+        rref_id = RRefId(worker_id, local_id)
+        value = self._values.get(rref_id)
         if value is None:
-            raise RRefError(
-                f"worker {self.agent.name!r} owns no RRef {(worker_id, local_id)}: "
-                "it was freed or never created here"
-            )
+            with self._lock:
+                on_its_way = self.counter.on_its_way(rref_id)
+            if not on_its_way:
+                raise RRefError(
+                    f"worker {self.agent.name!r} owns no RRef {(worker_id, local_id)}: "
+                    "it was freed or never created here"
+                )
+            # Its remote() took another connection (a lane) and is not here yet: the fetch
+            # waits for it, as for a value still being made (its timeout bounds that).
+            value = self._values.setdefault(rref_id, Future(loop=self.loop))
         return value
 
     # -- pickling (serializer hooks) -------------------------------------------------------
@@ -453,6 +471,14 @@ class RRefContext:
     ) -> Future[Any]:
         """A call made on behalf of an RRef (to_here, proxies), named for the hooks."""
         return self.agent.call_future(to, fn, args, {}, timeout, kind, target)
+
+    def call_sync(self, to: int, fn: Any, args: Sequence[Any], timeout: float, target: str) -> Any:
+        """A synchronous call made on behalf of an RRef (a thread's lane may carry it)."""
+        return self.agent.call_sync(to, fn, args, {}, timeout, target)
+
+    def off_loop(self) -> bool:
+        """Whether the calling thread may block (it is not the agent's loop thread)."""
+        return bool(threading.get_ident() != self.agent.loop_thread_id)
 
     async def run_in_pool(self, fn: Callable[[], Any]) -> Any:
         return await self.agent.pool.run(fn)

@@ -64,6 +64,12 @@ class RRefBackend(Protocol):
         self, to: int, fn: Any, args: Sequence[Any], timeout: float, kind: str, target: str
     ) -> Future[Any]: ...
 
+    def call_sync(
+        self, to: int, fn: Any, args: Sequence[Any], timeout: float, target: str
+    ) -> Any: ...
+
+    def off_loop(self) -> bool: ...
+
     async def run_in_pool(self, fn: Callable[[], Any]) -> Any: ...
 
 
@@ -236,6 +242,17 @@ class RRef(Generic[T]):
             Exception: the errors of ``to_here_future`` and the exception creating the
                 value raised, as its own type.
         """
+        ctx = self._ctx
+        if self._value is None and self._rref_id.worker == ctx.rank and ctx.off_loop():
+            # We made it: fetch it by id with a synchronous call, which takes this thread's
+            # lane to the owner when it has one (the owner waits for the value there, and
+            # for its remote() if that is still on its way).
+            ctx.check_usable(self)
+            try:
+                return cast(T, ctx.call_sync(self._owner, _fetch_now, tuple(self._rref_id),
+                                             timeout, _TO_HERE))  # fmt: skip
+            except PeerLostError as exc:
+                raise RRefOwnerLostError(self.owner_name(), str(exc)) from exc
         return self._fetch(timeout, "sync").wait()
 
     def _get_type(self, timeout: float = UNSET_RPC_TIMEOUT, blocking: bool = True) -> Any:
@@ -569,6 +586,12 @@ def _check_tensor(value: Any) -> None:
         raise RRefError(  # torch's words first
             f"RRef should contain a tensor for .backward(), this one holds a {type(value).__name__}"
         )
+
+
+def _fetch_now(worker_id: int, local_id: int) -> Any:
+    """Runs on the owner, on a lane's thread (or a pool's): the value of the RRef with this
+    id, waited for here; a failure is raised as a copy (see ``_owner_value``)."""
+    return _owned(current_rrefs().owned_value(worker_id, local_id)).wait()
 
 
 async def _fetch(worker_id: int, local_id: int) -> Any:

@@ -115,6 +115,7 @@ class Agent:
             options.max_frame_size, options.handshake_timeout, lane_serializer,
             small=options.shm_threshold if options.shared_memory else 1 << 20,
             enabled=options.sync_lanes > 0 and group.tls is None,
+            in_doubt=self._forks_in_doubt,
         )  # fmt: skip
         self.lane_server = lane_server
         self.outbox = Outbox(
@@ -156,6 +157,10 @@ class Agent:
             conn.deliver(pieces, keep, forks)
         else:
             self.network.write(conn, pieces, keep, forks)
+
+    def _forks_in_doubt(self, rank: int, forks: list[Any]) -> None:
+        # Forks a lane carried to ``rank`` before it died: ask ``rank`` whether it has them.
+        self.outbox.run_on_loop(self.rrefs.query_forks, rank, forks)
 
     def _member_name(self, rank: int) -> str | None:
         address = self.addresses.get(rank)

@@ -91,6 +91,9 @@ class SyncLanes(Protocol):
 
     UNSENT: object  # what ``call`` returns when the request never left
 
+    def send(self, lane: Any, encoded: EncodedRequest) -> bool:
+        """Write a request that expects no reply on ``lane``; False if it never left."""
+
     def call(self, lane: Any, encoded: EncodedRequest) -> Any:
         """Run one call on ``lane``, blocking this thread until its reply (or ``UNSENT``)."""
 
@@ -236,8 +239,9 @@ class Outbox:
         return future
 
     def call_sync(
-        self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float
-    ) -> Any:
+        self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
+        target: str | None = None,
+    ) -> Any:  # fmt: skip
         """Run a call for a thread that blocks until its result (``rpc_sync``).
 
         A plain call (only lane-safe hooks active, no RRef fork, a small frame, a function
@@ -248,7 +252,8 @@ class Outbox:
             The errors of ``call_future`` and of the call.
         """
         rank = self._directory.resolve(to)
-        encoded = self.encode(rank, fn, args, kwargs, self.effective_timeout(timeout), "sync")
+        encoded = self.encode(rank, fn, args, kwargs, self.effective_timeout(timeout), "sync",
+                              target=target)  # fmt: skip
         lanes, observed = self._lanes, encoded.observed
         if (
             lanes is not None
@@ -303,8 +308,10 @@ class Outbox:
 
         ``register`` makes the RRef id and the caller's fork id (None when the owner is
         this worker: its value then never leaves the process). Without pipeline hooks
-        nothing waits for it here (the RRef protocol confirms it). With hooks, the owner
-        acknowledges the end of the function, and a pending call tells the hooks.
+        nothing waits for it here (the RRef protocol confirms it): from a thread that has
+        a lane to the owner, it goes on the lane, ahead of what the thread sends next
+        there (its ``to_here``). With hooks, the owner acknowledges the end of the
+        function, and a pending call tells the hooks.
 
         Returns:
             With hooks, the future of that acknowledgement (done after the hooks were
@@ -317,12 +324,32 @@ class Outbox:
             rank, fn, args, kwargs, timeout, "remote", CallMode.REMOTE, register, target
         )
         if encoded.observed is None:
-            e = encoded
-            self.run_on_loop(self._sender.send_to, rank, e.pieces, 0, e.keep, e.forks)
+            if not self._sent_on_lane(rank, fn, encoded):
+                e = encoded
+                self.run_on_loop(self._sender.send_to, rank, e.pieces, 0, e.keep, e.forks)
             return None
         acknowledged: Future[Any] = Future(loop=self.loop)
         self.run_on_loop(self.start, encoded, acknowledged)
         return acknowledged
+
+    def _sent_on_lane(self, rank: int, fn: Any, encoded: EncodedRequest) -> bool:
+        """Send a remote() request on this thread's lane to ``rank``, if it may take one
+        (its only fork the caller's own, a small frame, no earlier call still pending)."""
+        lanes = self._lanes
+        forks = encoded.forks
+        if (
+            lanes is None
+            or forks is None
+            or len(forks) != 1
+            or encoded.shared
+            or threading.get_ident() == self.loop_thread_id
+            or self._behind_pending(rank)
+            or is_coroutine_function(fn)
+            or is_async_execution(fn)
+        ):
+            return False
+        lane = lanes.lane(rank, frame_nbytes(encoded.pieces))
+        return lane is not None and lanes.send(lane, encoded)
 
     def run_on_loop(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on the loop: now if this is the loop thread, else in order
