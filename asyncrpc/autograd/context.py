@@ -166,6 +166,7 @@ class ContextTable:
         self.releases: ReleaseBatcher | None = None
         self.hops_received = 0  # backward hops run here (see count_hop)
         self.passes_on_loop = 0  # local passes run on the event loop (see count_pass_on_loop)
+        self.root_lane_hops = 0  # hops the thread in backward() sent on its lane (count_lane_hop)
         self.credits = Credits()  # the backward passes this worker is the root of
         self.root_threads = RootThreads()  # threads waiting in backward() take their hops
 
@@ -183,6 +184,11 @@ class ContextTable:
         """A backward hop reached this worker (for ``get_debug_info``)."""
         with self._lock:
             self.hops_received += 1
+
+    def count_lane_hop(self) -> None:
+        """The thread in backward() sent a hop on its lane (for ``get_debug_info``)."""
+        with self._lock:
+            self.root_lane_hops += 1
 
     def count_pass_on_loop(self) -> None:
         """A local pass ran on the loop, no pool round trip (for ``get_debug_info``)."""

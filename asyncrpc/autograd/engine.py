@@ -34,9 +34,19 @@ from asyncrpc.errors import as_backward_error
 from asyncrpc.functions import async_execution, inline
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
 from asyncrpc.runtime.agent import Agent
+from asyncrpc.runtime.calls.outbox import NOT_ON_LANE
 from asyncrpc.runtime.future import Future, collect_all
 
-__all__ = ["Hop", "grads_arrived", "local_pass", "loop_pass", "pass_anywhere", "propagate"]
+__all__ = [
+    "Hop",
+    "grads_arrived",
+    "grads_here",
+    "local_pass",
+    "loop_pass",
+    "pass_anywhere",
+    "propagate",
+    "root_onward",
+]
 
 # Gradients for the tensors of one message: (sender rank, message id) -> by index.
 Outgoing = dict[tuple[int, int], list[Any]]
@@ -156,6 +166,52 @@ def grads_arrived(
     return Hop(agent, table, context, credit, caller).take(batches)
 
 
+def grads_here(
+    context_id: int, batches: Batches, credit: PassCredit | None = None, caller: int = -1
+) -> HopReply:
+    """``grads_arrived`` for a hop that came on a lane (``root_onward``): run on the
+    thread that serves the lane, which writes the reply itself, and blocks it until the
+    reply is ready (the hops sent on have replied). A plain function: where the request
+    came the loop's way instead, it runs on a pool thread, where blocking is allowed too.
+    """
+    agent, table = context_table()
+    context = table.get(context_id)
+    table.count_hop()
+    return Hop(agent, table, context, credit, caller).run_here(batches).wait()
+
+
+def root_onward(root: Hop, outgoing: Outgoing) -> Future[int]:
+    """``onward`` for the root's own part, from the thread in ``backward()``: a single hop
+    goes on this thread's lane to its worker where it has one, and what the reply brings
+    back runs right here; the future of the credit still to hand back (0 when there is
+    none), done when what this thread started is over.
+
+    On the lane this thread writes the hop and reads its reply itself: no hand-off to the
+    loop and back on this side, and none on the callee, whose lane thread runs the hop.
+    Meanwhile hops of the pass that reach this worker run on the loop or the pool (the
+    thread serves none until this returns: it is blocked in the lane).
+
+    Raises:
+        The hop's error, as its worker raised it (the pass failed).
+    """
+    hops = by_sender(outgoing)
+    if len(hops) != 1 or root.credit is None:
+        return root.onward(outgoing)  # type: ignore[return-value]  # the root embeds none
+    ((to, batches),) = hops.items()
+    agent, credit = root.agent, root.credit
+    args = (root.context.id, batches, credit, agent.rank)
+    with root.table.root_threads.away(credit.pass_id):  # no deadlock on a hop back here
+        reply = agent.call_on_lane(to, grads_here, args, {}, UNSET_RPC_TIMEOUT)
+    if reply is NOT_ON_LANE:
+        return root.onward(outgoing)  # type: ignore[return-value]
+    root.table.count_lane_hop()
+    if isinstance(reply, tuple):  # gradients back for this worker, with their credit
+        return root.follow_here(*reply)
+    done: Future[int] = Future()
+    done.set_result(root.hand_on(reply or 0))
+    return done
+
+
 class Hop:
     """One hop of a pass on the worker it reached: its local pass, the gradients the pass
     sends on, and what its reply carries. Also the root's own part of the pass (no
@@ -189,13 +245,7 @@ class Hop:
             The graph's error (a pass on the loop), or the pool's refusal.
         """
         agent, table, context = self.agent, self.table, self.context
-        roots, grad_outputs = [], []
-        for message_id, grads in batches:
-            _, tensors = context.sent(message_id)
-            for tensor, grad in zip(tensors, grads, strict=True):
-                if grad is not None:
-                    roots.append(tensor)
-                    grad_outputs.append(grad)
+        roots, grad_outputs = self._roots(batches)
         replied: Future[HopReply] = Future()
         credit = self.credit
         if credit is not None and credit.root == agent.rank:
@@ -208,6 +258,27 @@ class Hop:
             return replied
         table.count_pass_on_loop()
         return self.onward(outgoing)
+
+    def run_here(self, batches: Batches) -> Future[HopReply]:
+        """Run the hop's pass on this thread (not the loop's: user code may block here),
+        then ``onward``; the future of the reply.
+
+        Raises:
+            The graph's error, as ``local_pass`` raises it.
+        """
+        roots, grad_outputs = self._roots(batches)
+        return self.onward(local_pass(self.context, roots, grad_outputs, self.agent.rank))
+
+    def _roots(self, batches: Batches) -> tuple[list[torch.Tensor], list[Any]]:
+        """The tensors this worker sent that the batches bring gradients for, and those."""
+        roots, grad_outputs = [], []
+        for message_id, grads in batches:
+            _, tensors = self.context.sent(message_id)
+            for tensor, grad in zip(tensors, grads, strict=True):
+                if grad is not None:
+                    roots.append(tensor)
+                    grad_outputs.append(grad)
+        return roots, grad_outputs
 
     def run_on_thread(
         self, roots: list[torch.Tensor], grad_outputs: list[Any], replied: Future[HopReply]
@@ -276,6 +347,14 @@ class Hop:
         credit = None if share is None else PassCredit(share.root, share.pass_id, amount)
         hop = Hop(self.agent, self.table, self.context, credit, self.caller, embeds=False)
         return hop.take(batches)  # type: ignore[return-value]  # it never embeds
+
+    def follow_here(self, batches: Batches, amount: int) -> Future[int]:
+        """``follow``, run on this thread (the one in ``backward()``, the root's)."""
+        credit = self.credit
+        assert credit is not None  # gradients come back only with credit
+        share = PassCredit(credit.root, credit.pass_id, amount)
+        hop = Hop(self.agent, self.table, self.context, share, self.caller, embeds=False)
+        return hop.run_here(batches)  # type: ignore[return-value]  # it never embeds
 
     def hand_on(self, returned: int) -> int:
         """Credit that came back to this hop: kept by the root where this is the root,

@@ -15,9 +15,10 @@ The loop hands a hop over only while the thread serves its pass; once the thread
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from asyncrpc.runtime.blocking import blocking
@@ -68,6 +69,19 @@ class RootThreads:
         finally:
             self.close(pass_id)
             _run_left(box)
+
+    @contextlib.contextmanager
+    def away(self, pass_id: int) -> Iterator[None]:
+        """The thread serving ``pass_id`` is blocked elsewhere for the block (a lane
+        call): hops posted meanwhile are refused (run elsewhere), then taken again."""
+        with self._lock:
+            box = self._boxes.pop(pass_id, None)
+        try:
+            yield
+        finally:
+            if box is not None:
+                with self._lock:
+                    self._boxes[pass_id] = box
 
     def close(self, pass_id: int) -> None:
         """Stop taking work for ``pass_id`` (hops arriving later run elsewhere)."""

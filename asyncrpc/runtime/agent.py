@@ -128,7 +128,7 @@ class Agent:
         # the hot path): addressing, the ways in for calls, refcount frames, liveness.
         self.resolve, self.worker_info = self.directory.resolve, self.directory.worker_info
         self.call_future, self.call = self.outbox.call_future, self.outbox.call
-        self.call_sync = self.outbox.call_sync
+        self.call_sync, self.call_on_lane = self.outbox.call_sync, self.outbox.call_on_lane
         self.send_remote, self.run_on_loop = self.outbox.send_remote, self.outbox.run_on_loop
         self.effective_timeout = self.outbox.effective_timeout
         self.send_ref, self.is_lost = self.network.send_ref, self.network.is_lost

@@ -240,18 +240,53 @@ def test_autograd_hops_back_to_the_root_run_on_the_thread_in_backward(
     seen: list[int] = []
     x.register_hook(lambda grad: seen.append(threading.get_ident()))
     info = asyncrpc.get_debug_info
-    taken, received = info()["autograd_hops_taken_by_root"], info()["autograd_hops_received"]
+    counts = ("autograd_hops_taken_by_root", "autograd_root_hops_on_lane")
+    before = [info()[name] for name in counts]
+    received = info()["autograd_hops_received"]
     with dist_autograd.context() as context_id:
         loss = asyncrpc.rpc_sync("w1", fns.forward, args=(layer, x)).pow(2).sum()
         dist_autograd.backward(context_id, [loss])
         grads = dist_autograd.get_gradients(context_id)
     assert seen == [threading.get_ident()]
-    assert info()["autograd_hops_taken_by_root"] == taken + 1
+    # Taken from the loop, or read by the thread itself from its lane to w1.
+    assert sum(info()[name] - n for name, n in zip(counts, before, strict=True)) == 1
     # x's gradient came back in the reply to the driver's hop, not in a hop of its own.
     assert info()["autograd_hops_received"] == received
     x_local = x.detach().clone().requires_grad_()
     fns.make_linear(41, 4, 3)(x_local).pow(2).sum().backward()
     torch.testing.assert_close(grads[x], x_local.grad)
+
+
+def test_autograd_root_thread_sends_its_hop_on_its_lane_even_when_a_hop_comes_back(
+    group: Group, layers: Callable
+) -> None:
+    # This thread's lane to w1 is open (its second call there opens it): its hop goes on
+    # it, and the thread blocks there while w1 -> w3 -> w1 -> driver run. The hop that
+    # comes back here meanwhile runs on the loop (the thread is away): no deadlock.
+    def on_a_thread_of_its_own() -> list[int]:
+        l1, l3 = layers("w1", 51, 4, 6), layers("w3", 52, 6, 2)
+        asyncrpc.rpc_sync("w1", fns.num_contexts)
+        asyncrpc.rpc_sync("w1", fns.num_contexts)
+        info = asyncrpc.get_debug_info
+        names = ("autograd_root_hops_on_lane", "autograd_hops_received")
+        before = [info()[name] for name in names]
+        x = torch.randn(3, 4, requires_grad=True)
+        with dist_autograd.context() as context_id:
+            y = asyncrpc.rpc_sync("w1", fns.forward_then, args=(l1, x, "w3", l3))
+            dist_autograd.backward(context_id, [y.pow(2).sum()])
+            grads = dist_autograd.get_gradients(context_id)
+            m1, m3 = fns.make_linear(51, 4, 6), fns.make_linear(52, 6, 2)
+            x_local = x.detach().clone().requires_grad_()
+            m3(torch.relu(m1(x_local))).pow(2).sum().backward()
+            assert_grads_match(context_id, [("w1", l1), ("w3", l3)], [m1, m3])
+            torch.testing.assert_close(grads[x], x_local.grad)
+        return [info()[name] - n for name, n in zip(names, before, strict=True)]
+
+    out: list[list[int]] = []
+    thread = threading.Thread(target=lambda: out.append(on_a_thread_of_its_own()))
+    thread.start()
+    thread.join(60)
+    assert out == [[1, 1]]  # on the lane; x's gradient came in a hop of its own (from w1)
 
 
 def test_autograd_error_in_a_hop_the_root_thread_runs_reaches_backward(group: Group) -> None:

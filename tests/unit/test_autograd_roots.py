@@ -94,3 +94,15 @@ def test_RootThreads_interrupted_serve_closes_and_runs_what_was_posted() -> None
         roots.serve(4, Future())
     assert ran == ["posted meanwhile"]
     assert not roots.post(4, lambda: None)
+
+
+def test_RootThreads_refuses_work_while_the_thread_is_away_then_takes_it_again() -> None:
+    # The thread blocked in a lane call serves nothing: a hop back here must run elsewhere.
+    roots = RootThreads()
+    roots.open(8)
+    ran: list[str] = []
+    with roots.away(8):
+        assert not roots.post(8, lambda: ran.append("while away"))
+    assert roots.post(8, lambda: ran.append("back"))
+    roots.serve(8, _done())
+    assert ran == ["back"]
