@@ -504,14 +504,19 @@ def _owned(value: Future[Any]) -> Future[Any]:
     """
     if value.done() and value.exception() is None:
         return value
-    return value._then(_copy_of_failure)
+    owned: Future[Any] = Future(loop=value._loop)
+    value._add_hook(functools.partial(_copy_outcome, owned))
+    return owned
 
 
-def _copy_of_failure(done: Future[Any]) -> Any:
+def _copy_outcome(owned: Future[Any], done: Future[Any]) -> None:
+    # Not through then(): then() flattens a future-like result, and the value itself may
+    # be a future (a function that returned a torch.futures.Future): it is the value.
     exc = done.exception()
     if exc is None:
-        return done.value()
-    raise copy_exception(exc) from None
+        owned._try_set_result(done.value())
+    else:
+        owned._try_set_exception(copy_exception(exc))
 
 
 def _fetched(owner: str, rref: RRef[Any], done: Future[Any]) -> Any:
