@@ -201,7 +201,11 @@ def root_onward(root: Hop, outgoing: Outgoing) -> Future[int]:
     agent, credit = root.agent, root.credit
     args = (root.context.id, batches, credit, agent.rank)
     with root.table.root_threads.away(credit.pass_id):  # no deadlock on a hop back here
-        reply = agent.call_on_lane(to, grads_here, args, {}, UNSET_RPC_TIMEOUT)
+        try:
+            reply = agent.call_on_lane(to, grads_here, args, {}, UNSET_RPC_TIMEOUT)
+        except BaseException:
+            root.table.count_lane_hop()  # a hop that failed counts too
+            raise
     if reply is NOT_ON_LANE:
         return root.onward(outgoing)  # type: ignore[return-value]
     root.table.count_lane_hop()

@@ -394,6 +394,32 @@ def test_autograd_error_in_remote_backward_keeps_its_type(group: Group) -> None:
         assert str(info.value) == "Error on Node 3: 'broken backward'"
 
 
+def test_autograd_error_in_a_hop_on_the_lane_keeps_its_type(group: Group) -> None:
+    # The hop to w3 goes on this thread's lane (opened by the calls before it): the
+    # error comes back in the lane's reply, as it does in the loop's.
+    def on_a_thread_of_its_own() -> tuple[BaseException, int]:
+        for _ in range(2):
+            asyncrpc.rpc_sync("w3", fns.num_contexts)
+        before = asyncrpc.get_debug_info()["autograd_root_hops_on_lane"]
+        a = torch.randn(2, requires_grad=True)
+        with dist_autograd.context() as context_id:
+            y = asyncrpc.rpc_sync("w3", fns.fail_in_backward, args=(a,))
+            with pytest.raises(KeyError, match="broken backward") as info:
+                dist_autograd.backward(context_id, [y.sum()])
+        return info.value, asyncrpc.get_debug_info()["autograd_root_hops_on_lane"] - before
+
+    out: list[tuple[BaseException, int]] = []
+    thread = threading.Thread(target=lambda: out.append(on_a_thread_of_its_own()))
+    thread.start()
+    thread.join(60)
+    ((error, on_lane),) = out
+    assert on_lane == 1
+    assert isinstance(error, BackwardError)
+    assert isinstance(error, RuntimeError)
+    assert error.remote_worker == "w3"  # type: ignore[attr-defined]
+    assert str(error) == "Error on Node 3: 'broken backward'"
+
+
 def test_autograd_unknown_context_and_blocking_misuse(group: Group) -> None:
     with pytest.raises(AutogradContextError):
         dist_autograd.get_gradients(12345)
@@ -427,14 +453,17 @@ def test_autograd_field_only_inside_a_context(group: Group) -> None:
     assert len(request_fields()) == 7
 
 
-def test_autograd_worker_killed_during_backward(tmp_path: Path) -> None:
-    """In a group of its own: the victim dies inside its part of the backward pass."""
+@pytest.mark.parametrize("lane", [False, True], ids=["loop", "lane"])
+def test_autograd_worker_killed_during_backward(tmp_path: Path, lane: bool) -> None:
+    """In a group of its own: the victim dies inside its part of the backward pass (the
+    hop to it sent the loop's way, or on the lane of the thread in backward())."""
     init = f"tcp://127.0.0.1:{free_port()}"
     workers = [
         spawn_worker(f"k{r}", r, 3, init, log_dir=tmp_path, rpc_timeout=20.0) for r in (1, 2)
     ]
     try:
-        driver = scenarios.start("autograd_killed_in_backward", "--init-method", init)
+        flags = [] if lane else ["--no-lanes"]
+        driver = scenarios.start("autograd_killed_in_backward", "--init-method", init, *flags)
         try:
             code, outcome = driver.result(60.0)
         finally:
@@ -444,6 +473,7 @@ def test_autograd_worker_killed_during_backward(tmp_path: Path) -> None:
         # Found by the lost connection, not by a timeout (rpc_timeout is 20 s).
         assert outcome["seconds"] < 10
         assert outcome["contexts_left"] == {"k0": 0, "k1": 0}
+        assert outcome["hops_on_lane"] == int(lane)
     finally:
         stop_workers(workers, timeout=5)
 
