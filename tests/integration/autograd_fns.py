@@ -187,6 +187,10 @@ def steps_on_loop() -> int:
     return LocalOptimizer.steps_on_loop
 
 
+def steps_here() -> int:
+    return LocalOptimizer.steps_here
+
+
 _step_hooks: list[Any] = []
 _step_hook_on_loop: list[bool] = []
 

@@ -20,8 +20,8 @@ from torch import nn
 
 import asyncrpc
 from asyncrpc import autograd as dist_autograd
-from asyncrpc.errors import AutogradContextError, BackwardError
-from asyncrpc.optim import DistributedOptimizer
+from asyncrpc.errors import AutogradContextError, BackwardError, BlockingCallError
+from asyncrpc.optim import DistributedOptimizer, LocalOptimizer
 from asyncrpc.protocol.wire import FrameDecoder
 from asyncrpc.runtime.calls.pipeline import Pipeline
 from asyncrpc.runtime.current import current_agent
@@ -513,7 +513,9 @@ def test_distributed_optimizer_steps_on_the_loop_unless_user_code_runs(
         with dist_autograd.context() as context_id:
             y = asyncrpc.rpc_sync("w1", fns.forward, args=(layer, torch.randn(3, 4)))
             dist_autograd.backward(context_id, [y.sum()])
-            optimizer.step(context_id)
+            # The loop's way (step() would take this thread's lane to w1: the next test).
+            for done in optimizer.step_future(context_id):
+                done.wait()
 
     start = asyncrpc.rpc_sync("w1", fns.steps_on_loop)
     train_step(optimizer)  # torch's SGD over 10 elements, no hooks: on w1's loop
@@ -526,6 +528,42 @@ def test_distributed_optimizer_steps_on_the_loop_unless_user_code_runs(
     assert seen == [False]
     assert asyncrpc.rpc_sync("w1", fns.steps_on_loop) == start + 1
     del params, optimizer
+
+
+def test_distributed_optimizer_steps_its_own_here_and_one_owner_on_the_lane(
+    group: Group, layers: Callable
+) -> None:
+    # This thread's own optimizer steps on this thread; w1's on this thread's lane to w1
+    # (open: this thread called w1 before), run by w1's lane thread, hooks and all.
+    here, there = fns.make_linear(31, 4, 6), layers("w1", 32, 6, 1)
+    params = [asyncrpc.RRef(p) for p in here.parameters()]
+    params += asyncrpc.rpc_sync("w1", fns.param_rrefs, args=(there,))
+    optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=0.1)
+    before = [LocalOptimizer.steps_here, asyncrpc.rpc_sync("w1", fns.steps_here)]
+    loop_steps = asyncrpc.rpc_sync("w1", fns.steps_on_loop)
+    asyncrpc.rpc_sync("w1", fns.hook_optimizer_steps)
+    try:
+        with dist_autograd.context() as context_id:
+            y = asyncrpc.rpc_sync("w1", fns.forward, args=(there, here(torch.randn(3, 4))))
+            dist_autograd.backward(context_id, [y.sum()])
+            optimizer.step(context_id)
+    finally:
+        seen = asyncrpc.rpc_sync("w1", fns.unhook_optimizer_steps)
+    after = [LocalOptimizer.steps_here, asyncrpc.rpc_sync("w1", fns.steps_here)]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1]
+    assert asyncrpc.rpc_sync("w1", fns.steps_on_loop) == loop_steps
+    assert seen == [False]  # the hook ran on w1, not on its loop
+    del params, optimizer
+
+
+def test_distributed_optimizer_step_refuses_the_loop_thread(group: Group) -> None:
+    optimizer = DistributedOptimizer(torch.optim.SGD, [asyncrpc.RRef(torch.ones(2))], lr=0.1)
+
+    async def on_the_loop() -> None:
+        optimizer.step(0)
+
+    with pytest.raises(BlockingCallError):
+        asyncio.run_coroutine_threadsafe(on_the_loop(), current_agent().loop).result(30)
 
 
 @pytest.mark.parametrize("fetcher", ["w3", "w2"])  # a thread-pool worker, an asyncio one
