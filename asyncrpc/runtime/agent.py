@@ -34,6 +34,7 @@ from asyncrpc.runtime.cuda.staging import cuda_transfer
 from asyncrpc.runtime.future import set_default_callback_loop
 from asyncrpc.runtime.group.join import Group, join
 from asyncrpc.runtime.group.shutdown import GracefulShutdown, shutdown_limit
+from asyncrpc.runtime.intraop import keep_team
 from asyncrpc.runtime.lanes.client import CallerLanes
 from asyncrpc.runtime.lanes.handshake import LaneRoster
 from asyncrpc.runtime.lanes.server import LaneReply, LaneServer, Serving
@@ -127,7 +128,7 @@ class Agent:
         # the hot path): addressing, the ways in for calls, refcount frames, liveness.
         self.resolve, self.worker_info = self.directory.resolve, self.directory.worker_info
         self.call_future, self.call = self.outbox.call_future, self.outbox.call
-        self.call_sync = self.outbox.call_sync
+        self.call_sync, self.call_on_lane = self.outbox.call_sync, self.outbox.call_on_lane
         self.send_remote, self.run_on_loop = self.outbox.send_remote, self.outbox.run_on_loop
         self.effective_timeout = self.outbox.effective_timeout
         self.send_ref, self.is_lost = self.network.send_ref, self.network.is_lost
@@ -224,6 +225,7 @@ class Agent:
             await agent._close_transports(graceful=False)
             raise
         set_default_callback_loop(agent.loop, agent.loop_thread_id)
+        keep_team()  # the loop thread's OpenMP team, as before its passes ran alone
         agent.lag.start()
         agent.network.start()
         return agent

@@ -19,7 +19,7 @@ import math
 import threading
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Final, NamedTuple, Protocol
 
 from asyncrpc.errors import ClosedError, PeerLostError, RpcTimeoutError
 from asyncrpc.functions import is_async_execution, is_coroutine_function
@@ -36,7 +36,15 @@ from asyncrpc.runtime.loopinbox import LoopInbox
 from asyncrpc.runtime.metrics import Counters
 from asyncrpc.runtime.shm.shm import SHM_TAG_PREFIX
 
-__all__ = ["EncodedRequest", "Minting", "Observed", "Outbox", "Sender", "SyncLanes"]
+__all__ = [
+    "NOT_ON_LANE",
+    "EncodedRequest",
+    "Minting",
+    "Observed",
+    "Outbox",
+    "Sender",
+    "SyncLanes",
+]
 
 # Per calling thread: its last call_future to each rank (see Outbox.call_sync).
 _Issued = dict[int, "weakref.ref[Future[Any]]"]
@@ -81,6 +89,10 @@ class Sender(Protocol):
     def send_cancel(self, rank: int, call_id: int) -> None: ...
 
     def undelivered(self, rank: int, forks: list[Transfer] | None) -> None: ...
+
+
+# What ``Outbox.call_on_lane`` returns for a call it did not make (no lane).
+NOT_ON_LANE: Final = object()
 
 
 class SyncLanes(Protocol):
@@ -254,6 +266,32 @@ class Outbox:
         rank = self._directory.resolve(to)
         encoded = self.encode(rank, fn, args, kwargs, self.effective_timeout(timeout), "sync",
                               target=target)  # fmt: skip
+        return self._sync(rank, fn, encoded)
+
+    def call_on_lane(
+        self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float
+    ) -> Any:
+        """``call_sync`` for a thread that has a lane to ``to``; ``NOT_ON_LANE`` where it
+        has none (nothing pickled, nothing sent: the call counts toward opening one, as
+        an ``rpc_sync`` does). For callers with a better way than the loop's for the calls
+        a lane does not take: a backward hop (``asyncrpc.autograd.engine``) sends its
+        gradients from the thread that ran its pass, and reads the reply there too.
+
+        Raises:
+            The errors of ``call_sync``.
+        """
+        lanes = self._lanes
+        if lanes is None or threading.get_ident() == self.loop_thread_id:
+            return NOT_ON_LANE
+        rank = self._directory.resolve(to)
+        if self._behind_pending(rank) or lanes.lane(rank, 0) is None:
+            return NOT_ON_LANE
+        encoded = self.encode(rank, fn, args, kwargs, self.effective_timeout(timeout), "sync")
+        return self._sync(rank, fn, encoded)
+
+    def _sync(self, rank: int, fn: Any, encoded: EncodedRequest) -> Any:
+        """An encoded call for a thread that blocks until its result: on the thread's
+        lane where it may take one, else the loop's way."""
         lanes, observed = self._lanes, encoded.observed
         if (
             lanes is not None
