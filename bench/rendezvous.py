@@ -137,6 +137,7 @@ def _process(ranks: list[int], size: int, port: int, spread: float, shutdown_spr
 
     from asyncrpc.runtime.group import rendezvous  # noqa: F401
 
+    _more_descriptors()
     ready.wait()  # every process has imported: the driver has set the start
     start = when.value
     out: dict[int, Any] = {}
@@ -151,6 +152,16 @@ def _process(ranks: list[int], size: int, port: int, spread: float, shutdown_spr
     queue.put((out, dict(buckets)))
 
 
+def _more_descriptors() -> None:
+    """Raise the soft open-files limit (a worker does it at init: join.py): thousands of
+    store connections end in the driver, which serves the store."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def run(size: int, spread: float, processes: int, shutdown_spread: float = 1.0) -> dict[str, Any]:
     """One simulated group of ``size`` workers, arriving over ``spread`` seconds and
     calling shutdown over ``shutdown_spread``; the figures of its join and shutdown."""
@@ -158,6 +169,7 @@ def run(size: int, spread: float, processes: int, shutdown_spread: float = 1.0) 
 
     import torch.distributed as dist
 
+    _more_descriptors()
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=600), use_libuv=True)  # fmt: skip
     context = multiprocessing.get_context("spawn")
