@@ -322,7 +322,7 @@ class Outbox:
     ) -> Any:
         """Call on the loop; cancelling the awaiting task cancels the remote work."""
         directory = self._directory
-        if directory.dynamic:
+        if directory.lazy:
             await directory.lookup_async(directory.destination(to))  # off the loop
         rank = directory.resolve(to)
         encoded = self.encode(rank, fn, args, kwargs, self.effective_timeout(timeout), "async")
