@@ -31,9 +31,9 @@ from asyncrpc.rref.context import RRefContext
 from asyncrpc.rref.handle import RRef, current_rrefs
 from asyncrpc.runtime.agent import Agent
 from asyncrpc.runtime.current import clear_agent, current_agent, set_agent
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.futures import Future
 from asyncrpc.runtime.group.shutdown import shutdown_limit
-from asyncrpc.runtime.loopthread import LoopThread
+from asyncrpc.runtime.threads.loopthread import LoopThread
 
 __all__ = [
     "BackendType",

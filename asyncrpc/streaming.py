@@ -2,7 +2,7 @@
 
 ``asyncrpc.stream(to, fn, ...)`` and torch-style ``asyncrpc.rpc_stream(to, fn, args=...)``
 return a ``Stream``, iterated with ``async for`` or ``for``. The runtime's side is in
-``asyncrpc/runtime/streams.py``; the wire's in ``asyncrpc/protocol/wire/stream.py``.
+``asyncrpc/runtime/calls/streams/hub.py``; the wire's in ``asyncrpc/protocol/wire/stream.py``.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, ParamSpec, TypeVar, overload
 
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
+from asyncrpc.runtime.calls.streams.stream import Stream
 from asyncrpc.runtime.current import current_agent
-from asyncrpc.runtime.stream import Stream
 
 __all__ = ["Stream", "rpc_stream", "stream"]
 

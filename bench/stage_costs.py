@@ -27,9 +27,9 @@ from asyncrpc.bench import workloads
 from asyncrpc.protocol.wire import FrameDecoder, encode_frame
 from asyncrpc.protocol.wire.messages import Reply, Request, decode_message
 from asyncrpc.runtime.current import current_agent
-from asyncrpc.runtime.future import Future
-from asyncrpc.runtime.loopthread import new_event_loop
-from asyncrpc.runtime.threadpool import WorkerPool
+from asyncrpc.runtime.futures import Future
+from asyncrpc.runtime.threads.loopthread import new_event_loop
+from asyncrpc.runtime.threads.pool import WorkerPool
 from asyncrpc.testing import free_port
 
 N = 20000

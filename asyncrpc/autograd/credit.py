@@ -22,7 +22,7 @@ import itertools
 import threading
 from typing import Any, NamedTuple
 
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.futures import Future
 
 __all__ = ["FULL", "Credits", "PassCredit", "first_of", "split"]
 

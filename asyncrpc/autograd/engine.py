@@ -31,7 +31,7 @@ from asyncrpc.autograd.credit import FULL, PassCredit, first_of, split
 from asyncrpc.errors import as_backward_error
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
 from asyncrpc.runtime.agent import Agent
-from asyncrpc.runtime.future import Future, collect_all
+from asyncrpc.runtime.futures import Future, collect_all
 
 __all__ = ["hand_back", "local_pass", "loop_pass", "pass_anywhere", "propagate"]
 

@@ -24,7 +24,7 @@ from asyncrpc.nn.owner import create_module, parameter_rrefs, set_training
 from asyncrpc.protocol.serde import register_reducer
 from asyncrpc.rref.handle import RRef
 from asyncrpc.runtime.current import current_agent
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.futures import Future
 
 __all__ = ["REMOTE_MODULE_PICKLED_ATTRIBUTES", "RemoteModule"]
 

@@ -20,7 +20,7 @@ from asyncrpc.autograd import get_gradients
 from asyncrpc.autograd.context import context_table
 from asyncrpc.rref.handle import RRef, current_rrefs
 from asyncrpc.runtime.current import current_agent
-from asyncrpc.runtime.future import Future, collect_all
+from asyncrpc.runtime.futures import Future, collect_all
 
 __all__ = ["DistributedOptimizer"]
 

@@ -47,10 +47,10 @@ from asyncrpc.protocol.refmessages import (
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import RefMessage, RefOp, Request
 from asyncrpc.rref.handle import RRef
-from asyncrpc.runtime import handoffs
 from asyncrpc.runtime.calls.pending import describe_function
-from asyncrpc.runtime.future import Future, collect_all
-from asyncrpc.runtime.threadpool import WorkerPool
+from asyncrpc.runtime.futures import Future, collect_all
+from asyncrpc.runtime.threads import handoffs
+from asyncrpc.runtime.threads.pool import WorkerPool
 
 __all__ = ["RRefContext"]
 

@@ -30,7 +30,7 @@ from asyncrpc.protocol.refmessages import (
 )
 from asyncrpc.runtime.calls.dispatch import await_async_result
 from asyncrpc.runtime.current import current_agent
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.futures import Future
 
 __all__ = ["RRef", "RRefBackend", "current_rrefs"]
 

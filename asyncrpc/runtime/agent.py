@@ -23,15 +23,14 @@ from asyncrpc.protocol.serde import Serializer
 from asyncrpc.protocol.wire import Allocator, Frame
 from asyncrpc.protocol.wire.messages import Kind, RefMessage, Request, ShmMessage
 from asyncrpc.protocol.wire.stream import STREAM_KINDS
-from asyncrpc.runtime import handoffs
 from asyncrpc.runtime.calls.dispatch import Dispatcher
 from asyncrpc.runtime.calls.outbox import Outbox
 from asyncrpc.runtime.calls.pending import PendingCalls
 from asyncrpc.runtime.calls.pipeline import CallHook, Pipeline
-from asyncrpc.runtime.calls.streams import Streams
+from asyncrpc.runtime.calls.streams.hub import Streams
 from asyncrpc.runtime.cuda.maps import DeviceMapHook, check_device_maps
 from asyncrpc.runtime.cuda.staging import cuda_transfer
-from asyncrpc.runtime.future import set_default_callback_loop
+from asyncrpc.runtime.futures import set_default_callback_loop
 from asyncrpc.runtime.group.join import Group, join
 from asyncrpc.runtime.group.shutdown import GracefulShutdown, shutdown_limit
 from asyncrpc.runtime.lanes.client import CallerLanes
@@ -44,7 +43,8 @@ from asyncrpc.runtime.net.tls import configured_tls
 from asyncrpc.runtime.net.transport import Connection
 from asyncrpc.runtime.services import RRefFactory
 from asyncrpc.runtime.shm.shm import SharedMemory
-from asyncrpc.runtime.threadpool import WorkerPool
+from asyncrpc.runtime.threads import handoffs
+from asyncrpc.runtime.threads.pool import WorkerPool
 
 __all__ = ["Agent"]
 

@@ -29,7 +29,7 @@ import torch
 import asyncrpc
 from asyncrpc import autograd as dist_autograd
 from asyncrpc.optim import DistributedOptimizer
-from asyncrpc.runtime.callbacks import CALLBACK_POOL_SIZE, CALLBACK_THREAD_NAME
+from asyncrpc.runtime.futures.callbacks import CALLBACK_POOL_SIZE, CALLBACK_THREAD_NAME
 from asyncrpc.testing import chaos_fns as fns
 
 log = logging.getLogger("asyncrpc.testing.chaos")

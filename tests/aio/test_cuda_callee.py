@@ -27,9 +27,9 @@ from asyncrpc.runtime.cuda.callee import CalleeStreams, on_streams
 from asyncrpc.runtime.cuda.fake import FakeStream
 from asyncrpc.runtime.cuda.maps import FIELD, DeviceMapHook
 from asyncrpc.runtime.cuda.staging import StagedTransfer
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.futures import Future
 from asyncrpc.runtime.metrics import Counters
-from asyncrpc.runtime.threadpool import WorkerPool
+from asyncrpc.runtime.threads.pool import WorkerPool
 from tests.fakes import NoRRefs
 
 pytestmark = pytest.mark.timeout(10)

@@ -18,7 +18,7 @@ from asyncrpc.runtime.calls.pipeline import IncomingCall, OutgoingCall, Pipeline
 from asyncrpc.runtime.cuda import FakeDevices, FakeTensor
 from asyncrpc.runtime.cuda.maps import FIELD, DeviceMapHook, HostCopy, HostTransfer
 from asyncrpc.runtime.cuda.staging import StagedCopy, StagedTransfer
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.futures import Future
 from tests.fakes import settled
 
 pytestmark = pytest.mark.timeout(10)

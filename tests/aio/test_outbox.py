@@ -26,7 +26,7 @@ from asyncrpc.runtime.calls.pending import PendingCalls
 from asyncrpc.runtime.calls.pipeline import Pipeline
 from asyncrpc.runtime.group.membership import Directory
 from asyncrpc.runtime.metrics import Counters
-from asyncrpc.runtime.threadpool import WorkerPool
+from asyncrpc.runtime.threads.pool import WorkerPool
 from tests.fakes import NoRRefs
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(10)]

@@ -1,6 +1,6 @@
 """asyncio tests of the stream runtime in one process, without an agent: the consumer's
-state (``runtime/consumer.py``) against a fake hub, and the producers
-(``runtime/producer.py``) against a fake host that decodes what they write."""
+state (``runtime/calls/streams/consumer.py``) against a fake hub, and the producers
+(``runtime/calls/streams/producer.py``) against a fake host that decodes what they write."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from asyncrpc.protocol.wire.stream import (
     StreamItem,
     decode_stream_message,
 )
-from asyncrpc.runtime.consumer import ConsumerStream
-from asyncrpc.runtime.producer import Producers
-from asyncrpc.runtime.threadpool import WorkerPool
+from asyncrpc.runtime.calls.streams.consumer import ConsumerStream
+from asyncrpc.runtime.calls.streams.producer import Producers
+from asyncrpc.runtime.threads.pool import WorkerPool
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(20)]
 

@@ -1,4 +1,4 @@
-"""Unit tests of asyncrpc.runtime.future with no event loop: completion, waiting, chaining."""
+"""Unit tests of asyncrpc.runtime.futures with no event loop: completion, waiting, chaining."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from asyncrpc.errors import AsyncRpcError
-from asyncrpc.runtime.future import (
+from asyncrpc.runtime.futures import (
     Future,
     FutureAlreadyDoneError,
     FutureNotDoneError,
@@ -254,7 +254,7 @@ def test_Future_callback_exception_is_logged_and_swallowed(
 
     fut.add_done_callback(bad)
     fut.add_done_callback(lambda f: seen.append(f.value()))
-    with caplog.at_level(logging.ERROR, logger="asyncrpc.runtime.future"):
+    with caplog.at_level(logging.ERROR, logger="asyncrpc.runtime.futures"):
         fut.set_result(2)
     assert seen == [2]
     assert any(r.exc_info and r.exc_info[0] is ValueError for r in caplog.records)

@@ -26,10 +26,15 @@ FLOORS: list[tuple[float, tuple[str, ...]]] = [
     (0, ("asyncrpc.errors", "asyncrpc.errorstate", "asyncrpc.functions")),
     (1, ("asyncrpc.protocol",)),
     (2.0, ("asyncrpc.runtime",)),
+    # Threads and the hand-offs between them, then the futures that cross them.
+    (2.01, ("asyncrpc.runtime.threads",)),
+    (2.02, ("asyncrpc.runtime.futures",)),
     (2.1, ("asyncrpc.runtime.shm",)),
     (2.2, ("asyncrpc.runtime.net",)),
     (2.3, ("asyncrpc.runtime.group",)),
     (2.4, ("asyncrpc.runtime.calls",)),
+    # Streaming calls, one room above the calls they are made of.
+    (2.42, ("asyncrpc.runtime.calls.streams",)),
     # The CUDA path plugs into the call pipeline as hooks (device maps, the send gate).
     (2.45, ("asyncrpc.runtime.cuda",)),
     # Lanes: calling threads' own connections; their server hands requests to the dispatcher.
@@ -261,7 +266,7 @@ def test_layering_checker_passes_a_tree() -> None:
         ("asyncrpc.runtime.net.links", "from asyncrpc.runtime.calls import pending"),
         ("asyncrpc.runtime.net.peers", "from asyncrpc.runtime.group.shutdown import x"),
         ("asyncrpc.runtime.calls.dispatch", "from asyncrpc.runtime.agent import Agent"),
-        ("asyncrpc.runtime.future", "from asyncrpc.runtime.shm import shm"),
+        ("asyncrpc.runtime.futures", "from asyncrpc.runtime.shm import shm"),
     ],
 )
 def test_layering_checker_catches_an_upward_import(module: str, source: str) -> None:

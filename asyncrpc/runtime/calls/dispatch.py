@@ -35,15 +35,14 @@ from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import ACK_WANTED, CallMode, ErrorReply, Reply, Request
 from asyncrpc.runtime.calls.builtins import checked_op, is_torch_c_function, runs_on_loop
 from asyncrpc.runtime.calls.pipeline import IncomingCall, Pipeline
-from asyncrpc.runtime.future import Future
-from asyncrpc.runtime.futurebridge import CFuture
+from asyncrpc.runtime.futures import Future
+from asyncrpc.runtime.futures.bridge import CFuture
 from asyncrpc.runtime.metrics import Counters
 from asyncrpc.runtime.net.links import FrameInParts, write_in_parts
 from asyncrpc.runtime.net.transport import Connection
-from asyncrpc.runtime.producer import Producers
 from asyncrpc.runtime.services import RRefService
-from asyncrpc.runtime.threadpool import Job as PoolJob
-from asyncrpc.runtime.threadpool import WorkerPool
+from asyncrpc.runtime.threads.pool import Job as PoolJob
+from asyncrpc.runtime.threads.pool import WorkerPool
 
 __all__ = [
     "Dispatcher",
@@ -67,6 +66,21 @@ class Caller(Protocol):
 
     peer: int | None
     peer_name: str | None
+
+
+class Producers(Protocol):
+    """What the dispatcher asks of the producing side of streams (``calls/streams/``,
+    above it): hold a stream request's credit, forget it, start its generator."""
+
+    def expect(self, conn: Any, peer: int, stream_id: int, target: str) -> None: ...
+
+    def forget(self, peer: int, stream_id: int) -> None: ...
+
+    def start(
+        self, peer: int, stream_id: int, fn: Any, run: Callable[..., Any], args: Any,
+        kwargs: Any, replying: Callable[[bool, Any], dict[str, Any] | None],
+        dumps: Callable[[Any], Any],
+    ) -> None: ...  # fmt: skip
 
 
 # Writes a frame on a connection (the agent's; a closed connection drops it).
@@ -253,7 +267,7 @@ class Dispatcher:
                 self._finish(served, False, exc)
                 return
         request = served.request
-        if request.mode == CallMode.STREAM:  # a generator, driven by runtime/producer.py
+        if request.mode == CallMode.STREAM:  # a generator, driven by calls/streams/producer.py
             assert self.streams is not None
             replying = partial(self._replying, served)
             # Items are pickled as replies are, with the reply's device map, but each frame

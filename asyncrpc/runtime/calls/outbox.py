@@ -29,10 +29,10 @@ from asyncrpc.protocol.wire import Frame, encode_frame, frame_nbytes
 from asyncrpc.protocol.wire.messages import CallMode, Request, optional_headers
 from asyncrpc.runtime.calls.pending import PendingCall, PendingCalls, Waiter, describe_function
 from asyncrpc.runtime.calls.pipeline import CallHook, OutgoingCall, Pipeline
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.futures import Future
 from asyncrpc.runtime.group.membership import Directory
-from asyncrpc.runtime.loopinbox import LoopInbox
 from asyncrpc.runtime.metrics import Counters
+from asyncrpc.runtime.threads.loopinbox import LoopInbox
 
 __all__ = ["EncodedRequest", "Minting", "Observed", "Outbox", "Sender", "SyncLanes"]
 

@@ -17,7 +17,7 @@ from typing import Any
 from asyncrpc.functions import per_callable_cache
 from asyncrpc.protocol.reflog import Transfer
 from asyncrpc.runtime.calls.pipeline import CallHook, OutgoingCall, Pipeline
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.futures import Future
 
 __all__ = ["Deadlines", "PendingCall", "PendingCalls", "Waiter", "describe_function"]
 

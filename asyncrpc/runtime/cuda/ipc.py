@@ -38,7 +38,7 @@ from typing import Any
 
 import msgpack
 
-from asyncrpc.runtime.cuda.devices import Devices, IpcDescriptor, Stream
+from asyncrpc.runtime.cuda.devices import CudaStream, Devices, IpcDescriptor
 
 __all__ = ["FIELD", "TAG", "IpcLinks", "is_ipc_tag"]
 
@@ -76,7 +76,7 @@ class IpcLinks:
         devices: Devices,
         same_host: Callable[[int], bool],
         probe: bool = True,
-        stream_for: Callable[[int], Stream] | None = None,
+        stream_for: Callable[[int], CudaStream] | None = None,
     ) -> None:
         self.devices = devices
         self._same_host = same_host
@@ -180,7 +180,13 @@ class IpcLinks:
     # -- handles out (producer) ---------------------------------------------------------------
 
     def export(
-        self, peer: int, tensor: Any, nbytes: int, target: str, stream: Stream, count: bool = True
+        self,
+        peer: int,
+        tensor: Any,
+        nbytes: int,
+        target: str,
+        stream: CudaStream,
+        count: bool = True,
     ) -> str:
         """Share ``tensor`` (its first ``nbytes``) with ``peer``; returns the segment's tag.
         ``stream`` is the producer's: the consumer waits for the work queued on it."""

@@ -31,7 +31,7 @@ from asyncrpc.protocol.options import RpcBackendOptions
 from asyncrpc.protocol.serde.policy import TensorPolicy
 from asyncrpc.protocol.serde.tensors import _resolved_span, memory_view
 from asyncrpc.runtime.cuda.callee import CalleeStreams, RequestStreams
-from asyncrpc.runtime.cuda.devices import Devices, Event, Stream
+from asyncrpc.runtime.cuda.devices import CudaStream, Devices, Event
 from asyncrpc.runtime.cuda.gate import FrameEvents, SendGate, order_after
 from asyncrpc.runtime.cuda.ipc import IpcLinks, is_ipc_tag
 from asyncrpc.runtime.cuda.maps import HostCopy, cuda_index
@@ -86,8 +86,8 @@ class StagedTransfer:
         self.chunked = 0  # chunk copies queued (metrics)
         self.ipc: IpcLinks | None = None  # same-host peers by handle (set for "auto"/"ipc")
         self._count: int | None = None  # devices this process sees
-        self._out: dict[int, Stream] = {}
-        self._in: dict[int, Stream] = {}
+        self._out: dict[int, CudaStream] = {}
+        self._in: dict[int, CudaStream] = {}
         self.staged_out = 0  # tensors copied to the host, and to a device (metrics)
         self.staged_in = 0
 
@@ -187,13 +187,13 @@ class StagedTransfer:
             self._count = len(self.devices.identity().uuids)
         return self._count
 
-    def out_stream(self, device: int) -> Stream:
+    def out_stream(self, device: int) -> CudaStream:
         stream = self._out.get(device)
         if stream is None:
             stream = self._out[device] = self.devices.new_stream(device)
         return stream
 
-    def in_stream(self, device: int) -> Stream:
+    def in_stream(self, device: int) -> CudaStream:
         stream = self._in.get(device)
         if stream is None:
             stream = self._in[device] = self.devices.new_stream(device)
@@ -236,7 +236,7 @@ class StagedCopy(TensorPolicy):
         self.events: dict[int, Event] = {}  # device -> after this message's last copy
         # device -> the stream the producer's work is on, where it is not the pickling
         # thread's current one (a reply: the callee's leased pool streams).
-        self.streams: dict[int, Stream] = {}
+        self.streams: dict[int, CudaStream] = {}
         self.received: list[tuple[int, Any]] = []  # (device, tensor) copied in
         # Staged bytes by host address: [start, stop) valid once the event completed (a
         # tensor's chunks in order; those of one device are ordered on its copy stream).
@@ -284,7 +284,7 @@ class StagedCopy(TensorPolicy):
         transfer.staged_out += 1
         return target, host
 
-    def _copy_chunks(self, tensor: Any, nbytes: int, stream: Stream) -> tuple[Any, Event]:
+    def _copy_chunks(self, tensor: Any, nbytes: int, stream: CudaStream) -> tuple[Any, Event]:
         """Copy ``tensor`` into a pinned buffer of the pool, in chunks of the transfer's
         ``chunk_bytes``, an event after each: ``chunks`` says which bytes each event covers
         (where a writer that takes a frame in parts may start on the first one). Returns

@@ -30,14 +30,14 @@ from asyncrpc.protocol.serde import pack_exception
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.stream import ProducerFlow, StreamEnd, StreamError, StreamItem
 from asyncrpc.runtime.services import RRefService
-from asyncrpc.runtime.threadpool import WorkerPool
+from asyncrpc.runtime.threads.pool import WorkerPool
 
 __all__ = ["ProducerHost", "ProducerStream", "Producers"]
 
 _CLOSED = object()  # a pool thread closed the generator itself
 _JOIN_BYTES = 64 << 10  # item frames joined into one write, up to this many bytes
 
-_log = logging.getLogger("asyncrpc.runtime.producer")
+_log = logging.getLogger("asyncrpc.runtime.calls.streams.producer")
 
 # The pipeline's last look at the stream (the dispatcher's): ok, value -> reply fields.
 Replying = Callable[[bool, Any], dict[str, Any] | None]

@@ -11,8 +11,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from asyncrpc.runtime.callbacks import set_default_callback_loop
-from asyncrpc.runtime.jitfuture import Future, FutureAlreadyDoneError, FutureNotDoneError
+from asyncrpc.runtime.futures.callbacks import set_default_callback_loop
+from asyncrpc.runtime.futures.core import Future, FutureAlreadyDoneError, FutureNotDoneError
 
 __all__ = [
     "Future",

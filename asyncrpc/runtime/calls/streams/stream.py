@@ -20,8 +20,8 @@ from types import TracebackType
 from typing import Any, Generic, TypeVar
 
 from asyncrpc.errors import BlockingCallError, ClosedError
-from asyncrpc.runtime.consumer import ConsumerStream
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.calls.streams.consumer import ConsumerStream
+from asyncrpc.runtime.futures import Future
 
 __all__ = ["Stream"]
 

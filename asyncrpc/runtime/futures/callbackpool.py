@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from asyncrpc.runtime import handoffs
+from asyncrpc.runtime.threads import handoffs
 
 __all__ = ["CallbackPool"]
 

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from asyncrpc.errors import RpcTimeoutError
 from asyncrpc.protocol.wire.stream import ConsumerFlow
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.futures import Future
 
 __all__ = ["ConsumerHub", "ConsumerStream", "Waiter"]
 

@@ -16,7 +16,7 @@ import collections
 from collections.abc import Callable
 from typing import Any
 
-from asyncrpc.runtime import handoffs
+from asyncrpc.runtime.threads import handoffs
 
 __all__ = ["LoopInbox"]
 
@@ -26,7 +26,7 @@ class LoopInbox:
 
     Args:
         loop: the loop that runs the items.
-        kind: the hand-off each wake-up counts as (``asyncrpc.runtime.handoffs.KINDS``).
+        kind: the hand-off each wake-up counts as (``asyncrpc.runtime.threads.handoffs.KINDS``).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, kind: str) -> None:

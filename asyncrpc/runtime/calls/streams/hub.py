@@ -31,11 +31,11 @@ from asyncrpc.protocol.wire.stream import (
 )
 from asyncrpc.runtime.calls.outbox import EncodedRequest, Outbox
 from asyncrpc.runtime.calls.pending import PendingCalls
-from asyncrpc.runtime.consumer import ConsumerStream
+from asyncrpc.runtime.calls.streams.consumer import ConsumerStream
+from asyncrpc.runtime.calls.streams.producer import ProducerHost, Producers
+from asyncrpc.runtime.calls.streams.stream import Stream
 from asyncrpc.runtime.metrics import Counters
 from asyncrpc.runtime.net.network import Network
-from asyncrpc.runtime.producer import ProducerHost, Producers
-from asyncrpc.runtime.stream import Stream
 
 __all__ = ["StreamHost", "Streams"]
 
