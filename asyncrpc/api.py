@@ -30,6 +30,7 @@ from asyncrpc.protocol.options import (
 from asyncrpc.rref.context import RRefContext
 from asyncrpc.rref.handle import RRef, current_rrefs
 from asyncrpc.runtime.agent import Agent
+from asyncrpc.runtime.calls.pipeline import CallKind
 from asyncrpc.runtime.current import clear_agent, current_agent, set_agent
 from asyncrpc.runtime.futures import Future
 from asyncrpc.runtime.group.shutdown import shutdown_limit
@@ -381,7 +382,7 @@ def rpc_async(
         NotInitializedError: no worker runs in this process.
     """
     return current_agent().call_future(
-        to, func, tuple(args or ()), dict(kwargs or {}), timeout, "async"
+        to, func, tuple(args or ()), dict(kwargs or {}), timeout, CallKind.ASYNC
     )
 
 

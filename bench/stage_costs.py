@@ -26,6 +26,7 @@ import asyncrpc
 from asyncrpc.bench import workloads
 from asyncrpc.protocol.wire import FrameDecoder, encode_frame
 from asyncrpc.protocol.wire.messages import Reply, Request, decode_message
+from asyncrpc.runtime.calls.pipeline import CallKind
 from asyncrpc.runtime.current import current_agent
 from asyncrpc.runtime.futures import Future
 from asyncrpc.runtime.threads.loopthread import new_event_loop
@@ -59,7 +60,7 @@ def serde_stages(agent: Any, fn: Any, args: tuple[Any, ...], result: Any) -> dic
     reply = decoder.feed(reply_wire)[0]
     return {
         "caller: Outbox.encode (pickle + Request + frame)":
-            per_call_us(lambda: agent.outbox.encode(0, fn, args, {}, 60.0, "sync")),
+            per_call_us(lambda: agent.outbox.encode(0, fn, args, {}, 60.0, CallKind.SYNC)),
         "  of which Serializer.dumps((fn, args, {}))":
             per_call_us(lambda: ser.dumps((fn, args, {}), context=0)),
         "  of which encode_frame(header)":

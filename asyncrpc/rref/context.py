@@ -48,6 +48,7 @@ from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import RefMessage, RefOp, Request
 from asyncrpc.rref.handle import RRef
 from asyncrpc.runtime.calls.pending import describe_function
+from asyncrpc.runtime.calls.pipeline import CallKind
 from asyncrpc.runtime.futures import Future, collect_all
 from asyncrpc.runtime.threads import handoffs
 from asyncrpc.runtime.threads.pool import WorkerPool
@@ -88,7 +89,7 @@ class RRefHost(Protocol):
 
     def call_future(
         self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
-        kind: str = ..., target: str | None = ...,
+        kind: CallKind = ..., target: str | None = ...,
     ) -> Future[Any]: ...  # fmt: skip
 
     def send_remote(
@@ -449,7 +450,7 @@ class RRefContext:
         return self.agent.rank
 
     def call(
-        self, to: int, fn: Any, args: Sequence[Any], timeout: float, kind: str, target: str
+        self, to: int, fn: Any, args: Sequence[Any], timeout: float, kind: CallKind, target: str
     ) -> Future[Any]:
         """A call made on behalf of an RRef (to_here, proxies), named for the hooks."""
         return self.agent.call_future(to, fn, args, {}, timeout, kind, target)

@@ -29,6 +29,7 @@ from asyncrpc.protocol.refmessages import (
     RRefId,
 )
 from asyncrpc.runtime.calls.dispatch import await_async_result
+from asyncrpc.runtime.calls.pipeline import CallKind
 from asyncrpc.runtime.current import current_agent
 from asyncrpc.runtime.futures import Future
 
@@ -61,7 +62,7 @@ class RRefBackend(Protocol):
     ) -> RRef[Any]: ...  # fmt: skip
 
     def call(
-        self, to: int, fn: Any, args: Sequence[Any], timeout: float, kind: str, target: str
+        self, to: int, fn: Any, args: Sequence[Any], timeout: float, kind: CallKind, target: str
     ) -> Future[Any]: ...
 
     async def run_in_pool(self, fn: Callable[[], Any]) -> Any: ...
@@ -200,9 +201,9 @@ class RRef(Generic[T]):
             RRefOwnerLostError: the owner is gone (also through the future).
             RRefTimeoutError: the remote() that made this RRef timed out.
         """
-        return self._fetch(timeout, "async")
+        return self._fetch(timeout, CallKind.ASYNC)
 
-    def _fetch(self, timeout: float, kind: str) -> Future[T]:
+    def _fetch(self, timeout: float, kind: CallKind) -> Future[T]:
         ctx = self._ctx
         ctx.check_usable(self)
         if self._value is not None:
@@ -236,7 +237,7 @@ class RRef(Generic[T]):
             Exception: the errors of ``to_here_future`` and the exception creating the
                 value raised, as its own type.
         """
-        return self._fetch(timeout, "sync").wait()
+        return self._fetch(timeout, CallKind.SYNC).wait()
 
     def _get_type(self, timeout: float = UNSET_RPC_TIMEOUT, blocking: bool = True) -> Any:
         """The type of the value (torch's ``RRef._get_type``), asked of the owner once.
@@ -257,7 +258,7 @@ class RRef(Generic[T]):
             else:
                 self._ctx.check_usable(self)
                 fut = self._ctx.call(
-                    self._owner, _type_on_owner, (self,), timeout, "async", "RRef._get_type"
+                    self._owner, _type_on_owner, (self,), timeout, CallKind.ASYNC, "RRef._get_type"
                 )._then(functools.partial(_owner_lost_as_rref_error, self.owner_name()))
             self._type = fut
         return fut.wait() if blocking else fut
@@ -280,7 +281,12 @@ class RRef(Generic[T]):
             failed.set_exception(exc)
             return failed
         call = self._ctx.call(
-            self._owner, _made_on_owner, (self,), UNSET_RPC_TIMEOUT, "async", "RRef._get_future"
+            self._owner,
+            _made_on_owner,
+            (self,),
+            UNSET_RPC_TIMEOUT,
+            CallKind.ASYNC,
+            "RRef._get_future",
         )
         return call._then(functools.partial(_owner_lost_as_rref_error, self.owner_name()))
 
@@ -331,7 +337,7 @@ class RRef(Generic[T]):
         self._ctx.check_usable(self)
         args = (self, dist_autograd_ctx_id, retain_graph)
         call = self._ctx.call(
-            self._owner, _backward_on_owner, args, UNSET_RPC_TIMEOUT, "sync", "RRef.backward"
+            self._owner, _backward_on_owner, args, UNSET_RPC_TIMEOUT, CallKind.SYNC, "RRef.backward"
         )
         call._then(functools.partial(_owner_lost_as_rref_error, self.owner_name())).wait()
 
@@ -347,7 +353,7 @@ class RRef(Generic[T]):
         Returns:
             A proxy whose method calls block for the result, as ``rpc_sync``.
         """
-        return _Proxy(self, "sync", timeout)
+        return _Proxy(self, CallKind.SYNC, timeout)
 
     def rpc_async(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
         """Proxy: ``rref.rpc_async().method(*args)`` returns a Future of the result.
@@ -359,7 +365,7 @@ class RRef(Generic[T]):
         Returns:
             A proxy whose method calls return a ``Future``, as ``rpc_async``.
         """
-        return _Proxy(self, "async", timeout)
+        return _Proxy(self, CallKind.ASYNC, timeout)
 
     def remote(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
         """Proxy: ``rref.remote().method(*args)`` returns an RRef of the result.
@@ -373,7 +379,7 @@ class RRef(Generic[T]):
         Returns:
             A proxy whose method calls return an ``RRef`` owned by this RRef's owner.
         """
-        return _Proxy(self, "remote", timeout)
+        return _Proxy(self, CallKind.REMOTE, timeout)
 
     def stream(self, timeout: float = UNSET_RPC_TIMEOUT, window: int | None = None) -> Any:
         """Proxy: ``rref.stream().method(*args)`` iterates the generator method ``method``
@@ -396,7 +402,7 @@ class _Proxy:
 
     __slots__ = ("_mode", "_rref", "_timeout")
 
-    def __init__(self, rref: RRef[Any], mode: str, timeout: float) -> None:
+    def __init__(self, rref: RRef[Any], mode: CallKind, timeout: float) -> None:
         self._rref, self._mode, self._timeout = rref, mode, timeout
 
     def __getattr__(self, name: str) -> Any:
@@ -409,12 +415,12 @@ class _Proxy:
         ctx.check_usable(rref)
         call_args = (rref, name, args, kwargs)
         target = f"RRef.{name}"  # what the hooks (and the profiler) call it
-        if self._mode == "remote":
+        if self._mode is CallKind.REMOTE:
             _check_method(rref, name, self._timeout)
             return ctx.remote(rref._owner, _invoke_method, call_args, {}, self._timeout, target)
         future = ctx.call(rref._owner, _invoke_method, call_args, self._timeout, self._mode, target)
         future = future._then(functools.partial(_owner_lost_as_rref_error, rref.owner_name()))
-        return future if self._mode == "async" else future.wait()
+        return future if self._mode is CallKind.ASYNC else future.wait()
 
 
 class _StreamProxy:

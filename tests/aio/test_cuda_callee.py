@@ -21,7 +21,7 @@ from asyncrpc.protocol.wire import Frame, FrameDecoder, encode_frame
 from asyncrpc.protocol.wire.messages import CallMode, Kind, Request, decode_message
 from asyncrpc.runtime.calls.dispatch import Dispatcher
 from asyncrpc.runtime.calls.pending import PendingCall
-from asyncrpc.runtime.calls.pipeline import IncomingCall, OutgoingCall, Pipeline
+from asyncrpc.runtime.calls.pipeline import CallKind, IncomingCall, OutgoingCall, Pipeline
 from asyncrpc.runtime.cuda import FakeDevices, FakeTensor, StreamPool, StreamPoolExhaustedError
 from asyncrpc.runtime.cuda.callee import CalleeStreams, on_streams
 from asyncrpc.runtime.cuda.fake import FakeStream
@@ -446,7 +446,7 @@ async def test_then_chain_on_the_caller_is_ordered_after_the_callee_kernel_and_t
     caller_gpu = FakeDevices()  # the caller's process: the frame's bytes arrived
     caller = StagedTransfer(caller_gpu)
     hook = DeviceMapHook({"w1": {"cuda:0": "cuda:0"}}, caller)
-    out = OutgoingCall("async", "w0", "w1", 1, print, "builtins.print", (), {})
+    out = OutgoingCall(CallKind.ASYNC, "w0", "w1", 1, print, "builtins.print", (), {})
     hooks = Pipeline([hook]).active_hooks()
     Pipeline.prepare(hooks, out)
     value = out.reply_policy.to_device(b"y", "cuda:0")

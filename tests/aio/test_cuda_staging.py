@@ -14,7 +14,7 @@ import torch
 
 from asyncrpc.errors import SerializationError
 from asyncrpc.runtime.calls.pending import PendingCall
-from asyncrpc.runtime.calls.pipeline import IncomingCall, OutgoingCall, Pipeline
+from asyncrpc.runtime.calls.pipeline import CallKind, IncomingCall, OutgoingCall, Pipeline
 from asyncrpc.runtime.cuda import FakeDevices, FakeTensor
 from asyncrpc.runtime.cuda.maps import FIELD, DeviceMapHook, HostCopy, HostTransfer
 from asyncrpc.runtime.cuda.staging import StagedCopy, StagedTransfer
@@ -129,7 +129,7 @@ def test_a_cpu_tag_is_left_to_the_default() -> None:
 
 
 def outgoing(callee: str = "w1") -> OutgoingCall:
-    return OutgoingCall("async", "w0", callee, 1, print, "builtins.print", (), {})
+    return OutgoingCall(CallKind.ASYNC, "w0", callee, 1, print, "builtins.print", (), {})
 
 
 @pytest.mark.asyncio

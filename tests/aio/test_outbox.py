@@ -23,7 +23,7 @@ from asyncrpc.protocol.wire.messages import (
 from asyncrpc.runtime.calls.dispatch import Dispatcher
 from asyncrpc.runtime.calls.outbox import Outbox
 from asyncrpc.runtime.calls.pending import PendingCalls
-from asyncrpc.runtime.calls.pipeline import Pipeline
+from asyncrpc.runtime.calls.pipeline import CallKind, Pipeline
 from asyncrpc.runtime.group.membership import Directory
 from asyncrpc.runtime.metrics import Counters
 from asyncrpc.runtime.threads.pool import WorkerPool
@@ -131,7 +131,7 @@ async def test_Outbox_lost_connection_fails_only_the_calls_written_on_it() -> No
     with pytest.raises(ClosedError):
         await second
     with pytest.raises(ClosedError):
-        outbox.encode(1, max, (), {}, 0, "sync")
+        outbox.encode(1, max, (), {}, 0, CallKind.SYNC)
 
 
 class Caller:

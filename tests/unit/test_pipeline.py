@@ -13,6 +13,7 @@ from asyncrpc.errors import SerializationError
 from asyncrpc.protocol.serde import Serializer
 from asyncrpc.runtime.calls.pipeline import (
     CallHook,
+    CallKind,
     CallTensors,
     IncomingCall,
     OutgoingCall,
@@ -45,7 +46,7 @@ class Recorder(CallHook):
 
 
 def outgoing_call() -> OutgoingCall:
-    return OutgoingCall("sync", "a", "b", 1, print, "builtins.print", (1,), {})
+    return OutgoingCall(CallKind.SYNC, "a", "b", 1, print, "builtins.print", (1,), {})
 
 
 def incoming_call(headers: dict[str, Any] | None = None) -> IncomingCall:

@@ -28,7 +28,7 @@ from asyncrpc.protocol.serde import Serializer, unpack_exception
 from asyncrpc.protocol.wire import Frame, encode_frame, frame_nbytes
 from asyncrpc.protocol.wire.messages import CallMode, Request, optional_headers
 from asyncrpc.runtime.calls.pending import PendingCall, PendingCalls, Waiter, describe_function
-from asyncrpc.runtime.calls.pipeline import CallHook, OutgoingCall, Pipeline
+from asyncrpc.runtime.calls.pipeline import CallHook, CallKind, OutgoingCall, Pipeline
 from asyncrpc.runtime.futures import Future
 from asyncrpc.runtime.group.membership import Directory
 from asyncrpc.runtime.metrics import Counters
@@ -142,13 +142,13 @@ class Outbox:
 
     def encode(
         self, rank: int, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
-        kind: str, mode: int = CallMode.CALL, register: Register | None = None,
+        kind: CallKind, mode: int = CallMode.CALL, register: Register | None = None,
         target: str | None = None,
     ) -> EncodedRequest:  # fmt: skip
         """Pickle and frame a request on the calling thread, through the call pipeline.
 
         Args:
-            kind: torch's name of the call's mode for the hooks: "sync", "async", "remote".
+            kind: how the call was made, for the hooks.
             register: for ``remote()``, makes the RRef and fork ids once the payload is
                 pickled and the hooks have run (so a failure leaves no RRef state).
             target: the name the hooks and errors use (default: the function's).
@@ -199,7 +199,7 @@ class Outbox:
 
     def call_future(
         self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
-        kind: str = "async", target: str | None = None,
+        kind: CallKind = CallKind.ASYNC, target: str | None = None,
     ) -> Future[Any]:  # fmt: skip
         """Start a call from any thread and return its ``asyncrpc.Future``; cancelling the
         future cancels the call (and tells the callee)."""
@@ -228,7 +228,9 @@ class Outbox:
             The errors of ``call_future`` and of the call.
         """
         rank = self._directory.resolve(to)
-        encoded = self.encode(rank, fn, args, kwargs, self.effective_timeout(timeout), "sync")
+        encoded = self.encode(
+            rank, fn, args, kwargs, self.effective_timeout(timeout), CallKind.SYNC
+        )
         lanes, observed = self._lanes, encoded.observed
         if (
             lanes is not None
@@ -253,7 +255,9 @@ class Outbox:
         if directory.dynamic:
             await directory.lookup_async(directory.destination(to))  # off the loop
         rank = directory.resolve(to)
-        encoded = self.encode(rank, fn, args, kwargs, self.effective_timeout(timeout), "async")
+        encoded = self.encode(
+            rank, fn, args, kwargs, self.effective_timeout(timeout), CallKind.ASYNC
+        )
         waiter: asyncio.Future[Any] = self.loop.create_future()
         self.start(encoded, waiter)
         try:
@@ -285,7 +289,7 @@ class Outbox:
             SerializationError: the function or an argument cannot be pickled.
         """
         encoded = self.encode(
-            rank, fn, args, kwargs, timeout, "remote", CallMode.REMOTE, register, target
+            rank, fn, args, kwargs, timeout, CallKind.REMOTE, CallMode.REMOTE, register, target
         )
         if encoded.observed is None:
             e = encoded

@@ -41,6 +41,7 @@ no header field goes on the wire.
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
 __all__ = [
     "STAGES",
     "CallHook",
+    "CallKind",
     "CallTensors",
     "IncomingCall",
     "OutgoingCall",
@@ -62,6 +64,17 @@ __all__ = [
 ]
 
 _log = logging.getLogger("asyncrpc.pipeline")
+
+
+class CallKind(enum.StrEnum):
+    """How a call was made, as the hooks see it: torch's exec modes (``RPCExecMode``), and
+    a stream. Its value is torch's word, as profiles name spans (``rpc_sync#...``)."""
+
+    SYNC = "sync"  # rpc_sync, to_here, RRef.rpc_sync() proxies: the caller blocks
+    ASYNC = "async"  # rpc_async, await call, RRef.rpc_async() proxies
+    REMOTE = "remote"  # remote(), RRef.remote() proxies: the value stays on the callee
+    STREAM = "stream"  # stream(), rpc_stream(): items flow until the generator ends
+
 
 # Takes the function to run and returns the function to run instead (same calling
 # convention: a coroutine function's wrapper returns an awaitable).
@@ -151,11 +164,11 @@ class OutgoingCall(_Call):
     )  # fmt: skip
 
     def __init__(
-        self, kind: str, caller: str, callee: str, callee_rank: int, fn: Any, target: str,
+        self, kind: CallKind, caller: str, callee: str, callee_rank: int, fn: Any, target: str,
         args: Sequence[Any], kwargs: dict[str, Any],
     ) -> None:  # fmt: skip
         super().__init__()
-        self.kind = kind  # torch's exec modes: "sync", "async", "remote"
+        self.kind = kind
         self.caller = caller
         self.callee = callee
         self.callee_rank = callee_rank

@@ -31,6 +31,7 @@ from asyncrpc.protocol.wire.stream import (
 )
 from asyncrpc.runtime.calls.outbox import EncodedRequest, Outbox
 from asyncrpc.runtime.calls.pending import PendingCalls
+from asyncrpc.runtime.calls.pipeline import CallKind
 from asyncrpc.runtime.calls.streams.consumer import ConsumerStream
 from asyncrpc.runtime.calls.streams.producer import ProducerHost, Producers
 from asyncrpc.runtime.calls.streams.stream import Stream
@@ -89,7 +90,7 @@ class Streams:
         rank = host.resolve(to)
         item_timeout = host.effective_timeout(timeout)
         encoded = host.outbox.encode(
-            rank, fn, args, kwargs, 0.0, "stream", CallMode.STREAM, target=target
+            rank, fn, args, kwargs, 0.0, CallKind.STREAM, CallMode.STREAM, target=target
         )
         stream_id, target = encoded.call_id, encoded.target
         name = host.addresses[rank].name
