@@ -50,11 +50,11 @@ def per_call_us(fn: Callable[[], object], n: int = N, repeat: int = 5) -> float:
 def serde_stages(agent: Any, fn: Any, args: tuple[Any, ...], result: Any) -> dict[str, float]:
     ser, decoder = agent.serializer, FrameDecoder(allocate=agent.serializer.allocate)
     request = Request(1, 60.0, 0, "x", None, None)
-    payload, segments, _ = ser.dumps((fn, args, {}), context=0)
+    payload, segments, _, _ = ser.dumps((fn, args, {}), context=0)
     pieces = encode_frame(request.to_fields(), payload, segments)
     wire = b"".join(bytes(p) for p in pieces)
     frame = decoder.feed(wire)[0]
-    r_payload, r_segments, _ = ser.dumps(result, context=0)
+    r_payload, r_segments, _, _ = ser.dumps(result, context=0)
     reply_wire = b"".join(bytes(p) for p in encode_frame(Reply(1).to_fields(), r_payload,
                                                           r_segments))  # fmt: skip
     reply = decoder.feed(reply_wire)[0]

@@ -11,9 +11,6 @@ from asyncrpc.protocol.wire.messages import Request
 class NoRRefs:
     """The RRef service's side the outbox and dispatcher use, holding no reference."""
 
-    def take_minted(self) -> None:
-        return None
-
     def take_unconfirmed(self) -> None:
         return None
 

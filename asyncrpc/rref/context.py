@@ -120,9 +120,6 @@ class RRefContext:
         self._lost: dict[RRefId, int] = {}
         # User forks made unusable (remote() not confirmed in time, or never delivered).
         self._unusable: dict[ForkId, RRefError] = {}
-        # Forks minted by the pickling in progress on each thread, for the frame it makes
-        # (the agent follows them until the peer has read that frame: see reflog.py).
-        self._minting = threading.local()
         self._queried = 0  # ForkQuery messages sent
         # Forks received from a worker other than the owner, until the owner accepts them
         # (by owner rank); `_loaded` lists those of the request being unpickled, so that
@@ -162,8 +159,7 @@ class RRefContext:
                 rref_id = self.counter.next_rref_id()
                 fork_id, _ = self.counter.new_user(rref_id, rank)
             ids.append((rref_id, fork_id))
-            self._minted().append((rref_id, fork_id))
-            return rref_id, fork_id
+            return rref_id, fork_id  # the outbox follows the fork with the request
 
         observed = agent.send_remote(rank, fn, args, kwargs, timeout, register)
         rref_id, fork_id = ids[0]
@@ -280,8 +276,10 @@ class RRefContext:
 
     # -- pickling (serializer hooks) -------------------------------------------------------
 
-    def dump(self, obj: object, dest: object) -> tuple[Any, ...] | None:
-        """Persistent id of an RRef pickled for worker ``dest``: a new fork of it."""
+    def dump(self, obj: object, dest: object, made: list[Any]) -> tuple[Any, ...] | None:
+        """Persistent id of an RRef pickled for worker ``dest``: a new fork of it, appended
+        to ``made`` (the serializer returns it with the payload: the frame carrying it is
+        followed until ``dest`` has read it, see reflog.py)."""
         if not isinstance(obj, RRef):
             return None
         if obj._ctx is not self:
@@ -297,23 +295,8 @@ class RRefContext:
             else:
                 fork_id = self.counter.fork_from_user(obj._rref_id, obj._fork_id, dest)
         if dest != self.agent.rank:
-            self._minted().append((obj._rref_id, fork_id))
+            made.append((obj._rref_id, fork_id))
         return (_TAG, *obj._rref_id, *fork_id, obj._owner, self.agent.rank)
-
-    def _minted(self) -> list[Transfer]:
-        minted: list[Transfer] | None = getattr(self._minting, "forks", None)
-        if minted is None:
-            minted = self._minting.forks = []
-        return minted
-
-    def take_minted(self) -> list[Transfer] | None:
-        """The forks pickled on this thread since the last call, for the frame just made
-        (None: none). Call it before pickling too, to forget a failed pickling's."""
-        minted: list[Transfer] | None = getattr(self._minting, "forks", None)
-        if not minted:
-            return None
-        self._minting.forks = []
-        return minted
 
     def undelivered(self, rank: int, forks: list[Transfer]) -> None:
         """The frame carrying ``forks`` to ``rank`` was never written: undo them."""

@@ -96,6 +96,7 @@ class Agent:
         self.serializer = Serializer(
             persistent_dump=self.rrefs.dump,
             persistent_load=self.rrefs.load,
+            discard=self.rrefs.undelivered,
             place=self.shm.place if options.shared_memory else None,
         )
         allocate = self.serializer.allocate
@@ -108,7 +109,8 @@ class Agent:
         # Lanes (lanes/): calling threads' own connections for rpc_sync, and the threads
         # serving peers' lanes here. Their frames never use shared memory.
         lane_serializer = Serializer(persistent_dump=self.rrefs.dump,
-                                     persistent_load=self.rrefs.load)  # fmt: skip
+                                     persistent_load=self.rrefs.load,
+                                     discard=self.rrefs.undelivered)  # fmt: skip
         self.lanes = CallerLanes(
             (self.name, self.rank), self.addresses, group.host_id, group.key,
             options.max_frame_size, options.handshake_timeout, lane_serializer,
@@ -118,7 +120,7 @@ class Agent:
         self.lane_server = lane_server
         self.outbox = Outbox(
             self.name, loop, self.pending, serializer=self.serializer, pipeline=self.pipeline,
-            directory=self.directory, sender=self.network, rrefs=self.rrefs,
+            directory=self.directory, sender=self.network,
             unlend=self.shm.unlend, counters=self.counters,
             default_timeout=options.rpc_timeout, lanes=self.lanes,
         )  # fmt: skip

@@ -315,7 +315,7 @@ def _frames(pieces: list[Any]) -> list[Frame]:
 
 
 def _request(call_id: int, fn: Any, args: tuple[Any, ...], mode: int = CallMode.CALL) -> Any:
-    payload, segments, _ = Serializer().dumps((fn, args, {}), policy=TagCuda())
+    payload, segments, _, _ = Serializer().dumps((fn, args, {}), policy=TagCuda())
     fields = Request(call_id, 0, mode, "fn", None, None, {FIELD: dict(BACK)}).to_fields()
     (frame,) = _frames(encode_frame(fields, payload, segments))
     request = decode_message(frame.fields)

@@ -68,14 +68,14 @@ def _outbox() -> tuple[Outbox, RecordingSender]:
     pending = PendingCalls(loop, expire)
     outbox = Outbox(
         "me", loop, pending, serializer=Serializer(), pipeline=Pipeline(),
-        directory=Directory(addresses, None), sender=sender, rrefs=NoRRefs(),
+        directory=Directory(addresses, None), sender=sender,
         unlend=lambda keep: None, counters=Counters(), default_timeout=60.0,
     )  # fmt: skip
     return outbox, sender
 
 
 def _reply(call_id: int, value: Any) -> Frame:
-    payload, segments, _ = Serializer().dumps(value)
+    payload, segments, _, _ = Serializer().dumps(value)
     (frame,) = _frames(encode_frame(Reply(call_id).to_fields(), payload, segments))
     return frame
 
@@ -159,7 +159,7 @@ async def _dispatcher() -> tuple[Dispatcher, list[tuple[Any, Frame]], WorkerPool
 
 
 def _request(call_id: int, fn: Any, args: tuple[Any, ...]) -> tuple[Request, Any, Any]:
-    payload, segments, _ = Serializer().dumps((fn, args, {}))
+    payload, segments, _, _ = Serializer().dumps((fn, args, {}))
     (frame,) = _frames(encode_frame(Request(call_id, 0, 0, "fn", None, None).to_fields(),
                                     payload, segments))  # fmt: skip
     request = decode_message(frame.fields)

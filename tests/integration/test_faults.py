@@ -229,7 +229,9 @@ class _FakePeer:
         return self.frames.pop(0)
 
     def frame(self, message: Any, value: object = None) -> bytes:
-        payload, segments, _ = self.serializer.dumps(value) if value is not None else (b"", [], [])
+        payload, segments, _, _ = (
+            self.serializer.dumps(value) if value is not None else (b"", [], [], None)
+        )
         return b"".join(bytes(p) for p in encode_frame(message.to_fields(), payload, segments))
 
     def answer_until_reply(self, call_id: int, timeout: float) -> object:

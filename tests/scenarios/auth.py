@@ -28,7 +28,7 @@ _SERIALIZER = Serializer()
 
 
 def frame(message: Any, value: object = None) -> bytes:
-    payload, segments, _ = _SERIALIZER.dumps(value) if value is not None else (b"", [], [])
+    payload, segments, _, _ = _SERIALIZER.dumps(value) if value is not None else (b"", [], [], None)
     return b"".join(bytes(p) for p in encode_frame(message.to_fields(), payload, segments))
 
 

@@ -219,7 +219,7 @@ def test_serializer_with_tracked_grads_lists_them_on_both_sides() -> None:
     receiver.track_grads()
     small = torch.ones(2, requires_grad=True)
     big = torch.zeros(8192, requires_grad=True)  # 32 KiB: a segment
-    payload, segments, _keep = serializer.dumps([big, torch.ones(1), small, big], policy=sender)
+    payload, segments, _keep, _ = serializer.dumps([big, torch.ones(1), small, big], policy=sender)
     assert len(segments) == 1  # `big`, once; the small one rides inside the pickle
     assert sender.grads == [big, small]
     got = serializer.loads(payload, [bytearray(view) for view, _ in segments], policy=receiver)
@@ -228,7 +228,7 @@ def test_serializer_with_tracked_grads_lists_them_on_both_sides() -> None:
 
 
 def test_serializer_without_policy_inlines_small_grads() -> None:
-    _payload, segments, _keep = Serializer().dumps([torch.ones(2, requires_grad=True)])
+    _payload, segments, _keep, _ = Serializer().dumps([torch.ones(2, requires_grad=True)])
     assert segments == []
 
 

@@ -437,21 +437,17 @@ class Dispatcher:
         """The reply frame, what must live while it is written (with the RRef forks it
         carries), or the error that building it raised."""
         incoming, peer = served.incoming, served.peer
-        rrefs = self.rrefs
-        rrefs.take_minted()  # a pickling that failed elsewhere on this thread may leave some
-        try:
-            payload, segments, keep = self._serializer.dumps(
+        try:  # RRefs pickled before a failure: the serializer undoes their forks
+            payload, segments, keep, forks = self._serializer.dumps(
                 result, context=peer, policy=None if incoming is None else incoming.reply_policy
             )
         except Exception as exc:  # the error reply tells the hooks (see _send_error)
-            self._undelivered(peer, rrefs.take_minted())  # forked for nobody
             target = served.request.target
             error = SerializationError(
                 f"the result of {target} on worker {self._name!r} cannot be sent: {exc}"
             )
             error.__cause__ = exc
             return None, (None, None, None), error
-        forks = rrefs.take_minted()
         headers = self._replying(served, True, result)
         if forks and getattr(served.conn, "acks_forks", False):
             # A lane (runtime/lanes/): its caller says when it has read the forks.
@@ -558,7 +554,7 @@ class Dispatcher:
         # A remote() request with pipeline fields: its caller's hooks wait for the end of
         # the function (torch's remote profiling does too), so say so with an empty reply.
         headers = self._replying(served, ok, value)
-        payload, segments, keep = self._serializer.dumps(None)
+        payload, segments, keep, _ = self._serializer.dumps(None)
         reply = Reply(served.request.call_id, headers).to_fields()
         self._write(served.conn, encode_frame(reply, payload, segments), keep, None)
 

@@ -34,7 +34,7 @@ from asyncrpc.runtime.group.membership import Directory
 from asyncrpc.runtime.metrics import Counters
 from asyncrpc.runtime.threads.loopinbox import LoopInbox
 
-__all__ = ["EncodedRequest", "Minting", "Observed", "Outbox", "Sender", "SyncLanes"]
+__all__ = ["EncodedRequest", "Observed", "Outbox", "Sender", "SyncLanes"]
 
 # The pipeline hooks a call went through, with their view of it.
 Observed = tuple[tuple[CallHook, ...], OutgoingCall]
@@ -89,12 +89,6 @@ class SyncLanes(Protocol):
         """Run one call on ``lane``, blocking this thread until its reply (or ``UNSENT``)."""
 
 
-class Minting(Protocol):
-    """What the outbox asks of the RRef service: the forks the last pickling made."""
-
-    def take_minted(self) -> list[Any] | None: ...
-
-
 class Outbox:
     """The outgoing calls of one worker."""
 
@@ -108,7 +102,6 @@ class Outbox:
         pipeline: Pipeline,
         directory: Directory,
         sender: Sender,
-        rrefs: Minting,
         unlend: Callable[[object], None],
         counters: Counters,
         default_timeout: float,
@@ -118,7 +111,7 @@ class Outbox:
         self.loop_thread_id = threading.get_ident()
         self._inbox = LoopInbox(loop, "thread_to_loop")
         self._serializer, self._pipeline, self._directory = serializer, pipeline, directory
-        self._sender, self._rrefs, self._unlend = sender, rrefs, unlend
+        self._sender, self._unlend = sender, unlend
         self._counters, self._default_timeout = counters, default_timeout
         self._lanes = lanes
         # Its expiry calls ``expire`` (the agent builds it first: the network needs it too).
@@ -166,14 +159,11 @@ class Outbox:
             callee = self._directory.addresses[rank].name
             call = OutgoingCall(kind, self._name, callee, rank, fn, target, args, kwargs)
             Pipeline.prepare(hooks, call)  # the hooks' tensor policy, before pickling
-        self._rrefs.take_minted()  # a pickling that failed elsewhere on this thread may leave some
-        try:
-            payload, segments, keep = self._serializer.dumps(
-                (fn, args, kwargs), context=rank, policy=None if call is None else call.policy
-            )
-        except BaseException:
-            self._undo_minted(rank)  # RRefs pickled before the failure: forked for nobody
-            raise
+        # The RRef forks its pickling mints come back with the payload (an argument that
+        # cannot be pickled: the serializer undoes those it minted before).
+        payload, segments, keep, forks = self._serializer.dumps(
+            (fn, args, kwargs), context=rank, policy=None if call is None else call.policy
+        )
         call_id = next(self._call_ids)
         headers = None
         try:
@@ -181,19 +171,19 @@ class Outbox:
                 call.call_id = call_id
                 Pipeline.outgoing(hooks, call)
                 headers = call.headers or None
-            rref_id, fork_id = register() if register is not None else (None, None)
+            rref_id = fork_id = None
+            if register is not None:
+                rref_id, fork_id = register()
+                if fork_id is not None:  # the caller's fork of the value: followed too
+                    forks = [*forks, (rref_id, fork_id)] if forks else [(rref_id, fork_id)]
             request = Request(call_id, timeout, mode, target, rref_id, fork_id, headers)
             pieces = encode_frame(request.to_fields(), payload, segments)
         except BaseException:
             self._unlend(keep)  # no frame: no peer will give its shared chunks back
-            self._undo_minted(rank)
+            self._sender.undelivered(rank, forks)  # RRefs forked for nobody
             raise
         observed = None if call is None else (hooks, call)
-        forks = self._rrefs.take_minted()
         return EncodedRequest(call_id, rank, target, timeout, pieces, keep, observed, forks)
-
-    def _undo_minted(self, rank: int) -> None:
-        self._sender.undelivered(rank, self._rrefs.take_minted())
 
     # -- the three ways in -----------------------------------------------------------------
 

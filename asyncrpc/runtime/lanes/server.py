@@ -278,7 +278,6 @@ class LaneServer:
             incoming = pipeline.received(
                 lane.name, rank, serving.name, request.call_id, request.target, False, headers
             )
-        serving.rrefs.take_minted()  # a pickling that failed elsewhere on this thread
         try:
             policy = None if incoming is None else incoming.policy
             call = serving.serializer.loads(
@@ -341,21 +340,18 @@ class LaneServer:
         self, serving: Serving, lane: _Lane, request: Request, incoming: IncomingCall | None,
         result: Any,
     ) -> None:  # fmt: skip
-        rrefs = serving.rrefs
         policy = None if incoming is None else incoming.reply_policy
-        try:
-            payload, segments, keep = serving.serializer.dumps(
+        try:  # RRefs pickled before a failure: the serializer undoes their forks
+            payload, segments, keep, forks = serving.serializer.dumps(
                 result, context=lane.rank, policy=policy
             )
         except Exception as exc:
-            self._undelivered(serving, lane.rank, rrefs.take_minted())
             error = SerializationError(
                 f"the result of {request.target} on worker {serving.name!r} cannot be sent: {exc}"
             )
             error.__cause__ = exc
             self._reply_error(serving, lane, request, incoming, error)
             return
-        forks = rrefs.take_minted()
         headers = (
             None if incoming is None else serving.pipeline.reply_fields(incoming, True, result)
         )

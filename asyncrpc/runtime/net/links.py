@@ -324,10 +324,6 @@ class Links:
         if rank in self._host.peers.peers:
             self._logs.setdefault(rank, RefLog()).wrote(forks)
 
-    def undo_minted(self, rank: int) -> None:
-        """A frame for ``rank`` failed to build: undo the forks its pickling made."""
-        self.undelivered(rank, self._host.rrefs.take_minted())
-
     def undelivered(self, rank: int, forks: list[Transfer] | None) -> None:
         """The frame carrying these forks was never written: nobody will hold them."""
         if forks:

@@ -42,8 +42,8 @@ _log = logging.getLogger("asyncrpc.runtime.calls.streams.producer")
 # The pipeline's last look at the stream (the dispatcher's): ok, value -> reply fields.
 Replying = Callable[[bool, Any], dict[str, Any] | None]
 # Pickles one item for the consumer as a reply to it is pickled (the dispatcher's choice of
-# serializer arguments): item -> (payload, segments, keepalive).
-Dumps = Callable[[Any], tuple[bytes, list[Any], Any]]
+# serializer arguments): item -> (payload, segments, keepalive, RRef forks minted).
+Dumps = Callable[[Any], tuple[bytes, list[Any], Any, list[Any] | None]]
 
 
 class ProducerHost(Protocol):
@@ -348,20 +348,15 @@ class Producers:
 
     def _encode(self, stream: ProducerStream, seq: int, item: Any) -> tuple[list[Any], Any, Any]:
         """Frame item ``seq`` (on the loop or a pool thread)."""
-        host, rrefs = self._host, self._host.rrefs
+        host = self._host
         assert stream.dumps is not None
-        if rrefs is not None:
-            rrefs.take_minted()  # a pickling that failed elsewhere on this thread may leave some
-        try:
-            payload, segments, keep = stream.dumps(item)
+        try:  # RRefs pickled before a failure: the serializer undoes their forks
+            payload, segments, keep, forks = stream.dumps(item)
         except Exception as exc:
-            if rrefs is not None:
-                self._undelivered(stream, rrefs.take_minted())
             error = SerializationError(
                 f"item {seq} of {stream.target} on worker {host.name!r} cannot be sent: {exc}"
             )
             raise error from exc
-        forks = rrefs.take_minted() if rrefs is not None else None
         pieces = encode_frame(StreamItem(stream.stream_id, seq).to_fields(), payload, segments)
         return pieces, keep, forks
 
