@@ -22,16 +22,12 @@ from typing import Any
 
 import torch
 
-from asyncrpc.autograd.context import (
-    AutogradContext,
-    ContextTable,
-    context_table,
-)
+from asyncrpc.autograd.context import AutogradContext, ContextTable
 from asyncrpc.autograd.credit import FULL, PassCredit, first_of, split
+from asyncrpc.autograd.feature import DistAutograd, context_table
 from asyncrpc.errors import as_backward_error
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
-from asyncrpc.runtime.agent import Agent
-from asyncrpc.runtime.futures import Future, collect_all
+from asyncrpc.runtime.futures import Future, chain, collect_all
 
 __all__ = ["hand_back", "local_pass", "loop_pass", "pass_anywhere", "propagate"]
 
@@ -78,7 +74,7 @@ def loop_pass(
 
 
 async def pass_anywhere(
-    agent: Agent, table: ContextTable, context: AutogradContext,
+    agent: DistAutograd, table: ContextTable, context: AutogradContext,
     roots: Sequence[torch.Tensor], grad_outputs: Sequence[Any],
 ) -> Outgoing:  # fmt: skip
     """The local pass, from the loop: run there where it may be (two thread wake-ups less
@@ -87,7 +83,7 @@ async def pass_anywhere(
     if outgoing is not None:
         table.count_pass_on_loop()
         return outgoing
-    return await agent.pool.run(  # type: ignore[no-any-return]
+    return await agent.loop.run_in_pool(  # type: ignore[no-any-return]
         functools.partial(local_pass, context, roots, grad_outputs, agent.rank)
     )
 
@@ -109,7 +105,7 @@ def _route(context: AutogradContext, routed: list[tuple[torch.Tensor, Any]]) -> 
 
 
 async def propagate(
-    agent: Agent,
+    agent: DistAutograd,
     table: ContextTable,
     context: AutogradContext,
     roots: Sequence[torch.Tensor],
@@ -162,7 +158,9 @@ async def grads_arrived(
     return _return_credit(agent, table, credit, caller)
 
 
-def _return_credit(agent: Agent, table: ContextTable, credit: PassCredit, caller: int) -> int:
+def _return_credit(
+    agent: DistAutograd, table: ContextTable, credit: PassCredit, caller: int
+) -> int:
     """Hand ``credit`` back to its root: here, in the reply (returned), or in a call."""
     if credit.root == agent.rank:
         table.credits.hand_back(credit.pass_id, credit.amount)
@@ -170,7 +168,7 @@ def _return_credit(agent: Agent, table: ContextTable, credit: PassCredit, caller
     if credit.root == caller:
         return credit.amount
     # Its own call: a lost one only costs the root its early finish (the replies end it).
-    agent.call_future(
+    agent.calls.call_future(
         credit.root, credit_returned, (credit.pass_id, credit.amount), {}, UNSET_RPC_TIMEOUT
     )
     return 0
@@ -195,7 +193,7 @@ def by_sender(outgoing: Outgoing) -> dict[int, list[tuple[int, list[Any]]]]:
 
 
 def hand_back(
-    agent: Agent, table: ContextTable, context_id: int, outgoing: Outgoing,
+    agent: DistAutograd, table: ContextTable, context_id: int, outgoing: Outgoing,
     credit: PassCredit | None = None,
 ) -> Future[None]:  # fmt: skip
     """Send the gradients to the workers that sent those tensors, one hop per worker (any
@@ -209,14 +207,14 @@ def hand_back(
 
 
 def _send_hops(
-    agent: Agent, table: ContextTable, context_id: int,
+    agent: DistAutograd, table: ContextTable, context_id: int,
     hops: dict[int, list[tuple[int, list[Any]]]], shares: list[PassCredit] | None,
 ) -> Future[None]:  # fmt: skip
     """``hand_back`` of gradients already grouped by worker, with their credit shares
     (None: the hops carry none, as when it could not be split)."""
     shared: list[PassCredit | None] = [*shares] if shares else [None] * len(hops)
     calls = [
-        agent.call_future(
+        agent.calls.call_future(
             sender, grads_arrived, (context_id, batches, share, agent.rank), {}, UNSET_RPC_TIMEOUT
         )
         for (sender, batches), share in zip(hops.items(), shared, strict=True)
@@ -226,7 +224,7 @@ def _send_hops(
         done.set_result(None)
         return done
     pass_id = None if shares is None else shares[0].pass_id
-    return collect_all(calls)._then(functools.partial(_replied, table, pass_id))
+    return chain(collect_all(calls), functools.partial(_replied, table, pass_id))
 
 
 def _replied(table: ContextTable, pass_id: int | None, done: Future[list[Future[Any]]]) -> None:

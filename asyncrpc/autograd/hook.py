@@ -19,13 +19,8 @@ from collections.abc import Callable, Coroutine
 from types import BuiltinFunctionType
 from typing import Any, NamedTuple
 
-from asyncrpc.autograd.context import (
-    AutogradContext,
-    ContextTable,
-    context_table,
-    current_context_id,
-)
-from asyncrpc.autograd.release import release_onward
+from asyncrpc.autograd.context import AutogradContext, ContextTable, current_context_id
+from asyncrpc.autograd.release import Releases
 from asyncrpc.runtime.calls.pipeline import CallHook, IncomingCall, OutgoingCall
 
 __all__ = ["FIELD", "RELEASED", "AutogradHook"]
@@ -51,18 +46,13 @@ class AutogradHook(CallHook):
     fields = frozenset({FIELD, RELEASED})
     lane_safe = True
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, contexts: ContextTable, releases: Releases) -> None:
         self._rank = rank  # this worker's rank
-        self.contexts = ContextTable()
+        self.contexts = contexts
+        self._releases = releases
 
     def __repr__(self) -> str:
         return "AutogradHook()"
-
-    def flush(self) -> None:
-        # Contexts left just before shutdown: their releases go now, not after a delay.
-        releases = self.contexts.releases
-        if releases is not None:
-            releases.flush()
 
     # -- caller ----------------------------------------------------------------------------
 
@@ -89,8 +79,7 @@ class AutogradHook(CallHook):
 
     def _riding(self, call: OutgoingCall) -> list[int]:
         """Releases queued for the callee, taken to ride along on this call."""
-        releases = self.contexts.releases
-        released = [] if releases is None else releases.take_for(call.callee_rank)
+        released = self._releases.take_for(call.callee_rank)
         if released:
             call.headers[RELEASED] = released
         return released
@@ -101,9 +90,8 @@ class AutogradHook(CallHook):
         sent = call.state.pop(self, None)
         if not isinstance(sent, _Sent):
             return
-        releases = self.contexts.releases
-        if sent.released and error is not None and releases is not None:
-            releases.queue({call.callee_rank: sent.released})  # may not have arrived
+        if sent.released and error is not None:
+            self._releases.queue({call.callee_rank: sent.released})  # may not have arrived
         fields = None if headers is None else headers.get(FIELD)
         if sent.context is not None and fields and call.reply_grads:
             sent.context.record_recv(call.callee_rank, int(fields[1]), call.reply_grads)
@@ -115,8 +103,7 @@ class AutogradHook(CallHook):
             call.track_grads()
         released = call.headers.get(RELEASED)
         if released:  # contexts the caller left, riding along: released here and onward
-            agent, table = context_table()
-            release_onward(agent, table, [int(c) for c in released], call.caller_rank)
+            self._releases.onward([int(c) for c in released], call.caller_rank)
 
     def incoming(self, call: IncomingCall) -> None:
         fields = call.headers.get(FIELD)
@@ -138,14 +125,13 @@ class AutogradHook(CallHook):
 
     def debug_info(self) -> dict[str, Any]:
         contexts = self.contexts
-        releases = contexts.releases
         return {
             "num_autograd_contexts": len(contexts),
             "autograd_hops_received": contexts.hops_received,
             "autograd_passes_on_loop": contexts.passes_on_loop,
             "autograd_passes_over_by_credit": contexts.credits.passes_over_early,
             "autograd_credit_calls": contexts.credits.calls,
-            "autograd_releases_carried": 0 if releases is None else releases.carried,
+            "autograd_releases_carried": self._releases.carried,
         }
 
 

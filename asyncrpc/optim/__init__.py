@@ -8,6 +8,7 @@ autograd context.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -17,9 +18,8 @@ import torch.optim.optimizer as torch_optimizer
 
 from asyncrpc.api import remote, rpc_async
 from asyncrpc.autograd import get_gradients
-from asyncrpc.autograd.context import context_table
+from asyncrpc.autograd.feature import context_table
 from asyncrpc.rref.handle import RRef, current_rrefs
-from asyncrpc.runtime.current import current_agent
 from asyncrpc.runtime.futures import Future, collect_all
 
 __all__ = ["DistributedOptimizer"]
@@ -175,9 +175,9 @@ def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
 
 async def _step(optimizer_id: tuple[int, int], context_id: int) -> None:
     # On the loop: the remote() that builds the optimizer may still be running.
-    optimizer: LocalOptimizer = await current_rrefs().owned_value(*optimizer_id)
+    optimizer: LocalOptimizer = await current_rrefs().forks.owned_value(*optimizer_id)
     if not optimizer.step_on_loop(context_id):
-        await current_agent().pool.run(optimizer.step, context_id)
+        await current_rrefs().run_in_pool(functools.partial(optimizer.step, context_id))
 
 
 def _wait_every(futures: list[Future[Any]]) -> None:

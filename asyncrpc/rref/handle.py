@@ -30,16 +30,17 @@ from asyncrpc.protocol.refmessages import (
 )
 from asyncrpc.runtime.calls.dispatch import await_async_result
 from asyncrpc.runtime.calls.pipeline import CallKind
-from asyncrpc.runtime.current import current_agent
-from asyncrpc.runtime.futures import Future
+from asyncrpc.runtime.calls.streams.hub import StreamHub
+from asyncrpc.runtime.current import FeatureSlot
+from asyncrpc.runtime.futures import Future, chain
 
-__all__ = ["RRef", "RRefBackend", "current_rrefs"]
+__all__ = ["RRef", "RRefBackend", "RRefOps", "current_rrefs"]
 
 T = TypeVar("T")
 
 
 class RRefBackend(Protocol):
-    """What an RRef asks of its worker's RRef context (``asyncrpc/rref/context.py``)."""
+    """What an RRef asks of its worker's fork bookkeeping (``asyncrpc/rref/forks.py``)."""
 
     @property
     def rank(self) -> int: ...
@@ -56,6 +57,17 @@ class RRefBackend(Protocol):
 
     def owned_value(self, worker_id: int, local_id: int) -> Future[Any]: ...
 
+    async def run_in_pool(self, fn: Callable[[], Any]) -> Any: ...
+
+
+class RRefOps(Protocol):
+    """The RRef operations that make calls, of the current worker (``context.RRefs``): an
+    RRef's state lives in its worker's fork bookkeeping; what it asks of other workers
+    goes through the current worker's calls, as ``rpc_sync`` does."""
+
+    @property
+    def forks(self) -> RRefBackend: ...
+
     def remote(
         self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
         target: str | None = ...,
@@ -68,10 +80,17 @@ class RRefBackend(Protocol):
     async def run_in_pool(self, fn: Callable[[], Any]) -> Any: ...
 
 
-def current_rrefs() -> RRefBackend:
-    # Every agent is built with an RRef service; the public API gives it this layer's
-    # RRefContext.
-    return cast("RRefBackend", current_agent().rrefs)
+_RREFS: FeatureSlot[RRefOps] = FeatureSlot("rrefs", "RRefs")
+_STREAMS: FeatureSlot[StreamHub] = FeatureSlot("streams", "streams")
+
+
+def current_rrefs() -> RRefOps:
+    """The current worker's RRef operations.
+
+    Raises:
+        NotInitializedError: no worker runs in this process.
+    """
+    return _RREFS.get()
 
 
 class RRef(Generic[T]):
@@ -105,7 +124,7 @@ class RRef(Generic[T]):
         Raises:
             NotInitializedError: RPC is not initialized in this process.
         """
-        self._ctx = current_rrefs()
+        self._ctx = current_rrefs().forks
         self._rref_id, self._value = self._ctx.create_local(value)
         self._fork_id, self._owner = None, self._ctx.rank
         self._type, self._made_by = None, None
@@ -212,14 +231,16 @@ class RRef(Generic[T]):
             # We made it with remote(): fetch by id, not by pickling the RRef, whose fork
             # to the owner costs an acknowledgement frame and bookkeeping on both sides.
             # Frames to one peer arrive in order, so the owner has read our remote().
-            call = ctx.call(self._owner, _fetch, tuple(self._rref_id), timeout, kind, _TO_HERE)
+            ops = current_rrefs()
+            call = ops.call(self._owner, _fetch, tuple(self._rref_id), timeout, kind, _TO_HERE)
         else:
             # Made by another worker: its remote() may still be on the way to the owner
             # (a large frame, another connection); the pickled fork waits for the value.
-            call = ctx.call(self._owner, _fetch_forked, (self,), timeout, kind, _TO_HERE)
+            ops = current_rrefs()
+            call = ops.call(self._owner, _fetch_forked, (self,), timeout, kind, _TO_HERE)
         # The callback holds this RRef until the reply: its release (a message behind the
         # fetch) must not let the owner free the value before the fetch has read it.
-        return call._then(functools.partial(_fetched, self.owner_name(), self))
+        return chain(call, functools.partial(_fetched, self.owner_name(), self))
 
     def to_here(self, timeout: float = UNSET_RPC_TIMEOUT) -> T:
         """Fetch a copy of the value, blocking (torch's ``to_here``).
@@ -254,12 +275,13 @@ class RRef(Generic[T]):
         fut = self._type
         if fut is None or (fut.done() and fut.exception() is not None):
             if self._value is not None:
-                fut = self._value._then(_type_of)
+                fut = chain(self._value, _type_of)
             else:
                 self._ctx.check_usable(self)
-                fut = self._ctx.call(
+                call = current_rrefs().call(
                     self._owner, _type_on_owner, (self,), timeout, CallKind.ASYNC, "RRef._get_type"
-                )._then(functools.partial(_owner_lost_as_rref_error, self.owner_name()))
+                )
+                fut = chain(call, functools.partial(_owner_lost_as_rref_error, self.owner_name()))
             self._type = fut
         return fut.wait() if blocking else fut
 
@@ -273,14 +295,14 @@ class RRef(Generic[T]):
         Cancellation: cancelling it leaves the value be.
         """
         if self._value is not None:
-            return self._value._then(_made)
+            return chain(self._value, _made)
         try:
             self._ctx.check_usable(self)
         except RRefError as exc:
             failed: Future[None] = Future()
             failed.set_exception(exc)
             return failed
-        call = self._ctx.call(
+        call = current_rrefs().call(
             self._owner,
             _made_on_owner,
             (self,),
@@ -288,7 +310,7 @@ class RRef(Generic[T]):
             CallKind.ASYNC,
             "RRef._get_future",
         )
-        return call._then(functools.partial(_owner_lost_as_rref_error, self.owner_name()))
+        return chain(call, functools.partial(_owner_lost_as_rref_error, self.owner_name()))
 
     def _get_profiling_future(self) -> Future[None]:
         """A future done once the profiler has the span of the ``remote()`` that made this
@@ -305,7 +327,7 @@ class RRef(Generic[T]):
             done: Future[None] = Future()
             done.set_result(None)
             return done
-        return made_by._then(_ignored)
+        return chain(made_by, _ignored)
 
     # -- autograd --------------------------------------------------------------------------
 
@@ -336,10 +358,10 @@ class RRef(Generic[T]):
             )
         self._ctx.check_usable(self)
         args = (self, dist_autograd_ctx_id, retain_graph)
-        call = self._ctx.call(
+        call = current_rrefs().call(
             self._owner, _backward_on_owner, args, UNSET_RPC_TIMEOUT, CallKind.SYNC, "RRef.backward"
         )
-        call._then(functools.partial(_owner_lost_as_rref_error, self.owner_name())).wait()
+        chain(call, functools.partial(_owner_lost_as_rref_error, self.owner_name())).wait()
 
     # -- proxies ---------------------------------------------------------------------------
 
@@ -394,16 +416,19 @@ class RRef(Generic[T]):
         Returns:
             A proxy whose method calls return a ``Stream``.
         """
-        return _StreamProxy(self, timeout, window)
+        return _Proxy(self, CallKind.STREAM, timeout, window)
 
 
 class _Proxy:
-    """Turns ``proxy.method(*args, **kwargs)`` into a call of ``method`` on the owner."""
+    """Turns ``proxy.method(*args, **kwargs)`` into a call of ``method`` on the owner, of
+    the proxy's kind (a stream's items come from the iterator the method returns)."""
 
-    __slots__ = ("_mode", "_rref", "_timeout")
+    __slots__ = ("_kind", "_rref", "_timeout", "_window")
 
-    def __init__(self, rref: RRef[Any], mode: CallKind, timeout: float) -> None:
-        self._rref, self._mode, self._timeout = rref, mode, timeout
+    def __init__(
+        self, rref: RRef[Any], kind: CallKind, timeout: float, window: int | None = None
+    ) -> None:
+        self._rref, self._kind, self._timeout, self._window = rref, kind, timeout, window
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
@@ -411,38 +436,21 @@ class _Proxy:
         return functools.partial(self._invoke, name)
 
     def _invoke(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        rref, ctx = self._rref, self._rref._ctx
-        ctx.check_usable(rref)
+        rref, kind, timeout = self._rref, self._kind, self._timeout
+        rref._ctx.check_usable(rref)
         call_args = (rref, name, args, kwargs)
         target = f"RRef.{name}"  # what the hooks (and the profiler) call it
-        if self._mode is CallKind.REMOTE:
-            _check_method(rref, name, self._timeout)
-            return ctx.remote(rref._owner, _invoke_method, call_args, {}, self._timeout, target)
-        future = ctx.call(rref._owner, _invoke_method, call_args, self._timeout, self._mode, target)
-        future = future._then(functools.partial(_owner_lost_as_rref_error, rref.owner_name()))
-        return future if self._mode is CallKind.ASYNC else future.wait()
-
-
-class _StreamProxy:
-    """Turns ``proxy.method(*args, **kwargs)`` into a stream of ``method`` on the owner."""
-
-    __slots__ = ("_rref", "_timeout", "_window")
-
-    def __init__(self, rref: RRef[Any], timeout: float, window: int | None) -> None:
-        self._rref, self._timeout, self._window = rref, timeout, window
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return functools.partial(self._invoke, name)
-
-    def _invoke(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        rref = self._rref
-        rref._ctx.check_usable(rref)
-        return current_agent().streams.open(
-            rref._owner, _stream_method, (rref, name, args, kwargs), {}, self._timeout,
-            self._window, f"RRef.{name}",
-        )  # fmt: skip
+        if kind is CallKind.STREAM:
+            streams = _STREAMS.get()
+            return streams.open(rref._owner, _stream_method, call_args, {}, timeout, self._window,
+                                target)  # fmt: skip
+        ops = current_rrefs()
+        if kind is CallKind.REMOTE:
+            _check_method(rref, name, timeout)
+            return ops.remote(rref._owner, _invoke_method, call_args, {}, timeout, target)
+        future = ops.call(rref._owner, _invoke_method, call_args, timeout, kind, target)
+        future = chain(future, functools.partial(_owner_lost_as_rref_error, rref.owner_name()))
+        return future if kind is CallKind.ASYNC else future.wait()
 
 
 def _check_method(rref: RRef[Any], name: str, timeout: float) -> None:
@@ -493,7 +501,7 @@ def _owned(value: Future[Any]) -> Future[Any]:
     """
     if value.done() and value.exception() is None:
         return value
-    return value._then(_copy_of_failure)
+    return chain(value, _copy_of_failure)
 
 
 def _copy_of_failure(done: Future[Any]) -> Any:
@@ -583,7 +591,7 @@ async def _fetch(worker_id: int, local_id: int) -> Any:
     The caller holds a user reference until the reply, so the owner still counts it (or
     the parent fork that is handing it over) and has not freed the value.
     """
-    return await _owner_value(current_rrefs().owned_value(worker_id, local_id))
+    return await _owner_value(current_rrefs().forks.owned_value(worker_id, local_id))
 
 
 async def _stream_method(

@@ -129,7 +129,7 @@ def test_shutdown_returns_despite_a_dead_peer(killed_peer: dict[str, Any]) -> No
 
 def _listening_port(rank: int) -> int:
     # The port the worker published at rendezvous: the one every peer dials.
-    return current_agent().addresses[rank].port
+    return current_agent().group.addresses[rank].port
 
 
 def _closed_by_peer(port: int, data: bytes, timeout: float = 5.0) -> tuple[bool, bytes]:

@@ -75,7 +75,7 @@ def tls(args: argparse.Namespace) -> int:
 def _address_of(rank: int) -> tuple[str, int]:
     from asyncrpc.runtime.current import current_agent
 
-    address = current_agent().addresses[rank]
+    address = current_agent().group.addresses[rank]
     return address.host, address.port
 
 

@@ -29,10 +29,14 @@ FLOORS: list[tuple[float, tuple[str, ...]]] = [
     # Threads and the hand-offs between them, then the futures that cross them.
     (2.01, ("asyncrpc.runtime.threads",)),
     (2.02, ("asyncrpc.runtime.futures",)),
+    # The narrow ports parts are built from (Loop, Frames, Calls, ForkLedger).
+    (2.03, ("asyncrpc.runtime.ports",)),
     (2.1, ("asyncrpc.runtime.shm",)),
     (2.2, ("asyncrpc.runtime.net",)),
     (2.3, ("asyncrpc.runtime.group",)),
     (2.4, ("asyncrpc.runtime.calls",)),
+    # The one shape of a feature (its hooks are the call pipeline's).
+    (2.41, ("asyncrpc.runtime.feature",)),
     # Streaming calls, one room above the calls they are made of.
     (2.42, ("asyncrpc.runtime.calls.streams",)),
     # The CUDA path plugs into the call pipeline as hooks (device maps, the send gate).

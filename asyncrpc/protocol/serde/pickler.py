@@ -35,7 +35,6 @@ from asyncrpc.protocol.serde.tensors import (
     export_tensor,
     import_tensor,
     is_small_tensor,
-    memory_view,
     rebuild_small_tensor,
     reduce_small_tensor,
     reduce_tensor_fallback,
@@ -397,9 +396,7 @@ class Serializer:
         Returns:
             ``(owner, writable memoryview of exactly nbytes)``; pass the owners to ``loads``.
         """
-        del tag  # CPU memory for every tag: the bytes arrive over TCP.
-        owner = self._buffers.allocate(nbytes)
-        return owner, memory_view(owner.data_ptr(), nbytes, writable=True)
+        return self._buffers.segment(nbytes, tag)  # CPU memory whatever the tag
 
 
 def _describe_failure(culprit: object, exc: Exception) -> str:

@@ -1,12 +1,13 @@
-"""Runs received requests and sends their replies (layer L2, on the agent's loop).
+"""Runs received requests and sends their replies (layer L2.4, on the agent's loop).
 
 ``async def`` functions run as tasks on the loop; synchronous ones run on the agent's
 ``WorkerPool`` so a blocking function never stalls the loop, and the pool thread also
 pickles the result and builds the reply frame; ``@inline`` ones run on the loop.
 ``async_execution`` functions reply when the future they return completes. Every request
 can be cancelled by the caller (timeout or cancellation): a task is cancelled, a pool job
-that has not started is dropped. Requests that carry pipeline header fields (or every
-request, while a hook serves all) pass through the call pipeline's callee side.
+that has not started is dropped; a ``remote()`` request whose timeout passes fails its
+value. Requests that carry pipeline header fields (or every request, while a hook serves
+all) pass through the call pipeline's callee side.
 """
 
 from __future__ import annotations
@@ -40,9 +41,8 @@ from asyncrpc.runtime.futures.bridge import CFuture
 from asyncrpc.runtime.metrics import Counters
 from asyncrpc.runtime.net.links import FrameInParts, write_in_parts
 from asyncrpc.runtime.net.transport import Connection
-from asyncrpc.runtime.services import RRefService
+from asyncrpc.runtime.ports import Loop
 from asyncrpc.runtime.threads.pool import Job as PoolJob
-from asyncrpc.runtime.threads.pool import WorkerPool
 
 __all__ = [
     "Dispatcher",
@@ -66,6 +66,27 @@ class Caller(Protocol):
 
     peer: int | None
     peer_name: str | None
+
+
+class OwnerValues(Protocol):
+    """What the dispatcher asks of the RRef layer (``asyncrpc/rref/forks.py``, above it):
+    the values of ``remote()`` requests, and the forks that requests and replies carry."""
+
+    def on_remote_request(self, peer: int, request: Request) -> None:
+        """A remote() request arrived: register the caller's fork before it runs."""
+
+    def on_value(self, request: Request, peer: int, ok: bool, value: Any) -> None:
+        """Its function finished: its value (or exception) is the owner's."""
+
+    def expire_value(self, request: Request) -> bool:
+        """Its timeout passed: fail its value unless it is made; whether it failed it."""
+
+    def take_unconfirmed(self) -> Any:
+        """A future done once the forks unpickled since the last call are confirmed by
+        their owners (None: all are)."""
+
+    def undelivered(self, rank: int, forks: list[Any]) -> None:
+        """The frame carrying these forks to ``rank`` was never written."""
 
 
 class Producers(Protocol):
@@ -175,29 +196,29 @@ class Dispatcher:
     def __init__(
         self,
         name: str,
-        loop: asyncio.AbstractEventLoop,
-        pool: WorkerPool,
+        loop: Loop,
         serializer: Serializer,
         write: Writer,
         counters: Counters,
         pipeline: Pipeline,
-        rrefs: RRefService,
+        owner: OwnerValues,
+        producers: Producers,
         print_errors: bool = True,
     ) -> None:
         self._name = name
         self._print_errors = print_errors
-        self._loop = loop
-        self._pool = pool
+        self._loop = loop.aio
+        self._pool = loop.pool
         self._serializer = serializer
         self._write = write
         self._counters = counters
         self._pipeline = pipeline
         # The requests running as a task or a pool job, by (caller, call id).
         self._running: dict[tuple[int, int], ServedRequest] = {}
-        # Keeps the values of remote() requests.
-        self.rrefs = rrefs
-        # Runs the generators of stream requests (CallMode.STREAM); set by the agent.
-        self.streams: Producers | None = None
+        # Keeps the values of remote() requests, and follows the forks replies carry.
+        self._owner = owner
+        # Runs the generators of stream requests (CallMode.STREAM).
+        self._producers = producers
 
     def __len__(self) -> int:
         return len(self._running)
@@ -208,13 +229,14 @@ class Dispatcher:
         peer = conn.peer
         assert peer is not None
         served = ServedRequest(conn, request, peer)
+        owner = self._owner
         if served.remote:
-            self.rrefs.on_remote_request(peer, request)
+            owner.on_remote_request(peer, request)
+            if request.timeout > 0:  # the caller's deadline holds here too
+                self._loop.call_later(request.timeout, self._expire_remote, peer, request)
         elif request.mode == CallMode.STREAM:  # its credit may come before it starts
-            assert self.streams is not None
-            self.streams.expect(conn, peer, request.call_id, request.target)
-        rrefs = self.rrefs
-        rrefs.take_unconfirmed()  # forget forks unpickled elsewhere (replies)
+            self._producers.expect(conn, peer, request.call_id, request.target)
+        owner.take_unconfirmed()  # forget forks unpickled elsewhere (replies)
         try:
             if self._pipeline.serves(request.headers):
                 self._receiving(served)
@@ -233,7 +255,7 @@ class Dispatcher:
             return
         # RRefs in the arguments forked by a worker other than their owner: the function
         # runs once their owners confirmed them (as in torch), so they are usable there.
-        unconfirmed = rrefs.take_unconfirmed()
+        unconfirmed = owner.take_unconfirmed()
         call = (fn, args, kwargs)
         if unconfirmed is not None:
             start = partial(self._start, served, call)
@@ -268,7 +290,6 @@ class Dispatcher:
                 return
         request = served.request
         if request.mode == CallMode.STREAM:  # a generator, driven by calls/streams/producer.py
-            assert self.streams is not None
             replying = partial(self._replying, served)
             # Items are pickled as replies are, with the reply's device map, but each frame
             # leaves as soon as it is built: CUDA tensors take the transfer that waits on
@@ -279,7 +300,9 @@ class Dispatcher:
                 # Opened inside a distributed autograd context, which does not follow items.
                 policy = NoGrads(policy or DEFAULT, "a stream item")
             dumps = partial(self._serializer.dumps, context=served.peer, policy=policy)
-            self.streams.start(served.peer, request.call_id, fn, run, args, kwargs, replying, dumps)
+            self._producers.start(
+                served.peer, request.call_id, fn, run, args, kwargs, replying, dumps
+            )
             return
         if is_coroutine_function(fn):
             self._counters.calls_on_loop += 1
@@ -327,6 +350,12 @@ class Dispatcher:
         return missing_reference_error(self._name, request, exc)
 
     # -- cancelling ------------------------------------------------------------------------
+
+    def _expire_remote(self, peer: int, request: Request) -> None:
+        # A remote() request still running when its caller's timeout passes: the value
+        # fails with RRefTimeoutError, and the function is cancelled as on a Cancel.
+        if self._owner.expire_value(request):
+            self.on_cancel(peer, request.call_id)
 
     def on_cancel(self, peer: int, call_id: int) -> None:
         served = self._running.pop((peer, call_id), None)
@@ -457,7 +486,7 @@ class Dispatcher:
 
     def _undelivered(self, peer: int, forks: Any) -> None:
         if forks:
-            self.rrefs.undelivered(peer, forks)
+            self._owner.undelivered(peer, forks)
 
     def _send_built(
         self,
@@ -533,10 +562,10 @@ class Dispatcher:
         request = served.request
         if not ok and self._print_errors:
             self._print_error(request, served.conn.peer_name, value)
-        if request.mode == CallMode.STREAM and self.streams is not None:
-            self.streams.forget(served.peer, request.call_id)  # never started: the error replies
+        if request.mode == CallMode.STREAM:
+            self._producers.forget(served.peer, request.call_id)  # never started: the error replies
         elif served.remote:
-            self.rrefs.on_value(request, served.peer, ok, value)
+            self._owner.on_value(request, served.peer, ok, value)
             if request.headers:
                 self._acknowledge(served, ok, value)
             else:

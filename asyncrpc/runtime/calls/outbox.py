@@ -1,4 +1,4 @@
-"""The outbox: outgoing calls from encoding to their end (layer L2.4).
+"""The outbox: outgoing calls from encoding to their end (layer L2.4); the ``Calls`` port.
 
 A call is pickled and framed once, on the calling thread, through the call pipeline's
 caller side, into one frozen ``EncodedRequest``; ``start`` hands it to the loop, which
@@ -7,8 +7,9 @@ ends it first (the reply, an error reply, its timeout, the caller's cancellation
 connection or peer, shutdown) pops it, so a call completes exactly once; a timed-out or
 cancelled call tells the callee with a Cancel. The call pipeline's ``ready`` stage may
 hold a request back (GPU work still filling its bytes); the network keeps it in order
-meanwhile. ``call_future``, ``call`` and ``send_remote`` are the three ways in:
-thread-side, coroutine-side and ``remote()``.
+meanwhile. ``call_future`` (and ``call_sync``), ``call`` and ``send_remote`` are the ways
+in: thread-side, coroutine-side and ``remote()``. It owns the table of pending calls, whose
+deadlines expire straight into it.
 """
 
 from __future__ import annotations
@@ -16,65 +17,31 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-import threading
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from asyncrpc.errors import ClosedError, PeerLostError, RpcTimeoutError
 from asyncrpc.functions import is_async_execution, is_coroutine_function
-from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
-from asyncrpc.protocol.reflog import Transfer
+from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT, WorkerInfo
+from asyncrpc.protocol.reflog import ForkPair
 from asyncrpc.protocol.serde import Serializer, unpack_exception
 from asyncrpc.protocol.wire import Frame, encode_frame, frame_nbytes
 from asyncrpc.protocol.wire.messages import CallMode, Request, optional_headers
-from asyncrpc.runtime.calls.pending import PendingCall, PendingCalls, Waiter, describe_function
-from asyncrpc.runtime.calls.pipeline import CallHook, CallKind, OutgoingCall, Pipeline
+from asyncrpc.runtime.calls.pending import (
+    EncodedRequest,
+    Observed,
+    PendingCall,
+    PendingCalls,
+    Waiter,
+    describe_function,
+)
+from asyncrpc.runtime.calls.pipeline import CallKind, OutgoingCall, Pipeline
 from asyncrpc.runtime.futures import Future
 from asyncrpc.runtime.group.membership import Directory
 from asyncrpc.runtime.metrics import Counters
-from asyncrpc.runtime.threads.loopinbox import LoopInbox
+from asyncrpc.runtime.ports import Frames, Loop, OutgoingFrame, Register
 
-__all__ = ["EncodedRequest", "Observed", "Outbox", "Sender", "SyncLanes"]
-
-# The pipeline hooks a call went through, with their view of it.
-Observed = tuple[tuple[CallHook, ...], OutgoingCall]
-# For remote(): makes the RRef id and the caller's fork id once the payload is pickled.
-Register = Callable[[], tuple[tuple[int, int], tuple[int, int] | None]]
-
-
-class EncodedRequest(NamedTuple):
-    """A request pickled and framed on the calling thread, ready to be written (immutable;
-    a named tuple, not a frozen dataclass: it is made once per call, and a frozen
-    dataclass's ``__init__`` cost three times as much).
-
-    Attributes:
-        pieces: the frame, as ``encode_frame`` returns it.
-        keep: what keeps the memory of its zero-copy pieces valid until written.
-        observed: the pipeline hooks it went through (None: no hook was active).
-        forks: the RRef forks its payload carries (None: none).
-    """
-
-    call_id: int
-    rank: int
-    target: str
-    timeout: float
-    pieces: list[Any]
-    keep: object
-    observed: Observed | None
-    forks: list[Transfer] | None
-
-
-class Sender(Protocol):
-    """What the outbox asks of the network (``asyncrpc.runtime.net.network.Network``)."""
-
-    def send_to(
-        self, rank: int, pieces: list[Any], call_id: int = 0, keep: object = None,
-        forks: list[Transfer] | None = None, ready: Awaitable[None] | None = None,
-    ) -> None: ...  # fmt: skip
-
-    def send_cancel(self, rank: int, call_id: int) -> None: ...
-
-    def undelivered(self, rank: int, forks: list[Transfer] | None) -> None: ...
+__all__ = ["EncodedRequest", "Observed", "Outbox", "SyncLanes"]
 
 
 class SyncLanes(Protocol):
@@ -95,29 +62,40 @@ class Outbox:
     def __init__(
         self,
         name: str,
-        loop: asyncio.AbstractEventLoop,
-        pending: PendingCalls,
+        loop: Loop,
         *,
         serializer: Serializer,
         pipeline: Pipeline,
         directory: Directory,
-        sender: Sender,
+        frames: Frames,
+        undelivered: Callable[[int, list[ForkPair]], None],
         unlend: Callable[[object], None],
         counters: Counters,
         default_timeout: float,
         lanes: SyncLanes | None = None,
     ) -> None:
-        self._name, self.loop = name, loop
-        self.loop_thread_id = threading.get_ident()
-        self._inbox = LoopInbox(loop, "thread_to_loop")
+        self._name, self.loop = name, loop.aio
+        self.run_on_loop = loop.run_on_loop
         self._serializer, self._pipeline, self._directory = serializer, pipeline, directory
-        self._sender, self._unlend = sender, unlend
+        self._frames, self._undelivered, self._unlend = frames, undelivered, unlend
         self._counters, self._default_timeout = counters, default_timeout
         self._lanes = lanes
-        # Its expiry calls ``expire`` (the agent builds it first: the network needs it too).
-        self.pending = pending
+        self.pending = PendingCalls(loop.aio, self.expire)
         self._call_ids = itertools.count(1)
         self.closed = False
+
+    # -- the group's members, as the Calls port answers about them --------------------------
+
+    def resolve(self, to: Any) -> int:
+        """The rank of ``to`` (a name, rank or ``WorkerInfo``).
+
+        Raises:
+            UnknownWorkerError: no member of the group is ``to``.
+        """
+        return self._directory.resolve(to)
+
+    def worker_info(self, rank: int) -> WorkerInfo:
+        return self._directory.worker_info(rank)
 
     def effective_timeout(self, timeout: float) -> float:
         """torch's rule: a negative timeout means the default, 0 means none (so does inf).
@@ -180,7 +158,8 @@ class Outbox:
             pieces = encode_frame(request.to_fields(), payload, segments)
         except BaseException:
             self._unlend(keep)  # no frame: no peer will give its shared chunks back
-            self._sender.undelivered(rank, forks)  # RRefs forked for nobody
+            if forks:
+                self._undelivered(rank, forks)  # RRefs forked for nobody
             raise
         observed = None if call is None else (hooks, call)
         return EncodedRequest(call_id, rank, target, timeout, pieces, keep, observed, forks)
@@ -283,34 +262,26 @@ class Outbox:
         )
         if encoded.observed is None:
             e = encoded
-            self.run_on_loop(self._sender.send_to, rank, e.pieces, 0, e.keep, e.forks)
+            self.run_on_loop(self._frames.send, OutgoingFrame(rank, e.pieces, e.keep, e.forks))
             return None
         acknowledged: Future[Any] = Future(loop=self.loop)
         self.run_on_loop(self.start, encoded, acknowledged)
         return acknowledged
-
-    def run_on_loop(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` on the loop: now if this is the loop thread, else in order
-        with what other threads hand over, one loop wake-up per batch."""
-        if threading.get_ident() == self.loop_thread_id:
-            fn(*args)
-        else:
-            self._inbox.put(fn, args)
 
     # -- on the loop -----------------------------------------------------------------------
 
     def start(self, encoded: EncodedRequest, waiter: Waiter) -> None:
         """Register the call and write its frame (on the loop thread)."""
         e = encoded
-        call = PendingCall(waiter, e.rank, e.target, e.timeout, e.keep, e.observed, e.forks)
+        call = PendingCall(waiter, e, self.pending)
         if self.closed:
             call.fail(ClosedError(f"worker {self._name!r} is shut down"))
             return
-        self.pending.add(e.call_id, call)
+        self.pending.add(call)
         self._counters.calls_sent += 1
         # The pipeline's ready stage may hold the frame (GPU work still filling its bytes).
         ready = None if e.observed is None else Pipeline.ready(*e.observed)
-        self._sender.send_to(e.rank, e.pieces, e.call_id, e.keep, e.forks, ready)
+        self._frames.send(OutgoingFrame(e.rank, e.pieces, e.keep, e.forks, call, ready))
 
     def cancel(self, call_id: int) -> None:
         """Give up on ``call_id`` (the caller was cancelled) and tell the callee."""
@@ -319,7 +290,7 @@ class Outbox:
             return
         self._counters.calls_cancelled += 1
         call.fail(asyncio.CancelledError())
-        self._send_cancel(call.peer, call_id)
+        self._frames.cancel(call.peer, call_id)
 
     def expire(self, call_id: int) -> None:
         """The timeout of ``call_id`` passed: it fails, and the callee is told."""
@@ -327,18 +298,17 @@ class Outbox:
         if call is None:
             return
         self._counters.calls_timed_out += 1
-        callee = self._directory.addresses[call.peer].name
-        call.fail(RpcTimeoutError(callee, call.target, call.timeout))
-        self._send_cancel(call.peer, call_id)
-
-    def _send_cancel(self, rank: int, call_id: int) -> None:
-        self._sender.send_cancel(rank, call_id)
+        request = call.request
+        callee = self._directory.addresses[request.rank].name
+        call.fail(RpcTimeoutError(callee, request.target, request.timeout))
+        self._frames.cancel(request.rank, call_id)
 
     def on_reply(self, fields: list[Any], frame: Frame) -> None:
         call = self.pending.pop(fields[1])
         if call is None:
             return  # timed out or cancelled meanwhile
-        policy = None if call.observed is None else call.observed[1].reply_policy
+        observed = call.request.observed
+        policy = None if observed is None else observed[1].reply_policy
         try:
             headers = optional_headers(fields, 2)
             value = self._serializer.loads(

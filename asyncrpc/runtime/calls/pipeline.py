@@ -41,13 +41,13 @@ no header field goes on the wire.
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from asyncrpc.functions import is_coroutine_function
 from asyncrpc.protocol.serde.policy import DEFAULT, TensorPolicy
+from asyncrpc.runtime.ports import CallKind
 
 if TYPE_CHECKING:
     import torch
@@ -64,16 +64,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("asyncrpc.pipeline")
-
-
-class CallKind(enum.StrEnum):
-    """How a call was made, as the hooks see it: torch's exec modes (``RPCExecMode``), and
-    a stream. Its value is torch's word, as profiles name spans (``rpc_sync#...``)."""
-
-    SYNC = "sync"  # rpc_sync, to_here, RRef.rpc_sync() proxies: the caller blocks
-    ASYNC = "async"  # rpc_async, await call, RRef.rpc_async() proxies
-    REMOTE = "remote"  # remote(), RRef.remote() proxies: the value stays on the callee
-    STREAM = "stream"  # stream(), rpc_stream(): items flow until the generator ends
 
 
 # Takes the function to run and returns the function to run instead (same calling
@@ -290,10 +280,6 @@ class CallHook:
     def debug_info(self) -> dict[str, Any]:
         """What this hook adds to ``get_debug_info()``."""
         return {}
-
-    def flush(self) -> None:
-        """The worker is shutting down (agent's loop): send now what the hook holds back,
-        so the graceful shutdown waits for it like any outstanding call."""
 
 
 class Pipeline:

@@ -24,6 +24,7 @@ import torch
 
 from asyncrpc.errors import InitError, SerializationError
 from asyncrpc.protocol.serde.policy import TensorPolicy
+from asyncrpc.protocol.wire import Allocator
 from asyncrpc.runtime.calls.pipeline import CallHook, IncomingCall, OutgoingCall
 from asyncrpc.runtime.cuda.callee import RequestStreams
 from asyncrpc.runtime.cuda.ipc import FIELD as IPC_FIELD
@@ -136,6 +137,14 @@ class Transfer(Protocol):
         """The pool streams a request runs on (None: its thread's current streams)."""
         ...
 
+    def allocator(self, plain: Allocator) -> Allocator:
+        """The wire's allocator of receive memory, given the one for host segments."""
+        ...
+
+    def on_peer_lost(self, peer: int) -> None:
+        """``peer`` is gone for good: drop what it shared with this worker."""
+        ...
+
 
 class HostCopy(TensorPolicy):
     """Maps devices and copies through host memory, waiting for the device on the spot.
@@ -179,6 +188,12 @@ class HostTransfer:
 
     def serve(self, request: TensorPolicy, reply: TensorPolicy) -> RequestStreams | None:
         return None
+
+    def allocator(self, plain: Allocator) -> Allocator:
+        return plain  # every segment lands in host memory; the policy copies it over
+
+    def on_peer_lost(self, peer: int) -> None:
+        pass  # nothing was shared
 
 
 class DeviceMapHook(CallHook):

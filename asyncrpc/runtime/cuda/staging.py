@@ -30,6 +30,7 @@ from asyncrpc.errors import SerializationError
 from asyncrpc.protocol.options import RpcBackendOptions
 from asyncrpc.protocol.serde.policy import TensorPolicy
 from asyncrpc.protocol.serde.tensors import _resolved_span, memory_view
+from asyncrpc.protocol.wire import Allocator
 from asyncrpc.runtime.cuda.callee import CalleeStreams, RequestStreams
 from asyncrpc.runtime.cuda.devices import CudaStream, Devices, Event
 from asyncrpc.runtime.cuda.gate import FrameEvents, SendGate, order_after
@@ -104,6 +105,15 @@ class StagedTransfer:
         the copy to the device runs without the host."""
         owner = self.devices.host_buffer(nbytes)
         return owner, memory_view(owner.data_ptr(), nbytes, writable=True)
+
+    def allocator(self, plain: Allocator) -> Allocator:
+        """The wire's allocator: segments tagged with a CUDA device land in pinned memory
+        (``allocate``), the others where ``plain`` puts them."""
+
+        def allocate(nbytes: int, tag: str) -> tuple[object, memoryview]:
+            return self.allocate(nbytes) if tag.startswith("cuda") else plain(nbytes, tag)
+
+        return allocate
 
     def policy(self, device_map: Mapping[str, str], peer: int | None = None) -> StagedCopy:
         return StagedCopy(self, device_map, peer)

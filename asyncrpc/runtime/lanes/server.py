@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 from asyncrpc.errors import ClosedError, FrameTooLargeError, SerializationError
 from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
@@ -57,11 +57,24 @@ from asyncrpc.runtime.calls.dispatch import (
 from asyncrpc.runtime.calls.pipeline import IncomingCall, Pipeline
 from asyncrpc.runtime.lanes.frames import BlockingFrames, Unsent
 from asyncrpc.runtime.lanes.handshake import HANDSHAKE_ERRORS, LaneRoster, accept_lane
-from asyncrpc.runtime.services import RRefService
 
-__all__ = ["LaneReply", "LaneServer", "Serving"]
+__all__ = ["LaneForks", "LaneReply", "LaneServer", "Serving", "Writer"]
 
 _log = logging.getLogger(__name__)
+
+# Writes a reply frame on the connection its request came on: (conn, pieces, keep, forks).
+Writer = Callable[[Any, list[Any], object, Any], None]
+
+
+class LaneForks(Protocol):
+    """What the lanes' threads ask of the RRef layer about the forks their replies carry."""
+
+    def undelivered(self, rank: int, forks: list[Any]) -> None:
+        """A reply carrying these forks to ``rank`` was never written."""
+
+    def query_forks(self, rank: int, forks: list[Any]) -> None:
+        """Replies carrying these forks went out on a lane that died before ``rank``
+        acknowledged them: ask it whether they arrived."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +90,7 @@ class Serving:
     serializer: Serializer  # no shared memory: a lane's reply travels on the lane
     pipeline: Pipeline
     dispatcher: Dispatcher
-    rrefs: RRefService
+    forks: LaneForks
     run_on_loop: Callable[..., None]
     print_errors: bool
 
@@ -151,16 +164,25 @@ class LaneServer:
                 self.path = os.fsdecode(sock.getsockname())
             else:
                 self.port = sock.getsockname()[1]
-        self._acceptor = threading.Thread(target=self._accept, name="asyncrpc-lanes", daemon=True)
-        self._acceptor.start()
+        # Nothing to accept on (this worker takes no lanes): no thread either.
+        self._acceptor: threading.Thread | None = None
+        if sockets:
+            self._acceptor = threading.Thread(
+                target=self._accept, name="asyncrpc-lanes", daemon=True
+            )
+            self._acceptor.start()
 
     @classmethod
     def listen(cls, host: str, unix: bool, limit: int) -> LaneServer:
-        """Listen on ``host`` (a free port) and, when ``unix``, an abstract Unix socket.
+        """Listen on ``host`` (a free port) and, when ``unix``, an abstract Unix socket;
+        with ``limit`` 0, on nothing (this worker takes no lanes: its ``port`` and ``path``
+        are None, and peers call it the loop's way).
 
         Raises:
             OSError: the address cannot be bound.
         """
+        if limit <= 0:
+            return cls([], 0)
         sockets: list[socket.socket] = []
         try:
             tcp = socket.create_server((host, 0), backlog=128)
@@ -401,7 +423,7 @@ class LaneServer:
 
     def _undelivered(self, serving: Serving, rank: int, forks: Any) -> None:
         if forks:
-            serving.rrefs.undelivered(rank, forks)
+            serving.forks.undelivered(rank, forks)
 
     def _forget(self, lane: _Lane) -> None:
         """A lane ended: a request it handed to the loop is cancelled, and forks whose
@@ -414,7 +436,7 @@ class LaneServer:
                 serving.run_on_loop(serving.dispatcher.cancel_connection, pending)
         in_doubt = [fork for forks in lane.unacked.values() for fork in forks]
         if in_doubt and serving is not None:
-            serving.run_on_loop(serving.rrefs.query_forks, lane.rank, in_doubt)
+            serving.run_on_loop(serving.forks.query_forks, lane.rank, in_doubt)
 
     # -- stopping --------------------------------------------------------------------------
 
@@ -440,7 +462,8 @@ class LaneServer:
             lane.frames.close()
             if lane.pending is not None:
                 lane.pending.abandon()
-        self._acceptor.join(timeout=1.0)
+        if self._acceptor is not None:
+            self._acceptor.join(timeout=1.0)
         for sock in self._listening:
             sock.close()
         os.close(self._wake_r)

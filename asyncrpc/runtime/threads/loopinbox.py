@@ -1,4 +1,4 @@
-"""Work other threads hand to the event loop, one wake-up per batch (runtime layer).
+"""Work other threads hand to the event loop, one wake-up per batch (layer L2.01).
 
 A thread that starts many calls in a row (a window of ``rpc_async``, or the callback pool
 running a batch of done-callbacks that each start the next call), or a pool thread that

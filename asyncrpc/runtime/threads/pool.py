@@ -98,7 +98,7 @@ class WorkerPool:
         """Threads waiting on an RPC future right now."""
         return self._blocked
 
-    def stats(self) -> dict[str, int]:
+    def statistics(self) -> dict[str, int]:
         """The pool's gauges, as ``get_metrics`` names them."""
         busy = self.busy
         return {

@@ -1,4 +1,4 @@
-"""``Stream``: what the application iterates, on any thread or loop (layer L2).
+"""``Stream``: what the application iterates, on any thread or loop (layer L2.42).
 
 A ``Stream`` fetches batches of items from its ``ConsumerStream`` on the agent's loop and
 hands them out one by one; the next fetch reports how many were taken, which becomes the
