@@ -44,6 +44,7 @@ from asyncrpc.runtime.lanes.server import LaneServer, Serving
 from asyncrpc.runtime.metrics import Counters, LagProbe
 from asyncrpc.runtime.net.listener import Listener
 from asyncrpc.runtime.net.network import Network
+from asyncrpc.runtime.net.peers import Dial
 from asyncrpc.runtime.net.tls import configured_tls
 from asyncrpc.runtime.net.transport import Connection
 from asyncrpc.runtime.ports import ForkLedger, Frames, Loop, Ports
@@ -76,7 +77,7 @@ class Agent:
     def __init__(
         self, group: Group, listener: Listener, options: RpcBackendOptions,
         loop: asyncio.AbstractEventLoop, forks: ForkFactory[Any],
-        features: FeatureFactory[Any], lane_server: LaneServer,
+        features: FeatureFactory[Any], lane_server: LaneServer, dial: Dial | None = None,
     ) -> None:  # fmt: skip
         self.group, self.options = group, options
         pool = WorkerPool(options.num_worker_threads, loop, group.name, options.max_worker_threads)
@@ -87,7 +88,7 @@ class Agent:
         allocate = cuda.allocator(ReceiveBuffers().segment)  # CUDA segments: pinned memory
         self.network = Network(
             group, options, loop, self.counters, receiver=self, allocate=allocate,
-            listener=listener,
+            listener=listener, dial=dial,
         )  # fmt: skip
         made = forks(group, options, self.loop, self.network)
         self.forks: ForkLedger = made

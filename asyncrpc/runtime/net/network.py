@@ -47,7 +47,7 @@ from asyncrpc.runtime.net.heartbeat import Heartbeat, Watched
 from asyncrpc.runtime.net.links import ForkEvents, Links
 from asyncrpc.runtime.net.listener import Listener, Parked
 from asyncrpc.runtime.net.loopback import LoopbackConnection
-from asyncrpc.runtime.net.peers import GOODBYE_REASON, PeerTable, without_goodbye
+from asyncrpc.runtime.net.peers import GOODBYE_REASON, Dial, PeerTable, without_goodbye
 from asyncrpc.runtime.net.tls import TlsContexts
 from asyncrpc.runtime.net.transport import Connection
 from asyncrpc.runtime.ports import OutgoingFrame
@@ -114,6 +114,7 @@ class Network:
         receiver: Receiver,
         allocate: Allocator,
         listener: Listener,
+        dial: Dial | None = None,
     ) -> None:
         self.members, self.rank, self.loop = members, members.rank, loop
         self.addresses = members.addresses
@@ -130,7 +131,7 @@ class Network:
             members.name, members.rank, members.addresses, self._new_connection, members.key,
             options.max_frame_size, self._refuse,
             ssl_context=members.tls.client if members.tls else None, host_id=members.host_id,
-            on_adopted=self._on_adopted, on_declared_lost=self._on_declared_lost,
+            on_adopted=self._on_adopted, on_declared_lost=self._on_declared_lost, dial=dial,
         )  # fmt: skip
         # Same-host memory for large tensors: its bookkeeping rides on this network.
         self.shm = SharedMemory(
