@@ -36,7 +36,7 @@ from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import ACK_WANTED, CallMode, ErrorReply, Reply, Request
 from asyncrpc.runtime.calls.builtins import checked_op, is_torch_c_function, runs_on_loop
 from asyncrpc.runtime.calls.pipeline import IncomingCall, Pipeline
-from asyncrpc.runtime.futures import Future
+from asyncrpc.runtime.futures import Future, add_hook
 from asyncrpc.runtime.futures.bridge import CFuture
 from asyncrpc.runtime.metrics import Counters
 from asyncrpc.runtime.net.links import FrameInParts, write_in_parts
@@ -259,7 +259,7 @@ class Dispatcher:
         call = (fn, args, kwargs)
         if unconfirmed is not None:
             start = partial(self._start, served, call)
-            unconfirmed._add_hook(lambda _: self._loop.call_soon_threadsafe(start))
+            add_hook(unconfirmed, lambda _: self._loop.call_soon_threadsafe(start))
             return
         self._start(served, call)
 

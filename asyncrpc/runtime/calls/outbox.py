@@ -36,7 +36,7 @@ from asyncrpc.runtime.calls.pending import (
     describe_function,
 )
 from asyncrpc.runtime.calls.pipeline import CallKind, OutgoingCall, Pipeline
-from asyncrpc.runtime.futures import Future
+from asyncrpc.runtime.futures import Future, on_cancel
 from asyncrpc.runtime.group.membership import Directory
 from asyncrpc.runtime.metrics import Counters
 from asyncrpc.runtime.ports import Frames, Loop, OutgoingFrame, Register
@@ -180,7 +180,7 @@ class Outbox:
     def _start_future(self, encoded: EncodedRequest) -> Future[Any]:
         future: Future[Any] = Future(loop=self.loop)
         call_id = encoded.call_id
-        future._cancel_hook = lambda: self.loop.call_soon_threadsafe(self.cancel, call_id)
+        on_cancel(future, lambda: self.loop.call_soon_threadsafe(self.cancel, call_id))
         self.run_on_loop(self.start, encoded, future)
         return future
 

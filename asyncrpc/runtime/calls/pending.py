@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from asyncrpc.functions import per_callable_cache
 from asyncrpc.protocol.reflog import ForkPair
 from asyncrpc.runtime.calls.pipeline import CallHook, OutgoingCall, Pipeline
-from asyncrpc.runtime.futures import Future
+from asyncrpc.runtime.futures import Future, on_value, try_set_exception, try_set_result
 
 __all__ = [
     "Deadlines",
@@ -112,10 +112,10 @@ class PendingCall:
             call.result = value
             Pipeline.completed(hooks, call, headers, None)
             if call.on_value is not None and isinstance(waiter, Future):
-                waiter._on_value = call.on_value
+                on_value(waiter, call.on_value)
         if isinstance(waiter, Future):
             # Not done()-then-set: the caller's thread may cancel it in between.
-            waiter._try_set_result(value)
+            try_set_result(waiter, value)
         elif not waiter.done():
             waiter.set_result(value)
 
@@ -125,7 +125,7 @@ class PendingCall:
             Pipeline.completed(*observed, headers, exc)
         waiter = self.waiter
         if isinstance(waiter, Future):
-            waiter._try_set_exception(exc)
+            try_set_exception(waiter, exc)
         elif not waiter.done():
             waiter.set_exception(exc)
 

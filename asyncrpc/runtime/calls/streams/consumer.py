@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from asyncrpc.errors import RpcTimeoutError
 from asyncrpc.protocol.wire.stream import ConsumerFlow
-from asyncrpc.runtime.futures import Future
+from asyncrpc.runtime.futures import Future, try_set_exception, try_set_result
 
 __all__ = ["ConsumerHub", "ConsumerStream", "Waiter"]
 
@@ -157,9 +157,9 @@ class ConsumerStream:
 def _settle(waiter: Waiter, batch: list[Any], error: BaseException | None) -> None:
     if isinstance(waiter, Future):
         if error is None:
-            waiter._try_set_result(batch)
+            try_set_result(waiter, batch)
         else:
-            waiter._try_set_exception(error)
+            try_set_exception(waiter, error)
     elif not waiter.done():
         if error is None:
             waiter.set_result(batch)
