@@ -62,7 +62,7 @@ __all__ = [
 P = ParamSpec("P")
 R = TypeVar("R")
 
-_log = logging.getLogger("asyncrpc")
+_log = logging.getLogger(__name__)
 # The loop thread of an agent started by init_rpc (None for init_rpc_async agents).
 _loop_threads: dict[int, LoopThread] = {}
 _lifecycle_lock = threading.Lock()

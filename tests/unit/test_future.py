@@ -257,7 +257,7 @@ def test_Future_callback_exception_is_logged_and_swallowed(
 
     fut.add_done_callback(bad)
     fut.add_done_callback(lambda f: seen.append(f.value()))
-    with caplog.at_level(logging.ERROR, logger="asyncrpc.runtime.futures"):
+    with caplog.at_level(logging.ERROR, logger="asyncrpc.runtime.futures.core"):
         fut.set_result(2)
     assert seen == [2]
     assert any(r.exc_info and r.exc_info[0] is ValueError for r in caplog.records)

@@ -89,7 +89,7 @@ def test_Pipeline_completed_logs_a_failing_hook_and_runs_the_others(
             raise RuntimeError("hook bug")
 
     hooks = (Broken(), Recorder("b", log))
-    with caplog.at_level(logging.ERROR, logger="asyncrpc.pipeline"):
+    with caplog.at_level(logging.ERROR, logger="asyncrpc.runtime.calls.pipeline"):
         Pipeline.completed(hooks, outgoing_call(), None, TimeoutError())
     assert log == ["b.completed:None:TimeoutError"]
     assert "hook bug" in caplog.text

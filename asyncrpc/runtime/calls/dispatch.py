@@ -52,7 +52,7 @@ __all__ = [
     "print_request_error",
 ]
 
-_log = logging.getLogger("asyncrpc.runtime.calls.dispatch")
+_log = logging.getLogger(__name__)
 # What a built reply keeps alive while it is written, the RRef forks it carries, and the
 # request as the pipeline saw it (None: it did not go through the pipeline).
 _Keep = tuple[object, Any, IncomingCall | None]

@@ -63,7 +63,7 @@ __all__ = [
     "Wrapper",
 ]
 
-_log = logging.getLogger("asyncrpc.pipeline")
+_log = logging.getLogger(__name__)
 
 
 # Takes the function to run and returns the function to run instead (same calling

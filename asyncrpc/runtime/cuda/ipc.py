@@ -42,7 +42,7 @@ from asyncrpc.runtime.cuda.devices import CudaStream, Devices, IpcDescriptor
 
 __all__ = ["FIELD", "TAG", "IpcLinks", "is_ipc_tag"]
 
-_log = logging.getLogger("asyncrpc.runtime.cuda.ipc")
+_log = logging.getLogger(__name__)
 
 FIELD = "ci"  # the header field: {"o": offer, "a": answer, "r": released ids}
 TAG = "ipc:"

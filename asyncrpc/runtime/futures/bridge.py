@@ -36,7 +36,7 @@ __all__ = [
 
 T = TypeVar("T")
 
-logger = logging.getLogger("asyncrpc.runtime.futures")
+logger = logging.getLogger(__name__)
 
 # torch's future, reached through its C base: torch.futures.wait_all/collect_all read the C
 # future's own state, so every completion of ours completes it too (complete_torch_side).

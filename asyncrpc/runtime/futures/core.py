@@ -51,7 +51,7 @@ T = TypeVar("T")
 S = TypeVar("S")
 
 # The logger keeps the name users configure: this class was asyncrpc.runtime.futures's.
-logger = logging.getLogger("asyncrpc.runtime.futures")
+logger = logging.getLogger(__name__)
 
 # An internal completion hook: a callable run in the completing thread, or an awaiter's
 # asyncio future, set on its own loop.

@@ -19,7 +19,7 @@ from asyncrpc.runtime.group.rendezvous import StoreGroup
 
 __all__ = ["Directory"]
 
-_log = logging.getLogger("asyncrpc.runtime.group.membership")
+_log = logging.getLogger(__name__)
 
 
 class Directory:

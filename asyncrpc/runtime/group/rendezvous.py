@@ -48,7 +48,7 @@ from asyncrpc.runtime.group.quiet import QuietStore, quiet_cpp_logs
 
 __all__ = ["MIXED_GROUP", "PeerAddress", "StoreGroup", "is_dynamic", "join_group"]
 
-_log = logging.getLogger("asyncrpc.runtime.group.rendezvous")
+_log = logging.getLogger(__name__)
 _PREFIX = "asyncrpc/"
 _T = TypeVar("_T")
 _POLL_S = 0.01

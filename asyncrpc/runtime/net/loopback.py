@@ -15,7 +15,7 @@ from asyncrpc.protocol.wire import Allocator, Frame, FrameDecoder
 
 __all__ = ["LoopbackConnection"]
 
-_log = logging.getLogger("asyncrpc.loopback")
+_log = logging.getLogger(__name__)
 
 
 class LoopbackConnection:

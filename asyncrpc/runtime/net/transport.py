@@ -27,7 +27,7 @@ __all__ = [
     "start_unix_server",
 ]
 
-_log = logging.getLogger("asyncrpc.runtime.net.transport")
+_log = logging.getLogger(__name__)
 
 
 class ConnectionHandler(Protocol):

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 __all__ = ["LoopThread", "new_event_loop"]
 
-_log = logging.getLogger("asyncrpc.loop")
+_log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 

@@ -31,7 +31,7 @@ from asyncrpc.runtime.threads.loopinbox import LoopInbox
 
 __all__ = ["Job", "WorkerPool"]
 
-_log = logging.getLogger("asyncrpc.runtime.threads.pool")
+_log = logging.getLogger(__name__)
 
 
 class Job:
