@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 from asyncrpc.autograd.context import AutogradContext, ContextTable, current_context_id
 from asyncrpc.autograd.release import Releases
+from asyncrpc.protocol.serde.policy import DEFAULT, NoGrads, TensorPolicy
 from asyncrpc.runtime.calls.pipeline import CallHook, IncomingCall, OutgoingCall
 
 __all__ = ["FIELD", "RELEASED", "AutogradHook"]
@@ -122,6 +123,13 @@ class AutogradHook(CallHook):
         message_id = context.next_message_id(self._rank)
         context.record_send(message_id, call.caller_rank, call.reply_grads)
         call.reply_headers[FIELD] = [context.id, message_id]
+
+    def stream_items(self, call: IncomingCall, policy: TensorPolicy | None) -> TensorPolicy | None:
+        if call.reply_policy.grads is None:
+            return policy
+        # A stream opened inside a distributed autograd context, which does not follow its
+        # items: one requiring grad is refused rather than its gradient lost.
+        return NoGrads(policy or DEFAULT, "a stream item")
 
     def debug_info(self) -> dict[str, Any]:
         contexts = self.contexts

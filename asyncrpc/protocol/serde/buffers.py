@@ -73,7 +73,7 @@ class ReceiveBuffers:
 
     def _reuse(self, size: int) -> mmap.mmap | None:
         pooled = self._pooled
-        for index in range(len(pooled)):  # bounded by capacity / 32 MiB
+        for index in range(len(pooled)):
             if len(pooled[index]) == size and _unused(pooled, index):
                 region = pooled.pop(index)
                 pooled.append(region)  # most recently used last: eviction takes the first

@@ -31,7 +31,6 @@ from asyncrpc.errors import (
 )
 from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
 from asyncrpc.protocol.serde import MissingReferenceError, Serializer, pack_exception
-from asyncrpc.protocol.serde.policy import DEFAULT, NoGrads
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import ACK_WANTED, CallMode, ErrorReply, Reply, Request
 from asyncrpc.runtime.calls.builtins import checked_op, is_torch_c_function, runs_on_loop
@@ -104,7 +103,8 @@ class Producers(Protocol):
     ) -> None: ...  # fmt: skip
 
 
-# Writes a frame on a connection (the agent's; a closed connection drops it).
+# Writes a reply frame on the connection its request came on (the network's ``write``,
+# through the lanes' reply writer; a closed connection drops it).
 Writer = Callable[[Any, list[Any], object, Any], None]
 
 
@@ -291,14 +291,9 @@ class Dispatcher:
         request = served.request
         if request.mode == CallMode.STREAM:  # a generator, driven by calls/streams/producer.py
             replying = partial(self._replying, served)
-            # Items are pickled as replies are, with the reply's device map, but each frame
-            # leaves as soon as it is built: CUDA tensors take the transfer that waits on
-            # the spot (items have no ready stage).
+            # The items' tensor policy is the hooks' to say (the pipeline's stream_items).
             incoming = served.incoming
-            policy = None if incoming is None else incoming.reply_policy.devices.blocking()
-            if incoming is not None and incoming.reply_policy.grads is not None:
-                # Opened inside a distributed autograd context, which does not follow items.
-                policy = NoGrads(policy or DEFAULT, "a stream item")
+            policy = None if incoming is None else self._pipeline.item_policy(incoming)
             dumps = partial(self._serializer.dumps, context=served.peer, policy=policy)
             self._producers.start(
                 served.peer, request.call_id, fn, run, args, kwargs, replying, dumps

@@ -1,4 +1,4 @@
-"""The streams a callee runs a request on: torch's rule 2 above the device seam (layer L2).
+"""The streams a callee runs a request on: torch's rule 2 above the device seam (layer L2.45).
 
 A request that carries CUDA tensors (or whose caller maps devices of this worker) leases
 one stream per involved device from the agent's ``StreamPool``. Before the function runs,
@@ -226,7 +226,7 @@ class _ReleasingParts:
     async def parts(self, pieces: list[Any]) -> AsyncIterator[list[Any]]:
         inner = self._inner.parts(pieces)
         try:
-            async for part in inner:  # bounded by the frame's parts
+            async for part in inner:
                 yield part
         finally:
             self._release()

@@ -1,4 +1,4 @@
-"""The device seam (layer L2): every CUDA call of the runtime's CUDA path goes through
+"""The device seam (layer L2.45): every CUDA call of the runtime's CUDA path goes through
 ``Devices``, so what sits above it (which events a frame waits for, when it may leave,
 which streams a callee runs on, when a caller's streams wait) runs on ``FakeDevices`` in CI
 and on ``CudaDevices`` on a GPU, unchanged.

@@ -1,5 +1,5 @@
 """When a frame carrying CUDA tensors may leave, and how a receiver's streams are ordered
-after it: torch's stream rules without host syncs, above the device seam (layer L2).
+after it: torch's stream rules without host syncs, above the device seam (layer L2.45).
 
 Sender (torch's rule 1, and rule 3 for replies): at send time one event is recorded on the
 sending thread's current stream of each device the frame's tensors live on; the frame is

@@ -1,4 +1,4 @@
-"""Same-host CUDA tensors by handle, no bytes on the wire (layer L2, above the device seam).
+"""Same-host CUDA tensors by handle, no bytes on the wire (layer L2.45, above the device seam).
 
 A tensor for a peer that can open this process's CUDA IPC handles travels as a handle in
 its segment's tag (``ipc:<device>:<id>:<nbytes>:<descriptor>``) and an empty segment. The

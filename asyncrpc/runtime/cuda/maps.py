@@ -1,4 +1,4 @@
-"""Device maps as a call-pipeline hook (layer L2): which of the callee's devices a CUDA
+"""Device maps as a call-pipeline hook (layer L2.45): which of the callee's devices a CUDA
 tensor lands on, for requests and for their replies.
 
 torch's rule: a caller's map (its device -> the callee's) applies to the request, and the
@@ -277,6 +277,12 @@ class DeviceMapHook(CallHook):
         ready = self.transfer.ready(call.reply_policy.devices)
         streams = call.state.get(self)
         return ready if streams is None else streams.leave(ready)
+
+    def stream_items(self, call: IncomingCall, policy: TensorPolicy | None) -> TensorPolicy | None:
+        # Items are pickled as replies are, with the reply's device map, but each frame
+        # leaves as soon as it is built: CUDA tensors take the transfer that waits on the
+        # spot.
+        return call.reply_policy.devices.blocking()
 
     def debug_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"device_maps": {c: dict(m) for c, m in self._maps.items()}}

@@ -1,5 +1,5 @@
 """Streams a callee runs on: a bounded pool per device, leased one request at a time
-(layer L2). torch's rule 2: a request's function runs with pool streams made current, and
+(layer L2.45). torch's rule 2: a request's function runs with pool streams made current, and
 those streams wait for the request's events first, so its kernels cannot read early; a
 lease keeps two concurrent requests off one stream. Streams are made lazily up to
 ``per_device``; when all are leased, a request waits its turn (in order) up to ``timeout``

@@ -1,4 +1,4 @@
-"""CUDA tensors through pinned host memory on side streams, with no host sync (layer L2).
+"""CUDA tensors through pinned host memory on side streams, with no host sync (layer L2.45).
 
 torch's stream rules, built on the device seam so all of it runs on ``FakeDevices`` too:
 
@@ -304,7 +304,7 @@ class StagedCopy(TensorPolicy):
         flat, block = pool.lend(nbytes)
         address = int(flat.data_ptr())
         step = transfer.chunk_bytes
-        for start in range(0, nbytes, step):  # bounded: nbytes / chunk_bytes copies
+        for start in range(0, nbytes, step):
             stop = min(start + step, nbytes)
             devices.copy_out(tensor, flat, start, stop, stream)
             event = devices.record(stream)

@@ -78,7 +78,7 @@ class Directory:
             return sorted(self.addresses)
         try:
             ranks = group.member_ranks()
-            for rank in ranks:  # bounded by the members listed
+            for rank in ranks:
                 if rank not in self.addresses:
                     self.lookup(rank)
             here = [r for r in ranks if r in self.addresses and not group.has_left(r)]

@@ -1,4 +1,4 @@
-"""torch's C++ log lines held back while asyncrpc uses its rendezvous store (layer L2).
+"""torch's C++ log lines held back while asyncrpc uses its rendezvous store (layer L2.3).
 
 When a TCPStore's host has gone, torch's C++ client logs the failure on stderr before it
 raises it, and that log line carries the C++ error's whole stack, some twenty frames of

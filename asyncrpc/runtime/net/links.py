@@ -1,4 +1,4 @@
-"""Frames to each peer, in order, across the connections that come and go (layer L2).
+"""Frames to each peer, in order, across the connections that come and go (layer L2.2).
 
 A frame for a peer goes straight onto its connection, or waits (in order, behind the
 frames already waiting) until one is made, or until what it must wait for is over (the
@@ -72,7 +72,7 @@ async def write_in_parts(
     complete = False
     parts = ready.parts(pieces)
     try:
-        async for part in parts:  # bounded by the frame's parts
+        async for part in parts:
             conn.send_part(part, keep)
         complete = True
     finally:
@@ -335,7 +335,7 @@ class Links:
         """Ping busy links too (the heartbeat pings idle ones) while refcount frames wait
         for an acknowledgement, so that the logs empty (see reflog.py)."""
         peers = self._peers.peers
-        for rank, log in list(self._logs.items()):  # bounded by the peers
+        for rank, log in list(self._logs.items()):
             conn = peers[rank].conn
             if conn is not None and not conn.closed and log.awaiting_ack():
                 self.ping(conn)
@@ -355,7 +355,7 @@ class Links:
         if log is None or not len(log):
             return
         try:
-            for pieces in log.replay():  # bounded by the log
+            for pieces in log.replay():
                 conn.send(pieces)
         except ClosedError:
             pass  # the next connection replays them

@@ -1,4 +1,4 @@
-"""The connections of one agent: one multiplexed connection per peer (layer L2).
+"""The connections of one agent: one multiplexed connection per peer (layer L2.2).
 
 Connections open lazily on first use. A connection starts with an authenticated handshake,
 whose rules live in the sans-I/O machine of ``asyncrpc/protocol/handshake.py``: this table

@@ -64,7 +64,7 @@ class LoopInbox:
         self._scheduled = False
         items = self._items
         try:
-            for _ in range(len(items)):  # bounded: later items wait for the next drain
+            for _ in range(len(items)):  # later items wait for the next drain
                 fn, args = items.popleft()
                 try:
                     fn(*args)

@@ -1,4 +1,4 @@
-"""An event loop (uvloop when installed) running in a background thread (layer L2).
+"""An event loop (uvloop when installed) running in a background thread (layer L2.01).
 
 Plain synchronous programs get their agent on such a loop: ``init_rpc`` starts it, the
 caller's thread stays free, and coroutines are handed over with ``submit``.

@@ -1,4 +1,4 @@
-"""The thread pool that runs synchronous remote functions for one agent (layer L2).
+"""The thread pool that runs synchronous remote functions for one agent (layer L2.01).
 
 Jobs reach daemon threads through one ``queue.SimpleQueue``; what the threads hand back to
 the agent's loop goes through one deque, and a burst of completions costs the loop a single
