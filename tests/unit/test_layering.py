@@ -186,6 +186,35 @@ def test_layering_every_module_is_on_a_floor() -> None:
     assert loose == set(), f"place these modules in a floor folder: {loose}"
 
 
+def test_layering_runtime_keeps_its_rooms() -> None:
+    # The runtime's features have rooms (threads/, futures/, calls/streams/, ...): at most
+    # ten modules sit loose beside the agent, so the folders stay the map of the floor.
+    loose = sorted(
+        p.name for p in (PACKAGE_DIR / "runtime").glob("*.py") if p.name != "__init__.py"
+    )
+    assert len(loose) <= 10, loose
+
+
+def test_layering_features_never_reach_the_agent() -> None:
+    # Features are built from the agent's ports and found through a FeatureSlot: none of
+    # the floor above imports the composition root, and only the public API and the one
+    # accessor (runtime/current.py) ask for the current agent.
+    graph = import_graph(package_sources())
+    upper = ("asyncrpc.rref", "asyncrpc.autograd", "asyncrpc.profiling")
+    reaching = [
+        m
+        for m, targets in graph.items()
+        if m.startswith(upper) and "asyncrpc.runtime.agent" in targets
+    ]
+    assert reaching == []
+    callers = sorted(
+        module_name(path)
+        for path in PACKAGE_DIR.rglob("*.py")
+        if "current_agent()" in path.read_text(encoding="utf-8")
+    )
+    assert callers == ["asyncrpc.api", "asyncrpc.runtime.current"]
+
+
 def _stray_imports(path: Path, forbidden: Iterable[str]) -> list[str]:
     name = module_name(path)
     names = imported_modules(path.read_text(encoding="utf-8"), name, path.name == "__init__.py")
