@@ -212,6 +212,11 @@ class RefTables:
         if worker in self._lost:  # the agent checks liveness before pickling: our bug
             raise LocalProtocolError(f"worker {worker} was reported lost")
 
+    def on_its_way(self, rref_id: RRefId) -> bool:
+        """Whether the remote() that creates ``rref_id`` here may still be on its way: not
+        owned here, and not known to be freed (a fetch by id may then wait for it)."""
+        return rref_id not in self._owned and not self._known_freed(rref_id)
+
     def _known_freed(self, rref_id: RRefId) -> bool:
         # Unknown here and minted here (created before any fork existed), or minted by a
         # lost worker (its remote() will never come), or remembered as freed.

@@ -104,6 +104,14 @@ class RRefs(Feature):
         """A call made on behalf of an RRef (to_here, proxies), named for the hooks."""
         return self._calls.call_future(to, fn, args, {}, timeout, kind, target)
 
+    def call_sync(self, to: int, fn: Any, args: Sequence[Any], timeout: float, target: str) -> Any:
+        """A synchronous call made on behalf of an RRef (a thread's lane may carry it)."""
+        return self._calls.call_sync(to, fn, args, {}, timeout, target)
+
+    def off_loop(self) -> bool:
+        """Whether the calling thread may block (it is not the agent's loop thread)."""
+        return not self._loop.on_loop_thread()
+
     async def run_in_pool(self, fn: Callable[[], Any]) -> Any:
         return await self._loop.run_in_pool(fn)
 

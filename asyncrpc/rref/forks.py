@@ -204,17 +204,25 @@ class Forks:
             future.set_exception(as_remote_call_error(value))
 
     def owned_value(self, worker_id: int, local_id: int) -> Future[Any]:
-        """The future of a value owned here, by its RRef id (``to_here`` fetches by id).
+        """The future of a value owned here, by its RRef id (``to_here`` fetches by id);
+        made pending if the remote() that creates it is still on its way.
 
         Raises:
             RRefError: this worker owns no such value (freed, or never created here).
         """
-        value = self._values.get(RRefId(worker_id, local_id))
+        rref_id = RRefId(worker_id, local_id)
+        value = self._values.get(rref_id)
         if value is None:
-            raise RRefError(
-                f"worker {self.name!r} owns no RRef {(worker_id, local_id)}: "
-                "it was freed or never created here"
-            )
+            with self._lock:
+                on_its_way = self.counter.on_its_way(rref_id)
+            if not on_its_way:
+                raise RRefError(
+                    f"worker {self.name!r} owns no RRef {(worker_id, local_id)}: "
+                    "it was freed or never created here"
+                )
+            # Its remote() took another connection (a lane) and is not here yet: the fetch
+            # waits for it, as for a value still being made (its timeout bounds that).
+            value = self._values.setdefault(rref_id, Future(loop=self.loop))
         return value
 
     # -- pickling (serializer hooks) -------------------------------------------------------

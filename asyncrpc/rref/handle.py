@@ -77,6 +77,12 @@ class RRefOps(Protocol):
         self, to: int, fn: Any, args: Sequence[Any], timeout: float, kind: CallKind, target: str
     ) -> Future[Any]: ...
 
+    def call_sync(
+        self, to: int, fn: Any, args: Sequence[Any], timeout: float, target: str
+    ) -> Any: ...
+
+    def off_loop(self) -> bool: ...
+
     async def run_in_pool(self, fn: Callable[[], Any]) -> Any: ...
 
 
@@ -258,6 +264,19 @@ class RRef(Generic[T]):
             Exception: the errors of ``to_here_future`` and the exception creating the
                 value raised, as its own type.
         """
+        ctx = self._ctx
+        if self._value is None and self._rref_id.worker == ctx.rank:
+            ops = current_rrefs()
+            if ops.off_loop():
+                # We made it: fetch it by id with a synchronous call, which takes this
+                # thread's lane to the owner when it has one (the owner waits for the value
+                # there, and for its remote() if that is still on its way).
+                ctx.check_usable(self)
+                try:
+                    return cast(T, ops.call_sync(self._owner, _fetch_now, tuple(self._rref_id),
+                                                 timeout, _TO_HERE))  # fmt: skip
+                except PeerLostError as exc:
+                    raise RRefOwnerLostError(self.owner_name(), str(exc)) from exc
         return self._fetch(timeout, CallKind.SYNC).wait()
 
     def _get_type(self, timeout: float = UNSET_RPC_TIMEOUT, blocking: bool = True) -> Any:
@@ -583,6 +602,12 @@ def _check_tensor(value: Any) -> None:
         raise RRefError(  # torch's words first
             f"RRef should contain a tensor for .backward(), this one holds a {type(value).__name__}"
         )
+
+
+def _fetch_now(worker_id: int, local_id: int) -> Any:
+    """Runs on the owner, on a lane's thread (or a pool's): the value of the RRef with this
+    id, waited for here; a failure is raised as a copy (see ``_owner_value``)."""
+    return _owned(current_rrefs().forks.owned_value(worker_id, local_id)).wait()
 
 
 async def _fetch(worker_id: int, local_id: int) -> Any:

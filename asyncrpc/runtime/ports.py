@@ -177,8 +177,9 @@ class Calls(Protocol):
     ) -> Any: ...
 
     def call_sync(
-        self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float
-    ) -> Any: ...
+        self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
+        target: str | None = ...,
+    ) -> Any: ...  # fmt: skip
 
     def send_remote(
         self, rank: int, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,

@@ -366,3 +366,66 @@ def test_Lanes_carry_calls_inside_a_distributed_autograd_context(group: Group) -
     assert torch.allclose(local, xl.grad)
     assert remote[0] is not None
     assert torch.allclose(remote[0], lin.weight.grad)
+
+
+def test_Lanes_sync_call_behind_a_pending_async_call_takes_its_connection(group: Group) -> None:
+    # rpc_async then rpc_sync to one worker from one thread: the callee starts them in that
+    # order, as on one connection; once the async call is over, the lane serves again.
+    def run() -> tuple[int, int, list[Any]]:
+        asyncrpc.rpc_sync("w1", fns.noop)
+        asyncrpc.rpc_sync("w1", fns.noop)  # the lane is open now
+        before = _lane_calls()
+        pending = asyncrpc.rpc_async("w1", fns.sleep, args=(0.3,))
+        behind = asyncrpc.rpc_sync("w1", fns.add, args=(1, 1))
+        during = _lane_calls() - before
+        slept = pending.wait()
+        after = asyncrpc.rpc_sync("w1", fns.add, args=(2, 2))
+        return during, _lane_calls() - before, [behind, slept, after]
+
+    during, total, values = _in_thread(run)
+    assert values == [2, "slept", 4]
+    assert during == 0
+    assert total == 1
+
+
+def test_Lanes_carry_remote_and_to_here_in_order(group: Group) -> None:
+    owned_before = asyncrpc.rpc_sync("w3", fns.rref_debug)["owner_rrefs"]
+
+    def run() -> tuple[list[float], int, type[BaseException] | None]:
+        asyncrpc.rpc_sync("w3", fns.noop)
+        asyncrpc.rpc_sync("w3", fns.noop)  # the lane is open now
+        before = _lane_calls()
+        values = []
+        for i in range(3):  # each to_here right behind its remote(), on the same lane
+            rref = asyncrpc.remote("w3", fns.filled, args=(4, float(i)))
+            values.append(float(rref.to_here().sum()))
+        on_lanes = _lane_calls() - before
+        failing = asyncrpc.remote("w3", fns.raise_key_error, args=("gone",))
+        try:
+            failing.to_here()
+        except Exception as exc:  # the observation is the error's type: its traceback
+            return values, on_lanes, type(exc)  # would hold this frame and its RRefs
+        return values, on_lanes, None
+
+    values, on_lanes, error = _in_thread(run)
+    assert values == [0.0, 4.0, 8.0]
+    assert on_lanes == 6  # three remote() requests and three fetches
+    assert error is not None
+    assert issubclass(error, KeyError)
+
+    def owned() -> int:
+        return int(asyncrpc.rpc_sync("w3", fns.rref_debug)["owner_rrefs"])
+
+    assert eventually(lambda: owned() <= owned_before, 10.0), owned()
+
+
+def test_Lanes_remote_on_a_lane_fetched_from_another_thread(group: Group) -> None:
+    # The remote() leaves on one thread's lane; another thread, with no lane, fetches it
+    # over the loop's path: the owner waits for the remote() if it is not there yet.
+    def make() -> Any:
+        asyncrpc.rpc_sync("w1", fns.noop)
+        asyncrpc.rpc_sync("w1", fns.noop)
+        return asyncrpc.remote("w1", fns.filled, args=(3, 2.0))
+
+    rref = _in_thread(make)
+    assert float(_in_thread(lambda: rref.to_here().sum())) == 6.0

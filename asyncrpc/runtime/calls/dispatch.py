@@ -232,8 +232,7 @@ class Dispatcher:
         owner = self._owner
         if served.remote:
             owner.on_remote_request(peer, request)
-            if request.timeout > 0:  # the caller's deadline holds here too
-                self._loop.call_later(request.timeout, self._expire_remote, peer, request)
+            self.watch_remote(peer, request)
         elif request.mode == CallMode.STREAM:  # its credit may come before it starts
             self._producers.expect(conn, peer, request.call_id, request.target)
         owner.take_unconfirmed()  # forget forks unpickled elsewhere (replies)
@@ -345,6 +344,12 @@ class Dispatcher:
         return missing_reference_error(self._name, request, exc)
 
     # -- cancelling ------------------------------------------------------------------------
+
+    def watch_remote(self, peer: int, request: Request) -> None:
+        """Fail the value of a remote() request that outlives its caller's timeout (a lane's
+        thread serves some, and hands them here, on the loop)."""
+        if request.timeout > 0:  # the caller's deadline holds here too
+            self._loop.call_later(request.timeout, self._expire_remote, peer, request)
 
     def _expire_remote(self, peer: int, request: Request) -> None:
         # A remote() request still running when its caller's timeout passes: the value

@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -40,6 +42,7 @@ from asyncrpc.runtime.futures import Future, on_cancel
 from asyncrpc.runtime.group.membership import Directory
 from asyncrpc.runtime.metrics import Counters
 from asyncrpc.runtime.ports import Frames, Loop, OutgoingFrame, Register
+from asyncrpc.runtime.shm.shm import SHM_TAG_PREFIX
 
 __all__ = ["EncodedRequest", "Observed", "Outbox", "SyncLanes"]
 
@@ -51,6 +54,9 @@ class SyncLanes(Protocol):
         """This thread's lane to ``rank`` for a plain call of ``nbytes`` (None: none)."""
 
     UNSENT: object  # what ``call`` returns when the request never left
+
+    def send(self, lane: Any, encoded: EncodedRequest) -> bool:
+        """Write a request that expects no reply on ``lane``; False if it never left."""
 
     def call(self, lane: Any, encoded: EncodedRequest) -> Any:
         """Run one call on ``lane``, blocking this thread until its reply (or ``UNSENT``)."""
@@ -80,6 +86,12 @@ class Outbox:
         self._frames, self._undelivered, self._unlend = frames, undelivered, unlend
         self._counters, self._default_timeout = counters, default_timeout
         self._lanes = lanes
+        self._on_loop_thread = loop.on_loop_thread
+        # Per calling thread, its last call_future to each rank (weakly: its pending call
+        # holds it until the reply). A synchronous call to a rank whose earlier call from
+        # the same thread is still pending takes the same connection, behind it, so that
+        # the callee starts them in the order this thread made them.
+        self._issued = threading.local()
         self.pending = PendingCalls(loop.aio, self.expire)
         self._call_ids = itertools.count(1)
         self.closed = False
@@ -162,7 +174,8 @@ class Outbox:
                 self._undelivered(rank, forks)  # RRefs forked for nobody
             raise
         observed = None if call is None else (hooks, call)
-        return EncodedRequest(call_id, rank, target, timeout, pieces, keep, observed, forks)
+        shared = bool(segments) and any(tag.startswith(SHM_TAG_PREFIX) for _, tag in segments)
+        return EncodedRequest(call_id, rank, target, timeout, pieces, keep, observed, forks, shared)
 
     # -- the three ways in -----------------------------------------------------------------
 
@@ -175,7 +188,15 @@ class Outbox:
         rank = self._directory.resolve(to)
         encoded = self.encode(rank, fn, args, kwargs, self.effective_timeout(timeout), kind,
                               target=target)  # fmt: skip
-        return self._start_future(encoded)
+        future = self._start_future(encoded)
+        if self._lanes is not None:
+            issued: dict[int, weakref.ref[Future[Any]]] | None = getattr(
+                self._issued, "by_rank", None
+            )
+            if issued is None:
+                issued = self._issued.by_rank = {}
+            issued[rank] = weakref.ref(future)
+        return future
 
     def _start_future(self, encoded: EncodedRequest) -> Future[Any]:
         future: Future[Any] = Future(loop=self.loop)
@@ -185,8 +206,9 @@ class Outbox:
         return future
 
     def call_sync(
-        self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float
-    ) -> Any:
+        self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
+        target: str | None = None,
+    ) -> Any:  # fmt: skip
         """Run a call for a thread that blocks until its result (``rpc_sync``).
 
         A plain call (only lane-safe hooks active, no RRef fork, a small frame, a function
@@ -197,13 +219,14 @@ class Outbox:
             The errors of ``call_future`` and of the call.
         """
         rank = self._directory.resolve(to)
-        encoded = self.encode(
-            rank, fn, args, kwargs, self.effective_timeout(timeout), CallKind.SYNC
-        )
+        encoded = self.encode(rank, fn, args, kwargs, self.effective_timeout(timeout),
+                              CallKind.SYNC, target=target)  # fmt: skip
         lanes, observed = self._lanes, encoded.observed
         if (
             lanes is not None
+            and not self._behind_pending(rank)
             and encoded.forks is None
+            and not encoded.shared  # a lane's callee maps no shared memory
             and (observed is None or all(hook.lane_safe for hook in observed[0]))
             and not is_coroutine_function(fn)
             and not is_async_execution(fn)
@@ -215,6 +238,13 @@ class Outbox:
                     return value
                 # The lane broke before the request left: it goes the loop's way.
         return self._start_future(encoded).wait()
+
+    def _behind_pending(self, rank: int) -> bool:
+        """Whether this thread's last ``call_future`` to ``rank`` is still pending."""
+        issued = getattr(self._issued, "by_rank", None)
+        earlier = None if issued is None else issued.get(rank)
+        future = None if earlier is None else earlier()
+        return future is not None and not future.done()
 
     async def call(
         self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float
@@ -247,8 +277,10 @@ class Outbox:
 
         ``register`` makes the RRef id and the caller's fork id (None when the owner is
         this worker: its value then never leaves the process). Without pipeline hooks
-        nothing waits for it here (the RRef protocol confirms it). With hooks, the owner
-        acknowledges the end of the function, and a pending call tells the hooks.
+        nothing waits for it here (the RRef protocol confirms it): from a thread that has
+        a lane to the owner, it goes on the lane, ahead of what the thread sends next
+        there (its ``to_here``). With hooks, the owner acknowledges the end of the
+        function, and a pending call tells the hooks.
 
         Returns:
             With hooks, the future of that acknowledgement (done after the hooks were
@@ -261,12 +293,33 @@ class Outbox:
             rank, fn, args, kwargs, timeout, CallKind.REMOTE, CallMode.REMOTE, register, target
         )
         if encoded.observed is None:
-            e = encoded
-            self.run_on_loop(self._frames.send, OutgoingFrame(rank, e.pieces, e.keep, e.forks))
+            if not self._sent_on_lane(rank, fn, encoded):
+                e = encoded
+                frame = OutgoingFrame(rank, e.pieces, e.keep, e.forks)
+                self.run_on_loop(self._frames.send, frame)
             return None
         acknowledged: Future[Any] = Future(loop=self.loop)
         self.run_on_loop(self.start, encoded, acknowledged)
         return acknowledged
+
+    def _sent_on_lane(self, rank: int, fn: Any, encoded: EncodedRequest) -> bool:
+        """Send a remote() request on this thread's lane to ``rank``, if it may take one
+        (its only fork the caller's own, a small frame, no earlier call still pending)."""
+        lanes = self._lanes
+        forks = encoded.forks
+        if (
+            lanes is None
+            or forks is None
+            or len(forks) != 1
+            or encoded.shared
+            or self._on_loop_thread()
+            or self._behind_pending(rank)
+            or is_coroutine_function(fn)
+            or is_async_execution(fn)
+        ):
+            return False
+        lane = lanes.lane(rank, frame_nbytes(encoded.pieces))
+        return lane is not None and lanes.send(lane, encoded)
 
     # -- on the loop -----------------------------------------------------------------------
 

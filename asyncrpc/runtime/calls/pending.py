@@ -52,6 +52,7 @@ class EncodedRequest(NamedTuple):
         observed: the pipeline hooks it went through (None: no hook was active).
         forks: the RRef forks its payload carries (None: none), followed until the peer
             reads it.
+        shared: whether a segment went into shared memory (a lane cannot carry it).
     """
 
     call_id: int
@@ -62,6 +63,7 @@ class EncodedRequest(NamedTuple):
     keep: object
     observed: Observed | None
     forks: list[ForkPair] | None
+    shared: bool = False  # some segment went into shared memory (its tag names a chunk)
 
 
 class PendingCall:

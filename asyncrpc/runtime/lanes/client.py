@@ -66,11 +66,14 @@ _RETRY_AFTER_S = 30.0
 class Lane:
     """One calling thread's connection to one peer."""
 
-    __slots__ = ("__weakref__", "frames", "lost", "name", "rank")
+    __slots__ = ("__weakref__", "frames", "lost", "name", "rank", "remotes")
 
     def __init__(self, frames: BlockingFrames, rank: int, name: str) -> None:
         self.frames, self.rank, self.name = frames, rank, name
         self.lost: PeerLostError | None = None  # why the agent closed it, if it did
+        # remote() requests sent on it whose Ack has not been read yet: call id -> the
+        # RRef forks they carry (in doubt if the lane dies first; the owner is asked).
+        self.remotes: dict[int, list[Any]] = {}
 
     def call(
         self, call_id: int, pieces: list[Any], timeout: float, loads: Callable[..., Any],
@@ -95,6 +98,9 @@ class Lane:
             frame = frames.read(deadline)
             fields = frame.fields
             kind = fields[0]
+            if kind == Kind.ACK:  # the owner read a remote() request sent on this lane
+                self.remotes.pop(fields[1], None)
+                continue
             if kind not in (Kind.REPLY, Kind.ERROR):
                 raise RemoteProtocolError(f"unexpected frame of kind {kind!r} on a lane")
             if fields[1] != call_id:
@@ -148,15 +154,18 @@ class CallerLanes:
         serializer: unpickles replies (its RRef hooks; no shared memory on a lane).
         small: the frame size below which the loop's path would not use shared memory.
         enabled: whether this worker opens lanes at all.
+        in_doubt: ``in_doubt(rank, forks)`` asks ``rank`` about forks written on a lane
+            that died before their Ack (any thread; the RRef layer's ForkQuery).
     """
 
     def __init__(
         self, me: tuple[str, int], addresses: dict[int, PeerAddress], host_id: str | None,
         key: bytes, max_frame_size: int, timeout: float, serializer: Serializer, small: int,
-        enabled: bool,
+        enabled: bool, in_doubt: Callable[[int, list[Any]], None],
     ) -> None:  # fmt: skip
         self._me, self._addresses, self._host_id = me, addresses, host_id
         self._key, self._max_frame_size, self._timeout = key, max_frame_size, timeout
+        self._in_doubt = in_doubt
         self._loads = serializer.loads
         self._small = small
         self._enabled = enabled
@@ -261,17 +270,42 @@ class CallerLanes:
             outcome, error = self._failure(lane, encoded, exc)
             if error is None:
                 return UNSENT
-            _completed(observed, None, None, error)
-            raise error from None
+            value = None
         except BaseException as exc:  # interrupted mid-call (KeyboardInterrupt...): start afresh
             lane.frames.close()
-            _completed(observed, None, None, exc)
+            _tell_hooks(observed, None, None, exc)
             raise
         finally:
             self._count(outcome)
             if lane.frames.closed:
                 self._remove([lane])
-        return _completed(observed, value, headers, error)
+        _tell_hooks(observed, value, headers, error)
+        if error is None:
+            return value
+        try:
+            raise error
+        finally:
+            # The frames a raised error carries must not hold it (a cycle that would keep
+            # the RRefs in those frames alive until a garbage collection).
+            error = None
+
+    def send(self, lane: Lane, encoded: EncodedRequest) -> bool:
+        """Write a request that expects no reply (remote()) on ``lane``, its forks followed
+        until the owner's Ack; False if not one byte of it left (it may go another way)."""
+        forks = encoded.forks or []
+        lane.remotes[encoded.call_id] = forks
+        try:
+            lane.frames.write(encoded.pieces, time.monotonic() + self._timeout)
+        except Unsent:
+            del lane.remotes[encoded.call_id]
+            self._remove([lane])
+            return False
+        except (TimeoutError, ClosedError, ConnectionLostError, OSError):
+            self._remove([lane])  # cut short: it may have arrived (its forks in doubt)
+            return True
+        with self._lock:
+            self.counts["calls_sent"] += 1
+        return True
 
     def _failure(
         self, lane: Lane, encoded: EncodedRequest, exc: BaseException
@@ -325,6 +359,10 @@ class CallerLanes:
             if lost is not None:
                 lane.lost = lost
             lane.frames.close()
+            remotes, lane.remotes = lane.remotes, {}
+            in_doubt = [fork for forks in remotes.values() for fork in forks]
+            if in_doubt and lost is None:  # a lost owner's forks are dropped with it
+                self._in_doubt(lane.rank, in_doubt)
 
     def on_peer_lost(self, rank: int, error: PeerLostError) -> None:
         """``rank`` is gone for good: close its lanes (a blocked caller gets ``error``)."""
@@ -353,18 +391,14 @@ class CallerLanes:
             }  # fmt: skip
 
 
-def _completed(
+def _tell_hooks(
     observed: Observed | None, value: Any, headers: dict[str, Any] | None,
     error: BaseException | None,
-) -> Any:  # fmt: skip
-    """Tell the hooks that saw a call how it ended (lane-safe hooks, on this thread); its
-    value, or its error raised."""
+) -> None:  # fmt: skip
+    """Tell the hooks that saw a call how it ended (lane-safe hooks, on this thread)."""
     if observed is not None:
         hooks, call = observed
         call.result = value
         Pipeline.completed(hooks, call, headers, error)
         if error is None and call.on_value is not None:
             call.on_value()  # e.g. this thread's CUDA streams wait for the reply
-    if error is not None:
-        raise error
-    return value

@@ -67,7 +67,14 @@ Writer = Callable[[Any, list[Any], object, Any], None]
 
 
 class LaneForks(Protocol):
-    """What the lanes' threads ask of the RRef layer about the forks their replies carry."""
+    """What the lanes' threads ask of the RRef layer: the forks their replies carry, and
+    the values of the remote() requests they serve."""
+
+    def on_remote_request(self, peer: int, request: Request) -> None:
+        """A remote() request arrived: register the caller's fork before it runs."""
+
+    def on_value(self, request: Request, peer: int, ok: bool, value: Any) -> None:
+        """Its function finished: its value (or exception) is the owner's."""
 
     def undelivered(self, rank: int, forks: list[Any]) -> None:
         """A reply carrying these forks to ``rank`` was never written."""
@@ -282,9 +289,12 @@ class LaneServer:
             message = decode_message(frame.fields)
             if isinstance(message, Request):
                 self._count("calls_received")
-                if message.mode != CallMode.CALL:
-                    return  # only calls travel on lanes: a confused peer loses its lane
-                self._serve(serving, lane, message, frame)
+                if message.mode == CallMode.CALL:
+                    self._serve(serving, lane, message, frame)
+                elif message.mode == CallMode.REMOTE:
+                    self._serve_remote(serving, lane, message, frame)
+                else:
+                    return  # streams never travel on lanes: a confused peer loses its lane
             elif isinstance(message, Ack):
                 lane.unacked.pop(message.call_id, None)
             # A Cancel names a call already answered (the lane runs one at a time).
@@ -319,6 +329,61 @@ class LaneServer:
             self._hand_over(serving, lane, request, on_loop, call, incoming)
             return
         self._run_here(serving, lane, request, incoming, call)
+
+    def _serve_remote(self, serving: Serving, lane: _Lane, request: Request, frame: Frame) -> None:
+        """A remote() request: its value stays here (nothing is written back but an Ack
+        that the caller's fork is registered)."""
+        rank = lane.rank
+        serving.forks.on_remote_request(rank, request)
+        hooked = serving.pipeline.serves(request.headers)
+        if not hooked:  # the dispatcher watches the deadline of those it serves itself
+            serving.run_on_loop(serving.dispatcher.watch_remote, rank, request)
+        self._write(
+            serving, lane, request, encode_frame(Ack(request.call_id).to_fields(), b""), None
+        )
+        if hooked:  # its hooks run on the loop
+            start = serving.dispatcher.on_request
+            serving.run_on_loop(start, self._no_reply(lane), request, frame.payload, frame.segments)
+            return
+        try:
+            call = serving.serializer.loads(frame.payload, frame.segments, context=rank)
+        except MissingReferenceError as exc:
+            self._remote_value(
+                serving, lane, request, False, missing_reference_error(serving.name, request, exc)
+            )
+            return
+        except Exception as exc:
+            self._remote_value(serving, lane, request, False, exc)
+            return
+        fn, args, kwargs = call
+        if is_coroutine_function(fn) or is_async_execution(fn) or is_inline(fn):
+            serving.run_on_loop(
+                serving.dispatcher.on_unpickled, self._no_reply(lane), request, call
+            )
+            return
+        run = partial(checked_op, fn) if is_torch_c_function(fn) else fn
+        with self._lock:
+            self.running += 1
+        try:
+            value, ok = run(*args, **kwargs), True
+        except BaseException as exc:  # the RRef's users get it when they fetch
+            value, ok = exc, False
+        finally:
+            with self._lock:
+                self.running -= 1
+            del call, args, kwargs
+        self._remote_value(serving, lane, request, ok, value)
+
+    def _remote_value(
+        self, serving: Serving, lane: _Lane, request: Request, ok: bool, value: Any
+    ) -> None:
+        if not ok and serving.print_errors:
+            print_request_error(serving.name, request, lane.name, value)
+        serving.forks.on_value(request, lane.rank, ok, value)
+
+    def _no_reply(self, lane: _Lane) -> LaneReply:
+        """The connection of a remote() request handed to the loop: none is written."""
+        return LaneReply(lane.rank, lane.name)
 
     def _run_here(
         self, serving: Serving, lane: _Lane, request: Request, incoming: IncomingCall | None,
