@@ -32,7 +32,14 @@ from asyncrpc.runtime.calls.dispatch import await_async_result
 from asyncrpc.runtime.calls.pipeline import CallKind
 from asyncrpc.runtime.calls.streams.hub import StreamHub
 from asyncrpc.runtime.current import FeatureSlot
-from asyncrpc.runtime.futures import Future, chain
+from asyncrpc.runtime.futures import (
+    Future,
+    add_hook,
+    chain,
+    make_sibling,
+    try_set_exception,
+    try_set_result,
+)
 
 __all__ = ["RRef", "RRefBackend", "RRefOps", "current_rrefs"]
 
@@ -520,14 +527,19 @@ def _owned(value: Future[Any]) -> Future[Any]:
     """
     if value.done() and value.exception() is None:
         return value
-    return chain(value, _copy_of_failure)
+    owned = make_sibling(value)
+    add_hook(value, functools.partial(_copy_outcome, owned))
+    return owned
 
 
-def _copy_of_failure(done: Future[Any]) -> Any:
+def _copy_outcome(owned: Future[Any], done: Future[Any]) -> None:
+    # Not through then(): then() flattens a future-like result, and the value itself may
+    # be a future (a function that returned a torch.futures.Future): it is the value.
     exc = done.exception()
     if exc is None:
-        return done.value()
-    raise copy_exception(exc) from None
+        try_set_result(owned, done.value())
+    else:
+        try_set_exception(owned, copy_exception(exc))
 
 
 def _fetched(owner: str, rref: RRef[Any], done: Future[Any]) -> Any:

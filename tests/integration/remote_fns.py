@@ -67,6 +67,12 @@ async def async_raise_value_error() -> None:
     raise ValueError("async failure")
 
 
+def torch_future_after(seconds: float) -> torch.futures.Future[int]:
+    """Returns (not marked async_execution) a torch future that never completes."""
+    time.sleep(seconds)
+    return torch.futures.Future()
+
+
 def sleep(seconds: float) -> str:
     time.sleep(seconds)
     return "slept"

@@ -429,3 +429,19 @@ def test_Lanes_remote_on_a_lane_fetched_from_another_thread(group: Group) -> Non
 
     rref = _in_thread(make)
     assert float(_in_thread(lambda: rref.to_here().sum())) == 6.0
+
+
+def test_Lanes_fetch_of_a_value_that_is_a_future_fails_to_pickle_not_waits(group: Group) -> None:
+    # The fetch reaches the owner (on the lane) while the remote() (on the loop's path)
+    # still runs: the owner waits for the value, which is a torch future. It is the value,
+    # not something to wait for, and cannot be sent (torch's behaviour): an error, no hang.
+    def run() -> type[BaseException] | None:
+        rref = asyncrpc.remote("w1", fns.torch_future_after, args=(0.5,))
+        try:
+            rref.to_here(timeout=20)
+        except Exception as exc:
+            return type(exc)
+        return None
+
+    error = _in_thread(run)
+    assert error is asyncrpc.SerializationError

@@ -26,6 +26,7 @@ __all__ = [
     "chain",
     "collect_all",
     "copy_outcome",
+    "make_sibling",
     "on_cancel",
     "on_value",
     "set_default_callback_loop",  # for the agent, which imports it from here
@@ -61,6 +62,11 @@ def chain(future: Future[T], callback: Callable[[Future[T]], Any]) -> Future[Any
     """``future.then(callback)`` as the runtime chains: the callback runs on the future's
     callback loop whoever registers it (never on the registering thread)."""
     return future._then(callback)
+
+
+def make_sibling(future: Future[Any]) -> Future[Any]:
+    """A new pending future on ``future``'s callback loop (to complete from a hook)."""
+    return Future(loop=future._loop)
 
 
 def copy_outcome(target: Future[Any], source: Future[Any]) -> None:
