@@ -12,34 +12,31 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar, cast
 
 import torch
 
-from asyncrpc.autograd import backward as dist_backward
 from asyncrpc.autograd import backward_async as dist_backward_async
 from asyncrpc.errors import PeerLostError, RRefError, RRefOwnerLostError
-from asyncrpc.errorstate import copy_exception
 from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT, WorkerInfo
-from asyncrpc.protocol.refmessages import (
-    ForkId,
-    RRefId,
+from asyncrpc.protocol.refmessages import ForkId, RRefId
+from asyncrpc.rref.values import (
+    backward_here,
+    check_tensor,
+    ignored,
+    made,
+    owned,
+    owner_lost_as_rref_error,
+    owner_value,
+    type_of,
 )
 from asyncrpc.runtime.calls.dispatch import await_async_result
 from asyncrpc.runtime.calls.pipeline import CallKind
 from asyncrpc.runtime.calls.streams.hub import StreamHub
 from asyncrpc.runtime.current import FeatureSlot
-from asyncrpc.runtime.futures import (
-    Future,
-    add_hook,
-    chain,
-    make_sibling,
-    try_set_exception,
-    try_set_result,
-)
+from asyncrpc.runtime.futures import Future, chain
 
 __all__ = ["RRef", "RRefBackend", "RRefOps", "current_rrefs"]
 
@@ -218,7 +215,7 @@ class RRef(Generic[T]):
                 f"UserRRef(rref_id={_guid(self._rref_id)}, fork_id={_guid(self._fork_id)}), "
                 f"can't call localValue() on user {me}. Call it on owner {owner})"
             )
-        return cast(T, _owned(self._value).wait())
+        return cast(T, owned(self._value).wait())
 
     def to_here_future(self, timeout: float = UNSET_RPC_TIMEOUT) -> Future[T]:
         """Fetch a copy of the value; returns a Future (``await`` it, or ``.wait()``).
@@ -239,7 +236,7 @@ class RRef(Generic[T]):
         ctx = self._ctx
         ctx.check_usable(self)
         if self._value is not None:
-            return _owned(self._value)
+            return owned(self._value)
         if self._rref_id.worker == ctx.rank:
             # We made it with remote(): fetch by id, not by pickling the RRef, whose fork
             # to the owner costs an acknowledgement frame and bookkeeping on both sides.
@@ -301,13 +298,13 @@ class RRef(Generic[T]):
         fut = self._type
         if fut is None or (fut.done() and fut.exception() is not None):
             if self._value is not None:
-                fut = chain(self._value, _type_of)
+                fut = chain(self._value, type_of)
             else:
                 self._ctx.check_usable(self)
                 call = current_rrefs().call(
                     self._owner, _type_on_owner, (self,), timeout, CallKind.ASYNC, "RRef._get_type"
                 )
-                fut = chain(call, functools.partial(_owner_lost_as_rref_error, self.owner_name()))
+                fut = chain(call, functools.partial(owner_lost_as_rref_error, self.owner_name()))
             self._type = fut
         return fut.wait() if blocking else fut
 
@@ -321,7 +318,7 @@ class RRef(Generic[T]):
         Cancellation: cancelling it leaves the value be.
         """
         if self._value is not None:
-            return chain(self._value, _made)
+            return chain(self._value, made)
         try:
             self._ctx.check_usable(self)
         except RRefError as exc:
@@ -336,7 +333,7 @@ class RRef(Generic[T]):
             CallKind.ASYNC,
             "RRef._get_future",
         )
-        return chain(call, functools.partial(_owner_lost_as_rref_error, self.owner_name()))
+        return chain(call, functools.partial(owner_lost_as_rref_error, self.owner_name()))
 
     def _get_profiling_future(self) -> Future[None]:
         """A future done once the profiler has the span of the ``remote()`` that made this
@@ -353,7 +350,7 @@ class RRef(Generic[T]):
             done: Future[None] = Future()
             done.set_result(None)
             return done
-        return chain(made_by, _ignored)
+        return chain(made_by, ignored)
 
     # -- autograd --------------------------------------------------------------------------
 
@@ -375,7 +372,7 @@ class RRef(Generic[T]):
             The errors of ``torch.autograd.backward`` or ``autograd.backward``.
         """
         if self._value is not None:
-            _backward_here(self._value.wait(), dist_autograd_ctx_id, retain_graph)
+            backward_here(self._value.wait(), dist_autograd_ctx_id, retain_graph)
             return
         if dist_autograd_ctx_id == -1:
             raise RRefError(
@@ -387,7 +384,7 @@ class RRef(Generic[T]):
         call = current_rrefs().call(
             self._owner, _backward_on_owner, args, UNSET_RPC_TIMEOUT, CallKind.SYNC, "RRef.backward"
         )
-        chain(call, functools.partial(_owner_lost_as_rref_error, self.owner_name())).wait()
+        chain(call, functools.partial(owner_lost_as_rref_error, self.owner_name())).wait()
 
     # -- proxies ---------------------------------------------------------------------------
 
@@ -475,7 +472,7 @@ class _Proxy:
             _check_method(rref, name, timeout)
             return ops.remote(rref._owner, _invoke_method, call_args, {}, timeout, target)
         future = ops.call(rref._owner, _invoke_method, call_args, timeout, kind, target)
-        future = chain(future, functools.partial(_owner_lost_as_rref_error, rref.owner_name()))
+        future = chain(future, functools.partial(owner_lost_as_rref_error, rref.owner_name()))
         return future if kind is CallKind.ASYNC else future.wait()
 
 
@@ -498,61 +495,17 @@ def _is_script_module(value_type: type) -> bool:
 _TO_HERE = "RRef.to_here"  # the name of fetches, for the hooks (and the profiler)
 
 
-def _owner_lost_as_rref_error(owner: str, done: Future[Any]) -> Any:
-    exc = done.exception()
-    if isinstance(exc, PeerLostError):
-        raise RRefOwnerLostError(owner, str(exc)) from exc
-    return done.value()
-
-
-async def _owner_value(value: Future[Any]) -> Any:
-    """Await an owner's value; a failure is raised as a copy.
-
-    The stored exception is shared by every consumer: re-raising it would chain each
-    consumer's frames (and the RRefs in them) onto it, and so keep the value alive forever.
-    """
-    try:
-        return await value
-    except BaseException as exc:
-        traceback.clear_frames(exc.__traceback__)
-        raise copy_exception(exc) from None
-
-
-def _owned(value: Future[Any]) -> Future[Any]:
-    """The owner's value future as its own code may wait on it: itself once it holds the
-    value, else a future whose failure is a copy of the stored one.
-
-    Raising the stored exception itself would attach the waiter's frames (this RRef among
-    them) to it, and the owner keeps it as long as the RRef lives: neither would ever go.
-    """
-    if value.done() and value.exception() is None:
-        return value
-    owned = make_sibling(value)
-    add_hook(value, functools.partial(_copy_outcome, owned))
-    return owned
-
-
-def _copy_outcome(owned: Future[Any], done: Future[Any]) -> None:
-    # Not through then(): then() flattens a future-like result, and the value itself may
-    # be a future (a function that returned a torch.futures.Future): it is the value.
-    exc = done.exception()
-    if exc is None:
-        try_set_result(owned, done.value())
-    else:
-        try_set_exception(owned, copy_exception(exc))
-
-
 def _fetched(owner: str, rref: RRef[Any], done: Future[Any]) -> Any:
     del rref  # held only until the reply came
-    return _owner_lost_as_rref_error(owner, done)
+    return owner_lost_as_rref_error(owner, done)
 
 
 async def _fetch_forked(rref: RRef[Any]) -> Any:
     """Runs on the owner: the value behind ``rref`` (unpickled here as the owner's own)."""
     value = rref._value
     assert value is not None
-    del rref  # see _owner_value: no frame of a failing fetch may hold the handle
-    return await _owner_value(value)
+    del rref  # see owner_value: no frame of a failing fetch may hold the handle
+    return await owner_value(value)
 
 
 def _guid(key: RRefId | ForkId | None) -> str:
@@ -560,66 +513,36 @@ def _guid(key: RRefId | ForkId | None) -> str:
     return "None" if key is None else f"GloballyUniqueId(created_on={key[0]}, local_id={key[1]})"
 
 
-def _ignored(done: Future[Any]) -> None:
-    return None
-
-
-def _made(done: Future[Any]) -> None:
-    exc = done.exception()
-    if exc is not None:  # a copy: the stored exception is shared (see _owner_value)
-        raise copy_exception(exc) from None
-
-
 async def _made_on_owner(rref: RRef[Any]) -> None:
     """Runs on the owner: returns once the value behind ``rref`` is made."""
     value = rref._value
     assert value is not None
-    del rref  # see _owner_value
-    await _owner_value(value)
-
-
-def _type_of(done: Future[Any]) -> type:
-    return type(done.value())
+    del rref  # see owner_value
+    await owner_value(value)
 
 
 async def _type_on_owner(rref: RRef[Any]) -> type:
     """Runs on the owner: the type of the value behind ``rref``."""
     value = rref._value
     assert value is not None
-    del rref  # see _owner_value
-    return type(await _owner_value(value))
-
-
-def _backward_here(value: Any, context_id: int, retain_graph: bool) -> None:
-    """Backward from an owner's value: local autograd, or distributed in ``context_id``."""
-    _check_tensor(value)
-    if context_id == -1:
-        torch.autograd.backward(value, retain_graph=retain_graph)
-    else:
-        dist_backward(context_id, [value], retain_graph)
+    del rref  # see owner_value
+    return type(await owner_value(value))
 
 
 async def _backward_on_owner(rref: RRef[Any], context_id: int, retain_graph: bool) -> None:
     """Runs on the owner: the distributed backward pass from the value behind ``rref``."""
     future = rref._value
     assert future is not None
-    del rref  # see _owner_value
-    value = await _owner_value(future)
-    _check_tensor(value)
+    del rref  # see owner_value
+    value = await owner_value(future)
+    check_tensor(value)
     await dist_backward_async(context_id, [value], retain_graph)
-
-
-def _check_tensor(value: Any) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise RRefError(  # torch's words first
-            f"RRef should contain a tensor for .backward(), this one holds a {type(value).__name__}"
-        )
 
 
 def _fetch_now(worker_id: int, local_id: int) -> Any:
     """Runs on the owner, on a lane's thread (or a pool's): the value of the RRef with this
-    id, waited for here; a failure is raised as a copy (see ``_owner_value``)."""
-    return _owned(current_rrefs().forks.owned_value(worker_id, local_id)).wait()
+    id, waited for here; a failure is raised as a copy (see ``owner_value``)."""
+    return owned(current_rrefs().forks.owned_value(worker_id, local_id)).wait()
 
 
 async def _fetch(worker_id: int, local_id: int) -> Any:
@@ -628,7 +551,7 @@ async def _fetch(worker_id: int, local_id: int) -> Any:
     The caller holds a user reference until the reply, so the owner still counts it (or
     the parent fork that is handing it over) and has not freed the value.
     """
-    return await _owner_value(current_rrefs().forks.owned_value(worker_id, local_id))
+    return await owner_value(current_rrefs().forks.owned_value(worker_id, local_id))
 
 
 async def _stream_method(
@@ -638,8 +561,8 @@ async def _stream_method(
     from there (an async one on the loop, a plain one on the pool)."""
     future = rref._value
     assert future is not None
-    del rref  # see _owner_value
-    value = await _owner_value(future)
+    del rref  # see owner_value
+    value = await owner_value(future)
     return getattr(value, name)(*args, **kwargs)
 
 
@@ -653,8 +576,8 @@ async def _invoke_method(
     """
     future, ctx = rref._value, rref._ctx
     assert future is not None
-    del rref  # see _owner_value
-    value = await _owner_value(future)
+    del rref  # see owner_value
+    value = await owner_value(future)
     method = getattr(value, name)
     if is_coroutine_function(method):
         return await method(*args, **kwargs)

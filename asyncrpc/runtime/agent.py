@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 from asyncrpc.errors import PeerLostError, RemoteProtocolError, ShutdownError
@@ -133,7 +134,8 @@ class Agent:
             options.max_frame_size, options.handshake_timeout, self._lane_serializer,
             small=options.shm_threshold if options.shared_memory else 1 << 20,
             enabled=options.sync_lanes > 0 and group.tls is None,
-            in_doubt=self._forks_in_doubt,
+            # forks a lane carried before it died (any thread): their owner is asked
+            in_doubt=partial(self.loop.run_on_loop, forks.query_forks),
         )  # fmt: skip
         return Lanes(callers, server)
 
@@ -169,11 +171,6 @@ class Agent:
     def feature(self, name: str) -> Feature | None:
         """The feature called ``name`` (see ``current.FeatureSlot``); None: it has none."""
         return self._by_name.get(name)
-
-    def _forks_in_doubt(self, rank: int, forks: list[Any]) -> None:
-        # Forks a lane carried to ``rank`` before it died (any thread): ask ``rank``
-        # whether it has them.
-        self.loop.run_on_loop(self.forks.query_forks, rank, forks)
 
     # -- start -----------------------------------------------------------------------------
 
