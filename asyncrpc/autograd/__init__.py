@@ -21,7 +21,7 @@ import torch
 
 from asyncrpc.autograd.context import AutogradContext, current_context_id
 from asyncrpc.autograd.credit import FULL, PassCredit, first_of
-from asyncrpc.autograd.engine import hand_back, local_pass, propagate
+from asyncrpc.autograd.engine import Hop, local_pass, propagate, root_onward
 from asyncrpc.autograd.feature import DistAutograd, context_table
 from asyncrpc.autograd.hook import AutogradHook
 from asyncrpc.errors import AutogradContextError, BlockingCallError
@@ -138,17 +138,23 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     if threading.get_ident() == agent.loop.thread_id:
         raise BlockingCallError("backward() would block the agent's loop; use backward_async()")
     # The calling thread waits anyway: it runs this worker's part of the pass itself (no
-    # hand-off to the pool and back), then hands the gradients on and waits for the hops.
+    # hand-off to the pool and back), hands the gradients on (on its own lane where it may:
+    # engine.root_onward), and while it waits runs the hops of the pass that come back
+    # here (asyncrpc.autograd.roots).
     context = table.get(context_id)
     grads = _start(context, context_id, roots, retain_graph)
     pass_id, over = table.credits.begin()
+    table.root_threads.open(pass_id)
     token = current_context_id.set(None)  # the gradient hops are not part of the context
     try:
         outgoing = local_pass(context, list(roots), grads, agent.rank)
-        credit = PassCredit(agent.rank, pass_id, FULL)
+        root = Hop(agent, table, context, PassCredit(agent.rank, pass_id, FULL))
         # Over when all its credit is back (or every reply, with the first error).
-        first_of(over, hand_back(agent, table, context.id, outgoing, credit)).wait()
+        done = first_of(over, root_onward(root, outgoing))
+        table.root_threads.serve(pass_id, done)
+        done.value()  # raises the pass's error
     finally:
+        table.root_threads.close(pass_id)
         current_context_id.reset(token)
         table.credits.end(pass_id)
 

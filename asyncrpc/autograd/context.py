@@ -20,6 +20,7 @@ import torch
 
 from asyncrpc.autograd.credit import Credits
 from asyncrpc.autograd.graph import LocalGraph
+from asyncrpc.autograd.roots import RootThreads
 from asyncrpc.errors import AutogradContextError
 
 __all__ = ["AutogradContext", "ContextTable", "current_context_id"]
@@ -146,7 +147,9 @@ class ContextTable:
         self._serial = itertools.count(1)
         self.hops_received = 0  # backward hops run here (see count_hop)
         self.passes_on_loop = 0  # local passes run on the event loop (see count_pass_on_loop)
+        self.root_lane_hops = 0  # hops the thread in backward() sent on its lane (count_lane_hop)
         self.credits = Credits()  # the backward passes this worker is the root of
+        self.root_threads = RootThreads()  # threads waiting in backward() take their hops
 
     def __len__(self) -> int:
         return len(self._contexts)
@@ -162,6 +165,11 @@ class ContextTable:
         """A backward hop reached this worker (for ``get_debug_info``)."""
         with self._lock:
             self.hops_received += 1
+
+    def count_lane_hop(self) -> None:
+        """The thread in backward() sent a hop on its lane (for ``get_debug_info``)."""
+        with self._lock:
+            self.root_lane_hops += 1
 
     def count_pass_on_loop(self) -> None:
         """A local pass ran on the loop, no pool round trip (for ``get_debug_info``)."""

@@ -3,7 +3,7 @@
 A backward pass is a tree of hops, each an RPC whose reply waits for the hops it started
 (torch's FAST mode nests them the same way), so the worker that called ``backward`` hears
 the pass is over only once every reply has come back up the tree: in a chain
-A -> B -> A -> C, two replies travel after C's pass ended, carrying nothing.
+A -> B -> C -> D, two replies travel after D's pass ended, carrying nothing.
 
 Credit (weight-throwing termination detection) lets the root know at the moment the last
 pass ends. The root starts with ``FULL`` credit; a worker that runs a hop's pass splits

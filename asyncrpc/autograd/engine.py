@@ -4,7 +4,9 @@
 reach a tensor received from another worker are sent back to that worker, which runs its
 own graph on from the tensors it had sent, and so on. Each hop is an RPC that returns once
 everything downstream of it is done, so the caller's ``backward`` returns when the whole
-pass has finished. An error in any worker's graph reaches it as torch reports it, a
+pass has finished (or earlier, on credit: ``credit.py``). Gradients that only go back to
+the worker that sent a hop ride in the hop's reply; that worker carries on with them as
+with a hop of its own. An error in any worker's graph reaches it as torch reports it, a
 ``RuntimeError`` saying ``Error on Node N: ...`` (a ``BackwardError``), that is also of the
 error's original type; a worker that dies fails the pass with ``PeerLostError``.
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -26,10 +28,28 @@ from asyncrpc.autograd.context import AutogradContext, ContextTable
 from asyncrpc.autograd.credit import FULL, PassCredit, first_of, split
 from asyncrpc.autograd.feature import DistAutograd, context_table
 from asyncrpc.errors import as_backward_error
+from asyncrpc.functions import async_execution, inline
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
-from asyncrpc.runtime.futures import Future, chain, collect_all
+from asyncrpc.runtime.calls.outbox import NOT_ON_LANE
+from asyncrpc.runtime.futures import (
+    Future,
+    add_hook,
+    collect_all,
+    copy_outcome,
+    try_set_exception,
+    try_set_result,
+)
 
-__all__ = ["hand_back", "local_pass", "loop_pass", "pass_anywhere", "propagate"]
+__all__ = [
+    "Hop",
+    "grads_arrived",
+    "grads_here",
+    "local_pass",
+    "loop_pass",
+    "pass_anywhere",
+    "propagate",
+    "root_onward",
+]
 
 # Gradients for the tensors of one message: (sender rank, message id) -> by index.
 Outgoing = dict[tuple[int, int], list[Any]]
@@ -111,51 +131,295 @@ async def propagate(
     roots: Sequence[torch.Tensor],
     grad_outputs: Sequence[Any],
 ) -> None:
-    """Run the local pass as the root of a backward pass, then hand its gradients to the
-    workers that sent the tensors; returns once the whole pass is over."""
+    """Run the local pass as the root of a backward pass, on the loop, then hand its
+    gradients to the workers that sent the tensors; returns once the whole pass is over."""
     pass_id, over = table.credits.begin()
     try:
         outgoing = await pass_anywhere(agent, table, context, roots, grad_outputs)
-        credit = PassCredit(agent.rank, pass_id, FULL)
-        await first_of(over, hand_back(agent, table, context.id, outgoing, credit))
+        root = Hop(agent, table, context, PassCredit(agent.rank, pass_id, FULL))
+        await first_of(over, root.onward(outgoing))
     finally:
         table.credits.end(pass_id)
 
 
-async def grads_arrived(
-    context_id: int,
-    batches: list[tuple[int, list[Any]]],
-    credit: PassCredit | None = None,
-    caller: int = -1,
-) -> int:
-    """Runs on the worker that sent the tensors of each ``(message id, grads)`` batch: the
-    backward goes on here, in one local pass for all of them.
+# What a hop's reply carries: the credit it hands back (an int; only to the root, when the
+# root called it), or, where the only gradients its pass gave go back to its caller, those
+# gradients with the credit they carry, ``(batches, amount)``: the caller carries on with
+# them as with a hop of its own (one message back instead of a hop and its reply).
+Batches = list[tuple[int, list[Any]]]
+HopReply = int | tuple[Batches, int]
 
-    On the loop: the pass runs there where it is small and runs no user code, else on a
-    pool thread; the hops further down are sent from the loop, and the reply waits for
-    them. ``credit``: this hop's share of the pass's credit (``asyncrpc.autograd.credit``),
-    split among the hops sent on, or handed back to the root when none are; ``caller``:
-    the rank that sent this hop. Returns the credit the reply hands back (when the caller
-    is the root), else 0.
+
+@inline
+@async_execution
+def grads_arrived(
+    context_id: int, batches: Batches, credit: PassCredit | None = None, caller: int = -1
+) -> Future[HopReply]:
+    """Runs on the worker that sent the tensors of each ``(message id, grads)`` batch: the
+    backward goes on here, in one local pass for all of them (see ``Hop.take``).
+
+    On the loop, as the request arrives (no task before the pass). ``credit``: this hop's
+    share of the pass's credit (``asyncrpc.autograd.credit``), split among the hops sent on,
+    or handed back to the root when none are; ``caller``: the rank that sent this hop.
+    Returns the future of the reply (``HopReply``).
     """
     agent, table = context_table()
     context = table.get(context_id)
     table.count_hop()
-    roots, grad_outputs = [], []
-    for message_id, grads in batches:
-        _, tensors = context.sent(message_id)
-        for tensor, grad in zip(tensors, grads, strict=True):
-            if grad is not None:
-                roots.append(tensor)
-                grad_outputs.append(grad)
-    outgoing = await pass_anywhere(agent, table, context, roots, grad_outputs)
+    return Hop(agent, table, context, credit, caller).take(batches)
+
+
+def grads_here(
+    context_id: int, batches: Batches, credit: PassCredit | None = None, caller: int = -1
+) -> HopReply:
+    """``grads_arrived`` for a hop that came on a lane (``root_onward``): run on the
+    thread that serves the lane, which writes the reply itself, and blocks it until the
+    reply is ready (the hops sent on have replied). A plain function: where the request
+    came the loop's way instead, it runs on a pool thread, where blocking is allowed too.
+    """
+    agent, table = context_table()
+    context = table.get(context_id)
+    table.count_hop()
+    return Hop(agent, table, context, credit, caller).run_here(batches).wait()
+
+
+def root_onward(root: Hop, outgoing: Outgoing) -> Future[int]:
+    """``onward`` for the root's own part, from the thread in ``backward()``: a single hop
+    goes on this thread's lane to its worker where it has one, and what the reply brings
+    back runs right here; the future of the credit still to hand back (0 when there is
+    none), done when what this thread started is over.
+
+    On the lane this thread writes the hop and reads its reply itself: no hand-off to the
+    loop and back on this side, and none on the callee, whose lane thread runs the hop.
+    Meanwhile hops of the pass that reach this worker run on the loop or the pool (the
+    thread serves none until this returns: it is blocked in the lane).
+
+    Raises:
+        The hop's error, as its worker raised it (the pass failed).
+    """
     hops = by_sender(outgoing)
-    shares = None if credit is None else split(credit, len(hops))
-    if hops:
-        await _send_hops(agent, table, context.id, hops, shares)
-    if credit is None or shares is not None:
-        return 0  # no credit, or it went on with the hops
-    return _return_credit(agent, table, credit, caller)
+    if len(hops) != 1 or root.credit is None:
+        return root.onward(outgoing)  # type: ignore[return-value]  # the root embeds none
+    ((to, batches),) = hops.items()
+    agent, credit = root.agent, root.credit
+    args = (root.context.id, batches, credit, agent.rank)
+    with root.table.root_threads.away(credit.pass_id):  # no deadlock on a hop back here
+        try:
+            reply = agent.calls.call_on_lane(to, grads_here, args, {}, UNSET_RPC_TIMEOUT)
+        except BaseException:
+            root.table.count_lane_hop()  # a hop that failed counts too
+            raise
+    if reply is NOT_ON_LANE:
+        return root.onward(outgoing)  # type: ignore[return-value]
+    root.table.count_lane_hop()
+    if isinstance(reply, tuple):  # gradients back for this worker, with their credit
+        return root.follow_here(*reply)
+    done: Future[int] = Future()
+    done.set_result(root.hand_on(reply or 0))
+    return done
+
+
+class Hop:
+    """One hop of a pass on the worker it reached: its local pass, the gradients the pass
+    sends on, and what its reply carries. Also the root's own part of the pass (no
+    caller).
+
+    Args:
+        credit: its share of the pass's credit (None: none, it could not be split).
+        caller: the rank its reply goes to; -1 for the root's own part.
+        embeds: whether gradients that only go back to the caller ride in the reply. A
+            hop's own pass does; the work its replies bring back (``follow``) does not:
+            its reply may still wait for other hops, which would hold those gradients up.
+    """
+
+    __slots__ = ("agent", "caller", "context", "credit", "embeds", "table")
+
+    def __init__(
+        self, agent: DistAutograd, table: ContextTable, context: AutogradContext,
+        credit: PassCredit | None, caller: int = -1, embeds: bool = True,
+    ) -> None:  # fmt: skip
+        self.agent, self.table, self.context = agent, table, context
+        self.credit, self.caller, self.embeds = credit, caller, embeds
+
+    def take(self, batches: Batches) -> Future[HopReply]:
+        """Run the hop's pass and what follows it (on the loop); the future of the reply.
+
+        The pass goes to the thread of this worker waiting in ``backward()`` for this pass,
+        if one does (``asyncrpc.autograd.roots``); else it runs on the loop where it is
+        small and runs no user code, else on a pool thread.
+
+        Raises:
+            The graph's error (a pass on the loop), or the pool's refusal.
+        """
+        agent, table, context = self.agent, self.table, self.context
+        roots, grad_outputs = self._roots(batches)
+        replied: Future[HopReply] = Future()
+        credit = self.credit
+        if credit is not None and credit.root == agent.rank:
+            work = functools.partial(self.run_on_thread, roots, grad_outputs, replied)
+            if table.root_threads.post(credit.pass_id, work):
+                return replied
+        outgoing = loop_pass(context, roots, grad_outputs, agent.rank)
+        if outgoing is None:
+            agent.loop.pool.submit(self.run_on_thread, roots, grad_outputs, replied)
+            return replied
+        table.count_pass_on_loop()
+        return self.onward(outgoing)
+
+    def run_here(self, batches: Batches) -> Future[HopReply]:
+        """Run the hop's pass on this thread (not the loop's: user code may block here),
+        then ``onward``; the future of the reply.
+
+        Raises:
+            The graph's error, as ``local_pass`` raises it.
+        """
+        roots, grad_outputs = self._roots(batches)
+        return self.onward(local_pass(self.context, roots, grad_outputs, self.agent.rank))
+
+    def _roots(self, batches: Batches) -> tuple[list[torch.Tensor], list[Any]]:
+        """The tensors this worker sent that the batches bring gradients for, and those."""
+        roots, grad_outputs = [], []
+        for message_id, grads in batches:
+            _, tensors = self.context.sent(message_id)
+            for tensor, grad in zip(tensors, grads, strict=True):
+                if grad is not None:
+                    roots.append(tensor)
+                    grad_outputs.append(grad)
+        return roots, grad_outputs
+
+    def run_on_thread(
+        self, roots: list[torch.Tensor], grad_outputs: list[Any], replied: Future[HopReply]
+    ) -> None:
+        """The pass on a thread (the one waiting in ``backward()``, or a pool thread: user
+        code may block there), then ``onward``; ``replied`` gets the outcome. Never raises
+        an ``Exception``: the thread goes on with other work."""
+        try:
+            onward = self.onward(local_pass(self.context, roots, grad_outputs, self.agent.rank))
+        except BaseException as exc:  # the caller gets it in the reply
+            try_set_exception(replied, exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        add_hook(onward, functools.partial(copy_outcome, replied))
+
+    def onward(self, outgoing: Outgoing) -> Future[HopReply]:
+        """Send the pass's gradients on (any thread): one hop per worker, or, where they
+        all go back to the caller, in the reply; the future of the reply, done once the
+        hops sent on have replied and what they brought back has run (failed with the
+        first error)."""
+        hops = by_sender(outgoing)
+        credit = self.credit
+        replied: Future[HopReply] = Future()
+        if not hops:
+            replied.set_result(self._credit_back())
+            return replied
+        if credit is not None and self.embeds and len(hops) == 1 and self.caller in hops:
+            replied.set_result((hops[self.caller], credit.amount))
+            return replied
+        shares = None if credit is None else split(credit, len(hops))
+        # Its credit went on with the hops, unless it had none or too little to split.
+        keep = credit is not None and shares is None
+        sent = self._send(hops, shares)
+
+        def finish(sent: Future[int]) -> None:
+            error = sent.exception()
+            if error is not None:
+                try_set_exception(replied, error)
+                return
+            try:
+                try_set_result(replied, sent.value() + (self._credit_back() if keep else 0))
+            except Exception as exc:  # a credit call that could not start
+                try_set_exception(replied, exc)
+
+        add_hook(sent, finish)
+        return replied
+
+    def _send(self, hops: dict[int, Batches], shares: list[PassCredit] | None) -> Future[int]:
+        """One hop per worker, each with its share of credit (or none); the future of the
+        credit their replies and what those brought back hand on in this hop's reply."""
+        agent, context_id = self.agent, self.context.id
+        shared: list[PassCredit | None] = [*shares] if shares else [None] * len(hops)
+        followed = []
+        for (to, batches), share in zip(hops.items(), shared, strict=True):
+            call = agent.calls.call_future(
+                to, grads_arrived, (context_id, batches, share, agent.rank), {},
+                UNSET_RPC_TIMEOUT,
+            )  # fmt: skip
+            followed.append(_then_follow(call, functools.partial(self.follow, share)))
+        return _summed(collect_all(followed), self)
+
+    def follow(self, share: PassCredit | None, batches: Batches, amount: int) -> Future[int]:
+        """The gradients a reply brought back to this worker: a hop of its own here, with
+        the credit they carry, whose reply is this hop's (same caller)."""
+        credit = None if share is None else PassCredit(share.root, share.pass_id, amount)
+        hop = Hop(self.agent, self.table, self.context, credit, self.caller, embeds=False)
+        return hop.take(batches)  # type: ignore[return-value]  # it never embeds
+
+    def follow_here(self, batches: Batches, amount: int) -> Future[int]:
+        """``follow``, run on this thread (the one in ``backward()``, the root's)."""
+        credit = self.credit
+        assert credit is not None  # gradients come back only with credit
+        share = PassCredit(credit.root, credit.pass_id, amount)
+        hop = Hop(self.agent, self.table, self.context, share, self.caller, embeds=False)
+        return hop.run_here(batches)  # type: ignore[return-value]  # it never embeds
+
+    def hand_on(self, returned: int) -> int:
+        """Credit that came back to this hop: kept by the root where this is the root,
+        else handed on in this hop's reply."""
+        credit = self.credit
+        if returned and credit is not None and credit.root == self.agent.rank:
+            self.table.credits.hand_back(credit.pass_id, returned)
+            return 0
+        return returned
+
+    def _credit_back(self) -> int:
+        credit = self.credit
+        if credit is None:
+            return 0
+        return _return_credit(self.agent, self.table, credit, self.caller)
+
+
+def _then_follow(
+    call: Future[HopReply], follow: Callable[[Batches, int], Future[int]]
+) -> Future[int]:
+    """The credit ``call``'s reply hands back, or, where it brought gradients back, the
+    future of what ``follow`` does with them."""
+    out: Future[int] = Future()
+
+    def replied(call: Future[HopReply]) -> None:
+        error = call.exception()
+        if error is not None:
+            try_set_exception(out, error)  # with its original type
+            return
+        reply = call.value()
+        if not isinstance(reply, tuple):
+            try_set_result(out, reply or 0)
+            return
+        try:
+            followed = follow(reply[0], reply[1])
+        except Exception as exc:  # the graph's error in a pass on the loop
+            try_set_exception(out, exc)
+            return
+        add_hook(followed, functools.partial(copy_outcome, out))
+
+    add_hook(call, replied)
+    return out
+
+
+def _summed(done: Future[list[Future[int]]], hop: Hop) -> Future[int]:
+    """The sum of the credit of every future of ``done`` (after ``hop.hand_on``), or the
+    first error among them in list order."""
+    out: Future[int] = Future()
+
+    def add(done: Future[list[Future[int]]]) -> None:
+        try:
+            returned = sum(future.value() for future in done.value())
+            try_set_result(out, hop.hand_on(returned))
+        except BaseException as exc:  # a hop's error, with its original type
+            try_set_exception(out, exc)
+
+    add_hook(done, add)
+    return out
 
 
 def _return_credit(
@@ -182,54 +446,11 @@ async def credit_returned(pass_id: int, amount: int) -> None:
     table.credits.hand_back(pass_id, amount)
 
 
-def by_sender(outgoing: Outgoing) -> dict[int, list[tuple[int, list[Any]]]]:
+def by_sender(outgoing: Outgoing) -> dict[int, Batches]:
     """The gradients of a local pass grouped by the worker they go to: one hop each, however
     many messages of this context came from it (a model-parallel step that calls one worker
     for each micro-batch sends it one hop, not one per call)."""
-    hops: dict[int, list[tuple[int, list[Any]]]] = {}
+    hops: dict[int, Batches] = {}
     for (sender, message_id), grads in outgoing.items():
         hops.setdefault(sender, []).append((message_id, grads))
     return hops
-
-
-def hand_back(
-    agent: DistAutograd, table: ContextTable, context_id: int, outgoing: Outgoing,
-    credit: PassCredit | None = None,
-) -> Future[None]:  # fmt: skip
-    """Send the gradients to the workers that sent those tensors, one hop per worker (any
-    thread, with no autograd context current), each with a share of ``credit``; the future
-    completes when every hop has replied, and fails with the first hop's error. Credit the
-    replies hand back (only the root is handed credit in replies) goes to ``table``."""
-    hops = by_sender(outgoing)
-    return _send_hops(
-        agent, table, context_id, hops, None if credit is None else split(credit, len(hops))
-    )
-
-
-def _send_hops(
-    agent: DistAutograd, table: ContextTable, context_id: int,
-    hops: dict[int, list[tuple[int, list[Any]]]], shares: list[PassCredit] | None,
-) -> Future[None]:  # fmt: skip
-    """``hand_back`` of gradients already grouped by worker, with their credit shares
-    (None: the hops carry none, as when it could not be split)."""
-    shared: list[PassCredit | None] = [*shares] if shares else [None] * len(hops)
-    calls = [
-        agent.calls.call_future(
-            sender, grads_arrived, (context_id, batches, share, agent.rank), {}, UNSET_RPC_TIMEOUT
-        )
-        for (sender, batches), share in zip(hops.items(), shared, strict=True)
-    ]
-    if not calls:
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done
-    pass_id = None if shares is None else shares[0].pass_id
-    return chain(collect_all(calls), functools.partial(_replied, table, pass_id))
-
-
-def _replied(table: ContextTable, pass_id: int | None, done: Future[list[Future[Any]]]) -> None:
-    returned = 0
-    for hop in done.value():
-        returned += hop.value() or 0  # raises the hop's error, with its original type
-    if returned and pass_id is not None:
-        table.credits.hand_back(pass_id, returned)

@@ -1,10 +1,12 @@
 """One worker's part of a distributed backward pass: running its local graph (layer L3).
 
-Two ways to run it. ``torch.autograd.grad`` is the light one: it returns each leaf's
+Two ways to run it. The light one runs torch's engine as ``torch.autograd.grad`` does
+(called directly, without that function's Python wrapper): it returns each leaf's
 gradient, keeps the original type of an error raised in the graph, and costs nothing
-beyond the graph itself. But it never executes the leaves' ``AccumulateGrad`` nodes, so
-the hooks registered on them do not fire, and DDP's reducer is such a hook: its
-parameters would keep their local, un-reduced gradients, a wrong result with no error.
+beyond the graph itself (a root that is a leaf without hooks needs no engine at all).
+But it never executes the leaves' ``AccumulateGrad`` nodes, so the hooks registered on
+them do not fire, and DDP's reducer is such a hook: its parameters would keep their
+local, un-reduced gradients, a wrong result with no error.
 
 So a pass that may feed a reducer runs on torch's own distributed engine instead, in a
 private torch context kept for the asyncrpc context's life on this worker. That engine
@@ -38,6 +40,7 @@ import torch
 import torch._C._distributed_autograd as torch_dist_engine
 
 from asyncrpc.autograd.groups import keep_default_group
+from asyncrpc.runtime.intraop import one_thread
 
 __all__ = ["LOOP_PASS_MAX_ELEMENTS", "LOOP_PASS_MAX_NODES", "LocalGraph", "reachable_leaves"]
 
@@ -175,22 +178,22 @@ class LocalGraph:
 
         Raises the graph's error as torch reports it.
         """
-        pairs = _entered(roots, grad_outputs)
-        leaves = reachable_leaves([root for root, _ in pairs])
+        direct, pairs = _split_roots(roots, grad_outputs)
+        entered = [root for root, _ in pairs]
+        small = _small_graph_leaves(entered)
+        leaves = reachable_leaves(entered) if small is None else small
         if not leaves:
-            return [], False
+            return direct, False
         with self._lock:
             if _may_feed_a_reducer(leaves):
-                return self._run_on_torch_engine(pairs, received, rank), True
-        grads = torch.autograd.grad(
-            [root for root, _ in pairs],
-            leaves,
-            [grad for _, grad in pairs],
-            retain_graph=True,  # freed with the context: other hops may need it again
-            allow_unused=True,
-        )
-        routed = [(leaf, grad) for leaf, grad in zip(leaves, grads, strict=True)]
-        return [(leaf, grad) for leaf, grad in routed if grad is not None], False
+                return direct + self._run_on_torch_engine(pairs, received, rank), True
+        if small is None or _elements(pairs, leaves) > LOOP_PASS_MAX_ELEMENTS:
+            return direct + _engine_pass(pairs, leaves), False
+        # A pass small enough for the loop runs on one intra-op thread wherever it runs:
+        # the thread waiting in backward() too (a parallel region's other threads, asleep
+        # since the last message, cost more than they give: runtime/intraop.py).
+        with one_thread():
+            return direct + _engine_pass(pairs, leaves), False
 
     def run_on_loop(
         self, roots: Sequence[torch.Tensor], grad_outputs: Sequence[Any]
@@ -205,30 +208,24 @@ class LocalGraph:
         planned = _plan_loop_pass(roots, grad_outputs)
         if planned is None:
             return None
-        pairs, leaves = planned
+        direct, pairs, leaves = planned
         if not leaves:
-            return []
+            return direct
         # No collection meanwhile: a finalizer it ran would be Python code the guard stops.
+        # One intra-op thread: the loop must not wait at a parallel region's barrier.
         collecting = gc.isenabled()
         gc.disable()
-        sys.setprofile(_refuse_python)
-        try:
-            grads = _ENGINE.run_backward(
-                tuple(root for root, _ in pairs),
-                tuple(grad for _, grad in pairs),
-                True,  # keep the graph: other hops of the context may run it again
-                False,
-                tuple(leaves),
-                True,  # allow unused leaves
-                False,  # return the leaves' gradients, never accumulate into .grad
-            )
-        except _PythonInGraph:
-            return None
-        finally:
-            sys.setprofile(None)
-            if collecting:
-                gc.enable()
-        return [(leaf, grad) for leaf, grad in zip(leaves, grads, strict=True) if grad is not None]
+        with one_thread():
+            sys.setprofile(_refuse_python)
+            try:
+                routed = _engine_pass(pairs, leaves)
+            except _PythonInGraph:
+                return None
+            finally:
+                sys.setprofile(None)
+                if collecting:
+                    gc.enable()
+        return direct + routed
 
     @property
     def on_torch_engine(self) -> bool:
@@ -291,24 +288,53 @@ class LocalGraph:
         return (None,)
 
 
-def _entered(
+def _split_roots(
     roots: Sequence[torch.Tensor], grad_outputs: Sequence[Any]
-) -> list[tuple[torch.Tensor, Any]]:
-    """The (root, gradient) pairs of a pass, a root that is a leaf entered through
-    ``_Entry`` (so its hooks see the gradient); roots not requiring grad are left out."""
-    with torch.enable_grad():
-        return [
-            (root if root.grad_fn is not None else _enter(root), grad)
-            for root, grad in zip(roots, grad_outputs, strict=True)
-            if root.requires_grad
-        ]
+) -> tuple[Routed, list[tuple[torch.Tensor, Any]]]:
+    """The roots of a pass that are plain leaves, routed with their gradients as they are,
+    and the (root, gradient) pairs of the others; roots not requiring grad are left out.
+
+    A leaf root (a tensor this worker made and sent, whose gradient came back) has no
+    graph behind it: its gradient is the one received, which is all a pass would give it
+    unless it has hooks. One with hooks (or a parameter, which DDP's reducer may watch)
+    is entered through ``_Entry``, so that its hooks see the gradient.
+    """
+    direct: Routed = []
+    pairs: list[tuple[torch.Tensor, Any]] = []
+    for root, grad in zip(roots, grad_outputs, strict=True):
+        if not root.requires_grad:
+            continue
+        if root.grad_fn is not None:
+            pairs.append((root, grad))
+        elif type(root) is torch.Tensor and not root._backward_hooks:
+            direct.append((root, grad))
+        else:
+            with torch.enable_grad():
+                pairs.append((_enter(root), grad))
+    return direct, pairs
+
+
+def _engine_pass(pairs: list[tuple[torch.Tensor, Any]], leaves: list[torch.Tensor]) -> Routed:
+    """The leaves' gradients from one run of torch's engine (as ``torch.autograd.grad``
+    gives them, without its Python wrapper: the gradients here are the graph's own)."""
+    grads = _ENGINE.run_backward(
+        tuple(root for root, _ in pairs),
+        tuple(grad for _, grad in pairs),
+        True,  # keep the graph: other hops of the context may run it again
+        False,
+        tuple(leaves),
+        True,  # allow unused leaves
+        False,  # return the leaves' gradients, never accumulate into .grad
+    )
+    return [(leaf, grad) for leaf, grad in zip(leaves, grads, strict=True) if grad is not None]
 
 
 def _plan_loop_pass(
     roots: Sequence[torch.Tensor], grad_outputs: Sequence[Any]
-) -> tuple[list[tuple[torch.Tensor, Any]], list[torch.Tensor]] | None:
-    """The (root, gradient) pairs and leaves of a pass that may run on the loop: small, on
-    the CPU, feeding no reducer, with no profiler running; None otherwise."""
+) -> tuple[Routed, list[tuple[torch.Tensor, Any]], list[torch.Tensor]] | None:
+    """The roots routed as they are, the (root, gradient) pairs and the leaves of a pass
+    that may run on the loop: small, on the CPU, feeding no reducer, with no profiler
+    running; None otherwise."""
     if sys.getprofile() is not None:  # a profiler is on (cProfile): leave it alone
         return None
     # Where CUDA is in use, a node between CPU roots and leaves may still run on one of
@@ -318,14 +344,17 @@ def _plan_loop_pass(
     tensors = [*roots, *(g for g in grad_outputs if isinstance(g, torch.Tensor))]
     if any(not tensor.is_cpu for tensor in tensors):
         return None
-    pairs = _entered(roots, grad_outputs)
+    direct, pairs = _split_roots(roots, grad_outputs)
     leaves = _small_graph_leaves([root for root, _ in pairs])
     if leaves is None:
         return None
-    elements = sum(leaf.numel() for leaf in leaves) + sum(r.numel() for r, _ in pairs)
-    if elements > LOOP_PASS_MAX_ELEMENTS or _may_feed_a_reducer(leaves):
+    if _elements(pairs, leaves) > LOOP_PASS_MAX_ELEMENTS or _may_feed_a_reducer(leaves):
         return None
-    return pairs, leaves
+    return direct, pairs, leaves
+
+
+def _elements(pairs: list[tuple[torch.Tensor, Any]], leaves: list[torch.Tensor]) -> int:
+    return sum(leaf.numel() for leaf in leaves) + sum(root.numel() for root, _ in pairs)
 
 
 def _may_feed_a_reducer(leaves: Sequence[torch.Tensor]) -> bool:

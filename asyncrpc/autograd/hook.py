@@ -137,6 +137,8 @@ class AutogradHook(CallHook):
             "num_autograd_contexts": len(contexts),
             "autograd_hops_received": contexts.hops_received,
             "autograd_passes_on_loop": contexts.passes_on_loop,
+            "autograd_hops_taken_by_root": contexts.root_threads.hops_taken,
+            "autograd_root_hops_on_lane": contexts.root_lane_hops,
             "autograd_passes_over_by_credit": contexts.credits.passes_over_early,
             "autograd_credit_calls": contexts.credits.calls,
             "autograd_releases_carried": self._releases.carried,

@@ -63,19 +63,32 @@ def _tensors_for(items: list[Item], tensors: dict[int, torch.Tensor]) -> None:
             tensors[item.size] = torch.empty(item.size // 4, dtype=torch.float32)
 
 
-def _outcome(run: Callable[[], Any], pids: dict[str, int]) -> dict[str, Any]:
-    before = cpu.snapshot(pids)
+# Every item is warmed up right before it is timed (``warmup`` seconds of the same loop,
+# its figures dropped), in the same command: a user's loop has run many calls before the
+# ones anybody would time, and no other system runs in between.
+
+
+def _outcome(run: Callable[[float], Any], command: dict[str, Any]) -> dict[str, Any]:
+    pids = command.get("pids", {})
     try:
-        stats = run()
+        if command.get("warmup", 0.0) > 0:
+            run(command["warmup"])
+        before = cpu.snapshot(pids)
+        stats = run(command["duration"])
     except Exception as exc:
         return _failure(exc)
     return _measured(stats, before, pids)
 
 
-async def _outcome_async(run: Callable[[], Awaitable[Any]], pids: dict[str, int]) -> dict[str, Any]:
-    before = cpu.snapshot(pids)
+async def _outcome_async(
+    run: Callable[[float], Awaitable[Any]], command: dict[str, Any]
+) -> dict[str, Any]:
+    pids = command.get("pids", {})
     try:
-        stats = await run()
+        if command.get("warmup", 0.0) > 0:
+            await run(command["warmup"])
+        before = cpu.snapshot(pids)
+        stats = await run(command["duration"])
     except Exception as exc:
         return _failure(exc)
     return _measured(stats, before, pids)
@@ -143,16 +156,13 @@ def _torch_main(args: argparse.Namespace, channel: Channel) -> int:
     while (command := channel.receive())["op"] != "quit":
         items = [Item.from_json(i) for i in command["items"]]
         _tensors_for(items, tensors)
-        run = functools.partial(
-            run_item_blocking,
-            rpc,
-            args.system,
-            to=SERVER,
-            duration=command["duration"],
-            tensors=tensors,
-        )
-        pids = command.get("pids", {})
-        channel.send({"results": {i.key: _outcome(functools.partial(run, i), pids) for i in items}})
+        results = {}
+        for item in items:
+            run = functools.partial(
+                run_item_blocking, rpc, args.system, item, SERVER, tensors=tensors
+            )
+            results[item.key] = _outcome(run, command)
+        channel.send({"results": results})
     rpc.shutdown()
     channel.send({"bye": True})
     return 0
@@ -182,15 +192,29 @@ async def _asyncrpc_main(args: argparse.Namespace, channel: Channel) -> int:
         _tensors_for(items, tensors)
         results = {}
         for item in items:
-            run = functools.partial(run_item_await, item, SERVER, command["duration"], tensors)
-            before = await _handoffs()
-            outcome = await _outcome_async(run, command.get("pids", {}))
-            cpu.add_per_call(outcome, before, await _handoffs(), "handoffs", 1.0)
+            run = functools.partial(run_item_await, item, SERVER, tensors=tensors)
+            # The hand-offs of the timed part only: counted after the warm-up.
+            counted = _Counted(run)
+            outcome = await _outcome_async(counted, command)
+            cpu.add_per_call(outcome, counted.before, await _handoffs(), "handoffs", 1.0)
             results[item.key] = outcome
         channel.send({"results": results})
     await asyncrpc.shutdown_async()
     channel.send({"bye": True})
     return 0
+
+
+class _Counted:
+    """An item's run that reads the hand-off counters just before the timed run (the one
+    that is not the warm-up, which comes first when there is one)."""
+
+    def __init__(self, run: Callable[..., Awaitable[Any]]) -> None:
+        self._run = run
+        self.before: dict[str, int] | None = None
+
+    async def __call__(self, duration: float) -> Any:
+        self.before = await _handoffs()
+        return await self._run(duration=duration)
 
 
 async def _handoffs() -> dict[str, int]:
@@ -226,10 +250,8 @@ async def _floor_main(args: argparse.Namespace, channel: Channel) -> int:
         results = {}
         for raw in command["items"]:
             item = Item.from_json(raw)
-            run = functools.partial(
-                floor.run_floor_item, client, item, command["duration"], payloads
-            )
-            results[item.key] = await _outcome_async(run, command.get("pids", {}))
+            run = functools.partial(floor.run_floor_item, client, item, payloads=payloads)
+            results[item.key] = await _outcome_async(run, command)
         channel.send({"results": results})
     assert client.transport is not None
     client.transport.close()

@@ -1,7 +1,8 @@
 """The command line of ``python -m asyncrpc.bench``: options, presets and output files.
 
-Part of ``asyncrpc.bench``. ``--quick`` is the under-two-minutes preset ``make bench`` runs;
-``--json`` writes the full document for machines, ``--plot`` a PNG for people.
+Part of ``asyncrpc.bench``. ``--quick`` is the short preset ``make bench`` runs (3-6 minutes
+on 2 cores); ``--json`` writes the full document for machines, ``--plot`` a PNG for
+people.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from asyncrpc.bench.config import ALL_SYSTEMS, MIB, WORKLOADS, BenchConfig, parse_size
-from asyncrpc.bench.report import PlotUnavailableError, check_plot_available, render, summarize
+from asyncrpc.bench.report import PlotUnavailableError, check_plot_available, summarize
+from asyncrpc.bench.tables import render
 
 __all__ = ["build_config", "main"]
 
@@ -65,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
         "in fresh processes on 127.0.0.1, rounds interleaved between systems.",
     )
     add = p.add_argument
-    add("--quick", action="store_true", help="a short run (under two minutes)")
+    add("--quick", action="store_true", help="a short run (3-6 minutes on 2 cores)")
     add(
         "--workloads", type=_csv((*WORKLOADS, CUDA)),
         help=f"comma list of {', '.join(WORKLOADS)}, or {CUDA} (the CUDA rows, on a GPU machine; "
@@ -75,11 +77,15 @@ def _parser() -> argparse.ArgumentParser:
     add("--torch-tcp", action="store_true", help="also run torch with TensorPipe forced to TCP")
     add("--rounds", type=int, help="measured rounds (default 5, quick 3)")
     add("--duration", type=float, help="seconds per item per round (default 0.5, quick 0.25)")
-    add("--warmup", type=float, help="seconds per item in the warm-up round")
+    add("--warmup", type=float, help="seconds each item runs untimed just before it is timed")
     add("--sizes", type=_sizes, help="echo sizes, e.g. 1KiB,1MiB,16MiB,64MiB")
     add("--big", action="store_true", help="add a 256 MiB echo")
     add("--inflight", type=_ints, help="calls in flight for throughput (default 1,32,256)")
     add("--ps-duration", type=float, help="seconds per parameter-server round")
+    add(
+        "--plain-calls", type=int,
+        help="timed iterations per row of the plain program (default 400, quick 200)",
+    )  # fmt: skip
     add("--json", metavar="PATH", help="write the full results as JSON")
     add("--plot", metavar="PATH.png", help="write a chart (needs matplotlib)")
     add(
@@ -93,6 +99,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep the other systems running (not SIGSTOPped) while one is measured",
     )
+    add(
+        "--reuse-processes",
+        action="store_true",
+        help="start each system once and reuse its processes in every round (faster; one "
+        "start's luck then decides the whole run: see bench/RESULTS.md)",
+    )
     add("--log-dir", metavar="DIR", help="keep the processes' logs here")
     return p
 
@@ -102,20 +114,23 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
     config = BenchConfig()
     if args.quick:
         config = BenchConfig(
-            rounds=3, duration=0.25, warmup=0.05, ps_duration=1.0, idle_seconds=0.5, quick=True
-        )
+            rounds=3, duration=0.25, warmup=0.05, ps_duration=1.0, idle_seconds=0.5,
+            plain_calls=200, quick=True,
+        )  # fmt: skip
     if args.systems:
         config.systems = tuple(s for s in ALL_SYSTEMS if s in args.systems)
     if args.torch_tcp and "torch_tcp" not in config.systems:
         config.systems = tuple(s for s in ALL_SYSTEMS if s in (*config.systems, "torch_tcp"))
     if args.workloads:
         config.workloads = tuple(w for w in WORKLOADS if w in args.workloads)
-    for name in ("rounds", "duration", "warmup", "sizes", "inflight", "ps_duration", "log_dir"):
+    names = ("rounds", "duration", "warmup", "sizes", "inflight", "ps_duration", "plain_calls")
+    for name in (*names, "log_dir"):
         if getattr(args, name) is not None:
             setattr(config, name, getattr(args, name))
     if args.big and 256 * MIB not in config.sizes:
         config.sizes = (*config.sizes, 256 * MIB)
     config.freeze = not args.no_freeze
+    config.fresh = not args.reuse_processes
     return config
 
 
@@ -127,9 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
-    if args.rounds is not None and args.rounds < 1:
-        print("asyncrpc.bench: --rounds must be at least 1", file=sys.stderr)
-        return 2
+    for flag, value in (("--rounds", args.rounds), ("--plain-calls", args.plain_calls)):
+        if value is not None and value < 1:
+            print(f"asyncrpc.bench: {flag} must be at least 1", file=sys.stderr)
+            return 2
     if args.plot:
         try:
             check_plot_available()

@@ -19,6 +19,9 @@ __all__ = [
     "FLOOR_CALL_BYTES",
     "KIB",
     "MIB",
+    "PLAIN_PAIRS",
+    "PLAIN_ROWS",
+    "PLAIN_SYSTEMS",
     "PRIMARY_METRIC",
     "PS_FLOATS",
     "PS_SHAPES",
@@ -39,7 +42,9 @@ MIB = 1024 * KIB
 # Systems, in table order. torch_tcp is TensorPipe forced onto plain TCP (opt-in).
 ALL_SYSTEMS = ("asyncrpc", "torch", "torch_tcp", "floor")
 RPC_SYSTEMS = ("asyncrpc", "torch", "torch_tcp")
-WORKLOADS = ("latency", "throughput", "echo", "remote", "ps", "dist-autograd")
+WORKLOADS = ("latency", "throughput", "echo", "remote", "ps", "dist-autograd", "plain")
+# The plain workload is a user's own program (asyncrpc.bench.plain), run by both libraries.
+PLAIN_SYSTEMS = ("asyncrpc", "torch")
 
 # The raw floor's stand-in for a small call: one frame of this many bytes each way (8-byte
 # length prefix included), about the size of asyncrpc's request frame for a no-op.
@@ -67,7 +72,31 @@ PRIMARY_METRIC: dict[str, tuple[str, str, bool]] = {
     "remote": ("p50_us", "µs", False),
     "ps": ("updates_per_s", "updates/s", True),
     "dist-autograd": ("steps_per_s", "steps/s", True),
+    "plain": ("p50_us", "µs", False),
 }
+
+# The plain program's rows (asyncrpc.bench.plain), in its order: (key, what one timed
+# iteration is), all in a world of two processes. "backward alone" is timed inside the
+# iterations of "ctx+fwd+backward"; "step" is the tutorials' training step.
+PLAIN_ROWS: tuple[tuple[str, str], ...] = (
+    ("noop", "rpc_sync(to, noop)"),
+    ("torch.add", "rpc_sync(to, torch.add, (a, b)), 2 elements"),
+    ("remote", "remote(to, value).to_here()"),
+    ("x*2 8KiB", "rpc_sync(to, times2, (x,)), x 8 KiB"),
+    ("fwd(rref,x)", "rpc_sync(to, forward, (rref, x)), Linear(64, 64)"),
+    ("ctx+fwd", "the same in dist_autograd.context()"),
+    ("ctx+fwd+backward", "the same + dist_autograd.backward"),
+    ("backward alone", "dist_autograd.backward alone"),
+    ("step", "training step: local + remote Linear, optimizer"),
+)
+
+# The harness rows that measure what a row of the plain program measures: (workload, item
+# key of both systems, plain row key). Their agreement is checked in every run that has both.
+PLAIN_PAIRS: tuple[tuple[str, str, str], ...] = (
+    ("latency", "sync/sync", "noop"),
+    ("latency", "builtin/sync", "torch.add"),
+    ("remote", "value/sync", "remote"),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,12 +145,14 @@ class BenchConfig:
     workloads: tuple[str, ...] = WORKLOADS
     rounds: int = 5
     duration: float = 0.5  # seconds per item per round (all workloads but ps)
-    warmup: float = 0.2  # seconds per item in the uncounted warm-up round
+    warmup: float = 0.2  # seconds each item runs untimed right before it is timed
     sizes: tuple[int, ...] = (KIB, MIB, 16 * MIB, 64 * MIB)
     inflight: tuple[int, ...] = (1, 32, 256)
     ps_duration: float = 3.0
     ps_trainers: int = 2
+    plain_calls: int = 400  # timed iterations per row of the plain program
     freeze: bool = True  # SIGSTOP the systems not being measured
+    fresh: bool = True  # start every system's processes anew for each round
     idle_seconds: float = 1.0  # how long idle CPU use is sampled per system
     start_timeout: float = 90.0
     quick: bool = False
@@ -215,7 +246,13 @@ def _autograd_items(system: str, config: BenchConfig) -> list[Item]:
     return [Item("steps", "dist-autograd", style="sync")]
 
 
+def _plain_items(system: str, config: BenchConfig) -> list[Item]:
+    # One run of the whole plain program; its rows come back as the item's results.
+    return [Item("program", "plain", style="plain")] if system in PLAIN_SYSTEMS else []
+
+
 _ITEM_BUILDERS = {
+    "plain": _plain_items,
     "latency": _latency_items,
     "throughput": _throughput_items,
     "echo": _echo_items,
@@ -325,7 +362,12 @@ def _autograd_rows(config: BenchConfig) -> list[Row]:
     return [Row(label, {"asyncrpc": "steps", **_torch_keys("steps")})]
 
 
+def _plain_rows(config: BenchConfig) -> list[Row]:
+    return [Row(what, dict.fromkeys(PLAIN_SYSTEMS, key)) for key, what in PLAIN_ROWS]
+
+
 _ROW_BUILDERS = {
+    "plain": _plain_rows,
     "latency": _latency_rows,
     "throughput": _throughput_rows,
     "echo": _echo_rows,

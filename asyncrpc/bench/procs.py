@@ -173,9 +173,15 @@ class SystemGroup:
         return None if any(v is None for v in values) else sum(v or 0.0 for v in values)
 
     def run(
-        self, kind: str, items: list[dict[str, Any]], duration: float, timeout: float
+        self,
+        kind: str,
+        items: list[dict[str, Any]],
+        duration: float,
+        timeout: float,
+        warmup: float = 0.0,
     ) -> list[dict[str, Any]]:
-        """Send one ``run`` command to every driver at once; return their answers.
+        """Send one ``run`` command to every driver at once; return their answers. Each item
+        runs ``warmup`` seconds untimed, then ``duration`` seconds timed.
 
         Raises:
             ChildError: a driver failed or timed out.
@@ -184,7 +190,8 @@ class SystemGroup:
         # Every process of the group, so that a driver can read what each item cost each.
         pids = {role: child.pid for role, child in self.children.items()}
         for child in drivers:
-            child.send({"op": "run", "items": items, "duration": duration, "pids": pids})
+            command = {"op": "run", "items": items, "duration": duration, "warmup": warmup}
+            child.send({**command, "pids": pids})
         deadline = time.monotonic() + timeout
         return [c.receive(max(0.1, deadline - time.monotonic()))["results"] for c in drivers]
 

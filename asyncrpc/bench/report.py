@@ -1,8 +1,10 @@
-"""Turn a run's measurements into tables, ratios, target checks, JSON and a plot.
+"""Turn a run's measurements into the summary document (``--json``), target checks and a plot.
 
-Part of ``asyncrpc.bench``. Each figure is the median over the measured rounds of that
-round's statistic (a round's p50 latency, its calls/s...), as in PERF_NOTES. Ratios are
-always asyncrpc's figure divided by the other system's, whichever way is better.
+Part of ``asyncrpc.bench``; ``tables`` prints the document. Each figure is the median over
+the measured rounds of that round's statistic (a round's p50 latency, its calls/s...), as
+in PERF_NOTES. Ratios are always asyncrpc's figure divided by the other system's; each
+workload says which way its ratios read (``ratio_kind``: a time below 1x, a rate above 1x,
+means asyncrpc is faster; see ``standing``).
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from typing import Any
 
 from asyncrpc.bench.config import MIB, PRIMARY_METRIC, rows_for
 from asyncrpc.bench.runner import RunResult
+from asyncrpc.bench.standing import headline, plain_checks, ratio_kind
+from asyncrpc.bench.tables import TITLES
 
-__all__ = ["PlotUnavailableError", "check_plot_available", "render", "summarize", "write_plot"]
+__all__ = ["PlotUnavailableError", "check_plot_available", "summarize", "write_plot"]
 
 TORCH_MODES = {
     "torch": "torch.distributed.rpc, TensorPipe defaults (one host: shared-memory transport)",
@@ -98,8 +102,14 @@ def _cell(result: RunResult, system: str, workload: str, key: str | None) -> dic
     return {"value": medians[metric], "median": medians, "rounds": [s[metric] for s in stats]}
 
 
-def _ratio(values: dict[str, dict[str, Any]], other: str) -> float | None:
-    mine, theirs = values.get("asyncrpc", {}).get("value"), values.get(other, {}).get("value")
+def _ratio(values: dict[str, dict[str, Any]], other: str, stat: str | None = None) -> float | None:
+    """asyncrpc's figure / ``other``'s: the primary one, or the median of ``stat``."""
+
+    def figure(system: str) -> Any:
+        cell = values.get(system, {})
+        return cell.get("value") if stat is None else cell.get("median", {}).get(stat)
+
+    mine, theirs = figure("asyncrpc"), figure(other)
     if mine is None or not theirs:
         return None
     return float(mine) / float(theirs)
@@ -107,16 +117,17 @@ def _ratio(values: dict[str, dict[str, Any]], other: str) -> float | None:
 
 def _workload_summary(result: RunResult, workload: str) -> dict[str, Any]:
     metric, unit, higher = PRIMARY_METRIC[workload]
+    others = [o for o in ("torch", "torch_tcp", "floor") if o in result.config.systems]
     rows = []
     for row in rows_for(workload, result.config):
         values = {s: _cell(result, s, workload, row.keys.get(s)) for s in result.config.systems}
-        ratios = {
-            f"asyncrpc/{o}": _ratio(values, o)
-            for o in ("torch", "torch_tcp", "floor")
-            if o in result.config.systems
-        }
-        rows.append({"label": row.label, "keys": row.keys, "values": values, "ratios": ratios})
-    return {"metric": metric, "unit": unit, "higher_is_better": higher, "rows": rows}
+        ratios = {f"asyncrpc/{o}": _ratio(values, o) for o in others}
+        entry = {"label": row.label, "keys": row.keys, "values": values, "ratios": ratios}
+        if metric == "p50_us":  # latency rows: the tail beside the median
+            entry["ratios_p99"] = {f"asyncrpc/{o}": _ratio(values, o, "p99_us") for o in others}
+        rows.append(entry)
+    return {"metric": metric, "unit": unit, "higher_is_better": higher,
+            "ratio_kind": ratio_kind(higher), "rows": rows}  # fmt: skip
 
 
 def _targets(workloads: dict[str, Any]) -> list[dict[str, Any]]:
@@ -161,7 +172,7 @@ def _machine() -> dict[str, Any]:
 def summarize(result: RunResult, argv: list[str]) -> dict[str, Any]:
     """The JSON document of a run (what ``--json`` writes)."""
     workloads = {w: _workload_summary(result, w) for w in result.config.workloads}
-    return {
+    doc: dict[str, Any] = {
         "meta": {
             "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
             "wall_s": result.wall_s,
@@ -171,6 +182,7 @@ def summarize(result: RunResult, argv: list[str]) -> dict[str, Any]:
         },
         "config": result.config.to_json(),
         "status": result.status,
+        "process_starts": result.starts,
         "workloads": workloads,
         "cpu": {
             "idle_cores": result.cpu_idle,
@@ -181,180 +193,9 @@ def summarize(result: RunResult, argv: list[str]) -> dict[str, Any]:
         },
         "targets": _targets(workloads),
     }
-
-
-# -- text tables ----------------------------------------------------------------------------
-
-_TITLES = {
-    "latency": "latency: round trip of one small call",
-    "throughput": "throughput: calls completed per second",
-    "echo": "echo: a float32 tensor there and back, 2 x bytes / median time (MB = 10^6 B)",
-    "remote": "remote() + to_here(): one RRef created and fetched",
-    "ps": "parameter server: 1 server, trainers pulling and pushing a model",
-    "dist-autograd": "distributed training: forward over 2 servers, dist_autograd.backward, "
-    "DistributedOptimizer.step",
-}
-
-
-def _number(value: float) -> str:
-    if value >= 1000:
-        return f"{value:,.0f}"
-    return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
-
-
-def _format_cell(cell: dict[str, Any], workload: str) -> str:
-    if cell["value"] is None:
-        return "n/a" if cell.get("note") == "n/a" else "-"
-    text = _number(cell["value"])
-    if workload in ("latency", "remote"):
-        text += " / " + _number(cell["median"]["p99_us"])
-    return text
-
-
-def _table(header: list[str], lines: list[list[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
-    fmt = [
-        r[0].ljust(widths[0])
-        + "  "
-        + "  ".join(c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True))
-        for r in [header, *lines]
-    ]
-    return [fmt[0], "-" * len(fmt[0]), *fmt[1:]]
-
-
-def _render_workload(name: str, summary: dict[str, Any], systems: list[str]) -> list[str]:
-    unit, higher = summary["unit"], summary["higher_is_better"]
-    what = f"{unit} p50 / p99" if name in ("latency", "remote") else unit
-    out = [f"== {_TITLES[name]} ({what}, {'higher' if higher else 'lower'} is better)"]
-    ratio_names = list(summary["rows"][0]["ratios"]) if summary["rows"] else []
-    header = ["", *systems, *ratio_names]
-    lines, notes = [], []
-    for row in summary["rows"]:
-        cells = [_format_cell(row["values"][s], name) for s in systems]
-        ratios = [f"{r:.2f}x" if r is not None else "-" for r in row["ratios"].values()]
-        lines.append([row["label"], *cells, *ratios])
-        notes += [
-            f"   {s}, {row['label']}: {row['values'][s]['note']}"
-            for s in systems
-            if row["values"][s]["value"] is None and row["values"][s].get("note") != "n/a"
-        ]
-    return [*out, *_table(header, lines), *dict.fromkeys(notes), ""]
-
-
-def _render_cpu(doc: dict[str, Any], systems: list[str], workloads: list[str]) -> list[str]:
-    header = ["system", "idle", *workloads]
-    lines = []
-    for system in systems:
-        idle = doc["cpu"]["idle_cores"].get(system)
-        busy = doc["cpu"]["busy_cores"].get(system, {})
-        cells = [f"{busy[w]:.2f}" if w in busy else "-" for w in workloads]
-        lines.append([system, "-" if idle is None else f"{idle:.2f}", *cells])
-    title = "== CPU use of each system's processes, in cores (1.00 = one core busy)"
-    return [title, *_table(header, lines), ""]
-
-
-def _render_cpu_per_call(doc: dict[str, Any], systems: list[str]) -> list[str]:
-    """Per workload row: each system's CPU microseconds per call, all its processes
-    together (client + server [+ trainer]), and asyncrpc's ratio to torch's."""
-    header = ["", *systems, "asyncrpc/torch", "asyncrpc hand-offs"]
-    lines = []
-    for name, summary in doc["workloads"].items():
-        for row in summary["rows"]:
-            totals = {s: row["values"][s].get("median", {}).get("cpu_us_total") for s in systems}
-            if all(v is None for v in totals.values()):
-                continue
-            mine, theirs = totals.get("asyncrpc"), totals.get("torch")
-            ratio = f"{mine / theirs:.2f}x" if mine is not None and theirs else "-"
-            cells = ["-" if v is None else _number(v) for v in totals.values()]
-            ours = row["values"].get("asyncrpc", {}).get("median", {})
-            handoffs = ours.get("handoffs_total")
-            moved = "-"
-            if handoffs is not None:
-                parts = f"{ours['handoffs_client']:.1f} + {ours['handoffs_server']:.1f}"
-                moved = f"{handoffs:.1f} ({parts})"
-            lines.append([f"{name} {row['label']}", *cells, ratio, moved])
-    if not lines:
-        return []
-    title = (
-        "== CPU time per call, microseconds, every process of the system (user + system; "
-        "lower is better; steadier than wall time on a shared machine); asyncrpc's thread "
-        "hand-offs per call (client + server)"
-    )
-    return [title, *_table(header, lines), ""]
-
-
-def headline(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each workload's standing against torch in this run: how many times better asyncrpc
-    is (above 1: better; the median over the workload's rows, with the lowest and highest),
-    whatever the metric's direction."""
-    lines = []
-    for name, summary in doc["workloads"].items():
-        higher = summary["higher_is_better"]
-        ratios = []
-        for row in summary["rows"]:
-            ratio = row["ratios"].get("asyncrpc/torch")
-            if ratio:
-                ratios.append(ratio if higher else 1.0 / ratio)
-        if ratios:
-            lines.append(
-                {"workload": name, "times_better": statistics.median(ratios),
-                 "lowest": min(ratios), "highest": max(ratios), "rows": len(ratios)}
-            )  # fmt: skip
-    return lines
-
-
-_HEADLINE_NAMES = {
-    "latency": "latency of one call",
-    "throughput": "calls per second",
-    "echo": "tensor bandwidth",
-    "remote": "remote() + to_here()",
-    "ps": "parameter server",
-    "dist-autograd": "distributed training",
-}
-
-
-def _render_headline(doc: dict[str, Any]) -> list[str]:
-    lines = headline(doc)
-    if not lines:
-        return []
-    out = ["== asyncrpc against torch.distributed.rpc in this run (x better; above 1x: faster)"]
-    for line in lines:
-        spread = (
-            ""
-            if line["rows"] == 1
-            else f"   ({line['rows']} rows: {line['lowest']:.2f}x to {line['highest']:.2f}x)"
-        )
-        out.append(
-            f"  {_HEADLINE_NAMES.get(line['workload'], line['workload']):24}"
-            f"{line['times_better']:6.2f}x{spread}"
-        )
-    return [*out, ""]
-
-
-def render(doc: dict[str, Any], targets: bool = False) -> str:
-    """The human-readable report of ``summarize``'s document: first each workload's ratio
-    against torch, then the tables; the project's own targets only when asked."""
-    systems = list(doc["config"]["systems"])
-    out = [f"asyncrpc.bench: {doc['meta']['command']}"]
-    machine = doc["meta"]["machine"]
-    out.append(
-        f"machine: {machine['cpus']} CPUs, {machine['cpu_model']}; python "
-        f"{machine['python']}, torch {machine['torch']}"
-    )
-    out += [f"{s}: {m}" for s, m in doc["meta"]["torch_modes"].items()]
-    out += [f"{s}: {st}" for s, st in doc["status"].items() if st != "ok"]
-    out.append("")
-    out += _render_headline(doc)
-    for name, summary in doc["workloads"].items():
-        out += _render_workload(name, summary, systems)
-    out += _render_cpu(doc, systems, list(doc["workloads"]))
-    out += _render_cpu_per_call(doc, systems)
-    if targets:
-        out.append("== the project's targets (ratios from this run)")
-        for check in doc["targets"]:
-            ratio = "" if check["ratio"] is None else f": {check['ratio']:.2f}x"
-            out.append(f"  [{check['verdict']:>12}] {check['target']}{ratio}")
-    return "\n".join(out) + "\n"
+    doc["plain_checks"] = plain_checks(doc)
+    doc["headline"] = headline(doc)
+    return doc
 
 
 # -- plot -----------------------------------------------------------------------------------
@@ -373,10 +214,12 @@ def check_plot_available() -> None:
 
 
 def write_plot(doc: dict[str, Any], path: str) -> None:
-    """One panel per workload: each row's ratio to torch as a point, oriented so that right
-    of the 1x line is better for asyncrpc, on a log axis (2x better and 2x worse lie at
-    the same distance). The other systems (torch over TCP, the raw floor) are points of
-    their own shape; the key sits under the panels, never over the data.
+    """One panel per workload: each row's ratio to torch as a point, the same figure as the
+    tables print (asyncrpc's over the other's), on a log axis whose direction is set so that
+    right of the 1x line is faster for asyncrpc in every panel (a time panel's axis runs
+    from high to low), so half the time and twice the rate lie at the same distance. The
+    other systems (torch over TCP, the raw floor) are points of their own shape; the key
+    sits under the panels, never over the data.
 
     Raises:
         PlotUnavailableError: matplotlib is not installed.
@@ -388,7 +231,7 @@ def write_plot(doc: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     names = list(doc["workloads"])
-    heights = [0.8 + 0.28 * len(doc["workloads"][n]["rows"]) for n in names]
+    heights = [1.0 + 0.28 * len(doc["workloads"][n]["rows"]) for n in names]
     fig, axes = plt.subplots(len(names), 1, figsize=(10, 1.4 + sum(heights)), squeeze=False,
                              gridspec_kw={"height_ratios": heights})  # fmt: skip
     handles: dict[str, Any] = {}
@@ -416,11 +259,7 @@ def _plot_panel(ax: Any, name: str, summary: dict[str, Any]) -> dict[str, Any]:
     handles: dict[str, Any] = {}
     xs_all: list[float] = []
     for key, (marker, label) in _MARKERS.items():
-        points = [
-            (1.0 / r if not higher else r, y)
-            for y, row in enumerate(rows)
-            if (r := row["ratios"].get(key))
-        ]
+        points = [(r, y) for y, row in enumerate(rows) if (r := row["ratios"].get(key))]
         if not points:
             continue
         xs = [x for x, _ in points]
@@ -440,7 +279,12 @@ def _plot_panel(ax: Any, name: str, summary: dict[str, Any]) -> dict[str, Any]:
     ticks = [t for t in _RATIO_TICKS if 1.0 / (span * 1.5) <= t <= span * 1.5]
     ax.set_xticks(ticks, [f"{t:g}x" for t in ticks], fontsize=7)
     ax.minorticks_off()
-    ax.set_title(f"{_TITLES[name]}: x better (right of 1x: asyncrpc is better)", fontsize=8)
+    # The figures are the tables' own (never inverted); only a time panel's axis is turned
+    # round, so that every panel reads the same way: right of 1x, asyncrpc faster.
+    if not higher:
+        ax.invert_xaxis()
+    ratio = "asyncrpc rate / torch rate" if higher else "asyncrpc time / torch time"
+    ax.set_title(f"{TITLES[name]}\n{ratio} (right of 1x: asyncrpc faster)", fontsize=8)
     return handles
 
 

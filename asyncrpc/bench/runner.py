@@ -1,9 +1,12 @@
-"""The orchestrator: start each system's processes once, then interleave measured rounds.
+"""The orchestrator: interleaved rounds, each on freshly started processes, and the plain program.
 
-Part of ``asyncrpc.bench``. For each round (the first is an uncounted warm-up), for each
-workload, each system runs its items in turn, the order rotating between rounds so slow
-machine noise lands on every system. While one system is measured the others are frozen
-(SIGSTOP), unless ``freeze`` is off. CPU use of every system is sampled from /proc.
+Part of ``asyncrpc.bench``. For each round, each system's processes are started anew
+(``fresh``, the default: one start's scheduling luck must not decide a whole run, see
+bench/RESULTS.md), then for each workload each system runs its items in turn, each item
+warmed up right before it is timed, the order rotating between rounds so slow machine noise
+lands on every system. While one system is measured the others are frozen (SIGSTOP),
+unless ``freeze`` is off. After the harness's processes stop, each library's plain program
+runs in its own fresh processes. CPU use of every system is sampled from /proc.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncrpc.bench.config import BenchConfig, items_for
+from asyncrpc.bench.config import PLAIN_ROWS, BenchConfig, items_for
+from asyncrpc.bench.plain import PlainError, run_plain
 from asyncrpc.bench.procs import ChildError, SystemGroup, start_group
 from asyncrpc.bench.progress import Progress
 
@@ -35,6 +39,7 @@ class RunResult:
     raw: dict[str, dict[str, dict[str, list[Outcome]]]] = field(default_factory=dict)
     cpu_busy: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     cpu_idle: dict[str, float | None] = field(default_factory=dict)
+    starts: dict[str, int] = field(default_factory=dict)  # system -> process starts
     wall_s: float = 0.0
 
 
@@ -77,11 +82,20 @@ class _Orchestrator:
         self.log_dir = log_dir
         self.groups: dict[str, SystemGroup] = {}
         self.result = RunResult(config)
+        self.harness = [w for w in config.workloads if w != "plain"]
 
     def start(self) -> None:
+        """Start every system still in the run that has no processes now."""
         # All systems start at once (importing torch dominates); each is frozen as soon
         # as it is ready so that none disturbs another.
-        systems = [s for s in self.config.systems if not self.result.status.get(s)]
+        systems = [
+            s for s in self.config.systems
+            if self.result.status.get(s, "ok") == "ok" and s not in self.groups
+        ]  # fmt: skip
+        if not self.harness or not systems:
+            # The plain program starts its own processes: it needs no harness process.
+            self.result.status.update(dict.fromkeys(systems, "ok"))
+            return
         self.progress.step(f"starting {', '.join(systems)}")
         with concurrent.futures.ThreadPoolExecutor(max(1, len(systems))) as pool:
             started = {s: pool.submit(self._start_one, s) for s in systems}
@@ -92,6 +106,7 @@ class _Orchestrator:
                     self._drop(system, f"failed to start: {exc}")
                     continue
                 self.result.status[system] = "ok"
+                self.result.starts[system] = self.result.starts.get(system, 0) + 1
 
     def _start_one(self, system: str) -> SystemGroup:
         group = start_group(system, self.config, self.log_dir)
@@ -119,44 +134,72 @@ class _Orchestrator:
             idle = None if before is None or after is None else (after - before) / (t1 - t0)
             self.result.cpu_idle[system] = idle
 
-    def run_rounds(self) -> None:
-        systems = [s for s in self.config.systems if s in self.groups]
+    def run_round(self, round_no: int) -> None:
+        """One round: every harness workload on every system (the order rotating between
+        rounds), then the plain program of each system. With fresh processes (the default)
+        the harness's processes are started for this round and stopped before the plain
+        program runs."""
+        self.start()
+        if round_no == 0:
+            self.measure_idle()
+        systems = [s for s in self.config.systems if self.result.status.get(s) == "ok"]
         if not systems:
             return
-        for round_no in range(-1, self.config.rounds):
-            order = systems[round_no % len(systems) :] + systems[: round_no % len(systems)]
-            for workload in self.config.workloads:
-                for system in order:
-                    if system in self.groups:
-                        self._run_one(round_no, workload, system)
+        order = systems[round_no % len(systems) :] + systems[: round_no % len(systems)]
+        for workload in self.harness:
+            for system in order:
+                if system in self.groups:  # a failed system is dropped
+                    self._run_one(round_no, workload, system)
+        if self.config.fresh:
+            self.close()
+        if "plain" in self.config.workloads:
+            for system in order:
+                if items_for("plain", system, self.config):
+                    self._run_plain(round_no, system)
 
     def _run_one(self, round_no: int, workload: str, system: str) -> None:
         items = items_for(workload, system, self.config)
         if not items:
             return
-        warm = round_no < 0
-        name = "warm-up" if warm else f"round {round_no + 1}/{self.config.rounds}"
+        name = f"round {round_no + 1}/{self.config.rounds}"
         self.progress.step(f"{name} {workload} {system}")
-        duration = self._duration(workload, warm)
-        timeout = len(items) * (duration + 30.0) + 60.0
+        duration, warmup = self._durations(workload)
+        timeout = len(items) * (warmup + duration + 30.0) + 60.0
         group = self.groups[system]
         group.thaw()
         cpu0, t0 = group.cpu_seconds(), time.monotonic()
         try:
-            answers = group.run(workload, [i.to_json() for i in items], duration, timeout)
+            answers = group.run(
+                workload, [i.to_json() for i in items], duration, timeout, warmup=warmup
+            )
         except ChildError as exc:
             self._drop(system, f"failed during {name} of {workload}: {exc}")
             return
         cpu1, t1 = group.cpu_seconds(), time.monotonic()
         if self.config.freeze:
             group.freeze()
-        if not warm:
-            self._record(workload, system, answers, cpu0, cpu1, t1 - t0)
+        self._record(workload, system, answers, cpu0, cpu1, t1 - t0)
 
-    def _duration(self, workload: str, warm: bool) -> float:
+    def _run_plain(self, round_no: int, system: str) -> None:
+        # A user's own program in fresh processes; it warms itself up. Any harness process
+        # still alive (reused processes) is frozen meanwhile when freezing is on.
+        self.progress.step(f"round {round_no + 1}/{self.config.rounds} plain {system}")
+        per_item = self.result.raw.setdefault(system, {}).setdefault("plain", {})
+        try:
+            rows = run_plain(system, self.config.plain_calls, self.log_dir, timeout=300.0)
+        except PlainError as exc:
+            self.progress.note(f"asyncrpc.bench: {system} plain: {exc}")
+            for key, _ in PLAIN_ROWS:
+                per_item.setdefault(key, []).append({"error": str(exc)})
+            return
+        for key, stats in rows.items():
+            per_item.setdefault(key, []).append({"stats": stats})
+
+    def _durations(self, workload: str) -> tuple[float, float]:
+        """Seconds each item is timed, and seconds it is warmed up just before."""
         if workload == "ps":
-            return min(self.config.ps_duration, 0.5) if warm else self.config.ps_duration
-        return self.config.warmup if warm else self.config.duration
+            return self.config.ps_duration, min(self.config.ps_duration, 0.5)
+        return self.config.duration, self.config.warmup
 
     def _record(
         self,
@@ -186,7 +229,9 @@ class _Orchestrator:
 
 def _total_steps(config: BenchConfig) -> int:
     runs = sum(1 for w in config.workloads for s in config.systems if items_for(w, s, config))
-    return 1 + len(config.systems) + (config.rounds + 1) * runs
+    harness = any(w != "plain" for w in config.workloads)
+    starts = (config.rounds if config.fresh else 1) if harness else 0
+    return 1 + starts + (len(config.systems) if harness else 0) + config.rounds * runs
 
 
 def run_bench(config: BenchConfig, *, progress: bool = True) -> RunResult:
@@ -206,9 +251,8 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> RunResult:
                 orchestrator._drop(system, f"unavailable: {reason}")
     start = time.monotonic()
     try:
-        orchestrator.start()
-        orchestrator.measure_idle()
-        orchestrator.run_rounds()
+        for round_no in range(config.rounds):
+            orchestrator.run_round(round_no)
     finally:
         bar.step("stopping processes")
         orchestrator.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -19,8 +19,12 @@ import torch.optim.optimizer as torch_optimizer
 from asyncrpc.api import remote, rpc_async
 from asyncrpc.autograd import get_gradients
 from asyncrpc.autograd.feature import context_table
+from asyncrpc.errors import BlockingCallError
+from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
 from asyncrpc.rref.handle import RRef, current_rrefs
+from asyncrpc.runtime.calls.outbox import NOT_ON_LANE
 from asyncrpc.runtime.futures import Future, collect_all
+from asyncrpc.runtime.intraop import one_thread
 
 __all__ = ["DistributedOptimizer"]
 
@@ -61,10 +65,32 @@ class DistributedOptimizer:
             context_id: the distributed autograd context whose gradients to apply.
 
         Raises:
+            BlockingCallError: called on the agent's loop thread (use ``step_future``).
             Exception: the first owner's error (with its original type), once all have
                 finished.
         """
-        _wait_every(self.step_future(context_id))
+        if not current_rrefs().off_loop():
+            raise BlockingCallError("step() would block the agent's loop; use step_future()")
+        # The calling thread waits anyway: it steps this worker's own optimizer itself (no
+        # call to itself through the loop), and, where one other worker owns the rest and
+        # this thread has a lane to it, sends that step on the lane and reads the reply
+        # itself (no hand-off to the loop and back; the owner's lane thread steps). Other
+        # owners' steps start first, the loop's way, and run meanwhile.
+        optimizers = self._optimizers
+        others = [i for i, optimizer in enumerate(optimizers) if not optimizer.is_owner()]
+        on_lane = others[0] if len(others) == 1 else None
+        started = {i: _step_future(optimizers[i], context_id) for i in others if i != on_lane}
+        outcomes: dict[int, BaseException | None] = {}
+        for i, optimizer in enumerate(optimizers):
+            if optimizer.is_owner():
+                outcomes[i] = _outcome(_step_own, optimizer, context_id)
+        if on_lane is not None:
+            outcomes[on_lane] = _outcome(_step_on_lane, optimizers[on_lane], context_id)
+        outcomes.update((i, _outcome(future.wait)) for i, future in started.items())
+        for i in range(len(optimizers)):  # the first failure in list order, as torch's
+            error = outcomes[i]
+            if error is not None:
+                raise error
 
     def step_future(self, context_id: int) -> list[Future[None]]:
         """Start the steps on every owner, without blocking.
@@ -78,10 +104,7 @@ class DistributedOptimizer:
         """
         # By RRef id: pickling the RRef itself would fork it (and acknowledge the fork)
         # on every step. This object holds the RRefs, so the owners keep the optimizers.
-        return [
-            rpc_async(optimizer.owner_name(), _step, args=(optimizer.id(), context_id))
-            for optimizer in self._optimizers
-        ]
+        return [_step_future(optimizer, context_id) for optimizer in self._optimizers]
 
 
 class LocalOptimizer:
@@ -94,6 +117,7 @@ class LocalOptimizer:
     # read each other's gradients or lose an update (a wrong result, no error).
     _step_lock = threading.Lock()
     steps_on_loop = 0  # steps of this process run on the event loop (held by _step_lock)
+    steps_here = 0  # steps run on the thread that asked for them (held by _step_lock)
 
     def __init__(
         self,
@@ -116,6 +140,20 @@ class LocalOptimizer:
         with LocalOptimizer._step_lock:
             self._step_with(grads)
 
+    def step_here(self, context_id: int) -> None:
+        """``step`` on the calling thread, which waits for it anyway: the thread in
+        ``DistributedOptimizer.step`` (this worker's own optimizer), or the thread of a
+        lane the step came on. A small step runs its BLAS calls on this thread alone,
+        as on the loop."""
+        grads = get_gradients(context_id)
+        with LocalOptimizer._step_lock:
+            if self._small:
+                with one_thread():
+                    self._step_with(grads)
+            else:
+                self._step_with(grads)
+            LocalOptimizer.steps_here += 1
+
     def step_on_loop(self, context_id: int) -> bool:
         """Step here, on the event loop, where that cannot hold it up or run user code; False
         (nothing done) where it might: then ``step`` it on a pool thread.
@@ -134,7 +172,8 @@ class LocalOptimizer:
         if not LocalOptimizer._step_lock.acquire(blocking=False):
             return False
         try:
-            self._step_with(context.gradients())
+            with one_thread():  # the loop must not wait at a parallel region's barrier
+                self._step_with(context.gradients())
             LocalOptimizer.steps_on_loop += 1
         finally:
             LocalOptimizer._step_lock.release()
@@ -178,6 +217,40 @@ async def _step(optimizer_id: tuple[int, int], context_id: int) -> None:
     optimizer: LocalOptimizer = await current_rrefs().forks.owned_value(*optimizer_id)
     if not optimizer.step_on_loop(context_id):
         await current_rrefs().run_in_pool(functools.partial(optimizer.step, context_id))
+
+
+def _step_here(optimizer_id: tuple[int, int], context_id: int) -> None:
+    # A plain function: on the owner's lane thread, or on a pool thread where the call
+    # came the loop's way (it may wait there for the remote() that builds the optimizer).
+    optimizer: LocalOptimizer = current_rrefs().forks.owned_value(*optimizer_id).wait()
+    optimizer.step_here(context_id)
+
+
+def _step_own(optimizer: RRef[LocalOptimizer], context_id: int) -> None:
+    optimizer.local_value().step_here(context_id)
+
+
+def _step_future(optimizer: RRef[LocalOptimizer], context_id: int) -> Future[None]:
+    return rpc_async(optimizer.owner_name(), _step, args=(optimizer.id(), context_id))
+
+
+def _step_on_lane(optimizer: RRef[LocalOptimizer], context_id: int) -> None:
+    """Step ``optimizer`` on its owner from this thread's lane there, or, where the thread
+    has none, the loop's way; returns when it is done."""
+    args = (optimizer.id(), context_id)
+    calls = context_table()[0].calls
+    done = calls.call_on_lane(optimizer.owner(), _step_here, args, {}, UNSET_RPC_TIMEOUT)
+    if done is NOT_ON_LANE:
+        _step_future(optimizer, context_id).wait()
+
+
+def _outcome(fn: Callable[..., Any], *args: Any) -> BaseException | None:
+    """Run ``fn(*args)``; the ``Exception`` it raised, or None."""
+    try:
+        fn(*args)
+    except Exception as exc:  # raised by step() once every owner has finished
+        return exc
+    return None
 
 
 def _wait_every(futures: list[Future[Any]]) -> None:

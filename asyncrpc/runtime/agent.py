@@ -38,6 +38,7 @@ from asyncrpc.runtime.feature import Feature
 from asyncrpc.runtime.futures import set_default_callback_loop
 from asyncrpc.runtime.group.join import Group, join
 from asyncrpc.runtime.group.shutdown import GracefulShutdown, shutdown_limit
+from asyncrpc.runtime.intraop import keep_team
 from asyncrpc.runtime.lanes.client import CallerLanes
 from asyncrpc.runtime.lanes.feature import Lanes
 from asyncrpc.runtime.lanes.handshake import LaneRoster
@@ -228,6 +229,7 @@ class Agent:
             await agent._close_transports(graceful=False)
             raise
         set_default_callback_loop(loop, agent.loop.thread_id)
+        keep_team()  # the loop thread's OpenMP team, as before its passes ran alone
         agent.lag.start()
         agent.network.start()
         return agent

@@ -181,6 +181,12 @@ class Calls(Protocol):
         target: str | None = ...,
     ) -> Any: ...  # fmt: skip
 
+    def call_on_lane(
+        self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float
+    ) -> Any:
+        """``call_sync`` on this thread's lane to ``to``; ``Outbox``'s ``NOT_ON_LANE``
+        where the thread has none (nothing was sent)."""
+
     def send_remote(
         self, rank: int, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
         register: Register, target: str | None = ...,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,9 +27,17 @@ class ScriptedGroup:
     def reach(self, tag: str) -> None:
         self.arrived.append(tag)
 
-    def missing(self, tag: str) -> list[int]:
+    def missing(self, tag: str, ranks: list[int] | None = None) -> list[int]:
         self.reads += 1
-        return self._answers.pop(0) if len(self._answers) > 1 else self._answers[0]
+        answer = self._answers.pop(0) if len(self._answers) > 1 else self._answers[0]
+        return [r for r in answer if ranks is None or r in ranks]
+
+    def await_arrivals(self, tag: str, ranks: list[int], seconds: float) -> bool:
+        """A wait is a read too; it returns at once unless a worker is missing."""
+        missing = self.missing(tag, ranks)
+        if missing:
+            time.sleep(min(seconds, 0.01))
+        return not missing
 
     def declare_lost(self, rank: int) -> None:
         self.declared.add(rank)

@@ -47,6 +47,15 @@ def forward_then(
     return asyncrpc.rpc_sync(next_worker, forward, args=(next_module, h))
 
 
+def forward_then_detached(
+    module: RRef[nn.Module], x: torch.Tensor, next_worker: str, next_module: RRef[nn.Module]
+) -> torch.Tensor:
+    """``forward_then``, with what goes to the next worker cut from this worker's graph:
+    the backward ends on the next worker, which sent nothing back."""
+    h = torch.relu(module.local_value()(x)).detach()
+    return asyncrpc.rpc_sync(next_worker, forward, args=(next_module, h)) * 2
+
+
 def grads_of(context_id: int, module: RRef[nn.Module]) -> list[torch.Tensor | None]:
     """The context's gradients of the module's parameters, on their owner."""
     grads = dist_autograd.get_gradients(context_id)
@@ -176,6 +185,10 @@ def forward_hooked_by_peer(module: RRef[nn.Module], x: torch.Tensor, peer: str) 
 
 def steps_on_loop() -> int:
     return LocalOptimizer.steps_on_loop
+
+
+def steps_here() -> int:
+    return LocalOptimizer.steps_here
 
 
 _step_hooks: list[Any] = []

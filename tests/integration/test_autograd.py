@@ -20,8 +20,8 @@ from torch import nn
 
 import asyncrpc
 from asyncrpc import autograd as dist_autograd
-from asyncrpc.errors import AutogradContextError, BackwardError
-from asyncrpc.optim import DistributedOptimizer
+from asyncrpc.errors import AutogradContextError, BackwardError, BlockingCallError
+from asyncrpc.optim import DistributedOptimizer, LocalOptimizer
 from asyncrpc.protocol.wire import FrameDecoder
 from asyncrpc.runtime.calls.pipeline import CallKind, Pipeline
 from asyncrpc.runtime.current import current_agent
@@ -165,27 +165,34 @@ def test_autograd_three_worker_chain_nested(group: Group, layers: Callable) -> N
         assert x.grad is None
 
 
-@pytest.mark.parametrize("x_grad", [True, False])
+@pytest.mark.parametrize("shape", ["x requires grad", "x does not", "w3 ends it"])
 def test_autograd_chain_hands_its_credit_back_to_the_root(
-    group: Group, layers: Callable, x_grad: bool
+    group: Group, layers: Callable, shape: str
 ) -> None:
-    # driver -> w1 -> w3 -> w1 (-> driver when x requires grad). The last pass ends on the
-    # driver (its credit handed back here, locally) or on w1, called by w3: then w1 hands
-    # the credit back in a call of its own. Either way the driver's backward ends on it.
+    # driver -> w1 -> w3, then back to w1 (and to the driver when x requires grad): w3's
+    # gradients for w1 ride in its reply, and the last pass ends on the driver (its credit
+    # handed back here, locally) or on w1, whose reply to the driver carries the credit.
+    # Where the pass ends on w3 (w1 sent it a tensor cut from its graph), w3 hands the
+    # credit back in a call of its own. Either way the driver's backward ends on it.
     l1, l3 = layers("w1", 5, 4, 6), layers("w3", 6, 6, 2)
-    x = torch.randn(3, 4, requires_grad=x_grad)
+    x = torch.randn(3, 4, requires_grad=shape == "x requires grad")
     info = asyncrpc.get_debug_info
     by_credit, by_call = info()["autograd_passes_over_by_credit"], info()["autograd_credit_calls"]
+    forward_then = fns.forward_then_detached if shape == "w3 ends it" else fns.forward_then
     with dist_autograd.context() as context_id:
-        y = asyncrpc.rpc_sync("w1", fns.forward_then, args=(l1, x, "w3", l3))
+        y = asyncrpc.rpc_sync("w1", forward_then, args=(l1, x, "w3", l3))
         dist_autograd.backward(context_id, [y.sum()])
         m1, m3 = fns.make_linear(5, 4, 6), fns.make_linear(6, 6, 2)
-        m3(torch.relu(m1(x.detach()))).sum().backward()
-        assert_grads_match(context_id, [("w1", l1), ("w3", l3)], [m1, m3])
-    calls = 0 if x_grad else 1
-    until(lambda: info()["autograd_credit_calls"] == by_call + calls, what="w1's credit call")
-    if x_grad:  # handed back here, before backward returned
-        assert info()["autograd_passes_over_by_credit"] == by_credit + 1
+        if shape == "w3 ends it":
+            (m3(torch.relu(m1(x)).detach()) * 2).sum().backward()
+            assert_grads_match(context_id, [("w3", l3)], [m3])
+        else:
+            m3(torch.relu(m1(x.detach()))).sum().backward()
+            assert_grads_match(context_id, [("w1", l1), ("w3", l3)], [m1, m3])
+    calls = 1 if shape == "w3 ends it" else 0
+    until(lambda: info()["autograd_credit_calls"] == by_call + calls, what="w3's credit call")
+    assert info()["autograd_credit_calls"] == by_call + calls
+    assert info()["autograd_passes_over_by_credit"] == by_credit + 1
 
 
 def test_autograd_rref_proxy_forward_and_parameter_used_twice(
@@ -221,6 +228,84 @@ def test_autograd_echo_returns_the_gradient_to_its_owner(group: Group) -> None:
         torch.testing.assert_close(
             dist_autograd.get_gradients(context_id)[a], torch.full((4,), 3.0)
         )
+
+
+def test_autograd_hops_back_to_the_root_run_on_the_thread_in_backward(
+    group: Group, layers: Callable
+) -> None:
+    # x's gradient comes back from w1 in a hop of the pass this thread is the root of: the
+    # thread waiting in backward() runs its pass, so x's hook (user code) runs there.
+    layer = layers("w1", 41, 4, 3)
+    x = torch.randn(2, 4, requires_grad=True)
+    seen: list[int] = []
+    x.register_hook(lambda grad: seen.append(threading.get_ident()))
+    info = asyncrpc.get_debug_info
+    counts = ("autograd_hops_taken_by_root", "autograd_root_hops_on_lane")
+    before = [info()[name] for name in counts]
+    received = info()["autograd_hops_received"]
+    with dist_autograd.context() as context_id:
+        loss = asyncrpc.rpc_sync("w1", fns.forward, args=(layer, x)).pow(2).sum()
+        dist_autograd.backward(context_id, [loss])
+        grads = dist_autograd.get_gradients(context_id)
+    assert seen == [threading.get_ident()]
+    # Taken from the loop, or read by the thread itself from its lane to w1.
+    assert sum(info()[name] - n for name, n in zip(counts, before, strict=True)) == 1
+    # x's gradient came back in the reply to the driver's hop, not in a hop of its own.
+    assert info()["autograd_hops_received"] == received
+    x_local = x.detach().clone().requires_grad_()
+    fns.make_linear(41, 4, 3)(x_local).pow(2).sum().backward()
+    torch.testing.assert_close(grads[x], x_local.grad)
+
+
+def test_autograd_root_thread_sends_its_hop_on_its_lane_even_when_a_hop_comes_back(
+    group: Group, layers: Callable
+) -> None:
+    # This thread's lane to w1 is open (its second call there opens it): its hop goes on
+    # it, and the thread blocks there while w1 -> w3 -> w1 -> driver run. The hop that
+    # comes back here meanwhile runs on the loop (the thread is away): no deadlock.
+    def on_a_thread_of_its_own() -> list[int]:
+        l1, l3 = layers("w1", 51, 4, 6), layers("w3", 52, 6, 2)
+        asyncrpc.rpc_sync("w1", fns.num_contexts)
+        asyncrpc.rpc_sync("w1", fns.num_contexts)
+        info = asyncrpc.get_debug_info
+        names = ("autograd_root_hops_on_lane", "autograd_hops_received")
+        before = [info()[name] for name in names]
+        x = torch.randn(3, 4, requires_grad=True)
+        with dist_autograd.context() as context_id:
+            y = asyncrpc.rpc_sync("w1", fns.forward_then, args=(l1, x, "w3", l3))
+            dist_autograd.backward(context_id, [y.pow(2).sum()])
+            grads = dist_autograd.get_gradients(context_id)
+            m1, m3 = fns.make_linear(51, 4, 6), fns.make_linear(52, 6, 2)
+            x_local = x.detach().clone().requires_grad_()
+            m3(torch.relu(m1(x_local))).pow(2).sum().backward()
+            assert_grads_match(context_id, [("w1", l1), ("w3", l3)], [m1, m3])
+            torch.testing.assert_close(grads[x], x_local.grad)
+        return [info()[name] - n for name, n in zip(names, before, strict=True)]
+
+    out: list[list[int]] = []
+    thread = threading.Thread(target=lambda: out.append(on_a_thread_of_its_own()))
+    thread.start()
+    thread.join(60)
+    assert out == [[1, 1]]  # on the lane; x's gradient came in a hop of its own (from w1)
+
+
+def test_autograd_error_in_a_hop_the_root_thread_runs_reaches_backward(group: Group) -> None:
+    x = torch.randn(3, requires_grad=True)
+
+    def fail(grad: torch.Tensor) -> torch.Tensor:
+        raise KeyError("hook of the root's own tensor")
+
+    x.register_hook(fail)
+    with dist_autograd.context() as context_id:
+        back = asyncrpc.rpc_sync("w1", fns.echo, args=(x * 2,))
+        with pytest.raises(KeyError) as raised:
+            dist_autograd.backward(context_id, [back.sum()])
+        assert isinstance(raised.value, BackwardError)
+        assert raised.value.node == 0
+        # The context stays usable: a pass that does not reach the hook works.
+        y = torch.randn(3, requires_grad=True)
+        dist_autograd.backward(context_id, [asyncrpc.rpc_sync("w1", fns.echo, args=(y,)).sum()])
+        torch.testing.assert_close(dist_autograd.get_gradients(context_id)[y], torch.ones(3))
 
 
 def test_autograd_retain_graph_two_backwards_accumulate(group: Group, layers: Callable) -> None:
@@ -309,6 +394,32 @@ def test_autograd_error_in_remote_backward_keeps_its_type(group: Group) -> None:
         assert str(info.value) == "Error on Node 3: 'broken backward'"
 
 
+def test_autograd_error_in_a_hop_on_the_lane_keeps_its_type(group: Group) -> None:
+    # The hop to w3 goes on this thread's lane (opened by the calls before it): the
+    # error comes back in the lane's reply, as it does in the loop's.
+    def on_a_thread_of_its_own() -> tuple[BaseException, int]:
+        for _ in range(2):
+            asyncrpc.rpc_sync("w3", fns.num_contexts)
+        before = asyncrpc.get_debug_info()["autograd_root_hops_on_lane"]
+        a = torch.randn(2, requires_grad=True)
+        with dist_autograd.context() as context_id:
+            y = asyncrpc.rpc_sync("w3", fns.fail_in_backward, args=(a,))
+            with pytest.raises(KeyError, match="broken backward") as info:
+                dist_autograd.backward(context_id, [y.sum()])
+        return info.value, asyncrpc.get_debug_info()["autograd_root_hops_on_lane"] - before
+
+    out: list[tuple[BaseException, int]] = []
+    thread = threading.Thread(target=lambda: out.append(on_a_thread_of_its_own()))
+    thread.start()
+    thread.join(60)
+    ((error, on_lane),) = out
+    assert on_lane == 1
+    assert isinstance(error, BackwardError)
+    assert isinstance(error, RuntimeError)
+    assert error.remote_worker == "w3"  # type: ignore[attr-defined]
+    assert str(error) == "Error on Node 3: 'broken backward'"
+
+
 def test_autograd_unknown_context_and_blocking_misuse(group: Group) -> None:
     with pytest.raises(AutogradContextError):
         dist_autograd.get_gradients(12345)
@@ -342,14 +453,17 @@ def test_autograd_field_only_inside_a_context(group: Group) -> None:
     assert len(request_fields()) == 7
 
 
-def test_autograd_worker_killed_during_backward(tmp_path: Path) -> None:
-    """In a group of its own: the victim dies inside its part of the backward pass."""
+@pytest.mark.parametrize("lane", [False, True], ids=["loop", "lane"])
+def test_autograd_worker_killed_during_backward(tmp_path: Path, lane: bool) -> None:
+    """In a group of its own: the victim dies inside its part of the backward pass (the
+    hop to it sent the loop's way, or on the lane of the thread in backward())."""
     init = f"tcp://127.0.0.1:{free_port()}"
     workers = [
         spawn_worker(f"k{r}", r, 3, init, log_dir=tmp_path, rpc_timeout=20.0) for r in (1, 2)
     ]
     try:
-        driver = scenarios.start("autograd_killed_in_backward", "--init-method", init)
+        flags = [] if lane else ["--no-lanes"]
+        driver = scenarios.start("autograd_killed_in_backward", "--init-method", init, *flags)
         try:
             code, outcome = driver.result(60.0)
         finally:
@@ -359,6 +473,7 @@ def test_autograd_worker_killed_during_backward(tmp_path: Path) -> None:
         # Found by the lost connection, not by a timeout (rpc_timeout is 20 s).
         assert outcome["seconds"] < 10
         assert outcome["contexts_left"] == {"k0": 0, "k1": 0}
+        assert outcome["hops_on_lane"] == int(lane)
     finally:
         stop_workers(workers, timeout=5)
 
@@ -398,7 +513,9 @@ def test_distributed_optimizer_steps_on_the_loop_unless_user_code_runs(
         with dist_autograd.context() as context_id:
             y = asyncrpc.rpc_sync("w1", fns.forward, args=(layer, torch.randn(3, 4)))
             dist_autograd.backward(context_id, [y.sum()])
-            optimizer.step(context_id)
+            # The loop's way (step() would take this thread's lane to w1: the next test).
+            for done in optimizer.step_future(context_id):
+                done.wait()
 
     start = asyncrpc.rpc_sync("w1", fns.steps_on_loop)
     train_step(optimizer)  # torch's SGD over 10 elements, no hooks: on w1's loop
@@ -411,6 +528,42 @@ def test_distributed_optimizer_steps_on_the_loop_unless_user_code_runs(
     assert seen == [False]
     assert asyncrpc.rpc_sync("w1", fns.steps_on_loop) == start + 1
     del params, optimizer
+
+
+def test_distributed_optimizer_steps_its_own_here_and_one_owner_on_the_lane(
+    group: Group, layers: Callable
+) -> None:
+    # This thread's own optimizer steps on this thread; w1's on this thread's lane to w1
+    # (open: this thread called w1 before), run by w1's lane thread, hooks and all.
+    here, there = fns.make_linear(31, 4, 6), layers("w1", 32, 6, 1)
+    params = [asyncrpc.RRef(p) for p in here.parameters()]
+    params += asyncrpc.rpc_sync("w1", fns.param_rrefs, args=(there,))
+    optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=0.1)
+    before = [LocalOptimizer.steps_here, asyncrpc.rpc_sync("w1", fns.steps_here)]
+    loop_steps = asyncrpc.rpc_sync("w1", fns.steps_on_loop)
+    asyncrpc.rpc_sync("w1", fns.hook_optimizer_steps)
+    try:
+        with dist_autograd.context() as context_id:
+            y = asyncrpc.rpc_sync("w1", fns.forward, args=(there, here(torch.randn(3, 4))))
+            dist_autograd.backward(context_id, [y.sum()])
+            optimizer.step(context_id)
+    finally:
+        seen = asyncrpc.rpc_sync("w1", fns.unhook_optimizer_steps)
+    after = [LocalOptimizer.steps_here, asyncrpc.rpc_sync("w1", fns.steps_here)]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1]
+    assert asyncrpc.rpc_sync("w1", fns.steps_on_loop) == loop_steps
+    assert seen == [False]  # the hook ran on w1, not on its loop
+    del params, optimizer
+
+
+def test_distributed_optimizer_step_refuses_the_loop_thread(group: Group) -> None:
+    optimizer = DistributedOptimizer(torch.optim.SGD, [asyncrpc.RRef(torch.ones(2))], lr=0.1)
+
+    async def on_the_loop() -> None:
+        optimizer.step(0)
+
+    with pytest.raises(BlockingCallError):
+        asyncio.run_coroutine_threadsafe(on_the_loop(), current_agent().loop).result(30)
 
 
 @pytest.mark.parametrize("fetcher", ["w3", "w2"])  # a thread-pool worker, an asyncio one

@@ -18,11 +18,12 @@ from asyncrpc.bench.runner import torch_rpc_unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEMS = ("asyncrpc", "torch", "floor")
-WORKLOADS = ("latency", "throughput", "echo", "remote", "ps", "dist-autograd")
-NO_FLOOR = ("ps", "dist-autograd")  # workloads the floor has no RPC layer to run
+WORKLOADS = ("latency", "throughput", "echo", "remote", "ps", "dist-autograd", "plain")
+NO_FLOOR = ("ps", "dist-autograd", "plain")  # workloads the floor has no RPC layer to run
 TINY = [
     "--quick", "--rounds", "1", "--duration", "0.05", "--warmup", "0.02",
     "--sizes", "1KiB,1MiB", "--inflight", "1,8", "--ps-duration", "0.3", "--no-progress",
+    "--plain-calls", "20",
 ]  # fmt: skip
 
 
@@ -56,7 +57,9 @@ def test_bench_quick_reports_every_workload_for_all_systems(tmp_path: Path) -> N
                     continue
                 assert isinstance(cell["value"], float), (name, row["label"], system, cell)
                 assert cell["value"] > 0
-                if name != "ps":  # ps reports per trainer, not per call
+                if name != "ps" and row["keys"].get(system) != "backward alone":
+                    # ps reports per trainer, not per call; the plain program's backward
+                    # is timed inside another row's iterations, so it has no CPU of its own.
                     # The cost model: CPU microseconds per call of each process.
                     cpu = {k: v for k, v in cell["median"].items() if k.startswith("cpu_us_")}
                     assert cpu["cpu_us_client"] > 0, (name, system, cpu)
@@ -73,7 +76,15 @@ def test_bench_quick_reports_every_workload_for_all_systems(tmp_path: Path) -> N
                         assert handoffs < 0.5, cell["median"]
             assert isinstance(row["ratios"]["asyncrpc/torch"], float)
     assert {t["verdict"] for t in doc["targets"]} <= {"met", "missed", "not measured"}
+    # The harness rows that have a plain twin are checked against it, both libraries.
+    checks = {(c["workload"], c["plain"]): c for c in doc["plain_checks"]}
+    assert set(checks) == {("latency", "noop"), ("latency", "torch.add"), ("remote", "remote")}
+    for check in checks.values():
+        assert check["verdict"] in ("agrees", "disagrees"), check
+        assert set(check["systems"]) == {"asyncrpc", "torch"}
     assert "== latency" in proc.stdout
+    assert "== the harness against the plain program" in proc.stdout
+    assert "== plain program" in proc.stdout
     assert "== CPU time per call" in proc.stdout
 
 
@@ -142,7 +153,8 @@ def test_bench_without_torch_rpc_runs_the_other_systems(
 ) -> None:
     from asyncrpc.bench import runner
     from asyncrpc.bench.config import BenchConfig
-    from asyncrpc.bench.report import render, summarize
+    from asyncrpc.bench.report import summarize
+    from asyncrpc.bench.tables import render
 
     monkeypatch.setattr(runner, "torch_rpc_unavailable", lambda: "no RPC in this build")
     config = BenchConfig(
@@ -172,3 +184,45 @@ def test_cuda_workload_says_it_was_skipped_without_a_gpu() -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "cuda: skipped, no CUDA device here" in out.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("reuse", "starts"), [(False, 2), (True, 1)])
+def test_bench_starts_fresh_processes_for_each_round_unless_asked_to_reuse(
+    tmp_path: Path, reuse: bool, starts: int
+) -> None:
+    # One start's scheduling luck held for a whole run decided its figures (bench/RESULTS.md):
+    # by default every round runs on processes started for it. The floor starts fastest.
+    from asyncrpc.bench import runner
+    from asyncrpc.bench.config import BenchConfig
+
+    config = BenchConfig(
+        systems=("floor",), workloads=("latency",), rounds=2, duration=0.05, warmup=0.02,
+        idle_seconds=0.1, fresh=not reuse, log_dir=str(tmp_path),
+    )  # fmt: skip
+    result = runner.run_bench(config, progress=False)
+    assert result.status == {"floor": "ok"}
+    assert result.starts == {"floor": starts}
+    (outcomes,) = result.raw["floor"]["latency"].values()
+    assert len(outcomes) == 2  # one measured outcome per round
+    assert all(o["stats"]["p50_us"] > 0 for o in outcomes)
+
+
+@pytest.mark.timeout(180)
+def test_bench_plain_alone_runs_only_the_users_programs(tmp_path: Path) -> None:
+    reason = torch_rpc_unavailable()
+    if reason is not None:
+        pytest.skip(f"torch.distributed.rpc is needed for the comparison: {reason}")
+    from asyncrpc.bench import runner
+    from asyncrpc.bench.config import PLAIN_ROWS, BenchConfig
+
+    config = BenchConfig(workloads=("plain",), rounds=1, plain_calls=10, log_dir=str(tmp_path))
+    result = runner.run_bench(config, progress=False)
+    assert result.starts == {}  # no harness process was needed
+    for system in ("asyncrpc", "torch"):
+        rows = result.raw[system]["plain"]
+        assert list(rows) == [key for key, _ in PLAIN_ROWS]
+        for key, (outcome,) in rows.items():
+            assert outcome["stats"]["p50_us"] > 0, (system, key, outcome)
+            assert outcome["stats"]["n"] == 10
+    assert "floor" not in result.raw

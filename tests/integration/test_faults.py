@@ -129,7 +129,9 @@ def test_shutdown_returns_despite_a_dead_peer(killed_peer: dict[str, Any]) -> No
 
 def _listening_port(rank: int) -> int:
     # The port the worker published at rendezvous: the one every peer dials.
-    return current_agent().group.addresses[rank].port
+    agent = current_agent()
+    agent.group.directory.worker_info(rank)  # its address is read when first needed
+    return agent.group.addresses[rank].port
 
 
 def _closed_by_peer(port: int, data: bytes, timeout: float = 5.0) -> tuple[bool, bytes]:
@@ -265,10 +267,14 @@ def test_PeerTable_dialer_accepts_a_request_right_behind_the_hello_reply() -> No
                 timeout=datetime.timedelta(seconds=30),
             )
             group = StoreGroup(store, 1, 2)
+            group.enter()
+            group.claim_kind()
             group.publish(PeerAddress("fake", 1, "127.0.0.1", listener.getsockname()[1]))
+            key, _ = group.pass_gate(30.0)  # the group key, from the trusted store
             # So that m0's start (which returns once every member has joined) and its
             # graceful shutdown do not wait for us.
-            for tag in ("joined", "calls-done", "users-released", "closing", "left"):
+            group.joined(30.0)
+            for tag in ("calls-done", "users-released", "closing", "left"):
                 group.arrive(tag)
             listener.settimeout(30.0)
             sock, _ = listener.accept()
@@ -279,7 +285,7 @@ def test_PeerTable_dialer_accepts_a_request_right_behind_the_hello_reply() -> No
                 if not isinstance(message, Hello):
                     raise RuntimeError(f"expected a Hello first:\n{member.text()}")
                 # We hold the group key (read from the trusted store), so we may answer.
-                key, nonce = group.shared_key(), auth.new_nonce()
+                nonce = auth.new_nonce()
                 dialer, me = (message.name, message.rank), ("fake", 1)
                 mine = auth.proof(key, auth.ACCEPTOR, message.nonce, nonce, dialer, me)
                 reply = HelloReply(PROTOCOL_VERSION, "fake", 1, Refusal.NONE, "", nonce, mine)

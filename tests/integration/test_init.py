@@ -94,7 +94,7 @@ def test_init_rpc_store_host_dying_mid_rendezvous_raises_store_host_lost() -> No
             "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=20)
         )
         deadline = time.monotonic() + 20.0
-        while not client.check(["asyncrpc/worker/1"]):  # w1 has published: it is gathering
+        while not client.check(["asyncrpc/rank/1"]):  # w1 has published: it is waiting
             assert time.monotonic() < deadline, member.text()
             time.sleep(0.05)
         del client

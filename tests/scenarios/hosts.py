@@ -75,7 +75,9 @@ def tls(args: argparse.Namespace) -> int:
 def _address_of(rank: int) -> tuple[str, int]:
     from asyncrpc.runtime.current import current_agent
 
-    address = current_agent().group.addresses[rank]
+    agent = current_agent()
+    agent.group.directory.worker_info(rank)  # its address is read when first needed
+    address = agent.group.addresses[rank]
     return address.host, address.port
 
 

@@ -25,15 +25,15 @@ from tests.scenarios.registry import option, scenario
 def _claim_size_last() -> None:
     """Fault injection: this member compares world sizes only once another member has
     recorded its own (waits for that key, bounded), so it is the one to see a difference."""
-    original = rendezvous.StoreGroup.claim_size
+    original = rendezvous.StoreGroup.claim_kind
 
     def late(group: rendezvous.StoreGroup) -> None:
         deadline = time.monotonic() + 20.0
-        while not group.store.check(["asyncrpc/world_size"]) and time.monotonic() < deadline:
+        while not group.store.check(["asyncrpc/kind"]) and time.monotonic() < deadline:
             time.sleep(0.01)
         original(group)
 
-    rendezvous.StoreGroup.claim_size = late  # type: ignore[method-assign,assignment]
+    rendezvous.StoreGroup.claim_kind = late  # type: ignore[method-assign]
 
 
 @scenario(

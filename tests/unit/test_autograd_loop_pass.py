@@ -84,13 +84,49 @@ def test_a_leaf_hook_and_a_custom_function_stop_it_too() -> None:
     assert calls == []
 
 
-def test_a_leaf_root_passes_through_this_modules_entry_node() -> None:
+def _no_entry(tensor: torch.Tensor) -> torch.Tensor:
+    raise AssertionError("a leaf without hooks needs no entry node")
+
+
+def test_a_leaf_root_without_hooks_is_routed_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Nothing of the graph runs for it: its gradient is the one given, not even copied.
+    monkeypatch.setattr(graph, "_enter", _no_entry)
     leaf = torch.randn(4, requires_grad=True)
-    routed = LocalGraph().run_on_loop([leaf], [torch.full((4,), 2.0)])
+    seed = torch.full((4,), 2.0)
+    on_loop = LocalGraph().run_on_loop([leaf], [seed])
+    on_thread, on_torch_engine = LocalGraph().run([leaf], [seed], dict, 0)
+    for routed in (on_loop, on_thread):
+        assert routed is not None
+        assert len(routed) == 1
+        assert routed[0][0] is leaf
+        assert routed[0][1] is seed
+    assert not on_torch_engine
+
+
+def test_a_leaf_root_with_a_hook_or_a_parameter_enters_the_graph(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Through this module's entry node, so the leaf's hooks see (and may change) the gradient.
+    seen: list[torch.Tensor] = []
+    leaf = torch.randn(4, requires_grad=True)
+    leaf.register_hook(lambda grad: seen.append(grad) or grad * 3)
+    routed, _ = LocalGraph().run([leaf], [torch.full((4,), 2.0)], dict, 0)
+    assert len(seen) == 1
+    torch.testing.assert_close(routed[0][1], torch.full((4,), 6.0))
+    param = nn.Parameter(torch.randn(2))
+    entered: list[torch.Tensor] = []
+    original = graph._enter
+
+    def spy(tensor: torch.Tensor) -> torch.Tensor:
+        entered.append(tensor)
+        return original(tensor)
+
+    monkeypatch.setattr(graph, "_enter", spy)
+    routed = LocalGraph().run_on_loop([param], [torch.ones(2)])
+    assert len(entered) == 1
+    assert entered[0] is param
     assert routed is not None
-    assert len(routed) == 1
-    assert routed[0][0] is leaf
-    torch.testing.assert_close(routed[0][1], torch.full((4,), 2.0))
+    assert routed[0][0] is param
 
 
 def test_big_graphs_and_a_running_profiler_go_to_the_pool() -> None:

@@ -445,6 +445,11 @@ class Dispatcher:
 
     def _start_awaiting(self, served: ServedRequest, result: Any) -> None:
         """Reply (or keep the value, in REMOTE mode) once ``result``, a future, completes."""
+        if isinstance(result, Future) and result.done() and result.exception() is None:
+            # Done already (an @inline function whose work ended on the spot): replied now,
+            # not from a task one loop turn later. Failures take the task's way below.
+            self._finish(served, True, result.value())
+            return
 
         async def run() -> None:
             try:

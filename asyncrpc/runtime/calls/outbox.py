@@ -20,7 +20,7 @@ import math
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from asyncrpc.errors import ClosedError, PeerLostError, RpcTimeoutError
 from asyncrpc.functions import is_async_execution, is_coroutine_function
@@ -44,7 +44,11 @@ from asyncrpc.runtime.metrics import Counters
 from asyncrpc.runtime.ports import Frames, Loop, OutgoingFrame, Register
 from asyncrpc.runtime.shm.shm import SHM_TAG_PREFIX
 
-__all__ = ["EncodedRequest", "Observed", "Outbox", "SyncLanes"]
+__all__ = ["NOT_ON_LANE", "EncodedRequest", "Observed", "Outbox", "SyncLanes"]
+
+
+# What ``Outbox.call_on_lane`` returns for a call it did not make (no lane).
+NOT_ON_LANE: Final = object()
 
 
 class SyncLanes(Protocol):
@@ -221,6 +225,34 @@ class Outbox:
         rank = self._directory.resolve(to)
         encoded = self.encode(rank, fn, args, kwargs, self.effective_timeout(timeout),
                               CallKind.SYNC, target=target)  # fmt: skip
+        return self._sync(rank, fn, encoded)
+
+    def call_on_lane(
+        self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float
+    ) -> Any:
+        """``call_sync`` for a thread that has a lane to ``to``; ``NOT_ON_LANE`` where it
+        has none (nothing pickled, nothing sent: the call counts toward opening one, as
+        an ``rpc_sync`` does). For callers with a better way than the loop's for the calls
+        a lane does not take: a backward hop (``asyncrpc.autograd.engine``) sends its
+        gradients from the thread that ran its pass, and reads the reply there too.
+
+        Raises:
+            The errors of ``call_sync``.
+        """
+        lanes = self._lanes
+        if lanes is None or self._on_loop_thread():
+            return NOT_ON_LANE
+        rank = self._directory.resolve(to)
+        if self._behind_pending(rank) or lanes.lane(rank, 0) is None:
+            return NOT_ON_LANE
+        encoded = self.encode(
+            rank, fn, args, kwargs, self.effective_timeout(timeout), CallKind.SYNC
+        )
+        return self._sync(rank, fn, encoded)
+
+    def _sync(self, rank: int, fn: Any, encoded: EncodedRequest) -> Any:
+        """An encoded call for a thread that blocks until its result: on the thread's
+        lane where it may take one, else the loop's way."""
         lanes, observed = self._lanes, encoded.observed
         if (
             lanes is not None
@@ -251,7 +283,7 @@ class Outbox:
     ) -> Any:
         """Call on the loop; cancelling the awaiting task cancels the remote work."""
         directory = self._directory
-        if directory.dynamic:
+        if directory.lazy:
             await directory.lookup_async(directory.destination(to))  # off the loop
         rank = directory.resolve(to)
         encoded = self.encode(

@@ -8,6 +8,7 @@ they are built from a ``Group`` and none of them starts half-made.
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 from dataclasses import dataclass
 
@@ -20,7 +21,9 @@ from asyncrpc.runtime.group.rendezvous import StoreGroup, join_group
 from asyncrpc.runtime.net.listener import Listener
 from asyncrpc.runtime.net.tls import TlsContexts
 
-__all__ = ["Group", "join"]
+__all__ = ["Group", "join", "raise_open_files_limit"]
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,8 +33,9 @@ class Group:
     Attributes:
         name, rank: this worker's.
         world_size: the number of workers; None for a dynamic group (members come and go).
-        addresses: every known member's address by rank. The one mutable part: a dynamic
-            group's newcomers are added (by ``directory``) when first met; none is removed.
+        addresses: every known member's address by rank. The one mutable part: members
+            are added (by ``directory``) when first met, in any group (a static group's
+            addresses are read when first needed); none is removed.
         key: the group key each connection's handshake proves.
         tls: mutual TLS for every connection; None without.
         directory: who is in the group, and how to find newcomers in the store.
@@ -50,6 +54,11 @@ class Group:
     @property
     def dynamic(self) -> bool:
         return self.world_size is None
+
+    @property
+    def lazy(self) -> bool:
+        """Whether members not met yet are read in the store (see ``Directory.lazy``)."""
+        return self.directory.lazy
 
     @property
     def host_id(self) -> str | None:
@@ -74,6 +83,31 @@ class Group:
         await self.directory.lookup_async(rank)
 
 
+def raise_open_files_limit() -> tuple[int, int] | None:
+    """Raise this process's soft limit of open files to its hard limit; the limits before.
+
+    A worker holds one descriptor per peer it talks to, and one or two to the store: in a
+    group of a thousand whose members all talk to each other, more than the usual soft
+    limit of 1,024. Raising it up to the hard limit needs no privilege. None where the
+    platform has no such limits (Windows) or it cannot be changed.
+    """
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on POSIX
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # Linux refuses an unlimited soft limit for open files: then a large finite one.
+    target = max(soft, 1 << 20) if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            _log.debug("could not raise the open-files limit from %d to %d: %s", soft, target, exc)
+            return None
+        _log.debug("open-files limit raised from %d to %d", soft, target)
+    return soft, hard
+
+
 async def join(
     name: str,
     rank: int,
@@ -95,6 +129,7 @@ async def join(
         InitError: bad arguments, duplicates, an unreachable store, or a timeout.
     """
     init_timeout = options.rpc_timeout if options.rpc_timeout > 0 else 300.0
+    raise_open_files_limit()
     try:
         configured_key = auth.key_bytes(options.auth_key)
     except ValueError as exc:

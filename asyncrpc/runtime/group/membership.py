@@ -1,9 +1,11 @@
 """Who is in the group: addresses by rank and ranks by name, and, in a dynamic group, how
 a worker learns of members it has not met yet: it reads them in the rendezvous store (L2).
 
-A static group's members are all known once ``init_rpc`` returns. A dynamic member knows
-the members that were there when it joined; a later one is looked up the first time this
-worker needs it (a call or an RRef naming it, its Hello), then kept. Look-ups block on a
+Every member of a static group has published its address once ``init_rpc`` returns; a
+worker reads one the first time it needs it (a call or an RRef naming it, its Hello), then
+keeps it, so a worker of a large group reads only the addresses of the peers it talks to.
+A dynamic member knows the members that were there when it joined; a later one is looked
+up the same way. Look-ups block on a
 few store round trips: the agent makes them on a helper thread or on the calling thread.
 """
 
@@ -28,10 +30,17 @@ class Directory:
     def __init__(self, addresses: dict[int, PeerAddress], group: StoreGroup | None) -> None:
         self.addresses = addresses  # the group's own dict: entries are only ever added
         self.ranks_by_name = {a.name: r for r, a in addresses.items()}
-        self._group = group if group is not None and group.dynamic else None
+        self._group = group
 
     @property
     def dynamic(self) -> bool:
+        """Whether members come and go (a dynamic group)."""
+        return self._group is not None and self._group.dynamic
+
+    @property
+    def lazy(self) -> bool:
+        """Whether members not met yet are read in the store (any group with a store: a
+        static group's addresses are read when first needed, not all at init)."""
         return self._group is not None
 
     def known(self, who: str | int) -> int | None:
@@ -76,6 +85,8 @@ class Directory:
         group = self._group
         if group is None:
             return sorted(self.addresses)
+        if group.world_size is not None:
+            return list(range(group.world_size))
         try:
             ranks = group.member_ranks()
             for rank in ranks:
@@ -101,7 +112,7 @@ class Directory:
         """
         who = self.destination(to)
         rank = self.known(who)
-        if rank is None and self.dynamic:
+        if rank is None and self.lazy:
             rank = self.lookup(who)
         if rank is None:
             raise UnknownWorkerError(to, tuple(self.ranks_by_name))
@@ -129,7 +140,17 @@ class Directory:
         return WorkerInfo(self.addresses[rank].name, rank)
 
     def worker_infos(self, may_block: bool) -> list[WorkerInfo]:
-        """The group's members by rank. Dynamic group: read in the store when ``may_block``
-        (off the loop thread), else the members this worker knows."""
+        """The group's members by rank. Static group: those not met yet are read in the
+        store, in one request. Dynamic group: read in the store when ``may_block`` (off the
+        loop thread), else the members this worker knows."""
+        group = self._group
+        if group is not None and group.world_size is not None:
+            unknown = [r for r in range(group.world_size) if r not in self.addresses]
+            try:
+                for address in group.find_all(unknown):
+                    self.learn(address)
+            except (RuntimeError, OSError) as exc:  # the store's host has gone
+                raise UnknownWorkerError(unknown[0], tuple(self.ranks_by_name)) from exc
+            return [self.worker_info(r) for r in range(group.world_size)]
         ranks = self.current() if self.dynamic and may_block else sorted(dict(self.addresses))
         return [self.worker_info(r) for r in ranks]

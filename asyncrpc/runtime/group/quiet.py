@@ -154,3 +154,11 @@ class QuietStore:
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         with quiet_cpp_logs():
             return bytes(self._store.compare_set(key, expected, desired))
+
+    def wait(self, keys: list[str], timeout: Any) -> None:
+        with quiet_cpp_logs():
+            self._store.wait(keys, timeout)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        with quiet_cpp_logs():
+            return [bytes(value) for value in self._store.multi_get(keys)]

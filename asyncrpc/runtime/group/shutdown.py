@@ -42,8 +42,15 @@ _POLL_S = 0.005
 # reads a second, not two hundred.
 _MAX_POLL_S = 0.25
 # How long a barrier waits for a missing worker before probing it: long enough that a
-# healthy group (its barriers take milliseconds) opens no connection for it.
+# healthy group (its barriers take milliseconds) opens no connection for it; probes then
+# space out to _MAX_PROBE_S. A barrier waits in slices that grow to _MAX_SLICE_S, so
+# that a worker serving its peers for hours from inside shutdown() sends the store a
+# request every two seconds (and its other store requests wait behind a slice at most:
+# barriers.py), and sees its own verdicts on lost peers within a slice.
 PROBE_AFTER_S = 1.0
+_MAX_PROBE_S = 8.0
+_FIRST_SLICE_S = 0.5
+_MAX_SLICE_S = 2.0
 
 
 def shutdown_limit(timeout: float | None) -> float | None:
@@ -185,39 +192,59 @@ class GracefulShutdown:
 
     async def _barrier(self, tag: str, clock: _Clock) -> None:
         store = self._group.store
-        if self._group.world_size is None or self._group.world_size <= 1:
+        size = self._group.world_size
+        if size is None or size <= 1:
             return
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, store.reach, tag)
-        delay = _POLL_S
-        probe_at = time.monotonic() + PROBE_AFTER_S
+        waiting = [r for r in range(size) if r not in self.dead]
+        slice_s, probe_every = _FIRST_SLICE_S, PROBE_AFTER_S
+        probe_at = time.monotonic() + probe_every
         while True:  # bounded by the clock, or by every live worker arriving
-            missing = await self._waiting_for(tag)
-            if not missing:
+            # One request, answered when they have all arrived or after the slice.
+            seconds = max(0.0, clock.within(slice_s) - time.monotonic())
+            if await loop.run_in_executor(None, store.await_arrivals, tag, waiting, seconds):
                 return
-            if time.monotonic() > probe_at:
-                await self._probe(missing)
-                probe_at = time.monotonic() + PROBE_AFTER_S
-                continue
+            # This worker's own verdicts cost no store request (unless one is lost).
+            await self._set_aside_lost(tag, waiting)
+            waiting = [r for r in waiting if r not in self.dead]
             if clock.passed():
+                missing = await loop.run_in_executor(None, store.missing, tag, waiting)
                 raise clock.expired(self._names(missing), tag)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, _MAX_POLL_S)
+            if time.monotonic() > probe_at:
+                # Which workers are missing is read only now and then (a few requests by
+                # halving): to dial them, and to adopt other survivors' verdicts.
+                waiting = await self._waiting_for(tag, waiting)
+                if not waiting:
+                    return
+                await self._probe(waiting)
+                probe_every = min(probe_every * 2, _MAX_PROBE_S)
+                probe_at = time.monotonic() + probe_every
+                slice_s = _FIRST_SLICE_S  # a refused dial's verdict comes in milliseconds
+                continue
+            slice_s = min(slice_s * 2, _MAX_SLICE_S)
 
-    async def _waiting_for(self, tag: str) -> list[int]:
-        """The live workers that have not reached barrier ``tag``; the dead ones found
-        missing are set aside (and named in the store)."""
-        loop = asyncio.get_running_loop()
+    async def _set_aside_lost(self, tag: str, among: list[int]) -> None:
+        """Set aside the workers of ``among`` this worker found dead, unless they reached
+        barrier ``tag`` before dying (then they are not waited for anyway)."""
+        liveness, loop = self._liveness, asyncio.get_running_loop()
+        lost = [r for r in among if r not in self.dead and liveness.is_lost(r)]
+        if not lost:
+            return
+        # A peer may have arrived and then closed its connections (it left: not dead):
+        # it is dead only if still missing.
         store = self._group.store
-        missing: list[int] = await loop.run_in_executor(None, store.missing, tag)
-        lost = [r for r in missing if r not in self.dead and self._liveness.is_lost(r)]
-        if lost:
-            # A peer may have arrived since the read above and then closed its
-            # connections (it left: not dead): it is dead only if still missing now.
-            still = set(await loop.run_in_executor(None, store.missing, tag))
-            for rank in (r for r in lost if r in still):
-                self._set_aside(rank, tag)
-                await loop.run_in_executor(None, store.declare_lost, rank)
+        still = set(await loop.run_in_executor(None, store.missing, tag, lost))
+        for rank in (r for r in lost if r in still):
+            await self._set_aside(rank, tag)
+            await loop.run_in_executor(None, store.declare_lost, rank)
+
+    async def _waiting_for(self, tag: str, among: list[int]) -> list[int]:
+        """The live workers of ``among`` that have not reached barrier ``tag``; the dead
+        ones found missing are set aside (and named in the store)."""
+        loop = asyncio.get_running_loop()
+        missing: list[int] = await loop.run_in_executor(None, self._group.store.missing, tag, among)
+        await self._set_aside_lost(tag, missing)
         return [r for r in missing if r not in self.dead]
 
     async def _probe(self, missing: list[int]) -> None:
@@ -229,16 +256,25 @@ class GracefulShutdown:
         declared = await loop.run_in_executor(None, self._group.store.declared_lost, missing)
         for rank in declared:
             if not liveness.is_connected(rank):
-                self._set_aside(rank, "declared lost by another worker")
+                await self._set_aside(rank, "declared lost by another worker")
 
-    def _set_aside(self, rank: int, why: str) -> None:
-        name = self._group.addresses[rank].name
+    async def _set_aside(self, rank: int, why: str) -> None:
+        name = await self._name(rank)
         self.dead[rank] = name
         _log.info("worker %r: not waiting for %r: it died (%s)", self._group.name, name, why)
 
+    async def _name(self, rank: int) -> str:
+        """``rank``'s name, looked up in the store (off the loop) if not met yet."""
+        group = self._group
+        if rank not in group.addresses:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, group.directory.lookup, rank)
+        address = group.addresses.get(rank)
+        return address.name if address is not None else f"rank {rank}"
+
     def _names(self, ranks: list[int]) -> str:
         addresses = self._group.addresses
-        return ", ".join(repr(addresses[r].name) for r in ranks)
+        return ", ".join(repr(addresses[r].name) if r in addresses else f"rank {r}" for r in ranks)
 
     async def _release_store(self, clock: _Clock) -> None:
         # Rank 0 hosts the TCPStore: it waits until everyone still alive has left the last
@@ -256,10 +292,16 @@ class GracefulShutdown:
         if self._group.rank != 0:
             return
         limit = clock.within(5.0)
-        while await self._waiting_for("left"):
+        # Who has not left yet (in a dynamic group, of the members listed now).
+        missing = await loop.run_in_executor(None, store.missing, "left")
+        waiting = [r for r in missing if r not in self.dead]
+        while waiting:  # bounded by the limit
+            seconds = max(0.0, min(PROBE_AFTER_S, limit - time.monotonic()))
+            if await loop.run_in_executor(None, store.await_arrivals, "left", waiting, seconds):
+                return
+            waiting = await self._waiting_for("left", waiting)
             if time.monotonic() > limit:
                 return
-            await asyncio.sleep(_POLL_S)
 
 
 async def _until(condition: Callable[[], bool], clock: _Clock, what: str | None) -> None:

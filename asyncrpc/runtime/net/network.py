@@ -79,6 +79,10 @@ class Members(Protocol):
     @property
     def dynamic(self) -> bool: ...
     @property
+    def lazy(self) -> bool:
+        """Whether members not met yet are looked up (then ``lookup`` reads them)."""
+
+    @property
     def host_id(self) -> str | None: ...
 
     def same_host(self, rank: int) -> bool:
@@ -255,7 +259,7 @@ class Network:
         # that machine. Here: a newcomer's Hello waits for its look-up; other kinds never
         # reach the machine.
         if isinstance(message, Hello):
-            if self.peer_known(message.rank) or not self.members.dynamic:
+            if self.peer_known(message.rank) or not self.members.lazy:
                 self.peers.on_handshake(conn, message)
             else:
                 self.loop.create_task(self._on_newcomer_hello(conn, message))
@@ -336,7 +340,7 @@ class Network:
         return True
 
     async def know_peer(self, rank: int) -> None:
-        """Make ``rank`` a peer, looking it up in a dynamic group's store if needed.
+        """Make ``rank`` a peer, looking it up in the group's store if needed.
 
         Raises:
             UnknownWorkerError: no member has that rank.

@@ -1,0 +1,264 @@
+"""The rendezvous store's load as a group of N workers joins and shuts down (issue 38).
+
+    .venv/bin/python -m bench.rendezvous --workers 100 1000 4000 [--spread 60] [--json out]
+
+Real store clients run asyncrpc's own rendezvous code against a real ``TCPStore``, with no
+torch import or RPC agent per worker: a worker is a thread with its own store connection
+(and the second one its barrier waits take), many threads per process. Each worker
+arrives at a random moment in ``[0, spread)`` seconds, as torch's imports spread the
+arrivals of a real job, joins (``rendezvous._join_store``: claims, publication, waiting
+for the others), then, after every worker has joined, calls shutdown at a random moment in
+``[0, shutdown_spread)`` and passes the store barriers of a graceful shutdown in the order
+``shutdown.py`` passes them (its waits in slices and its reads of who is missing too).
+
+It reports, per size:
+
+- store requests per worker to join (mean and max; opening the connection is not one),
+  and per worker per barrier;
+- the store's busiest second (requests from all workers, counted in 100 ms buckets);
+- join: from the last worker's arrival until the last worker's join returned, and the
+  part of it that is torch's TCPStore client connecting (the same for torch's own
+  init: a burst of connections, more than ~50 a second, is answered in 5-10 s);
+- shutdown: from the last worker's arrival at its first barrier until the last one left.
+
+The code of the moment is what runs: a tree before the O(1) rendezvous (workers polling
+every key, then reading every address) is measured by running this file there; its
+barrier wait is then ``shutdown.py``'s polling of that time, reproduced below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import random
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+_BUCKET_S = 0.1
+_TAGS = ("calls-done", "users-released", "closing")
+
+
+class CountingStore:
+    """A torch store whose every request is counted, per worker and per 100 ms bucket
+    (the connection itself is counted by the worker)."""
+
+    def __init__(self, inner: Any, counts: Counter[str], buckets: Counter[int], phase: list[str]):
+        self._inner, self._counts, self._buckets, self._phase = inner, counts, buckets, phase
+
+    def _count(self) -> None:
+        self._counts[self._phase[0]] += 1
+        self._buckets[int(time.time() / _BUCKET_S)] += 1
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._inner, name)
+
+        def counted(*args: Any) -> Any:
+            self._count()
+            return method(*args)
+
+        return counted
+
+
+def _one_worker(
+    rank: int, size: int, port: int, spread: float, start: float, out: dict[str, Any],
+    buckets: Counter[int], joined: threading.Barrier, shutdown_spread: float,
+) -> None:  # fmt: skip
+    import datetime
+
+    import torch.distributed as dist
+
+    from asyncrpc.protocol.address import PeerAddress
+    from asyncrpc.runtime.group import rendezvous
+    from asyncrpc.runtime.group.rendezvous import StoreGroup
+
+    rng = random.Random(rank)
+    counts: Counter[str] = Counter()
+    phase = ["join"]
+    time.sleep(max(0.0, start + rng.uniform(0, spread) - time.time()))
+    arrived = time.time()
+    inner = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=600), use_libuv=True)  # fmt: skip
+    connected = time.time()
+    store = CountingStore(inner, counts, buckets, phase)
+    group = StoreGroup(store, rank, size)
+    address = PeerAddress(f"w{rank}", rank, "127.0.0.1", 20000 + rank)
+    rendezvous._join_store(group, address, None, 600.0)
+    done = time.time()
+    joined.wait()
+    time.sleep(rng.uniform(0, shutdown_spread))
+    phase[0] = "barriers"
+    shut_arrived = time.time()
+    for tag in _TAGS:
+        _pass_barrier(group, tag, size)
+    phase[0] = "left"
+    group.arrive("left")
+    if rank == 0:
+        _pass_barrier(group, "left", size, arrive=False)
+    out[rank] = {
+        "arrived": arrived, "connected": connected, "joined": done,
+        "shutdown_arrived": shut_arrived, "left": time.time(), "counts": dict(counts),
+    }  # fmt: skip
+
+
+def _pass_barrier(group: Any, tag: str, size: int, arrive: bool = True) -> None:
+    """Arrive at ``tag`` and wait for every rank, as shutdown.py does (no worker dies)."""
+    if arrive:
+        group.arrive(tag)
+    if hasattr(group, "await_arrivals"):  # the one-request wait, in slices
+        waiting, slice_s, probe_every = list(range(size)), 0.5, 1.0
+        probe_at = time.monotonic() + probe_every
+        while not group.await_arrivals(tag, waiting, slice_s):  # bounded: all arrive
+            if time.monotonic() > probe_at:  # who is missing, read now and then
+                waiting = group.missing(tag, waiting)
+                if not waiting:
+                    return
+                probe_every = min(probe_every * 2, 8.0)
+                probe_at = time.monotonic() + probe_every
+                slice_s = 0.5
+                continue
+            slice_s = min(slice_s * 2, 2.0)
+        return
+    delay = 0.005  # the polling wait before it: every key read, backing off to 250 ms
+    while group.missing(tag):  # bounded: all arrive
+        time.sleep(delay)
+        delay = min(delay * 2, 0.25)
+
+
+def _process(ranks: list[int], size: int, port: int, spread: float, shutdown_spread: float,
+             ready: Any, when: Any, queue: Any) -> None:  # fmt: skip
+    import torch.distributed  # noqa: F401  (imports done before the clock starts)
+
+    from asyncrpc.runtime.group import rendezvous  # noqa: F401
+
+    _more_descriptors()
+    ready.wait()  # every process has imported: the driver has set the start
+    start = when.value
+    out: dict[int, Any] = {}
+    buckets: Counter[int] = Counter()
+    joined = threading.Barrier(len(ranks))
+    work = (size, port, spread, start, out, buckets, joined, shutdown_spread)
+    threads = [threading.Thread(target=_one_worker, args=(r, *work), daemon=True) for r in ranks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    queue.put((out, dict(buckets)))
+
+
+def _more_descriptors() -> None:
+    """Raise the soft open-files limit (a worker does it at init: join.py): thousands of
+    store connections end in the driver, which serves the store."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def run(size: int, spread: float, processes: int, shutdown_spread: float = 1.0) -> dict[str, Any]:
+    """One simulated group of ``size`` workers, arriving over ``spread`` seconds and
+    calling shutdown over ``shutdown_spread``; the figures of its join and shutdown."""
+    import datetime
+
+    import torch.distributed as dist
+
+    _more_descriptors()
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=600), use_libuv=True)  # fmt: skip
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    ready = context.Barrier(processes + 1)
+    when = context.Value("d", 0.0)
+    parts = [list(range(size))[i::processes] for i in range(processes)]
+    procs = [
+        context.Process(
+            target=_process,
+            args=(part, size, server.port, spread, shutdown_spread, ready, when, queue),
+        )
+        for part in parts
+    ]
+    for proc in procs:
+        proc.start()
+    when.value = time.time() + 0.5  # arrivals start once every process has imported
+    ready.wait(timeout=600)
+    results: dict[int, Any] = {}
+    buckets: Counter[int] = Counter()
+    for _ in procs:  # bounded: one result per process
+        out, counted = queue.get(timeout=3600)
+        results.update(out)
+        buckets.update(counted)
+    for proc in procs:
+        proc.join(timeout=60)
+    del server
+    return _figures(size, spread, results, buckets) | {"shutdown_spread_s": shutdown_spread}
+
+
+def _figures(
+    size: int, spread: float, results: dict[int, Any], buckets: Counter[int]
+) -> dict[str, Any]:
+    joins = [r["counts"].get("join", 0) for r in results.values()]
+    barriers = [r["counts"].get("barriers", 0) / len(_TAGS) for r in results.values()]
+    per_second: Counter[int] = Counter()
+    for bucket, n in buckets.items():
+        per_second[int(bucket * _BUCKET_S)] += n
+    return {
+        "workers": size,
+        "spread_s": spread,
+        "join_requests_mean": sum(joins) / len(joins),
+        "join_requests_max": max(joins),
+        "barrier_requests_mean": sum(barriers) / len(barriers),
+        "barrier_requests_max": max(barriers),
+        "store_peak_per_s": max(per_second.values()),
+        "store_requests_total": sum(buckets.values()),
+        "join_after_last_arrival_s": max(r["joined"] for r in results.values())
+        - max(r["arrived"] for r in results.values()),
+        "connect_max_s": max(r["connected"] - r["arrived"] for r in results.values()),
+        "join_after_last_connect_s": max(r["joined"] for r in results.values())
+        - max(r["connected"] for r in results.values()),
+        "shutdown_after_last_arrival_s": max(r["left"] for r in results.values())
+        - max(r["shutdown_arrived"] for r in results.values()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[100, 1000])
+    parser.add_argument("--spread", type=float, default=60.0, help="arrivals over this (s)")
+    parser.add_argument(
+        "--shutdown-spread", type=float, default=1.0, help="shutdown() calls over this (s)"
+    )
+    parser.add_argument("--processes", type=int, default=4, help="processes of threads")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    rows = []
+    header = ("workers", "join req/worker (max)", "barrier req/worker (max)",
+              "store peak req/s", "join after last arrival (s)", "of which connect (max s)",
+              "join after last connect (s)", "shutdown (s)")  # fmt: skip
+    print(" | ".join(header))
+    for size in args.workers:
+        row = run(size, args.spread, min(args.processes, size), args.shutdown_spread)
+        rows.append(row)
+        print(
+            f"{size} | {row['join_requests_mean']:.1f} ({row['join_requests_max']}) | "
+            f"{row['barrier_requests_mean']:.1f} ({row['barrier_requests_max']:.0f}) | "
+            f"{row['store_peak_per_s']:,} | {row['join_after_last_arrival_s']:.2f} | "
+            f"{row['connect_max_s']:.2f} | {row['join_after_last_connect_s']:.2f} | "
+            f"{row['shutdown_after_last_arrival_s']:.2f}",
+            flush=True,
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    raise SystemExit(main())
