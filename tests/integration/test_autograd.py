@@ -563,7 +563,7 @@ def test_distributed_optimizer_step_refuses_the_loop_thread(group: Group) -> Non
         optimizer.step(0)
 
     with pytest.raises(BlockingCallError):
-        asyncio.run_coroutine_threadsafe(on_the_loop(), current_agent().loop).result(30)
+        asyncio.run_coroutine_threadsafe(on_the_loop(), current_agent().loop.aio).result(30)
 
 
 @pytest.mark.parametrize("fetcher", ["w3", "w2"])  # a thread-pool worker, an asyncio one
