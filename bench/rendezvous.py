@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(
             f"{size} | {row['join_requests_mean']:.1f} ({row['join_requests_max']}) | "
-            f"{row['barrier_requests_mean']:.1f} ({row['barrier_requests_max']:.0f}) | "
+            f"{row['barrier_requests_mean']:.1f} ({row['barrier_requests_max']:.1f}) | "
             f"{row['store_peak_per_s']:,} | {row['join_after_last_arrival_s']:.2f} | "
             f"{row['connect_max_s']:.2f} | {row['join_after_last_connect_s']:.2f} | "
             f"{row['shutdown_after_last_arrival_s']:.2f}",

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from asyncrpc.errors import (
     DuplicateRankError,
+    PeerUnavailableError,
     RendezvousTimeoutError,
     UnknownWorkerError,
     WorldSizeMismatchError,
@@ -83,6 +84,39 @@ def test_static_join_costs_each_member_at_most_ten_requests(size: int) -> None:
     assert max(c.total for c in counted) <= 10, [dict(c.requests) for c in counted]
     assert sum(c.requests["get"] for c in counted) <= size  # no member reads every address
     assert {g.host_name for g in groups} == {"w0"}
+
+
+def test_every_member_learns_rank_0s_address_from_the_gate() -> None:
+    # Rank 0's process may end (its store with it) right after init: its address is the
+    # one a member must know without a look-up.
+    store = dist.HashStore()
+    results: dict[int, Any] = {}
+
+    def join(rank: int) -> None:
+        group = StoreGroup(store, rank, 3)
+        results[rank] = rendezvous._join_store(group, _address(rank), None, 20.0)[0]
+
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(join, range(3)))
+    assert all(known == {0: _address(0)} for known in results.values()), results
+
+
+class _GoneStore:
+    """A store whose host has died: every request fails as torch's DistNetworkError does."""
+
+    def __getattr__(self, name: str) -> Any:
+        def fail(*args: Any) -> Any:
+            raise RuntimeError("Connection reset by peer")
+
+        return fail
+
+
+def test_a_member_not_met_when_the_store_is_gone_is_unavailable_not_unknown() -> None:
+    directory = Directory({1: _address(1)}, StoreGroup(_GoneStore(), 1, 4))
+    with pytest.raises(PeerUnavailableError, match="rendezvous store"):
+        directory.resolve("w3")
+    with pytest.raises(UnknownWorkerError):
+        directory.resolve(9)  # outside the group: no store needed to say so
 
 
 def test_static_member_reads_an_address_when_first_needed() -> None:

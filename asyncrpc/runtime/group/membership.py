@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from asyncrpc.errors import BadDestinationError, UnknownWorkerError
+from asyncrpc.errors import BadDestinationError, PeerUnavailableError, UnknownWorkerError
 from asyncrpc.protocol.address import PeerAddress
 from asyncrpc.protocol.options import WorkerInfo
 from asyncrpc.runtime.group.rendezvous import StoreGroup
+from asyncrpc.runtime.group.stores import first_line
 
 __all__ = ["Directory"]
 
@@ -58,14 +59,18 @@ class Directory:
     def lookup(self, who: str | int) -> int | None:
         """The rank of ``who``, read in the store if not known yet (blocking); None if no
         such member has joined (or the store cannot be reached: logged)."""
-        rank = self.known(who)
-        if rank is not None or self._group is None:
-            return rank
         try:
-            address = self._group.find(who)
+            return self._read(who)
         except (RuntimeError, OSError) as exc:  # the store's host has gone
             _log.warning("could not look up worker %r in the rendezvous store: %s", who, exc)
             return None
+
+    def _read(self, who: str | int) -> int | None:
+        """``lookup``, raising the store's error when it cannot be reached."""
+        rank = self.known(who)
+        if rank is not None or self._group is None:
+            return rank
+        address = self._group.find(who)
         if address is None:
             return None
         self.learn(address)
@@ -109,11 +114,17 @@ class Directory:
         Raises:
             UnknownWorkerError: no such worker in the group.
             BadDestinationError: ``to`` names no worker at all.
+            PeerUnavailableError: a member not met yet whose address cannot be read: the
+                rendezvous store no longer answers (its host, rank 0, has gone).
         """
         who = self.destination(to)
         rank = self.known(who)
         if rank is None and self.lazy:
-            rank = self.lookup(who)
+            try:
+                rank = self._read(who)
+            except (RuntimeError, OSError) as exc:  # the store's host has gone
+                reason = "its address is in the rendezvous store, which no longer answers"
+                raise PeerUnavailableError(str(who), f"{reason} ({first_line(exc)})") from exc
         if rank is None:
             raise UnknownWorkerError(to, tuple(self.ranks_by_name))
         return rank

@@ -205,9 +205,11 @@ class StoreGroup(StoreBarriers):
         current = self.store.compare_set(_PREFIX + key, "", value).decode()
         return None if current == value else str(current)
 
-    def open_gate(self, key: bytes, name: str, timeout: float) -> None:
+    def open_gate(self, key: bytes, address: PeerAddress, timeout: float) -> None:
         """Rank 0 of a static group: once every member has published, let them all go on,
-        with the group key and rank 0's name in the gate they wait on (one read for them).
+        with the group key and rank 0's address in the gate they wait on (one read for
+        them; rank 0's address is the one a member needs even if rank 0, and its store,
+        end right after init).
 
         Raises:
             RendezvousTimeoutError: members still missing after ``timeout`` (posted).
@@ -215,21 +217,21 @@ class StoreGroup(StoreBarriers):
         """
         # Not read: an error posted meanwhile also set the gate below, and the claim shows it.
         self._wait_gate("published_all", timeout, "joining the group", read=False)
-        gate = bytes(msgpack.packb([key, name]))
+        gate = bytes(msgpack.packb([key, _pack(address)]))
         if self.store.compare_set(_PREFIX + "open", "", gate) != gate:
             self.check_aborted()
             raise InitError("the group was aborted")  # its error's record was not readable
 
-    def pass_gate(self, timeout: float) -> tuple[bytes, str]:
+    def pass_gate(self, timeout: float) -> tuple[bytes, PeerAddress]:
         """A static member other than rank 0: wait until rank 0 opens the gate; the group
-        key and rank 0's name.
+        key and rank 0's address.
 
         Raises:
             RendezvousTimeoutError: members still missing after ``timeout`` (posted).
             The error another member posted.
         """
-        key, name = msgpack.unpackb(self._wait_gate("open", timeout, "joining the group"))
-        return bytes(key), str(name)
+        key, record = msgpack.unpackb(self._wait_gate("open", timeout, "joining the group"))
+        return bytes(key), _unpack(record)
 
     def joined(self, timeout: float) -> None:
         """Mark this member as done with the store's start-up keys. Rank 0 waits for all of
@@ -329,7 +331,7 @@ def _join_store(
     group: StoreGroup, address: PeerAddress, auth_key: bytes | None, timeout: float
 ) -> tuple[dict[int, PeerAddress], bytes]:
     """The store half of ``join_group``: claims, publication, the gate; returns the
-    addresses known at once (this worker's, and rank 0's name) and the group key."""
+    addresses known at once (static: rank 0's, from the gate) and the group key."""
     group.enter()
     group.claim_kind()
     if group.dynamic:
@@ -340,13 +342,14 @@ def _join_store(
     group.publish(address)
     if group.rank == 0:
         key = auth_key if auth_key is not None else auth.new_key()
-        group.open_gate(key if auth_key is None else b"", address.name, timeout)
-        group.host_name = address.name
+        group.open_gate(key if auth_key is None else b"", address, timeout)
+        first = address
     else:
-        shared, group.host_name = group.pass_gate(timeout)
+        shared, first = group.pass_gate(timeout)
         key = auth_key if auth_key is not None else shared
+    group.host_name = first.name
     group.joined(timeout)
-    return {}, key
+    return {0: first}, key
 
 
 def join_group(
@@ -380,9 +383,9 @@ def join_group(
         lane_port, lane_path: where this worker takes lanes (``runtime/lanes/``), if it does.
 
     Returns:
-        The store group, the addresses known now by rank (static: this worker's, the
-        others are read when first needed; dynamic: the members there now), and the
-        group key.
+        The store group, the addresses known now by rank (static: this worker's and rank
+        0's, the others are read when first needed; dynamic: the members there now), and
+        the group key.
 
     Raises:
         MissingRankError: no rank given, and the init method has none.
@@ -415,7 +418,7 @@ def join_group(
     peers[rank] = address
     if not hosts_store(init_method):
         group.host_name = None  # rank 0's process does not serve this store
-    elif group.dynamic and 0 in peers:
+    elif 0 in peers:
         group.host_name = peers[0].name
     _log.debug("worker %r (rank %d) joined a group of %s", name, rank, size or "any size")
     return group, peers, key

@@ -364,9 +364,16 @@ class Network:
         """Dial ``rank`` unless connected or lost: a dead peer refuses and is declared lost."""
         peer = self.peers.peers.get(rank)
         if peer is None:
+            if rank != self.rank:  # a member never met: read its address first
+                self.loop.create_task(self._probe_unknown(rank))
             return
         if peer.lost is None and not self.peers.connected(rank) and not peer.dialing:
             self.loop.create_task(self._redial(rank))
+
+    async def _probe_unknown(self, rank: int) -> None:
+        with contextlib.suppress(UnknownWorkerError):
+            await self.know_peer(rank)
+            self.probe(rank)
 
     async def _redial(self, rank: int, lost: str | None = None) -> None:
         """Dial ``rank`` again. After a lost connection (``lost`` says how it ended), log
