@@ -66,7 +66,7 @@ from asyncrpc.errors import (
 from asyncrpc.protocol.options import RpcBackendOptions, TensorPipeRpcBackendOptions, WorkerInfo
 from asyncrpc.protocol.serde import register_reducer
 from asyncrpc.rref.handle import RRef
-from asyncrpc.runtime.future import Future, collect_all, wait_all
+from asyncrpc.runtime.futures import Future, collect_all, wait_all
 from asyncrpc.streaming import Stream, rpc_stream, stream
 
 __all__ = [

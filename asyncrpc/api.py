@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, ParamSpec, TypeVar, overload
 
-from asyncrpc.autograd import AutogradHook
+from asyncrpc.autograd.feature import DistAutograd
 from asyncrpc.errors import BlockingCallError, InitArgumentError, InitError
 from asyncrpc.functions import not_scriptable
-from asyncrpc.profiling import ProfilingHook
+from asyncrpc.profiling.feature import Profiling
 from asyncrpc.protocol.options import (
     UNSET_RPC_TIMEOUT,
     RpcBackendOptions,
@@ -27,13 +27,18 @@ from asyncrpc.protocol.options import (
     check_worker_name,
     coerce_options,
 )
-from asyncrpc.rref.context import RRefContext
+from asyncrpc.rref.context import RRefs
+from asyncrpc.rref.forks import Forks
 from asyncrpc.rref.handle import RRef, current_rrefs
 from asyncrpc.runtime.agent import Agent
+from asyncrpc.runtime.calls.pipeline import CallKind
 from asyncrpc.runtime.current import clear_agent, current_agent, set_agent
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.feature import Feature
+from asyncrpc.runtime.futures import Future
+from asyncrpc.runtime.group.join import Group
 from asyncrpc.runtime.group.shutdown import shutdown_limit
-from asyncrpc.runtime.loopthread import LoopThread
+from asyncrpc.runtime.ports import Frames, Loop, Ports
+from asyncrpc.runtime.threads.loopthread import LoopThread
 
 __all__ = [
     "BackendType",
@@ -57,7 +62,7 @@ __all__ = [
 P = ParamSpec("P")
 R = TypeVar("R")
 
-_log = logging.getLogger("asyncrpc")
+_log = logging.getLogger(__name__)
 # The loop thread of an agent started by init_rpc (None for init_rpc_async agents).
 _loop_threads: dict[int, LoopThread] = {}
 _lifecycle_lock = threading.Lock()
@@ -125,7 +130,7 @@ def init_rpc(
     with _lifecycle_lock:
         current = _peek_agent()
         if current is not None:
-            raise InitError(f"RPC is already initialized: this process runs {current.name!r}")
+            raise InitError(f"RPC is already initialized: this process runs {current.group.name!r}")
         thread = LoopThread(name=f"asyncrpc-{name}")
         try:
             agent = thread.run(_start(name, rank, world_size, options))
@@ -163,17 +168,30 @@ async def init_rpc_async(
     _check_name(name, backend)
     options = coerce_options(rpc_backend_options, backend)
     if _peek_agent() is not None:
-        raise InitError(f"RPC is already initialized: this process runs {current_agent().name!r}")
+        raise InitError(
+            f"RPC is already initialized: this process runs {current_agent().group.name!r}"
+        )
     await _start(name, rank, world_size, options)
 
 
+def _forks(group: Group, options: RpcBackendOptions, loop: Loop, frames: Frames) -> Forks:
+    # The RRef layer's fork bookkeeping: the agent builds it before anything that pickles.
+    worker_info = group.directory.worker_info
+    return Forks(group.rank, group.name, loop, frames, worker_info, options.rref_leaks)
+
+
+def _features(ports: Ports, forks: Forks) -> list[Feature]:
+    # The features of the floors above the runtime, once the agent's calls exist (profiling
+    # before autograd: its span covers the other hooks' work).
+    return [RRefs(forks, ports.calls, ports.loop), Profiling(ports), DistAutograd(ports)]
+
+
 async def _start(name: str, rank: int, world_size: int | None, options: RpcBackendOptions) -> Agent:
-    # The composition root: the runtime's agent, with this package's RRef layer and the
-    # call pipeline's hooks plugged in (profiling first: its span covers the others).
+    # The runtime's agent, with this package's features plugged in (the agent itself is the
+    # composition root: it builds its parts and these in order).
     agent = await Agent.start(
-        name, rank, world_size, options, RRefContext, set_agent,
-        hooks=lambda group: [ProfilingHook(group.rank), AutogradHook(group.rank)],
-    )  # fmt: skip
+        name, rank, world_size, options, _forks, _features, register=set_agent
+    )
     if not _exit_check.is_set():
         _exit_check.set()
         # Registered after logging's own exit handler (atexit runs the last first), so the
@@ -195,7 +213,7 @@ def _warn_if_running() -> None:
         "asyncrpc worker %r was not shut down; call asyncrpc.shutdown() before the program "
         "ends (rpc.shutdown() in torch's words): its peers see it vanish, their calls to it "
         "fail and their own shutdown() waits for it or fails",
-        agent.name,
+        agent.group.name,
     )
 
 
@@ -232,11 +250,11 @@ def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
     """
     shutdown_limit(timeout)  # a bad timeout is refused before anything stops
     agent = current_agent()
-    if threading.get_ident() == agent.loop_thread_id:
+    if agent.loop.on_loop_thread():
         raise BlockingCallError("shutdown() would block the agent's loop; use shutdown_async()")
     thread = _loop_threads.pop(id(agent), None)
     try:
-        asyncio.run_coroutine_threadsafe(agent.shutdown(graceful, timeout), agent.loop).result()
+        asyncio.run_coroutine_threadsafe(agent.shutdown(graceful, timeout), agent.loop.aio).result()
     finally:
         clear_agent(agent)
         if thread is not None:
@@ -252,11 +270,11 @@ async def shutdown_async(graceful: bool = True, timeout: float | None = None) ->
     agent = current_agent()
     thread = _loop_threads.pop(id(agent), None)
     try:
-        if asyncio.get_running_loop() is agent.loop:
+        if asyncio.get_running_loop() is agent.loop.aio:
             await agent.shutdown(graceful, timeout)
         else:
             await asyncio.wrap_future(
-                asyncio.run_coroutine_threadsafe(agent.shutdown(graceful, timeout), agent.loop)
+                asyncio.run_coroutine_threadsafe(agent.shutdown(graceful, timeout), agent.loop.aio)
             )
     finally:
         clear_agent(agent)
@@ -293,7 +311,7 @@ async def worker(
     agent = current_agent()
     ok = False
     try:
-        yield agent.worker_info(agent.rank)
+        yield agent.outbox.worker_info(agent.group.rank)
         ok = True
     finally:
         await shutdown_async(graceful=graceful and ok)
@@ -338,10 +356,10 @@ async def call(to: Any, func: Callable[..., Any], /, *args: Any, **kwargs: Any) 
         PeerLostError: the callee died or its connection dropped with the call on it.
         NotInitializedError: no worker runs in this process.
     """
-    agent = current_agent()
-    if asyncio.get_running_loop() is agent.loop:
-        return await agent.call(to, func, args, kwargs, UNSET_RPC_TIMEOUT)
-    future = agent.call_future(to, func, args, kwargs, UNSET_RPC_TIMEOUT)
+    calls = current_agent().outbox
+    if asyncio.get_running_loop() is calls.loop:
+        return await calls.call(to, func, args, kwargs, UNSET_RPC_TIMEOUT)
+    future = calls.call_future(to, func, args, kwargs, UNSET_RPC_TIMEOUT)
     try:
         value = await future
     except asyncio.CancelledError:
@@ -380,8 +398,8 @@ def rpc_async(
         SerializationError: an argument cannot be pickled (at once).
         NotInitializedError: no worker runs in this process.
     """
-    return current_agent().call_future(
-        to, func, tuple(args or ()), dict(kwargs or {}), timeout, "async"
+    return current_agent().outbox.call_future(
+        to, func, tuple(args or ()), dict(kwargs or {}), timeout, CallKind.ASYNC
     )
 
 
@@ -410,11 +428,11 @@ def rpc_sync(
         Exception: the remote exception as its original type, and the errors of ``call``.
     """
     agent = current_agent()
-    if threading.get_ident() == agent.loop_thread_id:
+    if threading.get_ident() == agent.loop.thread_id:
         raise BlockingCallError(
             "rpc_sync() would block the agent's event loop; use `await asyncrpc.call(...)`"
         )
-    return agent.call_sync(to, func, tuple(args or ()), dict(kwargs or {}), timeout)
+    return agent.outbox.call_sync(to, func, tuple(args or ()), dict(kwargs or {}), timeout)
 
 
 def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:
@@ -431,8 +449,9 @@ def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:
         NotInitializedError: no worker runs in this process.
     """
     agent = current_agent()
-    rank = agent.rank if worker_name is None else agent.resolve(worker_name)
-    return agent.worker_info(rank)
+    calls = agent.outbox
+    rank = agent.group.rank if worker_name is None else calls.resolve(worker_name)
+    return calls.worker_info(rank)
 
 
 def get_worker_infos() -> list[WorkerInfo]:

@@ -1,4 +1,7 @@
-"""The one exception tree of asyncrpc (layer L0: standard library only).
+"""The exception tree of asyncrpc, rooted at ``AsyncRpcError`` (layer L0: standard library
+only). A few errors of one part live beside it, in this tree all the same
+(``FutureNotDoneError``, ``StreamPoolExhaustedError``, ``DeviceMapError``,
+``MissingReferenceError``, the ``nn`` errors).
 
 Every error says who broke what: protocol errors are split into ours (local) and the
 peer's (remote); a connection we closed is a ``ClosedError``, one the network or the peer

@@ -2,7 +2,7 @@
 
 ``asyncrpc.stream(to, fn, ...)`` and torch-style ``asyncrpc.rpc_stream(to, fn, args=...)``
 return a ``Stream``, iterated with ``async for`` or ``for``. The runtime's side is in
-``asyncrpc/runtime/streams.py``; the wire's in ``asyncrpc/protocol/wire/stream.py``.
+``asyncrpc/runtime/calls/streams/hub.py``; the wire's in ``asyncrpc/protocol/wire/stream.py``.
 """
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, ParamSpec, TypeVar, overload
 
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
-from asyncrpc.runtime.current import current_agent
-from asyncrpc.runtime.stream import Stream
+from asyncrpc.runtime.calls.streams.hub import StreamHub
+from asyncrpc.runtime.calls.streams.stream import Stream
+from asyncrpc.runtime.current import FeatureSlot
 
 __all__ = ["Stream", "rpc_stream", "stream"]
 
 P = ParamSpec("P")
+_STREAMS: FeatureSlot[StreamHub] = FeatureSlot("streams", "streams")
 T = TypeVar("T")
 
 
@@ -66,7 +68,7 @@ def stream(to: Any, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Str
         ClosedError: while iterating, this worker shut down.
         BlockingCallError: ``for`` on the agent's loop thread.
     """
-    return current_agent().streams.open(to, fn, args, kwargs, UNSET_RPC_TIMEOUT, None)
+    return _STREAMS.get().open(to, fn, args, kwargs, UNSET_RPC_TIMEOUT, None)
 
 
 def rpc_stream(
@@ -95,6 +97,4 @@ def rpc_stream(
     Raises:
         ValueError: ``window`` is not a positive int. Else as ``stream``.
     """
-    return current_agent().streams.open(
-        to, fn, tuple(args or ()), dict(kwargs or {}), timeout, window
-    )
+    return _STREAMS.get().open(to, fn, tuple(args or ()), dict(kwargs or {}), timeout, window)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.futures import Future
 
 
 def _cases(cls: Callable[[], object]) -> dict[str, Callable[[], object]]:

@@ -29,7 +29,7 @@ from pathlib import Path
 import asyncrpc
 from asyncrpc.bench import measure, workloads
 from asyncrpc.bench.config import Item
-from asyncrpc.runtime.loopthread import new_event_loop
+from asyncrpc.runtime.threads.loopthread import new_event_loop
 from asyncrpc.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

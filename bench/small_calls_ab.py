@@ -26,9 +26,9 @@ from asyncrpc.bench import workloads
 CALLS = 2000
 
 
-def _forking_dump(self: Any, obj: object, dest: object) -> Any:
-    """``RRefContext.dump`` as it was before: every RRef pickled is a new fork."""
-    from asyncrpc.rref import context
+def _forking_dump(self: Any, obj: object, dest: object, made: list[Any]) -> Any:
+    """``Forks.dump`` as it was before: every RRef pickled is a new fork."""
+    from asyncrpc.rref import forks
     from asyncrpc.rref.handle import RRef
 
     if not isinstance(obj, RRef):
@@ -38,15 +38,17 @@ def _forking_dump(self: Any, obj: object, dest: object) -> Any:
             fork_id = self.counter.fork_from_owner(obj._rref_id, dest)
         else:
             fork_id = self.counter.fork_from_user(obj._rref_id, obj._fork_id, dest)
-    return (context._TAG, *obj._rref_id, *fork_id, obj._owner, self.agent.rank)
+    if dest != self.rank:
+        made.append((obj._rref_id, fork_id))
+    return (forks._TAG, *obj._rref_id, *fork_id, obj._owner, self.rank)
 
 
 def _turn_off() -> None:
-    from asyncrpc.rref.context import RRefContext
+    from asyncrpc.rref.forks import Forks
     from asyncrpc.runtime.calls import dispatch
 
     dispatch.runs_on_loop = lambda fn, args, kwargs: False  # type: ignore[assignment]
-    RRefContext.dump = _forking_dump  # type: ignore[method-assign]
+    Forks.dump = _forking_dump  # type: ignore[method-assign]
 
 
 def _p50_us(call: Callable[[], object]) -> float:

@@ -26,10 +26,11 @@ import asyncrpc
 from asyncrpc.bench import workloads
 from asyncrpc.protocol.wire import FrameDecoder, encode_frame
 from asyncrpc.protocol.wire.messages import Reply, Request, decode_message
+from asyncrpc.runtime.calls.pipeline import CallKind
 from asyncrpc.runtime.current import current_agent
-from asyncrpc.runtime.future import Future
-from asyncrpc.runtime.loopthread import new_event_loop
-from asyncrpc.runtime.threadpool import WorkerPool
+from asyncrpc.runtime.futures import Future
+from asyncrpc.runtime.threads.loopthread import new_event_loop
+from asyncrpc.runtime.threads.pool import WorkerPool
 from asyncrpc.testing import free_port
 
 N = 20000
@@ -49,17 +50,17 @@ def per_call_us(fn: Callable[[], object], n: int = N, repeat: int = 5) -> float:
 def serde_stages(agent: Any, fn: Any, args: tuple[Any, ...], result: Any) -> dict[str, float]:
     ser, decoder = agent.serializer, FrameDecoder(allocate=agent.serializer.allocate)
     request = Request(1, 60.0, 0, "x", None, None)
-    payload, segments, _ = ser.dumps((fn, args, {}), context=0)
+    payload, segments, _, _ = ser.dumps((fn, args, {}), context=0)
     pieces = encode_frame(request.to_fields(), payload, segments)
     wire = b"".join(bytes(p) for p in pieces)
     frame = decoder.feed(wire)[0]
-    r_payload, r_segments, _ = ser.dumps(result, context=0)
+    r_payload, r_segments, _, _ = ser.dumps(result, context=0)
     reply_wire = b"".join(bytes(p) for p in encode_frame(Reply(1).to_fields(), r_payload,
                                                           r_segments))  # fmt: skip
     reply = decoder.feed(reply_wire)[0]
     return {
         "caller: Outbox.encode (pickle + Request + frame)":
-            per_call_us(lambda: agent.outbox.encode(0, fn, args, {}, 60.0, "sync")),
+            per_call_us(lambda: agent.outbox.encode(0, fn, args, {}, 60.0, CallKind.SYNC)),
         "  of which Serializer.dumps((fn, args, {}))":
             per_call_us(lambda: ser.dumps((fn, args, {}), context=0)),
         "  of which encode_frame(header)":

@@ -45,13 +45,13 @@ EXTRA_NAMES = {"asyncrpc": ["__version__"]}
 # Exceptions a user can meet that are defined beside the code raising them, not in
 # asyncrpc.errors (which must stay free of the layers above it), by import path.
 EXTRA_ERRORS = {
-    "FutureNotDoneError": "asyncrpc.runtime.future",
-    "FutureAlreadyDoneError": "asyncrpc.runtime.future",
+    "FutureNotDoneError": "asyncrpc.runtime.futures",
+    "FutureAlreadyDoneError": "asyncrpc.runtime.futures",
     "DeviceMapError": "asyncrpc.runtime.cuda.maps",
     "StreamPoolExhaustedError": "asyncrpc.runtime.cuda.pool",
 }
 # Classes users get from a function and never build themselves: no constructor shown.
-MADE_FOR_YOU = {"asyncrpc.runtime.stream.Stream"}
+MADE_FOR_YOU = {"asyncrpc.runtime.calls.streams.stream.Stream"}
 
 SECTIONS = ("Args", "Returns", "Yields", "Raises", "Attributes")
 _ITEM = re.compile(r"^(?P<name>\*{0,2}[A-Za-z_][\w.]*(?:, \*{0,2}[A-Za-z_][\w.]*)*)"

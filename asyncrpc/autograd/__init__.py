@@ -19,13 +19,12 @@ from typing import Any
 
 import torch
 
-from asyncrpc.autograd.context import AutogradContext, context_table, current_context_id
+from asyncrpc.autograd.context import AutogradContext, current_context_id
 from asyncrpc.autograd.credit import FULL, PassCredit, first_of
 from asyncrpc.autograd.engine import Hop, local_pass, propagate, root_onward
+from asyncrpc.autograd.feature import DistAutograd, context_table
 from asyncrpc.autograd.hook import AutogradHook
-from asyncrpc.autograd.release import releases_of
 from asyncrpc.errors import AutogradContextError, BlockingCallError
-from asyncrpc.runtime.agent import Agent
 
 __all__ = [
     "AutogradHook",
@@ -69,8 +68,8 @@ class context:
 
     def _close(self) -> None:
         current_context_id.reset(self._token)
-        agent, table = context_table()
-        releases_of(agent, table).left(self._id)
+        autograd, _ = context_table()
+        autograd.releases.left(self._id)
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -136,7 +135,7 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
         PeerLostError: a worker died meanwhile.
     """
     agent, table = context_table()
-    if threading.get_ident() == agent.loop_thread_id:
+    if threading.get_ident() == agent.loop.thread_id:
         raise BlockingCallError("backward() would block the agent's loop; use backward_async()")
     # The calling thread waits anyway: it runs this worker's part of the pass itself (no
     # hand-off to the pool and back), hands the gradients on (on its own lane where it may:
@@ -182,15 +181,16 @@ async def backward_async(
     await _on_agent_loop(agent, _backward(agent, context_id, roots, retain_graph))
 
 
-async def _on_agent_loop(agent: Agent, coro: Any) -> Any:
+async def _on_agent_loop(agent: DistAutograd, coro: Any) -> Any:
     # Always a task of its own: it must not see (or change) the caller's current context.
-    if asyncio.get_running_loop() is agent.loop:
-        return await agent.loop.create_task(coro)
-    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, agent.loop))
+    loop = agent.loop.aio
+    if asyncio.get_running_loop() is loop:
+        return await loop.create_task(coro)
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
 
 
 async def _backward(
-    agent: Agent, context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool
+    agent: DistAutograd, context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool
 ) -> None:
     current_context_id.set(None)  # the gradient hops are not part of the context
     _, table = context_table()

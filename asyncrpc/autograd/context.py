@@ -14,18 +14,16 @@ from __future__ import annotations
 import contextvars
 import itertools
 import threading
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from asyncrpc.autograd.credit import Credits
 from asyncrpc.autograd.graph import LocalGraph
 from asyncrpc.autograd.roots import RootThreads
-from asyncrpc.errors import AutogradContextError, NotInitializedError
-from asyncrpc.runtime.agent import Agent
-from asyncrpc.runtime.current import current_agent
+from asyncrpc.errors import AutogradContextError
 
-__all__ = ["AutogradContext", "ContextTable", "context_table", "current_context_id"]
+__all__ = ["AutogradContext", "ContextTable", "current_context_id"]
 
 # Context ids and message ids carry the worker's rank in their top bits (torch's rule),
 # so they are unique in the group without coordination.
@@ -140,20 +138,6 @@ def _copy_in_layout(tensor: Any, grad: Any) -> Any:
     return torch.empty_like(tensor, dtype=grad.dtype, device=grad.device).copy_(grad)
 
 
-class ReleaseBatcher(Protocol):
-    """What the table keeps of ``asyncrpc.autograd.release.Releases``."""
-
-    carried: int
-
-    def left(self, context_id: int) -> None: ...
-
-    def take_for(self, peer: int) -> list[int]: ...
-
-    def queue(self, by_peer: dict[int, list[int]]) -> None: ...
-
-    def flush(self) -> None: ...
-
-
 class ContextTable:
     """The autograd contexts a worker takes part in, by id."""
 
@@ -161,9 +145,6 @@ class ContextTable:
         self._lock = threading.Lock()
         self._contexts: dict[int, AutogradContext] = {}
         self._serial = itertools.count(1)
-        # The batcher of releases to other workers (``asyncrpc.autograd.release``), made
-        # on first use: it needs the agent, which the table does not know.
-        self.releases: ReleaseBatcher | None = None
         self.hops_received = 0  # backward hops run here (see count_hop)
         self.passes_on_loop = 0  # local passes run on the event loop (see count_pass_on_loop)
         self.root_lane_hops = 0  # hops the thread in backward() sent on its lane (count_lane_hop)
@@ -234,17 +215,3 @@ class ContextTable:
             self._contexts.clear()
         for context in contexts:
             context.close()
-
-
-def context_table() -> tuple[Agent, ContextTable]:
-    """This process's agent and its autograd contexts (kept by its autograd hook).
-
-    Raises:
-        NotInitializedError: no worker runs here, or it has no autograd hook.
-    """
-    agent = current_agent()
-    for hook in agent.pipeline.hooks:
-        table = getattr(hook, "contexts", None)
-        if isinstance(table, ContextTable):
-            return agent, table
-    raise NotInitializedError("this worker was started without distributed autograd")

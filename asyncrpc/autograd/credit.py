@@ -22,7 +22,7 @@ import itertools
 import threading
 from typing import Any, NamedTuple
 
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.futures import Future, add_hook, try_set_exception, try_set_result
 
 __all__ = ["FULL", "Credits", "PassCredit", "first_of", "split"]
 
@@ -81,7 +81,7 @@ class Credits:
                 return
             del self._passes[pass_id]
             self.passes_over_early += 1
-        over._try_set_result(None)
+        try_set_result(over, None)
 
     def end(self, pass_id: int) -> None:
         """Forget pass ``pass_id`` (its replies came back, or it failed)."""
@@ -100,10 +100,10 @@ def first_of(over: Future[None], replies: Future[Any]) -> Future[None]:
     def from_replies(replies: Future[Any]) -> None:
         error = replies.exception()
         if error is None:
-            done._try_set_result(None)
+            try_set_result(done, None)
         else:
-            done._try_set_exception(error)
+            try_set_exception(done, error)
 
-    over._add_hook(lambda _: done._try_set_result(None))
-    replies._add_hook(from_replies)
+    add_hook(over, lambda _: try_set_result(done, None))
+    add_hook(replies, from_replies)
     return done

@@ -24,18 +24,21 @@ from typing import Any
 
 import torch
 
-from asyncrpc.autograd.context import (
-    AutogradContext,
-    ContextTable,
-    context_table,
-)
+from asyncrpc.autograd.context import AutogradContext, ContextTable
 from asyncrpc.autograd.credit import FULL, PassCredit, first_of, split
+from asyncrpc.autograd.feature import DistAutograd, context_table
 from asyncrpc.errors import as_backward_error
 from asyncrpc.functions import async_execution, inline
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
-from asyncrpc.runtime.agent import Agent
 from asyncrpc.runtime.calls.outbox import NOT_ON_LANE
-from asyncrpc.runtime.future import Future, collect_all
+from asyncrpc.runtime.futures import (
+    Future,
+    add_hook,
+    collect_all,
+    copy_outcome,
+    try_set_exception,
+    try_set_result,
+)
 
 __all__ = [
     "Hop",
@@ -91,7 +94,7 @@ def loop_pass(
 
 
 async def pass_anywhere(
-    agent: Agent, table: ContextTable, context: AutogradContext,
+    agent: DistAutograd, table: ContextTable, context: AutogradContext,
     roots: Sequence[torch.Tensor], grad_outputs: Sequence[Any],
 ) -> Outgoing:  # fmt: skip
     """The local pass, from the loop: run there where it may be (two thread wake-ups less
@@ -100,7 +103,7 @@ async def pass_anywhere(
     if outgoing is not None:
         table.count_pass_on_loop()
         return outgoing
-    return await agent.pool.run(  # type: ignore[no-any-return]
+    return await agent.loop.run_in_pool(  # type: ignore[no-any-return]
         functools.partial(local_pass, context, roots, grad_outputs, agent.rank)
     )
 
@@ -122,7 +125,7 @@ def _route(context: AutogradContext, routed: list[tuple[torch.Tensor, Any]]) -> 
 
 
 async def propagate(
-    agent: Agent,
+    agent: DistAutograd,
     table: ContextTable,
     context: AutogradContext,
     roots: Sequence[torch.Tensor],
@@ -202,7 +205,7 @@ def root_onward(root: Hop, outgoing: Outgoing) -> Future[int]:
     args = (root.context.id, batches, credit, agent.rank)
     with root.table.root_threads.away(credit.pass_id):  # no deadlock on a hop back here
         try:
-            reply = agent.call_on_lane(to, grads_here, args, {}, UNSET_RPC_TIMEOUT)
+            reply = agent.calls.call_on_lane(to, grads_here, args, {}, UNSET_RPC_TIMEOUT)
         except BaseException:
             root.table.count_lane_hop()  # a hop that failed counts too
             raise
@@ -232,7 +235,7 @@ class Hop:
     __slots__ = ("agent", "caller", "context", "credit", "embeds", "table")
 
     def __init__(
-        self, agent: Agent, table: ContextTable, context: AutogradContext,
+        self, agent: DistAutograd, table: ContextTable, context: AutogradContext,
         credit: PassCredit | None, caller: int = -1, embeds: bool = True,
     ) -> None:  # fmt: skip
         self.agent, self.table, self.context = agent, table, context
@@ -258,7 +261,7 @@ class Hop:
                 return replied
         outgoing = loop_pass(context, roots, grad_outputs, agent.rank)
         if outgoing is None:
-            agent.pool.submit(self.run_on_thread, roots, grad_outputs, replied)
+            agent.loop.pool.submit(self.run_on_thread, roots, grad_outputs, replied)
             return replied
         table.count_pass_on_loop()
         return self.onward(outgoing)
@@ -293,11 +296,11 @@ class Hop:
         try:
             onward = self.onward(local_pass(self.context, roots, grad_outputs, self.agent.rank))
         except BaseException as exc:  # the caller gets it in the reply
-            replied._try_set_exception(exc)
+            try_set_exception(replied, exc)
             if not isinstance(exc, Exception):
                 raise
             return
-        onward._add_hook(replied._copy_from)
+        add_hook(onward, functools.partial(copy_outcome, replied))
 
     def onward(self, outgoing: Outgoing) -> Future[HopReply]:
         """Send the pass's gradients on (any thread): one hop per worker, or, where they
@@ -321,14 +324,14 @@ class Hop:
         def finish(sent: Future[int]) -> None:
             error = sent.exception()
             if error is not None:
-                replied._try_set_exception(error)
+                try_set_exception(replied, error)
                 return
             try:
-                replied._try_set_result(sent.value() + (self._credit_back() if keep else 0))
+                try_set_result(replied, sent.value() + (self._credit_back() if keep else 0))
             except Exception as exc:  # a credit call that could not start
-                replied._try_set_exception(exc)
+                try_set_exception(replied, exc)
 
-        sent._add_hook(finish)
+        add_hook(sent, finish)
         return replied
 
     def _send(self, hops: dict[int, Batches], shares: list[PassCredit] | None) -> Future[int]:
@@ -338,7 +341,7 @@ class Hop:
         shared: list[PassCredit | None] = [*shares] if shares else [None] * len(hops)
         followed = []
         for (to, batches), share in zip(hops.items(), shared, strict=True):
-            call = agent.call_future(
+            call = agent.calls.call_future(
                 to, grads_arrived, (context_id, batches, share, agent.rank), {},
                 UNSET_RPC_TIMEOUT,
             )  # fmt: skip
@@ -386,20 +389,20 @@ def _then_follow(
     def replied(call: Future[HopReply]) -> None:
         error = call.exception()
         if error is not None:
-            out._try_set_exception(error)  # with its original type
+            try_set_exception(out, error)  # with its original type
             return
         reply = call.value()
         if not isinstance(reply, tuple):
-            out._try_set_result(reply or 0)
+            try_set_result(out, reply or 0)
             return
         try:
             followed = follow(reply[0], reply[1])
         except Exception as exc:  # the graph's error in a pass on the loop
-            out._try_set_exception(exc)
+            try_set_exception(out, exc)
             return
-        followed._add_hook(out._copy_from)
+        add_hook(followed, functools.partial(copy_outcome, out))
 
-    call._add_hook(replied)
+    add_hook(call, replied)
     return out
 
 
@@ -411,15 +414,17 @@ def _summed(done: Future[list[Future[int]]], hop: Hop) -> Future[int]:
     def add(done: Future[list[Future[int]]]) -> None:
         try:
             returned = sum(future.value() for future in done.value())
-            out._try_set_result(hop.hand_on(returned))
+            try_set_result(out, hop.hand_on(returned))
         except BaseException as exc:  # a hop's error, with its original type
-            out._try_set_exception(exc)
+            try_set_exception(out, exc)
 
-    done._add_hook(add)
+    add_hook(done, add)
     return out
 
 
-def _return_credit(agent: Agent, table: ContextTable, credit: PassCredit, caller: int) -> int:
+def _return_credit(
+    agent: DistAutograd, table: ContextTable, credit: PassCredit, caller: int
+) -> int:
     """Hand ``credit`` back to its root: here, in the reply (returned), or in a call."""
     if credit.root == agent.rank:
         table.credits.hand_back(credit.pass_id, credit.amount)
@@ -427,7 +432,7 @@ def _return_credit(agent: Agent, table: ContextTable, credit: PassCredit, caller
     if credit.root == caller:
         return credit.amount
     # Its own call: a lost one only costs the root its early finish (the replies end it).
-    agent.call_future(
+    agent.calls.call_future(
         credit.root, credit_returned, (credit.pass_id, credit.amount), {}, UNSET_RPC_TIMEOUT
     )
     return 0

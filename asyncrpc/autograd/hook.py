@@ -19,13 +19,9 @@ from collections.abc import Callable, Coroutine
 from types import BuiltinFunctionType
 from typing import Any, NamedTuple
 
-from asyncrpc.autograd.context import (
-    AutogradContext,
-    ContextTable,
-    context_table,
-    current_context_id,
-)
-from asyncrpc.autograd.release import release_onward
+from asyncrpc.autograd.context import AutogradContext, ContextTable, current_context_id
+from asyncrpc.autograd.release import Releases
+from asyncrpc.protocol.serde.policy import DEFAULT, NoGrads, TensorPolicy
 from asyncrpc.runtime.calls.pipeline import CallHook, IncomingCall, OutgoingCall
 
 __all__ = ["FIELD", "RELEASED", "AutogradHook"]
@@ -51,18 +47,13 @@ class AutogradHook(CallHook):
     fields = frozenset({FIELD, RELEASED})
     lane_safe = True
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, contexts: ContextTable, releases: Releases) -> None:
         self._rank = rank  # this worker's rank
-        self.contexts = ContextTable()
+        self.contexts = contexts
+        self._releases = releases
 
     def __repr__(self) -> str:
         return "AutogradHook()"
-
-    def flush(self) -> None:
-        # Contexts left just before shutdown: their releases go now, not after a delay.
-        releases = self.contexts.releases
-        if releases is not None:
-            releases.flush()
 
     # -- caller ----------------------------------------------------------------------------
 
@@ -89,8 +80,7 @@ class AutogradHook(CallHook):
 
     def _riding(self, call: OutgoingCall) -> list[int]:
         """Releases queued for the callee, taken to ride along on this call."""
-        releases = self.contexts.releases
-        released = [] if releases is None else releases.take_for(call.callee_rank)
+        released = self._releases.take_for(call.callee_rank)
         if released:
             call.headers[RELEASED] = released
         return released
@@ -101,9 +91,8 @@ class AutogradHook(CallHook):
         sent = call.state.pop(self, None)
         if not isinstance(sent, _Sent):
             return
-        releases = self.contexts.releases
-        if sent.released and error is not None and releases is not None:
-            releases.queue({call.callee_rank: sent.released})  # may not have arrived
+        if sent.released and error is not None:
+            self._releases.queue({call.callee_rank: sent.released})  # may not have arrived
         fields = None if headers is None else headers.get(FIELD)
         if sent.context is not None and fields and call.reply_grads:
             sent.context.record_recv(call.callee_rank, int(fields[1]), call.reply_grads)
@@ -115,8 +104,7 @@ class AutogradHook(CallHook):
             call.track_grads()
         released = call.headers.get(RELEASED)
         if released:  # contexts the caller left, riding along: released here and onward
-            agent, table = context_table()
-            release_onward(agent, table, [int(c) for c in released], call.caller_rank)
+            self._releases.onward([int(c) for c in released], call.caller_rank)
 
     def incoming(self, call: IncomingCall) -> None:
         fields = call.headers.get(FIELD)
@@ -136,9 +124,15 @@ class AutogradHook(CallHook):
         context.record_send(message_id, call.caller_rank, call.reply_grads)
         call.reply_headers[FIELD] = [context.id, message_id]
 
+    def stream_items(self, call: IncomingCall, policy: TensorPolicy | None) -> TensorPolicy | None:
+        if call.reply_policy.grads is None:
+            return policy
+        # A stream opened inside a distributed autograd context, which does not follow its
+        # items: one requiring grad is refused rather than its gradient lost.
+        return NoGrads(policy or DEFAULT, "a stream item")
+
     def debug_info(self) -> dict[str, Any]:
         contexts = self.contexts
-        releases = contexts.releases
         return {
             "num_autograd_contexts": len(contexts),
             "autograd_hops_received": contexts.hops_received,
@@ -147,7 +141,7 @@ class AutogradHook(CallHook):
             "autograd_root_hops_on_lane": contexts.root_lane_hops,
             "autograd_passes_over_by_credit": contexts.credits.passes_over_early,
             "autograd_credit_calls": contexts.credits.calls,
-            "autograd_releases_carried": 0 if releases is None else releases.carried,
+            "autograd_releases_carried": self._releases.carried,
         }
 
 

@@ -9,37 +9,49 @@ in turn. A training loop leaves a context per step: one release call per worker 
 cost the caller a thread hand-off and each server a wake-up and a reply, on the step's
 critical path on a small machine; a batch costs that once per ``BATCH_DELAY``. Contexts
 live on the other workers at most that much longer (nothing reads them after the step:
-torch releases them in the background too).
+torch releases them in the background too). ``Releases`` is built with the contexts, the
+hook and the rest of the distributed autograd feature (``feature.py``), from the calls and
+the loop it uses.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
-from asyncrpc.autograd.context import (
-    ContextTable,
-    ReleaseBatcher,
-    context_table,
-    current_context_id,
-)
+from asyncrpc.autograd.context import ContextTable, current_context_id
 from asyncrpc.errors import ConnectionLostError, RpcTimeoutError
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
-from asyncrpc.runtime.agent import Agent
+from asyncrpc.runtime.ports import Calls, Loop
 
-__all__ = ["BATCH_DELAY", "Releases", "release_here", "release_onward"]
+__all__ = ["BATCH_DELAY", "Releases"]
 
 BATCH_DELAY = 0.005  # seconds between batches (bounds how long a left context lingers)
 _RELEASE_TRIES = 6  # backoff 0.05 s doubling: about 3 s of waits in all
 
 
 class Releases:
-    """The contexts left on one worker whose release on other workers is still to send."""
+    """The contexts left on one worker whose release on other workers is still to send.
 
-    def __init__(self, agent: Agent, table: ContextTable) -> None:
-        self._agent = agent
+    Args:
+        rank: this worker's rank.
+        table: its contexts.
+        calls: the calls releases go in (``release_here`` on each worker).
+        loop: the agent's loop (batches leave from it).
+        is_lost: whether a rank is gone for good (its releases are not retried).
+        release_here: the remote function that releases contexts on a worker.
+    """
+
+    def __init__(
+        self, rank: int, table: ContextTable, calls: Calls, loop: Loop,
+        is_lost: Callable[[int], bool], release_here: Callable[..., Any],
+    ) -> None:  # fmt: skip
+        self._rank = rank
         self._table = table
+        self._calls, self._loop, self._is_lost = calls, loop, is_lost
+        self._release_here = release_here
         self._lock = threading.Lock()  # left() runs on user threads, the flush on the loop
         self._queued: dict[int, list[int]] = {}  # peer -> context ids to release there
         self._flush_armed = False
@@ -51,7 +63,7 @@ class Releases:
         context = self._table.pop(context_id)
         if context is None:
             return
-        peers = context.peers - {self._agent.rank}
+        peers = context.peers - {self._rank}
         if peers:  # else it never left this worker: nothing to tell anybody
             self.queue({peer: [context_id] for peer in peers})
 
@@ -74,34 +86,58 @@ class Releases:
             if self._flush_armed:
                 return
             self._flush_armed = True
-        self._agent.run_on_loop(self._arm)
+        self._loop.run_on_loop(self._arm)
 
     def _arm(self) -> None:
-        self._agent.loop.call_later(BATCH_DELAY, self._flush)
+        self._loop.aio.call_later(BATCH_DELAY, self._flush)
 
     def _flush(self) -> None:
         with self._lock:
             self._flush_armed = False
             queued, self._queued = self._queued, {}
-        send(self._agent, queued)
+        self.send(queued)
 
     def flush(self) -> None:
         """Send what is queued now (on the loop; shutdown calls it before the goodbyes)."""
         self._flush()
 
+    def onward(self, context_ids: Iterable[int], sender: int) -> None:
+        """Drop the contexts here and pass each on to the workers it reached but the
+        sender (queued like this worker's own releases: riding along on a call, or in a
+        batch)."""
+        released = []
+        for context_id in context_ids:
+            context = self._table.pop(context_id)
+            if context is not None:  # else released already (a retry, or a second path here)
+                released.append((context_id, sorted(context.peers - {sender, self._rank})))
+        onward = _by_peer(released)
+        if onward:
+            self.queue(onward)
 
-_MADE = threading.Lock()  # one batcher per table, whichever threads ask first at once
+    def send(self, by_peer: dict[int, list[int]]) -> None:
+        """Release contexts on each peer: one call per peer, in the background (on the loop)."""
+        for peer, context_ids in by_peer.items():
+            self._loop.aio.create_task(self._release_on(peer, context_ids))
 
-
-def releases_of(agent: Agent, table: ContextTable) -> ReleaseBatcher:
-    """The batcher of ``table`` (made on first use; one per worker; any thread)."""
-    releases = table.releases
-    if releases is None:
-        with _MADE:
-            if table.releases is None:
-                table.releases = Releases(agent, table)
-            releases = table.releases
-    return releases
+    async def _release_on(self, peer: int, context_ids: list[int]) -> None:
+        # A dropped connection is not a dead peer (connections heal): a release lost with
+        # it is sent again on the next connection, or the peer would keep the contexts'
+        # graphs and gradients for good (the chaos soak found one left behind). Releasing
+        # is idempotent. Bounded: a peer declared lost, or our own shutdown, ends the retries.
+        current_context_id.set(None)  # these calls are not part of any context
+        calls = self._calls
+        for attempt in range(_RELEASE_TRIES):
+            try:
+                args = (context_ids, self._rank)
+                await calls.call(peer, self._release_here, args, {}, UNSET_RPC_TIMEOUT)
+            except (ConnectionLostError, RpcTimeoutError):
+                if calls.closed or self._is_lost(peer):
+                    return
+                await asyncio.sleep(0.05 * 2**attempt)
+            except Exception:  # anything else is the peer's to report: not retried
+                return
+            else:
+                return
 
 
 def _by_peer(released: Iterable[tuple[int, Iterable[int]]]) -> dict[int, list[int]]:
@@ -111,50 +147,3 @@ def _by_peer(released: Iterable[tuple[int, Iterable[int]]]) -> dict[int, list[in
         for peer in peers:
             by_peer.setdefault(peer, []).append(context_id)
     return by_peer
-
-
-def send(agent: Agent, by_peer: dict[int, list[int]]) -> None:
-    """Release contexts on each peer: one call per peer, in the background (on the loop)."""
-    for peer, context_ids in by_peer.items():
-        agent.loop.create_task(_release_on(agent, peer, context_ids))
-
-
-async def _release_on(agent: Agent, peer: int, context_ids: list[int]) -> None:
-    # A dropped connection is not a dead peer (connections heal): a release lost with it is
-    # sent again on the next connection, or the peer would keep the contexts' graphs and
-    # gradients for good (the chaos soak found one left behind). ``release_here`` is
-    # idempotent. Bounded: a peer declared lost, or our own shutdown, ends the retries.
-    current_context_id.set(None)  # these calls are not part of any context
-    for attempt in range(_RELEASE_TRIES):
-        try:
-            args = (context_ids, agent.rank)
-            await agent.call(peer, release_here, args, {}, UNSET_RPC_TIMEOUT)
-        except (ConnectionLostError, RpcTimeoutError):
-            if agent.closed or agent.is_lost(peer):
-                return
-            await asyncio.sleep(0.05 * 2**attempt)
-        except Exception:  # anything else is the peer's to report: not retried
-            return
-        else:
-            return
-
-
-def release_onward(
-    agent: Agent, table: ContextTable, context_ids: Iterable[int], sender: int
-) -> None:
-    """Drop the contexts here and pass each on to the workers it reached but the sender
-    (queued like this worker's own releases: riding along on a call, or in a batch)."""
-    released = []
-    for context_id in context_ids:
-        context = table.pop(context_id)
-        if context is not None:  # else released already (a retry, or a second path here)
-            released.append((context_id, sorted(context.peers - {sender, agent.rank})))
-    onward = _by_peer(released)
-    if onward:
-        releases_of(agent, table).queue(onward)
-
-
-async def release_here(context_ids: list[int], sender: int) -> None:
-    """Runs on a worker the contexts reached (an ``async def``: on its loop, no pool hop)."""
-    agent, table = context_table()
-    release_onward(agent, table, context_ids, sender)

@@ -21,8 +21,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from asyncrpc.runtime.blocking import blocking
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.futures import Future, add_hook
+from asyncrpc.runtime.threads.blocking import blocking
 
 __all__ = ["RootThreads"]
 
@@ -60,7 +60,7 @@ class RootThreads:
         ``done`` done (its outcome is the caller's to read)."""
         with self._lock:
             box = self._boxes[pass_id]
-        done._add_hook(lambda _: box.put(None))
+        add_hook(done, lambda _: box.put(None))
         try:
             with blocking():  # a pool thread waiting here lets its pool start a stand-in
                 # Bounded by the hops of the pass: each posts one item, and `done` one None.

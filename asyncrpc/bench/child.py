@@ -221,7 +221,7 @@ async def _handoffs() -> dict[str, int]:
     """Thread hand-offs so far in this client and in the server (asyncrpc's counters; the
     one call that reads the server's adds a few, spread over the item's calls)."""
     import asyncrpc
-    from asyncrpc.runtime import handoffs
+    from asyncrpc.runtime.threads import handoffs
 
     return {
         "client": handoffs.total(),
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     channel = Channel()
     if args.system in ("torch", "torch_tcp"):
         return _torch_main(args, channel)
-    from asyncrpc.runtime.loopthread import new_event_loop
+    from asyncrpc.runtime.threads.loopthread import new_event_loop
 
     loop = new_event_loop()
     try:

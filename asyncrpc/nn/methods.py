@@ -14,7 +14,7 @@ from torch import nn
 from asyncrpc.api import rpc_async, rpc_sync
 from asyncrpc.nn.owner import run_forward
 from asyncrpc.rref.handle import RRef
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.futures import Future
 
 __all__ = ["GENERATED_METHODS", "forward", "forward_async"]
 

@@ -23,10 +23,13 @@ from asyncrpc.nn.methods import GENERATED_METHODS
 from asyncrpc.nn.owner import create_module, parameter_rrefs, set_training
 from asyncrpc.protocol.serde import register_reducer
 from asyncrpc.rref.handle import RRef
-from asyncrpc.runtime.current import current_agent
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.cuda.feature import CudaFeature
+from asyncrpc.runtime.current import FeatureSlot
+from asyncrpc.runtime.futures import Future
 
 __all__ = ["REMOTE_MODULE_PICKLED_ATTRIBUTES", "RemoteModule"]
+
+_CUDA: FeatureSlot[CudaFeature] = FeatureSlot("cuda", "device maps")
 
 logger = logging.getLogger(__name__)
 
@@ -165,10 +168,9 @@ class RemoteModule(nn.Module):
 
     def _place(self, remote_device: str) -> None:
         where = parse_remote_device(remote_device)
-        agent = current_agent()  # NotInitializedError before anything else
+        maps = _CUDA.get().device_maps  # NotInitializedError before anything else
         self.on = where.on
         self.device = where.device
-        maps = agent.options.device_maps or {}
         self.is_device_map_set = bool(maps.get(get_worker_info(where.on).name))
 
     def remote_parameters(self, recurse: bool = True) -> list[RRef[nn.Parameter]]:

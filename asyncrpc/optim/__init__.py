@@ -8,6 +8,7 @@ autograd context.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,13 +18,12 @@ import torch.optim.optimizer as torch_optimizer
 
 from asyncrpc.api import remote, rpc_async
 from asyncrpc.autograd import get_gradients
-from asyncrpc.autograd.context import context_table
+from asyncrpc.autograd.feature import context_table
 from asyncrpc.errors import BlockingCallError
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
 from asyncrpc.rref.handle import RRef, current_rrefs
 from asyncrpc.runtime.calls.outbox import NOT_ON_LANE
-from asyncrpc.runtime.current import current_agent
-from asyncrpc.runtime.future import Future, collect_all
+from asyncrpc.runtime.futures import Future, collect_all
 from asyncrpc.runtime.intraop import one_thread
 
 __all__ = ["DistributedOptimizer"]
@@ -69,7 +69,7 @@ class DistributedOptimizer:
             Exception: the first owner's error (with its original type), once all have
                 finished.
         """
-        if threading.get_ident() == current_agent().loop_thread_id:
+        if not current_rrefs().off_loop():
             raise BlockingCallError("step() would block the agent's loop; use step_future()")
         # The calling thread waits anyway: it steps this worker's own optimizer itself (no
         # call to itself through the loop), and, where one other worker owns the rest and
@@ -214,15 +214,15 @@ def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
 
 async def _step(optimizer_id: tuple[int, int], context_id: int) -> None:
     # On the loop: the remote() that builds the optimizer may still be running.
-    optimizer: LocalOptimizer = await current_rrefs().owned_value(*optimizer_id)
+    optimizer: LocalOptimizer = await current_rrefs().forks.owned_value(*optimizer_id)
     if not optimizer.step_on_loop(context_id):
-        await current_agent().pool.run(optimizer.step, context_id)
+        await current_rrefs().run_in_pool(functools.partial(optimizer.step, context_id))
 
 
 def _step_here(optimizer_id: tuple[int, int], context_id: int) -> None:
     # A plain function: on the owner's lane thread, or on a pool thread where the call
     # came the loop's way (it may wait there for the remote() that builds the optimizer).
-    optimizer: LocalOptimizer = current_rrefs().owned_value(*optimizer_id).wait()
+    optimizer: LocalOptimizer = current_rrefs().forks.owned_value(*optimizer_id).wait()
     optimizer.step_here(context_id)
 
 
@@ -238,7 +238,8 @@ def _step_on_lane(optimizer: RRef[LocalOptimizer], context_id: int) -> None:
     """Step ``optimizer`` on its owner from this thread's lane there, or, where the thread
     has none, the loop's way; returns when it is done."""
     args = (optimizer.id(), context_id)
-    done = current_agent().call_on_lane(optimizer.owner(), _step_here, args, {}, UNSET_RPC_TIMEOUT)
+    calls = context_table()[0].calls
+    done = calls.call_on_lane(optimizer.owner(), _step_here, args, {}, UNSET_RPC_TIMEOUT)
     if done is NOT_ON_LANE:
         _step_future(optimizer, context_id).wait()
 

@@ -39,7 +39,7 @@ from asyncrpc.profiling.recorder import (
     relabel,
 )
 from asyncrpc.runtime.calls.pending import describe_function
-from asyncrpc.runtime.calls.pipeline import CallHook, IncomingCall, OutgoingCall
+from asyncrpc.runtime.calls.pipeline import CallHook, CallKind, IncomingCall, OutgoingCall
 
 __all__ = ["FIELD", "ProfilingHook"]
 
@@ -107,7 +107,7 @@ class ProfilingHook(CallHook):
             return
         rows = None if headers is None else headers.get(FIELD)
         rows = rows if isinstance(rows, list) and rows else None
-        if call.kind == "stream" and error is None and isinstance(call.result, int):
+        if call.kind is CallKind.STREAM and error is None and isinstance(call.result, int):
             # One span per stream; its value is the item count, shown as an event in it.
             rows = [[stream_items_name(call.result), 0.0, 0.0, 0, -1, None, 0], *(rows or [])]
         if isinstance(started, _Nested):

@@ -46,7 +46,7 @@ from asyncrpc.profiling.trace import extend_export
 
 __all__ = ["RemoteBatch", "deliver", "install", "requested_flags", "to_function_events"]
 
-_log = logging.getLogger("asyncrpc.profiling")
+_log = logging.getLogger(__name__)
 
 # Bounded: batches nobody reads (a profile whose events are never asked for) age out.
 MAX_BATCHES = 10_000

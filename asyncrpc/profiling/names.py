@@ -61,7 +61,7 @@ def rpc_span_name(kind: str, function: str, caller: str, callee: str) -> str:
     """The name of an RPC's span in the caller's profile, as torch names it.
 
     Args:
-        kind: "sync", "async", "remote" or "stream".
+        kind: how the call was made (a ``CallKind``, torch's word as its value).
         function: the function's name (``aten::add``, a ``__qualname__``).
         caller: the calling worker's name.
         callee: the called worker's name.

@@ -12,20 +12,11 @@ from typing import Any
 
 from torch.autograd.profiler_util import EventList
 
-from asyncrpc.errors import NotInitializedError
-from asyncrpc.profiling.hook import ProfilingHook
+from asyncrpc.profiling.feature import PROFILING
 from asyncrpc.profiling.merge import to_function_events
 from asyncrpc.profiling.recorder import relabel
-from asyncrpc.runtime.current import current_agent
 
 __all__ = ["disable_server_profiler", "enable_server_profiler", "server_profile"]
-
-
-def _hook() -> ProfilingHook:
-    for hook in current_agent().pipeline.hooks:
-        if isinstance(hook, ProfilingHook):
-            return hook
-    raise NotInitializedError("this worker was started without the profiling hook")
 
 
 def enable_server_profiler() -> None:
@@ -34,7 +25,7 @@ def enable_server_profiler() -> None:
     Raises:
         NotInitializedError: no worker runs in this process.
     """
-    _hook().start_serving()
+    PROFILING.get().hook.start_serving()
 
 
 def disable_server_profiler() -> EventList:
@@ -49,8 +40,8 @@ def disable_server_profiler() -> EventList:
     Raises:
         NotInitializedError: no worker runs in this process.
     """
-    hook = _hook()
-    me = current_agent().name
+    profiling = PROFILING.get()
+    hook, me = profiling.hook, profiling.worker
     events = EventList()
     for start_ns, caller, target, rows in hook.stop_serving():
         span = f"{target} ({caller} -> {me})"

@@ -21,7 +21,7 @@ from asyncrpc.profiling.names import REMOTE_OP
 
 __all__ = ["extend_export", "remote_trace_events"]
 
-_log = logging.getLogger("asyncrpc.profiling")
+_log = logging.getLogger(__name__)
 
 
 def callee_of(name: str) -> str | None:

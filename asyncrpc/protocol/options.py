@@ -1,4 +1,4 @@
-"""Worker options and identities: ``RpcBackendOptions`` and ``WorkerInfo`` (layer L2).
+"""Worker options and identities: ``RpcBackendOptions`` and ``WorkerInfo`` (layer L1).
 
 ``RpcBackendOptions`` mirrors torch's ``TensorPipeRpcBackendOptions`` so code written for
 ``torch.distributed.rpc`` only changes its import; a torch options object passed in is read

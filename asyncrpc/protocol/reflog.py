@@ -1,4 +1,4 @@
-"""RRef refcount messages kept until the peer has surely read them (layer L2).
+"""RRef refcount messages kept until the peer has surely read them (layer L1).
 
 A connection that drops may take refcount messages with it (a ForkAccepted, a UserDelete
 still in the kernel's buffers). Losing one leaks an RRef or leaves a fork unconfirmed for
@@ -24,10 +24,10 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-__all__ = ["RefLog", "Transfer"]
+__all__ = ["ForkPair", "RefLog"]
 
 # A fork written to the peer: (rref_id, fork_id), as the wire carries them.
-Transfer = tuple[tuple[int, int], tuple[int, int]]
+ForkPair = tuple[tuple[int, int], tuple[int, int]]
 
 
 class RefLog:
@@ -42,7 +42,7 @@ class RefLog:
         # Pings in flight on a connection: (the connection, the sequence number it covers).
         self._marks: collections.deque[tuple[object, int]] = collections.deque()
         # Forks written inside other frames, not yet covered by a Pong: (sequence, fork).
-        self._written: collections.deque[tuple[int, Transfer]] = collections.deque()
+        self._written: collections.deque[tuple[int, ForkPair]] = collections.deque()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -54,7 +54,7 @@ class RefLog:
         since = self._seq - (self._marks[-1][1] if self._marks else self._entries[0][0])
         return since >= self._ack_every
 
-    def wrote(self, transfers: list[Transfer]) -> None:
+    def wrote(self, transfers: list[ForkPair]) -> None:
         """A frame carrying these forks was written on the current connection."""
         for transfer in transfers:
             self._written.append((self._seq, transfer))
@@ -83,7 +83,7 @@ class RefLog:
             while log and log[0][0] < upto:
                 log.popleft()
 
-    def lost(self, conn: object) -> list[Transfer]:
+    def lost(self, conn: object) -> list[ForkPair]:
         """``conn`` is gone: its Pings will never be answered.
 
         Returns:

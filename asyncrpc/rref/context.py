@@ -1,200 +1,81 @@
-"""The RRef context of one agent: owner values, and the refcount state machine driven
-from the agent's loop (layer L3).
+"""The RRef feature of one worker: the operations that make calls, ``remote()`` first, and
+the refcount frames routed to the fork bookkeeping (layer L3).
 
-``RefCounter`` (asyncrpc/protocol/refcount.py) decides; this module carries out its actions: sends
-refcount messages, frees owner values, fails references whose owner is gone. RRefs are
-pickled on whatever thread makes a call, so every use of the state machine holds one lock
-(its methods are short and pure); its actions are then applied on the loop thread.
+The agent builds it after its outbox, from the ``Calls`` and ``Loop`` ports and the fork
+bookkeeping it built first (``forks.py``), so nothing here is two-phase: the RRef cycle
+(pickling RRefs needs the bookkeeping; ``remote()`` and ``to_here`` need the calls) is
+broken by building the bookkeeping before the calls, and these operations after. RRef
+handles reach this feature through its ``FeatureSlot`` (``handle.py``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
-import threading
-import traceback
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
-from asyncrpc.errors import (
-    LocalProtocolError,
-    RemoteProtocolError,
-    RRefError,
-    RRefOwnerLostError,
-    RRefTimeoutError,
-    ShutdownError,
-    as_remote_call_error,
-)
-from asyncrpc.protocol.options import RpcBackendOptions, WorkerInfo
-from asyncrpc.protocol.refcount import RefCounter, UserState
-from asyncrpc.protocol.reflog import Transfer
-from asyncrpc.protocol.refmessages import (
-    Action,
-    ChildAccepted,
-    ForkAccepted,
-    ForkId,
-    ForkQuery,
-    ForkRequest,
-    ForkUnknown,
-    Free,
-    RemoteUndelivered,
-    RRefId,
-    RRefLost,
-    Send,
-    UserDelete,
-)
-from asyncrpc.protocol.wire import encode_frame
-from asyncrpc.protocol.wire.messages import RefMessage, RefOp, Request
+from asyncrpc.errors import PeerLostError
+from asyncrpc.protocol.refmessages import ForkId, RRefId
+from asyncrpc.protocol.wire import Frame
+from asyncrpc.protocol.wire.messages import Kind, RefMessage, decode_message
+from asyncrpc.rref.forks import Forks
 from asyncrpc.rref.handle import RRef
-from asyncrpc.runtime import handoffs
 from asyncrpc.runtime.calls.pending import describe_function
-from asyncrpc.runtime.future import Future, collect_all
-from asyncrpc.runtime.threadpool import WorkerPool
+from asyncrpc.runtime.calls.pipeline import CallKind
+from asyncrpc.runtime.feature import Feature
+from asyncrpc.runtime.futures import Future
+from asyncrpc.runtime.ports import Calls, Loop
 
-__all__ = ["RRefContext"]
-
-_log = logging.getLogger("asyncrpc.rref")
-_TAG = "asyncrpc.rref"
-_HOME_TAG = "asyncrpc.rref.home"  # a user's RRef pickled for its owner: no fork
-
-_TO_WIRE = {ForkRequest: RefOp.FORK_REQUEST, ForkAccepted: RefOp.FORK_ACCEPTED,
-            ChildAccepted: RefOp.CHILD_ACCEPTED, UserDelete: RefOp.USER_DELETE,
-            ForkQuery: RefOp.FORK_QUERY, ForkUnknown: RefOp.FORK_UNKNOWN}  # fmt: skip
-_FROM_WIRE: dict[int, Any] = {op: cls for cls, op in _TO_WIRE.items()}
+__all__ = ["RRefs"]
 
 
-class Dispatch(Protocol):
-    def on_cancel(self, peer: int, call_id: int) -> None: ...
+class RRefs(Feature):
+    """RRefs of one worker, as a feature.
 
+    Args:
+        forks: the worker's fork bookkeeping (the handles' state, owner values).
+        calls: the calls ``remote()``, ``to_here`` and the proxies make.
+        loop: the agent's loop (``remote()``'s confirmation deadline runs there).
+    """
 
-class RRefHost(Protocol):
-    """What the RRef layer uses of its agent (the agent satisfies it structurally)."""
+    name = "rrefs"
+    kinds = frozenset({Kind.REF})
 
-    name: str
-    rank: int
-    loop: asyncio.AbstractEventLoop
-    options: RpcBackendOptions
-    pool: WorkerPool
+    def __init__(self, forks: Forks, calls: Calls, loop: Loop) -> None:
+        self.forks = forks
+        self._calls = calls
+        self._loop = loop
 
-    @property
-    def dispatcher(self) -> Dispatch: ...
-
-    def worker_info(self, rank: int) -> WorkerInfo: ...
-
-    def resolve(self, to: Any) -> int: ...
-
-    def effective_timeout(self, timeout: float) -> float: ...
-
-    def call_future(
-        self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
-        kind: str = ..., target: str | None = ...,
-    ) -> Future[Any]: ...  # fmt: skip
-
-    def call_sync(
-        self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
-        target: str | None = ...,
-    ) -> Any: ...  # fmt: skip
-
-    @property
-    def loop_thread_id(self) -> int: ...
-
-    def send_remote(
-        self, rank: int, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
-        register: Callable[[], tuple[tuple[int, int], tuple[int, int] | None]],
-        target: str | None = ...,
-    ) -> Future[Any] | None: ...  # fmt: skip
-
-    def send_ref(self, rank: int, pieces: list[Any]) -> None: ...
-
-    def run_on_loop(self, fn: Callable[..., Any], *args: Any) -> None: ...
-
-
-# Forks unpickled outside requests (in replies) pile up in RRefContext._loaded until the
-# next request; past this many, the confirmed ones are dropped.
-_LOADED_LIMIT = 256
-
-
-class RRefContext:
-    """Owner values and reference bookkeeping of one agent."""
-
-    def __init__(self, agent: RRefHost) -> None:
-        self.agent = agent
-        self.loop = agent.loop
-        self.counter = RefCounter(agent.rank)
-        self._lock = threading.Lock()
-        self._values: dict[RRefId, Future[Any]] = {}
-        self._lost: dict[RRefId, int] = {}
-        # User forks made unusable (remote() not confirmed in time, or never delivered).
-        self._unusable: dict[ForkId, RRefError] = {}
-        # Forks minted by the pickling in progress on each thread, for the frame it makes
-        # (the agent follows them until the peer has read that frame: see reflog.py).
-        self._minting = threading.local()
-        self._queried = 0  # ForkQuery messages sent
-        # Forks received from a worker other than the owner, until the owner accepts them
-        # (by owner rank); `_loaded` lists those of the request being unpickled, so that
-        # the dispatcher runs it once they are confirmed, as torch does.
-        self._confirming: dict[ForkId, tuple[int, Future[None]]] = {}
-        self._loaded: list[Future[None]] = []
-        self.closed = False
-
-    # -- creating --------------------------------------------------------------------------
-
-    def create_local(self, value: Any) -> tuple[RRefId, Future[Any]]:
-        """``RRef(value)``: register a value held here, with one local owner handle."""
-        with self._lock:
-            rref_id = self.counter.next_rref_id()
-            self.counter.new_owner(rref_id)
-        future: Future[Any] = Future(loop=self.loop)
-        future.set_result(value)
-        self._values[rref_id] = future
-        return rref_id, future
+    # -- operations ------------------------------------------------------------------------
 
     def remote(
         self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
         target: str | None = None,
     ) -> RRef[Any]:  # fmt: skip
         """Start ``fn(*args, **kwargs)`` on ``to``, keeping the result there; see ``remote``."""
-        agent = self.agent
-        rank = agent.resolve(to)
-        timeout = agent.effective_timeout(timeout)
-        if rank == agent.rank:
+        calls, forks = self._calls, self.forks
+        rank = calls.resolve(to)
+        timeout = calls.effective_timeout(timeout)
+        if rank == forks.rank:
             return self._remote_to_self(fn, args, kwargs, timeout, target)
-        ids: list[tuple[RRefId, ForkId]] = []
+        made: list[tuple[RRefId, ForkId]] = []
 
         def register() -> tuple[RRefId, ForkId]:
             # Called once the payload is pickled: an unpicklable argument must leave no
-            # reference state behind.
-            with self._lock:
-                rref_id = self.counter.next_rref_id()
-                fork_id, _ = self.counter.new_user(rref_id, rank)
-            ids.append((rref_id, fork_id))
-            self._minted().append((rref_id, fork_id))
-            return rref_id, fork_id
+            # reference state behind. The outbox follows the fork with the request.
+            made.append(forks.new_user(rank))
+            return made[0]
 
-        observed = agent.send_remote(rank, fn, args, kwargs, timeout, register)
-        rref_id, fork_id = ids[0]
-        rref: RRef[Any] = RRef._make(self, rref_id, fork_id, rank, None)
+        observed = calls.send_remote(rank, fn, args, kwargs, timeout, register, target)
+        rref_id, fork_id = made[0]
+        rref = forks.user(rref_id, fork_id, rank)
         rref._made_by = observed
         if timeout > 0:
             name = target or describe_function(fn)
-            agent.run_on_loop(
-                self.loop.call_later, timeout, self._check_confirmed, fork_id, rank, name, timeout
+            check = forks.check_confirmed
+            self._loop.run_on_loop(
+                self._loop.aio.call_later, timeout, check, fork_id, rank, name, timeout
             )
         return rref
-
-    def _check_confirmed(self, fork_id: ForkId, rank: int, target: str, timeout: float) -> None:
-        with self._lock:
-            try:
-                if self.counter.user_state(fork_id) is not UserState.UNCONFIRMED:
-                    return
-                actions = self.counter.timeout_user(fork_id)
-            except LocalProtocolError:
-                return  # released and deleted meanwhile
-        self._unusable[fork_id] = RRefTimeoutError(
-            self.agent.worker_info(rank).name, target, timeout
-        )
-        self.apply(actions)
 
     def _remote_to_self(
         self, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
@@ -204,352 +85,49 @@ class RRefContext:
         # result becomes the owner's value where it is made, never pickled (it may be a
         # lock, an optimizer, a stream). The request goes as a remote() without a fork, so
         # the dispatcher hands the value to on_value like any owner's.
+        forks = self.forks
         made: list[tuple[RRefId, Future[Any]]] = []
 
         def register() -> tuple[RRefId, None]:
-            with self._lock:
-                rref_id = self.counter.next_rref_id()
-                self.counter.new_owner(rref_id)
-            value: Future[Any] = Future(loop=self.loop)
-            self._values[rref_id] = value
-            made.append((rref_id, value))
-            return rref_id, None
+            made.append(forks.new_owner())
+            return made[0][0], None
 
-        observed = self.agent.send_remote(
-            self.agent.rank, fn, args, kwargs, timeout, register, target
-        )
+        observed = self._calls.send_remote(forks.rank, fn, args, kwargs, timeout, register, target)
         rref_id, value = made[0]
-        rref = RRef._make(self, rref_id, None, self.agent.rank, value)
+        rref = forks.owner(rref_id, value)
         rref._made_by = observed
         return rref
 
-    # -- owner side of remote() ------------------------------------------------------------
-
-    def on_remote_request(self, peer: int, request: Request) -> None:
-        """A remote() request arrived: register the caller's fork before running it."""
-        assert request.rref_id is not None
-        rref_id = RRefId(*request.rref_id)
-        if request.fork_id is not None:
-            fork_id = ForkId(*request.fork_id)
-            with self._lock:
-                actions = self.counter.new_owner(rref_id, holder=peer, fork_id=fork_id)
-            self._values.setdefault(rref_id, Future(loop=self.loop))
-            self.apply(actions)
-        elif peer != self.agent.rank:
-            raise RemoteProtocolError(f"worker {peer} sent a remote() request without a fork")
-        # else a remote() to oneself: registered before it was sent (and maybe freed since,
-        # if its only handle was dropped: on_value then discards the result)
-        if request.timeout > 0:  # from the loop, or a lane's thread (runtime/lanes/)
-            self.agent.run_on_loop(
-                self.loop.call_later, request.timeout, self._expire_value, peer, request
-            )
-
-    def _expire_value(self, peer: int, request: Request) -> None:
-        assert request.rref_id is not None
-        value = self._values.get(RRefId(*request.rref_id))
-        if value is not None and not value.done():
-            value.set_exception(RRefTimeoutError(self.agent.name, request.target, request.timeout))
-            self.agent.dispatcher.on_cancel(peer, request.call_id)
-
-    def on_value(self, request: Request, peer: int, ok: bool, value: Any) -> None:
-        """The function of a remote() request finished (the dispatcher's value sink)."""
-        assert request.rref_id is not None
-        future = self._values.get(RRefId(*request.rref_id))
-        if future is None or future.done():
-            return  # freed already (every user let go), or timed out: discard
-        if ok:
-            future.set_result(value)
-        else:
-            # Keep the lines for the remote traceback, drop the locals (the call's
-            # arguments, RRefs among them) that would otherwise live as long as the value.
-            traceback.clear_frames(value.__traceback__)
-            # Fetches raise copies without this traceback (see handle._owner_value): a note
-            # keeps where the function failed for every user that fetches the value.
-            with contextlib.suppress(Exception):
-                lines = "".join(traceback.format_exception(value))
-                value.add_note(
-                    f"Raised on worker {self.agent.name!r} by {request.target}:\n{lines}"
-                )
-            # As a caller of the function would get it: also a RuntimeError (torch's type).
-            future.set_exception(as_remote_call_error(value))
-
-    def owned_value(self, worker_id: int, local_id: int) -> Future[Any]:
-        """The future of a value owned here, by its RRef id (``to_here`` fetches by id);
-        made pending if the remote() that creates it is still on its way.
-
-        Raises:
-            RRefError: this worker owns no such value (freed, or never created here).
-        """
-        rref_id = RRefId(worker_id, local_id)
-        value = self._values.get(rref_id)
-        if value is None:
-            with self._lock:
-                on_its_way = self.counter.on_its_way(rref_id)
-            if not on_its_way:
-                raise RRefError(
-                    f"worker {self.agent.name!r} owns no RRef {(worker_id, local_id)}: "
-                    "it was freed or never created here"
-                )
-            # Its remote() took another connection (a lane) and is not here yet: the fetch
-            # waits for it, as for a value still being made (its timeout bounds that).
-            value = self._values.setdefault(rref_id, Future(loop=self.loop))
-        return value
-
-    # -- pickling (serializer hooks) -------------------------------------------------------
-
-    def dump(self, obj: object, dest: object) -> tuple[Any, ...] | None:
-        """Persistent id of an RRef pickled for worker ``dest``: a new fork of it."""
-        if not isinstance(obj, RRef):
-            return None
-        if obj._ctx is not self:
-            raise RRefError("this RRef belongs to an agent that has shut down")
-        if not isinstance(dest, int):
-            raise RRefError("RRefs can only be pickled as part of an RPC")
-        with self._lock:
-            if obj._fork_id is None:
-                fork_id = self.counter.fork_from_owner(obj._rref_id, dest)
-            elif dest == obj._owner:
-                self.counter.send_home(obj._rref_id, obj._fork_id)
-                return (_HOME_TAG, *obj._rref_id)
-            else:
-                fork_id = self.counter.fork_from_user(obj._rref_id, obj._fork_id, dest)
-        if dest != self.agent.rank:
-            self._minted().append((obj._rref_id, fork_id))
-        return (_TAG, *obj._rref_id, *fork_id, obj._owner, self.agent.rank)
-
-    def _minted(self) -> list[Transfer]:
-        minted: list[Transfer] | None = getattr(self._minting, "forks", None)
-        if minted is None:
-            minted = self._minting.forks = []
-        return minted
-
-    def take_minted(self) -> list[Transfer] | None:
-        """The forks pickled on this thread since the last call, for the frame just made
-        (None: none). Call it before pickling too, to forget a failed pickling's."""
-        minted: list[Transfer] | None = getattr(self._minting, "forks", None)
-        if not minted:
-            return None
-        self._minting.forks = []
-        return minted
-
-    def undelivered(self, rank: int, forks: list[Transfer]) -> None:
-        """The frame carrying ``forks`` to ``rank`` was never written: undo them."""
-        actions: list[Action] = []
-        with self._lock:
-            for rref_id, fork_id in forks:
-                actions += self.counter.undelivered(rank, RRefId(*rref_id), ForkId(*fork_id))
-        self.apply(actions)
-
-    def query_forks(self, rank: int, forks: list[Transfer]) -> None:
-        """Ask ``rank`` whether the frames carrying ``forks``, written on a connection that
-        died, arrived (it answers ForkUnknown for those that did not)."""
-        self._queried += len(forks)
-        self.apply([Send(rank, ForkQuery(RRefId(*r), ForkId(*f))) for r, f in forks])
-
-    def load(self, pid: tuple[Any, ...], sender: object) -> RRef[Any]:
-        """The RRef a ``dump`` tuple stands for, unpickled here."""
-        me = self.agent.rank
-        if pid[0] == _HOME_TAG:
-            _tag, rw, rl = pid
-            rref_id = RRefId(rw, rl)
-            with self._lock:
-                actions = self.counter.returned_home(rref_id)
-            self.apply(actions)
-            value = self._values.setdefault(rref_id, Future(loop=self.loop))
-            return RRef._make(self, rref_id, None, me, value)
-        _tag, rw, rl, fw, fl, owner, parent = pid
-        rref_id, fork_id = RRefId(rw, rl), ForkId(fw, fl)
-        with self._lock:
-            if owner == me:
-                actions = self.counter.received_own(rref_id, fork_id, parent)
-            else:
-                actions = self.counter.received_user(rref_id, fork_id, owner, parent)
-                if parent != owner and fork_id not in self._confirming:
-                    confirming: Future[None] = Future(loop=self.loop)
-                    self._confirming[fork_id] = (owner, confirming)
-                    if len(self._loaded) >= _LOADED_LIMIT:  # no request took them: replies
-                        self._loaded = [f for f in self._loaded if not f.done()]
-                    self._loaded.append(confirming)
-        self.apply(actions)
-        if owner == me:
-            value = self._values.setdefault(rref_id, Future(loop=self.loop))
-            return RRef._make(self, rref_id, None, me, value)
-        return RRef._make(self, rref_id, fork_id, owner, None)
-
-    # -- releasing -------------------------------------------------------------------------
-
-    def release(self, rref_id: RRefId, fork_id: ForkId | None) -> None:
-        """A Python RRef object is gone (scheduled on the loop by ``RRef.__del__``)."""
-        if self.closed:
-            return
-        with self._lock:
-            try:
-                if fork_id is None:
-                    actions = self.counter.drop_local_handle(rref_id)
-                else:
-                    actions = self.counter.release_user(fork_id)
-            except LocalProtocolError:
-                return  # already released by a graceful shutdown
-        self._unusable.pop(fork_id, None) if fork_id is not None else None
-        self.apply(actions)
-
-    def schedule_release(self, rref_id: RRefId, fork_id: ForkId | None) -> None:
-        # From __del__, on any thread: no I/O here, just a hand-off to the loop.
-        if self.closed or self.loop.is_closed():
-            return
-        if asyncio._get_running_loop() is not self.loop:  # dropped on another thread
-            handoffs.count("thread_to_loop")
-        with contextlib.suppress(RuntimeError):  # the loop closed in between
-            self.loop.call_soon_threadsafe(self.release, rref_id, fork_id)
-
-    # -- messages and failures -------------------------------------------------------------
-
-    def on_message(self, peer: int, message: RefMessage) -> None:
-        cls = _FROM_WIRE[message.op]
-        ref_message = cls(RRefId(*message.rref_id), ForkId(*message.fork_id))
-        with self._lock:
-            actions = self.counter.on_message(peer, ref_message)
-            confirmed = None
-            if cls is ForkAccepted:
-                confirmed = self._confirming.pop(ref_message.fork_id, None)
-        self.apply(actions)
-        if confirmed is not None:
-            confirmed[1]._try_set_result(None)
-
-    def on_peer_lost(self, rank: int) -> None:
-        with self._lock:
-            actions = self.counter.peer_lost(rank)
-            lost = [fork for fork, (owner, _) in self._confirming.items() if owner == rank]
-            waiting = [self._confirming.pop(fork)[1] for fork in lost]
-        self.apply(actions)
-        for confirming in waiting:  # the calls run, and meet the owner's loss themselves
-            confirming._try_set_result(None)
-
-    def take_unconfirmed(self) -> Future[Any] | None:
-        """A future done once every fork unpickled since the last call is confirmed by its
-        owner, or None if all are (the dispatcher runs a request's function after that)."""
-        if not self._loaded:  # the common case, without the lock: nothing was unpickled
-            return None
-        with self._lock:
-            loaded, self._loaded = self._loaded, []
-        pending = [f for f in loaded if not f.done()]
-        return collect_all(pending) if pending else None
-
-    def apply(self, actions: list[Action]) -> None:
-        """Carry out the state machine's actions, on the loop thread (now, if this is it)."""
-        if actions:
-            self.agent.run_on_loop(self._carry_out, actions)
-
-    def _carry_out(self, actions: list[Action]) -> None:
-        for action in actions:
-            if isinstance(action, Send):
-                message = action.message
-                fields = RefMessage(_TO_WIRE[type(message)], message.rref_id, message.fork_id)
-                self.agent.send_ref(action.dest, encode_frame(fields.to_fields(), b""))
-            elif isinstance(action, Free):
-                self._values.pop(action.rref_id, None)
-            elif isinstance(action, RRefLost):
-                self._lost[action.rref_id] = action.worker
-            elif isinstance(action, RemoteUndelivered):
-                owner = self.agent.worker_info(action.owner).name
-                self._unusable[action.fork_id] = RRefError(
-                    f"the remote() request that was to create RRef {tuple(action.rref_id)} on "
-                    f"worker {owner!r} was lost with its connection: the value was never made"
-                )
-
-    # -- what RRef handles ask (see asyncrpc/rref/handle.py) ------------------------------
-
-    def worker_info(self, rank: int) -> WorkerInfo:
-        return self.agent.worker_info(rank)
-
-    @property
-    def rank(self) -> int:
-        return self.agent.rank
-
     def call(
-        self, to: int, fn: Any, args: Sequence[Any], timeout: float, kind: str, target: str
+        self, to: int, fn: Any, args: Sequence[Any], timeout: float, kind: CallKind, target: str
     ) -> Future[Any]:
         """A call made on behalf of an RRef (to_here, proxies), named for the hooks."""
-        return self.agent.call_future(to, fn, args, {}, timeout, kind, target)
+        return self._calls.call_future(to, fn, args, {}, timeout, kind, target)
 
     def call_sync(self, to: int, fn: Any, args: Sequence[Any], timeout: float, target: str) -> Any:
         """A synchronous call made on behalf of an RRef (a thread's lane may carry it)."""
-        return self.agent.call_sync(to, fn, args, {}, timeout, target)
+        return self._calls.call_sync(to, fn, args, {}, timeout, target)
 
     def off_loop(self) -> bool:
         """Whether the calling thread may block (it is not the agent's loop thread)."""
-        return bool(threading.get_ident() != self.agent.loop_thread_id)
+        return not self._loop.on_loop_thread()
 
     async def run_in_pool(self, fn: Callable[[], Any]) -> Any:
-        return await self.agent.pool.run(fn)
+        return await self._loop.run_in_pool(fn)
 
-    # -- state queries for RRef ------------------------------------------------------------
+    # -- as a feature ----------------------------------------------------------------------
 
-    def check_usable(self, rref: RRef[Any]) -> None:
-        """Raise the typed error that makes ``rref`` unusable, if any."""
-        fork_id = rref._fork_id
-        if fork_id is not None and fork_id in self._unusable:
-            raise self._unusable[fork_id]
-        lost = self._lost.get(rref._rref_id)
-        if lost is not None:
-            raise RRefOwnerLostError(self.agent.worker_info(lost).name, "the owner died")
-        if self.closed:
-            raise RRefError(
-                f"worker {self.agent.name!r} is shut down and this RRef was deleted with it: "
-                "Cannot call to_here() on it after deletion."
-            )
+    def on_frame(self, conn: Any, frame: Frame) -> None:
+        message = decode_message(frame.fields)  # RemoteProtocolError: the agent aborts
+        assert isinstance(message, RefMessage)
+        assert conn.peer is not None
+        self.forks.on_message(conn.peer, message)
 
-    def confirmed(self, rref: RRef[Any]) -> bool:
-        if rref._fork_id is None:
-            return True
-        with self._lock:
-            try:
-                return self.counter.is_confirmed(rref._fork_id)
-            except LocalProtocolError:
-                return False
+    def on_peer_lost(self, rank: int, error: PeerLostError) -> None:
+        self.forks.on_peer_lost(rank)
 
-    # -- shutdown and introspection --------------------------------------------------------
-
-    def release_all_users(self) -> None:
-        with self._lock:
-            actions = self.counter.release_all_users()
-        self.apply(actions)
-
-    def quiescent(self) -> bool:
-        with self._lock:
-            return self.counter.quiescent()
-
-    def owner_leaks(self) -> list[RRefId]:
-        """Owned values that users elsewhere still reference (local handles not counted)."""
-        with self._lock:
-            return self.counter.remotely_held()
-
-    def report_leaks(self) -> None:
-        leaks = self.owner_leaks()
-        if not leaks:
-            return
-        message = (
-            f"worker {self.agent.name!r} shuts down with {len(leaks)} owner RRef(s) still "
-            f"referenced by other workers: {leaks[:10]}"
-        )
-        if self.agent.options.rref_leaks == "error":
-            raise ShutdownError(message)
-        if self.agent.options.rref_leaks == "warn":
-            _log.warning(message)
-
-    def debug_info(self) -> dict[str, int]:
-        with self._lock:
-            return {**self.counter.debug_info(), "forks_queried": self._queried}
+    def debug_info(self) -> dict[str, Any]:
+        return self.forks.debug_info()
 
     def close(self) -> None:
-        self.closed = True
-        with self._lock:
-            waiting = [confirming for _, confirming in self._confirming.values()]
-            self._confirming.clear()
-        for confirming in waiting:
-            confirming._try_set_result(None)
-        error = RRefError(f"worker {self.agent.name!r} shut down")
-        for value in self._values.values():
-            if not value.done():
-                value.set_exception(error)
-        self._values.clear()
+        self.forks.close()

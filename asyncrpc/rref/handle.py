@@ -12,33 +12,39 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar, cast
 
 import torch
 
-from asyncrpc.autograd import backward as dist_backward
 from asyncrpc.autograd import backward_async as dist_backward_async
 from asyncrpc.errors import PeerLostError, RRefError, RRefOwnerLostError
-from asyncrpc.errorstate import copy_exception
 from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT, WorkerInfo
-from asyncrpc.protocol.refmessages import (
-    ForkId,
-    RRefId,
+from asyncrpc.protocol.refmessages import ForkId, RRefId
+from asyncrpc.rref.values import (
+    backward_here,
+    check_tensor,
+    ignored,
+    made,
+    owned,
+    owner_lost_as_rref_error,
+    owner_value,
+    type_of,
 )
 from asyncrpc.runtime.calls.dispatch import await_async_result
-from asyncrpc.runtime.current import current_agent
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.calls.pipeline import CallKind
+from asyncrpc.runtime.calls.streams.hub import StreamHub
+from asyncrpc.runtime.current import FeatureSlot
+from asyncrpc.runtime.futures import Future, chain
 
-__all__ = ["RRef", "RRefBackend", "current_rrefs"]
+__all__ = ["RRef", "RRefBackend", "RRefOps", "current_rrefs"]
 
 T = TypeVar("T")
 
 
 class RRefBackend(Protocol):
-    """What an RRef asks of its worker's RRef context (``asyncrpc/rref/context.py``)."""
+    """What an RRef asks of its worker's fork bookkeeping (``asyncrpc/rref/forks.py``)."""
 
     @property
     def rank(self) -> int: ...
@@ -55,13 +61,24 @@ class RRefBackend(Protocol):
 
     def owned_value(self, worker_id: int, local_id: int) -> Future[Any]: ...
 
+    async def run_in_pool(self, fn: Callable[[], Any]) -> Any: ...
+
+
+class RRefOps(Protocol):
+    """The RRef operations that make calls, of the current worker (``context.RRefs``): an
+    RRef's state lives in its worker's fork bookkeeping; what it asks of other workers
+    goes through the current worker's calls, as ``rpc_sync`` does."""
+
+    @property
+    def forks(self) -> RRefBackend: ...
+
     def remote(
         self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
         target: str | None = ...,
     ) -> RRef[Any]: ...  # fmt: skip
 
     def call(
-        self, to: int, fn: Any, args: Sequence[Any], timeout: float, kind: str, target: str
+        self, to: int, fn: Any, args: Sequence[Any], timeout: float, kind: CallKind, target: str
     ) -> Future[Any]: ...
 
     def call_sync(
@@ -73,10 +90,17 @@ class RRefBackend(Protocol):
     async def run_in_pool(self, fn: Callable[[], Any]) -> Any: ...
 
 
-def current_rrefs() -> RRefBackend:
-    # Every agent is built with an RRef service; the public API gives it this layer's
-    # RRefContext.
-    return cast("RRefBackend", current_agent().rrefs)
+_RREFS: FeatureSlot[RRefOps] = FeatureSlot("rrefs", "RRefs")
+_STREAMS: FeatureSlot[StreamHub] = FeatureSlot("streams", "streams")
+
+
+def current_rrefs() -> RRefOps:
+    """The current worker's RRef operations.
+
+    Raises:
+        NotInitializedError: no worker runs in this process.
+    """
+    return _RREFS.get()
 
 
 class RRef(Generic[T]):
@@ -110,7 +134,7 @@ class RRef(Generic[T]):
         Raises:
             NotInitializedError: RPC is not initialized in this process.
         """
-        self._ctx = current_rrefs()
+        self._ctx = current_rrefs().forks
         self._rref_id, self._value = self._ctx.create_local(value)
         self._fork_id, self._owner = None, self._ctx.rank
         self._type, self._made_by = None, None
@@ -191,7 +215,7 @@ class RRef(Generic[T]):
                 f"UserRRef(rref_id={_guid(self._rref_id)}, fork_id={_guid(self._fork_id)}), "
                 f"can't call localValue() on user {me}. Call it on owner {owner})"
             )
-        return cast(T, _owned(self._value).wait())
+        return cast(T, owned(self._value).wait())
 
     def to_here_future(self, timeout: float = UNSET_RPC_TIMEOUT) -> Future[T]:
         """Fetch a copy of the value; returns a Future (``await`` it, or ``.wait()``).
@@ -206,25 +230,27 @@ class RRef(Generic[T]):
             RRefOwnerLostError: the owner is gone (also through the future).
             RRefTimeoutError: the remote() that made this RRef timed out.
         """
-        return self._fetch(timeout, "async")
+        return self._fetch(timeout, CallKind.ASYNC)
 
-    def _fetch(self, timeout: float, kind: str) -> Future[T]:
+    def _fetch(self, timeout: float, kind: CallKind) -> Future[T]:
         ctx = self._ctx
         ctx.check_usable(self)
         if self._value is not None:
-            return _owned(self._value)
+            return owned(self._value)
         if self._rref_id.worker == ctx.rank:
             # We made it with remote(): fetch by id, not by pickling the RRef, whose fork
             # to the owner costs an acknowledgement frame and bookkeeping on both sides.
             # Frames to one peer arrive in order, so the owner has read our remote().
-            call = ctx.call(self._owner, _fetch, tuple(self._rref_id), timeout, kind, _TO_HERE)
+            ops = current_rrefs()
+            call = ops.call(self._owner, _fetch, tuple(self._rref_id), timeout, kind, _TO_HERE)
         else:
             # Made by another worker: its remote() may still be on the way to the owner
             # (a large frame, another connection); the pickled fork waits for the value.
-            call = ctx.call(self._owner, _fetch_forked, (self,), timeout, kind, _TO_HERE)
+            ops = current_rrefs()
+            call = ops.call(self._owner, _fetch_forked, (self,), timeout, kind, _TO_HERE)
         # The callback holds this RRef until the reply: its release (a message behind the
         # fetch) must not let the owner free the value before the fetch has read it.
-        return call._then(functools.partial(_fetched, self.owner_name(), self))
+        return chain(call, functools.partial(_fetched, self.owner_name(), self))
 
     def to_here(self, timeout: float = UNSET_RPC_TIMEOUT) -> T:
         """Fetch a copy of the value, blocking (torch's ``to_here``).
@@ -243,17 +269,19 @@ class RRef(Generic[T]):
                 value raised, as its own type.
         """
         ctx = self._ctx
-        if self._value is None and self._rref_id.worker == ctx.rank and ctx.off_loop():
-            # We made it: fetch it by id with a synchronous call, which takes this thread's
-            # lane to the owner when it has one (the owner waits for the value there, and
-            # for its remote() if that is still on its way).
-            ctx.check_usable(self)
-            try:
-                return cast(T, ctx.call_sync(self._owner, _fetch_now, tuple(self._rref_id),
-                                             timeout, _TO_HERE))  # fmt: skip
-            except PeerLostError as exc:
-                raise RRefOwnerLostError(self.owner_name(), str(exc)) from exc
-        return self._fetch(timeout, "sync").wait()
+        if self._value is None and self._rref_id.worker == ctx.rank:
+            ops = current_rrefs()
+            if ops.off_loop():
+                # We made it: fetch it by id with a synchronous call, which takes this
+                # thread's lane to the owner when it has one (the owner waits for the value
+                # there, and for its remote() if that is still on its way).
+                ctx.check_usable(self)
+                try:
+                    return cast(T, ops.call_sync(self._owner, _fetch_now, tuple(self._rref_id),
+                                                 timeout, _TO_HERE))  # fmt: skip
+                except PeerLostError as exc:
+                    raise RRefOwnerLostError(self.owner_name(), str(exc)) from exc
+        return self._fetch(timeout, CallKind.SYNC).wait()
 
     def _get_type(self, timeout: float = UNSET_RPC_TIMEOUT, blocking: bool = True) -> Any:
         """The type of the value (torch's ``RRef._get_type``), asked of the owner once.
@@ -270,12 +298,13 @@ class RRef(Generic[T]):
         fut = self._type
         if fut is None or (fut.done() and fut.exception() is not None):
             if self._value is not None:
-                fut = self._value._then(_type_of)
+                fut = chain(self._value, type_of)
             else:
                 self._ctx.check_usable(self)
-                fut = self._ctx.call(
-                    self._owner, _type_on_owner, (self,), timeout, "async", "RRef._get_type"
-                )._then(functools.partial(_owner_lost_as_rref_error, self.owner_name()))
+                call = current_rrefs().call(
+                    self._owner, _type_on_owner, (self,), timeout, CallKind.ASYNC, "RRef._get_type"
+                )
+                fut = chain(call, functools.partial(owner_lost_as_rref_error, self.owner_name()))
             self._type = fut
         return fut.wait() if blocking else fut
 
@@ -289,17 +318,22 @@ class RRef(Generic[T]):
         Cancellation: cancelling it leaves the value be.
         """
         if self._value is not None:
-            return self._value._then(_made)
+            return chain(self._value, made)
         try:
             self._ctx.check_usable(self)
         except RRefError as exc:
             failed: Future[None] = Future()
             failed.set_exception(exc)
             return failed
-        call = self._ctx.call(
-            self._owner, _made_on_owner, (self,), UNSET_RPC_TIMEOUT, "async", "RRef._get_future"
+        call = current_rrefs().call(
+            self._owner,
+            _made_on_owner,
+            (self,),
+            UNSET_RPC_TIMEOUT,
+            CallKind.ASYNC,
+            "RRef._get_future",
         )
-        return call._then(functools.partial(_owner_lost_as_rref_error, self.owner_name()))
+        return chain(call, functools.partial(owner_lost_as_rref_error, self.owner_name()))
 
     def _get_profiling_future(self) -> Future[None]:
         """A future done once the profiler has the span of the ``remote()`` that made this
@@ -316,7 +350,7 @@ class RRef(Generic[T]):
             done: Future[None] = Future()
             done.set_result(None)
             return done
-        return made_by._then(_ignored)
+        return chain(made_by, ignored)
 
     # -- autograd --------------------------------------------------------------------------
 
@@ -338,7 +372,7 @@ class RRef(Generic[T]):
             The errors of ``torch.autograd.backward`` or ``autograd.backward``.
         """
         if self._value is not None:
-            _backward_here(self._value.wait(), dist_autograd_ctx_id, retain_graph)
+            backward_here(self._value.wait(), dist_autograd_ctx_id, retain_graph)
             return
         if dist_autograd_ctx_id == -1:
             raise RRefError(
@@ -347,10 +381,10 @@ class RRef(Generic[T]):
             )
         self._ctx.check_usable(self)
         args = (self, dist_autograd_ctx_id, retain_graph)
-        call = self._ctx.call(
-            self._owner, _backward_on_owner, args, UNSET_RPC_TIMEOUT, "sync", "RRef.backward"
+        call = current_rrefs().call(
+            self._owner, _backward_on_owner, args, UNSET_RPC_TIMEOUT, CallKind.SYNC, "RRef.backward"
         )
-        call._then(functools.partial(_owner_lost_as_rref_error, self.owner_name())).wait()
+        chain(call, functools.partial(owner_lost_as_rref_error, self.owner_name())).wait()
 
     # -- proxies ---------------------------------------------------------------------------
 
@@ -364,7 +398,7 @@ class RRef(Generic[T]):
         Returns:
             A proxy whose method calls block for the result, as ``rpc_sync``.
         """
-        return _Proxy(self, "sync", timeout)
+        return _Proxy(self, CallKind.SYNC, timeout)
 
     def rpc_async(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
         """Proxy: ``rref.rpc_async().method(*args)`` returns a Future of the result.
@@ -376,7 +410,7 @@ class RRef(Generic[T]):
         Returns:
             A proxy whose method calls return a ``Future``, as ``rpc_async``.
         """
-        return _Proxy(self, "async", timeout)
+        return _Proxy(self, CallKind.ASYNC, timeout)
 
     def remote(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
         """Proxy: ``rref.remote().method(*args)`` returns an RRef of the result.
@@ -390,7 +424,7 @@ class RRef(Generic[T]):
         Returns:
             A proxy whose method calls return an ``RRef`` owned by this RRef's owner.
         """
-        return _Proxy(self, "remote", timeout)
+        return _Proxy(self, CallKind.REMOTE, timeout)
 
     def stream(self, timeout: float = UNSET_RPC_TIMEOUT, window: int | None = None) -> Any:
         """Proxy: ``rref.stream().method(*args)`` iterates the generator method ``method``
@@ -405,16 +439,19 @@ class RRef(Generic[T]):
         Returns:
             A proxy whose method calls return a ``Stream``.
         """
-        return _StreamProxy(self, timeout, window)
+        return _Proxy(self, CallKind.STREAM, timeout, window)
 
 
 class _Proxy:
-    """Turns ``proxy.method(*args, **kwargs)`` into a call of ``method`` on the owner."""
+    """Turns ``proxy.method(*args, **kwargs)`` into a call of ``method`` on the owner, of
+    the proxy's kind (a stream's items come from the iterator the method returns)."""
 
-    __slots__ = ("_mode", "_rref", "_timeout")
+    __slots__ = ("_kind", "_rref", "_timeout", "_window")
 
-    def __init__(self, rref: RRef[Any], mode: str, timeout: float) -> None:
-        self._rref, self._mode, self._timeout = rref, mode, timeout
+    def __init__(
+        self, rref: RRef[Any], kind: CallKind, timeout: float, window: int | None = None
+    ) -> None:
+        self._rref, self._kind, self._timeout, self._window = rref, kind, timeout, window
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
@@ -422,38 +459,21 @@ class _Proxy:
         return functools.partial(self._invoke, name)
 
     def _invoke(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        rref, ctx = self._rref, self._rref._ctx
-        ctx.check_usable(rref)
+        rref, kind, timeout = self._rref, self._kind, self._timeout
+        rref._ctx.check_usable(rref)
         call_args = (rref, name, args, kwargs)
         target = f"RRef.{name}"  # what the hooks (and the profiler) call it
-        if self._mode == "remote":
-            _check_method(rref, name, self._timeout)
-            return ctx.remote(rref._owner, _invoke_method, call_args, {}, self._timeout, target)
-        future = ctx.call(rref._owner, _invoke_method, call_args, self._timeout, self._mode, target)
-        future = future._then(functools.partial(_owner_lost_as_rref_error, rref.owner_name()))
-        return future if self._mode == "async" else future.wait()
-
-
-class _StreamProxy:
-    """Turns ``proxy.method(*args, **kwargs)`` into a stream of ``method`` on the owner."""
-
-    __slots__ = ("_rref", "_timeout", "_window")
-
-    def __init__(self, rref: RRef[Any], timeout: float, window: int | None) -> None:
-        self._rref, self._timeout, self._window = rref, timeout, window
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return functools.partial(self._invoke, name)
-
-    def _invoke(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        rref = self._rref
-        rref._ctx.check_usable(rref)
-        return current_agent().streams.open(
-            rref._owner, _stream_method, (rref, name, args, kwargs), {}, self._timeout,
-            self._window, f"RRef.{name}",
-        )  # fmt: skip
+        if kind is CallKind.STREAM:
+            streams = _STREAMS.get()
+            return streams.open(rref._owner, _stream_method, call_args, {}, timeout, self._window,
+                                target)  # fmt: skip
+        ops = current_rrefs()
+        if kind is CallKind.REMOTE:
+            _check_method(rref, name, timeout)
+            return ops.remote(rref._owner, _invoke_method, call_args, {}, timeout, target)
+        future = ops.call(rref._owner, _invoke_method, call_args, timeout, kind, target)
+        future = chain(future, functools.partial(owner_lost_as_rref_error, rref.owner_name()))
+        return future if kind is CallKind.ASYNC else future.wait()
 
 
 def _check_method(rref: RRef[Any], name: str, timeout: float) -> None:
@@ -475,61 +495,17 @@ def _is_script_module(value_type: type) -> bool:
 _TO_HERE = "RRef.to_here"  # the name of fetches, for the hooks (and the profiler)
 
 
-def _owner_lost_as_rref_error(owner: str, done: Future[Any]) -> Any:
-    exc = done.exception()
-    if isinstance(exc, PeerLostError):
-        raise RRefOwnerLostError(owner, str(exc)) from exc
-    return done.value()
-
-
-async def _owner_value(value: Future[Any]) -> Any:
-    """Await an owner's value; a failure is raised as a copy.
-
-    The stored exception is shared by every consumer: re-raising it would chain each
-    consumer's frames (and the RRefs in them) onto it, and so keep the value alive forever.
-    """
-    try:
-        return await value
-    except BaseException as exc:
-        traceback.clear_frames(exc.__traceback__)
-        raise copy_exception(exc) from None
-
-
-def _owned(value: Future[Any]) -> Future[Any]:
-    """The owner's value future as its own code may wait on it: itself once it holds the
-    value, else a future whose failure is a copy of the stored one.
-
-    Raising the stored exception itself would attach the waiter's frames (this RRef among
-    them) to it, and the owner keeps it as long as the RRef lives: neither would ever go.
-    """
-    if value.done() and value.exception() is None:
-        return value
-    owned: Future[Any] = Future(loop=value._loop)
-    value._add_hook(functools.partial(_copy_outcome, owned))
-    return owned
-
-
-def _copy_outcome(owned: Future[Any], done: Future[Any]) -> None:
-    # Not through then(): then() flattens a future-like result, and the value itself may
-    # be a future (a function that returned a torch.futures.Future): it is the value.
-    exc = done.exception()
-    if exc is None:
-        owned._try_set_result(done.value())
-    else:
-        owned._try_set_exception(copy_exception(exc))
-
-
 def _fetched(owner: str, rref: RRef[Any], done: Future[Any]) -> Any:
     del rref  # held only until the reply came
-    return _owner_lost_as_rref_error(owner, done)
+    return owner_lost_as_rref_error(owner, done)
 
 
 async def _fetch_forked(rref: RRef[Any]) -> Any:
     """Runs on the owner: the value behind ``rref`` (unpickled here as the owner's own)."""
     value = rref._value
     assert value is not None
-    del rref  # see _owner_value: no frame of a failing fetch may hold the handle
-    return await _owner_value(value)
+    del rref  # see owner_value: no frame of a failing fetch may hold the handle
+    return await owner_value(value)
 
 
 def _guid(key: RRefId | ForkId | None) -> str:
@@ -537,66 +513,36 @@ def _guid(key: RRefId | ForkId | None) -> str:
     return "None" if key is None else f"GloballyUniqueId(created_on={key[0]}, local_id={key[1]})"
 
 
-def _ignored(done: Future[Any]) -> None:
-    return None
-
-
-def _made(done: Future[Any]) -> None:
-    exc = done.exception()
-    if exc is not None:  # a copy: the stored exception is shared (see _owner_value)
-        raise copy_exception(exc) from None
-
-
 async def _made_on_owner(rref: RRef[Any]) -> None:
     """Runs on the owner: returns once the value behind ``rref`` is made."""
     value = rref._value
     assert value is not None
-    del rref  # see _owner_value
-    await _owner_value(value)
-
-
-def _type_of(done: Future[Any]) -> type:
-    return type(done.value())
+    del rref  # see owner_value
+    await owner_value(value)
 
 
 async def _type_on_owner(rref: RRef[Any]) -> type:
     """Runs on the owner: the type of the value behind ``rref``."""
     value = rref._value
     assert value is not None
-    del rref  # see _owner_value
-    return type(await _owner_value(value))
-
-
-def _backward_here(value: Any, context_id: int, retain_graph: bool) -> None:
-    """Backward from an owner's value: local autograd, or distributed in ``context_id``."""
-    _check_tensor(value)
-    if context_id == -1:
-        torch.autograd.backward(value, retain_graph=retain_graph)
-    else:
-        dist_backward(context_id, [value], retain_graph)
+    del rref  # see owner_value
+    return type(await owner_value(value))
 
 
 async def _backward_on_owner(rref: RRef[Any], context_id: int, retain_graph: bool) -> None:
     """Runs on the owner: the distributed backward pass from the value behind ``rref``."""
     future = rref._value
     assert future is not None
-    del rref  # see _owner_value
-    value = await _owner_value(future)
-    _check_tensor(value)
+    del rref  # see owner_value
+    value = await owner_value(future)
+    check_tensor(value)
     await dist_backward_async(context_id, [value], retain_graph)
-
-
-def _check_tensor(value: Any) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise RRefError(  # torch's words first
-            f"RRef should contain a tensor for .backward(), this one holds a {type(value).__name__}"
-        )
 
 
 def _fetch_now(worker_id: int, local_id: int) -> Any:
     """Runs on the owner, on a lane's thread (or a pool's): the value of the RRef with this
-    id, waited for here; a failure is raised as a copy (see ``_owner_value``)."""
-    return _owned(current_rrefs().owned_value(worker_id, local_id)).wait()
+    id, waited for here; a failure is raised as a copy (see ``owner_value``)."""
+    return owned(current_rrefs().forks.owned_value(worker_id, local_id)).wait()
 
 
 async def _fetch(worker_id: int, local_id: int) -> Any:
@@ -605,7 +551,7 @@ async def _fetch(worker_id: int, local_id: int) -> Any:
     The caller holds a user reference until the reply, so the owner still counts it (or
     the parent fork that is handing it over) and has not freed the value.
     """
-    return await _owner_value(current_rrefs().owned_value(worker_id, local_id))
+    return await owner_value(current_rrefs().forks.owned_value(worker_id, local_id))
 
 
 async def _stream_method(
@@ -615,8 +561,8 @@ async def _stream_method(
     from there (an async one on the loop, a plain one on the pool)."""
     future = rref._value
     assert future is not None
-    del rref  # see _owner_value
-    value = await _owner_value(future)
+    del rref  # see owner_value
+    value = await owner_value(future)
     return getattr(value, name)(*args, **kwargs)
 
 
@@ -630,8 +576,8 @@ async def _invoke_method(
     """
     future, ctx = rref._value, rref._ctx
     assert future is not None
-    del rref  # see _owner_value
-    value = await _owner_value(future)
+    del rref  # see owner_value
+    value = await owner_value(future)
     method = getattr(value, name)
     if is_coroutine_function(method):
         return await method(*args, **kwargs)

@@ -3,11 +3,11 @@
 The folders are sub-floors, lowest first; a module imports only from its own sub-floor or
 lower ones (``tests/unit/test_layering.py`` checks it):
 
-- the base modules here: ``future.py`` (``asyncrpc.Future``: the class in ``jitfuture.py``,
-  where callbacks run in ``callbacks.py`` and ``callbackpool.py``, the bridges in
-  ``futurebridge.py``), ``blocking.py``, ``handoffs.py``, ``metrics.py``, ``threadpool.py``
-  (threads for synchronous functions), ``loopthread.py`` and ``services.py`` (what the
-  runtime asks of the RRef layer above it);
+- the loose modules here: ``metrics.py`` (counters, the loop-lag probe);
+- ``threads/``: the worker pool, the loop thread, hand-offs between threads;
+- ``futures/``: ``asyncrpc.Future`` (torch's JitFuture contract), where its callbacks
+  run, its bridges to torch, asyncio and concurrent futures;
+- ``services.py``: what the runtime asks of the RRef layer above it;
 - ``shm/``: same-host memory for large tensors;
 - ``net/``: the listener (open before the join), the ``Network``: connections, one
   authenticated connection per peer, ordered delivery across reconnects, liveness, TLS,
@@ -15,7 +15,8 @@ lower ones (``tests/unit/test_layering.py`` checks it):
 - ``group/``: joining the group (``join`` returns the frozen ``Group``), its members,
   graceful shutdown;
 - ``calls/``: the ``Outbox`` (outgoing calls from encoding to their end), the call
-  pipeline, the ``Dispatcher`` (one ``ServedRequest`` per received request);
+  pipeline, the ``Dispatcher`` (one ``ServedRequest`` per received request), and in
+  ``calls/streams/`` streaming calls, both ends;
 - ``cuda/``: the device seam, stream scheduling and staged copies, and the device-map
   hook the agent plugs into the call pipeline;
 - ``agent.py``: the composition root, built from the ``Group`` once joined, that wires

@@ -1,173 +1,177 @@
-"""The agent: one worker of a joined group, wired from its parts (layer L2.5).
+"""The agent: one worker of a joined group, built from its parts (layer L2.5).
 
 ``Agent.start`` listens, joins the group (``group/join.py``) and only then builds the
-agent from the ``Group`` it got: the network (``net/``), the outbox of outgoing calls and
-the dispatcher of received ones (``calls/``), same-host memory (``shm/``), the thread pool,
-the call pipeline's hooks and the RRef service of the floor above (behind the
-``RRefService`` protocol). The agent owns them, routes the frames the network hands it,
-tells the parts when a connection or a peer is lost, and stops them in order. It lives on
-one asyncio loop: its own background thread for synchronous programs, or the program's loop.
+agent from the ``Group`` it got, each part from the few ports it uses (``ports.py``), in
+the order they use each other: the loop and its pool; the network (``net/``, the
+``Frames`` port); the RRef layer's fork bookkeeping (built by the floor above through a
+factory: everything that pickles needs it); the serializer; the outbox (``calls/``, the
+``Calls`` port); the stream producers and the dispatcher; then the features
+(``feature.py``): streams, CUDA, lanes, and those of the floors above (RRefs, profiling,
+distributed autograd), built from ``Ports``. The agent owns them, routes each frame the
+network hands it by its kind, tells the parts and every feature when a connection or a
+peer is lost, and stops them in order. It lives on one asyncio loop: its own background
+thread for synchronous programs, or the program's loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from asyncrpc.errors import PeerLostError, RemoteProtocolError, ShutdownError
 from asyncrpc.protocol.options import RpcBackendOptions, WorkerInfo
+from asyncrpc.protocol.reflog import ForkPair
 from asyncrpc.protocol.serde import Serializer
-from asyncrpc.protocol.wire import Allocator, Frame
-from asyncrpc.protocol.wire.messages import Kind, RefMessage, Request, ShmMessage
-from asyncrpc.protocol.wire.stream import STREAM_KINDS
-from asyncrpc.runtime import handoffs
+from asyncrpc.protocol.serde.buffers import ReceiveBuffers
+from asyncrpc.protocol.wire import Frame
+from asyncrpc.protocol.wire.messages import Cancel, Kind, Request, decode_message
 from asyncrpc.runtime.calls.dispatch import Dispatcher
 from asyncrpc.runtime.calls.outbox import Outbox
-from asyncrpc.runtime.calls.pending import PendingCalls
-from asyncrpc.runtime.calls.pipeline import CallHook, Pipeline
-from asyncrpc.runtime.calls.streams import Streams
-from asyncrpc.runtime.cuda.maps import DeviceMapHook, check_device_maps
-from asyncrpc.runtime.cuda.staging import cuda_transfer
-from asyncrpc.runtime.future import set_default_callback_loop
+from asyncrpc.runtime.calls.pipeline import Pipeline
+from asyncrpc.runtime.calls.streams.hub import StreamHub
+from asyncrpc.runtime.calls.streams.producer import Producers
+from asyncrpc.runtime.cuda.feature import CudaFeature
+from asyncrpc.runtime.cuda.maps import check_device_maps
+from asyncrpc.runtime.feature import Feature
+from asyncrpc.runtime.futures import set_default_callback_loop
 from asyncrpc.runtime.group.join import Group, join
 from asyncrpc.runtime.group.shutdown import GracefulShutdown, shutdown_limit
 from asyncrpc.runtime.intraop import keep_team
 from asyncrpc.runtime.lanes.client import CallerLanes
+from asyncrpc.runtime.lanes.feature import Lanes
 from asyncrpc.runtime.lanes.handshake import LaneRoster
-from asyncrpc.runtime.lanes.server import LaneReply, LaneServer, Serving
+from asyncrpc.runtime.lanes.server import LaneServer, Serving
 from asyncrpc.runtime.metrics import Counters, LagProbe
 from asyncrpc.runtime.net.listener import Listener
 from asyncrpc.runtime.net.network import Network
+from asyncrpc.runtime.net.peers import Dial
 from asyncrpc.runtime.net.tls import configured_tls
 from asyncrpc.runtime.net.transport import Connection
-from asyncrpc.runtime.services import RRefFactory
-from asyncrpc.runtime.shm.shm import SharedMemory
-from asyncrpc.runtime.threadpool import WorkerPool
+from asyncrpc.runtime.ports import ForkLedger, Frames, Loop, Ports
+from asyncrpc.runtime.threads import handoffs
+from asyncrpc.runtime.threads.pool import WorkerPool
 
-__all__ = ["Agent"]
+__all__ = ["Agent", "FeatureFactory", "ForkFactory"]
 
-
-def _never(rank: int) -> bool:
-    return False
-
-
-def _staged_allocate(
-    pinned: Callable[[int], tuple[object, memoryview]], plain: Allocator, nbytes: int, tag: str
-) -> tuple[object, memoryview]:
-    return pinned(nbytes) if tag.startswith("cuda") else plain(nbytes, tag)
+K = TypeVar("K", bound=ForkLedger)
+# Builds the RRef layer's fork bookkeeping (the floor above); the agent builds it first.
+ForkFactory = Callable[[Group, RpcBackendOptions, Loop, Frames], K]
+# Builds the features of the floors above, once the calls exist, from the agent's ports
+# and the fork bookkeeping the other factory made.
+FeatureFactory = Callable[[Ports, K], Sequence[Feature]]
 
 
 class Agent:
-    """One worker of a joined group. Create it with ``await Agent.start(...)`` on its loop."""
+    """One worker of a joined group. Create it with ``await Agent.start(...)`` on its loop.
+
+    Attributes:
+        group: the joined group (name, rank, members, store).
+        loop: the ``Loop`` port: the asyncio loop (``loop.aio``), its thread, the pool.
+        network: the ``Frames`` port: connections, peers, liveness, same-host memory.
+        forks: the RRef layer's fork bookkeeping.
+        outbox: the ``Calls`` port: outgoing calls.
+        dispatcher: received requests.
+        features: streams, the floors above's features, lanes, CUDA (in this order).
+    """
 
     def __init__(
-        self,
-        group: Group,
-        listener: Listener,
-        options: RpcBackendOptions,
-        loop: asyncio.AbstractEventLoop,
-        rrefs: RRefFactory,
-        hooks: Sequence[CallHook] = (),
-        lane_server: LaneServer | None = None,
-    ) -> None:
-        self.group, self.options, self.loop = group, options, loop
-        self.name, self.rank, self.world_size = group.name, group.rank, group.world_size
-        self.addresses, self.directory = group.addresses, group.directory
-        self.loop_thread_id = threading.get_ident()
+        self, group: Group, listener: Listener, options: RpcBackendOptions,
+        loop: asyncio.AbstractEventLoop, forks: ForkFactory[Any],
+        features: FeatureFactory[Any], lane_server: LaneServer, dial: Dial | None = None,
+    ) -> None:  # fmt: skip
+        self.group, self.options = group, options
+        pool = WorkerPool(options.num_worker_threads, loop, group.name, options.max_worker_threads)
+        self.loop = Loop(loop, pool)
         self.counters = Counters()
-        self.pending = PendingCalls(loop, self._expire)
-        self.pool = WorkerPool(
-            options.num_worker_threads, loop, self.name, options.max_worker_threads
-        )
-        # Device maps ride on every agent (a callee applies its callers' reply maps); the
-        # other hooks come from whoever starts the agent.
-        transfer = self.cuda = cuda_transfer(options, group.same_host)
-        self.pipeline = Pipeline([DeviceMapHook(options.device_maps, transfer), *hooks])
-        self.rrefs = rrefs(self)
-        self.shm = SharedMemory(
-            loop, options.shm_threshold, options.shm_arena_bytes,
-            group.same_host if options.shared_memory else _never,
-            self._send_control,
-        )  # fmt: skip
-        # RRefs inside payloads become forks (see asyncrpc/rref/context.py); large tensors
-        # for a peer on this host may go through shared memory (asyncrpc/runtime/shm/).
-        self.serializer = Serializer(
-            persistent_dump=self.rrefs.dump,
-            persistent_load=self.rrefs.load,
-            place=self.shm.place if options.shared_memory else None,
-        )
-        allocate = self.serializer.allocate
-        if transfer is not None:  # segments bound for a GPU land in pinned memory
-            allocate = partial(_staged_allocate, transfer.allocate, allocate)
+        self.lag = LagProbe(loop)
+        cuda = CudaFeature(options, group.same_host)
+        allocate = cuda.allocator(ReceiveBuffers().segment)  # CUDA segments: pinned memory
         self.network = Network(
-            group, options, loop, self.counters, receiver=self, calls=self.pending,
-            rrefs=self.rrefs, shm=self.shm, allocate=allocate, listener=listener,
+            group, options, loop, self.counters, receiver=self, allocate=allocate,
+            listener=listener, dial=dial,
         )  # fmt: skip
-        # Lanes (lanes/): calling threads' own connections for rpc_sync, and the threads
-        # serving peers' lanes here. Their frames never use shared memory.
-        lane_serializer = Serializer(persistent_dump=self.rrefs.dump,
-                                     persistent_load=self.rrefs.load)  # fmt: skip
-        self.lanes = CallerLanes(
-            (self.name, self.rank), self.addresses, group.host_id, group.key,
-            options.max_frame_size, options.handshake_timeout, lane_serializer,
+        made = forks(group, options, self.loop, self.network)
+        self.forks: ForkLedger = made
+        # RRefs inside payloads become forks (asyncrpc/rref/forks.py); large tensors for a
+        # peer on this host may go through shared memory (asyncrpc/runtime/shm/).
+        shm = self.network.shm
+        self.serializer = Serializer(
+            persistent_dump=made.dump, persistent_load=made.load, discard=made.undelivered,
+            place=shm.place if options.shared_memory else None,
+        )  # fmt: skip
+        self.pipeline = Pipeline(cuda.hooks())
+        lanes = self._lanes(lane_server)
+        self.outbox = Outbox(
+            group.name, self.loop, serializer=self.serializer, pipeline=self.pipeline,
+            directory=group.directory, frames=self.network, undelivered=made.undelivered,
+            unlend=shm.unlend, counters=self.counters, default_timeout=options.rpc_timeout,
+            lanes=lanes.callers,
+        )  # fmt: skip
+        producers = Producers(group.name, self.loop, self.network, made.undelivered)
+        self.dispatcher = Dispatcher(
+            group.name, self.loop, self.serializer, Lanes.reply_writer(self.network.write),
+            self.counters, self.pipeline, made, producers, options.print_errors,
+        )  # fmt: skip
+        streams = StreamHub(
+            group.name, self.loop, self.outbox, self.network, self.serializer, producers,
+            group.addresses, self.counters, options.stream_window,
+        )  # fmt: skip
+        ports = Ports(group, options, self.loop, self.outbox, self.network, self.counters)
+        self.lanes = lanes
+        self._plug((streams, *features(ports, made), lanes, cuda))
+        lanes.serve(self._serving())
+
+    def _lanes(self, server: LaneServer) -> Lanes:
+        # Calling threads' own connections for rpc_sync, and the threads serving peers'
+        # lanes here. Their frames never use shared memory.
+        group, options, forks = self.group, self.options, self.forks
+        self._lane_serializer = Serializer(
+            persistent_dump=forks.dump, persistent_load=forks.load, discard=forks.undelivered
+        )
+        callers = CallerLanes(
+            (group.name, group.rank), group.addresses, group.host_id, group.key,
+            options.max_frame_size, options.handshake_timeout, self._lane_serializer,
             small=options.shm_threshold if options.shared_memory else 1 << 20,
             enabled=options.sync_lanes > 0 and group.tls is None,
-            in_doubt=self._forks_in_doubt,
+            # forks a lane carried before it died (any thread): their owner is asked
+            in_doubt=partial(self.loop.run_on_loop, forks.query_forks),
         )  # fmt: skip
-        self.lane_server = lane_server
-        self.outbox = Outbox(
-            self.name, loop, self.pending, serializer=self.serializer, pipeline=self.pipeline,
-            directory=self.directory, sender=self.network, rrefs=self.rrefs,
-            unlend=self.shm.unlend, counters=self.counters,
-            default_timeout=options.rpc_timeout, lanes=self.lanes,
+        return Lanes(callers, server)
+
+    def _serving(self) -> Serving:
+        group, options = self.group, self.options
+        return Serving(
+            group.name, group.rank, group.key, options.max_frame_size, options.handshake_timeout,
+            LaneRoster.of(group.addresses, self.network.is_lost), self._lane_serializer,
+            self.pipeline, self.dispatcher, self.forks, self.loop.run_on_loop,
+            options.print_errors,
         )  # fmt: skip
-        # What the API and the RRef layer use, as the parts' own methods (no extra call on
-        # the hot path): addressing, the ways in for calls, refcount frames, liveness.
-        self.resolve, self.worker_info = self.directory.resolve, self.directory.worker_info
-        self.call_future, self.call = self.outbox.call_future, self.outbox.call
-        self.call_sync, self.call_on_lane = self.outbox.call_sync, self.outbox.call_on_lane
-        self.send_remote, self.run_on_loop = self.outbox.send_remote, self.outbox.run_on_loop
-        self.effective_timeout = self.outbox.effective_timeout
-        self.send_ref, self.is_lost = self.network.send_ref, self.network.is_lost
-        self.probe = self.network.probe  # dial unless connected or lost (shutdown)
-        self.is_connected = self.network.peers.connected
-        self.dispatcher = Dispatcher(
-            self.name, loop, self.pool, self.serializer, self._write_reply, self.counters,
-            self.pipeline, self.rrefs, options.print_errors,
+
+    def _plug(self, features: Sequence[Feature]) -> None:
+        """Take ``features``: their hooks join the pipeline, their kinds the routes."""
+        self.features = tuple(features)
+        self._by_name = {feature.name: feature for feature in self.features}
+        # Frames by kind (a reply, the hot path, is tested before the table).
+        self._routes: dict[int, Callable[[Any, Frame], None]] = {
+            Kind.REQUEST: self._on_request, Kind.ERROR: self._on_error,
+            Kind.CANCEL: self._on_cancel,
+        }  # fmt: skip
+        for feature in self.features:
+            for hook in feature.hooks():  # after the device maps: profiling, then autograd
+                self.pipeline.add(hook)
+            for kind in feature.kinds:
+                self._routes[kind] = feature.on_frame
+        self._statistics: tuple[Callable[[], Mapping[str, float]], ...] = (
+            self.counters.statistics, self._gauges, self.network.statistics,
+            self.loop.pool.statistics, self.lag.statistics,
+            *(feature.statistics for feature in self.features), handoffs.statistics,
         )  # fmt: skip
-        # Streaming calls (calls/streams.py): the dispatcher starts their producers.
-        self.write = self.network.write
-        self.streams = Streams(self, self._send_control)
-        self.dispatcher.streams = self.streams.producers
-        self.lag = LagProbe(loop)
-        if lane_server is not None:
-            lane_server.serve(Serving(
-                self.name, self.rank, group.key, options.max_frame_size,
-                options.handshake_timeout, LaneRoster(self._member_name, self.is_lost),
-                lane_serializer, self.pipeline, self.dispatcher, self.rrefs, self.run_on_loop,
-                options.print_errors,
-            ))  # fmt: skip
 
-    def _write_reply(self, conn: Any, pieces: list[Any], keep: object, forks: Any) -> None:
-        # A request a lane handed to the loop is answered through the lane's thread.
-        if type(conn) is LaneReply:
-            conn.deliver(pieces, keep, forks)
-        else:
-            self.network.write(conn, pieces, keep, forks)
-
-    def _forks_in_doubt(self, rank: int, forks: list[Any]) -> None:
-        # Forks a lane carried to ``rank`` before it died: ask ``rank`` whether it has them.
-        self.outbox.run_on_loop(self.rrefs.query_forks, rank, forks)
-
-    def _member_name(self, rank: int) -> str | None:
-        address = self.addresses.get(rank)
-        return None if address is None else address.name
-
-    def _send_control(self, rank: int, pieces: list[Any], connect: bool = False) -> None:
-        self.network.send_control(rank, pieces, connect)  # shared memory's bookkeeping
+    def feature(self, name: str) -> Feature | None:
+        """The feature called ``name`` (see ``current.FeatureSlot``); None: it has none."""
+        return self._by_name.get(name)
 
     # -- start -----------------------------------------------------------------------------
 
@@ -178,17 +182,17 @@ class Agent:
         rank: int,
         world_size: int | None,
         options: RpcBackendOptions,
-        rrefs: RRefFactory,
+        forks: ForkFactory[K],
+        features: FeatureFactory[K],
         register: Callable[[Agent], None] | None = None,
-        hooks: Callable[[Group], Sequence[CallHook]] | None = None,
     ) -> Agent:
         """Listen, join the group, then build the agent from it, on the running loop.
 
         Until the join the listener only parks what it accepts. ``register`` runs on the
         loop right after the agent is built, before any request can be served, so the
-        agent is already "current" when the first request arrives. ``rrefs`` builds the
-        RRef service; ``hooks`` the call pipeline's hooks. Cancelling the start closes
-        whatever was opened.
+        agent is already "current" when the first request arrives. ``forks`` builds the
+        RRef layer's fork bookkeeping, ``features`` the features of the floors above.
+        Cancelling the start closes whatever was opened.
 
         Raises:
             InitError: the rendezvous failed (duplicates, timeout, bad arguments).
@@ -202,21 +206,21 @@ class Agent:
         listener = await Listener.start(
             options.listen_host, options.listen_port, tls, options.unix_sockets
         )
-        lanes = None
         try:
-            if options.sync_lanes and tls is None:
-                lanes = LaneServer.listen(
-                    options.listen_host, options.unix_sockets, options.sync_lanes
-                )
-            where = (None, None) if lanes is None else (lanes.port, lanes.path)
-            group = await join(name, rank, world_size, options, listener, tls, where)
-            made = () if hooks is None else hooks(group)
-            loop = asyncio.get_running_loop()
-            agent = cls(group, listener, options, loop, rrefs, made, lanes)
+            # Lanes are plain sockets: none under TLS (the server then listens on nothing).
+            limit = options.sync_lanes if tls is None else 0
+            lanes = LaneServer.listen(options.listen_host, options.unix_sockets, limit)
         except BaseException:
             listener.close()
-            if lanes is not None:
-                lanes.close()
+            raise
+        try:
+            where = (lanes.port, lanes.path)
+            group = await join(name, rank, world_size, options, listener, tls, where)
+            loop = asyncio.get_running_loop()
+            agent = cls(group, listener, options, loop, forks, features, lanes)
+        except BaseException:
+            listener.close()
+            lanes.close()
             raise
         try:
             if register is not None:
@@ -224,7 +228,7 @@ class Agent:
         except BaseException:
             await agent._close_transports(graceful=False)
             raise
-        set_default_callback_loop(agent.loop, agent.loop_thread_id)
+        set_default_callback_loop(loop, agent.loop.thread_id)
         keep_team()  # the loop thread's OpenMP team, as before its passes ran alone
         agent.lag.start()
         agent.network.start()
@@ -235,44 +239,43 @@ class Agent:
     def worker_infos(self) -> list[WorkerInfo]:
         """The group's members by rank. Dynamic group: read in the store (blocking) when
         called off the loop thread, else the members this worker knows."""
-        return self.directory.worker_infos(threading.get_ident() != self.loop_thread_id)
-
-    # -- calling (the outbox) ---------------------------------------------------------------
-
-    def _expire(self, call_id: int) -> None:
-        self.outbox.expire(call_id)  # a timeout passed (rare: no hot path)
+        return self.group.directory.worker_infos(not self.loop.on_loop_thread())
 
     # -- receiving (asyncrpc.runtime.net.network.Receiver) ---------------------------------
 
     def on_frame(self, conn: Connection, frame: Frame) -> None:
-        """Route an authenticated frame: calls and replies, references, shared memory."""
+        """Route an authenticated frame by its kind: replies, requests, cancels, and the
+        kinds the features own (RRef bookkeeping, streams)."""
         fields = frame.fields
         kind = fields[0] if fields else None
         if kind == Kind.REPLY:  # the hot path first
             self.outbox.on_reply(fields, frame)
             return
-        if type(kind) is int and kind in STREAM_KINDS:
-            self.streams.on_frame(conn, frame)
-            return
-        message = self.network.decode(conn, fields)
-        if message is None:
-            return
-        peer = conn.peer
-        assert peer is not None  # the network hands over authenticated frames only
-        if isinstance(message, Request):
-            self.counters.calls_received += 1
-            self.dispatcher.on_request(conn, message, frame.payload, frame.segments)
-        elif kind == Kind.ERROR:
-            self.outbox.on_error(fields, frame)
-        elif kind == Kind.CANCEL:
-            self.dispatcher.on_cancel(peer, fields[1])
-        elif isinstance(message, RefMessage):
-            self.rrefs.on_message(peer, message)
-        elif isinstance(message, ShmMessage):
-            self.shm.on_message(peer, message)
-        else:
+        route = self._routes.get(kind) if type(kind) is int else None
+        try:
+            if route is None:
+                message = decode_message(fields)
+                raise RemoteProtocolError(f"unexpected {type(message).__name__} after handshake")
+            route(conn, frame)
+        except RemoteProtocolError as exc:  # the peer sent garbage: its connection goes
             self.counters.protocol_errors += 1
-            conn.abort(RemoteProtocolError(f"unexpected {type(message).__name__} after handshake"))
+            conn.abort(exc)
+
+    def _on_request(self, conn: Connection, frame: Frame) -> None:
+        request = decode_message(frame.fields)
+        assert isinstance(request, Request)  # decoded by its kind
+        self.counters.calls_received += 1
+        self.dispatcher.on_request(conn, request, frame.payload, frame.segments)
+
+    def _on_error(self, conn: Connection, frame: Frame) -> None:
+        decode_message(frame.fields)  # checked, then read by the outbox
+        self.outbox.on_error(frame.fields, frame)
+
+    def _on_cancel(self, conn: Connection, frame: Frame) -> None:
+        cancel = decode_message(frame.fields)
+        assert isinstance(cancel, Cancel)
+        assert conn.peer is not None
+        self.dispatcher.on_cancel(conn.peer, cancel.call_id)
 
     def on_connection_lost(self, rank: int, conn: Connection, error: PeerLostError) -> None:
         """Calls written on ``conn`` may or may not have run: they fail, typed; calls still
@@ -281,32 +284,32 @@ class Agent:
         # Calls that came on it are cancelled (nobody reads their replies); remote()
         # requests run on: their value must still land here.
         self.dispatcher.cancel_connection(conn)
-        self.streams.on_connection_lost(conn)  # streams produced for it stop
-        # Shared memory ends with the connection: chunks lent on it are closed, not
-        # reused, and the peer's mappings dropped; the next connection probes again.
-        self.shm.on_peer_lost(rank)
+        for feature in self.features:
+            feature.on_connection_lost(rank, conn, error)
 
     def on_peer_lost(self, rank: int, error: PeerLostError) -> None:
         """``rank`` is gone for good: fail everything bound for it, forget its RRefs."""
         self.outbox.fail_peer(rank, error)
         self.dispatcher.cancel_peer(rank)
-        self.streams.on_peer_lost(rank)
-        self.shm.on_peer_lost(rank)
-        self.rrefs.on_peer_lost(rank)
-        self.lanes.on_peer_lost(rank, error)
-        if self.lane_server is not None:
-            self.lane_server.on_peer_lost(rank)
-        if self.cuda is not None:  # CUDA IPC memory it held is dropped on its behalf
-            self.cuda.on_peer_lost(rank)
+        for feature in self.features:
+            feature.on_peer_lost(rank, error)
+
+    def on_forks_unsent(self, rank: int, forks: list[ForkPair]) -> None:
+        self.forks.undelivered(rank, forks)
+
+    def on_forks_in_doubt(self, rank: int, forks: list[ForkPair]) -> None:
+        self.forks.query_forks(rank, forks)
+
+    def on_unknown_peer(self, rank: int) -> None:
+        self.forks.on_peer_lost(rank)  # forks it owns wait for no confirmation
 
     # -- stopping --------------------------------------------------------------------------
 
     def calls_in_flight(self) -> int:
-        return len(self.pending) + self.lanes.in_flight
+        return len(self.outbox) + self.lanes.in_flight
 
     def requests_running(self) -> int:
-        running = len(self.dispatcher)
-        return running if self.lane_server is None else running + self.lane_server.running
+        return len(self.dispatcher) + self.lanes.running
 
     @property
     def closed(self) -> bool:
@@ -323,15 +326,14 @@ class Agent:
         limit = shutdown_limit(self.options.shutdown_timeout if timeout is None else timeout)
         self.network.leaving = True  # peers that go away now are not "reconnected" in logs
         failure: ShutdownError | None = None
-        rounds = GracefulShutdown(self)
-        # This worker reads no more: the streams it consumes end now. Those it produces are
-        # not outstanding work (an endless one would hold the barrier) but go on while the
-        # barrier waits: a worker that calls shutdown() right after joining, torch's way
-        # of serving until everybody is done, still serves streams. They end when their
-        # consumers close them (a consumer's own shutdown does) or when this worker stops.
-        self.streams.close_consumers()
-        for hook in self.pipeline.hooks:
-            hook.flush()
+        rounds = GracefulShutdown(
+            self.group, rrefs=self.forks, liveness=self.network,
+            calls_in_flight=self.calls_in_flight, requests_running=self.requests_running,
+        )  # fmt: skip
+        # This worker reads no more (its streams' consumers end now), and what features
+        # hold back leaves now, so the rounds wait for it like any outstanding call.
+        for feature in self.features:
+            feature.flush()
         if graceful:
             try:
                 await rounds.run(limit)
@@ -348,54 +350,43 @@ class Agent:
     async def _close_transports(self, graceful: bool) -> None:
         self.lag.stop()
         self.network.close(graceful)
-        self.streams.close_all()
+        for feature in self.features:  # streams first: their calls end as streams do
+            feature.close()
         self.outbox.close()
-        self.rrefs.close()
-        self.shm.close()
-        self.lanes.close()
-        if self.lane_server is not None:
-            self.lane_server.close()
         await asyncio.sleep(0)  # let the transports flush and call connection_lost
-        self.pool.shutdown()
-        await self.pool.stopped(timeout=1.0)
+        self.loop.pool.shutdown()
+        await self.loop.pool.stopped(timeout=1.0)
         set_default_callback_loop(None, None)
 
     # -- introspection ---------------------------------------------------------------------
 
+    def _gauges(self) -> dict[str, int]:
+        return {"pending_calls": len(self.outbox), "running_requests": len(self.dispatcher)}
+
     def metrics(self) -> dict[str, Any]:
-        """Counters and gauges of this worker (see ``asyncrpc.get_metrics``)."""
-        figures: dict[str, Any] = {
-            **self.counters.as_dict(),
-            "pending_calls": len(self.pending),
-            "running_requests": self.requests_running(),
-            **self.network.metrics(),
-            **self.pool.stats(),
-            "loop_lag_ms": round(self.lag.last_ms, 3),
-            "loop_lag_max_ms": round(self.lag.max_ms, 3),
-            **self.shm.stats(),
-            **self.streams.stats(),
-            # Work handed between threads, by kind, in this whole process (runtime/handoffs).
-            **{f"handoffs_{kind}": n for kind, n in handoffs.snapshot().items()},
-        }
-        # Calls, replies and bytes count the lanes' too; their own figures are lanes_*.
-        for part in (self.lanes, self.lane_server):
-            for key, value in ({} if part is None else part.stats()).items():
-                figures[key] = figures.get(key, 0) + value if not key.startswith("lane") else value
+        """Counters and gauges of this worker (see ``asyncrpc.get_metrics``): every part's
+        and feature's statistics; a figure several report (calls on lanes and on the loop)
+        is their sum."""
+        figures: dict[str, Any] = {}
+        for statistics in self._statistics:
+            for key, value in statistics().items():
+                figures[key] = figures.get(key, 0) + value
         return figures
 
     def debug_info(self) -> dict[str, Any]:
         """Metrics plus identity, peers and RRef bookkeeping (see ``asyncrpc.get_debug_info``)."""
+        group, pending = self.group, self.outbox.pending
         return {
-            "name": self.name,
-            "rank": self.rank,
-            "world_size": self.world_size,
+            "name": group.name,
+            "rank": group.rank,
+            "world_size": group.world_size,
             "rpc_timeout": self.options.rpc_timeout,
             "pending_by_peer": {
-                self.addresses[r].name: n for r, n in self.pending.count_by_peer().items()
+                group.addresses[r].name: n for r, n in pending.count_by_peer().items()
             },
             "lost_peers": self.network.lost_peers(),
             **self.metrics(),
             "unacked_ref_frames": self.network.links.unacked_frames(),
-            **self.rrefs.debug_info(),
+            **{k: v for feature in self.features for k, v in feature.debug_info().items()},
             **{k: v for hook in self.pipeline.hooks for k, v in hook.debug_info().items()},
         }

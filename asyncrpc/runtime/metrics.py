@@ -35,7 +35,7 @@ class Counters:
     stalled_frames: int = 0  # of those, closed in the middle of a frame
     reconnects: int = 0  # connections to a peer made after an earlier one was lost
 
-    def as_dict(self) -> dict[str, int]:
+    def statistics(self) -> dict[str, int]:
         return asdict(self)
 
 
@@ -62,6 +62,10 @@ class LagProbe:
         self.last_ms = lag
         self.max_ms = max(self.max_ms, lag)
         self.start()
+
+    def statistics(self) -> dict[str, float]:
+        """How late the loop ran, in milliseconds: at its last tick, and at worst."""
+        return {"loop_lag_ms": round(self.last_ms, 3), "loop_lag_max_ms": round(self.max_ms, 3)}
 
     def stop(self) -> None:
         if self._handle is not None:

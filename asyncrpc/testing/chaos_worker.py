@@ -29,10 +29,10 @@ import torch
 import asyncrpc
 from asyncrpc import autograd as dist_autograd
 from asyncrpc.optim import DistributedOptimizer
-from asyncrpc.runtime.callbacks import CALLBACK_POOL_SIZE, CALLBACK_THREAD_NAME
+from asyncrpc.runtime.futures.callbacks import CALLBACK_POOL_SIZE, CALLBACK_THREAD_NAME
 from asyncrpc.testing import chaos_fns as fns
 
-log = logging.getLogger("asyncrpc.testing.chaos")
+log = logging.getLogger(__name__)
 
 CALL_TIMEOUT = 10.0  # every call's own limit; an operation that outlives it + GRACE hung
 GRACE = 30.0

@@ -14,7 +14,7 @@ import sys
 
 import asyncrpc
 from asyncrpc.errors import ShutdownError
-from asyncrpc.runtime.loopthread import new_event_loop
+from asyncrpc.runtime.threads.loopthread import new_event_loop
 
 
 def _device_maps(specs: list[str]) -> dict[str, dict[str, str]] | None:

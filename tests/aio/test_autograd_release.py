@@ -1,5 +1,5 @@
 """Batched releases of distributed autograd contexts (``asyncrpc.autograd.release``), on one
-loop with a fake agent that records the release calls instead of sending them."""
+loop with fake ports that record the release calls instead of sending them."""
 
 from __future__ import annotations
 
@@ -12,17 +12,19 @@ import pytest
 
 from asyncrpc.autograd import release as releasing
 from asyncrpc.autograd.context import ContextTable
+from asyncrpc.autograd.feature import release_here
 from asyncrpc.errors import ConnectionLostError
 
 pytestmark = pytest.mark.timeout(30)
 
 
 class FakeAgent:
-    """The agent's side the batcher uses: rank, loop, run_on_loop, call, closed, is_lost."""
+    """The ports the batcher is built from, in one: the Loop's (``aio``, ``run_on_loop``),
+    the Calls' (``call``, ``closed``) and liveness (``is_lost``)."""
 
     def __init__(self, rank: int, loop: asyncio.AbstractEventLoop, fail_first: int = 0) -> None:
         self.rank = rank
-        self.loop = loop
+        self.aio = loop
         self.closed = False
         self.calls: list[tuple[int, list[int], int]] = []  # (peer, context ids, sender)
         self.handoffs = 0
@@ -30,10 +32,10 @@ class FakeAgent:
 
     def run_on_loop(self, fn: Callable[..., Any], *args: Any) -> None:
         self.handoffs += 1
-        self.loop.call_soon_threadsafe(fn, *args)
+        self.aio.call_soon_threadsafe(fn, *args)
 
     async def call(self, peer: int, fn: Any, args: Any, kwargs: Any, timeout: float) -> None:
-        assert fn is releasing.release_here
+        assert fn is release_here
         self.calls.append((peer, list(args[0]), args[1]))
         if self._fail_first > 0:
             self._fail_first -= 1
@@ -41,6 +43,11 @@ class FakeAgent:
 
     def is_lost(self, peer: int) -> bool:
         return False
+
+
+def _releases(agent: FakeAgent, table: ContextTable) -> releasing.Releases:
+    ports: Any = agent
+    return releasing.Releases(agent.rank, table, ports, ports, agent.is_lost, release_here)
 
 
 def _context_reaching(table: ContextTable, rank: int, peers: set[int]) -> int:
@@ -59,7 +66,7 @@ async def _settle(agent: FakeAgent, calls: int) -> None:
 @pytest.mark.asyncio
 async def test_contexts_left_together_go_in_one_call_per_peer() -> None:
     agent, table = FakeAgent(0, asyncio.get_running_loop()), ContextTable()
-    batcher = releasing.Releases(agent, table)  # type: ignore[arg-type]
+    batcher = _releases(agent, table)
     ids = [_context_reaching(table, 0, {1, 2}) for _ in range(3)]
     only_one = _context_reaching(table, 0, {2})
 
@@ -80,7 +87,7 @@ async def test_contexts_left_together_go_in_one_call_per_peer() -> None:
 @pytest.mark.asyncio
 async def test_a_context_that_stayed_here_sends_nothing() -> None:
     agent, table = FakeAgent(0, asyncio.get_running_loop()), ContextTable()
-    batcher = releasing.Releases(agent, table)  # type: ignore[arg-type]
+    batcher = _releases(agent, table)
     batcher.left(_context_reaching(table, 0, {0}))
     batcher.left(12345)  # unknown (released already): ignored
     await asyncio.sleep(releasing.BATCH_DELAY * 4)
@@ -90,7 +97,7 @@ async def test_a_context_that_stayed_here_sends_nothing() -> None:
 @pytest.mark.asyncio
 async def test_flush_sends_at_once_and_a_later_context_starts_a_new_batch() -> None:
     agent, table = FakeAgent(0, asyncio.get_running_loop()), ContextTable()
-    batcher = releasing.Releases(agent, table)  # type: ignore[arg-type]
+    batcher = _releases(agent, table)
     first = _context_reaching(table, 0, {1})
     batcher.left(first)
     batcher.flush()  # what shutdown does: no waiting for the delay
@@ -105,7 +112,7 @@ async def test_flush_sends_at_once_and_a_later_context_starts_a_new_batch() -> N
 @pytest.mark.asyncio
 async def test_a_release_lost_with_its_connection_is_sent_again() -> None:
     agent, table = FakeAgent(0, asyncio.get_running_loop(), fail_first=1), ContextTable()
-    batcher = releasing.Releases(agent, table)  # type: ignore[arg-type]
+    batcher = _releases(agent, table)
     context_id = _context_reaching(table, 0, {3})
     batcher.left(context_id)
     await _settle(agent, 2)
@@ -120,7 +127,7 @@ async def test_a_worker_passes_releases_on_to_the_workers_it_reached() -> None:
     a.peers.update({0, 2})
     b = table.joined(200)
     b.peers.update({0, 2, 3})
-    releasing.release_onward(agent, table, [100, 200, 300], sender=0)  # type: ignore[arg-type]
+    _releases(agent, table).onward([100, 200, 300], sender=0)
     await _settle(agent, 2)
     assert sorted(agent.calls) == [(2, [100, 200], 1), (3, [200], 1)]
     assert len(table) == 0
@@ -129,7 +136,7 @@ async def test_a_worker_passes_releases_on_to_the_workers_it_reached() -> None:
 @pytest.mark.asyncio
 async def test_releases_ride_along_on_the_next_call_to_a_worker() -> None:
     agent, table = FakeAgent(0, asyncio.get_running_loop()), ContextTable()
-    batcher = releasing.releases_of(agent, table)  # type: ignore[arg-type]
+    batcher = _releases(agent, table)
     first = _context_reaching(table, 0, {2, 3})
     second = _context_reaching(table, 0, {2})
     batcher.left(first)
@@ -146,7 +153,7 @@ async def test_releases_ride_along_on_the_next_call_to_a_worker() -> None:
 @pytest.mark.asyncio
 async def test_releases_of_a_failed_call_are_queued_again() -> None:
     agent, table = FakeAgent(0, asyncio.get_running_loop()), ContextTable()
-    batcher = releasing.releases_of(agent, table)  # type: ignore[arg-type]
+    batcher = _releases(agent, table)
     context_id = _context_reaching(table, 0, {2})
     batcher.left(context_id)
     carried = batcher.take_for(2)

@@ -1,4 +1,4 @@
-"""asyncio tests of asyncrpc.runtime.callbackpool: jobs queued in one loop turn wake one
+"""asyncio tests of asyncrpc.runtime.futures.callbackpool: jobs queued in one loop turn wake one
 thread, order holds per thread, a blocked job does not hold the jobs behind it forever,
 and nothing queued is lost at exit."""
 
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from asyncrpc.runtime.callbackpool import CallbackPool
+from asyncrpc.runtime.futures.callbackpool import CallbackPool
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from asyncrpc.runtime.calls.pending import Deadlines, PendingCall, PendingCalls
+from asyncrpc.runtime.calls.pending import Deadlines, PendingCalls
+from tests.fakes import pending_call
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(10)]
 
@@ -77,8 +78,8 @@ async def test_PendingCalls_pop_stops_the_timeout() -> None:
     expiry = Expiry()
     calls = PendingCalls(expiry.loop, expiry)
     waiter = expiry.loop.create_future()
-    calls.add(7, PendingCall(waiter, 1, "fn", 0.02))
-    calls.add(8, PendingCall(expiry.loop.create_future(), 1, "fn", 0.05))
+    calls.add(pending_call(waiter, 1, "fn", 0.02, call_id=7, calls=calls))
+    calls.add(pending_call(expiry.loop.create_future(), 1, "fn", 0.05, call_id=8, calls=calls))
     popped = calls.pop(7)
     assert popped is not None
     popped.resolve("done")
@@ -91,7 +92,7 @@ async def test_PendingCalls_pop_peer_and_pop_all_return_each_call_once() -> None
     expiry = Expiry()
     calls = PendingCalls(expiry.loop, expiry)
     for call_id, peer in ((1, 1), (2, 2), (3, 1)):
-        calls.add(call_id, PendingCall(expiry.loop.create_future(), peer, "fn", 5.0))
+        calls.add(pending_call(expiry.loop.create_future(), peer, "fn", 5.0, call_id=call_id))
     assert calls.count_by_peer() == {1: 2, 2: 1}
     assert sorted(c.peer for c in calls.pop_peer(1)) == [1, 1]
     assert [c.peer for c in calls.pop_all()] == [2]

@@ -20,17 +20,17 @@ from asyncrpc.protocol.serde.policy import TensorPolicy
 from asyncrpc.protocol.wire import Frame, FrameDecoder, encode_frame
 from asyncrpc.protocol.wire.messages import CallMode, Kind, Request, decode_message
 from asyncrpc.runtime.calls.dispatch import Dispatcher
-from asyncrpc.runtime.calls.pending import PendingCall
-from asyncrpc.runtime.calls.pipeline import IncomingCall, OutgoingCall, Pipeline
+from asyncrpc.runtime.calls.pipeline import CallKind, IncomingCall, OutgoingCall, Pipeline
 from asyncrpc.runtime.cuda import FakeDevices, FakeTensor, StreamPool, StreamPoolExhaustedError
 from asyncrpc.runtime.cuda.callee import CalleeStreams, on_streams
 from asyncrpc.runtime.cuda.fake import FakeStream
 from asyncrpc.runtime.cuda.maps import FIELD, DeviceMapHook
 from asyncrpc.runtime.cuda.staging import StagedTransfer
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.futures import Future
 from asyncrpc.runtime.metrics import Counters
-from asyncrpc.runtime.threadpool import WorkerPool
-from tests.fakes import NoRRefs
+from asyncrpc.runtime.ports import Loop
+from asyncrpc.runtime.threads.pool import WorkerPool
+from tests.fakes import NoProducers, NoRRefs, pending_call
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -315,7 +315,7 @@ def _frames(pieces: list[Any]) -> list[Frame]:
 
 
 def _request(call_id: int, fn: Any, args: tuple[Any, ...], mode: int = CallMode.CALL) -> Any:
-    payload, segments, _ = Serializer().dumps((fn, args, {}), policy=TagCuda())
+    payload, segments, _, _ = Serializer().dumps((fn, args, {}), policy=TagCuda())
     fields = Request(call_id, 0, mode, "fn", None, None, {FIELD: dict(BACK)}).to_fields()
     (frame,) = _frames(encode_frame(fields, payload, segments))
     request = decode_message(frame.fields)
@@ -354,9 +354,8 @@ async def _dispatcher(per_device: int, timeout: float) -> tuple[Dispatcher, Any,
         written.extend(_frames(pieces))
 
     dispatcher = Dispatcher(
-        "me", loop, workers, Serializer(), write, Counters(),
-        Pipeline([DeviceMapHook(None, transfer)]), NoRRefs(),  # type: ignore[arg-type]
-        print_errors=False,
+        "me", Loop(loop, workers), Serializer(), write, Counters(),
+        Pipeline([DeviceMapHook(None, transfer)]), NoRRefs(), NoProducers(), print_errors=False,
     )  # fmt: skip
     return dispatcher, written, pool, workers
 
@@ -446,13 +445,12 @@ async def test_then_chain_on_the_caller_is_ordered_after_the_callee_kernel_and_t
     caller_gpu = FakeDevices()  # the caller's process: the frame's bytes arrived
     caller = StagedTransfer(caller_gpu)
     hook = DeviceMapHook({"w1": {"cuda:0": "cuda:0"}}, caller)
-    out = OutgoingCall("async", "w0", "w1", 1, print, "builtins.print", (), {})
+    out = OutgoingCall(CallKind.ASYNC, "w0", "w1", 1, print, "builtins.print", (), {})
     hooks = Pipeline([hook]).active_hooks()
     Pipeline.prepare(hooks, out)
     value = out.reply_policy.to_device(b"y", "cuda:0")
     future: Future[Any] = Future()
-    pending = PendingCall(future, 1, "m.f", 0.0)
-    pending.observed = (hooks, out)
+    pending = pending_call(future, 1, "m.f", 0.0, observed=(hooks, out))
     pending.resolve(value, {})
     doubled: list[str] = []
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from asyncrpc.errors import SerializationError
-from asyncrpc.runtime.calls.pipeline import IncomingCall, OutgoingCall, Pipeline
+from asyncrpc.runtime.calls.pipeline import CallKind, IncomingCall, OutgoingCall, Pipeline
 from asyncrpc.runtime.cuda import FakeDevices, FakeTensor
 from asyncrpc.runtime.cuda.devices import GpuIdentity
 from asyncrpc.runtime.cuda.fake import FakeIpc
@@ -267,7 +267,7 @@ def test_hook_carries_offer_answer_and_releases_in_request_and_reply_headers() -
     callee_hooks = Pipeline([DeviceMapHook(None, callee)])
 
     def call() -> tuple[OutgoingCall, IncomingCall]:
-        out = OutgoingCall("sync", "w0", "w1", B, print, "builtins.print", (), {})
+        out = OutgoingCall(CallKind.SYNC, "w0", "w1", B, print, "builtins.print", (), {})
         hooks = caller_hooks.active_hooks()
         Pipeline.prepare(hooks, out)
         served = IncomingCall("w0", A, "w1", 1, "builtins.print", False, dict(out.headers))

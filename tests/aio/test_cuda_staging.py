@@ -13,13 +13,12 @@ import pytest
 import torch
 
 from asyncrpc.errors import SerializationError
-from asyncrpc.runtime.calls.pending import PendingCall
-from asyncrpc.runtime.calls.pipeline import IncomingCall, OutgoingCall, Pipeline
+from asyncrpc.runtime.calls.pipeline import CallKind, IncomingCall, OutgoingCall, Pipeline
 from asyncrpc.runtime.cuda import FakeDevices, FakeTensor
 from asyncrpc.runtime.cuda.maps import FIELD, DeviceMapHook, HostCopy, HostTransfer
 from asyncrpc.runtime.cuda.staging import StagedCopy, StagedTransfer
-from asyncrpc.runtime.future import Future
-from tests.fakes import settled
+from asyncrpc.runtime.futures import Future
+from tests.fakes import pending_call, settled
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -129,7 +128,7 @@ def test_a_cpu_tag_is_left_to_the_default() -> None:
 
 
 def outgoing(callee: str = "w1") -> OutgoingCall:
-    return OutgoingCall("async", "w0", callee, 1, print, "builtins.print", (), {})
+    return OutgoingCall(CallKind.ASYNC, "w0", callee, 1, print, "builtins.print", (), {})
 
 
 @pytest.mark.asyncio
@@ -213,8 +212,7 @@ def test_reply_readers_wait_for_its_copies_through_the_future() -> None:
     Pipeline.prepare(hooks, call)
     value = call.reply_policy.to_device(b"reply", "cuda:0")  # what unpickling the reply does
     future: Future[Any] = Future()
-    pending = PendingCall(future, 1, "m.f", 0.0)
-    pending.observed = (hooks, call)
+    pending = pending_call(future, 1, "m.f", 0.0, observed=(hooks, call))
     pending.resolve(value, {})
     assert call.on_value is not None
     assert gpu.default_stream(0).items == []  # nothing waits before somebody reads it

@@ -14,10 +14,11 @@ from asyncrpc.protocol.wire import Frame, FrameDecoder, encode_frame
 from asyncrpc.protocol.wire.messages import CallMode, Kind, Request, decode_message
 from asyncrpc.runtime.calls.dispatch import Dispatcher
 from asyncrpc.runtime.calls.pipeline import Pipeline
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.futures import Future
 from asyncrpc.runtime.metrics import Counters
-from asyncrpc.runtime.threadpool import WorkerPool
-from tests.fakes import NoRRefs
+from asyncrpc.runtime.ports import Loop
+from asyncrpc.runtime.threads.pool import WorkerPool
+from tests.fakes import NoProducers, NoRRefs
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -55,7 +56,7 @@ class Caller:
 
 
 def _request(call_id: int, fn: Any, args: tuple[Any, ...]) -> Any:
-    payload, segments, _ = Serializer().dumps((fn, args, {}))
+    payload, segments, _, _ = Serializer().dumps((fn, args, {}))
     fields = Request(call_id, 0, CallMode.CALL, "fn", None, None, None).to_fields()
     pieces = encode_frame(fields, payload, segments)
     (frame,) = FrameDecoder().feed(b"".join(bytes(p) for p in pieces))
@@ -71,9 +72,8 @@ def _dispatcher() -> tuple[Dispatcher, list[Frame], WorkerPool]:
         written.extend(FrameDecoder().feed(b"".join(bytes(p) for p in pieces)))
 
     dispatcher = Dispatcher(
-        "me", loop, workers, Serializer(), write, Counters(), Pipeline([]),
-        NoRRefs(),  # type: ignore[arg-type]
-        print_errors=False,
+        "me", Loop(loop, workers), Serializer(), write, Counters(), Pipeline([]), NoRRefs(),
+        NoProducers(), print_errors=False,
     )  # fmt: skip
     return dispatcher, written, workers
 

@@ -1,4 +1,4 @@
-"""asyncio tests of asyncrpc.runtime.future: awaiting from any loop, callback loops, blocking."""
+"""asyncio tests of asyncrpc.runtime.futures: awaiting from any loop, callback loops, blocking."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import uvloop
 
 from asyncrpc.errors import BlockingCallError
-from asyncrpc.runtime.callbacks import check_not_blocking_loop, set_default_callback_loop
-from asyncrpc.runtime.future import Future, wait_all
+from asyncrpc.runtime.futures import Future, wait_all
+from asyncrpc.runtime.futures.callbacks import check_not_blocking_loop, set_default_callback_loop
 from tests.ordering import until, until_async
 
 pytestmark = pytest.mark.timeout(10)

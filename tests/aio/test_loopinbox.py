@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from asyncrpc.runtime.loopinbox import LoopInbox
+from asyncrpc.runtime.threads.loopinbox import LoopInbox
 from tests.ordering import until_async
 
 pytestmark = pytest.mark.timeout(30)

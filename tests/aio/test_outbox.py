@@ -1,6 +1,7 @@
 """In-process tests of the outbox and the dispatcher (``asyncrpc.runtime.calls``): no
-network, no agent. The outbox writes to a recording sender; replies are fed back to it as
-decoded frames; the dispatcher serves requests from a stand-in connection."""
+network, no agent. The outbox writes to recording frames (the ``Frames`` port); replies
+are fed back to it as decoded frames; the dispatcher serves requests from a stand-in
+connection."""
 
 from __future__ import annotations
 
@@ -22,12 +23,12 @@ from asyncrpc.protocol.wire.messages import (
 )
 from asyncrpc.runtime.calls.dispatch import Dispatcher
 from asyncrpc.runtime.calls.outbox import Outbox
-from asyncrpc.runtime.calls.pending import PendingCalls
-from asyncrpc.runtime.calls.pipeline import Pipeline
+from asyncrpc.runtime.calls.pipeline import CallKind, Pipeline
 from asyncrpc.runtime.group.membership import Directory
 from asyncrpc.runtime.metrics import Counters
-from asyncrpc.runtime.threadpool import WorkerPool
-from tests.fakes import NoRRefs
+from asyncrpc.runtime.ports import Loop, OutgoingFrame
+from asyncrpc.runtime.threads.pool import WorkerPool
+from tests.fakes import NoProducers, NoRRefs
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(10)]
 
@@ -36,55 +37,47 @@ def _frames(pieces: list[Any]) -> list[Frame]:
     return FrameDecoder().feed(b"".join(bytes(p) for p in pieces))
 
 
-class RecordingSender:
-    """The network's side the outbox uses: records every frame, by destination."""
+class RecordingFrames:
+    """The ``Frames`` port as the outbox uses it: records every frame, by destination."""
 
     def __init__(self) -> None:
         self.sent: list[tuple[int, Frame]] = []
+        self.calls: list[Any] = []  # the call each frame belongs to (None: none)
         self.cancels: list[tuple[int, int]] = []
 
-    def send_to(
-        self, rank: int, pieces: list[Any], call_id: int = 0, keep: object = None,
-        forks: Any = None, ready: Any = None,
-    ) -> None:  # fmt: skip
-        (frame,) = _frames(pieces)
-        self.sent.append((rank, frame))
+    def send(self, frame: OutgoingFrame) -> None:
+        (decoded,) = _frames(frame.pieces)
+        self.sent.append((frame.rank, decoded))
+        self.calls.append(frame.call)
 
-    def send_cancel(self, rank: int, call_id: int) -> None:
+    def cancel(self, rank: int, call_id: int) -> None:
         self.cancels.append((rank, call_id))
 
-    def undelivered(self, rank: int, forks: Any) -> None:
-        pass
 
-
-def _outbox() -> tuple[Outbox, RecordingSender]:
+def _outbox() -> tuple[Outbox, RecordingFrames]:
     loop = asyncio.get_running_loop()
     addresses = {0: PeerAddress("me", 0, "127.0.0.1", 1), 1: PeerAddress("w1", 1, "127.0.0.1", 2)}
-    sender = RecordingSender()
-
-    def expire(call_id: int) -> None:
-        outbox.expire(call_id)  # the outbox made below
-
-    pending = PendingCalls(loop, expire)
+    frames: Any = RecordingFrames()
     outbox = Outbox(
-        "me", loop, pending, serializer=Serializer(), pipeline=Pipeline(),
-        directory=Directory(addresses, None), sender=sender, rrefs=NoRRefs(),
-        unlend=lambda keep: None, counters=Counters(), default_timeout=60.0,
+        "me", Loop(loop, WorkerPool(1, loop, "me")), serializer=Serializer(),
+        pipeline=Pipeline(), directory=Directory(addresses, None), frames=frames,
+        undelivered=lambda rank, forks: None, unlend=lambda keep: None, counters=Counters(),
+        default_timeout=60.0,
     )  # fmt: skip
-    return outbox, sender
+    return outbox, frames
 
 
 def _reply(call_id: int, value: Any) -> Frame:
-    payload, segments, _ = Serializer().dumps(value)
+    payload, segments, _, _ = Serializer().dumps(value)
     (frame,) = _frames(encode_frame(Reply(call_id).to_fields(), payload, segments))
     return frame
 
 
 async def test_Outbox_call_writes_one_request_and_its_reply_resolves_it() -> None:
-    outbox, sender = _outbox()
+    outbox, frames = _outbox()
     task = asyncio.create_task(outbox.call("w1", max, (1, 2), {}, -1))
     await asyncio.sleep(0)
-    ((rank, frame),) = sender.sent
+    ((rank, frame),) = frames.sent
     request = decode_message(frame.fields)
     assert rank == 1
     assert isinstance(request, Request)
@@ -96,33 +89,33 @@ async def test_Outbox_call_writes_one_request_and_its_reply_resolves_it() -> Non
 
 
 async def test_Outbox_timeout_fails_the_call_and_cancels_it_on_the_callee() -> None:
-    outbox, sender = _outbox()
+    outbox, frames = _outbox()
     future = outbox.call_future(1, max, (1, 2), {}, 0.05)
     with pytest.raises(RpcTimeoutError):
         await future
-    ((_, frame),) = sender.sent
-    assert sender.cancels == [(1, frame.fields[1])]
+    ((_, frame),) = frames.sent
+    assert frames.cancels == [(1, frame.fields[1])]
 
 
 async def test_Outbox_cancelling_the_caller_cancels_the_call() -> None:
-    outbox, sender = _outbox()
+    outbox, frames = _outbox()
     task = asyncio.create_task(outbox.call("w1", max, (1, 2), {}, 0))
     await asyncio.sleep(0)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    ((_, frame),) = sender.sent
-    assert sender.cancels == [(1, frame.fields[1])]
+    ((_, frame),) = frames.sent
+    assert frames.cancels == [(1, frame.fields[1])]
     assert len(outbox) == 0
 
 
 async def test_Outbox_lost_connection_fails_only_the_calls_written_on_it() -> None:
-    outbox, _ = _outbox()
+    outbox, frames = _outbox()
     first = asyncio.create_task(outbox.call("w1", max, (1, 2), {}, 0))
     second = asyncio.create_task(outbox.call("w1", max, (3, 4), {}, 0))
     await asyncio.sleep(0)
     conn = object()
-    outbox.pending.written(1, conn)  # the first call's request went out on conn
+    frames.calls[0].written(conn)  # the first call's request went out on conn
     outbox.fail_peer(1, PeerLostError("w1", "connection lost"), sent_on=conn)
     with pytest.raises(PeerLostError):
         await first
@@ -131,7 +124,7 @@ async def test_Outbox_lost_connection_fails_only_the_calls_written_on_it() -> No
     with pytest.raises(ClosedError):
         await second
     with pytest.raises(ClosedError):
-        outbox.encode(1, max, (), {}, 0, "sync")
+        outbox.encode(1, max, (), {}, 0, CallKind.SYNC)
 
 
 class Caller:
@@ -152,14 +145,14 @@ async def _dispatcher() -> tuple[Dispatcher, list[tuple[Any, Frame]], WorkerPool
 
     pool = WorkerPool(1, loop, "me")
     dispatcher = Dispatcher(
-        "me", loop, pool, Serializer(), write, Counters(), Pipeline(),
-        NoRRefs(), print_errors=False,  # type: ignore[arg-type]
+        "me", Loop(loop, pool), Serializer(), write, Counters(), Pipeline(), NoRRefs(),
+        NoProducers(), print_errors=False,
     )  # fmt: skip
     return dispatcher, written, pool
 
 
 def _request(call_id: int, fn: Any, args: tuple[Any, ...]) -> tuple[Request, Any, Any]:
-    payload, segments, _ = Serializer().dumps((fn, args, {}))
+    payload, segments, _, _ = Serializer().dumps((fn, args, {}))
     (frame,) = _frames(encode_frame(Request(call_id, 0, 0, "fn", None, None).to_fields(),
                                     payload, segments))  # fmt: skip
     request = decode_message(frame.fields)

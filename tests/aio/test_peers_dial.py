@@ -44,10 +44,10 @@ async def test_PeerTable_dials_a_same_host_peer_by_its_unix_socket() -> None:
     tcp, port = await start_server("127.0.0.1", connection)
     try:
         address = PeerAddress("peer", 1, "127.0.0.1", port, None, this_host_id(), path)
-        conn = await table(address, this_host_id())._open(address)
+        conn = await table(address, this_host_id())._open(address, lambda: connection(True))
         assert conn.is_unix
         conn.close()
-        other_host = await table(address, "another/host")._open(address)
+        other_host = await table(address, "another/host")._open(address, lambda: connection(True))
         assert not other_host.is_unix  # not on this host: TCP
         other_host.close()
     finally:
@@ -60,7 +60,7 @@ async def test_PeerTable_falls_back_to_tcp_when_the_unix_socket_is_not_there() -
     tcp, port = await start_server("127.0.0.1", connection)
     try:
         address = PeerAddress("peer", 1, "127.0.0.1", port, None, this_host_id(), "\0nobody")
-        conn = await table(address, this_host_id())._open(address)
+        conn = await table(address, this_host_id())._open(address, lambda: connection(True))
         assert not conn.is_unix
         conn.close()
     finally:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from asyncrpc.errors import ShutdownError, ShutdownTimeoutError, WorkersLostError
-from asyncrpc.runtime.group.shutdown import GracefulShutdown, ShutdownHost, shutdown_limit
+from asyncrpc.runtime.group.shutdown import GracefulShutdown, shutdown_limit
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(10)]
 
@@ -63,7 +63,8 @@ class NoRRefs:
 
 
 class StubHost:
-    """A worker of rank 1 in a group of 3, with nothing in flight and no RRef held."""
+    """A worker of rank 1 in a group of 3, with nothing in flight and no RRef held: the
+    parts the rounds are built from (its liveness is itself)."""
 
     def __init__(
         self, store: ScriptedGroup, lost: set[int], connected: frozenset[int] = frozenset()
@@ -100,9 +101,15 @@ class StubHost:
             self._lost.add(rank)  # as if it refused the connection
 
 
+def _rounds(host: StubHost) -> GracefulShutdown:
+    return GracefulShutdown(
+        host.group, rrefs=host.rrefs, liveness=host, calls_in_flight=host.calls_in_flight,
+        requests_running=host.requests_running,
+    )  # fmt: skip
+
+
 def _shutdown(group: ScriptedGroup, lost: set[int]) -> GracefulShutdown:
-    host: ShutdownHost = StubHost(group, lost)
-    return GracefulShutdown(host)
+    return _rounds(StubHost(group, lost))
 
 
 async def test_GracefulShutdown_peer_that_arrived_then_left_is_not_dead() -> None:
@@ -154,7 +161,7 @@ async def test_GracefulShutdown_probes_a_worker_missing_too_long() -> None:
     # w2 was never contacted: nothing says it is lost until the probe finds it dead.
     group = ScriptedGroup([2])
     host = StubHost(group, lost=set())
-    rounds = GracefulShutdown(host)
+    rounds = _rounds(host)
     await rounds.run(None)
     assert host.probed == [2]
     assert rounds.dead == {2: "w2"}
@@ -167,7 +174,7 @@ async def test_GracefulShutdown_adopts_another_survivors_verdict_without_a_conne
     group.declared.add(2)
     host = StubHost(group, lost=set(), connected=frozenset())
     host.probe = host.probed.append  # type: ignore[method-assign]  # no answer
-    rounds = GracefulShutdown(host)
+    rounds = _rounds(host)
     await rounds.run(None)
     assert rounds.dead == {2: "w2"}
 
@@ -176,7 +183,7 @@ async def test_GracefulShutdown_keeps_waiting_for_a_connected_worker_declared_de
     # Another survivor lost w2, but this worker's connection to w2 is alive: it waits.
     group = ScriptedGroup([2])
     group.declared.add(2)
-    rounds = GracefulShutdown(StubHost(group, lost=set(), connected=frozenset({2})))
+    rounds = _rounds(StubHost(group, lost=set(), connected=frozenset({2})))
     with pytest.raises(ShutdownTimeoutError):
         await rounds.run(1.5)  # past PROBE_AFTER_S: the store's verdict was read
     assert rounds.dead == {}
@@ -185,7 +192,7 @@ async def test_GracefulShutdown_keeps_waiting_for_a_connected_worker_declared_de
 async def test_GracefulShutdown_without_limit_waits_until_a_slow_worker_arrives() -> None:
     # No deadline: a live worker missing for many reads is waited for, not given up on.
     group = ScriptedGroup(*[[2]] * 12, [])
-    rounds = GracefulShutdown(StubHost(group, lost=set(), connected=frozenset({2})))
+    rounds = _rounds(StubHost(group, lost=set(), connected=frozenset({2})))
     await rounds.run(None)
     assert group.reads >= 12
     assert group.arrived == ["calls-done", "users-released", "closing", "left"]

@@ -1,6 +1,6 @@
 """asyncio tests of the stream runtime in one process, without an agent: the consumer's
-state (``runtime/consumer.py``) against a fake hub, and the producers
-(``runtime/producer.py``) against a fake host that decodes what they write."""
+state (``runtime/calls/streams/consumer.py``) against a fake hub, and the producers
+(``runtime/calls/streams/producer.py``) against a fake host that decodes what they write."""
 
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ from asyncrpc.protocol.wire.stream import (
     StreamItem,
     decode_stream_message,
 )
-from asyncrpc.runtime.consumer import ConsumerStream
-from asyncrpc.runtime.producer import Producers
-from asyncrpc.runtime.threadpool import WorkerPool
+from asyncrpc.runtime.calls.streams.consumer import ConsumerStream
+from asyncrpc.runtime.calls.streams.producer import Producers
+from asyncrpc.runtime.ports import Loop
+from asyncrpc.runtime.threads.pool import WorkerPool
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(20)]
 
@@ -40,7 +41,7 @@ class Hub:
     def grant(self, stream: ConsumerStream, count: int) -> None:
         self.granted.append(count)
 
-    def close(self, stream: ConsumerStream) -> None:
+    def close_stream(self, stream: ConsumerStream) -> None:
         self.closed.append(stream)
         stream.shut(None)
 
@@ -130,18 +131,23 @@ class Conn:
 
 
 class Host:
-    """What the producers need of an agent: a real pool and serializer, a fake wire."""
+    """What the producers are built from: a real loop, pool and serializer, and frames
+    written on fake connections."""
 
     name = "w1"
-    rrefs = None
 
     def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.pool = WorkerPool(2, self.loop, "test")
+        loop = asyncio.get_running_loop()
+        self.pool = WorkerPool(2, loop, "test")
+        self.loop = Loop(loop, self.pool)
         self.serializer = Serializer()
 
     def write(self, conn: Any, pieces: list[Any], keep: object = None, forks: Any = None) -> None:
         conn.write(pieces)
+
+    def producers(self) -> Producers:
+        frames: Any = self  # writes on a given connection: all the producers need of Frames
+        return Producers(self.name, self.loop, frames, lambda rank, forks: None)
 
 
 PRODUCED: list[int] = []
@@ -189,7 +195,7 @@ async def test_Producers_advance_only_within_credit_and_close_runs_finally(fn: A
     PRODUCED.clear()
     CLOSED.clear()
     host = Host()
-    producers, conn, told = Producers(host), Conn(host.serializer), []  # type: ignore[arg-type]
+    producers, conn, told = host.producers(), Conn(host.serializer), []
     producers.expect(conn, 2, 7, "gen")
     producers.start(2, 7, fn, fn, (), {}, _replying(told), host.serializer.dumps)
     # Left as a sleep: this checks that nothing happens (no step without credit), and no
@@ -216,7 +222,7 @@ def three_then_error() -> Iterator[int]:
 
 async def test_Producers_send_items_then_the_error_or_the_end() -> None:
     host = Host()
-    producers = Producers(host)  # type: ignore[arg-type]
+    producers = host.producers()
     broken, clean = Conn(host.serializer), Conn(host.serializer)
     producers.expect(broken, 2, 1, "gen")
     producers.expect(clean, 2, 2, "gen")

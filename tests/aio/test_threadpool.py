@@ -1,4 +1,4 @@
-"""asyncio tests of asyncrpc.runtime.threadpool.WorkerPool: real threads posting to a real loop."""
+"""asyncio tests of the WorkerPool (threads/pool.py): real threads posting to a real loop."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from asyncrpc.errors import ClosedError, ThreadPoolExhaustedError
-from asyncrpc.runtime.future import Future
-from asyncrpc.runtime.threadpool import WorkerPool
+from asyncrpc.runtime.futures import Future
+from asyncrpc.runtime.threads.pool import WorkerPool
 from tests.ordering import until_async
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(10)]

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def _round_trip(obj: object, device_map: dict[str, str] | None) -> object:
     serializer = Serializer()
     policy = None if device_map is None else HostCopy(device_map)
-    payload, segments, _keep = serializer.dumps(obj, policy=policy)
+    payload, segments, _keep, _ = serializer.dumps(obj, policy=policy)
     owners = []
     for view, tag in segments:
         owner, dest = serializer.allocate(view.nbytes, tag)

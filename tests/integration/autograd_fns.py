@@ -199,7 +199,7 @@ def hook_optimizer_steps() -> None:
     """A global step pre-hook (user code) that records whether it ran on the loop."""
 
     def record(*_: Any) -> None:
-        _step_hook_on_loop.append(threading.get_ident() == current_agent().loop_thread_id)
+        _step_hook_on_loop.append(threading.get_ident() == current_agent().loop.thread_id)
 
     _step_hooks.append(register_optimizer_step_pre_hook(record))
 

@@ -131,7 +131,7 @@ def call_back(caller: str) -> str:
 # -- inline --------------------------------------------------------------------------------
 def thread_kind() -> str:
     """Which of the callee's threads runs this: its event loop or a pool thread."""
-    return "loop" if threading.get_ident() == current_agent().loop_thread_id else "pool"
+    return "loop" if threading.get_ident() == current_agent().loop.thread_id else "pool"
 
 
 def thread_name() -> str:

@@ -23,7 +23,7 @@ from asyncrpc import autograd as dist_autograd
 from asyncrpc.errors import AutogradContextError, BackwardError, BlockingCallError
 from asyncrpc.optim import DistributedOptimizer, LocalOptimizer
 from asyncrpc.protocol.wire import FrameDecoder
-from asyncrpc.runtime.calls.pipeline import Pipeline
+from asyncrpc.runtime.calls.pipeline import CallKind, Pipeline
 from asyncrpc.runtime.current import current_agent
 from asyncrpc.testing import free_port, spawn_worker, stop_workers
 from tests import scenarios
@@ -437,7 +437,7 @@ def test_autograd_field_only_inside_a_context(group: Group) -> None:
 
     def request_fields(fn: Any = fns.echo, *args: Any) -> list[Any]:
         args = args or (tensor,)
-        encoded = agent.outbox.encode(1, fn, args, {}, 5.0, "sync")
+        encoded = agent.outbox.encode(1, fn, args, {}, 5.0, CallKind.SYNC)
         if encoded.observed is not None:  # never sent: tell the hooks it ended
             Pipeline.completed(*encoded.observed, None, None)
         decoder = FrameDecoder()
@@ -563,7 +563,7 @@ def test_distributed_optimizer_step_refuses_the_loop_thread(group: Group) -> Non
         optimizer.step(0)
 
     with pytest.raises(BlockingCallError):
-        asyncio.run_coroutine_threadsafe(on_the_loop(), current_agent().loop).result(30)
+        asyncio.run_coroutine_threadsafe(on_the_loop(), current_agent().loop.aio).result(30)
 
 
 @pytest.mark.parametrize("fetcher", ["w3", "w2"])  # a thread-pool worker, an asyncio one

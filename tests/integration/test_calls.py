@@ -196,7 +196,7 @@ def test_small_builtin_ops_run_on_the_callee_loop(group: Group) -> None:
         return int(metrics["calls_on_loop"])
 
     before = asyncrpc.rpc_sync("w1", fns.metrics)["calls_on_loop"]
-    after = asyncio.run_coroutine_threadsafe(on_loop(), current_agent().loop).result(30)
+    after = asyncio.run_coroutine_threadsafe(on_loop(), current_agent().loop.aio).result(30)
     assert after - before == 1  # the metrics call itself is a plain def function
     # From a thread: a small op on its lane runs on the lane's thread, a large one (its
     # frame too big for a lane) on the pool; neither on the loop.

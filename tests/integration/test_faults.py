@@ -130,8 +130,8 @@ def test_shutdown_returns_despite_a_dead_peer(killed_peer: dict[str, Any]) -> No
 def _listening_port(rank: int) -> int:
     # The port the worker published at rendezvous: the one every peer dials.
     agent = current_agent()
-    agent.worker_info(rank)  # its address is read when first needed
-    return agent.addresses[rank].port
+    agent.group.directory.worker_info(rank)  # its address is read when first needed
+    return agent.group.addresses[rank].port
 
 
 def _closed_by_peer(port: int, data: bytes, timeout: float = 5.0) -> tuple[bool, bytes]:
@@ -231,7 +231,9 @@ class _FakePeer:
         return self.frames.pop(0)
 
     def frame(self, message: Any, value: object = None) -> bytes:
-        payload, segments, _ = self.serializer.dumps(value) if value is not None else (b"", [], [])
+        payload, segments, _, _ = (
+            self.serializer.dumps(value) if value is not None else (b"", [], [], None)
+        )
         return b"".join(bytes(p) for p in encode_frame(message.to_fields(), payload, segments))
 
     def answer_until_reply(self, call_id: int, timeout: float) -> object:

@@ -199,8 +199,8 @@ def test_Lanes_server_profiler_sees_requests_on_lanes(group: Group) -> None:
 
 def _lane_port(rank: int) -> int:
     agent = current_agent()
-    agent.worker_info(rank)  # its address is read when first needed
-    port = agent.addresses[rank].lane_port
+    agent.group.directory.worker_info(rank)  # its address is read when first needed
+    port = agent.group.addresses[rank].lane_port
     assert port is not None
     return port
 

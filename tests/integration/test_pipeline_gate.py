@@ -29,7 +29,7 @@ class RequestHold(CallHook):
     fails those whose label starts with "refused"."""
 
     def __init__(self) -> None:
-        self.loop = current_agent().loop
+        self.loop = current_agent().loop.aio
         self.released = threading.Event()  # set from the test's thread
         self.waiting = 0
 

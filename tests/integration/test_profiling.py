@@ -22,7 +22,7 @@ from asyncrpc.profiling import (
 )
 from asyncrpc.profiling.recorder import ASKED, MEMORY, SHAPES
 from asyncrpc.protocol.wire import FrameDecoder
-from asyncrpc.runtime.calls.pipeline import Pipeline
+from asyncrpc.runtime.calls.pipeline import CallKind, Pipeline
 from asyncrpc.runtime.current import current_agent
 from tests.integration import remote_fns as fns
 from tests.integration.conftest import Group
@@ -135,7 +135,7 @@ def test_profiler_off_means_no_spans_and_no_header_fields(group: Group) -> None:
     agent = current_agent()
 
     def request_fields() -> list[Any]:
-        encoded = agent.outbox.encode(1, fns.noop, (), {}, 5.0, "sync")
+        encoded = agent.outbox.encode(1, fns.noop, (), {}, 5.0, CallKind.SYNC)
         if encoded.observed is not None:  # never sent: close the span it opened
             Pipeline.completed(*encoded.observed, None, None)
         decoder = FrameDecoder()

@@ -28,7 +28,7 @@ _SERIALIZER = Serializer()
 
 
 def frame(message: Any, value: object = None) -> bytes:
-    payload, segments, _ = _SERIALIZER.dumps(value) if value is not None else (b"", [], [])
+    payload, segments, _, _ = _SERIALIZER.dumps(value) if value is not None else (b"", [], [], None)
     return b"".join(bytes(p) for p in encode_frame(message.to_fields(), payload, segments))
 
 
@@ -90,7 +90,7 @@ def auth_attacks(args: argparse.Namespace) -> int:
     asyncrpc.init_rpc("a0", rank=0, world_size=3, rpc_backend_options=options(args))
     out: dict[str, Any] = {"a1_add": asyncrpc.rpc_sync("a1", fns.add, args=(2, 3))}
     before = asyncrpc.rpc_sync("a1", asyncrpc.get_metrics)["auth_failures"]
-    a1 = current_agent().addresses[1]
+    a1 = current_agent().group.addresses[1]
     out.update(attacks(a1.host, a1.port, marker))
     out["a1_auth_failures"] = (
         asyncrpc.rpc_sync("a1", asyncrpc.get_metrics)["auth_failures"] - before

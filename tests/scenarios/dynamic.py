@@ -41,7 +41,7 @@ _held: list[asyncrpc.RRef[Any] | None] = []
 
 def _on_loop(name: str) -> str:
     agent = current_agent()
-    future = asyncio.run_coroutine_threadsafe(asyncrpc.call(name, fns.whoami), agent.loop)
+    future = asyncio.run_coroutine_threadsafe(asyncrpc.call(name, fns.whoami), agent.loop.aio)
     return future.result(30.0)
 
 

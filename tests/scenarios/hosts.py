@@ -76,8 +76,8 @@ def _address_of(rank: int) -> tuple[str, int]:
     from asyncrpc.runtime.current import current_agent
 
     agent = current_agent()
-    agent.worker_info(rank)  # its address is read when first needed
-    address = agent.addresses[rank]
+    agent.group.directory.worker_info(rank)  # its address is read when first needed
+    address = agent.group.addresses[rank]
     return address.host, address.port
 
 

@@ -188,8 +188,8 @@ async def _cancelled_remotely(tag: str) -> bool:
 
 async def _asyncio_checks(obs: Observations) -> None:
     agent = current_agent()
-    obs["agent_on_running_loop"] = agent.loop is asyncio.get_running_loop()
-    obs["agent_on_this_thread"] = agent.loop_thread_id == threading.get_ident()
+    obs["agent_on_running_loop"] = agent.loop.aio is asyncio.get_running_loop()
+    obs["agent_on_this_thread"] = agent.loop.thread_id == threading.get_ident()
     obs["loop_threads"] = [t.name for t in threading.enumerate() if t.name == "asyncrpc-driver"]
     obs["call"] = await asyncrpc.call("w1", fns.add, 20, 22)
     try:

@@ -146,7 +146,7 @@ def _live_rrefs_setup(obs: Observations) -> list[asyncrpc.RRef[Any]]:
     for worker in ("w1", "w2"):
         obs[f"{worker}_before"] = _poll(functools.partial(_debug, worker), _settled, 5.0)
     obs["w3_before"] = _debug("w3")
-    obs["driver_remotely_held"] = len(current_agent().rrefs.owner_leaks())  # type: ignore[union-attr]
+    obs["driver_remotely_held"] = len(current_agent().forks.owner_leaks())  # type: ignore[union-attr]
     return [on_w3, here]
 
 

@@ -106,7 +106,7 @@ class Sent:
 
 def wire_roundtrip(serializer: Any, obj: object, **dumps_kwargs: Any) -> Sent:
     """Do what the wire does: dumps, copy each segment into allocate()'d memory, loads."""
-    payload, segments, keepalive = serializer.dumps(obj, **dumps_kwargs)
+    payload, segments, keepalive, _ = serializer.dumps(obj, **dumps_kwargs)
     owners = []
     for view, tag in segments:
         owner, destination = serializer.allocate(view.nbytes, tag)

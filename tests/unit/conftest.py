@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from asyncrpc.runtime import callbacks
+from asyncrpc.runtime.futures import callbacks
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from asyncrpc.autograd.credit import FULL, Credits, PassCredit, first_of, split
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.futures import Future
 
 
 def test_split_gives_every_hop_at_least_one_unit_and_loses_none() -> None:

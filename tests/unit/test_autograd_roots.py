@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from asyncrpc.autograd.roots import RootThreads
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.futures import Future
 
 
 def _done() -> Future[None]:

@@ -52,7 +52,7 @@ def test_add_per_call_counts_steps_and_leaves_failures_alone() -> None:
 
 
 def test_handoffs_count_by_kind_and_read_without_advancing() -> None:
-    from asyncrpc.runtime import handoffs
+    from asyncrpc.runtime.threads import handoffs
 
     before = handoffs.snapshot()
     handoffs.count("loop_to_pool")

@@ -52,7 +52,7 @@ def test_a_pooled_staged_tensor_crosses_the_wire_and_its_block_comes_back(
     sent = torch.arange(5000, dtype=torch.float32).reshape(50, 100)  # 20,000 bytes
     on_device.add(id(sent))
     policy = Staged(pool)
-    payload, segments, keep = Serializer().dumps({"x": sent}, policy=policy)
+    payload, segments, keep, _ = Serializer().dumps({"x": sent}, policy=policy)
     ((view, tag),) = segments
     assert tag == "cuda:0"
     assert address_of(view) == policy.chunks[0][0]  # the segment is the lent block

@@ -38,7 +38,7 @@ def test_a_tensor_by_handle_travels_as_an_empty_segment_and_is_rebuilt_whole(
     source = torch.arange(24, dtype=torch.float32).reshape(4, 6).t()  # strided: 6 x 4
     sent = source.detach()
     on_device.add(id(sent))
-    payload, segments, _ = Serializer().dumps({"x": sent}, policy=Share())
+    payload, segments, _, _ = Serializer().dumps({"x": sent}, policy=Share())
     assert [(len(view), tag) for view, tag in segments] == [(0, TAG)]
     (frame,) = FrameDecoder().feed(
         b"".join(bytes(p) for p in encode_frame(Reply(1).to_fields(), payload, segments))

@@ -200,7 +200,7 @@ def test_callback_error_copy_keeps_fields() -> None:
 
 def test_serializer_rebuilds_an_exception_returned_as_a_value() -> None:
     serializer = Serializer()
-    payload, segments, _ = serializer.dumps({"error": ec.QuotaExceeded("bob", 10)})
+    payload, segments, _, _ = serializer.dumps({"error": ec.QuotaExceeded("bob", 10)})
     assert segments == []
     got = serializer.loads(payload, [])["error"]
     same(ec.QuotaExceeded("bob", 10), got)

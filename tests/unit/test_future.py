@@ -1,4 +1,4 @@
-"""Unit tests of asyncrpc.runtime.future with no event loop: completion, waiting, chaining."""
+"""Unit tests of asyncrpc.runtime.futures with no event loop: completion, waiting, chaining."""
 
 from __future__ import annotations
 
@@ -17,11 +17,14 @@ from typing import Any
 import pytest
 
 from asyncrpc.errors import AsyncRpcError
-from asyncrpc.runtime.future import (
+from asyncrpc.runtime.futures import (
     Future,
     FutureAlreadyDoneError,
     FutureNotDoneError,
     collect_all,
+    on_cancel,
+    try_set_exception,
+    try_set_result,
     wait_all,
 )
 from tests.ordering import in_function, until
@@ -178,7 +181,7 @@ def test_Future_many_threads_wait_on_one_future() -> None:
 def test_Future_cancel_completes_with_cancelled_error_and_runs_hook() -> None:
     fut: Future[int] = Future()
     calls: list[str] = []
-    fut._cancel_hook = lambda: calls.append("hook")
+    on_cancel(fut, lambda: calls.append("hook"))
     assert fut.cancel() is True
     assert calls == ["hook"]
     assert isinstance(fut.exception(), asyncio.CancelledError)
@@ -198,8 +201,8 @@ def test_Future_cancel_of_done_future_returns_false() -> None:
 def test_Future_try_set_is_silent_after_cancel() -> None:
     fut: Future[int] = Future()
     fut.cancel()
-    assert fut._try_set_result(1) is False
-    assert fut._try_set_exception(ValueError()) is False
+    assert try_set_result(fut, 1) is False
+    assert try_set_exception(fut, ValueError()) is False
     assert isinstance(fut.exception(), asyncio.CancelledError)
 
 
@@ -254,7 +257,7 @@ def test_Future_callback_exception_is_logged_and_swallowed(
 
     fut.add_done_callback(bad)
     fut.add_done_callback(lambda f: seen.append(f.value()))
-    with caplog.at_level(logging.ERROR, logger="asyncrpc.runtime.future"):
+    with caplog.at_level(logging.ERROR, logger="asyncrpc.runtime.futures.core"):
         fut.set_result(2)
     assert seen == [2]
     assert any(r.exc_info and r.exc_info[0] is ValueError for r in caplog.records)
@@ -500,7 +503,7 @@ def test_Future_await_of_done_future_needs_no_loop() -> None:
 def test_Future_racing_completers_exactly_one_wins() -> None:
     def complete(fut: Future[int], barrier: threading.Barrier, i: int, wins: list[int]) -> None:
         barrier.wait(5)
-        if fut._try_set_result(i):
+        if try_set_result(fut, i):
             wins.append(i)
 
     for _ in range(50):

@@ -6,8 +6,10 @@ pre-auth limits and to one with the normal limits. The only error allowed out is
 ``RemoteProtocolError`` (the connection is then closed); a valid stream decodes to exactly
 what was sent. Every message decoded from fuzzed bytes before authentication is checked to
 be a handshake message, and ``decode_message`` on arbitrary arrays raises nothing else.
-The handshake machine is fed random message sequences directly (no agent): it only ever
-returns actions or raises protocol errors, and never adopts a connection without a proof.
+Fuzzed frames are fed to a ``Network`` alone (no agent above it): none of an
+unauthenticated connection reaches its receiver, where payloads are unpickled. The
+handshake machine is fed random message sequences directly: it only ever returns actions
+or raises protocol errors, and never adopts a connection without a proof.
 ``FUZZ_EXAMPLES`` sets the number of cases (CI keeps the default).
 """
 
@@ -24,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncrpc.errors import LocalProtocolError, RemoteProtocolError
+from asyncrpc.errors import LocalProtocolError, PeerLostError, RemoteProtocolError
 from asyncrpc.protocol import auth
 from asyncrpc.protocol.address import PeerAddress
 from asyncrpc.protocol.handshake import (
@@ -37,7 +39,8 @@ from asyncrpc.protocol.handshake import (
     pre_auth_decoder,
 )
 from asyncrpc.protocol.options import RpcBackendOptions
-from asyncrpc.protocol.wire import PROTOCOL_VERSION, FrameDecoder, encode_frame
+from asyncrpc.protocol.serde.buffers import ReceiveBuffers
+from asyncrpc.protocol.wire import PROTOCOL_VERSION, Frame, FrameDecoder, encode_frame
 from asyncrpc.protocol.wire.messages import (
     Auth,
     Hello,
@@ -46,11 +49,11 @@ from asyncrpc.protocol.wire.messages import (
     Refusal,
     decode_message,
 )
-from asyncrpc.rref.context import RRefContext
-from asyncrpc.runtime.agent import Agent
 from asyncrpc.runtime.group.join import Group
 from asyncrpc.runtime.group.membership import Directory
+from asyncrpc.runtime.metrics import Counters
 from asyncrpc.runtime.net.listener import Listener
+from asyncrpc.runtime.net.network import Network
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "300"))
 FUZZ = settings(
@@ -183,45 +186,52 @@ class _UnauthenticatedConnection:
         self.closed = True
 
 
-class _NoUnpickling:
-    """Stands in for the agent's serializer: any unpickling fails the test."""
+class _MustNotReceive:
+    """The network's receiver (the agent, which unpickles payloads): a frame of an
+    unauthenticated connection must never get here."""
 
-    def __init__(self, real: Any) -> None:
-        self._real = real
+    def on_frame(self, conn: Any, frame: Frame) -> None:
+        raise AssertionError(f"a frame of an unauthenticated connection was handed on: {conn}")
 
-    def loads(self, *args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("a payload was unpickled before authentication")
+    def on_connection_lost(self, rank: int, conn: Any, error: PeerLostError) -> None:
+        pass
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
+    def on_peer_lost(self, rank: int, error: PeerLostError) -> None:
+        pass
+
+    def on_forks_unsent(self, rank: int, forks: Any) -> None:
+        pass
+
+    def on_forks_in_doubt(self, rank: int, forks: Any) -> None:
+        pass
+
+    def on_unknown_peer(self, rank: int) -> None:
+        pass
 
 
 @pytest.fixture(scope="module")
-def agent() -> Iterator[Agent]:
-    # Built as after a join, in this process: no rendezvous, no socket.
+def network() -> Iterator[Network]:
+    # Built as after a join, in this process: no rendezvous, no socket, no agent.
     loop = asyncio.new_event_loop()
     addresses = {r: PeerAddress(n, r, "127.0.0.1", 1 + r) for r, n in enumerate(("fuzzed", "w1"))}
     store: Any = None  # no barrier or look-up is reached from a handshake
     group = Group("fuzzed", 0, 2, addresses, b"k" * 32, None, Directory(addresses, None), store)
-    agent = Agent(group, Listener(loop), RpcBackendOptions(), loop, RRefContext)
-
-    spy: Any = _NoUnpickling(agent.serializer)
-    agent.serializer = spy  # both places that unpickle: replies and requests
-    agent.dispatcher._serializer = spy
-    yield agent
-    agent.pool.shutdown()
+    yield Network(
+        group, RpcBackendOptions(), loop, Counters(), receiver=_MustNotReceive(),
+        allocate=ReceiveBuffers().segment, listener=Listener(loop),
+    )  # fmt: skip
     loop.close()
 
 
 @FUZZ
 @given(mutated(st.one_of(handshake_frame, any_frame)), st.lists(st.integers(1, 97), min_size=1))
-def test_fuzz_Agent_unauthenticated_frames_never_reach_unpickling(
-    agent: Agent, data: bytes, sizes: list[int]
+def test_fuzz_Network_unauthenticated_frames_never_reach_its_receiver(
+    network: Network, data: bytes, sizes: list[int]
 ) -> None:
     decoder = pre_auth_decoder()
     for frame in feed_in_chunks(decoder, data, sizes):
         conn = _UnauthenticatedConnection()
-        agent.network.on_frame(conn, frame)
+        network.on_frame(conn, frame)
         assert conn.peer is None  # nothing here can adopt it: that takes the key's proof
         if not isinstance(_decoded(frame.fields), (Hello, HelloReply, Auth)):
             assert conn.aborted, frame.fields  # anything else closes the connection

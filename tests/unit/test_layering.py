@@ -26,10 +26,19 @@ FLOORS: list[tuple[float, tuple[str, ...]]] = [
     (0, ("asyncrpc.errors", "asyncrpc.errorstate", "asyncrpc.functions")),
     (1, ("asyncrpc.protocol",)),
     (2.0, ("asyncrpc.runtime",)),
+    # Threads and the hand-offs between them, then the futures that cross them.
+    (2.01, ("asyncrpc.runtime.threads",)),
+    (2.02, ("asyncrpc.runtime.futures",)),
+    # The narrow ports parts are built from (Loop, Frames, Calls, ForkLedger).
+    (2.03, ("asyncrpc.runtime.ports",)),
     (2.1, ("asyncrpc.runtime.shm",)),
     (2.2, ("asyncrpc.runtime.net",)),
     (2.3, ("asyncrpc.runtime.group",)),
     (2.4, ("asyncrpc.runtime.calls",)),
+    # The one shape of a feature (its hooks are the call pipeline's).
+    (2.41, ("asyncrpc.runtime.feature",)),
+    # Streaming calls, one room above the calls they are made of.
+    (2.42, ("asyncrpc.runtime.calls.streams",)),
     # The CUDA path plugs into the call pipeline as hooks (device maps, the send gate).
     (2.45, ("asyncrpc.runtime.cuda",)),
     # Lanes: calling threads' own connections; their server hands requests to the dispatcher.
@@ -177,6 +186,92 @@ def test_layering_every_module_is_on_a_floor() -> None:
     assert loose == set(), f"place these modules in a floor folder: {loose}"
 
 
+def test_layering_runtime_keeps_its_rooms() -> None:
+    # The runtime's features have rooms (threads/, futures/, calls/streams/, ...): at most
+    # ten modules sit loose beside the agent, so the folders stay the map of the floor.
+    loose = sorted(
+        p.name for p in (PACKAGE_DIR / "runtime").glob("*.py") if p.name != "__init__.py"
+    )
+    assert len(loose) <= 10, loose
+
+
+def test_layering_features_never_reach_the_agent() -> None:
+    # Features are built from the agent's ports and found through a FeatureSlot: none of
+    # the floor above imports the composition root, and only the public API and the one
+    # accessor (runtime/current.py) ask for the current agent.
+    graph = import_graph(package_sources())
+    upper = ("asyncrpc.rref", "asyncrpc.autograd", "asyncrpc.profiling")
+    reaching = [
+        m
+        for m, targets in graph.items()
+        if m.startswith(upper) and "asyncrpc.runtime.agent" in targets
+    ]
+    assert reaching == []
+    callers = sorted(
+        module_name(path)
+        for path in PACKAGE_DIR.rglob("*.py")
+        if "current_agent()" in path.read_text(encoding="utf-8")
+    )
+    assert callers == ["asyncrpc.api", "asyncrpc.runtime.current"]
+
+
+def host_protocols(source: str) -> list[str]:
+    """Classes of ``source`` named ``*Host`` that are ``Protocol``s: mirrors of a part's
+    owner, handed whole where a part should take named ports."""
+    return [
+        node.name
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ClassDef)
+        and node.name.endswith("Host")
+        and any(ast.unparse(base).endswith("Protocol") for base in node.bases)
+    ]
+
+
+def future_private_reaches(source: str, private: set[str]) -> list[str]:
+    """Attributes of ``private`` (``Future``'s private methods) that ``source`` reads, but
+    not those it defines itself (another class's method of the same name)."""
+    tree = ast.parse(source)
+    own = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+    return sorted(
+        {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} & (private - own)
+    )
+
+
+def future_private_methods() -> set[str]:
+    tree = ast.parse((PACKAGE_DIR / "runtime" / "futures" / "core.py").read_text("utf-8"))
+    (future,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Future"]
+    return {
+        n.name
+        for n in future.body
+        if isinstance(n, ast.FunctionDef) and n.name.startswith("_") and not n.name.endswith("__")
+    }
+
+
+def test_layering_no_host_mirrors_the_agent() -> None:
+    # Parts take the few ports they use; the one host left is what a pool thread's owner
+    # hears of its blocking waits.
+    hosts = sorted(
+        f"{module}.{name}"
+        for module, (source, _) in package_sources().items()
+        for name in host_protocols(source)
+    )
+    assert hosts == ["asyncrpc.runtime.threads.blocking.BlockingHost"]
+
+
+def test_layering_only_the_futures_room_reaches_into_a_future() -> None:
+    # Outside runtime/futures/, the runtime completes and chains futures through the
+    # package-private helpers of futures/future.py (CPython's _get_loop, ...).
+    private = future_private_methods()
+    assert {"_try_set_result", "_add_hook", "_then"} <= private
+    reaching = {
+        module: found
+        for module, (source, _) in package_sources().items()
+        if not module.startswith("asyncrpc.runtime.futures")
+        and (found := future_private_reaches(source, private))
+    }
+    assert reaching == {}
+
+
 def _stray_imports(path: Path, forbidden: Iterable[str]) -> list[str]:
     name = module_name(path)
     names = imported_modules(path.read_text(encoding="utf-8"), name, path.name == "__init__.py")
@@ -261,7 +356,7 @@ def test_layering_checker_passes_a_tree() -> None:
         ("asyncrpc.runtime.net.links", "from asyncrpc.runtime.calls import pending"),
         ("asyncrpc.runtime.net.peers", "from asyncrpc.runtime.group.shutdown import x"),
         ("asyncrpc.runtime.calls.dispatch", "from asyncrpc.runtime.agent import Agent"),
-        ("asyncrpc.runtime.future", "from asyncrpc.runtime.shm import shm"),
+        ("asyncrpc.runtime.futures", "from asyncrpc.runtime.shm import shm"),
     ],
 )
 def test_layering_checker_catches_an_upward_import(module: str, source: str) -> None:
@@ -295,3 +390,18 @@ def test_layering_checker_catches_io_in_the_protocol(source: str) -> None:
     path = PACKAGE_DIR / "protocol" / "wire" / "_probe.py"
     names = imported_modules(source, module_name(path), False)
     assert any(n.partition(".")[0] in NO_IO_OR_TORCH for n in names)
+
+
+def test_layering_checker_finds_a_host_protocol() -> None:
+    source = "class StreamHost(Protocol): ...\nclass PlainHost: ...\n"
+    source += "class LinkHost(typing.Protocol): ..."
+    assert host_protocols(source) == ["StreamHost", "LinkHost"]
+
+
+def test_layering_checker_finds_a_reach_into_a_future() -> None:
+    private = {"_try_set_result", "_invoke"}
+    reach = "def f(fut):\n    fut._try_set_result(1)\n    proxy._invoke()"
+    assert future_private_reaches(reach, private) == ["_invoke", "_try_set_result"]
+    # a module's own method of that name is not a reach into the future
+    own = "class P:\n    def _invoke(self): ...\ndef g(p):\n    p._invoke()"
+    assert future_private_reaches(own, private) == []

@@ -13,6 +13,7 @@ from asyncrpc.errors import SerializationError
 from asyncrpc.protocol.serde import Serializer
 from asyncrpc.runtime.calls.pipeline import (
     CallHook,
+    CallKind,
     CallTensors,
     IncomingCall,
     OutgoingCall,
@@ -45,7 +46,7 @@ class Recorder(CallHook):
 
 
 def outgoing_call() -> OutgoingCall:
-    return OutgoingCall("sync", "a", "b", 1, print, "builtins.print", (1,), {})
+    return OutgoingCall(CallKind.SYNC, "a", "b", 1, print, "builtins.print", (1,), {})
 
 
 def incoming_call(headers: dict[str, Any] | None = None) -> IncomingCall:
@@ -88,7 +89,7 @@ def test_Pipeline_completed_logs_a_failing_hook_and_runs_the_others(
             raise RuntimeError("hook bug")
 
     hooks = (Broken(), Recorder("b", log))
-    with caplog.at_level(logging.ERROR, logger="asyncrpc.pipeline"):
+    with caplog.at_level(logging.ERROR, logger="asyncrpc.runtime.calls.pipeline"):
         Pipeline.completed(hooks, outgoing_call(), None, TimeoutError())
     assert log == ["b.completed:None:TimeoutError"]
     assert "hook bug" in caplog.text
@@ -218,7 +219,7 @@ def test_serializer_with_tracked_grads_lists_them_on_both_sides() -> None:
     receiver.track_grads()
     small = torch.ones(2, requires_grad=True)
     big = torch.zeros(8192, requires_grad=True)  # 32 KiB: a segment
-    payload, segments, _keep = serializer.dumps([big, torch.ones(1), small, big], policy=sender)
+    payload, segments, _keep, _ = serializer.dumps([big, torch.ones(1), small, big], policy=sender)
     assert len(segments) == 1  # `big`, once; the small one rides inside the pickle
     assert sender.grads == [big, small]
     got = serializer.loads(payload, [bytearray(view) for view, _ in segments], policy=receiver)
@@ -227,7 +228,7 @@ def test_serializer_with_tracked_grads_lists_them_on_both_sides() -> None:
 
 
 def test_serializer_without_policy_inlines_small_grads() -> None:
-    _payload, segments, _keep = Serializer().dumps([torch.ones(2, requires_grad=True)])
+    _payload, segments, _keep, _ = Serializer().dumps([torch.ones(2, requires_grad=True)])
     assert segments == []
 
 

@@ -67,7 +67,7 @@ def test_Serializer_lambda_raises_serialization_error(serializer: Serializer) ->
 def test_Serializer_failed_dumps_leaves_no_state(serializer: Serializer) -> None:
     calls: list[object] = []
 
-    def record(obj: object, context: object) -> None:
+    def record(obj: object, context: object, made: list[Any]) -> None:
         calls.append(obj)
 
     hooked = Serializer(persistent_dump=record)
@@ -75,7 +75,7 @@ def test_Serializer_failed_dumps_leaves_no_state(serializer: Serializer) -> None
         with pytest.raises(SerializationError):
             candidate.dumps([torch.ones(3), lambda: None])
         big = torch.zeros(BIG)  # over the inline limit: a segment
-        payload, segments, keepalive = candidate.dumps([big])
+        payload, segments, keepalive, _ = candidate.dumps([big])
         assert len(segments) == 1
         assert len(keepalive) == 1
         assert torch.equal(candidate.loads(payload, [bytes(segments[0][0])])[0], big)
@@ -97,7 +97,7 @@ def test_Serializer_unpicklable_object_names_its_type(serializer: Serializer) ->
 
 
 def test_Serializer_errors_of_its_own_tree_propagate_unchanged() -> None:
-    def refuse(obj: object, context: object) -> tuple[Any, ...] | None:
+    def refuse(obj: object, context: object, made: list[Any]) -> tuple[Any, ...] | None:
         if isinstance(obj, helpers.Handle):
             raise RRefError("deleted RRef")
         return None
@@ -117,7 +117,7 @@ def test_Serializer_missing_module_raises_missing_reference(
     remote_fn.__module__ = scratch_module.__name__
     remote_fn.__qualname__ = "remote_fn"
     scratch_module.remote_fn = remote_fn  # type: ignore[attr-defined]
-    payload, segments, _ = serializer.dumps((remote_fn, (), {}))
+    payload, segments, _, _ = serializer.dumps((remote_fn, (), {}))
     del sys.modules[scratch_module.__name__]
     with pytest.raises(MissingReferenceError) as info:
         serializer.loads(payload, segments)
@@ -136,7 +136,7 @@ def test_Serializer_missing_attribute_raises_missing_reference(
     Gone.__module__ = scratch_module.__name__
     Gone.__qualname__ = "Gone"
     scratch_module.Gone = Gone  # type: ignore[attr-defined]
-    payload, segments, _ = serializer.dumps(Gone())
+    payload, segments, _, _ = serializer.dumps(Gone())
     del scratch_module.Gone
     with pytest.raises(MissingReferenceError) as info:
         serializer.loads(payload, segments)
@@ -243,7 +243,7 @@ def test_Serializer_persistent_hooks_receive_context() -> None:
     dumped: list[tuple[object, object]] = []
     loaded: list[tuple[tuple[Any, ...], object]] = []
 
-    def dump(obj: object, context: object) -> tuple[Any, ...] | None:
+    def dump(obj: object, context: object, made: list[Any]) -> tuple[Any, ...] | None:
         dumped.append((type(obj), context))
         return ("handle", obj.ident) if isinstance(obj, helpers.Handle) else None
 
@@ -252,7 +252,7 @@ def test_Serializer_persistent_hooks_receive_context() -> None:
         return helpers.Handle(pid[1] * 10)
 
     serializer = Serializer(persistent_dump=dump, persistent_load=load)
-    payload, segments, _ = serializer.dumps(
+    payload, segments, _, _ = serializer.dumps(
         {"h": helpers.Handle(7), "n": [1, "x"]}, context="to-worker"
     )
     got = serializer.loads(payload, segments, context="from-worker")
@@ -263,10 +263,39 @@ def test_Serializer_persistent_hooks_receive_context() -> None:
     assert all(kind not in {int, str, list, dict} for kind, _ in dumped)
 
 
+def _minting(obj: object, context: object, made: list[Any]) -> tuple[Any, ...] | None:
+    if not isinstance(obj, helpers.Handle):
+        return None
+    made.append((context, obj.ident))  # as the RRef layer records the fork it mints
+    return ("handle", obj.ident)
+
+
+def test_Serializer_dumps_returns_what_its_hook_minted() -> None:
+    serializer = Serializer(persistent_dump=_minting)
+    assert serializer.dumps([1, "x"], context=3).made is None  # nothing minted: no list
+    made = serializer.dumps([helpers.Handle(7), helpers.Handle(8)], context=3).made
+    assert made == [(3, 7), (3, 8)]
+    # Nothing is left behind for the next message (no per-thread state to take it from).
+    assert serializer.dumps(helpers.Handle(9), context=4).made == [(4, 9)]
+
+
+def test_Serializer_failed_dumps_discards_what_its_hook_minted() -> None:
+    discarded: list[tuple[object, list[Any]]] = []
+    serializer = Serializer(
+        persistent_dump=_minting, discard=lambda context, made: discarded.append((context, made))
+    )
+    with pytest.raises(SerializationError):
+        serializer.dumps([helpers.Handle(7), threading.Lock()], context=3)
+    assert discarded == [(3, [(3, 7)])]
+    with pytest.raises(SerializationError):
+        serializer.dumps([threading.Lock()], context=3)  # nothing minted: nothing to discard
+    assert len(discarded) == 1
+
+
 def test_Serializer_tensor_hook_runs_before_persistent_dump() -> None:
     seen: list[type] = []
 
-    def dump(obj: object, context: object) -> tuple[Any, ...] | None:
+    def dump(obj: object, context: object, made: list[Any]) -> tuple[Any, ...] | None:
         seen.append(type(obj))
         return None
 
@@ -276,7 +305,7 @@ def test_Serializer_tensor_hook_runs_before_persistent_dump() -> None:
 
 
 def test_Serializer_persistent_tuple_may_carry_tensors() -> None:
-    def dump(obj: object, context: object) -> tuple[Any, ...] | None:
+    def dump(obj: object, context: object, made: list[Any]) -> tuple[Any, ...] | None:
         return (
             ("h", torch.full((BIG,), float(obj.ident))) if isinstance(obj, helpers.Handle) else None
         )
@@ -291,10 +320,10 @@ def test_Serializer_persistent_tuple_may_carry_tensors() -> None:
 
 
 def test_Serializer_persistent_reference_without_load_hook_raises() -> None:
-    def dump(obj: object, context: object) -> tuple[Any, ...] | None:
+    def dump(obj: object, context: object, made: list[Any]) -> tuple[Any, ...] | None:
         return ("h",) if isinstance(obj, helpers.Handle) else None
 
-    payload, segments, _ = Serializer(persistent_dump=dump).dumps(helpers.Handle(1))
+    payload, segments, _, _ = Serializer(persistent_dump=dump).dumps(helpers.Handle(1))
     with pytest.raises(SerializationError):
         Serializer().loads(payload, segments)
 

@@ -272,14 +272,14 @@ def test_Serializer_allocate_zero_bytes(serializer: Serializer) -> None:
 
 def test_Serializer_loads_accepts_bytes_like_segments(serializer: Serializer) -> None:
     tensor = torch.arange(6, dtype=torch.int16).reshape(2, 3)
-    payload, segments, _keepalive = serializer.dumps(tensor)
+    payload, segments, _keepalive, _ = serializer.dumps(tensor)
     got = serializer.loads(payload, [bytes(segments[0][0])])
     assert torch.equal(got, tensor)
 
 
 def test_Serializer_segments_are_read_only_views_of_tensor(serializer: Serializer) -> None:
     tensor = torch.zeros(4)
-    _payload, segments, keepalive = serializer.dumps(tensor)
+    _payload, segments, keepalive, _ = serializer.dumps(tensor)
     view, tag = segments[0]
     assert view.readonly
     assert tag == "cpu"
@@ -327,7 +327,7 @@ def test_Serializer_nested_containers_and_dataclasses(serializer: Serializer) ->
 
 def test_Serializer_tensor_never_enters_payload(serializer: Serializer) -> None:
     tensor = torch.full((1024,), 7.0)
-    payload, segments, _keepalive = serializer.dumps(tensor)
+    payload, segments, _keepalive, _ = serializer.dumps(tensor)
     assert len(payload) < 200
     assert segments[0][0].nbytes == 4096
 
@@ -347,7 +347,7 @@ def test_Serializer_meta_tensor_goes_through_torch(serializer: Serializer) -> No
 
 
 def test_Serializer_missing_segment_raises(serializer: Serializer) -> None:
-    payload, _segments, _keepalive = serializer.dumps(torch.ones(3))
+    payload, _segments, _keepalive, _ = serializer.dumps(torch.ones(3))
     with pytest.raises(SerializationError):
         serializer.loads(payload, [])
 
@@ -472,7 +472,7 @@ def test_tensors_requiring_grad_are_listed_in_one_order_on_both_sides(
     sent_policy, received_policy = CallTensors(), CallTensors()
     sent_policy.track_grads()
     received_policy.track_grads()
-    payload, segments, _ = inlining.dumps(message, policy=sent_policy)
+    payload, segments, _, _ = inlining.dumps(message, policy=sent_policy)
     assert len(segments) == 1  # only the big one
     owners = []
     for view, tag in segments:

@@ -142,7 +142,7 @@ def _deliver(
     sender: SharedMemory, receiver: SharedMemory, value: object
 ) -> tuple[Any, list[object]]:
     serializer = Serializer(place=sender.place)
-    payload, segments, keep = serializer.dumps(value, context=1)
+    payload, segments, keep, _ = serializer.dumps(value, context=1)
     owners = [
         receiver.allocate(0, len(view), tag)[0] if tag.startswith("shm:") else bytes(view)
         for view, tag in segments
@@ -174,11 +174,11 @@ def test_SharedMemory_moves_large_segments_and_gets_chunks_back() -> None:
 def test_SharedMemory_small_segments_and_unprobed_peers_stay_on_the_socket() -> None:
     sender, receiver, _, _ = _pair(threshold=2 * MIB)
     serializer = Serializer(place=sender.place)
-    _, segments, _ = serializer.dumps(torch.ones(MIB // 4), context=1)  # under the threshold
+    _, segments, _, _ = serializer.dumps(torch.ones(MIB // 4), context=1)  # under the threshold
     assert not segments[0][1].startswith("shm:")
-    _, segments, _ = serializer.dumps(torch.ones(MIB), context=5)  # rank 5 never probed
+    _, segments, _, _ = serializer.dumps(torch.ones(MIB), context=5)  # rank 5 never probed
     assert not segments[0][1].startswith("shm:")
-    _, segments, _ = serializer.dumps(torch.ones(MIB), context=None)  # not a peer
+    _, segments, _, _ = serializer.dumps(torch.ones(MIB), context=None)  # not a peer
     assert not segments[0][1].startswith("shm:")
     sender.close()
     receiver.close()
@@ -207,7 +207,7 @@ def test_SharedMemory_refuses_offers_it_cannot_verify() -> None:
 def test_SharedMemory_bad_segments_fail_the_message_not_the_connection() -> None:
     sender, receiver, wire, loop = _pair()
     serializer = Serializer(place=sender.place)
-    payload, segments, _ = serializer.dumps(torch.ones(MIB // 4), context=1)
+    payload, segments, _, _ = serializer.dumps(torch.ones(MIB // 4), context=1)
     tag = segments[0][1]
     fd, chunk_id, size, dev, ino, nbytes, device = tag.split(":", 7)[1:]
     for bad_tag, rank in (

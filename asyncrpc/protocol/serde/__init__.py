@@ -7,7 +7,13 @@ Re-exports only; see ``pickler`` (``Serializer``), ``tensors`` (segment layout),
 from __future__ import annotations
 
 from asyncrpc.protocol.serde.exceptions import pack_exception, unpack_exception
-from asyncrpc.protocol.serde.pickler import PersistentDump, PersistentLoad, Serializer
+from asyncrpc.protocol.serde.pickler import (
+    Discard,
+    Dumped,
+    PersistentDump,
+    PersistentLoad,
+    Serializer,
+)
 from asyncrpc.protocol.serde.reducers import (
     MissingReferenceError,
     ReduceFn,
@@ -19,6 +25,8 @@ from asyncrpc.protocol.serde.tensors import Allocator, Segment
 
 __all__ = [
     "Allocator",
+    "Discard",
+    "Dumped",
     "MissingReferenceError",
     "PersistentDump",
     "PersistentLoad",

@@ -18,6 +18,8 @@ from typing import Final
 
 import torch
 
+from asyncrpc.protocol.serde.tensors import memory_view
+
 __all__ = ["LARGE_BUFFER_BYTES", "ReceiveBuffers"]
 
 LARGE_BUFFER_BYTES: Final = 32 << 20
@@ -62,9 +64,16 @@ class ReceiveBuffers:
             self._keep(region)
         return torch.frombuffer(region, dtype=torch.uint8, count=nbytes)
 
+    def segment(self, nbytes: int, tag: str) -> tuple[object, memoryview]:
+        """The wire's ``Allocator``: an uninitialized uint8 tensor and a writable view of its
+        bytes (CPU memory whatever the tag: the bytes arrive over a socket)."""
+        del tag
+        owner = self.allocate(nbytes)
+        return owner, memory_view(owner.data_ptr(), nbytes, writable=True)
+
     def _reuse(self, size: int) -> mmap.mmap | None:
         pooled = self._pooled
-        for index in range(len(pooled)):  # bounded by capacity / 32 MiB
+        for index in range(len(pooled)):
             if len(pooled[index]) == size and _unused(pooled, index):
                 region = pooled.pop(index)
                 pooled.append(region)  # most recently used last: eviction takes the first

@@ -2,7 +2,8 @@
 
 ``Serializer.dumps`` turns a value into a pickle payload plus raw tensor segments and
 ``loads`` turns them back. All per-call state lives in a per-call Pickler or Unpickler, so
-one configured serializer serves many threads at once (msgspec style, no thread-locals).
+one configured serializer serves many threads at once (msgspec style, no thread-locals):
+``dumps`` returns all it made, the references its ``persistent_dump`` hook minted too.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import io
 import pickle
 import types
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import torch
 
@@ -34,16 +35,22 @@ from asyncrpc.protocol.serde.tensors import (
     export_tensor,
     import_tensor,
     is_small_tensor,
-    memory_view,
     rebuild_small_tensor,
     reduce_small_tensor,
     reduce_tensor_fallback,
 )
 
-__all__ = ["PersistentDump", "PersistentLoad", "Place", "Serializer"]
+__all__ = ["Discard", "Dumped", "PersistentDump", "PersistentLoad", "Place", "Serializer"]
 
-PersistentDump = Callable[[object, object], tuple[Any, ...] | None]
-"""``persistent_dump(obj, context)``: a picklable tuple standing for ``obj``, or None."""
+PersistentDump = Callable[[object, object, list[Any]], tuple[Any, ...] | None]
+"""``persistent_dump(obj, context, made)``: a picklable tuple standing for ``obj``, or None.
+
+It appends to ``made`` what it minted for this message (the RRef layer: the forks a
+pickled RRef becomes), and ``dumps`` returns that list with the payload."""
+
+Discard = Callable[[Any, list[Any]], None]
+"""``discard(context, made)``: what ``persistent_dump`` minted for a value that then failed
+to pickle; no message carries it (the RRef layer undoes the forks)."""
 
 PersistentLoad = Callable[[tuple[Any, ...], object], object]
 """``persistent_load(tuple, context)``: the object a ``persistent_dump`` tuple stands for."""
@@ -56,6 +63,16 @@ is the tensor whose memory ``segments[i]`` views. It returns the segments to sen
 agent moves large ones into shared memory for a peer on the same host) and may append to
 ``keepalive`` what must live as long as the frame.
 """
+
+
+class Dumped(NamedTuple):
+    """What ``dumps`` made of one value (a named tuple: made once per message, cheaply)."""
+
+    payload: bytes
+    segments: list[Segment]  # ``(memoryview, tag)`` over the tensors' own memory
+    keepalive: list[object]  # what keeps those segments valid until they are written
+    made: list[Any] | None  # what ``persistent_dump`` minted for it (None: nothing)
+
 
 _PROTOCOL: Final = 5
 _Tensor = torch.Tensor
@@ -115,6 +132,8 @@ class _Pickler(pickle.Pickler):
         self._exported: dict[int, TensorDescriptor] = {}
         self.segments: list[Segment] = []
         self.keepalive: list[object] = []
+        # What the persistent_dump hook minted for this message (see PersistentDump).
+        self.made: list[Any] = []
         # The last non-plain object seen; when pickling fails, it is the culprit (pickle
         # saves depth first and fails inside the object it entered last).
         self.last: object = None
@@ -132,7 +151,7 @@ class _Pickler(pickle.Pickler):
                 return None  # reducer_override puts it in the pickle
             return self._tensor_id(obj)
         if self._hook is not None:
-            pid = self._hook(obj, self._context)
+            pid = self._hook(obj, self._context, self.made)
             if pid is not None:
                 return (HOOK_PID, pid)
         return None
@@ -239,6 +258,7 @@ class Serializer:
 
     __slots__ = (
         "_buffers",
+        "_discard",
         "_inline_bytes",
         "_persistent_dump",
         "_persistent_load",
@@ -252,6 +272,7 @@ class Serializer:
         reducers: ReducerRegistry | None = None,
         persistent_dump: PersistentDump | None = None,
         persistent_load: PersistentLoad | None = None,
+        discard: Discard | None = None,
         inline_tensor_bytes: int = SMALL_TENSOR_BYTES,
         place: Place | None = None,
     ) -> None:
@@ -259,9 +280,12 @@ class Serializer:
 
         Args:
             reducers: the reducer registry; ``default_registry`` (live) when None.
-            persistent_dump: ``(obj, context) -> tuple | None``; a tuple replaces ``obj``
-                in the stream (the agent turns RRefs into fork descriptors here).
+            persistent_dump: ``(obj, context, made) -> tuple | None``; a tuple replaces
+                ``obj`` in the stream (the RRef layer turns RRefs into fork descriptors
+                here, and appends the forks it minted to ``made``).
             persistent_load: ``(tuple, context) -> obj``, the inverse on the receiver.
+            discard: ``(context, made)``, told what ``persistent_dump`` minted for a value
+                that failed to pickle.
             inline_tensor_bytes: dense CPU tensors of at most this many bytes are copied
                 into the payload instead of travelling as segments; -1 for none.
             place: decides where segments travel (see ``Place``); None sends them as they
@@ -273,6 +297,7 @@ class Serializer:
         self._reducers = (default_registry if reducers is None else reducers).table
         self._persistent_dump = persistent_dump
         self._persistent_load = persistent_load
+        self._discard = discard
 
     def dumps(
         self,
@@ -280,7 +305,7 @@ class Serializer:
         *,
         context: object = None,
         policy: TensorPolicy | None = None,
-    ) -> tuple[bytes, list[Segment], list[object]]:
+    ) -> Dumped:
         """Pickle ``obj``; its dense tensors become raw segments outside the payload.
 
         Args:
@@ -290,10 +315,12 @@ class Serializer:
                 defaults: small CPU tensors inline, CUDA tensors refused.
 
         Returns:
-            ``(payload, segments, keepalive)``: segments are ``(memoryview, tag)`` over the
-            tensors' own memory (no copy) and ``keepalive`` holds those tensors; keep it
-            until the bytes are written, and do not modify the tensors before then.
-            Nothing else is retained: a failed call leaves no state behind.
+            ``(payload, segments, keepalive, made)``: segments are ``(memoryview, tag)``
+            over the tensors' own memory (no copy) and ``keepalive`` holds those tensors;
+            keep it until the bytes are written, and do not modify the tensors before then.
+            ``made`` lists what ``persistent_dump`` minted for this value (None: nothing):
+            the caller sends it with the message or undoes it. Nothing else is retained: a
+            failed call leaves no state behind (what was minted goes to ``discard``).
 
         Raises:
             SerializationError: something cannot be pickled (the cause is chained; the
@@ -306,14 +333,16 @@ class Serializer:
         )
         try:
             pickler.dump(obj)
-        except AsyncRpcError:
-            raise
-        except Exception as exc:
+        except BaseException as exc:
+            if pickler.made and self._discard is not None:
+                self._discard(context, pickler.made)  # no message will carry them
+            if isinstance(exc, AsyncRpcError) or not isinstance(exc, Exception):
+                raise
             raise SerializationError(_describe_failure(pickler.last, exc)) from exc
         segments = pickler.segments
         if segments and self._place is not None:
             segments = self._place(segments, pickler.keepalive, context)
-        return buffer.getvalue(), segments, pickler.keepalive
+        return Dumped(buffer.getvalue(), segments, pickler.keepalive, pickler.made or None)
 
     def loads(
         self,
@@ -367,9 +396,7 @@ class Serializer:
         Returns:
             ``(owner, writable memoryview of exactly nbytes)``; pass the owners to ``loads``.
         """
-        del tag  # CPU memory for every tag: the bytes arrive over TCP.
-        owner = self._buffers.allocate(nbytes)
-        return owner, memory_view(owner.data_ptr(), nbytes, writable=True)
+        return self._buffers.segment(nbytes, tag)  # CPU memory whatever the tag
 
 
 def _describe_failure(culprit: object, exc: Exception) -> str:

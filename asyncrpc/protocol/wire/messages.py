@@ -175,7 +175,9 @@ class Auth:
 class Request:
     """Run the pickled ``(function, args, kwargs)`` payload.
 
-    ``timeout`` is the caller's limit in seconds (0: none), so the callee can give up too.
+    ``timeout`` is the caller's limit in seconds (0: none): the callee gives up on the value
+    of a ``remote()`` request that outlives it (the caller's RRef is unusable by then); a
+    call the caller gave up on is cancelled by its ``Cancel``.
     ``target`` names the function for errors and metrics. For ``CallMode.REMOTE`` the
     ``rref_id`` and ``fork_id`` pairs name the owner RRef to create and the caller's fork.
     ``headers`` holds the call pipeline's fields (hook key -> msgpack value); it is left

@@ -1,4 +1,4 @@
-"""Which calls of builtin torch ops a worker runs on its event loop, not its pool (layer L2).
+"""Which calls of builtin torch ops a worker runs on its event loop, not its pool (layer L2.4).
 
 A small elementwise op runs in a few microseconds, but on the thread pool it pays two
 thread hand-offs (tens of microseconds each on a VM). An op from the list below, called on

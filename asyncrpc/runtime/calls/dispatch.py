@@ -1,12 +1,13 @@
-"""Runs received requests and sends their replies (layer L2, on the agent's loop).
+"""Runs received requests and sends their replies (layer L2.4, on the agent's loop).
 
 ``async def`` functions run as tasks on the loop; synchronous ones run on the agent's
 ``WorkerPool`` so a blocking function never stalls the loop, and the pool thread also
 pickles the result and builds the reply frame; ``@inline`` ones run on the loop.
 ``async_execution`` functions reply when the future they return completes. Every request
 can be cancelled by the caller (timeout or cancellation): a task is cancelled, a pool job
-that has not started is dropped. Requests that carry pipeline header fields (or every
-request, while a hook serves all) pass through the call pipeline's callee side.
+that has not started is dropped; a ``remote()`` request whose timeout passes fails its
+value. Requests that carry pipeline header fields (or every request, while a hook serves
+all) pass through the call pipeline's callee side.
 """
 
 from __future__ import annotations
@@ -30,20 +31,17 @@ from asyncrpc.errors import (
 )
 from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
 from asyncrpc.protocol.serde import MissingReferenceError, Serializer, pack_exception
-from asyncrpc.protocol.serde.policy import DEFAULT, NoGrads
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import ACK_WANTED, CallMode, ErrorReply, Reply, Request
 from asyncrpc.runtime.calls.builtins import checked_op, is_torch_c_function, runs_on_loop
 from asyncrpc.runtime.calls.pipeline import IncomingCall, Pipeline
-from asyncrpc.runtime.future import Future
-from asyncrpc.runtime.futurebridge import CFuture
+from asyncrpc.runtime.futures import Future, add_hook
+from asyncrpc.runtime.futures.bridge import CFuture
 from asyncrpc.runtime.metrics import Counters
 from asyncrpc.runtime.net.links import FrameInParts, write_in_parts
 from asyncrpc.runtime.net.transport import Connection
-from asyncrpc.runtime.producer import Producers
-from asyncrpc.runtime.services import RRefService
-from asyncrpc.runtime.threadpool import Job as PoolJob
-from asyncrpc.runtime.threadpool import WorkerPool
+from asyncrpc.runtime.ports import Loop
+from asyncrpc.runtime.threads.pool import Job as PoolJob
 
 __all__ = [
     "Dispatcher",
@@ -53,7 +51,7 @@ __all__ = [
     "print_request_error",
 ]
 
-_log = logging.getLogger("asyncrpc.runtime.calls.dispatch")
+_log = logging.getLogger(__name__)
 # What a built reply keeps alive while it is written, the RRef forks it carries, and the
 # request as the pipeline saw it (None: it did not go through the pipeline).
 _Keep = tuple[object, Any, IncomingCall | None]
@@ -69,7 +67,44 @@ class Caller(Protocol):
     peer_name: str | None
 
 
-# Writes a frame on a connection (the agent's; a closed connection drops it).
+class OwnerValues(Protocol):
+    """What the dispatcher asks of the RRef layer (``asyncrpc/rref/forks.py``, above it):
+    the values of ``remote()`` requests, and the forks that requests and replies carry."""
+
+    def on_remote_request(self, peer: int, request: Request) -> None:
+        """A remote() request arrived: register the caller's fork before it runs."""
+
+    def on_value(self, request: Request, peer: int, ok: bool, value: Any) -> None:
+        """Its function finished: its value (or exception) is the owner's."""
+
+    def expire_value(self, request: Request) -> bool:
+        """Its timeout passed: fail its value unless it is made; whether it failed it."""
+
+    def take_unconfirmed(self) -> Any:
+        """A future done once the forks unpickled since the last call are confirmed by
+        their owners (None: all are)."""
+
+    def undelivered(self, rank: int, forks: list[Any]) -> None:
+        """The frame carrying these forks to ``rank`` was never written."""
+
+
+class Producers(Protocol):
+    """What the dispatcher asks of the producing side of streams (``calls/streams/``,
+    above it): hold a stream request's credit, forget it, start its generator."""
+
+    def expect(self, conn: Any, peer: int, stream_id: int, target: str) -> None: ...
+
+    def forget(self, peer: int, stream_id: int) -> None: ...
+
+    def start(
+        self, peer: int, stream_id: int, fn: Any, run: Callable[..., Any], args: Any,
+        kwargs: Any, replying: Callable[[bool, Any], dict[str, Any] | None],
+        dumps: Callable[[Any], Any],
+    ) -> None: ...  # fmt: skip
+
+
+# Writes a reply frame on the connection its request came on (the network's ``write``,
+# through the lanes' reply writer; a closed connection drops it).
 Writer = Callable[[Any, list[Any], object, Any], None]
 
 
@@ -161,29 +196,29 @@ class Dispatcher:
     def __init__(
         self,
         name: str,
-        loop: asyncio.AbstractEventLoop,
-        pool: WorkerPool,
+        loop: Loop,
         serializer: Serializer,
         write: Writer,
         counters: Counters,
         pipeline: Pipeline,
-        rrefs: RRefService,
+        owner: OwnerValues,
+        producers: Producers,
         print_errors: bool = True,
     ) -> None:
         self._name = name
         self._print_errors = print_errors
-        self._loop = loop
-        self._pool = pool
+        self._loop = loop.aio
+        self._pool = loop.pool
         self._serializer = serializer
         self._write = write
         self._counters = counters
         self._pipeline = pipeline
         # The requests running as a task or a pool job, by (caller, call id).
         self._running: dict[tuple[int, int], ServedRequest] = {}
-        # Keeps the values of remote() requests.
-        self.rrefs = rrefs
-        # Runs the generators of stream requests (CallMode.STREAM); set by the agent.
-        self.streams: Producers | None = None
+        # Keeps the values of remote() requests, and follows the forks replies carry.
+        self._owner = owner
+        # Runs the generators of stream requests (CallMode.STREAM).
+        self._producers = producers
 
     def __len__(self) -> int:
         return len(self._running)
@@ -194,13 +229,13 @@ class Dispatcher:
         peer = conn.peer
         assert peer is not None
         served = ServedRequest(conn, request, peer)
+        owner = self._owner
         if served.remote:
-            self.rrefs.on_remote_request(peer, request)
+            owner.on_remote_request(peer, request)
+            self.watch_remote(peer, request)
         elif request.mode == CallMode.STREAM:  # its credit may come before it starts
-            assert self.streams is not None
-            self.streams.expect(conn, peer, request.call_id, request.target)
-        rrefs = self.rrefs
-        rrefs.take_unconfirmed()  # forget forks unpickled elsewhere (replies)
+            self._producers.expect(conn, peer, request.call_id, request.target)
+        owner.take_unconfirmed()  # forget forks unpickled elsewhere (replies)
         try:
             if self._pipeline.serves(request.headers):
                 self._receiving(served)
@@ -219,11 +254,11 @@ class Dispatcher:
             return
         # RRefs in the arguments forked by a worker other than their owner: the function
         # runs once their owners confirmed them (as in torch), so they are usable there.
-        unconfirmed = rrefs.take_unconfirmed()
+        unconfirmed = owner.take_unconfirmed()
         call = (fn, args, kwargs)
         if unconfirmed is not None:
             start = partial(self._start, served, call)
-            unconfirmed._add_hook(lambda _: self._loop.call_soon_threadsafe(start))
+            add_hook(unconfirmed, lambda _: self._loop.call_soon_threadsafe(start))
             return
         self._start(served, call)
 
@@ -253,19 +288,15 @@ class Dispatcher:
                 self._finish(served, False, exc)
                 return
         request = served.request
-        if request.mode == CallMode.STREAM:  # a generator, driven by runtime/producer.py
-            assert self.streams is not None
+        if request.mode == CallMode.STREAM:  # a generator, driven by calls/streams/producer.py
             replying = partial(self._replying, served)
-            # Items are pickled as replies are, with the reply's device map, but each frame
-            # leaves as soon as it is built: CUDA tensors take the transfer that waits on
-            # the spot (items have no ready stage).
+            # The items' tensor policy is the hooks' to say (the pipeline's stream_items).
             incoming = served.incoming
-            policy = None if incoming is None else incoming.reply_policy.devices.blocking()
-            if incoming is not None and incoming.reply_policy.grads is not None:
-                # Opened inside a distributed autograd context, which does not follow items.
-                policy = NoGrads(policy or DEFAULT, "a stream item")
+            policy = None if incoming is None else self._pipeline.item_policy(incoming)
             dumps = partial(self._serializer.dumps, context=served.peer, policy=policy)
-            self.streams.start(served.peer, request.call_id, fn, run, args, kwargs, replying, dumps)
+            self._producers.start(
+                served.peer, request.call_id, fn, run, args, kwargs, replying, dumps
+            )
             return
         if is_coroutine_function(fn):
             self._counters.calls_on_loop += 1
@@ -313,6 +344,18 @@ class Dispatcher:
         return missing_reference_error(self._name, request, exc)
 
     # -- cancelling ------------------------------------------------------------------------
+
+    def watch_remote(self, peer: int, request: Request) -> None:
+        """Fail the value of a remote() request that outlives its caller's timeout (a lane's
+        thread serves some, and hands them here, on the loop)."""
+        if request.timeout > 0:  # the caller's deadline holds here too
+            self._loop.call_later(request.timeout, self._expire_remote, peer, request)
+
+    def _expire_remote(self, peer: int, request: Request) -> None:
+        # A remote() request still running when its caller's timeout passes: the value
+        # fails with RRefTimeoutError, and the function is cancelled as on a Cancel.
+        if self._owner.expire_value(request):
+            self.on_cancel(peer, request.call_id)
 
     def on_cancel(self, peer: int, call_id: int) -> None:
         served = self._running.pop((peer, call_id), None)
@@ -428,21 +471,17 @@ class Dispatcher:
         """The reply frame, what must live while it is written (with the RRef forks it
         carries), or the error that building it raised."""
         incoming, peer = served.incoming, served.peer
-        rrefs = self.rrefs
-        rrefs.take_minted()  # a pickling that failed elsewhere on this thread may leave some
-        try:
-            payload, segments, keep = self._serializer.dumps(
+        try:  # RRefs pickled before a failure: the serializer undoes their forks
+            payload, segments, keep, forks = self._serializer.dumps(
                 result, context=peer, policy=None if incoming is None else incoming.reply_policy
             )
         except Exception as exc:  # the error reply tells the hooks (see _send_error)
-            self._undelivered(peer, rrefs.take_minted())  # forked for nobody
             target = served.request.target
             error = SerializationError(
                 f"the result of {target} on worker {self._name!r} cannot be sent: {exc}"
             )
             error.__cause__ = exc
             return None, (None, None, None), error
-        forks = rrefs.take_minted()
         headers = self._replying(served, True, result)
         if forks and getattr(served.conn, "acks_forks", False):
             # A lane (runtime/lanes/): its caller says when it has read the forks.
@@ -452,7 +491,7 @@ class Dispatcher:
 
     def _undelivered(self, peer: int, forks: Any) -> None:
         if forks:
-            self.rrefs.undelivered(peer, forks)
+            self._owner.undelivered(peer, forks)
 
     def _send_built(
         self,
@@ -528,10 +567,10 @@ class Dispatcher:
         request = served.request
         if not ok and self._print_errors:
             self._print_error(request, served.conn.peer_name, value)
-        if request.mode == CallMode.STREAM and self.streams is not None:
-            self.streams.forget(served.peer, request.call_id)  # never started: the error replies
+        if request.mode == CallMode.STREAM:
+            self._producers.forget(served.peer, request.call_id)  # never started: the error replies
         elif served.remote:
-            self.rrefs.on_value(request, served.peer, ok, value)
+            self._owner.on_value(request, served.peer, ok, value)
             if request.headers:
                 self._acknowledge(served, ok, value)
             else:
@@ -549,7 +588,7 @@ class Dispatcher:
         # A remote() request with pipeline fields: its caller's hooks wait for the end of
         # the function (torch's remote profiling does too), so say so with an empty reply.
         headers = self._replying(served, ok, value)
-        payload, segments, keep = self._serializer.dumps(None)
+        payload, segments, keep, _ = self._serializer.dumps(None)
         reply = Reply(served.request.call_id, headers).to_fields()
         self._write(served.conn, encode_frame(reply, payload, segments), keep, None)
 

@@ -1,4 +1,4 @@
-"""The outbox: outgoing calls from encoding to their end (layer L2.4).
+"""The outbox: outgoing calls from encoding to their end (layer L2.4); the ``Calls`` port.
 
 A call is pickled and framed once, on the calling thread, through the call pipeline's
 caller side, into one frozen ``EncodedRequest``; ``start`` hands it to the loop, which
@@ -7,8 +7,9 @@ ends it first (the reply, an error reply, its timeout, the caller's cancellation
 connection or peer, shutdown) pops it, so a call completes exactly once; a timed-out or
 cancelled call tells the callee with a Cancel. The call pipeline's ``ready`` stage may
 hold a request back (GPU work still filling its bytes); the network keeps it in order
-meanwhile. ``call_future``, ``call`` and ``send_remote`` are the three ways in:
-thread-side, coroutine-side and ``remote()``.
+meanwhile. ``call_future`` (and ``call_sync``), ``call`` and ``send_remote`` are the ways
+in: thread-side, coroutine-side and ``remote()``. It owns the table of pending calls, whose
+deadlines expire straight into it.
 """
 
 from __future__ import annotations
@@ -18,77 +19,32 @@ import itertools
 import math
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Final, NamedTuple, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Final, Protocol
 
 from asyncrpc.errors import ClosedError, PeerLostError, RpcTimeoutError
 from asyncrpc.functions import is_async_execution, is_coroutine_function
-from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
-from asyncrpc.protocol.reflog import Transfer
+from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT, WorkerInfo
+from asyncrpc.protocol.reflog import ForkPair
 from asyncrpc.protocol.serde import Serializer, unpack_exception
 from asyncrpc.protocol.wire import Frame, encode_frame, frame_nbytes
 from asyncrpc.protocol.wire.messages import CallMode, Request, optional_headers
-from asyncrpc.runtime.calls.pending import PendingCall, PendingCalls, Waiter, describe_function
-from asyncrpc.runtime.calls.pipeline import CallHook, OutgoingCall, Pipeline
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.calls.pending import (
+    EncodedRequest,
+    Observed,
+    PendingCall,
+    PendingCalls,
+    Waiter,
+    describe_function,
+)
+from asyncrpc.runtime.calls.pipeline import CallKind, OutgoingCall, Pipeline
+from asyncrpc.runtime.futures import Future, on_cancel
 from asyncrpc.runtime.group.membership import Directory
-from asyncrpc.runtime.loopinbox import LoopInbox
 from asyncrpc.runtime.metrics import Counters
+from asyncrpc.runtime.ports import Frames, Loop, OutgoingFrame, Register
 from asyncrpc.runtime.shm.shm import SHM_TAG_PREFIX
 
-__all__ = [
-    "NOT_ON_LANE",
-    "EncodedRequest",
-    "Minting",
-    "Observed",
-    "Outbox",
-    "Sender",
-    "SyncLanes",
-]
-
-# Per calling thread: its last call_future to each rank (see Outbox.call_sync).
-_Issued = dict[int, "weakref.ref[Future[Any]]"]
-# The pipeline hooks a call went through, with their view of it.
-Observed = tuple[tuple[CallHook, ...], OutgoingCall]
-# For remote(): makes the RRef id and the caller's fork id once the payload is pickled.
-Register = Callable[[], tuple[tuple[int, int], tuple[int, int] | None]]
-
-
-class EncodedRequest(NamedTuple):
-    """A request pickled and framed on the calling thread, ready to be written (immutable;
-    a named tuple, not a frozen dataclass: it is made once per call, and a frozen
-    dataclass's ``__init__`` cost three times as much).
-
-    Attributes:
-        pieces: the frame, as ``encode_frame`` returns it.
-        keep: what keeps the memory of its zero-copy pieces valid until written.
-        observed: the pipeline hooks it went through (None: no hook was active).
-        forks: the RRef forks its payload carries (None: none).
-        shared: whether a segment went into shared memory (a lane cannot carry it).
-    """
-
-    call_id: int
-    rank: int
-    target: str
-    timeout: float
-    pieces: list[Any]
-    keep: object
-    observed: Observed | None
-    forks: list[Transfer] | None
-    shared: bool = False  # some segment went into shared memory (its tag names a chunk)
-
-
-class Sender(Protocol):
-    """What the outbox asks of the network (``asyncrpc.runtime.net.network.Network``)."""
-
-    def send_to(
-        self, rank: int, pieces: list[Any], call_id: int = 0, keep: object = None,
-        forks: list[Transfer] | None = None, ready: Awaitable[None] | None = None,
-    ) -> None: ...  # fmt: skip
-
-    def send_cancel(self, rank: int, call_id: int) -> None: ...
-
-    def undelivered(self, rank: int, forks: list[Transfer] | None) -> None: ...
+__all__ = ["NOT_ON_LANE", "EncodedRequest", "Observed", "Outbox", "SyncLanes"]
 
 
 # What ``Outbox.call_on_lane`` returns for a call it did not make (no lane).
@@ -110,47 +66,52 @@ class SyncLanes(Protocol):
         """Run one call on ``lane``, blocking this thread until its reply (or ``UNSENT``)."""
 
 
-class Minting(Protocol):
-    """What the outbox asks of the RRef service: the forks the last pickling made."""
-
-    def take_minted(self) -> list[Any] | None: ...
-
-
 class Outbox:
     """The outgoing calls of one worker."""
 
     def __init__(
         self,
         name: str,
-        loop: asyncio.AbstractEventLoop,
-        pending: PendingCalls,
+        loop: Loop,
         *,
         serializer: Serializer,
         pipeline: Pipeline,
         directory: Directory,
-        sender: Sender,
-        rrefs: Minting,
+        frames: Frames,
+        undelivered: Callable[[int, list[ForkPair]], None],
         unlend: Callable[[object], None],
         counters: Counters,
         default_timeout: float,
         lanes: SyncLanes | None = None,
     ) -> None:
-        self._name, self.loop = name, loop
-        self.loop_thread_id = threading.get_ident()
-        self._inbox = LoopInbox(loop, "thread_to_loop")
+        self._name, self.loop = name, loop.aio
+        self.run_on_loop = loop.run_on_loop
         self._serializer, self._pipeline, self._directory = serializer, pipeline, directory
-        self._sender, self._rrefs, self._unlend = sender, rrefs, unlend
+        self._frames, self._undelivered, self._unlend = frames, undelivered, unlend
         self._counters, self._default_timeout = counters, default_timeout
         self._lanes = lanes
+        self._on_loop_thread = loop.on_loop_thread
         # Per calling thread, its last call_future to each rank (weakly: its pending call
         # holds it until the reply). A synchronous call to a rank whose earlier call from
         # the same thread is still pending takes the same connection, behind it, so that
         # the callee starts them in the order this thread made them.
         self._issued = threading.local()
-        # Its expiry calls ``expire`` (the agent builds it first: the network needs it too).
-        self.pending = pending
+        self.pending = PendingCalls(loop.aio, self.expire)
         self._call_ids = itertools.count(1)
         self.closed = False
+
+    # -- the group's members, as the Calls port answers about them --------------------------
+
+    def resolve(self, to: Any) -> int:
+        """The rank of ``to`` (a name, rank or ``WorkerInfo``).
+
+        Raises:
+            UnknownWorkerError: no member of the group is ``to``.
+        """
+        return self._directory.resolve(to)
+
+    def worker_info(self, rank: int) -> WorkerInfo:
+        return self._directory.worker_info(rank)
 
     def effective_timeout(self, timeout: float) -> float:
         """torch's rule: a negative timeout means the default, 0 means none (so does inf).
@@ -168,13 +129,13 @@ class Outbox:
 
     def encode(
         self, rank: int, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
-        kind: str, mode: int = CallMode.CALL, register: Register | None = None,
+        kind: CallKind, mode: int = CallMode.CALL, register: Register | None = None,
         target: str | None = None,
     ) -> EncodedRequest:  # fmt: skip
         """Pickle and frame a request on the calling thread, through the call pipeline.
 
         Args:
-            kind: torch's name of the call's mode for the hooks: "sync", "async", "remote".
+            kind: how the call was made, for the hooks.
             register: for ``remote()``, makes the RRef and fork ids once the payload is
                 pickled and the hooks have run (so a failure leaves no RRef state).
             target: the name the hooks and errors use (default: the function's).
@@ -192,14 +153,11 @@ class Outbox:
             callee = self._directory.addresses[rank].name
             call = OutgoingCall(kind, self._name, callee, rank, fn, target, args, kwargs)
             Pipeline.prepare(hooks, call)  # the hooks' tensor policy, before pickling
-        self._rrefs.take_minted()  # a pickling that failed elsewhere on this thread may leave some
-        try:
-            payload, segments, keep = self._serializer.dumps(
-                (fn, args, kwargs), context=rank, policy=None if call is None else call.policy
-            )
-        except BaseException:
-            self._undo_minted(rank)  # RRefs pickled before the failure: forked for nobody
-            raise
+        # The RRef forks its pickling mints come back with the payload (an argument that
+        # cannot be pickled: the serializer undoes those it minted before).
+        payload, segments, keep, forks = self._serializer.dumps(
+            (fn, args, kwargs), context=rank, policy=None if call is None else call.policy
+        )
         call_id = next(self._call_ids)
         headers = None
         try:
@@ -207,26 +165,27 @@ class Outbox:
                 call.call_id = call_id
                 Pipeline.outgoing(hooks, call)
                 headers = call.headers or None
-            rref_id, fork_id = register() if register is not None else (None, None)
+            rref_id = fork_id = None
+            if register is not None:
+                rref_id, fork_id = register()
+                if fork_id is not None:  # the caller's fork of the value: followed too
+                    forks = [*forks, (rref_id, fork_id)] if forks else [(rref_id, fork_id)]
             request = Request(call_id, timeout, mode, target, rref_id, fork_id, headers)
             pieces = encode_frame(request.to_fields(), payload, segments)
         except BaseException:
             self._unlend(keep)  # no frame: no peer will give its shared chunks back
-            self._undo_minted(rank)
+            if forks:
+                self._undelivered(rank, forks)  # RRefs forked for nobody
             raise
         observed = None if call is None else (hooks, call)
-        forks = self._rrefs.take_minted()
         shared = bool(segments) and any(tag.startswith(SHM_TAG_PREFIX) for _, tag in segments)
         return EncodedRequest(call_id, rank, target, timeout, pieces, keep, observed, forks, shared)
-
-    def _undo_minted(self, rank: int) -> None:
-        self._sender.undelivered(rank, self._rrefs.take_minted())
 
     # -- the three ways in -----------------------------------------------------------------
 
     def call_future(
         self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
-        kind: str = "async", target: str | None = None,
+        kind: CallKind = CallKind.ASYNC, target: str | None = None,
     ) -> Future[Any]:  # fmt: skip
         """Start a call from any thread and return its ``asyncrpc.Future``; cancelling the
         future cancels the call (and tells the callee)."""
@@ -246,7 +205,7 @@ class Outbox:
     def _start_future(self, encoded: EncodedRequest) -> Future[Any]:
         future: Future[Any] = Future(loop=self.loop)
         call_id = encoded.call_id
-        future._cancel_hook = lambda: self.loop.call_soon_threadsafe(self.cancel, call_id)
+        on_cancel(future, lambda: self.loop.call_soon_threadsafe(self.cancel, call_id))
         self.run_on_loop(self.start, encoded, future)
         return future
 
@@ -264,8 +223,8 @@ class Outbox:
             The errors of ``call_future`` and of the call.
         """
         rank = self._directory.resolve(to)
-        encoded = self.encode(rank, fn, args, kwargs, self.effective_timeout(timeout), "sync",
-                              target=target)  # fmt: skip
+        encoded = self.encode(rank, fn, args, kwargs, self.effective_timeout(timeout),
+                              CallKind.SYNC, target=target)  # fmt: skip
         return self._sync(rank, fn, encoded)
 
     def call_on_lane(
@@ -281,12 +240,14 @@ class Outbox:
             The errors of ``call_sync``.
         """
         lanes = self._lanes
-        if lanes is None or threading.get_ident() == self.loop_thread_id:
+        if lanes is None or self._on_loop_thread():
             return NOT_ON_LANE
         rank = self._directory.resolve(to)
         if self._behind_pending(rank) or lanes.lane(rank, 0) is None:
             return NOT_ON_LANE
-        encoded = self.encode(rank, fn, args, kwargs, self.effective_timeout(timeout), "sync")
+        encoded = self.encode(
+            rank, fn, args, kwargs, self.effective_timeout(timeout), CallKind.SYNC
+        )
         return self._sync(rank, fn, encoded)
 
     def _sync(self, rank: int, fn: Any, encoded: EncodedRequest) -> Any:
@@ -325,7 +286,9 @@ class Outbox:
         if directory.lazy:
             await directory.lookup_async(directory.destination(to))  # off the loop
         rank = directory.resolve(to)
-        encoded = self.encode(rank, fn, args, kwargs, self.effective_timeout(timeout), "async")
+        encoded = self.encode(
+            rank, fn, args, kwargs, self.effective_timeout(timeout), CallKind.ASYNC
+        )
         waiter: asyncio.Future[Any] = self.loop.create_future()
         self.start(encoded, waiter)
         try:
@@ -359,12 +322,13 @@ class Outbox:
             SerializationError: the function or an argument cannot be pickled.
         """
         encoded = self.encode(
-            rank, fn, args, kwargs, timeout, "remote", CallMode.REMOTE, register, target
+            rank, fn, args, kwargs, timeout, CallKind.REMOTE, CallMode.REMOTE, register, target
         )
         if encoded.observed is None:
             if not self._sent_on_lane(rank, fn, encoded):
                 e = encoded
-                self.run_on_loop(self._sender.send_to, rank, e.pieces, 0, e.keep, e.forks)
+                frame = OutgoingFrame(rank, e.pieces, e.keep, e.forks)
+                self.run_on_loop(self._frames.send, frame)
             return None
         acknowledged: Future[Any] = Future(loop=self.loop)
         self.run_on_loop(self.start, encoded, acknowledged)
@@ -380,7 +344,7 @@ class Outbox:
             or forks is None
             or len(forks) != 1
             or encoded.shared
-            or threading.get_ident() == self.loop_thread_id
+            or self._on_loop_thread()
             or self._behind_pending(rank)
             or is_coroutine_function(fn)
             or is_async_execution(fn)
@@ -389,28 +353,20 @@ class Outbox:
         lane = lanes.lane(rank, frame_nbytes(encoded.pieces))
         return lane is not None and lanes.send(lane, encoded)
 
-    def run_on_loop(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` on the loop: now if this is the loop thread, else in order
-        with what other threads hand over, one loop wake-up per batch."""
-        if threading.get_ident() == self.loop_thread_id:
-            fn(*args)
-        else:
-            self._inbox.put(fn, args)
-
     # -- on the loop -----------------------------------------------------------------------
 
     def start(self, encoded: EncodedRequest, waiter: Waiter) -> None:
         """Register the call and write its frame (on the loop thread)."""
         e = encoded
-        call = PendingCall(waiter, e.rank, e.target, e.timeout, e.keep, e.observed, e.forks)
+        call = PendingCall(waiter, e, self.pending)
         if self.closed:
             call.fail(ClosedError(f"worker {self._name!r} is shut down"))
             return
-        self.pending.add(e.call_id, call)
+        self.pending.add(call)
         self._counters.calls_sent += 1
         # The pipeline's ready stage may hold the frame (GPU work still filling its bytes).
         ready = None if e.observed is None else Pipeline.ready(*e.observed)
-        self._sender.send_to(e.rank, e.pieces, e.call_id, e.keep, e.forks, ready)
+        self._frames.send(OutgoingFrame(e.rank, e.pieces, e.keep, e.forks, call, ready))
 
     def cancel(self, call_id: int) -> None:
         """Give up on ``call_id`` (the caller was cancelled) and tell the callee."""
@@ -419,7 +375,7 @@ class Outbox:
             return
         self._counters.calls_cancelled += 1
         call.fail(asyncio.CancelledError())
-        self._send_cancel(call.peer, call_id)
+        self._frames.cancel(call.peer, call_id)
 
     def expire(self, call_id: int) -> None:
         """The timeout of ``call_id`` passed: it fails, and the callee is told."""
@@ -427,18 +383,17 @@ class Outbox:
         if call is None:
             return
         self._counters.calls_timed_out += 1
-        callee = self._directory.addresses[call.peer].name
-        call.fail(RpcTimeoutError(callee, call.target, call.timeout))
-        self._send_cancel(call.peer, call_id)
-
-    def _send_cancel(self, rank: int, call_id: int) -> None:
-        self._sender.send_cancel(rank, call_id)
+        request = call.request
+        callee = self._directory.addresses[request.rank].name
+        call.fail(RpcTimeoutError(callee, request.target, request.timeout))
+        self._frames.cancel(request.rank, call_id)
 
     def on_reply(self, fields: list[Any], frame: Frame) -> None:
         call = self.pending.pop(fields[1])
         if call is None:
             return  # timed out or cancelled meanwhile
-        policy = None if call.observed is None else call.observed[1].reply_policy
+        observed = call.request.observed
+        policy = None if observed is None else observed[1].reply_policy
         try:
             headers = optional_headers(fields, 2)
             value = self._serializer.loads(

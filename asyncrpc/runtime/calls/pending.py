@@ -1,9 +1,11 @@
-"""The table of outgoing calls awaiting a reply (layer L2, used on the agent's loop only).
+"""The table of outgoing calls awaiting a reply (layer L2.4, used on the agent's loop only).
 
 Each pending call holds its waiter (an ``asyncrpc.Future`` for thread-side callers, or an
-``asyncio.Future`` for coroutines on the agent's loop), the peer, and its deadline slot.
-Whatever ends a call first (reply, error, timeout, cancellation, lost peer) pops it, so a
-call completes exactly once. Timeouts share one loop timer (``Deadlines``).
+``asyncio.Future`` for coroutines on the agent's loop), the ``EncodedRequest`` it was made
+from, and its deadline slot. Whatever ends a call first (reply, error, timeout,
+cancellation, lost peer) pops it, so a call completes exactly once. Timeouts share one loop
+timer (``Deadlines``). A pending call is also what the network asks about the request
+frame it carries (``SentCall``: still wanted? written where? could not be written).
 """
 
 from __future__ import annotations
@@ -12,66 +14,120 @@ import asyncio
 import heapq
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from asyncrpc.functions import per_callable_cache
-from asyncrpc.protocol.reflog import Transfer
+from asyncrpc.protocol.reflog import ForkPair
 from asyncrpc.runtime.calls.pipeline import CallHook, OutgoingCall, Pipeline
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.futures import Future, on_value, try_set_exception, try_set_result
 
-__all__ = ["Deadlines", "PendingCall", "PendingCalls", "Waiter", "describe_function"]
+__all__ = [
+    "Deadlines",
+    "EncodedRequest",
+    "Observed",
+    "PendingCall",
+    "PendingCalls",
+    "Waiter",
+    "describe_function",
+]
 
 Waiter = Future[Any] | asyncio.Future[Any]
+# The pipeline hooks a call went through, with their view of it.
+Observed = tuple[tuple[CallHook, ...], OutgoingCall]
+
+
+class EncodedRequest(NamedTuple):
+    """A request pickled and framed on the calling thread, ready to be written (immutable;
+    a named tuple, not a frozen dataclass: it is made once per call, and a frozen
+    dataclass's ``__init__`` cost three times as much).
+
+    Attributes:
+        call_id: its id, unique per caller.
+        rank: the callee.
+        target: what it runs, for errors and the hooks.
+        timeout: seconds until it fails with ``RpcTimeoutError`` (0: never).
+        pieces: the frame, as ``encode_frame`` returns it.
+        keep: what keeps the memory of its zero-copy pieces valid until written (and, kept
+            by its pending call, until the call ends).
+        observed: the pipeline hooks it went through (None: no hook was active).
+        forks: the RRef forks its payload carries (None: none), followed until the peer
+            reads it.
+        shared: whether a segment went into shared memory (a lane cannot carry it).
+    """
+
+    call_id: int
+    rank: int
+    target: str
+    timeout: float
+    pieces: list[Any]
+    keep: object
+    observed: Observed | None
+    forks: list[ForkPair] | None
+    shared: bool = False  # some segment went into shared memory (its tag names a chunk)
 
 
 class PendingCall:
-    """One call in flight."""
+    """One call in flight: its waiter and the request it was made from."""
 
-    __slots__ = (
-        "forks", "keepalive", "observed", "peer", "sent_on", "slot", "target", "timeout",
-        "waiter",
-    )  # fmt: skip
+    __slots__ = ("_calls", "request", "sent_on", "slot", "waiter")
 
     def __init__(
-        self, waiter: Waiter, peer: int, target: str, timeout: float, keepalive: object = None,
-        observed: tuple[tuple[CallHook, ...], OutgoingCall] | None = None,
-        forks: list[Transfer] | None = None,
-    ) -> None:  # fmt: skip
+        self, waiter: Waiter, request: EncodedRequest, calls: PendingCalls | None = None
+    ) -> None:
         self.waiter = waiter
-        self.peer = peer
-        self.target = target
-        self.timeout = timeout
+        self.request = request  # keeps its tensors alive until the call ends
+        self._calls = calls  # the table it is registered in (None: none)
         self.slot = 0  # its Deadlines slot; 0: no timeout
         # The connection its request was written on (None: still waiting for one); losing
         # that connection fails the call, losing another one does not.
         self.sent_on: object = None
-        # Tensors whose memory is being written; freed with the call, not before.
-        self.keepalive = keepalive
-        # The RRef forks its request carries (None: none), followed until the peer reads it.
-        self.forks = forks
-        # The pipeline hooks this call went through, told when it ends (None: none).
-        self.observed = observed
+
+    @property
+    def call_id(self) -> int:
+        return self.request.call_id
+
+    @property
+    def peer(self) -> int:
+        return self.request.rank
+
+    # -- what the network asks of the request frame's call (asyncrpc.runtime.ports.SentCall)
+
+    def wanted(self) -> bool:
+        return self._calls is not None and self._calls.get(self.request.call_id) is self
+
+    def written(self, conn: object) -> None:
+        self.sent_on = conn  # losing this connection fails it
+
+    def unsent(self, exc: BaseException) -> bool:
+        if self._calls is None or self._calls.pop(self.request.call_id) is None:
+            return False
+        self.fail(exc)
+        return True
+
+    # -- ending ----------------------------------------------------------------------------
 
     def resolve(self, value: Any, headers: dict[str, Any] | None = None) -> None:
         waiter = self.waiter
-        if self.observed is not None:
-            hooks, call = self.observed
+        observed = self.request.observed
+        if observed is not None:
+            hooks, call = observed
             call.result = value
             Pipeline.completed(hooks, call, headers, None)
             if call.on_value is not None and isinstance(waiter, Future):
-                waiter._on_value = call.on_value
+                on_value(waiter, call.on_value)
         if isinstance(waiter, Future):
             # Not done()-then-set: the caller's thread may cancel it in between.
-            waiter._try_set_result(value)
+            try_set_result(waiter, value)
         elif not waiter.done():
             waiter.set_result(value)
 
     def fail(self, exc: BaseException, headers: dict[str, Any] | None = None) -> None:
-        if self.observed is not None:
-            Pipeline.completed(*self.observed, headers, exc)
+        observed = self.request.observed
+        if observed is not None:
+            Pipeline.completed(*observed, headers, exc)
         waiter = self.waiter
         if isinstance(waiter, Future):
-            waiter._try_set_exception(exc)
+            try_set_exception(waiter, exc)
         elif not waiter.done():
             waiter.set_exception(exc)
 
@@ -178,9 +234,10 @@ class PendingCalls:
     def __len__(self) -> int:
         return len(self._calls)
 
-    def add(self, call_id: int, call: PendingCall) -> None:
-        if call.timeout > 0:  # first: a failure here leaves nothing registered
-            call.slot = self.deadlines.add(call_id, call.timeout)
+    def add(self, call: PendingCall) -> None:
+        call_id, timeout = call.request.call_id, call.request.timeout
+        if timeout > 0:  # first: a failure here leaves nothing registered
+            call.slot = self.deadlines.add(call_id, timeout)
         self._calls[call_id] = call
 
     def __contains__(self, call_id: int) -> bool:
@@ -195,30 +252,13 @@ class PendingCalls:
     def get(self, call_id: int) -> PendingCall | None:
         return self._calls.get(call_id)
 
-    # -- what the network asks of the calls it carries (asyncrpc.runtime.net.links.SentCalls)
-
-    def wanted(self, call_id: int) -> bool:
-        return call_id in self._calls
-
-    def written(self, call_id: int, conn: object) -> None:
-        call = self._calls.get(call_id)
-        if call is not None:
-            call.sent_on = conn  # losing this connection fails it
-
-    def unsent(self, call_id: int, exc: BaseException) -> bool:
-        call = self.pop(call_id)
-        if call is None:
-            return False
-        call.fail(exc)
-        return True
-
     def pop_peer(self, peer: int, sent_on: object = None) -> Iterator[PendingCall]:
         """Remove and yield every call waiting on ``peer`` (the peer is gone), or only those
         written on the connection ``sent_on`` (that connection is gone)."""
         lost = [
             cid
             for cid, call in self._calls.items()
-            if call.peer == peer and (sent_on is None or call.sent_on is sent_on)
+            if call.request.rank == peer and (sent_on is None or call.sent_on is sent_on)
         ]
         for call_id in lost:
             call = self.pop(call_id)
@@ -233,7 +273,7 @@ class PendingCalls:
     def count_by_peer(self) -> dict[int, int]:
         counts: dict[int, int] = {}
         for call in self._calls.values():
-            counts[call.peer] = counts.get(call.peer, 0) + 1
+            counts[call.request.rank] = counts.get(call.request.rank, 0) + 1
         return counts
 
 

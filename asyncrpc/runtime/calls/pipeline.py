@@ -1,10 +1,11 @@
 """The call pipeline: one ordered list of hooks every call passes through, on both sides
-(layer L2).
+(layer L2.4).
 
 Cross-cutting features (profiling, distributed autograd, device maps and CUDA streams) are
 hooks, in the spirit of gRPC's interceptors and of torch's wrapping of every message: the
-agent and the dispatcher call the pipeline at fixed points and know nothing of what the
-hooks do. A hook is called only for the stages its class overrides.
+outbox, the dispatcher and the lanes call the pipeline at fixed points and know nothing of
+what the hooks do (even a stream's items get their tensor policy from the hooks). A hook
+is called only for the stages its class overrides.
 
 On the caller, for each outgoing call (``rpc_sync``, ``rpc_async``, ``await call``,
 ``remote``, RRef proxies and ``to_here``):
@@ -31,7 +32,10 @@ On the callee, for each request that carries header fields (or every request whi
   7. ``replying(call, ok, value)`` on the thread that builds the reply, after its payload
      is pickled (``call.reply_grads``) and before it is framed: the hook sees the outcome
      and may add reply header fields;
-  8. ``reply_ready(call)`` on the loop, before the reply is written, like ``ready``.
+  8. ``reply_ready(call)`` on the loop, before the reply is written, like ``ready``;
+  9. ``stream_items(call, policy)`` on the loop, for a streaming call, before its function
+     starts: the tensor policy of its items (each item's frame leaves as soon as it is
+     built, with no ready stage), given the policy the hooks before it chose.
 Tracked requiring-grad tensors always travel as segments, so both sides list them in the
 same order (see ``TensorPolicy.met``).
 
@@ -47,6 +51,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from asyncrpc.functions import is_coroutine_function
 from asyncrpc.protocol.serde.policy import DEFAULT, TensorPolicy
+from asyncrpc.runtime.ports import CallKind
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +59,7 @@ if TYPE_CHECKING:
 __all__ = [
     "STAGES",
     "CallHook",
+    "CallKind",
     "CallTensors",
     "IncomingCall",
     "OutgoingCall",
@@ -61,7 +67,8 @@ __all__ = [
     "Wrapper",
 ]
 
-_log = logging.getLogger("asyncrpc.pipeline")
+_log = logging.getLogger(__name__)
+
 
 # Takes the function to run and returns the function to run instead (same calling
 # convention: a coroutine function's wrapper returns an awaitable).
@@ -70,7 +77,7 @@ Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
 # The stages a hook may override, in the order a call meets them.
 STAGES = (
     "active", "serves_all", "prepare", "outgoing", "ready", "completed", "receiving",
-    "incoming", "replying", "reply_ready",
+    "incoming", "replying", "reply_ready", "stream_items",
 )  # fmt: skip
 
 
@@ -151,11 +158,11 @@ class OutgoingCall(_Call):
     )  # fmt: skip
 
     def __init__(
-        self, kind: str, caller: str, callee: str, callee_rank: int, fn: Any, target: str,
+        self, kind: CallKind, caller: str, callee: str, callee_rank: int, fn: Any, target: str,
         args: Sequence[Any], kwargs: dict[str, Any],
     ) -> None:  # fmt: skip
         super().__init__()
-        self.kind = kind  # torch's exec modes: "sync", "async", "remote"
+        self.kind = kind
         self.caller = caller
         self.callee = callee
         self.callee_rank = callee_rank
@@ -274,13 +281,15 @@ class CallHook:
         """What the reply's frame must wait for before it is written (agent's loop)."""
         return None
 
+    def stream_items(self, call: IncomingCall, policy: TensorPolicy | None) -> TensorPolicy | None:
+        """The tensor policy of a streaming call's items, given ``policy``, what the hooks
+        before this one chose (None: the defaults). Each item's frame is written as soon
+        as it is built: there is no ready stage to hold it (agent's loop)."""
+        return policy
+
     def debug_info(self) -> dict[str, Any]:
         """What this hook adds to ``get_debug_info()``."""
         return {}
-
-    def flush(self) -> None:
-        """The worker is shutting down (agent's loop): send now what the hook holds back,
-        so the graceful shutdown waits for it like any outstanding call."""
 
 
 class Pipeline:
@@ -327,7 +336,7 @@ class Pipeline:
             hook = hooks[0]
             return hooks if "active" not in hook.stages or hook.active() else ()
         active: tuple[CallHook, ...] = ()
-        for hook in hooks:  # bounded by the hooks; a loop, no generator per call
+        for hook in hooks:  # a loop, no generator per call
             if "active" not in hook.stages or hook.active():
                 active = (*active, hook)
         return active
@@ -380,7 +389,7 @@ class Pipeline:
         no hook serves every request, and those its fields name are lane-safe."""
         if headers is None:
             return not self.serves(None)
-        for hook in self._hooks:  # bounded by the hooks
+        for hook in self._hooks:
             if hook.serves_all() or (not hook.lane_safe and not hook.fields.isdisjoint(headers)):
                 return False
         return True
@@ -422,6 +431,13 @@ class Pipeline:
             except Exception:
                 _log.exception("call hook %r failed replying to %s", hook, call.target)
 
+    def item_policy(self, call: IncomingCall) -> TensorPolicy | None:
+        """The tensor policy of a streaming call's items, as its hooks chose it in turn."""
+        policy: TensorPolicy | None = None
+        for hook in self._by_stage["stream_items"]:
+            policy = hook.stream_items(call, policy)
+        return policy
+
     def reply_ready(self, call: IncomingCall) -> Awaitable[None] | None:
         """What the reply's frame waits for: None, or one awaitable for all hooks'."""
         hooks = self._by_stage["reply_ready"]
@@ -441,5 +457,5 @@ def _all_of(waits: list[Awaitable[None] | None]) -> Awaitable[None] | None:
 
 async def _in_order(waits: list[Awaitable[None]]) -> None:
     # One after the other: a hook's wait may rely on the one before it being over.
-    for wait in waits:  # bounded by the hooks
+    for wait in waits:
         await wait

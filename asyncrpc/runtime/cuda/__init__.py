@@ -1,4 +1,4 @@
-"""The CUDA path's device seam and the stream scheduling above it (layer L2).
+"""The CUDA path's device seam and the stream scheduling above it (layer L2.45).
 
 ``Devices`` is the seam (``CudaDevices`` on a GPU, ``FakeDevices`` on the CPU for tests);
 ``gate`` decides when a frame carrying CUDA tensors may leave and orders a receiver's

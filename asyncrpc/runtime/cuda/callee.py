@@ -1,4 +1,4 @@
-"""The streams a callee runs a request on: torch's rule 2 above the device seam (layer L2).
+"""The streams a callee runs a request on: torch's rule 2 above the device seam (layer L2.45).
 
 A request that carries CUDA tensors (or whose caller maps devices of this worker) leases
 one stream per involved device from the agent's ``StreamPool``. Before the function runs,
@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Gener
 from typing import Any
 
 from asyncrpc.protocol.options import RpcBackendOptions
-from asyncrpc.runtime.cuda.devices import Devices, Stream
+from asyncrpc.runtime.cuda.devices import CudaStream, Devices
 from asyncrpc.runtime.cuda.pool import StreamLease, StreamPool, StreamPoolExhaustedError
 from asyncrpc.runtime.net.links import FrameInParts
 
@@ -62,7 +62,7 @@ class CalleeStreams:
         self,
         involved: Sequence[int],
         first: Callable[[], None] | None,
-        reply_streams: dict[int, Stream] | None,
+        reply_streams: dict[int, CudaStream] | None,
     ) -> RequestStreams:
         """The streams of one request (called on the loop, after its payload is unpickled).
 
@@ -96,7 +96,7 @@ class RequestStreams:
         callee: CalleeStreams,
         involved: tuple[int, ...],
         first: Callable[[], None] | None,
-        reply: dict[int, Stream] | None,
+        reply: dict[int, CudaStream] | None,
     ) -> None:
         self.callee = callee
         self.involved = involved
@@ -146,7 +146,7 @@ class RequestStreams:
         if first is not None:
             first()  # the current streams (the leased ones) wait for the request's data
 
-    def _leased(self, lease: StreamLease) -> list[Stream]:
+    def _leased(self, lease: StreamLease) -> list[CudaStream]:
         self.lease = lease
         pool = self.callee.pool
         self._finalizer = weakref.finalize(self, pool.release, lease)
@@ -226,7 +226,7 @@ class _ReleasingParts:
     async def parts(self, pieces: list[Any]) -> AsyncIterator[list[Any]]:
         inner = self._inner.parts(pieces)
         try:
-            async for part in inner:  # bounded by the frame's parts
+            async for part in inner:
                 yield part
         finally:
             self._release()
@@ -240,7 +240,7 @@ class _ReleasingParts:
 
 @types.coroutine
 def on_streams(
-    devices: Devices, streams: list[Stream], coro: Coroutine[Any, Any, Any]
+    devices: Devices, streams: list[CudaStream], coro: Coroutine[Any, Any, Any]
 ) -> Generator[Any, Any, Any]:
     """Drive ``coro`` with ``streams`` current on the loop's thread during each of its steps
     only (between steps other tasks run on the loop with its own current streams)."""

@@ -1,4 +1,4 @@
-"""The device seam (layer L2): every CUDA call of the runtime's CUDA path goes through
+"""The device seam (layer L2.45): every CUDA call of the runtime's CUDA path goes through
 ``Devices``, so what sits above it (which events a frame waits for, when it may leave,
 which streams a callee runs on, when a caller's streams wait) runs on ``FakeDevices`` in CI
 and on ``CudaDevices`` on a GPU, unchanged.
@@ -14,9 +14,9 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["Devices", "Event", "GpuIdentity", "IpcDescriptor", "Stream", "devices_of"]
+__all__ = ["CudaStream", "Devices", "Event", "GpuIdentity", "IpcDescriptor", "devices_of"]
 
-Stream = Any  # a device's stream, as the Devices that made it knows it
+CudaStream = Any  # a device's stream, as the Devices that made it knows it
 Event = Any  # a recorded event, likewise
 # What names shared device memory to another process on this host: a tuple of ints, bytes,
 # str and bools (msgpack-able), its first item the UUID of the GPU the memory is on.
@@ -44,20 +44,20 @@ class Devices(Protocol):
         """The CUDA device index of ``tensor``, or None for a tensor not on a GPU."""
         ...
 
-    def current_stream(self, device: int) -> Stream:
+    def current_stream(self, device: int) -> CudaStream:
         """The calling thread's current stream on ``device``."""
         ...
 
-    def new_stream(self, device: int) -> Stream:
+    def new_stream(self, device: int) -> CudaStream:
         """A new stream on ``device`` (pools build theirs from these)."""
         ...
 
-    def use_streams(self, streams: list[Stream]) -> AbstractContextManager[None]:
+    def use_streams(self, streams: list[CudaStream]) -> AbstractContextManager[None]:
         """Make ``streams`` (at most one per device) the calling thread's current ones for
         the duration of the ``with`` block, then restore the previous ones."""
         ...
 
-    def record(self, stream: Stream) -> Event:
+    def record(self, stream: CudaStream) -> Event:
         """An event completing once the work queued on ``stream`` so far is done."""
         ...
 
@@ -65,12 +65,12 @@ class Devices(Protocol):
         """Whether ``event`` has completed (never blocks)."""
         ...
 
-    def wait(self, stream: Stream, event: Event) -> None:
+    def wait(self, stream: CudaStream, event: Event) -> None:
         """Make work queued on ``stream`` from now on wait for ``event`` (the host does
         not wait)."""
         ...
 
-    def keep(self, tensor: Any, stream: Stream) -> None:
+    def keep(self, tensor: Any, stream: CudaStream) -> None:
         """Keep ``tensor``'s memory from reuse, once it is freed, until the work queued on
         ``stream`` by then is done (a tensor made on one stream and read on another)."""
         ...
@@ -80,7 +80,7 @@ class Devices(Protocol):
         for a GPU lands in, so its copy to the device needs no host wait)."""
         ...
 
-    def stage_out(self, tensor: Any, stream: Stream) -> Any:
+    def stage_out(self, tensor: Any, stream: CudaStream) -> Any:
         """Queue on ``stream`` a copy of ``tensor`` into pinned host memory and return
         that host tensor (same shape and dtype). Its bytes are valid once an event
         recorded on ``stream`` afterwards has completed; ``tensor``'s memory is kept from
@@ -92,7 +92,7 @@ class Devices(Protocol):
         bytes can be copied in ranges), else None."""
         ...
 
-    def copy_out(self, tensor: Any, host: Any, start: int, stop: int, stream: Stream) -> None:
+    def copy_out(self, tensor: Any, host: Any, start: int, stop: int, stream: CudaStream) -> None:
         """Queue on ``stream`` a copy of bytes ``[start, stop)`` of the contiguous device
         ``tensor`` into the same bytes of ``host`` (a flat uint8 pinned CPU tensor of its
         size). They are valid once an event recorded on ``stream`` afterwards has
@@ -104,7 +104,7 @@ class Devices(Protocol):
         ``like``'s dtype and shape."""
         ...
 
-    def stage_in(self, segment: Any, device: int, stream: Stream) -> Any:
+    def stage_in(self, segment: Any, device: int, stream: CudaStream) -> Any:
         """Queue on ``stream`` a copy of ``segment`` (host bytes) to ``device`` and return
         the device tensor; work queued on ``stream`` afterwards sees the bytes. The host
         does not wait for the GPU."""
@@ -114,7 +114,7 @@ class Devices(Protocol):
         """This process's boot id and visible GPUs' UUIDs."""
         ...
 
-    def share(self, tensor: Any, stream: Stream) -> IpcDescriptor:
+    def share(self, tensor: Any, stream: CudaStream) -> IpcDescriptor:
         """Export the device memory ``tensor`` lives in to other processes on this host.
 
         An interprocess event is recorded on ``stream`` (the producer's work so far): the
@@ -123,7 +123,7 @@ class Devices(Protocol):
         """
         ...
 
-    def open(self, desc: IpcDescriptor, nbytes: int, device: int, stream: Stream) -> Any:
+    def open(self, desc: IpcDescriptor, nbytes: int, device: int, stream: CudaStream) -> Any:
         """Open memory another process shared: a flat uint8 tensor of its ``nbytes`` on
         ``device`` (a peer copy on ``stream`` where the memory is on another of this host's
         GPUs); work queued on ``stream`` afterwards sees the producer's writes.

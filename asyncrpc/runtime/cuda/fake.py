@@ -1,4 +1,4 @@
-"""``FakeDevices``: the device seam on the CPU, for tests (layer L2).
+"""``FakeDevices``: the device seam on the CPU, for tests (layer L2.45).
 
 A stream is an in-order queue of simulated work; a test launches work on it and lets it
 run (``run``), so GPU progress happens exactly when the test says. An event recorded on
@@ -267,7 +267,7 @@ class FakeDevices:
         """Complete up to ``items`` (all if None) of ``stream``'s queued items, in order,
         stopping at a wait whose event has not completed; returns how many completed."""
         completed = 0
-        for item in stream.pending():  # bounded by the queue
+        for item in stream.pending():
             if items is not None and completed >= items:
                 break
             if item.after is not None and not item.after.done():

@@ -1,5 +1,5 @@
 """When a frame carrying CUDA tensors may leave, and how a receiver's streams are ordered
-after it: torch's stream rules without host syncs, above the device seam (layer L2).
+after it: torch's stream rules without host syncs, above the device seam (layer L2.45).
 
 Sender (torch's rule 1, and rule 3 for replies): at send time one event is recorded on the
 sending thread's current stream of each device the frame's tensors live on; the frame is
@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrpc.runtime.cuda.devices import Devices, Event, Stream, devices_of
+from asyncrpc.runtime.cuda.devices import CudaStream, Devices, Event, devices_of
 
 __all__ = ["FrameEvents", "SendGate", "order_after", "record_for"]
 
@@ -48,7 +48,7 @@ def record_for(devices: Devices, tensors: Iterable[Any]) -> FrameEvents:
     )
 
 
-def order_after(devices: Devices, streams: Sequence[Stream], frame: FrameEvents) -> None:
+def order_after(devices: Devices, streams: Sequence[CudaStream], frame: FrameEvents) -> None:
     """Make each of ``streams`` wait for the frame's event of its device (no host wait).
     A stream of a device the frame has no event for is left alone."""
     by_device = dict(frame.events)
@@ -59,7 +59,7 @@ def order_after(devices: Devices, streams: Sequence[Stream], frame: FrameEvents)
             devices.wait(stream, event)
 
 
-def _device(stream: Stream) -> int | None:
+def _device(stream: CudaStream) -> int | None:
     device = getattr(stream, "device", None)  # torch.cuda.Stream and FakeStream have it
     if isinstance(device, int):
         return device

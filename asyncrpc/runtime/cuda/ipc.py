@@ -1,4 +1,4 @@
-"""Same-host CUDA tensors by handle, no bytes on the wire (layer L2, above the device seam).
+"""Same-host CUDA tensors by handle, no bytes on the wire (layer L2.45, above the device seam).
 
 A tensor for a peer that can open this process's CUDA IPC handles travels as a handle in
 its segment's tag (``ipc:<device>:<id>:<nbytes>:<descriptor>``) and an empty segment. The
@@ -38,11 +38,11 @@ from typing import Any
 
 import msgpack
 
-from asyncrpc.runtime.cuda.devices import Devices, IpcDescriptor, Stream
+from asyncrpc.runtime.cuda.devices import CudaStream, Devices, IpcDescriptor
 
 __all__ = ["FIELD", "TAG", "IpcLinks", "is_ipc_tag"]
 
-_log = logging.getLogger("asyncrpc.runtime.cuda.ipc")
+_log = logging.getLogger(__name__)
 
 FIELD = "ci"  # the header field: {"o": offer, "a": answer, "r": released ids}
 TAG = "ipc:"
@@ -76,7 +76,7 @@ class IpcLinks:
         devices: Devices,
         same_host: Callable[[int], bool],
         probe: bool = True,
-        stream_for: Callable[[int], Stream] | None = None,
+        stream_for: Callable[[int], CudaStream] | None = None,
     ) -> None:
         self.devices = devices
         self._same_host = same_host
@@ -180,7 +180,13 @@ class IpcLinks:
     # -- handles out (producer) ---------------------------------------------------------------
 
     def export(
-        self, peer: int, tensor: Any, nbytes: int, target: str, stream: Stream, count: bool = True
+        self,
+        peer: int,
+        tensor: Any,
+        nbytes: int,
+        target: str,
+        stream: CudaStream,
+        count: bool = True,
     ) -> str:
         """Share ``tensor`` (its first ``nbytes``) with ``peer``; returns the segment's tag.
         ``stream`` is the producer's: the consumer waits for the work queued on it."""

@@ -1,4 +1,4 @@
-"""Device maps as a call-pipeline hook (layer L2): which of the callee's devices a CUDA
+"""Device maps as a call-pipeline hook (layer L2.45): which of the callee's devices a CUDA
 tensor lands on, for requests and for their replies.
 
 torch's rule: a caller's map (its device -> the callee's) applies to the request, and the
@@ -24,6 +24,7 @@ import torch
 
 from asyncrpc.errors import InitError, SerializationError
 from asyncrpc.protocol.serde.policy import TensorPolicy
+from asyncrpc.protocol.wire import Allocator
 from asyncrpc.runtime.calls.pipeline import CallHook, IncomingCall, OutgoingCall
 from asyncrpc.runtime.cuda.callee import RequestStreams
 from asyncrpc.runtime.cuda.ipc import FIELD as IPC_FIELD
@@ -136,6 +137,14 @@ class Transfer(Protocol):
         """The pool streams a request runs on (None: its thread's current streams)."""
         ...
 
+    def allocator(self, plain: Allocator) -> Allocator:
+        """The wire's allocator of receive memory, given the one for host segments."""
+        ...
+
+    def on_peer_lost(self, peer: int) -> None:
+        """``peer`` is gone for good: drop what it shared with this worker."""
+        ...
+
 
 class HostCopy(TensorPolicy):
     """Maps devices and copies through host memory, waiting for the device on the spot.
@@ -179,6 +188,12 @@ class HostTransfer:
 
     def serve(self, request: TensorPolicy, reply: TensorPolicy) -> RequestStreams | None:
         return None
+
+    def allocator(self, plain: Allocator) -> Allocator:
+        return plain  # every segment lands in host memory; the policy copies it over
+
+    def on_peer_lost(self, peer: int) -> None:
+        pass  # nothing was shared
 
 
 class DeviceMapHook(CallHook):
@@ -262,6 +277,12 @@ class DeviceMapHook(CallHook):
         ready = self.transfer.ready(call.reply_policy.devices)
         streams = call.state.get(self)
         return ready if streams is None else streams.leave(ready)
+
+    def stream_items(self, call: IncomingCall, policy: TensorPolicy | None) -> TensorPolicy | None:
+        # Items are pickled as replies are, with the reply's device map, but each frame
+        # leaves as soon as it is built: CUDA tensors take the transfer that waits on the
+        # spot.
+        return call.reply_policy.devices.blocking()
 
     def debug_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"device_maps": {c: dict(m) for c, m in self._maps.items()}}

@@ -1,5 +1,5 @@
 """A staged frame as parts that may be written one after another as their chunks' copies
-complete (layer L2): what lets the socket write of a large tensor overlap its copy to the
+complete (layer L2.45): what lets the socket write of a large tensor overlap its copy to the
 host, for a writer that can send one frame in several writes.
 
 ``split_frame`` cuts a frame's pieces at the staged chunks' byte ranges (found by address:
@@ -72,7 +72,7 @@ def split_frame(pieces: Sequence[Piece], chunks: Sequence[Chunk]) -> list[Part]:
     ordered = sorted(chunks, key=lambda chunk: chunk[0])
     parts: list[Part] = []
     head: list[Piece] = []  # bytes before the first chunk
-    for piece in pieces:  # bounded by pieces x chunks
+    for piece in pieces:
         for sub, event in _cut(piece, ordered):
             if event is not None:
                 parts.append(([*head, sub], (event,)))
@@ -116,7 +116,7 @@ async def frame_parts(
     """Yield each part's pieces, in order, once its events are done (polled on the loop
     with a growing backoff; a part whose events are done is yielded at once). Cancelling
     stops it: the parts not yet yielded are not written."""
-    for pieces, events in parts:  # bounded by the parts; each wait by the GPU work
+    for pieces, events in parts:  # each wait lasts as long as the GPU work
         delay = first_poll
         while not all(devices.done(event) for event in events):
             await asyncio.sleep(delay)

@@ -1,4 +1,4 @@
-"""Pinned host buffers for staged CUDA copies: a pool bounded in bytes, reused (layer L2).
+"""Pinned host buffers for staged CUDA copies: a pool bounded in bytes, reused (layer L2.45).
 
 A staged tensor is copied from its device into a pinned host buffer lent by this pool; the
 frame's segment is a view of it. The buffer comes back to the pool when the last tensor
@@ -105,7 +105,7 @@ class PinnedPool:
     def _reuse(self, size: int) -> _Block | None:
         # Under the lock: a free block of this size whose last copy is done.
         blocks = self._free.get(size, [])
-        for i, block in enumerate(blocks):  # bounded by the free list
+        for i, block in enumerate(blocks):
             if block.fill is None or self._devices.done(block.fill):
                 self.reused += 1
                 return blocks.pop(i)

@@ -1,5 +1,5 @@
 """Streams a callee runs on: a bounded pool per device, leased one request at a time
-(layer L2). torch's rule 2: a request's function runs with pool streams made current, and
+(layer L2.45). torch's rule 2: a request's function runs with pool streams made current, and
 those streams wait for the request's events first, so its kernels cannot read early; a
 lease keeps two concurrent requests off one stream. Streams are made lazily up to
 ``per_device``; when all are leased, a request waits its turn (in order) up to ``timeout``
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from asyncrpc.errors import AsyncRpcError
-from asyncrpc.runtime.cuda.devices import Devices, Stream
+from asyncrpc.runtime.cuda.devices import CudaStream, Devices
 
 __all__ = ["StreamLease", "StreamPool", "StreamPoolExhaustedError"]
 
@@ -42,7 +42,7 @@ class StreamPoolExhaustedError(AsyncRpcError, TimeoutError):
 class StreamLease:
     """One stream per device, for one request; give it back with ``StreamPool.release``."""
 
-    streams: tuple[Stream, ...]
+    streams: tuple[CudaStream, ...]
     devices: tuple[int, ...]
     released: bool = field(default=False)
 
@@ -54,9 +54,9 @@ class StreamPool:
         self._devices = devices
         self.per_device = per_device
         self.timeout = timeout
-        self._free: dict[int, list[Stream]] = {}
+        self._free: dict[int, list[CudaStream]] = {}
         self._made: dict[int, int] = {}
-        self._waiters: dict[int, deque[asyncio.Future[Stream]]] = {}
+        self._waiters: dict[int, deque[asyncio.Future[CudaStream]]] = {}
         self._lock = threading.Lock()  # the three tables above, for try_acquire off the loop
         self.leased = 0  # leases handed out, and given back (for tests and metrics)
         self.released = 0
@@ -68,7 +68,7 @@ class StreamPool:
         """A stream of each of ``devices`` if every one is free (or can still be made) and
         nobody waits for one, else None; never waits. Safe from any thread."""
         order = sorted(set(devices))
-        taken: list[Stream] = []
+        taken: list[CudaStream] = []
         with self._lock:
             for device in order:
                 stream = self._take_now(device)
@@ -90,7 +90,7 @@ class StreamPool:
         """
         order = sorted(set(devices))
         deadline = time.monotonic() + self.timeout
-        taken: list[Stream] = []
+        taken: list[CudaStream] = []
         try:
             for device in order:
                 taken.append(await self._take(device, deadline))
@@ -110,7 +110,7 @@ class StreamPool:
             self.released += 1
         self._give_back(list(lease.devices), list(lease.streams))
 
-    def _take_now(self, device: int) -> Stream | None:
+    def _take_now(self, device: int) -> CudaStream | None:
         # Under the lock: a free stream, or a new one below the bound, unless others wait.
         free = self._free.setdefault(device, [])
         if self._waiters.get(device):
@@ -122,8 +122,8 @@ class StreamPool:
             return self._devices.new_stream(device)
         return None
 
-    async def _take(self, device: int, deadline: float) -> Stream:
-        waiter: asyncio.Future[Stream] = asyncio.get_running_loop().create_future()
+    async def _take(self, device: int, deadline: float) -> CudaStream:
+        waiter: asyncio.Future[CudaStream] = asyncio.get_running_loop().create_future()
         with self._lock:
             stream = self._take_now(device)
             if stream is not None:
@@ -145,7 +145,7 @@ class StreamPool:
                 if waiter in waiters:
                     waiters.remove(waiter)
 
-    def _give_back(self, devices: list[int], streams: list[Stream]) -> None:
+    def _give_back(self, devices: list[int], streams: list[CudaStream]) -> None:
         # On the loop (or with no loop ever waited on): waiters' futures are set here.
         for device, stream in zip(devices, streams, strict=True):
             with self._lock:
@@ -170,7 +170,7 @@ class StreamPool:
                     with self._lock:
                         self._free.setdefault(device, []).append(stream)
 
-    def _hand(self, device: int, waiter: asyncio.Future[Stream], stream: Stream) -> None:
+    def _hand(self, device: int, waiter: asyncio.Future[CudaStream], stream: CudaStream) -> None:
         if waiter.done():  # it gave up meanwhile: the next one gets it
             self._give_back([device], [stream])
         else:

@@ -1,4 +1,4 @@
-"""``CudaDevices``: the device seam over ``torch.cuda`` (layer L2).
+"""``CudaDevices``: the device seam over ``torch.cuda`` (layer L2.45).
 
 Nothing here synchronizes the host: ``record`` and ``wait`` queue work on streams,
 ``done`` asks an event without blocking. Built only where CUDA is available; its contract

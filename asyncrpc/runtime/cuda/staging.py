@@ -1,4 +1,4 @@
-"""CUDA tensors through pinned host memory on side streams, with no host sync (layer L2).
+"""CUDA tensors through pinned host memory on side streams, with no host sync (layer L2.45).
 
 torch's stream rules, built on the device seam so all of it runs on ``FakeDevices`` too:
 
@@ -30,8 +30,9 @@ from asyncrpc.errors import SerializationError
 from asyncrpc.protocol.options import RpcBackendOptions
 from asyncrpc.protocol.serde.policy import TensorPolicy
 from asyncrpc.protocol.serde.tensors import _resolved_span, memory_view
+from asyncrpc.protocol.wire import Allocator
 from asyncrpc.runtime.cuda.callee import CalleeStreams, RequestStreams
-from asyncrpc.runtime.cuda.devices import Devices, Event, Stream
+from asyncrpc.runtime.cuda.devices import CudaStream, Devices, Event
 from asyncrpc.runtime.cuda.gate import FrameEvents, SendGate, order_after
 from asyncrpc.runtime.cuda.ipc import IpcLinks, is_ipc_tag
 from asyncrpc.runtime.cuda.maps import HostCopy, cuda_index
@@ -86,8 +87,8 @@ class StagedTransfer:
         self.chunked = 0  # chunk copies queued (metrics)
         self.ipc: IpcLinks | None = None  # same-host peers by handle (set for "auto"/"ipc")
         self._count: int | None = None  # devices this process sees
-        self._out: dict[int, Stream] = {}
-        self._in: dict[int, Stream] = {}
+        self._out: dict[int, CudaStream] = {}
+        self._in: dict[int, CudaStream] = {}
         self.staged_out = 0  # tensors copied to the host, and to a device (metrics)
         self.staged_in = 0
 
@@ -104,6 +105,15 @@ class StagedTransfer:
         the copy to the device runs without the host."""
         owner = self.devices.host_buffer(nbytes)
         return owner, memory_view(owner.data_ptr(), nbytes, writable=True)
+
+    def allocator(self, plain: Allocator) -> Allocator:
+        """The wire's allocator: segments tagged with a CUDA device land in pinned memory
+        (``allocate``), the others where ``plain`` puts them."""
+
+        def allocate(nbytes: int, tag: str) -> tuple[object, memoryview]:
+            return self.allocate(nbytes) if tag.startswith("cuda") else plain(nbytes, tag)
+
+        return allocate
 
     def policy(self, device_map: Mapping[str, str], peer: int | None = None) -> StagedCopy:
         return StagedCopy(self, device_map, peer)
@@ -187,13 +197,13 @@ class StagedTransfer:
             self._count = len(self.devices.identity().uuids)
         return self._count
 
-    def out_stream(self, device: int) -> Stream:
+    def out_stream(self, device: int) -> CudaStream:
         stream = self._out.get(device)
         if stream is None:
             stream = self._out[device] = self.devices.new_stream(device)
         return stream
 
-    def in_stream(self, device: int) -> Stream:
+    def in_stream(self, device: int) -> CudaStream:
         stream = self._in.get(device)
         if stream is None:
             stream = self._in[device] = self.devices.new_stream(device)
@@ -236,7 +246,7 @@ class StagedCopy(TensorPolicy):
         self.events: dict[int, Event] = {}  # device -> after this message's last copy
         # device -> the stream the producer's work is on, where it is not the pickling
         # thread's current one (a reply: the callee's leased pool streams).
-        self.streams: dict[int, Stream] = {}
+        self.streams: dict[int, CudaStream] = {}
         self.received: list[tuple[int, Any]] = []  # (device, tensor) copied in
         # Staged bytes by host address: [start, stop) valid once the event completed (a
         # tensor's chunks in order; those of one device are ordered on its copy stream).
@@ -284,7 +294,7 @@ class StagedCopy(TensorPolicy):
         transfer.staged_out += 1
         return target, host
 
-    def _copy_chunks(self, tensor: Any, nbytes: int, stream: Stream) -> tuple[Any, Event]:
+    def _copy_chunks(self, tensor: Any, nbytes: int, stream: CudaStream) -> tuple[Any, Event]:
         """Copy ``tensor`` into a pinned buffer of the pool, in chunks of the transfer's
         ``chunk_bytes``, an event after each: ``chunks`` says which bytes each event covers
         (where a writer that takes a frame in parts may start on the first one). Returns
@@ -294,7 +304,7 @@ class StagedCopy(TensorPolicy):
         flat, block = pool.lend(nbytes)
         address = int(flat.data_ptr())
         step = transfer.chunk_bytes
-        for start in range(0, nbytes, step):  # bounded: nbytes / chunk_bytes copies
+        for start in range(0, nbytes, step):
             stop = min(start + step, nbytes)
             devices.copy_out(tensor, flat, start, stop, stream)
             event = devices.record(stream)

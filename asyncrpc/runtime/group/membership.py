@@ -22,7 +22,7 @@ from asyncrpc.runtime.group.stores import first_line
 
 __all__ = ["Directory"]
 
-_log = logging.getLogger("asyncrpc.runtime.group.membership")
+_log = logging.getLogger(__name__)
 
 
 class Directory:
@@ -94,7 +94,7 @@ class Directory:
             return list(range(group.world_size))
         try:
             ranks = group.member_ranks()
-            for rank in ranks:  # bounded by the members listed
+            for rank in ranks:
                 if rank not in self.addresses:
                     self.lookup(rank)
             here = [r for r in ranks if r in self.addresses and not group.has_left(r)]

@@ -1,4 +1,4 @@
-"""torch's C++ log lines held back while asyncrpc uses its rendezvous store (layer L2).
+"""torch's C++ log lines held back while asyncrpc uses its rendezvous store (layer L2.3).
 
 When a TCPStore's host has gone, torch's C++ client logs the failure on stderr before it
 raises it, and that log line carries the C++ error's whole stack, some twenty frames of
@@ -29,7 +29,7 @@ from typing import Any
 
 __all__ = ["QuietStore", "quiet_cpp_logs"]
 
-_log = logging.getLogger("asyncrpc.runtime.group.quiet")
+_log = logging.getLogger(__name__)
 # c10's levels: 0 info, 1 warning, 2 error, 3 fatal. The store's own failures are logged
 # as warnings (a failed send or receive) and errors (a connect that timed out); asyncrpc
 # raises each of them, so both are held back.

@@ -49,7 +49,7 @@ from asyncrpc.runtime.group.stores import (
 
 __all__ = ["MIXED_GROUP", "PeerAddress", "StoreGroup", "is_dynamic", "join_group"]
 
-_log = logging.getLogger("asyncrpc.runtime.group.rendezvous")
+_log = logging.getLogger(__name__)
 _PREFIX = "asyncrpc/"
 _T = TypeVar("_T")
 _POLL_S = 0.01

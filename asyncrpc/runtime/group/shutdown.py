@@ -1,4 +1,4 @@
-"""Graceful shutdown: rounds of work separated by store barriers (layer L2).
+"""Graceful shutdown: rounds of work separated by store barriers (layer L2.3).
 
 Graceful shutdown runs in rounds separated by store barriers: (1) every worker finishes
 its own outstanding calls; (2) every worker releases its user RRefs and waits for the
@@ -29,13 +29,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from asyncrpc.errors import ShutdownError, ShutdownTimeoutError, WorkersLostError
 from asyncrpc.runtime.group.join import Group
-from asyncrpc.runtime.services import RRefService
 
-__all__ = ["PROBE_AFTER_S", "GracefulShutdown", "ShutdownHost", "shutdown_limit"]
+__all__ = ["PROBE_AFTER_S", "GracefulShutdown", "Liveness", "Releasing", "shutdown_limit"]
 _log = logging.getLogger(__name__)
 _POLL_S = 0.005
 # A wait polls fast at first (a healthy group's barriers take milliseconds), then backs
@@ -67,18 +66,29 @@ def shutdown_limit(timeout: float | None) -> float | None:
     return float(timeout)
 
 
-class ShutdownHost(Protocol):
-    """What the shutdown rounds read of their agent."""
+class Releasing(Protocol):
+    """What the rounds ask of the RRef layer (above the runtime): its user references
+    released, its owned values no longer held elsewhere."""
 
-    @property
-    def group(self) -> Group: ...
+    def release_all_users(self) -> None:
+        """Release every user RRef this worker holds."""
 
-    @property
-    def rrefs(self) -> RRefService: ...
+    def quiescent(self) -> bool:
+        """Whether the owners have heard of every release (nothing is in flight)."""
 
-    def calls_in_flight(self) -> int: ...
+    def owner_leaks(self) -> list[Any]:
+        """Owned values other workers still reference."""
 
-    def requests_running(self) -> int: ...
+    def report_leaks(self) -> None:
+        """Say (as ``rref_leaks`` asks) which owned values are still referenced.
+
+        Raises:
+            ShutdownError: some are, and ``rref_leaks`` is "error".
+        """
+
+
+class Liveness(Protocol):
+    """What the rounds ask of the network about the workers a barrier waits for."""
 
     def is_lost(self, rank: int) -> bool: ...
 
@@ -111,11 +121,22 @@ class _Clock:
 class GracefulShutdown:
     """The graceful-shutdown protocol of one agent.
 
+    Args:
+        group: the group the barriers are among (its store holds them).
+        rrefs: the RRef layer's references (released in round 2, leaks in round 3).
+        liveness: which workers are lost or connected, and dialling them.
+        calls_in_flight: how many calls this worker still waits for.
+        requests_running: how many requests it still runs for others.
+
     ``dead`` names the workers it stopped waiting for because they died, by rank.
     """
 
-    def __init__(self, agent: ShutdownHost) -> None:
-        self._agent = agent
+    def __init__(
+        self, group: Group, *, rrefs: Releasing, liveness: Liveness,
+        calls_in_flight: Callable[[], int], requests_running: Callable[[], int],
+    ) -> None:  # fmt: skip
+        self._group, self._rrefs, self._liveness = group, rrefs, liveness
+        self._calls_in_flight, self._requests_running = calls_in_flight, requests_running
         self.dead: dict[int, str] = {}
 
     async def run(self, limit: float | None) -> None:
@@ -125,20 +146,20 @@ class GracefulShutdown:
             ShutdownTimeoutError: the limit ran out.
             ShutdownError: the rendezvous store is unreachable (its host died).
         """
-        agent, clock = self._agent, _Clock(limit)
-        if agent.group.dynamic:
+        clock = _Clock(limit)
+        if self._group.dynamic:
             await self._leave(clock)
             return
-        await _until(lambda: agent.calls_in_flight() == 0, clock, "this worker's own calls")
+        await _until(lambda: self._calls_in_flight() == 0, clock, "this worker's own calls")
         await self._barrier("calls-done", clock)
-        rrefs = agent.rrefs
+        rrefs = self._rrefs
         rrefs.release_all_users()
         await _until(rrefs.quiescent, clock, "the owners of its user RRefs")
         await self._barrier("users-released", clock)
         # Deletes sent before the barrier may still be on the wire: give them a moment.
         await _until(lambda: not rrefs.owner_leaks(), _Clock(1.0), None)
         rrefs.report_leaks()
-        await _until(lambda: agent.requests_running() == 0, clock, "requests it runs")
+        await _until(lambda: self._requests_running() == 0, clock, "requests it runs")
         await self._barrier("closing", clock)
         await self._release_store(clock)
 
@@ -153,13 +174,12 @@ class GracefulShutdown:
         error = WorkersLostError(tuple(self.dead[r] for r in sorted(self.dead)))
         if policy == "error":
             raise error
-        _log.warning("worker %r: %s", self._agent.group.name, error)
+        _log.warning("worker %r: %s", self._group.name, error)
 
     async def _leave(self, clock: _Clock) -> None:
         """Leave a dynamic group: this member's own rounds, no barrier."""
-        agent = self._agent
-        await _until(lambda: agent.calls_in_flight() == 0, clock, "this worker's own calls")
-        rrefs = agent.rrefs
+        await _until(lambda: self._calls_in_flight() == 0, clock, "this worker's own calls")
+        rrefs = self._rrefs
         rrefs.release_all_users()
         await _until(rrefs.quiescent, clock, "the owners of its user RRefs")
         # Holders release them, or leave (then their forks are dropped when they are
@@ -167,13 +187,12 @@ class GracefulShutdown:
         # deadline a member waits for as long as they hold them.
         await _until(lambda: not rrefs.owner_leaks(), clock, None)
         rrefs.report_leaks()
-        await _until(lambda: agent.requests_running() == 0, clock, "requests it runs")
+        await _until(lambda: self._requests_running() == 0, clock, "requests it runs")
         await self._release_store(clock)
 
     async def _barrier(self, tag: str, clock: _Clock) -> None:
-        agent = self._agent
-        store = agent.group.store
-        size = agent.group.world_size
+        store = self._group.store
+        size = self._group.world_size
         if size is None or size <= 1:
             return
         loop = asyncio.get_running_loop()
@@ -208,46 +227,45 @@ class GracefulShutdown:
     async def _set_aside_lost(self, tag: str, among: list[int]) -> None:
         """Set aside the workers of ``among`` this worker found dead, unless they reached
         barrier ``tag`` before dying (then they are not waited for anyway)."""
-        agent, loop = self._agent, asyncio.get_running_loop()
-        lost = [r for r in among if r not in self.dead and agent.is_lost(r)]
+        liveness, loop = self._liveness, asyncio.get_running_loop()
+        lost = [r for r in among if r not in self.dead and liveness.is_lost(r)]
         if not lost:
             return
         # A peer may have arrived and then closed its connections (it left: not dead):
         # it is dead only if still missing.
-        still = set(await loop.run_in_executor(None, agent.group.store.missing, tag, lost))
+        store = self._group.store
+        still = set(await loop.run_in_executor(None, store.missing, tag, lost))
         for rank in (r for r in lost if r in still):
             await self._set_aside(rank, tag)
-            await loop.run_in_executor(None, agent.group.store.declare_lost, rank)
+            await loop.run_in_executor(None, store.declare_lost, rank)
 
     async def _waiting_for(self, tag: str, among: list[int]) -> list[int]:
         """The live workers of ``among`` that have not reached barrier ``tag``; the dead
         ones found missing are set aside (and named in the store)."""
         loop = asyncio.get_running_loop()
-        missing: list[int] = await loop.run_in_executor(
-            None, self._agent.group.store.missing, tag, among
-        )
+        missing: list[int] = await loop.run_in_executor(None, self._group.store.missing, tag, among)
         await self._set_aside_lost(tag, missing)
         return [r for r in missing if r not in self.dead]
 
     async def _probe(self, missing: list[int]) -> None:
         """Dial the workers missing for long; adopt the verdicts other survivors stored
         about those this worker has no live connection to."""
-        agent, loop = self._agent, asyncio.get_running_loop()
+        liveness, loop = self._liveness, asyncio.get_running_loop()
         for rank in missing:
-            agent.probe(rank)
-        declared = await loop.run_in_executor(None, agent.group.store.declared_lost, missing)
+            liveness.probe(rank)
+        declared = await loop.run_in_executor(None, self._group.store.declared_lost, missing)
         for rank in declared:
-            if not agent.is_connected(rank):
+            if not liveness.is_connected(rank):
                 await self._set_aside(rank, "declared lost by another worker")
 
     async def _set_aside(self, rank: int, why: str) -> None:
         name = await self._name(rank)
         self.dead[rank] = name
-        _log.info("worker %r: not waiting for %r: it died (%s)", self._agent.group.name, name, why)
+        _log.info("worker %r: not waiting for %r: it died (%s)", self._group.name, name, why)
 
     async def _name(self, rank: int) -> str:
         """``rank``'s name, looked up in the store (off the loop) if not met yet."""
-        group = self._agent.group
+        group = self._group
         if rank not in group.addresses:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, group.directory.lookup, rank)
@@ -255,32 +273,31 @@ class GracefulShutdown:
         return address.name if address is not None else f"rank {rank}"
 
     def _names(self, ranks: list[int]) -> str:
-        addresses = self._agent.group.addresses
+        addresses = self._group.addresses
         return ", ".join(repr(addresses[r].name) if r in addresses else f"rank {r}" for r in ranks)
 
     async def _release_store(self, clock: _Clock) -> None:
         # Rank 0 hosts the TCPStore: it waits until everyone still alive has left the last
         # barrier, so nobody polls a store that has already gone away.
-        agent = self._agent
-        group = agent.group.store
-        if agent.group.world_size is not None and agent.group.world_size <= 1:
+        store = self._group.store
+        if self._group.world_size is not None and self._group.world_size <= 1:
             return
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(None, group.reach, "left")
+            await loop.run_in_executor(None, store.reach, "left")
         except ShutdownError:  # the store is unreachable (arrive names its host)
-            if not group.dynamic:
+            if not store.dynamic:
                 raise
             return  # rank 0 has left and its TCPStore with it: nobody is left to tell
-        if agent.group.rank != 0:
+        if self._group.rank != 0:
             return
         limit = clock.within(5.0)
         # Who has not left yet (in a dynamic group, of the members listed now).
-        missing = await loop.run_in_executor(None, group.missing, "left")
+        missing = await loop.run_in_executor(None, store.missing, "left")
         waiting = [r for r in missing if r not in self.dead]
         while waiting:  # bounded by the limit
             seconds = max(0.0, min(PROBE_AFTER_S, limit - time.monotonic()))
-            if await loop.run_in_executor(None, group.await_arrivals, "left", waiting, seconds):
+            if await loop.run_in_executor(None, store.await_arrivals, "left", waiting, seconds):
                 return
             waiting = await self._waiting_for("left", waiting)
             if time.monotonic() > limit:

@@ -44,12 +44,12 @@ from asyncrpc.protocol.serde import Serializer, unpack_exception
 from asyncrpc.protocol.serde.policy import TensorPolicy
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import ACK_WANTED, Ack, Cancel, Kind, optional_headers
-from asyncrpc.runtime.blocking import blocking
 from asyncrpc.runtime.calls.outbox import EncodedRequest, Observed
 from asyncrpc.runtime.calls.pipeline import Pipeline
 from asyncrpc.runtime.lanes.frames import BlockingFrames, Unsent
 from asyncrpc.runtime.lanes.handshake import HANDSHAKE_ERRORS, dial_lane
 from asyncrpc.runtime.net.peers import closed_by_peer, without_goodbye
+from asyncrpc.runtime.threads.blocking import blocking
 
 __all__ = ["LANES_PER_PEER", "UNSENT", "CallerLanes", "Lane"]
 

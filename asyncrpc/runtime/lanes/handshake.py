@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from asyncrpc.errors import AuthenticationError, ConnectionLostError, RemoteProtocolError
+from asyncrpc.protocol.address import PeerAddress
 from asyncrpc.protocol.handshake import Action, Adopt, Close, Handshake, Send, pre_auth_decoder
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import Refusal, decode_message
@@ -29,6 +30,17 @@ class LaneRoster:
     def __init__(self, name_of: Callable[[int], str | None], is_lost: Callable[[int], bool]):
         self._name_of = name_of
         self._is_lost = is_lost
+
+    @classmethod
+    def of(cls, addresses: dict[int, PeerAddress], is_lost: Callable[[int], bool]) -> LaneRoster:
+        """The roster of a group's members (``addresses``: a live dict, a dynamic group
+        adds to it)."""
+
+        def name_of(rank: int) -> str | None:
+            address = addresses.get(rank)
+            return None if address is None else address.name
+
+        return cls(name_of, is_lost)
 
     def refusal(self, name: str, rank: int) -> Refusal | None:
         if self._name_of(rank) != name:

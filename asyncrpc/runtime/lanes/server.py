@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 from asyncrpc.errors import ClosedError, FrameTooLargeError, SerializationError
 from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
@@ -57,11 +57,31 @@ from asyncrpc.runtime.calls.dispatch import (
 from asyncrpc.runtime.calls.pipeline import IncomingCall, Pipeline
 from asyncrpc.runtime.lanes.frames import BlockingFrames, Unsent
 from asyncrpc.runtime.lanes.handshake import HANDSHAKE_ERRORS, LaneRoster, accept_lane
-from asyncrpc.runtime.services import RRefService
 
-__all__ = ["LaneReply", "LaneServer", "Serving"]
+__all__ = ["LaneForks", "LaneReply", "LaneServer", "Serving", "Writer"]
 
 _log = logging.getLogger(__name__)
+
+# Writes a reply frame on the connection its request came on: (conn, pieces, keep, forks).
+Writer = Callable[[Any, list[Any], object, Any], None]
+
+
+class LaneForks(Protocol):
+    """What the lanes' threads ask of the RRef layer: the forks their replies carry, and
+    the values of the remote() requests they serve."""
+
+    def on_remote_request(self, peer: int, request: Request) -> None:
+        """A remote() request arrived: register the caller's fork before it runs."""
+
+    def on_value(self, request: Request, peer: int, ok: bool, value: Any) -> None:
+        """Its function finished: its value (or exception) is the owner's."""
+
+    def undelivered(self, rank: int, forks: list[Any]) -> None:
+        """A reply carrying these forks to ``rank`` was never written."""
+
+    def query_forks(self, rank: int, forks: list[Any]) -> None:
+        """Replies carrying these forks went out on a lane that died before ``rank``
+        acknowledged them: ask it whether they arrived."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +97,7 @@ class Serving:
     serializer: Serializer  # no shared memory: a lane's reply travels on the lane
     pipeline: Pipeline
     dispatcher: Dispatcher
-    rrefs: RRefService
+    forks: LaneForks
     run_on_loop: Callable[..., None]
     print_errors: bool
 
@@ -151,16 +171,25 @@ class LaneServer:
                 self.path = os.fsdecode(sock.getsockname())
             else:
                 self.port = sock.getsockname()[1]
-        self._acceptor = threading.Thread(target=self._accept, name="asyncrpc-lanes", daemon=True)
-        self._acceptor.start()
+        # Nothing to accept on (this worker takes no lanes): no thread either.
+        self._acceptor: threading.Thread | None = None
+        if sockets:
+            self._acceptor = threading.Thread(
+                target=self._accept, name="asyncrpc-lanes", daemon=True
+            )
+            self._acceptor.start()
 
     @classmethod
     def listen(cls, host: str, unix: bool, limit: int) -> LaneServer:
-        """Listen on ``host`` (a free port) and, when ``unix``, an abstract Unix socket.
+        """Listen on ``host`` (a free port) and, when ``unix``, an abstract Unix socket;
+        with ``limit`` 0, on nothing (this worker takes no lanes: its ``port`` and ``path``
+        are None, and peers call it the loop's way).
 
         Raises:
             OSError: the address cannot be bound.
         """
+        if limit <= 0:
+            return cls([], 0)
         sockets: list[socket.socket] = []
         try:
             tcp = socket.create_server((host, 0), backlog=128)
@@ -281,7 +310,6 @@ class LaneServer:
             incoming = pipeline.received(
                 lane.name, rank, serving.name, request.call_id, request.target, False, headers
             )
-        serving.rrefs.take_minted()  # a pickling that failed elsewhere on this thread
         try:
             policy = None if incoming is None else incoming.policy
             call = serving.serializer.loads(
@@ -305,16 +333,18 @@ class LaneServer:
     def _serve_remote(self, serving: Serving, lane: _Lane, request: Request, frame: Frame) -> None:
         """A remote() request: its value stays here (nothing is written back but an Ack
         that the caller's fork is registered)."""
-        rank, rrefs = lane.rank, serving.rrefs
-        rrefs.on_remote_request(rank, request)
+        rank = lane.rank
+        serving.forks.on_remote_request(rank, request)
+        hooked = serving.pipeline.serves(request.headers)
+        if not hooked:  # the dispatcher watches the deadline of those it serves itself
+            serving.run_on_loop(serving.dispatcher.watch_remote, rank, request)
         self._write(
             serving, lane, request, encode_frame(Ack(request.call_id).to_fields(), b""), None
         )
-        if serving.pipeline.serves(request.headers):  # its hooks run on the loop
+        if hooked:  # its hooks run on the loop
             start = serving.dispatcher.on_request
             serving.run_on_loop(start, self._no_reply(lane), request, frame.payload, frame.segments)
             return
-        rrefs.take_minted()
         try:
             call = serving.serializer.loads(frame.payload, frame.segments, context=rank)
         except MissingReferenceError as exc:
@@ -349,7 +379,7 @@ class LaneServer:
     ) -> None:
         if not ok and serving.print_errors:
             print_request_error(serving.name, request, lane.name, value)
-        serving.rrefs.on_value(request, lane.rank, ok, value)
+        serving.forks.on_value(request, lane.rank, ok, value)
 
     def _no_reply(self, lane: _Lane) -> LaneReply:
         """The connection of a remote() request handed to the loop: none is written."""
@@ -397,21 +427,18 @@ class LaneServer:
         self, serving: Serving, lane: _Lane, request: Request, incoming: IncomingCall | None,
         result: Any,
     ) -> None:  # fmt: skip
-        rrefs = serving.rrefs
         policy = None if incoming is None else incoming.reply_policy
-        try:
-            payload, segments, keep = serving.serializer.dumps(
+        try:  # RRefs pickled before a failure: the serializer undoes their forks
+            payload, segments, keep, forks = serving.serializer.dumps(
                 result, context=lane.rank, policy=policy
             )
         except Exception as exc:
-            self._undelivered(serving, lane.rank, rrefs.take_minted())
             error = SerializationError(
                 f"the result of {request.target} on worker {serving.name!r} cannot be sent: {exc}"
             )
             error.__cause__ = exc
             self._reply_error(serving, lane, request, incoming, error)
             return
-        forks = rrefs.take_minted()
         headers = (
             None if incoming is None else serving.pipeline.reply_fields(incoming, True, result)
         )
@@ -461,7 +488,7 @@ class LaneServer:
 
     def _undelivered(self, serving: Serving, rank: int, forks: Any) -> None:
         if forks:
-            serving.rrefs.undelivered(rank, forks)
+            serving.forks.undelivered(rank, forks)
 
     def _forget(self, lane: _Lane) -> None:
         """A lane ended: a request it handed to the loop is cancelled, and forks whose
@@ -474,7 +501,7 @@ class LaneServer:
                 serving.run_on_loop(serving.dispatcher.cancel_connection, pending)
         in_doubt = [fork for forks in lane.unacked.values() for fork in forks]
         if in_doubt and serving is not None:
-            serving.run_on_loop(serving.rrefs.query_forks, lane.rank, in_doubt)
+            serving.run_on_loop(serving.forks.query_forks, lane.rank, in_doubt)
 
     # -- stopping --------------------------------------------------------------------------
 
@@ -500,7 +527,8 @@ class LaneServer:
             lane.frames.close()
             if lane.pending is not None:
                 lane.pending.abandon()
-        self._acceptor.join(timeout=1.0)
+        if self._acceptor is not None:
+            self._acceptor.join(timeout=1.0)
         for sock in self._listening:
             sock.close()
         os.close(self._wake_r)

@@ -1,4 +1,4 @@
-"""Liveness of peers: heartbeats on idle connections (layer L2).
+"""Liveness of peers: heartbeats on idle connections (layer L2.2).
 
 One loop timer per agent, every ``interval`` seconds, looks at each authenticated
 connection: any byte received since the last look is a sign of life. A connection silent
@@ -66,7 +66,7 @@ class Heartbeat:
         self._timer = self._loop.call_later(self._interval, self._tick)
         now = self._loop.time()
         heard: dict[Watched, tuple[int, float]] = {}
-        for conn in list(self._connections()):  # bounded by the open connections
+        for conn in list(self._connections()):
             if conn.peer is None or conn.closed:
                 continue  # in its handshake (which has its own deadline) or gone
             count, since = self._heard.get(conn, (-1, now))

@@ -1,4 +1,4 @@
-"""Frames to each peer, in order, across the connections that come and go (layer L2).
+"""Frames to each peer, in order, across the connections that come and go (layer L2.2).
 
 A frame for a peer goes straight onto its connection, or waits (in order, behind the
 frames already waiting) until one is made, or until what it must wait for is over (the
@@ -8,7 +8,9 @@ until the peer has surely read them: a new connection replays the frames, and fo
 written on a connection that died first are asked about. A frame whose wait is a
 ``FrameInParts`` (a large CUDA tensor still being copied to the host, chunk by chunk) is
 written part by part as its bytes appear, with nothing else on the connection in between.
-The network owns one ``Links`` and feeds it connection events.
+The network owns one ``Links``, built from the named parts it uses, and feeds it
+connection events; what happens to forks in frames that never left, or that died with a
+connection, goes up to the network's receiver (``ForkEvents``): the RRef layer sits above.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from typing import Any, Protocol, runtime_checkable
 
 from asyncrpc.errors import ClosedError, FrameTooLargeError, PeerLostError, UnknownWorkerError
 from asyncrpc.protocol.address import PeerAddress
-from asyncrpc.protocol.reflog import RefLog, Transfer
+from asyncrpc.protocol.reflog import ForkPair, RefLog
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import Ping
 from asyncrpc.runtime.metrics import Counters
@@ -29,17 +31,12 @@ from asyncrpc.runtime.net.heartbeat import Watched
 from asyncrpc.runtime.net.loopback import LoopbackConnection
 from asyncrpc.runtime.net.peers import PeerTable
 from asyncrpc.runtime.net.transport import Connection
-from asyncrpc.runtime.services import RRefService
+from asyncrpc.runtime.ports import OutgoingFrame, SentCall
 from asyncrpc.runtime.shm.shm import SharedMemory
 
-__all__ = ["FrameInParts", "LinkHost", "Links", "SentCalls", "write_in_parts"]
+__all__ = ["ForkEvents", "FrameInParts", "Links", "write_in_parts"]
 
 _log = logging.getLogger(__name__)
-
-# A frame waiting for a connection or its readiness: its pieces, the call it belongs to
-# (0: none), what keeps its memory alive, the RRef forks it carries, and what it waits for
-# before it may be written (None: nothing).
-_Waiting = tuple[list[Any], int, object, list[Transfer] | None, Awaitable[None] | None]
 
 
 @runtime_checkable
@@ -75,7 +72,7 @@ async def write_in_parts(
     complete = False
     parts = ready.parts(pieces)
     try:
-        async for part in parts:  # bounded by the frame's parts
+        async for part in parts:
             conn.send_part(part, keep)
         complete = True
     finally:
@@ -85,101 +82,98 @@ async def write_in_parts(
             await close()
 
 
-class SentCalls(Protocol):
-    """What the links ask of the outgoing calls whose requests they carry (the calls part
-    sits above the network: it hands this in, the links never import it)."""
+class ForkEvents(Protocol):
+    """What the links report of the RRef forks frames carry (to the network's receiver:
+    the RRef layer sits above the network)."""
 
-    def wanted(self, call_id: int) -> bool:
-        """Whether the call still waits for its reply (not timed out or cancelled)."""
+    def on_forks_unsent(self, rank: int, forks: list[ForkPair]) -> None:
+        """A frame carrying these forks to ``rank`` was never written: nobody holds them."""
 
-    def written(self, call_id: int, conn: object) -> None:
-        """Its request went out on ``conn``: losing that connection fails the call."""
+    def on_forks_in_doubt(self, rank: int, forks: list[ForkPair]) -> None:
+        """Frames carrying these forks went out on a connection that died before ``rank``
+        acknowledged them: ask it whether they arrived."""
 
-    def unsent(self, call_id: int, exc: BaseException) -> bool:
-        """Its request could not be written: fail the call; False if it had ended."""
-
-
-class LinkHost(Protocol):
-    """What the links read of their network."""
-
-    rank: int
-    loop: asyncio.AbstractEventLoop
-    counters: Counters
-    shm: SharedMemory
-    addresses: dict[int, PeerAddress]
-    peers: PeerTable
-    rrefs: RRefService
-
-    @property
-    def calls(self) -> SentCalls: ...
-
-    @property
-    def loopback(self) -> LoopbackConnection: ...
-
-    def peer_known(self, rank: int) -> bool: ...
-
-    async def know_peer(self, rank: int) -> None: ...
+    def on_unknown_peer(self, rank: int) -> None:
+        """Nobody can find ``rank`` (a dynamic group whose store has gone): what waits for
+        it (a fork's confirmation by its owner) waits for nothing."""
 
 
 class Links:
-    """The frames bound for every peer of one worker, on its loop thread."""
+    """The frames bound for every peer of one worker, on its loop thread.
 
-    def __init__(self, host: LinkHost) -> None:
-        self._host = host
+    Args:
+        rank: this worker's rank (its frames go to the loopback).
+        loop: the agent's loop.
+        counters: the worker's counters (failed calls, reconnects).
+        peers: the peer table (connections, dialling).
+        loopback: the connection to this worker itself.
+        shm: same-host memory (chunks lent to frames that never leave go back).
+        addresses: names of the members, for logs.
+        events: told what happens to forks in frames (see ``ForkEvents``).
+        peer_known: whether a rank is a peer yet (a dynamic group's member met later).
+        know_peer: looks a rank up (a dynamic group's store), raising
+            ``UnknownWorkerError`` if no member has it.
+    """
+
+    def __init__(
+        self, rank: int, loop: asyncio.AbstractEventLoop, counters: Counters,
+        peers: PeerTable, loopback: LoopbackConnection, shm: SharedMemory,
+        addresses: dict[int, PeerAddress], events: ForkEvents,
+        peer_known: Callable[[int], bool], know_peer: Callable[[int], Awaitable[None]],
+    ) -> None:  # fmt: skip
+        self._rank, self._loop, self._counters = rank, loop, counters
+        self._peers, self._loopback, self._shm = peers, loopback, shm
+        self._addresses, self._events = addresses, events
+        self._peer_known, self._know_peer = peer_known, know_peer
         # Frames waiting for a connection to be made, or behind a frame not ready yet, by
         # peer, in the order they were sent (one task drains each queue).
-        self._unsent: dict[int, deque[_Waiting]] = {}
+        self._unsent: dict[int, deque[OutgoingFrame]] = {}
         # Refcount frames and forks by peer, until the peer has surely read them.
         self._logs: dict[int, RefLog] = {}
         self._linked: set[int] = set()  # peers connected at least once
 
     # -- sending ---------------------------------------------------------------------------
 
-    def send_to(
-        self, rank: int, pieces: list[Any], call_id: int = 0, keep: object = None,
-        forks: list[Transfer] | None = None, ready: Awaitable[None] | None = None,
-    ) -> None:  # fmt: skip
-        """Write a frame to ``rank``, connecting first if needed; failures fail ``call_id``.
+    def send(self, frame: OutgoingFrame) -> None:
+        """Write ``frame`` to its peer, connecting first if needed; failures fail its call.
 
         Frames to one peer leave in the order they were sent, also while the connection is
         being made or while a frame before them waits to be ``ready``: a frame sent then
-        waits behind the ones already waiting. ``forks`` are the RRef forks the frame
-        carries (followed until the peer reads it). ``ready`` is awaited on the loop
-        before the frame is written; if it raises, the frame is dropped and ``call_id``
-        fails with that error.
+        waits behind the ones already waiting. Its ``forks`` are followed until the peer
+        reads it. Its ``ready`` is awaited on the loop before it is written; if that
+        raises, the frame is dropped and its call fails with that error.
         """
-        host = self._host
+        rank = frame.rank
         waiting = self._unsent.get(rank)
         if waiting is not None:
-            waiting.append((pieces, call_id, keep, forks, ready))
+            waiting.append(frame)
             return
-        if ready is None:
-            if rank == host.rank:
-                host.loopback.send(pieces)
+        if frame.ready is None:
+            if rank == self._rank:
+                self._loopback.send(frame.pieces)
                 return
-            peer = host.peers.peers.get(rank)
+            peer = self._peers.peers.get(rank)
             if peer is not None and peer.conn is not None and not peer.conn.closed:
-                self._send_checked(peer.conn, rank, pieces, call_id, keep, forks)
+                self._send_checked(peer.conn, frame)
                 return
-        self._unsent[rank] = deque([(pieces, call_id, keep, forks, ready)])
-        host.loop.create_task(self._drain(rank))
+        self._unsent[rank] = deque([frame])
+        self._loop.create_task(self._drain(rank))
 
     def send_ref(self, rank: int, pieces: list[Any]) -> None:
         """Send a refcount frame; it is sent again on a new connection until acknowledged."""
-        host = self._host
         # A dynamic group's member not looked up yet has no log for this first frame: it
         # goes out once the look-up is done (a connection lost before its Pong loses it).
-        if rank != host.rank and host.peer_known(rank):
+        if rank != self._rank and self._peer_known(rank):
             log = self._logs.setdefault(rank, RefLog())
             if log.add(pieces):
-                peer = host.peers.peers[rank]
+                peer = self._peers.peers[rank]
                 if peer.conn is not None and not peer.conn.closed:
                     self.ping(peer.conn)
-        self.send_to(rank, pieces)
+        self.send(OutgoingFrame(rank, pieces))
 
     def write(
         self, conn: Connection, pieces: list[Any], keep: object = None,
-        forks: list[Transfer] | None = None,
+        forks: list[ForkPair] | None = None,
     ) -> None:  # fmt: skip
         """Write a frame on ``conn``; a closed connection drops it (the peer is gone)."""
         try:
@@ -196,16 +190,18 @@ class Links:
         """Whether the request of ``call_id`` still waits here (it will not be written if
         its call is over by then)."""
         waiting = self._unsent.get(rank)
-        return waiting is not None and any(w[1] == call_id for w in waiting)
+        return waiting is not None and any(
+            f.call is not None and f.call.call_id == call_id for f in waiting
+        )
 
     async def _drain(self, rank: int) -> None:
         """Write the frames waiting for ``rank`` in order, each once it is ready and a
         connection is up; frames sent meanwhile join the queue. Ends once it is empty."""
-        host = self._host
         waiting = self._unsent[rank]
         try:
             while waiting:  # bounded: each turn writes or drops the first frame
-                pieces, call_id, keep, forks, ready = waiting[0]
+                frame = waiting[0]
+                ready = frame.ready
                 if isinstance(ready, FrameInParts) and await self._sent_in_parts(rank, waiting):
                     continue
                 if ready is not None:
@@ -213,125 +209,114 @@ class Links:
                         await ready
                     except Exception as exc:  # the frame cannot go: its call fails
                         waiting.popleft()
-                        host.shm.unlend(keep)
-                        self._fail_unsent(rank, call_id, exc)
-                        self.undelivered(rank, forks)
+                        self._shm.unlend(frame.keep)
+                        self._fail_unsent(rank, frame.call, exc)
+                        self.undelivered(rank, frame.forks)
                         continue
-                    waiting[0] = (pieces, call_id, keep, forks, None)
-                if call_id and not host.calls.wanted(call_id):
+                    frame = waiting[0] = frame._replace(ready=None)
+                if frame.call is not None and not frame.call.wanted():
                     waiting.popleft()
-                    host.shm.unlend(keep)
-                    self.undelivered(rank, forks)
+                    self._shm.unlend(frame.keep)
+                    self.undelivered(rank, frame.forks)
                     continue  # timed out or cancelled while waiting: the callee never runs it
                 conn = await self._connection(rank)
                 waiting.popleft()
                 if conn is None:
-                    host.loopback.send(pieces)
+                    self._loopback.send(frame.pieces)
                 else:
-                    self._send_checked(conn, rank, pieces, call_id, keep, forks)
+                    self._send_checked(conn, frame)
         except (ConnectionError, OSError, UnknownWorkerError) as exc:
-            for _, call_id, _, forks, ready in waiting:
-                _discard(ready)
-                self._fail_unsent(rank, call_id, exc)
-                self.undelivered(rank, forks)
+            for frame in waiting:
+                _discard(frame.ready)
+                self._fail_unsent(rank, frame.call, exc)
+                self.undelivered(rank, frame.forks)
             waiting.clear()
             if isinstance(exc, UnknownWorkerError):
                 # An RRef named an owner nobody can find (a dynamic group whose store has
                 # gone): its forks wait for no confirmation, as if the owner were lost.
-                host.rrefs.on_peer_lost(rank)
+                self._events.on_unknown_peer(rank)
         finally:
-            for _, _, _, _, ready in waiting:  # only left by a cancelled drain (shutdown)
-                _discard(ready)
+            for frame in waiting:  # only left by a cancelled drain (shutdown)
+                _discard(frame.ready)
             del self._unsent[rank]  # from now on frames go straight to the connection
 
     async def _connection(self, rank: int) -> Connection | None:
         """An open connection to ``rank`` (None: this worker, through its loopback)."""
-        host = self._host
-        if rank == host.rank:
+        if rank == self._rank:
             return None
-        peer = host.peers.peers.get(rank)
+        peer = self._peers.peers.get(rank)
         if peer is not None and peer.conn is not None and not peer.conn.closed:
             return peer.conn
-        await host.know_peer(rank)
-        return await host.peers.connection(rank)
+        await self._know_peer(rank)
+        return await self._peers.connection(rank)
 
-    def _send_checked(
-        self, conn: Connection, rank: int, pieces: list[Any], call_id: int, keep: object,
-        forks: list[Transfer] | None = None,
-    ) -> None:  # fmt: skip
+    def _send_checked(self, conn: Connection, frame: OutgoingFrame) -> None:
         try:
-            conn.send(pieces, keep)
+            conn.send(frame.pieces, frame.keep)
         except FrameTooLargeError as exc:  # nothing was written: the call fails alone
-            self._fail_unsent(rank, call_id, exc)
-            self.undelivered(rank, forks)
+            self._fail_unsent(frame.rank, frame.call, exc)
+            self.undelivered(frame.rank, frame.forks)
             return
-        self._written(conn, rank, call_id, forks)
+        self._written(conn, frame)
 
-    def _written(
-        self, conn: Connection, rank: int, call_id: int, forks: list[Transfer] | None
-    ) -> None:
+    def _written(self, conn: Connection, frame: OutgoingFrame) -> None:
         """A frame went out on ``conn``: follow its forks; losing ``conn`` fails its call."""
-        if forks:
-            self._wrote_forks(rank, forks)
-        if call_id:
-            self._host.calls.written(call_id, conn)
+        if frame.forks:
+            self._wrote_forks(frame.rank, frame.forks)
+        if frame.call is not None:
+            frame.call.written(conn)
 
-    async def _sent_in_parts(self, rank: int, waiting: deque[_Waiting]) -> bool:
+    async def _sent_in_parts(self, rank: int, waiting: deque[OutgoingFrame]) -> bool:
         """Write (or drop) the first waiting frame, whose ready stage gives it in parts;
         False to leave it to the whole-frame path (a frame to this worker itself)."""
-        pieces, call_id, keep, forks, ready = waiting[0]
+        frame = waiting[0]
+        ready = frame.ready
         assert isinstance(ready, FrameInParts)
-        if rank == self._host.rank:
+        if rank == self._rank:
             return False
-        if call_id and not self._host.calls.wanted(call_id):
+        if frame.call is not None and not frame.call.wanted():
             waiting.popleft()
-            self._host.shm.unlend(keep)
-            self.undelivered(rank, forks)
+            self._shm.unlend(frame.keep)
+            self.undelivered(rank, frame.forks)
             return True  # the callee never runs it; its parts are never made
         conn = await self._connection(rank)
         if conn is None:
             return False
         waiting.popleft()
-        await self._write_parts(conn, rank, pieces, call_id, keep, forks, ready)
+        await self._write_parts(conn, frame, ready)
         return True
 
     async def _write_parts(
-        self, conn: Connection, rank: int, pieces: list[Any], call_id: int, keep: object,
-        forks: list[Transfer] | None, ready: FrameInParts,
-    ) -> None:  # fmt: skip
+        self, conn: Connection, frame: OutgoingFrame, ready: FrameInParts
+    ) -> None:
         try:
-            await write_in_parts(conn, pieces, ready, keep)
+            await write_in_parts(conn, frame.pieces, ready, frame.keep)
         except (FrameTooLargeError, ClosedError) as exc:  # this call fails; the rest go on
-            self._fail_unsent(rank, call_id, exc)
-            self.undelivered(rank, forks)
+            self._fail_unsent(frame.rank, frame.call, exc)
+            self.undelivered(frame.rank, frame.forks)
             return
-        self._written(conn, rank, call_id, forks)
+        self._written(conn, frame)
 
-    def _fail_unsent(self, rank: int, call_id: int, exc: BaseException) -> None:
-        host = self._host
-        if call_id and host.calls.unsent(call_id, exc):
-            host.counters.calls_failed += 1
+    def _fail_unsent(self, rank: int, call: SentCall | None, exc: BaseException) -> None:
+        if call is not None and call.unsent(exc):
+            self._counters.calls_failed += 1
         else:
-            address = host.addresses.get(rank)  # None: a rank nobody could look up
+            address = self._addresses.get(rank)  # None: a rank nobody could look up
             # A peer declared lost was logged then, with why: this frame adds nothing.
             log = _log.debug if isinstance(exc, PeerLostError) else _log.warning
             log("could not send to %s: %s", address.name if address else rank, exc)
 
     # -- forks inside frames ---------------------------------------------------------------
 
-    def _wrote_forks(self, rank: int, forks: list[Transfer]) -> None:
+    def _wrote_forks(self, rank: int, forks: list[ForkPair]) -> None:
         # Followed until a Pong proves the peer read them; in doubt if the link dies first.
-        if rank in self._host.peers.peers:
+        if rank in self._peers.peers:
             self._logs.setdefault(rank, RefLog()).wrote(forks)
 
-    def undo_minted(self, rank: int) -> None:
-        """A frame for ``rank`` failed to build: undo the forks its pickling made."""
-        self.undelivered(rank, self._host.rrefs.take_minted())
-
-    def undelivered(self, rank: int, forks: list[Transfer] | None) -> None:
+    def undelivered(self, rank: int, forks: list[ForkPair] | None) -> None:
         """The frame carrying these forks was never written: nobody will hold them."""
         if forks:
-            self._host.rrefs.undelivered(rank, forks)
+            self._events.on_forks_unsent(rank, forks)
 
     # -- acknowledgements ------------------------------------------------------------------
 
@@ -349,8 +334,8 @@ class Links:
     def ask_acks(self) -> None:
         """Ping busy links too (the heartbeat pings idle ones) while refcount frames wait
         for an acknowledgement, so that the logs empty (see reflog.py)."""
-        peers = self._host.peers.peers
-        for rank, log in list(self._logs.items()):  # bounded by the peers
+        peers = self._peers.peers
+        for rank, log in list(self._logs.items()):
             conn = peers[rank].conn
             if conn is not None and not conn.closed and log.awaiting_ack():
                 self.ping(conn)
@@ -362,16 +347,15 @@ class Links:
 
     def on_adopted(self, rank: int, conn: Connection) -> None:
         """A new connection to ``rank``: refcount frames it may have missed go first."""
-        host = self._host
         if rank in self._linked:
-            host.counters.reconnects += 1
-            host.shm.on_peer_lost(rank)  # whatever the old link had lent, it ends here
+            self._counters.reconnects += 1
+            self._shm.on_peer_lost(rank)  # whatever the old link had lent, it ends here
         self._linked.add(rank)
         log = self._logs.get(rank)
         if log is None or not len(log):
             return
         try:
-            for pieces in log.replay():  # bounded by the log
+            for pieces in log.replay():
                 conn.send(pieces)
         except ClosedError:
             pass  # the next connection replays them
@@ -383,7 +367,7 @@ class Links:
             return
         in_doubt = log.lost(conn)
         if in_doubt and ask:
-            self._host.rrefs.query_forks(rank, in_doubt)
+            self._events.on_forks_in_doubt(rank, in_doubt)
 
     def forget(self, rank: int) -> None:
         """``rank`` is gone for good: nothing will be resent to it."""

@@ -1,4 +1,4 @@
-"""The loopback connection: calls from a worker to itself (layer L2).
+"""The loopback connection: calls from a worker to itself (layer L2.2).
 
 Frames are decoded and handled on a later loop iteration, exactly as if they had crossed a
 socket, so a call to self has the same pickling semantics as any other.
@@ -15,7 +15,7 @@ from asyncrpc.protocol.wire import Allocator, Frame, FrameDecoder
 
 __all__ = ["LoopbackConnection"]
 
-_log = logging.getLogger("asyncrpc.loopback")
+_log = logging.getLogger(__name__)
 
 
 class LoopbackConnection:

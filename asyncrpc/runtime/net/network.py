@@ -1,12 +1,15 @@
 """The network of one worker: its connections, one authenticated connection per peer,
 frames in order across reconnects, liveness, and calls to self (layer L2.2).
 
-It is built once the group is joined and takes over the listener's connections. It runs
-each connection's handshake (through ``PeerTable``), answers the frames that are its own
-(Ping, Pong, Goodbye), and hands every other authenticated frame to its ``Receiver`` (the
-agent), which also hears when a connection or a peer is lost. Frames leave through
-``send_to`` (connect first if needed, in order: ``links.py``), ``write`` (on a given
-connection) and ``send_control`` (only if connected).
+It is built once the group is joined, from the group, the options, the loop, the
+allocator of receive memory and the listener, and takes over the listener's connections.
+It runs each connection's handshake (through ``PeerTable``), answers the frames that are
+its own (Ping, Pong, Goodbye, and the shared-memory bookkeeping of the ``SharedMemory``
+it owns), and hands every other authenticated frame to its ``Receiver`` (the agent),
+which also hears when a connection or a peer is lost and what became of the RRef forks
+frames carried. It is the ``Frames`` port (``runtime/ports.py``): frames leave through
+``send`` (connect first if needed, in order: ``links.py``), ``write`` (on a given
+connection) and ``control`` (only if connected; to this worker through the loopback).
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable
 from typing import Any, Protocol
 
 from asyncrpc.errors import (
@@ -27,7 +29,7 @@ from asyncrpc.errors import (
 from asyncrpc.protocol.address import PeerAddress
 from asyncrpc.protocol.handshake import pre_auth_decoder
 from asyncrpc.protocol.options import RpcBackendOptions
-from asyncrpc.protocol.reflog import Transfer
+from asyncrpc.protocol.reflog import ForkPair
 from asyncrpc.protocol.wire import Allocator, Frame, encode_frame
 from asyncrpc.protocol.wire.messages import (
     Auth,
@@ -37,23 +39,28 @@ from asyncrpc.protocol.wire.messages import (
     HelloReply,
     Kind,
     Pong,
+    ShmMessage,
     decode_message,
 )
 from asyncrpc.runtime.metrics import Counters, RateLimitedLog
 from asyncrpc.runtime.net.heartbeat import Heartbeat, Watched
-from asyncrpc.runtime.net.links import Links, SentCalls
+from asyncrpc.runtime.net.links import ForkEvents, Links
 from asyncrpc.runtime.net.listener import Listener, Parked
 from asyncrpc.runtime.net.loopback import LoopbackConnection
-from asyncrpc.runtime.net.peers import GOODBYE_REASON, PeerTable, without_goodbye
+from asyncrpc.runtime.net.peers import GOODBYE_REASON, Dial, PeerTable, without_goodbye
 from asyncrpc.runtime.net.tls import TlsContexts
 from asyncrpc.runtime.net.transport import Connection
-from asyncrpc.runtime.services import RRefService
+from asyncrpc.runtime.ports import OutgoingFrame
 from asyncrpc.runtime.shm.shm import SHM_TAG_PREFIX, SharedMemory
 
 __all__ = ["Members", "Network", "Receiver"]
 
 _log = logging.getLogger(__name__)
-_OWN_KINDS = frozenset({Kind.PING, Kind.PONG, Kind.GOODBYE})
+_OWN_KINDS = frozenset({Kind.PING, Kind.PONG, Kind.GOODBYE, Kind.SHM})
+
+
+def _never(rank: int) -> bool:
+    return False
 
 
 class Members(Protocol):
@@ -78,11 +85,14 @@ class Members(Protocol):
     @property
     def host_id(self) -> str | None: ...
 
+    def same_host(self, rank: int) -> bool:
+        """Whether ``rank`` runs on this host (it may share memory with this worker)."""
+
     async def lookup(self, rank: int) -> None:
         """Learn ``rank``'s address if it is a member not met yet."""
 
 
-class Receiver(Protocol):
+class Receiver(ForkEvents, Protocol):
     """What the network tells the part above it (the agent), on the loop thread."""
 
     def on_frame(self, conn: Connection, frame: Frame) -> None:
@@ -106,15 +116,13 @@ class Network:
         counters: Counters,
         *,
         receiver: Receiver,
-        calls: SentCalls,
-        rrefs: RRefService,
-        shm: SharedMemory,
         allocate: Allocator,
         listener: Listener,
+        dial: Dial | None = None,
     ) -> None:
         self.members, self.rank, self.loop = members, members.rank, loop
         self.addresses = members.addresses
-        self.counters, self.calls, self.rrefs, self.shm = counters, calls, rrefs, shm
+        self.counters = counters
         self._options, self._receiver, self._allocate = options, receiver, allocate
         self._listener = listener
         self._auth_log = RateLimitedLog(_log, interval=10.0)
@@ -127,12 +135,20 @@ class Network:
             members.name, members.rank, members.addresses, self._new_connection, members.key,
             options.max_frame_size, self._refuse,
             ssl_context=members.tls.client if members.tls else None, host_id=members.host_id,
-            on_adopted=self._on_adopted, on_declared_lost=self._on_declared_lost,
+            on_adopted=self._on_adopted, on_declared_lost=self._on_declared_lost, dial=dial,
         )  # fmt: skip
-        self.links = Links(self)
+        # Same-host memory for large tensors: its bookkeeping rides on this network.
+        self.shm = SharedMemory(
+            loop, options.shm_threshold, options.shm_arena_bytes,
+            members.same_host if options.shared_memory else _never, self.control,
+        )  # fmt: skip
         self.loopback = LoopbackConnection(
             members.rank, members.name, loop, allocate, self.on_frame
         )
+        self.links = Links(
+            members.rank, loop, counters, self.peers, self.loopback, self.shm,
+            members.addresses, receiver, self.peer_known, self.know_peer,
+        )  # fmt: skip
         self.heartbeat = Heartbeat(
             loop, options.heartbeat_interval, options.heartbeat_timeout,
             lambda: self.connections, self.links.ping, self._silent, self.links.ask_acks,
@@ -223,6 +239,8 @@ class Network:
             # Its bytes were the sign of life the heartbeat looks for; it also acknowledges
             # the refcount frames sent before its Ping.
             self.links.ponged(conn, conn.peer)
+        elif isinstance(message, ShmMessage):
+            self.shm.on_message(conn.peer, message)
         else:
             self.write(conn, encode_frame(Pong().to_fields(), b""))
 
@@ -282,6 +300,9 @@ class Network:
         self._receiver.on_connection_lost(
             rank, conn, peer.lost or PeerLostError(peer.address.name, reason)
         )
+        # Shared memory ends with the connection: chunks lent on it are closed, not reused,
+        # and the peer's mappings dropped; the next connection probes again.
+        self.shm.on_peer_lost(rank)
         if peer.lost is None and not self.closed and peer.conn is None:
             # Dial again now, not at the next call: the link heals before it is needed, and
             # a dead peer is found (refused) and declared lost, which frees its RRefs. The
@@ -303,6 +324,7 @@ class Network:
             _log.warning("worker %r: %s", self.members.name, lost)
         self.links.forget(rank)
         self._receiver.on_peer_lost(rank, lost)
+        self.shm.on_peer_lost(rank)
 
     # -- peers -----------------------------------------------------------------------------
 
@@ -331,6 +353,9 @@ class Network:
 
     def is_lost(self, rank: int) -> bool:
         return rank in self.peers.peers and self.peers.is_lost(rank)
+
+    def is_connected(self, rank: int) -> bool:
+        return self.peers.connected(rank)
 
     def lost_peers(self) -> list[str]:
         return sorted(p.address.name for p in self.peers.peers.values() if p.lost is not None)
@@ -377,47 +402,37 @@ class Network:
 
     # -- sending ---------------------------------------------------------------------------
 
-    def send_to(
-        self, rank: int, pieces: list[Any], call_id: int = 0, keep: object = None,
-        forks: list[Transfer] | None = None, ready: Awaitable[None] | None = None,
-    ) -> None:  # fmt: skip
-        """Write a frame to ``rank`` in order, once ``ready`` and connected (see links.py)."""
-        self.links.send_to(rank, pieces, call_id, keep, forks, ready)
+    def send(self, frame: OutgoingFrame) -> None:
+        """Write ``frame`` to its peer in order, once ready and connected (see links.py)."""
+        self.links.send(frame)
 
     def send_ref(self, rank: int, pieces: list[Any]) -> None:
         """Send a refcount frame, again on a new connection until acknowledged."""
         self.links.send_ref(rank, pieces)
 
-    def undelivered(self, rank: int, forks: list[Transfer] | None) -> None:
-        """A frame carrying these forks was never written: nobody will hold them."""
-        self.links.undelivered(rank, forks)
-
     def write(
         self, conn: Any, pieces: list[Any], keep: object = None,
-        forks: list[Transfer] | None = None,
+        forks: list[ForkPair] | None = None,
     ) -> None:  # fmt: skip
         """Write a frame on ``conn``; a closed connection drops it (the peer is gone)."""
         self.links.write(conn, pieces, keep, forks)
 
-    def send_control(self, rank: int, pieces: list[Any], connect: bool = False) -> None:
-        """Write a bookkeeping frame to ``rank``: if it is connected, or else ``connect``."""
-        if connect:
-            self.send_to(rank, pieces)
+    def control(self, rank: int, pieces: list[Any], connect: bool = False) -> None:
+        """Write a bookkeeping frame to ``rank``: to this worker through the loopback, to a
+        peer if it is connected, or else connecting first when ``connect``."""
+        if connect or rank == self.rank:
+            self.send(OutgoingFrame(rank, pieces))
             return
         peer = self.peers.peers.get(rank)
         if peer is not None and peer.conn is not None and not peer.conn.closed:
             self.write(peer.conn, pieces)
 
-    def send_cancel(self, rank: int, call_id: int) -> None:
+    def cancel(self, rank: int, call_id: int) -> None:
         """Tell ``rank`` that ``call_id`` is over, unless its request was not written yet
         (it waits here, and will be skipped)."""
-        if self.links.holds(rank, call_id):
-            return
-        pieces = encode_frame(Cancel(call_id).to_fields(), b"")
-        if rank == self.rank:
-            self.loopback.send(pieces)
-        else:
-            self.send_control(rank, pieces)  # only if connected: a new link never ran it
+        if not self.links.holds(rank, call_id):
+            # Only if connected: a new link never ran it.
+            self.control(rank, encode_frame(Cancel(call_id).to_fields(), b""))
 
     # -- stopping and figures --------------------------------------------------------------
 
@@ -432,8 +447,9 @@ class Network:
                 self.write(conn, goodbye)
             conn.close()
         self.loopback.close()
+        self.shm.close()
 
-    def metrics(self) -> dict[str, int]:
+    def statistics(self) -> dict[str, int | float]:
         # One snapshot: callers read metrics from their own thread while the loop thread
         # adds and removes connections (iterating the live set could fail mid-way).
         conns = list(self.connections)
@@ -443,4 +459,5 @@ class Network:
             "bytes_out": sum(c.bytes_out for c in conns),
             "open_connections": len(live),
             "open_unix_connections": sum(1 for c in live if c.is_unix),
+            **self.shm.stats(),
         }

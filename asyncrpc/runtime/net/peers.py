@@ -1,4 +1,4 @@
-"""The connections of one agent: one multiplexed connection per peer (layer L2).
+"""The connections of one agent: one multiplexed connection per peer (layer L2.2).
 
 Connections open lazily on first use. A connection starts with an authenticated handshake,
 whose rules live in the sans-I/O machine of ``asyncrpc/protocol/handshake.py``: this table
@@ -22,7 +22,7 @@ import asyncio
 import functools
 import logging
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Final
 
 from asyncrpc.errors import (
@@ -42,13 +42,20 @@ __all__ = [
     "GOODBYE_REASON",
     "NO_GOODBYE_HINT",
     "REFUSED_RETRY_DELAYS",
+    "Dial",
     "Peer",
     "PeerTable",
     "closed_by_peer",
     "without_goodbye",
 ]
 
-_log = logging.getLogger("asyncrpc.runtime.net.peers")
+_log = logging.getLogger(__name__)
+
+# Opens a transport to a peer for the connection the factory makes, and returns that
+# connection once it is connected: ``dial(address, factory)``. The default reaches the
+# peer's Unix socket on this host, else TCP (TLS if configured); a test may hand in a
+# socketpair instead.
+Dial = Callable[[PeerAddress, Callable[[], Connection]], Awaitable[Connection]]
 
 # Pauses before the retries of a dial. A peer whose address refuses connections after
 # REFUSED_RETRY_DELAYS is declared lost: a dead process refuses at once, and callers must
@@ -114,6 +121,7 @@ class PeerTable:
         host_id: str | None = None,
         on_adopted: Callable[[int, Connection], None] | None = None,
         on_declared_lost: Callable[[int], None] | None = None,
+        dial: Dial | None = None,
     ) -> None:
         self.name = name
         self.rank = rank
@@ -126,6 +134,7 @@ class PeerTable:
         self._host_id = host_id  # this host, when peers on it may be reached by Unix socket
         self._on_adopted = on_adopted
         self._on_declared_lost = on_declared_lost
+        self._dial_transport = self._open if dial is None else dial
         self.peers = {r: Peer(a) for r, a in addresses.items() if r != rank}
         # Connections in their handshake, and for dialled ones the dial's waiter: told the
         # refusal (NONE: adopted, or another connection won) or the error.
@@ -229,7 +238,9 @@ class PeerTable:
             RemoteProtocolError: the peer answered wrongly.
         """
         loop = asyncio.get_running_loop()
-        conn = await asyncio.wait_for(self._open(peer.address), max(deadline - loop.time(), 0))
+        factory = functools.partial(self._make_connection, True)
+        opened = self._dial_transport(peer.address, factory)
+        conn = await asyncio.wait_for(opened, max(deadline - loop.time(), 0))
         waiter: asyncio.Future[Close] = loop.create_future()
         machine = Handshake.dialer(
             (self.name, self.rank), (peer.address.name, rank), self._key, self._max_frame_size,
@@ -262,9 +273,8 @@ class PeerTable:
             self._dial_failed(peer, PeerUnavailableError(peer.address.name, outcome.reason))
         return True
 
-    async def _open(self, address: PeerAddress) -> Connection:
+    async def _open(self, address: PeerAddress, factory: Callable[[], Connection]) -> Connection:
         """The Unix socket of a peer on this host if it answers, else TCP (TLS if set)."""
-        factory = functools.partial(self._make_connection, True)
         if address.unix_path and self._host_id and address.host_id == self._host_id:
             try:
                 return await open_unix_connection(address.unix_path, factory)

@@ -1,4 +1,4 @@
-"""Mutual TLS contexts for a worker's connections (layer L2).
+"""Mutual TLS contexts for a worker's connections (layer L2.2).
 
 Built from three PEM files: the worker's certificate and key, and the CA that signs every
 worker's certificate. Both directions check the other side's certificate against that CA

@@ -1,9 +1,10 @@
-"""One TCP connection between two workers, driving the sans-I/O frame decoder (layer L2).
+"""One TCP connection between two workers, driving the sans-I/O frame decoder (layer L2.2).
 
 ``Connection`` is an ``asyncio.BufferedProtocol``: the decoder hands out the memory the
 kernel writes into (its staging buffer, or a tensor's own storage for big segments), so
 received bytes are copied at most once and tensor bytes never. Frames go to a handler (the
-agent); frames are written whole with ``writelines`` so payloads and tensors are not joined.
+``Network``; before the join, the listener); frames are written whole with ``writelines``
+so payloads and tensors are not joined.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ __all__ = [
     "start_unix_server",
 ]
 
-_log = logging.getLogger("asyncrpc.runtime.net.transport")
+_log = logging.getLogger(__name__)
 
 
 class ConnectionHandler(Protocol):
-    """What a connection reports to (the agent)."""
+    """What a connection reports to (the ``Network``, or the listener before the join)."""
 
     def on_frame(self, conn: Connection, frame: Frame) -> None: ...
 
@@ -218,7 +219,7 @@ class Connection(asyncio.BufferedProtocol):
         if not complete:
             self.abort(ClosedError("a frame written in parts was cut short"))
             return
-        for pieces, keepalive in held or ():  # bounded by the frames held
+        for pieces, keepalive in held or ():
             try:
                 self.send(pieces, keepalive)
             except ClosedError:

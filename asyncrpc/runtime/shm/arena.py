@@ -143,7 +143,7 @@ class SharedArena:
         """Count ``size`` new bytes in, closing free chunks (oldest first) to make room."""
         if size > self._capacity:
             return False
-        for pool in self._free.values():  # bounded by the number of free chunks
+        for pool in self._free.values():
             while self._bytes + size > self._capacity and pool:
                 self._drop(pool.pop(0))
         if self._bytes + size > self._capacity:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncrpc.errors import BlockingCallError
-from asyncrpc.runtime.callbackpool import CallbackPool
+from asyncrpc.runtime.futures.callbackpool import CallbackPool
 
 __all__ = [
     "CALLBACK_POOL_SIZE",

@@ -20,17 +20,7 @@ import torch
 import torch.futures
 
 from asyncrpc.errors import AsyncRpcError, as_callback_error
-from asyncrpc.runtime import handoffs
-from asyncrpc.runtime.blocking import blocking
-from asyncrpc.runtime.callbacks import (
-    MayBlock,
-    caller_may_block,
-    check_not_blocking_loop,
-    default_loop,
-    running_loop,
-    submit,
-)
-from asyncrpc.runtime.futurebridge import (
+from asyncrpc.runtime.futures.bridge import (
     CFuture,
     complete_torch_side,
     copy_from_torch,
@@ -40,6 +30,16 @@ from asyncrpc.runtime.futurebridge import (
     run_awaitable,
     wake_waiter,
 )
+from asyncrpc.runtime.futures.callbacks import (
+    MayBlock,
+    caller_may_block,
+    check_not_blocking_loop,
+    default_loop,
+    running_loop,
+    submit,
+)
+from asyncrpc.runtime.threads import handoffs
+from asyncrpc.runtime.threads.blocking import blocking
 
 __all__ = [
     "Future",
@@ -50,8 +50,8 @@ __all__ = [
 T = TypeVar("T")
 S = TypeVar("S")
 
-# The logger keeps the name users configure: this class was asyncrpc.runtime.future's.
-logger = logging.getLogger("asyncrpc.runtime.future")
+# The logger keeps the name users configure: this class was asyncrpc.runtime.futures's.
+logger = logging.getLogger(__name__)
 
 # An internal completion hook: a callable run in the completing thread, or an awaiter's
 # asyncio future, set on its own loop.
@@ -332,7 +332,7 @@ class Future(torch.futures.Future[T]):
 
         It runs on the callback loop (scheduled, also when the future is already done) or,
         with no loop, in the completing thread (here, if already done). Its exceptions are
-        logged on ``asyncrpc.runtime.future`` and swallowed.
+        logged on ``asyncrpc.runtime.futures`` and swallowed.
 
         Args:
             callback: Called with this future.

@@ -1,4 +1,4 @@
-"""Counts of work handed from one thread to another, by kind (layer L2).
+"""Counts of work handed from one thread to another, by kind (layer L2.01).
 
 Each hand-off costs a wake-up (tens of microseconds on a busy VM), and the count per call
 is a figure that, unlike wall time, does not move with the machine's load: the bench
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 
-__all__ = ["KINDS", "count", "snapshot", "total"]
+__all__ = ["KINDS", "count", "snapshot", "statistics", "total"]
 
 # thread_to_loop: a caller's thread (rpc_sync, rpc_async) hands a call to the agent's loop.
 # loop_to_pool: the loop queues a job (a def function, a local pass) for a pool thread.
@@ -47,6 +47,11 @@ def _value(counter: itertools.count[int]) -> int:
 def snapshot() -> dict[str, int]:
     """Hand-offs of each kind so far in this process."""
     return {kind: _value(counter) for kind, counter in _counters.items()}
+
+
+def statistics() -> dict[str, int]:
+    """The hand-offs of each kind so far in this process, as ``get_metrics`` names them."""
+    return {f"handoffs_{kind}": n for kind, n in snapshot().items()}
 
 
 def total() -> int:

@@ -1,5 +1,5 @@
 """The producing side of streaming calls: runs a stream request's generator for its
-consumer, never past the consumer's credit (layer L2, on the agent's loop).
+consumer, never past the consumer's credit (layer L2.42, on the agent's loop).
 
 An ``async def`` generator (or an ``async def`` function returning an async iterator) is
 driven by a task on the loop; a plain generator is advanced on the agent's pool, one burst
@@ -22,43 +22,27 @@ import asyncio
 import inspect
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 from asyncrpc.errors import FrameTooLargeError, SerializationError
 from asyncrpc.functions import is_coroutine_function, is_inline
 from asyncrpc.protocol.serde import pack_exception
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.stream import ProducerFlow, StreamEnd, StreamError, StreamItem
-from asyncrpc.runtime.services import RRefService
-from asyncrpc.runtime.threadpool import WorkerPool
+from asyncrpc.runtime.ports import Frames, Loop
 
-__all__ = ["ProducerHost", "ProducerStream", "Producers"]
+__all__ = ["ProducerStream", "Producers"]
 
 _CLOSED = object()  # a pool thread closed the generator itself
 _JOIN_BYTES = 64 << 10  # item frames joined into one write, up to this many bytes
 
-_log = logging.getLogger("asyncrpc.runtime.producer")
+_log = logging.getLogger(__name__)
 
 # The pipeline's last look at the stream (the dispatcher's): ok, value -> reply fields.
 Replying = Callable[[bool, Any], dict[str, Any] | None]
 # Pickles one item for the consumer as a reply to it is pickled (the dispatcher's choice of
-# serializer arguments): item -> (payload, segments, keepalive).
-Dumps = Callable[[Any], tuple[bytes, list[Any], Any]]
-
-
-class ProducerHost(Protocol):
-    """What the producers use of their agent."""
-
-    name: str
-    loop: asyncio.AbstractEventLoop
-    pool: WorkerPool
-
-    @property
-    def rrefs(self) -> RRefService | None: ...
-
-    def write(
-        self, conn: Any, pieces: list[Any], keep: object = None, forks: list[Any] | None = None
-    ) -> None: ...
+# serializer arguments): item -> (payload, segments, keepalive, RRef forks minted).
+Dumps = Callable[[Any], tuple[bytes, list[Any], Any, list[Any] | None]]
 
 
 class ProducerStream:
@@ -90,10 +74,22 @@ class ProducerStream:
 
 
 class Producers:
-    """The streams this worker produces, by (consumer's rank, stream id); loop thread only."""
+    """The streams this worker produces, by (consumer's rank, stream id); loop thread only.
 
-    def __init__(self, host: ProducerHost) -> None:
-        self._host = host
+    Args:
+        name: this worker's name, for errors.
+        loop: the agent's loop and pool (async generators run on the one, plain ones on
+            the other).
+        frames: writes item frames on the connection the stream's request came on.
+        undelivered: told the RRef forks of item frames that were never written.
+    """
+
+    def __init__(
+        self, name: str, loop: Loop, frames: Frames,
+        undelivered: Callable[[int, list[Any]], None],
+    ) -> None:  # fmt: skip
+        self._name, self._loop, self._pool = name, loop.aio, loop.pool
+        self._write_frame, self._forks_undelivered = frames.write, undelivered
         self._streams: dict[tuple[int, int], ProducerStream] = {}
         self.items_sent = 0
 
@@ -130,7 +126,7 @@ class Producers:
                 return
             self._adopt(stream, result)
         elif is_coroutine_function(fn):
-            stream.task = self._host.loop.create_task(self._await_source(stream, run, args, kwargs))
+            stream.task = self._loop.create_task(self._await_source(stream, run, args, kwargs))
         else:  # a plain function returning an iterable: it may block, so on the pool
             stream.running = True
             self._submit(stream, self._call_in_thread, stream, run, args, kwargs)
@@ -198,7 +194,7 @@ class Producers:
         """Drive what the function returned: an async iterator on the loop, else on the pool."""
         if hasattr(result, "__aiter__"):
             stream.async_source = True
-            stream.task = self._host.loop.create_task(self._drive(stream, result.__aiter__()))
+            stream.task = self._loop.create_task(self._drive(stream, result.__aiter__()))
             return
         try:
             stream.source = iter(result)
@@ -216,7 +212,7 @@ class Producers:
         try:
             while not stream.closed:
                 if flow.take(1) == 0:
-                    stream.wakeup = self._host.loop.create_future()
+                    stream.wakeup = self._loop.create_future()
                     await stream.wakeup
                     continue
                 try:
@@ -258,7 +254,7 @@ class Producers:
 
     def _submit(self, stream: ProducerStream, fn: Callable[..., Any], *args: Any) -> None:
         try:
-            self._host.pool.submit(fn, *args)
+            self._pool.submit(fn, *args)
         except Exception as exc:  # shut down, or exhausted: the consumer learns it
             stream.running = False
             self.close(stream, exc)
@@ -267,7 +263,7 @@ class Producers:
         self, stream: ProducerStream, run: Callable[..., Any], args: Any, kwargs: Any
     ) -> None:
         # Pool thread: call a plain function that returns what is streamed.
-        post = self._host.pool.post
+        post = self._pool.post
         try:
             result = run(*args, **kwargs)
         except BaseException as exc:
@@ -287,7 +283,7 @@ class Producers:
     def _steps(self, stream: ProducerStream, source: Iterator[Any], first: int, count: int) -> None:
         # Pool thread: advance the generator ``count`` times (the credit reserved), pickling
         # each item here and handing it to the loop, in order. Stops early once closed.
-        post = self._host.pool.post
+        post = self._pool.post
         for seq in range(first, first + count):
             if stream.closed:
                 break
@@ -340,7 +336,7 @@ class Producers:
     def _close_in_pool(self, stream: ProducerStream, source: Any) -> None:
         # Not on the loop: a generator's finally may block.
         try:
-            self._host.pool.submit(_close_now, source)
+            self._pool.submit(_close_now, source)
         except Exception:  # the pool is shut down: its finally runs when it is collected
             _log.debug("could not close the stream of %s on the pool", stream.target)
 
@@ -348,20 +344,14 @@ class Producers:
 
     def _encode(self, stream: ProducerStream, seq: int, item: Any) -> tuple[list[Any], Any, Any]:
         """Frame item ``seq`` (on the loop or a pool thread)."""
-        host, rrefs = self._host, self._host.rrefs
         assert stream.dumps is not None
-        if rrefs is not None:
-            rrefs.take_minted()  # a pickling that failed elsewhere on this thread may leave some
-        try:
-            payload, segments, keep = stream.dumps(item)
+        try:  # RRefs pickled before a failure: the serializer undoes their forks
+            payload, segments, keep, forks = stream.dumps(item)
         except Exception as exc:
-            if rrefs is not None:
-                self._undelivered(stream, rrefs.take_minted())
             error = SerializationError(
-                f"item {seq} of {stream.target} on worker {host.name!r} cannot be sent: {exc}"
+                f"item {seq} of {stream.target} on worker {self._name!r} cannot be sent: {exc}"
             )
             raise error from exc
-        forks = rrefs.take_minted() if rrefs is not None else None
         pieces = encode_frame(StreamItem(stream.stream_id, seq).to_fields(), payload, segments)
         return pieces, keep, forks
 
@@ -374,7 +364,7 @@ class Producers:
         stream.outbox.append((pieces, keep, forks))
         if not stream.flushing:
             stream.flushing = True
-            self._host.loop.call_soon(self._flush, stream)
+            self._loop.call_soon(self._flush, stream)
 
     def _flush(self, stream: ProducerStream) -> None:
         """Write the items made since the last flush, small frames joined into writes of up
@@ -412,15 +402,14 @@ class Producers:
         self, stream: ProducerStream, pieces: list[Any], keeps: list[Any], forks: list[Any]
     ) -> None:
         try:
-            self._host.write(stream.conn, pieces, tuple(keeps), forks or None)
+            self._write_frame(stream.conn, pieces, tuple(keeps), forks or None)
         except FrameTooLargeError as exc:  # one item over the consumer's frame limit
             self._undelivered(stream, forks)
             self._fail(stream, exc)
 
     def _undelivered(self, stream: ProducerStream, forks: Any) -> None:
-        rrefs = self._host.rrefs
-        if forks and rrefs is not None:
-            rrefs.undelivered(stream.peer, forks)
+        if forks:
+            self._forks_undelivered(stream.peer, forks)
 
     def _end(self, stream: ProducerStream) -> None:
         if stream.closed:
@@ -431,7 +420,7 @@ class Producers:
         count = stream.flow.sent
         headers = self._finish(stream, True, count)
         end = StreamEnd(stream.stream_id, count, headers)
-        self._host.write(stream.conn, encode_frame(end.to_fields(), b""))
+        self._write_frame(stream.conn, encode_frame(end.to_fields(), b""))
 
     def _fail(self, stream: ProducerStream, exc: BaseException) -> None:
         if stream.closed:
@@ -442,9 +431,9 @@ class Producers:
                 return
         count = stream.flow.sent
         headers = self._finish(stream, False, exc)
-        payload = pack_exception(exc, self._host.name)
+        payload = pack_exception(exc, self._name)
         error = StreamError(stream.stream_id, count, headers)
-        self._host.write(stream.conn, encode_frame(error.to_fields(), payload))
+        self._write_frame(stream.conn, encode_frame(error.to_fields(), payload))
         self._close_source(stream)
 
     def _finish(self, stream: ProducerStream, ok: bool, value: Any) -> dict[str, Any] | None:

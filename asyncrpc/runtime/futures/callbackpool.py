@@ -1,5 +1,5 @@
 """The callback pool: threads that run callbacks registered from synchronous code, woken
-once per batch rather than once per completed future (layer L2).
+once per batch rather than once per completed future (layer L2.02).
 
 Such callbacks may block (torch runs callbacks on its RPC threads, where waiting on
 another future is allowed), so they never run on the agent's loop. The loop completes many
@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from asyncrpc.runtime import handoffs
+from asyncrpc.runtime.threads import handoffs
 
 __all__ = ["CallbackPool"]
 
@@ -76,7 +76,7 @@ class CallbackPool:
     def run_left_over(self) -> None:
         """Run, on this thread, the jobs no pool thread took (at interpreter exit: the
         pool's threads are daemons, so nothing queued is lost with them)."""
-        for _ in range(1_000_000):  # bounded; a job may queue more
+        for _ in range(1_000_000):  # a job may queue more
             with self._lock:
                 if not self._jobs:
                     return

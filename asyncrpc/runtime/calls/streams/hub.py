@@ -1,5 +1,5 @@
-"""Streaming calls of one agent: opens streams, routes stream frames, ends them with the
-agent's lifecycle (layer L2, on the agent's loop unless said otherwise).
+"""Streaming calls of one agent, a feature: opens streams, routes stream frames, ends them
+with the agent's lifecycle (layer L2.42, on the agent's loop unless said otherwise).
 
 A stream is a call in ``CallMode.STREAM``: the request is pickled, framed and passed
 through the call pipeline like any call (``Outbox.encode``), and its ``PendingCall`` (no
@@ -13,16 +13,16 @@ value). The items themselves go around the pending table, straight to the
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any
 
 from asyncrpc.errors import ClosedError, PeerLostError, RemoteProtocolError
 from asyncrpc.protocol.address import PeerAddress
-from asyncrpc.protocol.options import RpcBackendOptions
 from asyncrpc.protocol.serde import Serializer, unpack_exception
 from asyncrpc.protocol.wire import Frame, encode_frame
 from asyncrpc.protocol.wire.messages import CallMode
 from asyncrpc.protocol.wire.stream import (
+    STREAM_KINDS,
     StreamClose,
     StreamCredit,
     StreamEnd,
@@ -30,43 +30,44 @@ from asyncrpc.protocol.wire.stream import (
     decode_stream_message,
 )
 from asyncrpc.runtime.calls.outbox import EncodedRequest, Outbox
-from asyncrpc.runtime.calls.pending import PendingCalls
-from asyncrpc.runtime.consumer import ConsumerStream
+from asyncrpc.runtime.calls.pipeline import CallKind
+from asyncrpc.runtime.calls.streams.consumer import ConsumerStream
+from asyncrpc.runtime.calls.streams.producer import Producers
+from asyncrpc.runtime.calls.streams.stream import Stream
+from asyncrpc.runtime.feature import Feature
 from asyncrpc.runtime.metrics import Counters
-from asyncrpc.runtime.net.network import Network
-from asyncrpc.runtime.producer import ProducerHost, Producers
-from asyncrpc.runtime.stream import Stream
+from asyncrpc.runtime.ports import Frames, Loop, OutgoingFrame
 
-__all__ = ["StreamHost", "Streams"]
+__all__ = ["StreamHub"]
 
 
-class StreamHost(ProducerHost, Protocol):
-    """What the streams use of their agent."""
+class StreamHub(Feature):
+    """The streams of one agent, both ways.
 
-    rank: int
-    loop_thread_id: int
-    options: RpcBackendOptions
-    counters: Counters
-    pending: PendingCalls
-    addresses: dict[int, PeerAddress]
-    serializer: Serializer
-    outbox: Outbox
-    network: Network
+    Args:
+        name: this worker's name.
+        loop: the agent's loop (consumers live on it).
+        outbox: encodes and starts the stream requests; their pending calls end streams.
+        frames: writes credit and close frames.
+        serializer: unpickles items.
+        producers: the streams this worker produces (the dispatcher starts them).
+        addresses: the members' names, by rank.
+        counters: the worker's counters (protocol errors, failed calls).
+        window: the default number of items a producer may run ahead.
+    """
 
-    def resolve(self, to: Any) -> int: ...
+    name = "streams"
+    kinds = STREAM_KINDS
 
-    def effective_timeout(self, timeout: float) -> float: ...
-
-    def run_on_loop(self, fn: Callable[..., Any], *args: Any) -> None: ...
-
-
-class Streams:
-    """The streams of one agent, both ways."""
-
-    def __init__(self, host: StreamHost, send_control: Callable[[int, list[Any]], None]) -> None:
-        self._host = host
-        self._send_control = send_control  # writes a frame if connected, else drops it
-        self.producers = Producers(host)
+    def __init__(
+        self, name: str, loop: Loop, outbox: Outbox, frames: Frames, serializer: Serializer,
+        producers: Producers, addresses: dict[int, PeerAddress], counters: Counters,
+        window: int,
+    ) -> None:  # fmt: skip
+        self._name, self._loop, self._outbox, self._frames = name, loop, outbox, frames
+        self._serializer, self._addresses, self._counters = serializer, addresses, counters
+        self._window = window
+        self.producers = producers
         self._consumers: dict[int, ConsumerStream] = {}
         self.items_received = 0
 
@@ -82,35 +83,36 @@ class Streams:
             ValueError: ``window`` is not a positive number of items, or the timeout is NaN.
             UnknownWorkerError, SerializationError, ClosedError: at once, as for calls.
         """
-        host = self._host
-        window = host.options.stream_window if window is None else window
+        loop, outbox = self._loop, self._outbox
+        window = self._window if window is None else window
         if type(window) is not int or window < 1:
             raise ValueError(f"a stream window must be a positive int, got {window!r}")
-        rank = host.resolve(to)
-        item_timeout = host.effective_timeout(timeout)
-        encoded = host.outbox.encode(
-            rank, fn, args, kwargs, 0.0, "stream", CallMode.STREAM, target=target
+        rank = outbox.resolve(to)
+        item_timeout = outbox.effective_timeout(timeout)
+        encoded = outbox.encode(
+            rank, fn, args, kwargs, 0.0, CallKind.STREAM, CallMode.STREAM, target=target
         )
         stream_id, target = encoded.call_id, encoded.target
-        name = host.addresses[rank].name
+        name = self._addresses[rank].name
         consumer = ConsumerStream(
-            host.loop, stream_id, rank, name, target, item_timeout, window, self
+            loop.aio, stream_id, rank, name, target, item_timeout, window, self
         )
         # The stream's outcome; the waiter is an asyncio future: only the loop touches it.
-        ended: asyncio.Future[Any] = host.loop.create_future()
+        ended: asyncio.Future[Any] = loop.aio.create_future()
         ended.add_done_callback(lambda done: self._ended(consumer, done))
-        host.run_on_loop(self._begin, consumer, encoded, ended)
-        return Stream(consumer, host.loop, host.loop_thread_id, host.run_on_loop)
+        loop.run_on_loop(self._begin, consumer, encoded, ended)
+        return Stream(consumer, loop.aio, loop.thread_id, loop.run_on_loop)
 
     def _begin(
         self, consumer: ConsumerStream, encoded: EncodedRequest, ended: asyncio.Future[Any]
     ) -> None:
-        host, stream_id = self._host, consumer.stream_id
+        stream_id = consumer.stream_id
         self._consumers[stream_id] = consumer
-        host.outbox.start(encoded, ended)
-        if stream_id in host.pending:  # written (or waiting for the connection): first credit
+        self._outbox.start(encoded, ended)
+        if stream_id in self._outbox.pending:  # written (or waiting to be): first credit
             credit = StreamCredit(stream_id, consumer.flow.initial())
-            host.network.send_to(consumer.peer, encode_frame(credit.to_fields(), b""))
+            pieces = encode_frame(credit.to_fields(), b"")
+            self._frames.send(OutgoingFrame(consumer.peer, pieces))
 
     def _ended(self, consumer: ConsumerStream, done: asyncio.Future[Any]) -> None:
         self._consumers.pop(consumer.stream_id, None)
@@ -122,34 +124,29 @@ class Streams:
         if not stream.ended:
             self._control(stream.peer, StreamCredit(stream.stream_id, count).to_fields())
 
-    def close(self, stream: ConsumerStream, error: BaseException | None = None) -> None:
+    def close_stream(self, stream: ConsumerStream, error: BaseException | None = None) -> None:
         """Close a stream this worker consumes; ``error`` goes to a fetch waiting on it."""
         if stream.closed:
             return
         self._consumers.pop(stream.stream_id, None)
-        call = self._host.pending.pop(stream.stream_id)
+        call = self._outbox.pending.pop(stream.stream_id)
         stream.shut(error)
         if call is not None:  # the producer may still run: stop it
             call.fail(asyncio.CancelledError())
             self._control(stream.peer, StreamClose(stream.stream_id).to_fields())
 
     def _control(self, rank: int, fields: list[Any]) -> None:
-        pieces = encode_frame(fields, b"")
-        if rank == self._host.rank:
-            self._host.network.loopback.send(pieces)
-        else:
-            self._send_control(rank, pieces)
+        self._frames.control(rank, encode_frame(fields, b""))  # if connected, else dropped
 
     # -- frames ------------------------------------------------------------------------------
 
     def on_frame(self, conn: Any, frame: Frame) -> None:
-        """A stream frame arrived on an authenticated connection."""
-        try:
-            message = decode_stream_message(frame.fields)
-        except RemoteProtocolError as exc:
-            self._host.counters.protocol_errors += 1
-            conn.abort(exc)
-            return
+        """A stream frame arrived on an authenticated connection.
+
+        Raises:
+            RemoteProtocolError: the frame is malformed (the agent aborts the connection).
+        """
+        message = decode_stream_message(frame.fields)
         peer = conn.peer
         if isinstance(message, StreamItem):
             self._on_item(peer, message, frame)
@@ -167,13 +164,13 @@ class Streams:
         try:
             stream.flow.check(message.seq)
         except RemoteProtocolError as exc:
-            self._host.counters.protocol_errors += 1
-            self.close(stream, exc)
+            self._counters.protocol_errors += 1
+            self.close_stream(stream, exc)
             return
         try:
-            value = self._host.serializer.loads(frame.payload, frame.segments, context=peer)
+            value = self._serializer.loads(frame.payload, frame.segments, context=peer)
         except Exception as exc:
-            self.close(stream, exc)
+            self.close_stream(stream, exc)
             return
         self.items_received += 1
         stream.on_item(message.seq, value)
@@ -182,47 +179,50 @@ class Streams:
         stream = self._consumers.get(message.stream_id)
         if stream is None or stream.peer != peer:
             return
-        call = self._host.pending.pop(message.stream_id)
+        call = self._outbox.pending.pop(message.stream_id)
         if call is None:
             return
         if not isinstance(message, StreamEnd):
-            self._host.counters.calls_failed += 1
+            self._counters.calls_failed += 1
             call.fail(unpack_exception(bytes(frame.payload)), message.headers)
             return
         try:
             stream.flow.check_end(message.count)
         except RemoteProtocolError as exc:
-            self._host.counters.protocol_errors += 1
+            self._counters.protocol_errors += 1
             call.fail(exc)
             return
         call.resolve(message.count, message.headers)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def on_connection_lost(self, conn: Any) -> None:
+    def on_connection_lost(self, rank: int, conn: Any, error: PeerLostError) -> None:
         """Streams consumed over ``conn`` fail with their pending call; those produced for it
         stop (nobody reads them)."""
         self.producers.close_connection(conn)
 
-    def on_peer_lost(self, rank: int) -> None:
+    def on_peer_lost(self, rank: int, error: PeerLostError) -> None:
         self.producers.close_peer(rank)
 
-    def close_consumers(self) -> None:
+    def flush(self) -> None:
         """This worker begins to shut down: it reads no more. Its consumers get
-        ``ClosedError`` and their producers are told and stopped; the streams it produces
-        go on (see ``close_all``)."""
-        host = self._host
+        ``ClosedError`` and their producers are told and stopped. The streams it produces
+        are not outstanding work (an endless one would hold the barrier) but go on while
+        the barrier waits: a worker that calls shutdown() right after joining, torch's way
+        of serving until everybody is done, still serves streams. They end when their
+        consumers close them (a consumer's own shutdown does) or when this worker stops
+        (``close``)."""
         for stream in list(self._consumers.values()):
-            self.close(stream, ClosedError(f"worker {host.name!r} shut down"))
+            self.close_stream(stream, ClosedError(f"worker {self._name!r} shut down"))
 
-    def close_all(self) -> None:
-        """This worker stops: ``close_consumers``, and every producer's consumer is told."""
-        host = self._host
-        self.close_consumers()
+    def close(self) -> None:
+        """This worker stops: its consumers are closed (``flush``), and every producer's
+        consumer is told."""
+        self.flush()
         if len(self.producers):
-            self.producers.close_all(PeerLostError(host.name, "it shut down while streaming"))
+            self.producers.close_all(PeerLostError(self._name, "it shut down while streaming"))
 
-    def stats(self) -> dict[str, int]:
+    def statistics(self) -> dict[str, int | float]:
         return {
             "streams_consuming": len(self._consumers),
             "streams_producing": len(self.producers),

@@ -1,4 +1,4 @@
-"""The consuming side of one streaming call, on the agent's loop (layer L2).
+"""The consuming side of one streaming call, on the agent's loop (layer L2.42).
 
 Received items wait here, unpickled, until the application fetches them (``fetch``, from
 the ``Stream`` it iterates); fetching reports the items consumed since the last fetch, and
@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from asyncrpc.errors import RpcTimeoutError
 from asyncrpc.protocol.wire.stream import ConsumerFlow
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.futures import Future, try_set_exception, try_set_result
 
 __all__ = ["ConsumerHub", "ConsumerStream", "Waiter"]
 
@@ -28,12 +28,12 @@ Waiter = Future[list[Any]] | asyncio.Future[list[Any]]
 
 
 class ConsumerHub(Protocol):
-    """What a consumer asks of the streams hub (``streams.py``)."""
+    """What a consumer asks of the stream hub (``hub.py``)."""
 
     def grant(self, stream: ConsumerStream, count: int) -> None:
         """Send the producer a credit of ``count`` items."""
 
-    def close(self, stream: ConsumerStream) -> None:
+    def close_stream(self, stream: ConsumerStream) -> None:
         """Close the stream: the producer stops."""
 
 
@@ -101,7 +101,7 @@ class ConsumerStream:
     def close(self) -> None:
         """Close the stream (idempotent): the producer stops."""
         if not self.closed:
-            self._hub.close(self)
+            self._hub.close_stream(self)
 
     def fetch(self, consumed: int, waiter: Waiter) -> None:
         """Hand the next items to ``waiter``, now or when they come; ``consumed``: items the
@@ -151,15 +151,15 @@ class ConsumerStream:
         error = RpcTimeoutError(self.peer_name, self.target, self.timeout)
         waiter, self._waiter = self._waiter, None
         _settle(waiter, [], error)
-        self._hub.close(self)  # a timeout stops the producer too
+        self._hub.close_stream(self)  # a timeout stops the producer too
 
 
 def _settle(waiter: Waiter, batch: list[Any], error: BaseException | None) -> None:
     if isinstance(waiter, Future):
         if error is None:
-            waiter._try_set_result(batch)
+            try_set_result(waiter, batch)
         else:
-            waiter._try_set_exception(error)
+            try_set_exception(waiter, error)
     elif not waiter.done():
         if error is None:
             waiter.set_result(batch)

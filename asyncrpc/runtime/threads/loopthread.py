@@ -1,4 +1,4 @@
-"""An event loop (uvloop when installed) running in a background thread (layer L2).
+"""An event loop (uvloop when installed) running in a background thread (layer L2.01).
 
 Plain synchronous programs get their agent on such a loop: ``init_rpc`` starts it, the
 caller's thread stays free, and coroutines are handed over with ``submit``.
@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 __all__ = ["LoopThread", "new_event_loop"]
 
-_log = logging.getLogger("asyncrpc.loop")
+_log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 

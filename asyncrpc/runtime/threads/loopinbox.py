@@ -1,4 +1,4 @@
-"""Work other threads hand to the event loop, one wake-up per batch (runtime layer).
+"""Work other threads hand to the event loop, one wake-up per batch (layer L2.01).
 
 A thread that starts many calls in a row (a window of ``rpc_async``, or the callback pool
 running a batch of done-callbacks that each start the next call), or a pool thread that
@@ -16,7 +16,7 @@ import collections
 from collections.abc import Callable
 from typing import Any
 
-from asyncrpc.runtime import handoffs
+from asyncrpc.runtime.threads import handoffs
 
 __all__ = ["LoopInbox"]
 
@@ -26,7 +26,7 @@ class LoopInbox:
 
     Args:
         loop: the loop that runs the items.
-        kind: the hand-off each wake-up counts as (``asyncrpc.runtime.handoffs.KINDS``).
+        kind: the hand-off each wake-up counts as (``asyncrpc.runtime.threads.handoffs.KINDS``).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, kind: str) -> None:
@@ -64,7 +64,7 @@ class LoopInbox:
         self._scheduled = False
         items = self._items
         try:
-            for _ in range(len(items)):  # bounded: later items wait for the next drain
+            for _ in range(len(items)):  # later items wait for the next drain
                 fn, args = items.popleft()
                 try:
                     fn(*args)

@@ -19,8 +19,8 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from asyncrpc.errors import NotInitializedError
-from asyncrpc.runtime import handoffs
-from asyncrpc.runtime.callbacks import default_loop, running_loop
+from asyncrpc.runtime.futures.callbacks import default_loop, running_loop
+from asyncrpc.runtime.threads import handoffs
 
 __all__ = [
     "CFuture",
@@ -36,7 +36,7 @@ __all__ = [
 
 T = TypeVar("T")
 
-logger = logging.getLogger("asyncrpc.runtime.future")
+logger = logging.getLogger(__name__)
 
 # torch's future, reached through its C base: torch.futures.wait_all/collect_all read the C
 # future's own state, so every completion of ours completes it too (complete_torch_side).

@@ -1,4 +1,4 @@
-"""The thread pool that runs synchronous remote functions for one agent (layer L2).
+"""The thread pool that runs synchronous remote functions for one agent (layer L2.01).
 
 Jobs reach daemon threads through one ``queue.SimpleQueue``; what the threads hand back to
 the agent's loop goes through one deque, and a burst of completions costs the loop a single
@@ -25,13 +25,13 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncrpc.errors import ClosedError, ThreadPoolExhaustedError
-from asyncrpc.runtime import handoffs
-from asyncrpc.runtime.blocking import set_blocking_host
-from asyncrpc.runtime.loopinbox import LoopInbox
+from asyncrpc.runtime.threads import handoffs
+from asyncrpc.runtime.threads.blocking import set_blocking_host
+from asyncrpc.runtime.threads.loopinbox import LoopInbox
 
 __all__ = ["Job", "WorkerPool"]
 
-_log = logging.getLogger("asyncrpc.runtime.threadpool")
+_log = logging.getLogger(__name__)
 
 
 class Job:
@@ -60,7 +60,7 @@ class WorkerPool:
     A thread is started whenever the queued jobs outnumber the idle threads, so a job never
     waits behind one that blocks while the pool is below its size (a function waiting for
     a later call to set an event does not deadlock). Threads blocked on an RPC future (see
-    ``asyncrpc/runtime/blocking.py``) are not counted: stand-ins start for them, up to
+    ``asyncrpc/runtime/threads/blocking.py``) are not counted: stand-ins start for them, up to
     ``max_threads`` threads in all. Jobs reply to the loop with ``post``.
     """
 
@@ -98,7 +98,7 @@ class WorkerPool:
         """Threads waiting on an RPC future right now."""
         return self._blocked
 
-    def stats(self) -> dict[str, int]:
+    def statistics(self) -> dict[str, int]:
         """The pool's gauges, as ``get_metrics`` names them."""
         busy = self.busy
         return {
@@ -165,7 +165,7 @@ class WorkerPool:
     def _exhausted_error(self) -> ThreadPoolExhaustedError:
         return ThreadPoolExhaustedError(self._name, self.max_threads)
 
-    # -- blocking waits of pool threads (asyncrpc/runtime/blocking.py) -----------------------
+    # -- blocking waits of pool threads (threads/blocking.py) ------------------------------
 
     def blocking_begin(self) -> None:
         """A pool thread starts waiting on an RPC future: start a stand-in if work waits."""

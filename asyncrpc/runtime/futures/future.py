@@ -1,27 +1,88 @@
-"""asyncrpc's futures: the Future class (``jitfuture.py``) and ``collect_all``/``wait_all``,
-torch's groups over many futures. Import Future from here.
+"""asyncrpc's futures: the Future class (``core.py``) and ``collect_all``/``wait_all``,
+torch's groups over many futures; and the package-private helpers the runtime and the
+layers above use on a future. Import them from here (or ``asyncrpc.runtime.futures``).
 
-Layer L2: the public home of the future names; the class, the callback executor
-(``callbacks.py``) and the bridges to other futures (``futurebridge.py``) live below it.
+Layer L2.02: the public home of the future names; the class, the callback executor
+(``callbacks.py``) and the bridges to other futures (``bridge.py``) live below it. The
+helpers are functions over the class, as CPython's ``asyncio.futures`` keeps
+``_set_result_unless_cancelled`` and ``_get_loop``: code elsewhere never reaches into a
+future's private fields.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
-from asyncrpc.runtime.callbacks import set_default_callback_loop
-from asyncrpc.runtime.jitfuture import Future, FutureAlreadyDoneError, FutureNotDoneError
+from asyncrpc.runtime.futures.callbacks import set_default_callback_loop
+from asyncrpc.runtime.futures.core import Future, FutureAlreadyDoneError, FutureNotDoneError
 
 __all__ = [
     "Future",
     "FutureAlreadyDoneError",
     "FutureNotDoneError",
+    "add_hook",
+    "chain",
     "collect_all",
+    "copy_outcome",
+    "make_sibling",
+    "on_cancel",
+    "on_value",
     "set_default_callback_loop",  # for the agent, which imports it from here
+    "try_set_exception",
+    "try_set_result",
     "wait_all",
 ]
+
+T = TypeVar("T")
+
+
+# -- package-private helpers: the runtime's uses of a future, over its class -------------------
+
+
+def try_set_result(future: Future[T], value: T) -> bool:
+    """Complete ``future`` with ``value`` unless it is done already (a late reply after a
+    cancel or a timeout is no error); whether this call completed it."""
+    return future._try_set_result(value)
+
+
+def try_set_exception(future: Future[Any], exc: BaseException) -> bool:
+    """Complete ``future`` with ``exc`` unless it is done already; whether this call did."""
+    return future._try_set_exception(exc)
+
+
+def add_hook(future: Future[T], hook: Callable[[Future[T]], object]) -> None:
+    """Run ``hook(future)`` in the thread that completes it (now, if done). A hook only
+    hands off (schedules, completes another future); it never runs user code."""
+    future._add_hook(hook)
+
+
+def chain(future: Future[T], callback: Callable[[Future[T]], Any]) -> Future[Any]:
+    """``future.then(callback)`` as the runtime chains: the callback runs on the future's
+    callback loop whoever registers it (never on the registering thread)."""
+    return future._then(callback)
+
+
+def make_sibling(future: Future[Any]) -> Future[Any]:
+    """A new pending future on ``future``'s callback loop (to complete from a hook)."""
+    return Future(loop=future._loop)
+
+
+def copy_outcome(target: Future[Any], source: Future[Any]) -> None:
+    """Complete ``target`` with the outcome of ``source``, which is done (a hook)."""
+    target._copy_from(source)
+
+
+def on_cancel(future: Future[Any], hook: Callable[[], object]) -> None:
+    """Call ``hook`` when ``future.cancel()`` cancels it (the outbox cancels the call)."""
+    future._cancel_hook = hook
+
+
+def on_value(future: Future[Any], reader: Callable[[], object]) -> None:
+    """Call ``reader`` on each thread that reads the value, before it gets it (CUDA: its
+    streams wait for the reply's copies). Set before ``future`` completes."""
+    future._on_value = reader
 
 
 # -- groups ------------------------------------------------------------------------------------
@@ -43,7 +104,7 @@ class _Countdown:
             self._left -= 1
             last = self._left == 0
         if last:
-            self._result._try_set_result(self._futures)
+            try_set_result(self._result, self._futures)
 
 
 def collect_all(futures: Sequence[Any]) -> Future[list[Future[Any]]]:

@@ -1,4 +1,4 @@
-"""Who to tell when a thread is about to block on an RPC future (layer L2).
+"""Who to tell when a thread is about to block on an RPC future (layer L2.01).
 
 A pool thread that waits for a reply (``rpc_sync`` inside a remote function, a nested
 ``to_here``) holds one of its pool's threads while doing nothing. ``Future.wait`` announces

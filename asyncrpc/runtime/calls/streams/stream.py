@@ -1,4 +1,4 @@
-"""``Stream``: what the application iterates, on any thread or loop (layer L2).
+"""``Stream``: what the application iterates, on any thread or loop (layer L2.42).
 
 A ``Stream`` fetches batches of items from its ``ConsumerStream`` on the agent's loop and
 hands them out one by one; the next fetch reports how many were taken, which becomes the
@@ -20,8 +20,8 @@ from types import TracebackType
 from typing import Any, Generic, TypeVar
 
 from asyncrpc.errors import BlockingCallError, ClosedError
-from asyncrpc.runtime.consumer import ConsumerStream
-from asyncrpc.runtime.future import Future
+from asyncrpc.runtime.calls.streams.consumer import ConsumerStream
+from asyncrpc.runtime.futures import Future
 
 __all__ = ["Stream"]
 

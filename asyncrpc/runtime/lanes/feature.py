@@ -1,0 +1,77 @@
+"""Lanes as a feature of the agent: both ends, told of lost peers, closed, counted (layer
+L2.46).
+
+The calling threads' lanes (``client.py``) serve the outbox's synchronous calls; the lane
+server (``server.py``), when this worker takes lanes, runs what peers' lanes carry. The
+agent sees one feature: it hears the peers that are lost, closes both ends, and adds
+their figures to the worker's (calls, replies and bytes on lanes count as the loop's do).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncrpc.errors import PeerLostError
+from asyncrpc.runtime.feature import Feature
+from asyncrpc.runtime.lanes.client import CallerLanes
+from asyncrpc.runtime.lanes.server import LaneReply, LaneServer, Serving, Writer
+
+__all__ = ["Lanes"]
+
+
+class Lanes(Feature):
+    """This worker's lanes, both ends.
+
+    Args:
+        callers: the lanes of its calling threads.
+        server: the lanes it serves (listening on nothing when it takes none, as with TLS
+            or ``sync_lanes=0``).
+    """
+
+    name = "lanes"
+
+    def __init__(self, callers: CallerLanes, server: LaneServer) -> None:
+        self.callers = callers
+        self._server = server
+
+    def serve(self, serving: Serving) -> None:
+        """The group is joined and the dispatcher built: served lanes may carry calls."""
+        self._server.serve(serving)
+
+    @staticmethod
+    def reply_writer(write: Writer) -> Writer:
+        """``write`` for the dispatcher's replies, but a request a lane handed to the loop
+        is answered through the lane's thread (its connection is a ``LaneReply``)."""
+
+        def write_reply(conn: Any, pieces: list[Any], keep: object, forks: Any) -> None:
+            if type(conn) is LaneReply:
+                conn.deliver(pieces, keep, forks)
+            else:
+                write(conn, pieces, keep, forks)
+
+        return write_reply
+
+    @property
+    def in_flight(self) -> int:
+        """Calls this worker's threads wait for on lanes."""
+        return self.callers.in_flight
+
+    @property
+    def running(self) -> int:
+        """Requests running on served lanes' threads."""
+        return self._server.running
+
+    def on_peer_lost(self, rank: int, error: PeerLostError) -> None:
+        self.callers.on_peer_lost(rank, error)
+        self._server.on_peer_lost(rank)
+
+    def statistics(self) -> dict[str, int | float]:
+        figures: dict[str, int | float] = dict(self.callers.stats())
+        figures["running_requests"] = self.running  # beside the dispatcher's (summed)
+        for key, value in self._server.stats().items():
+            figures[key] = figures.get(key, 0) + value
+        return figures
+
+    def close(self) -> None:
+        self.callers.close()
+        self._server.close()
