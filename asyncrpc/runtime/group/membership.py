@@ -108,8 +108,9 @@ class Directory:
     def resolve(self, to: object) -> int:
         """Return the rank of worker ``to`` (a name, a rank or a ``WorkerInfo``).
 
-        A dynamic group's member met for the first time is read in the store, on the
-        calling thread (a short blocking read, once per newcomer).
+        A member met for the first time (any group: a static group's addresses are read
+        on first use too) is read in the store, on the calling thread (a short blocking
+        read, once per member).
 
         Raises:
             UnknownWorkerError: no such worker in the group.
