@@ -30,12 +30,12 @@ from asyncrpc.protocol.wire.messages import (
     Request,
     decode_message,
 )
-from asyncrpc.runtime.current import current_agent
 from asyncrpc.runtime.group.rendezvous import StoreGroup
 from asyncrpc.testing import free_port, spawn_worker, stop_workers
 from tests import scenarios
 from tests.integration import remote_fns as fns
 from tests.integration.conftest import Group
+from tests.integration.rawpeer import closed_by_peer, published_address
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -129,25 +129,7 @@ def test_shutdown_returns_despite_a_dead_peer(killed_peer: dict[str, Any]) -> No
 
 def _listening_port(rank: int) -> int:
     # The port the worker published at rendezvous: the one every peer dials.
-    agent = current_agent()
-    agent.group.directory.worker_info(rank)  # its address is read when first needed
-    return agent.group.addresses[rank].port
-
-
-def _closed_by_peer(port: int, data: bytes, timeout: float = 5.0) -> tuple[bool, bytes]:
-    """Send ``data`` on a fresh raw connection; return (closed by the peer in time, bytes got)."""
-    received = b""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-        sock.settimeout(timeout)
-        sock.sendall(data)
-        try:
-            while chunk := sock.recv(65536):
-                received += chunk
-        except ConnectionResetError:
-            return True, received
-        except TimeoutError:
-            return False, received
-    return True, received
+    return published_address(rank).port
 
 
 def _protocol_errors(worker: str) -> int:
@@ -169,7 +151,7 @@ def _request_before_hello() -> bytes:
 
 
 def test_Connection_bad_magic_is_closed_and_worker_keeps_serving(group: Group) -> None:
-    closed, got = _closed_by_peer(_listening_port(1), b"GARBAGE!" * 8)
+    closed, got = closed_by_peer(_listening_port(1), b"GARBAGE!" * 8, 5.0)
     assert closed
     assert got == b""
     assert asyncrpc.rpc_sync("w1", fns.add, args=(1, 2)) == 3
@@ -178,7 +160,7 @@ def test_Connection_bad_magic_is_closed_and_worker_keeps_serving(group: Group) -
 def test_Connection_oversized_frame_is_closed_before_allocating(group: Group) -> None:
     prelude = _PRELUDE.pack(MAGIC, PROTOCOL_VERSION, 0, 0, 16, 0, 1 << 40)
     started = time.monotonic()
-    closed, got = _closed_by_peer(_listening_port(3), prelude + b"\x90" * 16)
+    closed, got = closed_by_peer(_listening_port(3), prelude + b"\x90" * 16, 5.0)
     assert closed
     assert got == b""
     assert time.monotonic() - started < 5.0
@@ -188,7 +170,7 @@ def test_Connection_oversized_frame_is_closed_before_allocating(group: Group) ->
 
 def test_Connection_message_before_hello_is_closed_and_counted(group: Group) -> None:
     before = _protocol_errors("w2")
-    closed, got = _closed_by_peer(_listening_port(2), _request_before_hello())
+    closed, got = closed_by_peer(_listening_port(2), _request_before_hello(), 5.0)
     assert closed
     assert got == b""
     assert _wait_protocol_errors("w2", before + 1) == before + 1
@@ -197,9 +179,9 @@ def test_Connection_message_before_hello_is_closed_and_counted(group: Group) -> 
 
 def test_Connection_frame_level_errors_are_counted(group: Group) -> None:
     before = _protocol_errors("w1")
-    _closed_by_peer(_listening_port(1), b"GARBAGE!" * 8)
+    closed_by_peer(_listening_port(1), b"GARBAGE!" * 8, 5.0)
     prelude = _PRELUDE.pack(MAGIC, PROTOCOL_VERSION, 0, 0, 16, 0, 1 << 40)
-    _closed_by_peer(_listening_port(1), prelude)
+    closed_by_peer(_listening_port(1), prelude, 5.0)
     assert _wait_protocol_errors("w1", before + 2) == before + 2
 
 

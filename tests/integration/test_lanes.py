@@ -29,12 +29,12 @@ from asyncrpc.protocol.wire.messages import (
     Request,
     decode_message,
 )
-from asyncrpc.runtime.current import current_agent
 from asyncrpc.runtime.lanes.client import LANES_PER_PEER
 from asyncrpc.testing import free_port, spawn_worker, stop_workers
 from tests import scenarios
 from tests.integration import remote_fns as fns
 from tests.integration.conftest import Group
+from tests.integration.rawpeer import closed_by_peer, published_address
 from tests.ordering import eventually
 
 pytestmark = pytest.mark.timeout(120)
@@ -198,27 +198,9 @@ def test_Lanes_server_profiler_sees_requests_on_lanes(group: Group) -> None:
 
 
 def _lane_port(rank: int) -> int:
-    agent = current_agent()
-    agent.group.directory.worker_info(rank)  # its address is read when first needed
-    port = agent.group.addresses[rank].lane_port
+    port = published_address(rank).lane_port
     assert port is not None
     return port
-
-
-def _closed_by_peer(port: int, data: bytes, timeout: float = 10.0) -> tuple[bool, bytes]:
-    """Send ``data`` on a fresh raw connection; return (closed by the peer in time, bytes got)."""
-    received = b""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-        sock.settimeout(timeout)
-        sock.sendall(data)
-        try:
-            while chunk := sock.recv(65536):
-                received += chunk
-        except ConnectionResetError:
-            return True, received
-        except TimeoutError:
-            return False, received
-    return True, received
 
 
 def _frame(message: Any) -> bytes:
@@ -235,12 +217,12 @@ def _still_serves_lanes(to: str) -> bool:
 
 
 def test_Lanes_garbage_and_early_requests_are_closed_unread(group: Group) -> None:
-    closed, got = _closed_by_peer(_lane_port(1), b"GARBAGE!" * 8)
+    closed, got = closed_by_peer(_lane_port(1), b"GARBAGE!" * 8, 10.0)
     assert closed
     assert got == b""
     request = Request(1, 0.0, CallMode.CALL, "tests.integration.remote_fns.noop")
     early = b"".join(bytes(p) for p in encode_frame(request.to_fields(), b"not a pickle"))
-    closed, got = _closed_by_peer(_lane_port(1), early)
+    closed, got = closed_by_peer(_lane_port(1), early, 10.0)
     assert closed
     assert got == b""
     assert _still_serves_lanes("w1")
@@ -248,7 +230,7 @@ def test_Lanes_garbage_and_early_requests_are_closed_unread(group: Group) -> Non
 
 def test_Lanes_oversized_frame_before_the_key_is_closed_before_allocating(group: Group) -> None:
     prelude = _PRELUDE.pack(MAGIC, PROTOCOL_VERSION, 0, 0, 16, 0, 1 << 40)
-    closed, got = _closed_by_peer(_lane_port(3), prelude + b"\x90" * 16)
+    closed, got = closed_by_peer(_lane_port(3), prelude + b"\x90" * 16, 10.0)
     assert closed
     assert got == b""
     assert _still_serves_lanes("w3")
@@ -283,7 +265,7 @@ def test_Lanes_a_stranger_without_the_key_is_refused(group: Group) -> None:
 
 def test_Lanes_a_silent_dialer_is_closed_at_the_handshake_deadline(group: Group) -> None:
     # The worker's handshake_timeout (5 s by default) bounds every read before the key.
-    closed, got = _closed_by_peer(_lane_port(3), b"", timeout=30.0)
+    closed, got = closed_by_peer(_lane_port(3), b"", 30.0)
     assert closed
     assert got == b""
 

@@ -73,11 +73,9 @@ def tls(args: argparse.Namespace) -> int:
 
 
 def _address_of(rank: int) -> tuple[str, int]:
-    from asyncrpc.runtime.current import current_agent
+    from tests.integration.rawpeer import published_address
 
-    agent = current_agent()
-    agent.group.directory.worker_info(rank)  # its address is read when first needed
-    address = agent.group.addresses[rank]
+    address = published_address(rank)
     return address.host, address.port
 
 
