@@ -77,8 +77,6 @@ class Members(Protocol):
     @property
     def tls(self) -> TlsContexts | None: ...
     @property
-    def dynamic(self) -> bool: ...
-    @property
     def lazy(self) -> bool:
         """Whether members not met yet are looked up (then ``lookup`` reads them)."""
 
