@@ -184,6 +184,29 @@ def test_SharedMemory_small_segments_and_unprobed_peers_stay_on_the_socket() -> 
     receiver.close()
 
 
+def test_SharedMemory_leaves_segments_bound_for_a_cuda_device_on_the_socket() -> None:
+    # A staged CUDA segment's bytes are still being copied from the GPU when the message is
+    # pickled; copied into shared memory then, the peer would read stale bytes (seen on an
+    # H100). It must stay as it is, to be written after the frame's ready stage.
+    sender, receiver, _, _ = _pair()
+    staged = torch.zeros(MIB, dtype=torch.uint8)
+    view = _view_of(staged)
+    host = torch.ones(MIB, dtype=torch.uint8)
+    segments = [(view, "cuda:0"), (_view_of(host), "cpu")]
+    placed = sender.place(segments, [staged, host], 1)
+    assert placed[0] == segments[0]
+    assert placed[0][0] is view
+    assert placed[1][1].startswith("shm:")  # a host segment of the same message still goes
+    sender.close()
+    receiver.close()
+
+
+def _view_of(tensor: torch.Tensor) -> memoryview:
+    from asyncrpc.protocol.serde.tensors import memory_view
+
+    return memory_view(tensor.data_ptr(), tensor.numel() * tensor.element_size(), writable=False)
+
+
 def test_SharedMemory_refuses_offers_it_cannot_verify() -> None:
     loop, answers = _Loop(), []
     side = SharedMemory(loop, 1, MIB, lambda r: r != 7, lambda r, p, c: answers.append(p))

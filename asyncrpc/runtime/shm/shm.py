@@ -41,6 +41,12 @@ _EMPTY: Final = memoryview(bytearray())  # what a shared segment asks the wire t
 _UINT8: Final = torch.uint8
 _memmove: Final = ctypes.memmove  # a CFUNCTYPE: it releases the GIL while it copies
 
+# A segment bound for a CUDA device is staged: its bytes are still being copied from the GPU
+# while the message is pickled, and are valid only once the frame's ready stage (the
+# copies' events) has passed. Copying it into shared memory here would send whatever the
+# pinned buffer held before, so it stays on the socket, written after that stage.
+_DEVICE_TAG: Final = "cuda"
+
 # What this side knows of a peer as a receiver of our chunks.
 _UNKNOWN, _PROBING, _ON, _OFF = 0, 1, 2, 3
 
@@ -119,7 +125,7 @@ class SharedMemory:
         lease: _Lease | None = None
         for index, (view, tag) in enumerate(segments):
             nbytes = len(view)
-            if nbytes < threshold:
+            if nbytes < threshold or tag.startswith(_DEVICE_TAG):
                 continue
             if state == _UNKNOWN:
                 self._want_probe(context)  # type: ignore[arg-type]  # an int: checked above
