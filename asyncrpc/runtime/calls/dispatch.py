@@ -570,11 +570,13 @@ class Dispatcher:
         if request.mode == CallMode.STREAM:
             self._producers.forget(served.peer, request.call_id)  # never started: the error replies
         elif served.remote:
+            # The hooks first (one serving all sees it too): the value may leave at once
+            # once the owner keeps it, to a to_here that came before it was done, and a
+            # hook may have to note first where the work that made it ends (CUDA streams).
+            headers = self._replying(served, ok, value)
             self._owner.on_value(request, served.peer, ok, value)
             if request.headers:
-                self._acknowledge(served, ok, value)
-            else:
-                self._replying(served, ok, value)  # a hook serving all still sees it
+                self._acknowledge(served, headers)
             return
         if not ok:
             self._send_error(served, value)
@@ -584,10 +586,9 @@ class Dispatcher:
     def _print_error(self, request: Request, caller: str | None, exc: BaseException) -> None:
         print_request_error(self._name, request, caller, exc)
 
-    def _acknowledge(self, served: ServedRequest, ok: bool, value: Any) -> None:
+    def _acknowledge(self, served: ServedRequest, headers: dict[str, Any] | None) -> None:
         # A remote() request with pipeline fields: its caller's hooks wait for the end of
         # the function (torch's remote profiling does too), so say so with an empty reply.
-        headers = self._replying(served, ok, value)
         payload, segments, keep, _ = self._serializer.dumps(None)
         reply = Reply(served.request.call_id, headers).to_fields()
         self._write(served.conn, encode_frame(reply, payload, segments), keep, None)

@@ -15,7 +15,9 @@ deadlines expire straight into it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
+import logging
 import math
 import threading
 import weakref
@@ -43,6 +45,8 @@ from asyncrpc.runtime.group.membership import Directory
 from asyncrpc.runtime.metrics import Counters
 from asyncrpc.runtime.ports import Frames, Loop, OutgoingFrame, Register
 from asyncrpc.runtime.shm.shm import SHM_TAG_PREFIX
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["NOT_ON_LANE", "EncodedRequest", "Observed", "Outbox", "SyncLanes"]
 
@@ -99,6 +103,10 @@ class Outbox:
         self.pending = PendingCalls(loop.aio, self.expire)
         self._call_ids = itertools.count(1)
         self.closed = False
+        # Requests held aside until their GPU work is done (see ``start``), by calling
+        # thread and rank: a later request from the same thread to the same rank waits
+        # behind, so the callee still starts one thread's calls in the order it made them.
+        self._held: dict[tuple[int, int], asyncio.Task[None]] = {}
 
     # -- the group's members, as the Calls port answers about them --------------------------
 
@@ -206,7 +214,7 @@ class Outbox:
         future: Future[Any] = Future(loop=self.loop)
         call_id = encoded.call_id
         on_cancel(future, lambda: self.loop.call_soon_threadsafe(self.cancel, call_id))
-        self.run_on_loop(self.start, encoded, future)
+        self.run_on_loop(self.start, encoded, future, threading.get_ident())
         return future
 
     def call_sync(
@@ -290,7 +298,7 @@ class Outbox:
             rank, fn, args, kwargs, self.effective_timeout(timeout), CallKind.ASYNC
         )
         waiter: asyncio.Future[Any] = self.loop.create_future()
-        self.start(encoded, waiter)
+        self.start(encoded, waiter, threading.get_ident())
         try:
             value = await waiter
         except asyncio.CancelledError:
@@ -355,8 +363,9 @@ class Outbox:
 
     # -- on the loop -----------------------------------------------------------------------
 
-    def start(self, encoded: EncodedRequest, waiter: Waiter) -> None:
-        """Register the call and write its frame (on the loop thread)."""
+    def start(self, encoded: EncodedRequest, waiter: Waiter, origin: int = 0) -> None:
+        """Register the call and write its frame (on the loop thread); ``origin`` is the
+        calling thread's ident."""
         e = encoded
         call = PendingCall(waiter, e, self.pending)
         if self.closed:
@@ -366,7 +375,50 @@ class Outbox:
         self._counters.calls_sent += 1
         # The pipeline's ready stage may hold the frame (GPU work still filling its bytes).
         ready = None if e.observed is None else Pipeline.ready(*e.observed)
-        self._frames.send(OutgoingFrame(e.rank, e.pieces, e.keep, e.forks, call, ready))
+        frame = OutgoingFrame(e.rank, e.pieces, e.keep, e.forks, call, ready)
+        key = (origin, e.rank)
+        before = self._held.get(key)
+        if before is not None and before.done():
+            before = None
+        if before is None and (ready is None or e.forks):
+            self._frames.send(frame)
+            return
+        # Held aside until its GPU work is done (or behind this thread's request that is),
+        # rather than at the head of the peer's queue: calls and replies sent meanwhile by
+        # other threads do not wait for the GPU. A frame carrying RRef forks keeps its
+        # place among the others (the reference counts follow the wire's order).
+        task = self.loop.create_task(self._send_when_started(frame, before))
+        self._held[key] = task
+        task.add_done_callback(functools.partial(self._release_held, key))
+
+    def _release_held(self, key: tuple[int, int], task: asyncio.Task[None]) -> None:
+        if self._held.get(key) is task:
+            del self._held[key]
+        if not task.cancelled() and task.exception() is not None:
+            _log.error("a held request could not be sent", exc_info=task.exception())
+
+    async def _send_when_started(
+        self, frame: OutgoingFrame, before: asyncio.Task[None] | None
+    ) -> None:
+        if before is not None:
+            await asyncio.wait([before])
+        ready = frame.ready
+        try:
+            if ready is not None:
+                started = getattr(ready, "started", None)
+                if started is not None:  # a frame in parts: its first part's bytes exist
+                    await started()
+                else:
+                    await ready
+                    frame = frame._replace(ready=None)
+        except asyncio.CancelledError:
+            self._unlend(frame.keep)  # shut down meanwhile: the call failed with it
+            raise
+        except Exception as exc:  # what held it back failed: the call fails with that
+            failed: asyncio.Future[None] = self.loop.create_future()
+            failed.set_exception(exc)
+            frame = frame._replace(ready=failed)  # the links fail the call, as for any frame
+        self._frames.send(frame)
 
     def cancel(self, call_id: int) -> None:
         """Give up on ``call_id`` (the caller was cancelled) and tell the callee."""
@@ -421,6 +473,9 @@ class Outbox:
     def close(self) -> None:
         """No more calls; those still pending fail."""
         self.closed = True
+        held, self._held = self._held, {}
+        for task in held.values():
+            task.cancel()
         for call in self.pending.pop_all():
             call.fail(ClosedError(f"worker {self._name!r} shut down before the reply came"))
 
