@@ -5,7 +5,6 @@ a lost consumer's references dropped, and no leak over 1,000 calls."""
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import pytest
@@ -62,6 +61,16 @@ def gpu(transfer: StagedTransfer) -> FakeDevices:
     return devices
 
 
+def settle(*transfers: StagedTransfer) -> None:
+    """Run every queued copy of these workers' fake GPUs (producers' first: the consumers'
+    copy-in streams wait for their events)."""
+    for _ in range(2):
+        for transfer in transfers:
+            for device in range(2):
+                gpu(transfer).run(gpu(transfer).default_stream(device))
+                gpu(transfer).run(transfer.in_stream(device))
+
+
 # -- the probe -------------------------------------------------------------------------------
 
 
@@ -83,11 +92,13 @@ def test_probe_turns_ipc_on_both_ways_only_after_each_peer_opened_the_other() ->
     assert not ipc(b).usable(A)
     ipc(b).field_in(A, ipc(a).field_out(B))
     assert ipc(b).usable(A)
-    gc.collect()
-    # The probes' handles were opened and dropped: told back, then nothing is left.
+    settle(a, b)
+    # The probes were copied out of their blocks and named back: the blocks are free, and
+    # stay exported and mapped (one each way) for the next messages.
     ipc(a).field_in(B, ipc(b).field_out(A))
     ipc(b).field_in(A, ipc(a).field_out(B))
-    assert host.live() == 0
+    assert ipc(a).outstanding(B) == ipc(b).outstanding(A) == 0
+    assert host.live() == host.referenced() == 2
 
 
 @pytest.mark.parametrize("why", ["another boot", "unseen GPU", "driver refuses"])
@@ -131,13 +142,14 @@ def test_forced_ipc_needs_no_probe_but_still_only_same_host_peers() -> None:
 async def test_handle_leaves_at_once_and_the_consumer_reads_after_the_producer() -> None:
     a, b = probed()
     producer = gpu(a).launch(gpu(a).default_stream(0), "writes x")
-    copies = gpu(a).copies  # the probe's
+    copies = gpu(a).copies
     sent = a.policy({"cuda:0": "cuda:1"}, B)
     tag, tensor = sent.to_host(FakeTensor(0, "x"))
     assert is_ipc_tag(tag)
     assert tensor.fake_device == 0  # stays on the device: no copy, an empty segment
     assert a.ready(sent) is None  # nothing to wait for before writing the frame
-    assert gpu(a).copies == copies
+    assert gpu(a).copies == copies + 1  # one copy on the device, for sharing; none to host
+    assert a.staged_out == 0
     received = b.policy({}, A)
     x = received.to_device(EMPTY, tag)
     assert x.fake_device == 1
@@ -169,14 +181,39 @@ def test_memory_on_another_gpu_of_the_host_gets_a_peer_copy() -> None:
     assert any(label.startswith("peer copy 1 -> 0") for label in labels)
 
 
-def test_memory_opened_from_a_handle_goes_back_staged() -> None:
+def test_a_received_tensor_is_the_consumers_own_and_goes_back_by_handle() -> None:
+    # An echo: what the consumer opened was copied into memory of its own, so its reply can
+    # go by handle again (torch cannot share memory a process opened from a handle).
     a, b = probed()
     tag, _ = a.policy({"cuda:0": "cuda:0"}, B).to_host(FakeTensor(0, "x"))
     x = b.policy({}, A).to_device(EMPTY, tag)
-    echoed, host_copy = b.policy({"cuda:0": "cuda:0"}, A).to_host(x)  # an echo's reply
-    assert echoed == "cuda:0"
+    back, same = b.policy({"cuda:0": "cuda:0"}, A).to_host(x)  # the echo's reply
+    assert is_ipc_tag(back)
+    assert same is x
+    assert ipc(b).refused == 0
+    y = a.policy({}, B).to_device(EMPTY, back)
+    assert y.value == "x"
+
+
+def test_memory_the_driver_will_not_share_goes_staged() -> None:
+    a, _ = probed()
+    tag, host_copy = a.policy({"cuda:0": "cuda:0"}, B).to_host(FakeTensor(0, "x", opened=True))
+    assert tag == "cuda:0"
     assert host_copy.value == "x"
-    assert ipc(b).refused == 1
+    assert ipc(a).refused == 1
+
+
+def test_the_consumer_reads_the_bytes_as_they_were_sent() -> None:
+    # The tensor is copied into the block on the producer's stream, the event after it:
+    # what the consumer copies out is that, not the producer's tensor, so later writes
+    # cannot reach it.
+    a, b = probed()
+    x = FakeTensor(0, "x")
+    tag, _ = a.policy({"cuda:0": "cuda:0"}, B).to_host(x)
+    labels = [item.label for item in gpu(a).default_stream(0).items]
+    assert labels[-1].startswith("fill block")
+    x.value = "written later"
+    assert b.policy({}, A).to_device(EMPTY, tag).value == "x"
 
 
 def test_a_handle_that_does_not_open_is_a_serialization_error() -> None:
@@ -190,71 +227,127 @@ def test_a_handle_that_does_not_open_is_a_serialization_error() -> None:
         StagedTransfer(FakeDevices()).policy({}, A).to_device(EMPTY, tag)
 
 
-def test_reply_shared_from_a_pool_stream_records_its_event_there() -> None:
+def test_reply_shared_from_a_pool_stream_fills_its_block_there() -> None:
     _a, b = probed()
     stream = gpu(b).new_stream(0)
     reply = b.policy({"cuda:0": "cuda:0"}, A)
     reply.streams[0] = stream  # the callee's leased stream (see test_cuda_callee)
     gpu(b).launch(stream, "writes y")
     reply.to_host(FakeTensor(0, "y"))
-    (entry,) = [e for e in gpu(b).ipc.shared.values() if e.tensor.value == "y"]
-    assert entry.event.stream is stream
+    labels = [item.label for item in stream.items]
+    assert labels[0] == "writes y"
+    assert labels[1].startswith("fill block")
 
 
 # -- lifetime --------------------------------------------------------------------------------
 
 
-def test_producer_keeps_the_block_until_the_consumer_freed_it_and_said_so() -> None:
+def test_a_block_is_lent_until_the_consumers_copy_is_done_and_it_said_so() -> None:
     host = FakeIpc()
     a, b = probed(host)
-    before = host.live()
+    settle(a, b)
+    ipc(a).field_in(B, ipc(b).field_out(A))  # the probes' blocks, named back
+    ipc(b).field_in(A, ipc(a).field_out(B))
+    made = ipc(a).blocks.made
     tag, _ = a.policy({"cuda:0": "cuda:0"}, B).to_host(FakeTensor(0, "x"))
     x = b.policy({}, A).to_device(EMPTY, tag)
     assert ipc(a).outstanding(B) == 1
-    ipc(a).field_in(B, ipc(b).field_out(A))  # b's next message: x is still held
+    ipc(a).field_in(B, ipc(b).field_out(A))  # b's next message: its copy has not run yet
     assert ipc(a).outstanding(B) == 1
-    assert host.live() == before + 1
-    del x
-    gc.collect()
+    second, _ = a.policy({"cuda:0": "cuda:0"}, B).to_host(FakeTensor(0, "y"))
+    assert ipc(a).blocks.made == made + 1  # the lent one is not filled again meanwhile
+    settle(a, b)  # the producer's fills, then the consumer's copies out of them
     told = ipc(b).field_out(A)
     assert told is not None
     assert len(told["r"]) == 1
+    assert x.value == "x"  # the consumer's own copy
     ipc(a).field_in(B, told)
-    assert ipc(a).outstanding(B) == 0
-    assert host.live() == before  # collected once nobody referenced it
+    assert ipc(a).outstanding(B) == 1  # "y" is still out: b has not opened it
+    live = host.live()
+    a.policy({"cuda:0": "cuda:0"}, B).to_host(FakeTensor(0, "z"))
+    assert host.live() == live  # a free block was filled again, none exported
+    assert b.policy({}, A).to_device(EMPTY, second).value == "y"
     assert host.over_released == 0
 
 
 def test_a_lost_consumer_references_are_dropped_and_the_memory_collected() -> None:
     host = FakeIpc()
     a, b = probed(host)
-    held = []
-    for value in range(3):
+    settle(a, b)
+    ipc(a).field_in(B, ipc(b).field_out(A))
+    # Three blocks, opened there and named back.
+    tags = [a.policy({"cuda:0": "cuda:0"}, B).to_host(FakeTensor(0, v))[0] for v in "abc"]
+    for tag in tags:
+        b.policy({}, A).to_device(EMPTY, tag)
+    settle(a, b)
+    ipc(a).field_in(B, ipc(b).field_out(A))
+    assert ipc(a).outstanding(B) == 0
+    for value in range(3):  # in flight again when b dies
         tag, _ = a.policy({"cuda:0": "cuda:0"}, B).to_host(FakeTensor(0, value))
-        held.append(b.policy({}, A).to_device(EMPTY, tag))  # b dies holding them
-    assert host.referenced() >= 3
+        b.policy({}, A).to_device(EMPTY, tag)
+    mine = [h for h, e in host.shared.items() if e.owner == id(gpu(a))]
+    assert len(mine) == 3  # the probe's block (free again, so reused) and two more
     ipc(a).on_peer_lost(B)
     assert ipc(a).outstanding(B) == 0
-    assert host.live() == sum(1 for e in host.shared.values() if e.owner == id(gpu(b)))
+    assert not any(e.owner == id(gpu(a)) for e in host.shared.values())
+    assert host.over_released == 0
     assert ipc(a).state(B) == "unknown"  # a new incarnation is probed again
 
 
-def test_a_thousand_calls_leave_nothing_shared() -> None:
+def test_a_block_opened_but_never_named_back_is_not_dropped_twice() -> None:
+    # Only the consumer knows it opened a block until it names one back: the producer
+    # drops no reference it cannot prove was taken (torch's counter would go below zero).
     host = FakeIpc()
     a, b = probed(host)
-    released = ipc(a).released  # the probe's, if told already
+    tag, _ = a.policy({"cuda:0": "cuda:0"}, B).to_host(FakeTensor(0, "x"))
+    b.policy({}, A).to_device(EMPTY, tag)  # opened, and b dies before naming it back
+    ipc(a).on_peer_lost(B)
+    assert host.over_released == 0
+
+
+def test_a_lost_producer_s_blocks_are_unmapped() -> None:
+    host = FakeIpc()
+    a, b = probed(host)
+    tag, _ = a.policy({"cuda:0": "cuda:0"}, B).to_host(FakeTensor(0, "x"))
+    y = b.policy({}, A).to_device(EMPTY, tag)
+    referenced = host.referenced()
+    ipc(b).on_peer_lost(A)
+    assert host.referenced() < referenced
+    assert y.value == "x"  # copied out: still valid
+
+
+def test_a_thousand_calls_reuse_one_block() -> None:
+    host = FakeIpc()
+    a, b = probed(host)
+    settle(a, b)
+    ipc(a).field_in(B, ipc(b).field_out(A))  # the probe's block, named back
+    released = ipc(a).released
     for call in range(1000):
         tag, _ = a.policy({"cuda:0": "cuda:0"}, B).to_host(FakeTensor(0, call))
         y = b.policy({}, A).to_device(EMPTY, tag)
         assert y.value == call
-        del y  # the callee is done with it; its reply tells the caller
+        settle(a, b)  # the copies ran; the reply names the block back
         ipc(a).field_in(B, ipc(b).field_out(A))
     ipc(b).field_in(A, ipc(a).field_out(B))
     assert ipc(a).outstanding(B) == 0
-    assert host.live() == 0
+    assert ipc(a).blocks.made == 1  # the probe's block, reused by every call
     assert host.over_released == 0
     assert ipc(a).shared == 1000
-    assert ipc(a).released - released in (1000, 1001)  # and the probe's handle
+    assert ipc(a).released - released == 1000
+
+
+def test_no_block_within_the_bound_sends_the_tensor_staged() -> None:
+    host = FakeIpc()
+    a, b = probed(host)
+    ipc(a).blocks.limit = ipc(a).blocks.stats()["cuda_ipc_block_bytes"]  # what it has
+    settle(a, b)
+    ipc(a).field_in(B, ipc(b).field_out(A))
+    first, _ = a.policy({"cuda:0": "cuda:0"}, B).to_host(FakeTensor(0, "x"))  # the free one
+    assert is_ipc_tag(first)
+    second, host_copy = a.policy({"cuda:0": "cuda:0"}, B).to_host(FakeTensor(0, "y"))
+    assert second == "cuda:0"
+    assert host_copy.value == "y"
+    assert ipc(a).stats()["cuda_ipc_full"] == 1
 
 
 # -- through the device-map hook ------------------------------------------------------------

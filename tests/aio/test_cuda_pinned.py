@@ -16,7 +16,7 @@ from asyncrpc.protocol.serde.tensors import memory_view
 from asyncrpc.runtime.cuda import FakeDevices, FakeTensor
 from asyncrpc.runtime.cuda.parts import address_of, frame_parts
 from asyncrpc.runtime.cuda.pinned import MIN_BLOCK, PinnedPool
-from asyncrpc.runtime.cuda.staging import StagedTransfer
+from asyncrpc.runtime.cuda.staging import StagedParts, StagedTransfer
 from asyncrpc.runtime.net.links import FrameInParts
 from tests.fakes import settled
 from tests.ordering import until_async
@@ -303,6 +303,28 @@ async def test_StagedTransfer_ready_gives_a_frame_of_several_chunks_in_parts() -
     gpu.run(out)
     await asyncio.wait_for(writer, 2)
     assert b"".join(written) == b"prelude+header" + tensor.value + b"cpu tensor"
+
+
+@pytest.mark.asyncio
+async def test_StagedParts_started_returns_once_the_first_chunk_is_on_the_host() -> None:
+    # What the outbox holds a request aside for: past it, the rest of the frame follows as
+    # fast as its copies run, so the links may take the connection for it.
+    gpu = FakeDevices()
+    transfer = StagedTransfer(gpu, chunk_bytes=8)
+    policy = transfer.policy(MAP)
+    producer = gpu.launch(gpu.default_stream(0), "writes the tensor")
+    policy.to_host(source(20))
+    ready = transfer.ready(policy)
+    assert isinstance(ready, StagedParts)
+    started = asyncio.ensure_future(ready.started())
+    await asyncio.sleep(0.01)
+    out = transfer.out_stream(0)
+    assert gpu.run(out) == 0  # waits for the producer's kernel
+    assert not started.done()
+    gpu.run(gpu.default_stream(0))
+    assert producer.done
+    gpu.run(out, 2)  # the wait, and chunk 1: chunks 2 and 3 still copying
+    await asyncio.wait_for(started, 2)
 
 
 def test_StagedTransfer_ready_waits_whole_for_one_chunk_or_a_strided_copy() -> None:

@@ -240,3 +240,72 @@ def test_frames_with_no_ready_stage_get_a_policy_that_leaves_nothing_to_wait_for
     assert isinstance(blocking, HostCopy)
     assert blocking.device_map == MAP
     assert HostCopy(MAP).blocking().device_map == MAP
+
+
+# -- a remote() value kept by its owner --------------------------------------------------------
+
+
+def test_a_remembered_value_is_sent_only_after_the_work_that_made_it() -> None:
+    # remote(): the value was made on the request's pool stream and is sent later (to_here)
+    # from another thread's stream; without the remembered event the copy would read it
+    # before that work ran (seen on an H100: a to_here returned the memory's old bytes).
+    gpu = FakeDevices()
+    transfer = staged(gpu)
+    pool_stream = gpu.new_stream(0)
+    made = gpu.launch(pool_stream, "computes y")
+    y = FakeTensor(0, "y")
+    transfer.remember([y, "not a tensor"], [pool_stream])
+    policy = transfer.policy(MAP)
+    policy.to_host(y)  # on this thread: its default stream is current
+    out = transfer.out_stream(0)
+    gpu.run(gpu.default_stream(0))
+    gpu.run(out)
+    assert not out.items[-1].done  # the copy waits for the pool stream's work
+    gpu.run(pool_stream)
+    assert made.done
+    gpu.run(gpu.default_stream(0))
+    gpu.run(out)
+    assert out.items[-1].done
+
+
+def test_a_value_not_remembered_or_gone_adds_no_wait() -> None:
+    gpu = FakeDevices()
+    transfer = staged(gpu)
+    pool_stream = gpu.new_stream(0)
+    gpu.launch(pool_stream, "computes y")
+    y = FakeTensor(0, "y")
+    transfer.remember(y, [pool_stream])
+    del y
+    assert transfer._made == {}  # forgotten with the tensor
+    waits = gpu.waits
+    transfer.policy(MAP).to_host(FakeTensor(0, "z"))
+    assert gpu.waits == waits + 1  # only the copy stream's wait for the producer
+
+
+def test_hook_remembers_a_remote_value_on_the_streams_it_ran_on() -> None:
+    class Recording(HostTransfer):
+        def __init__(self) -> None:
+            self.remembered: list[tuple[Any, list[Any]]] = []
+
+        def remember(self, value: Any, streams: list[Any]) -> None:
+            self.remembered.append((value, streams))
+
+    class Lease:
+        def __init__(self) -> None:
+            self.released = False
+
+        def leased_streams(self) -> list[Any]:
+            return ["pool stream"]
+
+        def replied(self, ok: bool, remote: bool) -> None:
+            self.released = True
+
+    transfer = Recording()
+    hook = DeviceMapHook(None, transfer)
+    for remote in (True, False):
+        call = IncomingCall("w0", 0, "w1", 1, "fn", remote, {FIELD: {"cuda:0": "cuda:0"}})
+        lease = Lease()
+        call.state[hook] = lease
+        hook.replying(call, True, "value")
+        assert lease.released
+    assert transfer.remembered == [("value", ["pool stream"])]  # the remote() one only

@@ -26,6 +26,13 @@ def test_CudaDevices_event_and_wait_order_work_without_a_host_sync() -> None:
     gpu = _devices()
     producer, consumer = gpu.new_stream(0), gpu.new_stream(0)
     x = torch.zeros(1 << 20, device="cuda:0")
+    # Load the kernels first: CUDA loads a module lazily at its first launch, and that
+    # load waited for the running kernel (100 ms on an H100), which is no stream wait.
+    for stream in (producer, consumer):
+        with gpu.use_streams([stream]):
+            x.fill_(0.0)
+            (x * 2).sum()
+    torch.cuda.synchronize()
     with gpu.use_streams([producer]):
         torch.cuda._sleep(SLEEP_CYCLES)
         x.fill_(7.0)

@@ -1,7 +1,8 @@
 """CUDA IPC on one GPU between real processes (skipped without CUDA): ``CudaDevices``
-keeps the contract the fake simulates (a child process opens what the parent shared, after
-the parent's queued kernel, with no host sync at share time), and a consumer SIGKILLed while
-holding shared memory does not leak it on the producer once its loss is detected."""
+keeps the contract the fake simulates (a child process copies out of a block the parent
+exported and filled, after the parent's queued kernel and before its later writes, with
+no host sync at fill time), and the blocks of a consumer SIGKILLed while its copies were
+pending are freed on the producer once its loss is detected."""
 
 from __future__ import annotations
 
@@ -27,37 +28,43 @@ SLEEP_CYCLES = 200_000_000
 N = 1 << 22  # 16 MiB of float32
 
 
-def _open_in_child(desc: tuple, nbytes: int, results: mp.Queue) -> None:  # type: ignore[type-arg]
+def _open_in_child(desc: tuple, event: bytes, nbytes: int, results: mp.Queue) -> None:  # type: ignore[type-arg]
     from asyncrpc.runtime.cuda.real import CudaDevices
 
     gpu = CudaDevices()
     stream = gpu.new_stream(0)
-    flat = gpu.open(desc, nbytes, 0, stream)
+    local, opened = gpu.open_block(desc)
+    flat, done = gpu.copy_from_block(opened, local, nbytes, event, 0, stream)
     with gpu.use_streams([stream]):
         total = float(flat.view(torch.float32).sum().item())
-    del flat
-    results.put(total)
+    results.put((total, gpu.done(done)))
+    gpu.close_blocks([opened])
 
 
-def test_CudaDevices_share_then_open_in_another_process_sees_the_queued_write() -> None:
+def test_CudaDevices_block_filled_then_copied_out_in_another_process_sees_the_queued_write() -> (
+    None
+):
     from asyncrpc.runtime.cuda.real import CudaDevices
 
     gpu = CudaDevices()
     x = torch.zeros(N, device="cuda:0")
+    block, desc = gpu.export_block(0, x.nbytes)
     torch.cuda._sleep(SLEEP_CYCLES)
     x.fill_(2.0)
     started = time.perf_counter()
-    desc = gpu.share(x, gpu.current_stream(0))  # records the interprocess event
+    keep, event = gpu.fill_block(block, x, x.nbytes, gpu.current_stream(0))  # copy, event
     assert time.perf_counter() - started < 0.05  # no host sync
+    x.fill_(5.0)  # written after the fill: the consumer must not see it
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    child = ctx.Process(target=_open_in_child, args=(desc, x.nbytes, results))
+    child = ctx.Process(target=_open_in_child, args=(desc, event, x.nbytes, results))
     child.start()
     try:
-        assert results.get(timeout=120) == 2.0 * N
+        assert results.get(timeout=120) == (2.0 * N, True)
     finally:
         child.join(60)
     assert child.exitcode == 0
+    del keep
 
 
 def test_killed_consumer_holding_shared_memory_does_not_leak_it(tmp_path: Path) -> None:
@@ -74,15 +81,22 @@ def test_killed_consumer_holding_shared_memory_does_not_leak_it(tmp_path: Path) 
     )  # fmt: skip
     asyncrpc.init_rpc("driver", rank=0, world_size=2, rpc_backend_options=options)
     try:
+        xs = [torch.ones(N, device="cuda:0") for _ in range(4)]
         torch.cuda.synchronize()
         baseline = torch.cuda.memory_allocated(0)
-        for _ in range(4):
-            asyncrpc.rpc_sync("gpu1", fns.hold, args=(torch.ones(N, device="cuda:0"),))
-        torch.cuda.synchronize()
-        torch.cuda.ipc_collect()
-        held = torch.cuda.memory_allocated(0)
-        assert held >= baseline + 4 * N * 4  # the consumer holds them: still allocated here
+        # Four blocks, exported to the consumer, opened there and named back.
+        for fut in [asyncrpc.rpc_async("gpu1", fns.hold, args=(x,)) for x in xs]:
+            fut.wait()
+        asyncrpc.rpc_sync("gpu1", fns.memory_allocated)  # its reply names them back
+        asyncrpc.rpc_sync("gpu1", fns.memory_allocated)
+        # The consumer's copies out of them wait behind this kernel when it is killed.
+        torch.cuda._sleep(20 * SLEEP_CYCLES)  # 2-4 s: longer than the kill takes
+        for x in xs:
+            asyncrpc.rpc_async("gpu1", fns.hold, args=(x,))
+        time.sleep(0.3)
         os.kill(worker.pid, signal.SIGKILL)
+        held = torch.cuda.memory_allocated(0)
+        assert held >= baseline + 4 * N * 4  # the blocks: still allocated here
         deadline = time.monotonic() + 60
         while torch.cuda.memory_allocated(0) > baseline + N * 4:  # bounded by the deadline
             assert time.monotonic() < deadline, torch.cuda.memory_allocated(0)

@@ -71,6 +71,21 @@ def test_echo_of_a_tensor_still_being_written(callee: str) -> None:
     assert torch.equal(y, torch.full((N,), 7.0, device="cuda:0"))
 
 
+def test_a_write_queued_after_the_send_does_not_reach_the_callee(
+    callee: str, request: pytest.FixtureRequest
+) -> None:
+    # By handle, the tensor is copied into its block on the sender's own stream, so a
+    # kernel the caller queues afterwards (here behind the long one) is not seen. Staged,
+    # the copy to the host runs on a side stream, as in torch: such a write races with it
+    # (docs/cuda.md says to leave a sent tensor alone until the call's future is done).
+    if request.node.callspec.params["callee"] == "staged":
+        pytest.skip("staged: a write after the send races with the copy, as in torch")
+    x = queued_tensor(3.0)
+    fut = asyncrpc.rpc_async(callee, fns.echo, args=(x,))
+    x.fill_(9.0)
+    assert torch.equal(fut.wait(), torch.full((N,), 3.0, device="cuda:0"))
+
+
 def test_callee_kernel_reads_the_argument_after_it_arrived(callee: str) -> None:
     y = asyncrpc.rpc_sync(callee, fns.add_one, args=(queued_tensor(1.0),))
     assert torch.equal(y, torch.full((N,), 2.0, device="cuda:0"))

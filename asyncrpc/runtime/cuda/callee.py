@@ -141,6 +141,11 @@ class RequestStreams:
 
         return run
 
+    def leased_streams(self) -> list[CudaStream]:
+        """The streams the function ran on (none before it started or once released)."""
+        lease = self.lease
+        return [] if lease is None or lease.released else list(lease.streams)
+
     def _order(self) -> None:
         first, self._first = self._first, None  # once; it holds the received tensors
         if first is not None:

@@ -9,7 +9,7 @@ back to the same ``Devices``. Devices are CUDA indices (``int``); a CPU tensor h
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -114,19 +114,27 @@ class Devices(Protocol):
         """This process's boot id and visible GPUs' UUIDs."""
         ...
 
-    def share(self, tensor: Any, stream: CudaStream) -> IpcDescriptor:
-        """Export the device memory ``tensor`` lives in to other processes on this host.
+    # -- CUDA IPC: blocks shared once, filled per message (see ipc.py) ------------------
 
-        An interprocess event is recorded on ``stream`` (the producer's work so far): the
-        opener's stream waits for it, so nothing need be awaited here. The memory stays
-        allocated until every opener released it (``open``'s tensor freed, or ``unshare``).
-        """
+    def export_block(self, device: int, nbytes: int) -> tuple[Any, IpcDescriptor]:
+        """Allocate ``nbytes`` of memory on ``device`` and export it to other processes on
+        this host: the block and what names it to them. Done once per block: a block is
+        filled for message after message and stays allocated while the caller holds it
+        (and, once dropped, until every opener released it and ``collect`` ran)."""
         ...
 
-    def open(self, desc: IpcDescriptor, nbytes: int, device: int, stream: CudaStream) -> Any:
-        """Open memory another process shared: a flat uint8 tensor of its ``nbytes`` on
-        ``device`` (a peer copy on ``stream`` where the memory is on another of this host's
-        GPUs); work queued on ``stream`` afterwards sees the producer's writes.
+    def fill_block(
+        self, block: Any, tensor: Any, nbytes: int, stream: CudaStream
+    ) -> tuple[Any, bytes]:
+        """Queue on ``stream`` (the producer's) a copy of the first ``nbytes`` of
+        ``tensor``'s memory into ``block``, then an interprocess event: returns the event
+        (keep it until the opener is done) and its handle, which the opener waits on.
+        The host does not wait; writes to ``tensor`` queued later never reach the block."""
+        ...
+
+    def open_block(self, desc: IpcDescriptor) -> tuple[int, Any]:
+        """Map a block another process exported (the consumer, once per block): this
+        process's index of the GPU it lives on, and the mapping.
 
         Raises:
             OSError: this process cannot open it (another host, a GPU it cannot see, its
@@ -134,13 +142,24 @@ class Devices(Protocol):
         """
         ...
 
-    def in_use(self, tensor: Any) -> Callable[[], bool]:
-        """A check that says whether the memory of ``tensor`` (an opened one) is still
-        referenced in this process (never blocks)."""
+    def copy_from_block(
+        self, opened: Any, local: int, nbytes: int, event: bytes, device: int, stream: CudaStream
+    ) -> tuple[Any, Event]:
+        """Queue on ``stream`` a wait for the producer's interprocess ``event``, then a copy
+        of the first ``nbytes`` of the mapped block (on GPU ``local``) into a new flat uint8
+        tensor on ``device``, owned by this process (a peer copy across GPUs). Returns the
+        tensor and an event that completes once the block may be filled again. No host
+        wait; work queued on ``stream`` afterwards sees the bytes."""
+        ...
+
+    def close_blocks(self, opened: list[Any]) -> None:
+        """Unmap these blocks (their producer is gone), emptying the list, which must hold
+        the last references. Letting go of a mapping waits for the GPU with the GIL held
+        (the whole process stops while the GPU is busy): done only for a lost producer."""
         ...
 
     def unshare(self, desc: IpcDescriptor) -> None:
-        """Drop the reference an opener that died held on shared memory (producer side)."""
+        """Drop the reference an opener that died held on an exported block (producer)."""
         ...
 
     def collect(self) -> None:

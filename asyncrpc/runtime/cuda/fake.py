@@ -61,38 +61,41 @@ class FakeTensor:
 
     fake_device: int | None
     value: Any = None
-    opened: bool = False  # opened from another process's handle (cannot be shared again)
+    opened: bool = False  # memory the driver will not share (as opened from another process)
     # Contiguous, of this many bytes (``value`` is then its bytes): copied out in ranges.
     # None: copied out whole (``stage_out``), as a non-contiguous tensor would be.
     nbytes: int | None = None
     host: Any = None  # the host bytes a staged copy lives in (kept alive with it)
+    handle: int | None = None  # an exported block's handle (FakeIpc)
 
 
 @dataclass(eq=False)
 class _Shared:
-    owner: int  # the id() of the FakeDevices (the "process") that shared it
-    tensor: Any  # what keeps the producer's block alive while it is shared
-    event: FakeEvent
+    owner: int  # the id() of the FakeDevices (the "process") that exported it
     uuid: str
-    refs: int = 1  # openers' references, as torch's shared ref counter counts them
+    value: Any = None  # what the last fill put in it
+    refs: int = 0  # openers' references, as torch's shared ref counter counts them
+    dropped: bool = False  # the producer let go of its block (collect may free it)
 
 
 class FakeIpc:
-    """One host's CUDA IPC, simulated: what ``share`` exported, by handle, with torch's
-    reference counting (a share counts one opener; the opener's tensor, once collected,
-    or ``unshare`` drops it; ``collect`` frees blocks nobody references). Give the same
-    instance to the ``FakeDevices`` of every "process" on one host."""
+    """One host's CUDA IPC, simulated: exported blocks by handle, with torch's reference
+    counting as a GPU showed it (an opener's mapping counts one reference, taken when it
+    opens; closing the mapping or ``unshare`` drops it; ``collect`` frees blocks their
+    producer let go of and nobody references), and interprocess events by handle. Give
+    the same instance to the ``FakeDevices`` of every "process" on one host."""
 
     def __init__(self) -> None:
         self._ids = itertools.count(1)
         self.shared: dict[int, _Shared] = {}
+        self.events: dict[int, FakeEvent] = {}
         self.opened = 0
         self.freed = 0
         self.over_released = 0  # references dropped twice (a bug above the seam)
         self.refuse = False  # every open fails (a driver that says no)
 
     def live(self) -> int:
-        """Blocks still allocated for sharing (referenced, or not collected yet)."""
+        """Blocks still allocated for sharing (held, referenced, or not collected yet)."""
         return len(self.shared)
 
     def referenced(self) -> int:
@@ -104,6 +107,19 @@ class FakeIpc:
             self.over_released += 1
             return
         entry.refs -= 1
+
+    def _let_go(self, handle: int) -> None:
+        entry = self.shared.get(handle)
+        if entry is not None:
+            entry.dropped = True
+
+
+@dataclass(eq=False)
+class FakeMapping:
+    """A block mapped by a consumer (``open_block``)."""
+
+    handle: int
+    entry: _Shared
 
 
 class FakeDevices:
@@ -210,19 +226,34 @@ class FakeDevices:
     def identity(self) -> GpuIdentity:
         return self._identity
 
-    def share(self, tensor: Any, stream: FakeStream) -> tuple[Any, ...]:
-        device = self.device_of(tensor)
-        if device is None:
-            raise ValueError("only device memory is shared")
-        if getattr(tensor, "opened", False):
-            raise RuntimeError("memory opened from another process cannot be shared again")
+    def export_block(self, device: int, nbytes: int) -> tuple[FakeTensor, tuple[Any, ...]]:
         ipc = self.ipc
         handle = next(ipc._ids)
-        uuid = self._identity.uuids[device]
-        ipc.shared[handle] = _Shared(id(self), tensor, self.record(stream), uuid)
-        return (uuid, handle)
+        block = FakeTensor(device, None, nbytes=nbytes, handle=handle)
+        ipc.shared[handle] = _Shared(id(self), self._identity.uuids[device])
+        weakref.finalize(block, ipc._let_go, handle)  # torch: the block's deleter
+        return block, (self._identity.uuids[device], handle)
 
-    def open(self, desc: tuple[Any, ...], nbytes: int, device: int, stream: FakeStream) -> Any:
+    def fill_block(
+        self, block: FakeTensor, tensor: Any, nbytes: int, stream: FakeStream
+    ) -> tuple[FakeEvent, bytes]:
+        if getattr(tensor, "opened", False):
+            raise RuntimeError("memory the driver will not share")
+        ipc = self.ipc
+        handle = block.handle
+        assert handle is not None, "not an exported block"
+        # The bytes as the producer's work leaves them: what the consumer sees, whatever
+        # is written to ``tensor`` later.
+        ipc.shared[handle].value = getattr(tensor, "value", None)
+        block.value = ipc.shared[handle].value
+        self.copies += 1
+        stream.items.append(FakeWork(f"fill block {handle} on {stream.name}"))
+        event = self.record(stream)
+        event_id = next(ipc._ids)
+        ipc.events[event_id] = event
+        return event, event_id.to_bytes(8, "little")
+
+    def open_block(self, desc: tuple[Any, ...]) -> tuple[int, FakeMapping]:
         uuid, handle = desc
         entry = self.ipc.shared.get(handle)
         local = self._identity.index_of(uuid)
@@ -230,25 +261,39 @@ class FakeDevices:
             raise OSError(f"cannot open shared memory {desc!r}")
         if entry.owner == id(self):
             raise OSError("a process cannot open its own CUDA IPC handle")
+        entry.refs += 1
         self.ipc.opened += 1
+        return local, FakeMapping(handle, entry)
+
+    def copy_from_block(
+        self, opened: FakeMapping, local: int, nbytes: int, event: bytes, device: int,
+        stream: FakeStream,
+    ) -> tuple[FakeTensor, FakeEvent]:  # fmt: skip
+        produced = self.ipc.events.get(int.from_bytes(event, "little"))
+        if produced is None:
+            raise OSError("cannot open a CUDA IPC event")
         self.waits += 1
-        stream.items.append(FakeWork(f"wait for shared {handle}", after=entry.event))
+        stream.items.append(FakeWork(f"wait for block {opened.handle}", after=produced))
         if local != device:
             stream.items.append(FakeWork(f"peer copy {local} -> {device} on {stream.name}"))
-        tensor = FakeTensor(device, getattr(entry.tensor, "value", None), opened=local == device)
-        weakref.finalize(tensor, self.ipc.drop, handle)  # torch: the storage's deleter
-        return tensor
+        self.copies += 1
+        stream.items.append(FakeWork(f"copy out of block {opened.handle} on {stream.name}"))
+        tensor = FakeTensor(device, opened.entry.value, nbytes=nbytes)
+        return tensor, self.record(stream)
 
-    def in_use(self, tensor: Any) -> Callable[[], bool]:
-        ref = weakref.ref(tensor)
-        return lambda: ref() is not None
+    def close_blocks(self, opened: list[FakeMapping]) -> None:
+        for mapping in opened:
+            self.ipc.drop(mapping.handle)
+        opened.clear()
 
     def unshare(self, desc: tuple[Any, ...]) -> None:
         self.ipc.drop(desc[1])
 
     def collect(self) -> None:
         ipc = self.ipc
-        for handle in [h for h, e in ipc.shared.items() if e.refs <= 0 and e.owner == id(self)]:
+        for handle in [
+            h for h, e in ipc.shared.items() if e.dropped and e.refs <= 0 and e.owner == id(self)
+        ]:
             del ipc.shared[handle]
             ipc.freed += 1
 

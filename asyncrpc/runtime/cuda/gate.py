@@ -23,7 +23,7 @@ from typing import Any
 
 from asyncrpc.runtime.cuda.devices import CudaStream, Devices, Event, devices_of
 
-__all__ = ["FrameEvents", "SendGate", "order_after", "record_for"]
+__all__ = ["FrameEvents", "SendGate", "device_index", "order_after", "record_for"]
 
 FIRST_POLL_S = 20e-6  # kernels that are already done cost one short sleep at most
 MAX_POLL_S = 1e-3  # a long kernel costs ~1,000 polls a second, none of them blocking
@@ -53,13 +53,13 @@ def order_after(devices: Devices, streams: Sequence[CudaStream], frame: FrameEve
     A stream of a device the frame has no event for is left alone."""
     by_device = dict(frame.events)
     for stream in streams:
-        device = _device(stream)
+        device = device_index(stream)
         event = None if device is None else by_device.get(device)
         if event is not None:
             devices.wait(stream, event)
 
 
-def _device(stream: CudaStream) -> int | None:
+def device_index(stream: CudaStream) -> int | None:
     device = getattr(stream, "device", None)  # torch.cuda.Stream and FakeStream have it
     if isinstance(device, int):
         return device

@@ -1,36 +1,37 @@
 """Same-host CUDA tensors by handle, no bytes on the wire (layer L2.45, above the device seam).
 
-A tensor for a peer that can open this process's CUDA IPC handles travels as a handle in
-its segment's tag (``ipc:<device>:<id>:<nbytes>:<descriptor>``) and an empty segment. The
-producer's work is ordered by the interprocess event ``Devices.share`` records on the
-producer's stream, so the frame leaves at once; the consumer opens the handle on a copy-in
-stream (which waits for that event) and its users are ordered after it as for staged
-copies.
+A tensor for a peer that can open this process's CUDA IPC handles is copied, on the
+producer's stream, into a device block exported to that peer (``blocks.py``), and travels
+as a handle in its segment's tag (``ipc:<device>:<block>:<nbytes>:<descriptor>``) with an
+empty segment. An interprocess event recorded after that copy orders the consumer, so
+the frame leaves at once; the consumer maps the block (once per block), its copy-in
+stream waits for the event and copies the bytes into memory of its own, and its users are
+ordered after that stream as for staged copies. Neither side's later work touches the
+other's memory, and a received tensor can be sent on by handle again (an echo).
 
 Which peers: decided per peer and direction by a probe that rides on the device-map
 hook's header field (``ci``), so no new wire message is needed: the first message to a
 same-host peer (``group.same_host``: same boot and host id, Linux, no TLS) carries an
-*offer* (this process's boot id and a small shared probe tensor); the peer answers in its
-next message to us whether its boot id matched and opening the probe worked (its GPUs
-are found by UUID, never by index). Until a yes, tensors go staged; after a no, always.
-With ``cuda_transfer="ipc"`` same-host peers get handles without a probe. A worker never
+*offer* (this process's boot id and a small tensor by handle); the peer answers in its
+next message to us whether its boot id matched and opening it worked (its GPUs are found
+by UUID, never by index). Until a yes, tensors go staged; after a no, always. With
+``cuda_transfer="ipc"`` same-host peers get handles without a probe. A worker never
 sends itself a handle (a process cannot open its own).
 
-Lifetime: the producer's memory stays allocated until the consumer's opened tensor is
-freed (torch's shared ref counter; the fake counts the same way). The consumer tells the
-producer which handles it dropped (``r`` in the same header field, on its next message to
-it), so the producer knows which are still out. When a peer is lost for good, the producer
-drops the references that peer still held (``Devices.unshare``) and collects the freed
-blocks (``Devices.collect``, torch's ``ipc_collect``). Bound: a dead consumer's memory is
-freed when its loss is detected (heartbeat timeout); a handle the consumer freed but had
-not announced before dying is dropped twice (torch's counter then never reaches zero and
-that block stays until the producer exits: at most the tensors freed in its last moments).
+Lifetime: once the consumer's copy out of a block is done, it names the block back
+(``r`` in the same header field, on its next message to the producer), and the block is
+free for the next message. Blocks live as long as the peer: when a peer is lost for good,
+the producer drops that peer's blocks, drops the references it held on those it had
+opened (torch's shared ref counter: ``Devices.unshare``) and collects them
+(``Devices.collect``, torch's ``ipc_collect``); the consumer unmaps what it had mapped of
+a lost producer's. Bound: a dead consumer's blocks are freed when its loss is detected
+(heartbeat timeout), but for one it opened and never named back before dying (torch then
+keeps that block until the producer exits).
 """
 
 from __future__ import annotations
 
 import base64
-import itertools
 import logging
 import threading
 from collections.abc import Callable
@@ -38,7 +39,8 @@ from typing import Any
 
 import msgpack
 
-from asyncrpc.runtime.cuda.devices import CudaStream, Devices, IpcDescriptor
+from asyncrpc.runtime.cuda.blocks import BLOCK_BYTES_PER_PEER, ExportBlocks
+from asyncrpc.runtime.cuda.devices import CudaStream, Devices, Event
 
 __all__ = ["FIELD", "TAG", "IpcLinks", "is_ipc_tag"]
 
@@ -55,20 +57,23 @@ def is_ipc_tag(tag: str) -> bool:
     return tag.startswith(TAG)
 
 
-def _encode(desc: IpcDescriptor) -> str:
-    packed: bytes = msgpack.packb(list(desc), use_bin_type=True)
+def _encode(value: list[Any]) -> str:
+    packed: bytes = msgpack.packb(value, use_bin_type=True)
     return base64.b64encode(packed).decode("ascii")
 
 
-def _decode(text: str) -> IpcDescriptor:
-    return tuple(msgpack.unpackb(base64.b64decode(text), raw=False))
+def _decode(text: str) -> list[Any]:
+    value = msgpack.unpackb(base64.b64decode(text), raw=False)
+    if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], list)):
+        raise ValueError("malformed CUDA IPC descriptor")
+    return value
 
 
 class IpcLinks:
-    """One agent's CUDA IPC with each peer: probes, handles out, handles in.
+    """One agent's CUDA IPC with each peer: probes, blocks out, mappings in.
 
     Safe from any thread (messages are pickled on callers' and pool threads): one lock
-    guards the tables, and device calls (``share``, ``open``, ``collect``) run outside it.
+    guards the tables, and device calls run outside it.
     """
 
     def __init__(
@@ -77,22 +82,24 @@ class IpcLinks:
         same_host: Callable[[int], bool],
         probe: bool = True,
         stream_for: Callable[[int], CudaStream] | None = None,
+        block_bytes: int = BLOCK_BYTES_PER_PEER,
     ) -> None:
         self.devices = devices
         self._same_host = same_host
         self._probe = probe  # False: cuda_transfer="ipc", every same-host peer, unprobed
         self._stream_for = stream_for or devices.current_stream
         self._lock = threading.Lock()
-        self._ids = itertools.count(1)
+        self.blocks = ExportBlocks(devices, block_bytes)
         self._to: dict[int, str] = {}  # may we send this peer handles?
-        self._probes: dict[int, Any] = {}  # the probe tensor offered to a peer, until answered
         self._answers: dict[int, int] = {}  # answers we owe peers (1: their probe opened)
-        self._out: dict[int, dict[int, IpcDescriptor]] = {}  # peer -> id -> handle it holds
-        self._in: dict[int, list[tuple[int, Callable[[], bool]]]] = {}  # producer -> opened
-        self.shared = 0  # handles sent, opened, and given back by consumers (metrics)
+        # Consumer side: the blocks of each producer mapped here (block id -> (its GPU
+        # here, the mapping)), and the copies out of them not yet named back.
+        self._mapped: dict[int, dict[int, tuple[int, Any]]] = {}
+        self._in: dict[int, list[tuple[int, Event]]] = {}
+        self.shared = 0  # messages' tensors sent, received, and named back (metrics)
         self.opened = 0
         self.released = 0
-        self.refused = 0  # tensors that could not be shared (sent staged instead)
+        self.refused = 0  # tensors that could not go by handle (sent staged instead)
 
     # -- deciding --------------------------------------------------------------------------
 
@@ -142,8 +149,6 @@ class IpcLinks:
             with self._lock:
                 if self._to.get(peer) == _OFFERED:
                     self._to[peer] = _ON if answer == 1 else _OFF
-                probe = self._probes.pop(peer, None)
-            del probe  # its handle was opened and dropped, or never will be
         if isinstance(released, list) and released:
             self._released(peer, released)
 
@@ -159,8 +164,8 @@ class IpcLinks:
         except Exception:  # no device memory to share: the peer gets staged copies
             _log.debug("CUDA IPC probe for peer %s could not be made", peer, exc_info=True)
             return None
-        with self._lock:
-            self._probes[peer] = probe
+        if tag is None:
+            return None
         return [identity.boot_id, tag]
 
     def _try_probe(self, peer: int, offer: Any) -> bool:
@@ -177,7 +182,7 @@ class IpcLinks:
             return False
         return True
 
-    # -- handles out (producer) ---------------------------------------------------------------
+    # -- blocks out (producer) ----------------------------------------------------------------
 
     def export(
         self,
@@ -187,77 +192,108 @@ class IpcLinks:
         target: str,
         stream: CudaStream,
         count: bool = True,
-    ) -> str:
-        """Share ``tensor`` (its first ``nbytes``) with ``peer``; returns the segment's tag.
-        ``stream`` is the producer's: the consumer waits for the work queued on it."""
-        desc = self.devices.share(tensor, stream)
-        handle = next(self._ids)
-        with self._lock:
-            self._out.setdefault(peer, {})[handle] = desc
-            if count:
+    ) -> str | None:
+        """Copy the first ``nbytes`` of ``tensor`` into a block exported to ``peer``, after
+        the work queued on ``stream`` (the producer's); returns the segment's tag, or None
+        when no block is free within the bound (then the tensor goes staged).
+
+        Raises:
+            RuntimeError: the device would not export or fill a block.
+        """
+        device = self.devices.device_of(tensor)
+        if device is None:
+            raise ValueError("only device memory goes by handle")
+        block = self.blocks.lend(peer, device, max(nbytes, 1))
+        if block is None:
+            return None
+        try:
+            block.event, event = self.devices.fill_block(block.memory, tensor, nbytes, stream)
+        except BaseException:
+            self.blocks.returned(peer, [block.id])
+            raise
+        if count:
+            with self._lock:
                 self.shared += 1
-        return f"{TAG}{target}:{handle}:{nbytes}:{_encode(desc)}"
+        return f"{TAG}{target}:{block.id}:{nbytes}:{_encode([list(block.desc), event])}"
 
     def outstanding(self, peer: int) -> int:
-        """Handles ``peer`` holds, as far as we know."""
-        return len(self._out.get(peer, {}))
+        """Messages ``peer`` has not named back yet."""
+        return self.blocks.lent(peer)
 
-    def _released(self, peer: int, handles: list[Any]) -> None:
+    def _released(self, peer: int, ids: list[Any]) -> None:
+        returned = self.blocks.returned(peer, ids)
         with self._lock:
-            out = self._out.get(peer, {})
-            dropped = [out.pop(h, None) for h in handles if isinstance(h, int)]
-            self.released += sum(1 for d in dropped if d is not None)
-        self.devices.collect()  # their blocks may be free now (torch: ipc_collect)
+            self.released += returned
 
-    # -- handles in (consumer) ----------------------------------------------------------------
+    # -- blocks in (consumer) -------------------------------------------------------------------
 
     def open(self, peer: int, tag: str) -> tuple[int, Any]:
-        """Open a handle ``peer`` sent; returns ``(device index, flat uint8 tensor)``; work
-        queued afterwards on ``stream_for(device)`` sees the producer's writes.
+        """Copy out a tensor ``peer`` sent by handle; returns ``(device index, flat uint8
+        tensor)``, this process's own; work queued afterwards on ``stream_for(device)``
+        sees the producer's bytes.
 
         Raises:
             OSError: it cannot be opened here. ValueError: the tag is malformed.
         """
         body = tag[len(TAG) :]
-        kind, index, handle, nbytes, text = body.split(":", 4)
-        if kind != "cuda" or not index.isdigit():
+        kind, index, block_id, nbytes, text = body.split(":", 4)
+        if kind != "cuda" or not index.isdigit() or not block_id.isdigit():
             raise ValueError(f"malformed CUDA IPC tag {tag[:60]!r}")
-        device = int(index)
-        tensor = self.devices.open(_decode(text), int(nbytes), device, self._stream_for(device))
-        in_use = self.devices.in_use(tensor)
+        device, block, size = int(index), int(block_id), int(nbytes)
+        desc, event = _decode(text)
+        if not isinstance(event, bytes):
+            raise ValueError("malformed CUDA IPC event handle")
         with self._lock:
-            self._in.setdefault(peer, []).append((int(handle), in_use))
+            mapped = self._mapped.get(peer, {}).get(block)
+        if mapped is None:
+            mapped = self.devices.open_block(tuple(desc))
+            with self._lock:
+                self._mapped.setdefault(peer, {})[block] = mapped
+        local, opened = mapped
+        stream = self._stream_for(device)
+        tensor, done = self.devices.copy_from_block(opened, local, size, event, device, stream)
+        with self._lock:
+            self._in.setdefault(peer, []).append((block, done))
             self.opened += 1
         return device, tensor
 
     def _sweep(self, peer: int) -> list[int]:
-        """Handles from ``peer`` no longer in use here (told to it with the next message)."""
+        """Blocks of ``peer`` whose copies here are done (named back with the next message)."""
+        done = self.devices.done
         with self._lock:
-            held = self._in.get(peer)
-            if not held:
+            copies = self._in.get(peer)
+            if not copies:
                 return []
-            done = [handle for handle, in_use in held if not in_use()]
-            if done:
-                self._in[peer] = [(h, u) for h, u in held if u()]
-        return done
+            still = [(block, event) for block, event in copies if not done(event)]
+            if len(still) == len(copies):
+                return []
+            self._in[peer] = still
+            pending = {id(event) for _, event in still}
+        return [block for block, event in copies if id(event) not in pending]
 
     # -- losing a peer -------------------------------------------------------------------------
 
     def on_peer_lost(self, peer: int) -> None:
-        """``peer`` is gone for good: the handles it held are dropped on its behalf and
-        their memory collected; what we opened of its memory stays valid while we hold it."""
+        """``peer`` is gone for good: its blocks here are dropped, with the references it
+        held on those it had opened, and collected; what we mapped of its blocks is
+        unmapped (tensors copied out of them stay valid)."""
         with self._lock:
-            out = self._out.pop(peer, {})
+            mapped = self._mapped.pop(peer, {})
             self._in.pop(peer, None)
             self._to.pop(peer, None)
             self._answers.pop(peer, None)
-            self._probes.pop(peer, None)
-        for desc in out.values():
+        blocks = self.blocks.drop_peer(peer)
+        # Only those it named back are known to be opened there: dropping a reference
+        # nobody took would count down another block's counter.
+        for desc in [block.desc for block in blocks if block.confirmed]:
             try:
                 self.devices.unshare(desc)
             except Exception:  # best effort: the driver may have reclaimed it already
                 _log.debug("dropping a lost peer's CUDA IPC reference failed", exc_info=True)
+        blocks.clear()  # the last references here: their memory goes back once collected
         self.devices.collect()
+        if mapped:
+            self.devices.close_blocks([opened for _, opened in mapped.values()])
 
     def stats(self) -> dict[str, int]:
         return {
@@ -265,6 +301,7 @@ class IpcLinks:
             "cuda_ipc_opened": self.opened,
             "cuda_ipc_released": self.released,
             "cuda_ipc_refused": self.refused,
+            **self.blocks.stats(),
         }
 
 

@@ -27,6 +27,7 @@ from asyncrpc.protocol.serde.policy import TensorPolicy
 from asyncrpc.protocol.wire import Allocator
 from asyncrpc.runtime.calls.pipeline import CallHook, IncomingCall, OutgoingCall
 from asyncrpc.runtime.cuda.callee import RequestStreams
+from asyncrpc.runtime.cuda.devices import CudaStream
 from asyncrpc.runtime.cuda.ipc import FIELD as IPC_FIELD
 
 __all__ = [
@@ -141,6 +142,11 @@ class Transfer(Protocol):
         """The wire's allocator of receive memory, given the one for host segments."""
         ...
 
+    def remember(self, value: Any, streams: list[CudaStream]) -> None:
+        """A value kept here (a remote() result) was made on ``streams``: sending it later
+        waits for that work."""
+        ...
+
     def on_peer_lost(self, peer: int) -> None:
         """``peer`` is gone for good: drop what it shared with this worker."""
         ...
@@ -191,6 +197,9 @@ class HostTransfer:
 
     def allocator(self, plain: Allocator) -> Allocator:
         return plain  # every segment lands in host memory; the policy copies it over
+
+    def remember(self, value: Any, streams: list[CudaStream]) -> None:
+        pass  # the host copy waits for the sending thread's streams on the spot
 
     def on_peer_lost(self, peer: int) -> None:
         pass  # nothing was shared
@@ -271,6 +280,10 @@ class DeviceMapHook(CallHook):
                 call.reply_headers[IPC_FIELD] = ipc
         streams = call.state.get(self)
         if streams is not None:
+            if ok and call.remote:
+                # A remote() value stays here and leaves later (to_here), pickled on
+                # other streams: whoever sends it first waits for the work that made it.
+                self.transfer.remember(value, streams.leased_streams())
             streams.replied(ok, call.remote)
 
     def reply_ready(self, call: IncomingCall) -> Awaitable[None] | None:

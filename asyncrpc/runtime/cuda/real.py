@@ -8,7 +8,7 @@ is the one ``FakeDevices`` simulates, checked on hardware by ``tests/gpu``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,8 @@ class CudaDevices:
     def __init__(self) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("CudaDevices needs a CUDA device; use FakeDevices in tests")
+        self._opening: dict[int, torch.cuda.Stream] = {}  # where other GPUs' memory opens
+        self._idle: dict[int, torch.cuda.Stream] = {}  # never given work: see _Held
 
     def device_of(self, tensor: Any) -> int | None:
         device = getattr(tensor, "device", None)
@@ -103,60 +105,88 @@ class CudaDevices:
         with torch.cuda.stream(stream):
             return segment.to(torch.device("cuda", device), non_blocking=True)
 
-    # -- CUDA IPC, through torch.multiprocessing's machinery (not yet run on a GPU) ----------
+    # -- CUDA IPC: blocks exported once, filled per message (see blocks.py) --------------
 
-    def share(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> tuple[Any, ...]:
-        # _share_cuda_ records its interprocess event on the current stream: the
-        # producer's stream here. Its ref counter keeps the block until openers freed it.
-        with torch.cuda.stream(stream):
-            storage = tensor.untyped_storage()
-            device, handle, size, offset, counter, counter_offset, event, sync = (
-                storage._share_cuda_()  # type: ignore[no-untyped-call]
+    def export_block(self, device: int, nbytes: int) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        idle = self._side_stream(device, self._idle)
+        with torch.cuda.stream(idle):
+            # _share_cuda_ records an interprocess event of its own on the current stream,
+            # which the opener waits for once: on a stream with no work it is done at once.
+            # Each message gets its own event (fill_block).
+            block = torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", device))
+            index, handle, size, offset, counter, counter_offset, event, sync = (
+                block.untyped_storage()._share_cuda_()  # type: ignore[no-untyped-call]
             )
-        uuid = str(torch.cuda.get_device_properties(int(device)).uuid)
-        at = tensor.storage_offset() * tensor.element_size()
-        return (uuid, handle, size, offset, counter, counter_offset, event, sync, at)
+        uuid = str(torch.cuda.get_device_properties(int(index)).uuid)
+        return block, (uuid, handle, size, offset, counter, counter_offset, event, sync)
 
-    def open(
-        self, desc: tuple[Any, ...], nbytes: int, device: int, stream: torch.cuda.Stream
-    ) -> torch.Tensor:
+    def fill_block(
+        self, block: torch.Tensor, tensor: torch.Tensor, nbytes: int, stream: torch.cuda.Stream
+    ) -> tuple[torch.cuda.Event, bytes]:
+        with torch.cuda.stream(stream):
+            span = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+            span.set_(tensor.untyped_storage(), tensor.storage_offset() * tensor.element_size(),
+                      (nbytes,), (1,))  # fmt: skip
+            block[:nbytes].copy_(span, non_blocking=True)
+            event = torch.cuda.Event(interprocess=True)  # type: ignore[no-untyped-call]
+            event.record(stream)
+        # Read and written on `stream`: neither is reused before the copy ran.
+        block.record_stream(stream)
+        with contextlib.suppress(RuntimeError):  # memory not from torch's allocator
+            tensor.record_stream(stream)
+        return event, bytes(event.ipc_handle())  # type: ignore[no-untyped-call]
+
+    def open_block(self, desc: tuple[Any, ...]) -> tuple[int, torch.Tensor]:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        uuid, handle, size, offset, counter, counter_offset, event, sync, at = desc
+        uuid, handle, size, offset, counter, counter_offset, event, sync = desc
         local = self.identity().index_of(uuid)
         if local is None:
             raise OSError(f"GPU {uuid} is not visible in this process")
-        side = stream if local == device else self._open_stream(local)
         try:
-            with torch.cuda.stream(side):  # the producer's event is waited for on `side`
-                flat: torch.Tensor = rebuild_cuda_tensor(  # type: ignore[no-untyped-call]
-                    torch.Tensor, (nbytes,), (1,), at, torch.UntypedStorage, torch.uint8,
+            with torch.cuda.stream(self._side_stream(local, self._opening)):
+                opened: torch.Tensor = rebuild_cuda_tensor(  # type: ignore[no-untyped-call]
+                    torch.Tensor, (size,), (1,), 0, torch.UntypedStorage, torch.uint8,
                     local, handle, size, offset, False, counter, counter_offset, event, sync,
                 )  # fmt: skip
         except RuntimeError as exc:  # the driver refused (another host, policies, limits)
             raise OSError(f"cannot open CUDA IPC memory: {exc}") from exc
-        if local == device:
-            return flat
-        stream.wait_event(self.record(side))  # a peer copy, ordered after the event
-        with torch.cuda.stream(stream):
-            copy = flat.to(torch.device("cuda", device), non_blocking=True)
-        flat.record_stream(stream)
-        return copy
+        return local, opened
 
-    def _open_stream(self, device: int) -> torch.cuda.Stream:
-        streams: dict[int, torch.cuda.Stream] = self.__dict__.setdefault("_opening", {})
+    def copy_from_block(
+        self, opened: torch.Tensor, local: int, nbytes: int, event: bytes, device: int,
+        stream: torch.cuda.Stream,
+    ) -> tuple[torch.Tensor, torch.cuda.Event]:  # fmt: skip
+        try:
+            produced = torch.cuda.Event.from_ipc_handle(local, event)  # type: ignore[no-untyped-call]
+        except RuntimeError as exc:
+            raise OSError(f"cannot open a CUDA IPC event: {exc}") from exc
+        side = stream if local == device else self._side_stream(local, self._opening)
+        side.wait_event(produced)  # a destroyed event's waits still complete
+        if local != device:
+            stream.wait_event(self.record(side))
+        with torch.cuda.stream(stream):
+            # Ours: the block is free for the producer's next message once this is done,
+            # and the value can be sent on by handle again (an echo's reply).
+            copy = torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", device))
+            copy.copy_(opened[:nbytes], non_blocking=True)
+        return copy, self.record(stream)
+
+    def close_blocks(self, opened: list[torch.Tensor]) -> None:
+        for device in {int(t.device.index or 0) for t in opened}:
+            with torch.cuda.stream(self._side_stream(device, self._idle)):
+                # torch's deleter synchronizes the current stream: one with no work.
+                kept = [t for t in opened if int(t.device.index or 0) != device]
+                opened[:] = kept
+                del kept
+
+    def _side_stream(self, device: int, streams: dict[int, torch.cuda.Stream]) -> torch.cuda.Stream:
         if device not in streams:
             streams[device] = self.new_stream(device)
         return streams[device]
 
-    def in_use(self, tensor: torch.Tensor) -> Callable[[], bool]:
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        ref = StorageWeakRef(tensor.untyped_storage())  # type: ignore[no-untyped-call]
-        return lambda: not ref.expired()  # type: ignore[no-untyped-call]
-
     def unshare(self, desc: tuple[Any, ...]) -> None:
-        _, _, _, _, counter, counter_offset, _, _, _ = desc
+        _, _, _, _, counter, counter_offset, _, _ = desc
         local = self.identity().index_of(desc[0])
         torch.UntypedStorage._release_ipc_counter(  # type: ignore[no-untyped-call]
             counter, counter_offset, device=local

@@ -21,6 +21,8 @@ event recorded on it covers every copy before it.
 
 from __future__ import annotations
 
+import asyncio
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Mapping
 from typing import Any
 
@@ -33,7 +35,14 @@ from asyncrpc.protocol.serde.tensors import _resolved_span, memory_view
 from asyncrpc.protocol.wire import Allocator
 from asyncrpc.runtime.cuda.callee import CalleeStreams, RequestStreams
 from asyncrpc.runtime.cuda.devices import CudaStream, Devices, Event
-from asyncrpc.runtime.cuda.gate import FrameEvents, SendGate, order_after
+from asyncrpc.runtime.cuda.gate import (
+    FIRST_POLL_S,
+    MAX_POLL_S,
+    FrameEvents,
+    SendGate,
+    device_index,
+    order_after,
+)
 from asyncrpc.runtime.cuda.ipc import IpcLinks, is_ipc_tag
 from asyncrpc.runtime.cuda.maps import HostCopy, cuda_index
 from asyncrpc.runtime.cuda.parts import Part, frame_parts, split_frame
@@ -89,6 +98,9 @@ class StagedTransfer:
         self._count: int | None = None  # devices this process sees
         self._out: dict[int, CudaStream] = {}
         self._in: dict[int, CudaStream] = {}
+        # id(tensor) -> (the tensor, weakly; where the work that made it ends): remote()
+        # values kept here, sent later from other streams (``remember``).
+        self._made: dict[int, tuple[weakref.ref[Any], Event]] = {}
         self.staged_out = 0  # tensors copied to the host, and to a device (metrics)
         self.staged_in = 0
 
@@ -125,6 +137,31 @@ class StagedTransfer:
     def field_in(self, peer: int, value: Any) -> None:
         if self.ipc is not None and value is not None:
             self.ipc.field_in(peer, value)
+
+    def remember(self, value: Any, streams: list[CudaStream]) -> None:
+        """``value`` (a remote() result kept by its owner) was made on ``streams``: record
+        where that work ends, so the first message that sends one of its CUDA tensors,
+        from whatever thread and stream, waits for it (torch's owner RRef does the same
+        through its future's events). Tensors directly in it, or in a list, tuple or
+        dict it is, count."""
+        devices = self.devices
+        tensors = [t for t in _shallow(value) if devices.device_of(t) is not None]
+        if not tensors or not streams:
+            return
+        events = {device_index(s): devices.record(s) for s in streams}
+        for tensor in tensors:
+            event = events.get(devices.device_of(tensor))
+            if event is None:
+                continue
+            key = id(tensor)
+            self._made[key] = (weakref.ref(tensor), event)
+            weakref.finalize(tensor, self._made.pop, key, None)
+
+    def after_made(self, tensor: Any, stream: CudaStream) -> None:
+        """Make ``stream`` wait for the work that made ``tensor``, if it was remembered."""
+        entry = self._made.get(id(tensor))
+        if entry is not None and entry[0]() is tensor:
+            self.devices.wait(stream, entry[1])
 
     def on_peer_lost(self, peer: int) -> None:
         if self.ipc is not None:
@@ -224,6 +261,16 @@ class StagedParts:
     def parts(self, pieces: list[Any]) -> AsyncIterator[list[Any]]:
         return frame_parts(self._transfer.devices, split_frame(pieces, self._policy.chunks))
 
+    async def started(self) -> None:
+        """Return once the first chunk is on the host (polled, never blocking): from then
+        on the rest of the frame follows as fast as its copies run, with no wait for the
+        producer's work, so a writer may take the connection for it."""
+        devices, first = self._transfer.devices, self._policy.chunks[0][2]
+        delay = FIRST_POLL_S
+        while not devices.done(first):  # bounded by the producer's GPU work, polled
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, MAX_POLL_S)
+
     def __await__(self) -> Generator[Any, None, None]:
         return self._transfer.gate.ready(self._policy.frame_events()).__await__()
 
@@ -273,6 +320,7 @@ class StagedCopy(TensorPolicy):
                 "callee's"
             )
         on = self.streams.get(device)
+        transfer.after_made(tensor, on if on is not None else devices.current_stream(device))
         ipc = transfer.ipc
         if ipc is not None and ipc.usable(self.peer):
             shared = self._share(ipc, tensor, device, target, on)
@@ -316,10 +364,10 @@ class StagedCopy(TensorPolicy):
     def _share(
         self, ipc: IpcLinks, tensor: Any, device: int, target: str, on: Any
     ) -> tuple[str, Any] | None:
-        """By handle, or None where this memory cannot be shared (e.g. it was itself opened
-        from another process's handle: an echo): then it goes staged. Nothing to wait for
-        here: the consumer's stream waits for the event ``share`` records on the
-        producer's stream; the segment goes empty."""
+        """By handle, or None where it cannot go so (the driver refused, or the peer's
+        blocks are all in use up to their bound): then it goes staged. Nothing to wait for
+        here: the consumer's stream waits for the event recorded after the copy into the
+        block; the segment goes empty."""
         assert self.peer is not None
         devices = self.transfer.devices
         stream = on if on is not None else devices.current_stream(device)
@@ -328,10 +376,13 @@ class StagedCopy(TensorPolicy):
             with devices.use_streams([stream]):  # conj/neg/contiguous, if any, on that stream
                 tensor, _, nbytes = _resolved_span(tensor)  # as the serializer will describe it
         try:
-            return ipc.export(self.peer, tensor, nbytes, target, stream), tensor
+            tag = ipc.export(self.peer, tensor, nbytes, target, stream)
         except (RuntimeError, ValueError):
+            tag = None
+        if tag is None:  # refused, or no block free within the bound
             ipc.refused += 1
             return None
+        return tag, tensor
 
     def to_device(self, segment: Any, device: str) -> Any:
         if is_ipc_tag(device):
@@ -358,3 +409,12 @@ class StagedCopy(TensorPolicy):
         self.events[index] = transfer.devices.record(transfer.in_stream(index))
         self.received.append((index, tensor))
         return tensor
+
+
+def _shallow(value: Any) -> list[Any]:
+    """``value``, or the items of a list, tuple or dict it is (one level)."""
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, dict):
+        return list(value.values())
+    return [value]
