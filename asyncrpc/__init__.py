@@ -66,6 +66,7 @@ from asyncrpc.errors import (
 from asyncrpc.protocol.options import RpcBackendOptions, TensorPipeRpcBackendOptions, WorkerInfo
 from asyncrpc.protocol.serde import register_reducer
 from asyncrpc.rref.handle import RRef
+from asyncrpc.runtime.calls.deadline import time_remaining
 from asyncrpc.runtime.futures import Future, collect_all, wait_all
 from asyncrpc.streaming import Stream, rpc_stream, stream
 
@@ -134,6 +135,7 @@ __all__ = [
     "shutdown",
     "shutdown_async",
     "stream",
+    "time_remaining",
     "wait_all",
     "worker",
 ]

@@ -102,8 +102,9 @@ class RpcBackendOptions:
         cuda_transfer: how CUDA tensors cross: "staged" (default: copies on side streams
             through pinned memory; no thread waits for the GPU, the frame leaves once its
             copies are done and the receiver's streams wait on events), "auto" (by CUDA IPC
-            handle to same-host peers whose probe passed, else staged; not the default
-            until it has run on a GPU), "ipc" (by handle to every same-host peer, unprobed)
+            handle to same-host peers whose probe passed, else staged; run on one GPU,
+            not the default until it beats torch at every size), "ipc" (by handle to
+            every same-host peer, unprobed)
             or "host" (the sending thread waits for the tensor's stream, then copies).
         cuda_stream_pool_size: streams per CUDA device a callee leases requests' functions
             from (one request holds one per device it involves, until its reply has left).
@@ -157,6 +158,11 @@ class RpcBackendOptions:
         print_errors: print, on this worker's stderr, the traceback of every exception a
             function raises when it runs here for a peer (as torch's agent does); the
             caller gets the exception either way.
+        inherit_deadlines: a call made inside a function this worker runs for a peer
+            gets what is left of that request's deadline when it is shorter than the
+            call's own timeout, so budgets follow the work down a chain of workers (see
+            ``asyncrpc.time_remaining``). False gives every call only its own timeout:
+            for a function that starts work meant to outlive its caller.
         stream_window: the default flow-control window of streams (``asyncrpc.stream``):
             a producer runs at most this many items ahead of its consumer.
         sync_lanes: lanes this worker serves at once (0 turns lanes off, on both sides).
@@ -198,6 +204,7 @@ class RpcBackendOptions:
     heartbeat_interval: float = 2.0
     heartbeat_timeout: float = 10.0
     print_errors: bool = True
+    inherit_deadlines: bool = True
     stream_window: int = 128
     sync_lanes: int = 64
     _extra: dict[str, Any] = field(default_factory=dict, repr=False)

@@ -107,7 +107,7 @@ class Agent:
             group.name, self.loop, serializer=self.serializer, pipeline=self.pipeline,
             directory=group.directory, frames=self.network, undelivered=made.undelivered,
             unlend=shm.unlend, counters=self.counters, default_timeout=options.rpc_timeout,
-            lanes=lanes.callers,
+            lanes=lanes.callers, inherit_deadlines=options.inherit_deadlines,
         )  # fmt: skip
         producers = Producers(group.name, self.loop, self.network, made.undelivered)
         self.dispatcher = Dispatcher(

@@ -26,6 +26,7 @@ class Counters:
     calls_failed: int = 0
     calls_timed_out: int = 0
     calls_cancelled: int = 0
+    calls_expired: int = 0  # requests served here whose caller's deadline passed first
     connections_opened: int = 0
     connections_lost: int = 0
     protocol_errors: int = 0

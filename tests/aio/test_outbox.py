@@ -6,6 +6,7 @@ connection."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from asyncrpc.protocol.wire.messages import (
     Request,
     decode_message,
 )
+from asyncrpc.runtime.calls.deadline import running_until
 from asyncrpc.runtime.calls.dispatch import Dispatcher
 from asyncrpc.runtime.calls.outbox import Outbox
 from asyncrpc.runtime.calls.pipeline import CallHook, CallKind, OutgoingCall, Pipeline
@@ -324,3 +326,87 @@ async def test_Dispatcher_a_remote_value_passes_the_hooks_before_the_owner_keeps
         assert order == expected
     assert len(written) == 1  # the acknowledgement of the one with fields
     pool.shutdown()
+
+
+# -- deadlines ---------------------------------------------------------------------------------
+
+_RAN: list[int] = []
+
+
+def _blocker(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def _mark(n: int) -> int:
+    _RAN.append(n)
+    return n
+
+
+def _timed_request(call_id: int, fn: Any, args: tuple[Any, ...], timeout: float) -> Any:
+    payload, segments, _, _ = Serializer().dumps((fn, args, {}))
+    fields = Request(call_id, timeout, 0, "fn", None, None).to_fields()
+    (frame,) = _frames(encode_frame(fields, payload, segments))
+    request = decode_message(frame.fields)
+    assert isinstance(request, Request)
+    return request, frame.payload, frame.segments
+
+
+async def test_Dispatcher_requests_queued_past_their_deadline_never_run() -> None:
+    # One pool thread, busy: the requests behind it wait until their callers gave up.
+    loop = asyncio.get_running_loop()
+    written: list[Any] = []
+    counters = Counters()
+    pool = WorkerPool(1, loop, "me", max_threads=1)
+    dispatcher = Dispatcher(
+        "me", Loop(loop, pool), Serializer(),
+        lambda conn, pieces, keep, forks: written.append(pieces), counters, Pipeline(),
+        NoRRefs(), NoProducers(), print_errors=False,
+    )  # fmt: skip
+    _RAN.clear()
+    conn = Caller()
+    dispatcher.on_request(conn, *_timed_request(1, _blocker, (0.5,), 0))
+    for n in range(200):
+        dispatcher.on_request(conn, *_timed_request(2 + n, _mark, (n,), 0.05))
+    await until_async(lambda: counters.calls_expired == 200, timeout=10)
+    assert _RAN == []  # none of them ran
+    await until_async(lambda: len(written) == 1)  # the blocker's reply, nothing else
+    assert len(dispatcher) == 0
+    pool.shutdown()
+
+
+_SLOW: list[str] = []
+
+
+async def _slow() -> None:
+    try:
+        await asyncio.sleep(30)
+    finally:
+        _SLOW.append("finally")
+
+
+async def test_Dispatcher_an_async_def_is_cancelled_at_its_deadline() -> None:
+    dispatcher, written, pool = await _dispatcher()
+    _SLOW.clear()
+    dispatcher.on_request(Caller(), *_timed_request(1, _slow, (), 0.1))
+    await until_async(lambda: len(written) == 1, timeout=5)
+    ((_, frame),) = written
+    assert frame.fields[0] == Kind.ERROR
+    assert _SLOW == ["finally"]  # its own cleanup ran
+    assert len(dispatcher) == 0
+    pool.shutdown()
+
+
+async def test_Outbox_a_call_made_while_serving_inherits_the_rest_of_the_budget() -> None:
+    for inherit in (True, False):
+        outbox, frames = _outbox()
+        outbox._inherit = inherit
+        with running_until(time.monotonic() + 2.0):
+            outbox.call_future(1, max, (1, 2), {}, 0)  # none of its own
+            outbox.call_future(1, max, (1, 2), {}, 10.0)  # longer than what is left
+        await until_async(lambda frames=frames: len(frames.sent) == 2)
+        timeouts = [decode_message(f.fields).timeout for _, f in frames.sent]
+        if inherit:
+            assert all(1.5 < t <= 2.0 for t in timeouts), timeouts
+        else:
+            assert timeouts == [0.0, 10.0]
+        outbox.close()

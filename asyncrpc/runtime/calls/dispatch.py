@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import logging
 import sys
+import time
 import traceback
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -26,6 +27,7 @@ from asyncrpc.errors import (
     ClosedError,
     FrameTooLargeError,
     FunctionNotFoundError,
+    RpcTimeoutError,
     SerializationError,
     ThreadPoolExhaustedError,
 )
@@ -34,6 +36,7 @@ from asyncrpc.protocol.serde import MissingReferenceError, Serializer, pack_exce
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import ACK_WANTED, CallMode, ErrorReply, Reply, Request
 from asyncrpc.runtime.calls.builtins import checked_op, is_torch_c_function, runs_on_loop
+from asyncrpc.runtime.calls.deadline import deadline_after, expired, running_until
 from asyncrpc.runtime.calls.pipeline import IncomingCall, Pipeline
 from asyncrpc.runtime.futures import Future, add_hook
 from asyncrpc.runtime.futures.bridge import CFuture
@@ -177,14 +180,21 @@ class ServedRequest:
             serves it, or it was cancelled).
         bound: whether losing ``conn`` cancels it (a call started as a task or pool job;
             a remote() request runs on: its value must still land here).
+        deadline: when its caller gives up (monotonic; None: never). A request that has
+            not started by then never runs, an ``async def`` still running then is
+            cancelled, and the function's own calls inherit what is left of it.
     """
 
-    __slots__ = ("bound", "conn", "incoming", "key", "peer", "remote", "request", "runner")
+    __slots__ = (
+        "bound", "conn", "deadline", "incoming", "key", "peer", "remote", "request", "runner",
+    )  # fmt: skip
 
     def __init__(self, conn: Caller, request: Request, peer: int) -> None:
         self.conn, self.request, self.peer = conn, request, peer
         self.key = (peer, request.call_id)
         self.remote = request.mode == CallMode.REMOTE
+        # The caller's timeout as a deadline on this clock, from the request's arrival.
+        self.deadline = deadline_after(request.timeout)
         self.runner: Runner | None = None
         self.incoming: IncomingCall | None = None
         self.bound = False
@@ -276,6 +286,9 @@ class Dispatcher:
         self._start(served, call)
 
     def _start(self, served: ServedRequest, call: tuple[Any, Any, Any]) -> None:
+        if expired(served.deadline) and served.request.mode != CallMode.STREAM:
+            self._expired(served)
+            return
         fn, args, kwargs = call
         # Decided on the function itself: a hook's wrapper may hide what kind it is.
         run, async_exec = fn, is_async_execution(fn)
@@ -390,11 +403,36 @@ class Dispatcher:
 
     # -- running ---------------------------------------------------------------------------
 
+    def _expired(self, served: ServedRequest) -> None:
+        """A request whose caller's deadline passed before it started: it never runs. Its
+        caller has its timeout error already, so no reply is written; the hooks see it
+        end, and a remote() value fails as its deadline watch fails it."""
+        self._stop_running(served)
+        self._counters.calls_expired += 1
+        request = served.request
+        error = RpcTimeoutError(self._name, request.target, request.timeout)
+        if served.remote:
+            self._finish(served, False, error)
+        else:
+            self._replying(served, False, error)
+
     async def _run_coroutine(
         self, served: ServedRequest, fn: Any, async_exec: bool, args: Any, kwargs: Any
     ) -> None:
+        deadline = served.deadline
         try:
-            result = await fn(*args, **kwargs)
+            with running_until(deadline):
+                if deadline is None:
+                    result = await fn(*args, **kwargs)
+                else:  # cancelled at its deadline: its own finally blocks run
+                    try:
+                        async with asyncio.timeout(deadline - time.monotonic()):
+                            result = await fn(*args, **kwargs)
+                    except TimeoutError as exc:
+                        if not expired(deadline):
+                            raise  # the function's own timeout, not ours
+                        request = served.request
+                        raise RpcTimeoutError(self._name, request.target, request.timeout) from exc
             # An `async def` marked async_execution may return a value or yet another future.
             if async_exec and _is_future_like(result):
                 result = await await_async_result(result)
@@ -411,7 +449,8 @@ class Dispatcher:
         self, served: ServedRequest, fn: Any, async_exec: bool, args: Any, kwargs: Any
     ) -> None:
         try:
-            result = fn(*args, **kwargs)
+            with running_until(served.deadline):
+                result = fn(*args, **kwargs)
         except BaseException as exc:
             self._finish(served, False, exc)
             return
@@ -424,8 +463,12 @@ class Dispatcher:
         self, served: ServedRequest, fn: Any, async_exec: bool, args: Any, kwargs: Any
     ) -> None:
         post = self._pool.post
+        if expired(served.deadline):  # queued behind others until its caller gave up
+            post(self._expired, served)
+            return
         try:
-            result = fn(*args, **kwargs)
+            with running_until(served.deadline):
+                result = fn(*args, **kwargs)
         except BaseException as exc:
             post(self._finish, served, False, exc)
             return

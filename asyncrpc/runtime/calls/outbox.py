@@ -31,6 +31,7 @@ from asyncrpc.protocol.reflog import ForkPair
 from asyncrpc.protocol.serde import Serializer, unpack_exception
 from asyncrpc.protocol.wire import Frame, encode_frame, frame_nbytes
 from asyncrpc.protocol.wire.messages import CallMode, Request, optional_headers
+from asyncrpc.runtime.calls.deadline import inherited
 from asyncrpc.runtime.calls.pending import (
     EncodedRequest,
     Observed,
@@ -87,6 +88,7 @@ class Outbox:
         counters: Counters,
         default_timeout: float,
         lanes: SyncLanes | None = None,
+        inherit_deadlines: bool = True,
     ) -> None:
         self._name, self.loop = name, loop.aio
         self.run_on_loop = loop.run_on_loop
@@ -94,6 +96,7 @@ class Outbox:
         self._frames, self._undelivered, self._unlend = frames, undelivered, unlend
         self._counters, self._default_timeout = counters, default_timeout
         self._lanes = lanes
+        self._inherit = inherit_deadlines
         self._on_loop_thread = loop.on_loop_thread
         # Per calling thread, its last call_future to each rank (weakly: its pending call
         # holds it until the reply). A synchronous call to a rank whose earlier call from
@@ -122,7 +125,9 @@ class Outbox:
         return self._directory.worker_info(rank)
 
     def effective_timeout(self, timeout: float) -> float:
-        """torch's rule: a negative timeout means the default, 0 means none (so does inf).
+        """torch's rule: a negative timeout means the default, 0 means none (so does inf);
+        inside a function served for a peer, what is left of that request's deadline when
+        it is shorter (``deadline.inherited``; unless ``inherit_deadlines`` is off).
 
         Raises:
             ValueError: the timeout is NaN.
@@ -130,8 +135,10 @@ class Outbox:
         if math.isnan(timeout):
             raise ValueError("the timeout is NaN")
         if timeout < 0 or timeout == UNSET_RPC_TIMEOUT:
-            return self._default_timeout
-        return 0.0 if math.isinf(timeout) else timeout
+            timeout = self._default_timeout
+        elif math.isinf(timeout):
+            timeout = 0.0
+        return inherited(timeout) if self._inherit else timeout
 
     # -- encoding (the calling thread) -----------------------------------------------------
 

@@ -49,6 +49,7 @@ from asyncrpc.protocol.wire.messages import (
     decode_message,
 )
 from asyncrpc.runtime.calls.builtins import checked_op, is_torch_c_function
+from asyncrpc.runtime.calls.deadline import deadline_after, running_until
 from asyncrpc.runtime.calls.dispatch import (
     Dispatcher,
     missing_reference_error,
@@ -365,7 +366,8 @@ class LaneServer:
         with self._lock:
             self.running += 1
         try:
-            value, ok = run(*args, **kwargs), True
+            with running_until(deadline_after(request.timeout)):
+                value, ok = run(*args, **kwargs), True
         except BaseException as exc:  # the RRef's users get it when they fetch
             value, ok = exc, False
         finally:
@@ -398,7 +400,8 @@ class LaneServer:
         with self._lock:
             self.running += 1
         try:
-            result = run(*args, **kwargs)
+            with running_until(deadline_after(request.timeout)):
+                result = run(*args, **kwargs)
         except BaseException as exc:  # the caller gets it, as from a pool thread
             self._reply_error(serving, lane, request, incoming, exc)
             return
