@@ -507,7 +507,8 @@ def get_debug_info() -> dict[str, Any]:
 
     Returns:
         A fresh dict: ``name``, ``rank``, ``world_size``, ``rpc_timeout``,
-        ``pending_by_peer``, ``lost_peers``, every key of ``get_metrics()``, the RRef
+        ``pending_by_peer``, ``lost_peers``, ``leaving`` (its shutdown has begun), every
+        key of ``get_metrics()``, the RRef
         counts (``owner_rrefs``, ``user_rrefs``, ``pending_forks``, ``pending_users``,
         ``forks_queried``, ``forks_undelivered``, ``unacked_ref_frames``) and the call
         hooks' counters (``num_autograd_contexts``, ``autograd_*``, ``device_maps``...).

@@ -385,6 +385,7 @@ class Agent:
                 group.addresses[r].name: n for r, n in pending.count_by_peer().items()
             },
             "lost_peers": self.network.lost_peers(),
+            "leaving": self.network.leaving,  # its shutdown has begun
             **self.metrics(),
             "unacked_ref_frames": self.network.links.unacked_frames(),
             **{k: v for feature in self.features for k, v in feature.debug_info().items()},

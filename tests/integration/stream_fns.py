@@ -97,6 +97,12 @@ def finally_count(tag: str) -> int:
 
 
 @inline
+def leaving() -> bool:
+    """Whether this worker's shutdown has begun (on the loop, as a peer sees it)."""
+    return bool(asyncrpc.get_debug_info()["leaving"])
+
+
+@inline
 def stream_metrics() -> dict[str, Any]:
     """On the loop: a pool thread serving it would count as busy."""
     return asyncrpc.get_metrics()

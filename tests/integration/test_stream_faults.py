@@ -48,6 +48,7 @@ def test_stream_killed_producer_ends_the_stream_with_peer_lost(tmp_path: Path) -
 
 def test_stream_killed_consumer_stops_the_producer(tmp_path: Path) -> None:
     obs, _ = _run("killed_consumer", tmp_path, kill=True)
+    assert obs["w1_in_shutdown"] is True
     assert obs["producing"] is True
     assert obs["consumer_call"]["error"]["type"] == "PeerLostError"
     assert obs["finally_ran"] is True
@@ -60,6 +61,7 @@ def test_stream_a_producer_in_graceful_shutdown_serves_its_stream_to_the_end(
     # The worker that produces calls shutdown mid-stream: it reads no more, but the
     # stream it serves is its consumer's, which reads all of it before the barrier ends.
     obs, codes = _run("producer_shutdown", tmp_path, kill=False)
+    assert obs["w1_in_shutdown"] is True
     assert obs["started"] is True
     assert obs["shutdown"]["error"] is None, obs["shutdown"]
     assert obs["consumed"]["error"] is None, obs["consumed"]

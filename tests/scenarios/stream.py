@@ -20,6 +20,14 @@ def _join(args: argparse.Namespace) -> None:
     asyncrpc.init_rpc("driver", rank=0, world_size=2, rpc_backend_options=options)
 
 
+def _w1_in_shutdown() -> bool:
+    """Wait until w1, which calls shutdown() right after joining (torch's passive
+    workers' way), has begun it: a shutdown ends the streams its worker consumes, so a
+    stream w1 consumes must start after that, or a late shutdown on a loaded machine ends
+    it mid-read (seen in CI as a ClosedError instead of the loss)."""
+    return poll(lambda: asyncrpc.rpc_sync("w1", sf.leaving), 30.0)
+
+
 def _wait_killed() -> str:
     print("STREAMING", flush=True)
     return sys.stdin.readline().strip()
@@ -52,7 +60,7 @@ def killed_producer(args: argparse.Namespace) -> int:
 def killed_consumer(args: argparse.Namespace) -> int:
     """w1 consumes an endless stream produced here; the test kills w1: the producer stops."""
     _join(args)
-    obs: Observations = {}
+    obs: Observations = {"w1_in_shutdown": _w1_in_shutdown()}
     consuming = asyncrpc.rpc_async("w1", sf.consume_forever, args=("driver", "victim"))
     obs["producing"] = poll(lambda: sf.produced("victim") > 10, 10.0)
     obs["stdin"] = _wait_killed()
@@ -76,7 +84,7 @@ def producer_shutdown(args: argparse.Namespace) -> int:
     """This worker produces a stream w1 consumes and calls shutdown meanwhile (as torch's
     passive workers do right after joining): the stream goes on to its end."""
     _join(args)
-    obs: Observations = {}
+    obs: Observations = {"w1_in_shutdown": _w1_in_shutdown()}
     consuming = asyncrpc.rpc_async("w1", sf.consume_tracked, args=("driver", "served", 40, 0.01))
     obs["started"] = poll(lambda: sf.produced("served") >= 5, 10.0)
     obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(graceful=True, timeout=20.0))
