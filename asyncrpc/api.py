@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 from typing import Any, ParamSpec, TypeVar, overload
 
 from asyncrpc.autograd.feature import DistAutograd
-from asyncrpc.errors import BlockingCallError, InitArgumentError, InitError
+from asyncrpc.errors import BlockingCallError, InitArgumentError, InitError, PeerLostError
 from asyncrpc.functions import not_scriptable
 from asyncrpc.profiling.feature import Profiling
 from asyncrpc.protocol.options import (
@@ -517,6 +517,26 @@ def get_debug_info() -> dict[str, Any]:
         NotInitializedError: no worker runs in this process.
     """
     return current_agent().debug_info()
+
+
+def on_peer_lost(callback: Callable[[PeerLostError], None]) -> Callable[[], None]:
+    """Call ``callback(error)`` once for each worker of the group lost for good from now
+    on: it died, or went silent past ``heartbeat_timeout``, or refused to be redialled.
+    ``error`` is the ``PeerLostError`` its pending calls failed with (``error.worker``
+    names it, ``error.reason`` says why). A worker that left by shutting down is no loss.
+
+    The callback runs on the callback pool, where it may block or make calls (to the
+    other workers: the lost one's calls fail at once); one that raises is logged. It
+    starts when the loss is declared, after the worker's own bookkeeping (the lost
+    worker's calls failed, its RRefs forgotten).
+
+    Returns:
+        A function that stops the callback.
+
+    Raises:
+        NotInitializedError: no worker runs in this process.
+    """
+    return current_agent().watch_losses(callback)
 
 
 @not_scriptable

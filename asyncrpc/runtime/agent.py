@@ -16,6 +16,7 @@ thread for synchronous programs, or the program's loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, TypeVar
@@ -35,7 +36,7 @@ from asyncrpc.runtime.calls.streams.producer import Producers
 from asyncrpc.runtime.cuda.feature import CudaFeature
 from asyncrpc.runtime.cuda.maps import check_device_maps
 from asyncrpc.runtime.feature import Feature
-from asyncrpc.runtime.futures import set_default_callback_loop
+from asyncrpc.runtime.futures import callbacks, set_default_callback_loop
 from asyncrpc.runtime.group.join import Group, join
 from asyncrpc.runtime.group.shutdown import GracefulShutdown, shutdown_limit
 from asyncrpc.runtime.intraop import keep_team
@@ -46,12 +47,14 @@ from asyncrpc.runtime.lanes.server import LaneServer, Serving
 from asyncrpc.runtime.metrics import Counters, LagProbe
 from asyncrpc.runtime.net.listener import Listener
 from asyncrpc.runtime.net.network import Network
-from asyncrpc.runtime.net.peers import Dial
+from asyncrpc.runtime.net.peers import GOODBYE_REASON, Dial
 from asyncrpc.runtime.net.tls import configured_tls
 from asyncrpc.runtime.net.transport import Connection
 from asyncrpc.runtime.ports import ForkLedger, Frames, Loop, Ports
 from asyncrpc.runtime.threads import handoffs
 from asyncrpc.runtime.threads.pool import WorkerPool
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["Agent", "FeatureFactory", "ForkFactory"]
 
@@ -86,6 +89,8 @@ class Agent:
         self.loop = Loop(loop, pool)
         self.counters = Counters()
         self.lag = LagProbe(loop)
+        # The program's callbacks for a peer lost for good (asyncrpc.on_peer_lost).
+        self._loss_watchers: list[Callable[[PeerLostError], None]] = []
         cuda = CudaFeature(options, group.same_host)
         allocate = cuda.allocator(ReceiveBuffers().segment)  # CUDA segments: pinned memory
         self.network = Network(
@@ -288,11 +293,28 @@ class Agent:
             feature.on_connection_lost(rank, conn, error)
 
     def on_peer_lost(self, rank: int, error: PeerLostError) -> None:
-        """``rank`` is gone for good: fail everything bound for it, forget its RRefs."""
+        """``rank`` is gone for good: fail everything bound for it, forget its RRefs, and
+        tell the program's watchers (a peer that left by shutting down is no loss)."""
         self.outbox.fail_peer(rank, error)
         self.dispatcher.cancel_peer(rank)
         for feature in self.features:
             feature.on_peer_lost(rank, error)
+        watchers = self._loss_watchers
+        if watchers and error.reason != GOODBYE_REASON:
+            # On the callback pool: a watcher may block, or call the lost peer's
+            # neighbours, which the loop must stay free to serve.
+            callbacks.submit(_tell_watchers, [(watcher, error) for watcher in watchers])
+
+    def watch_losses(self, callback: Callable[[PeerLostError], None]) -> Callable[[], None]:
+        """Call ``callback(error)`` once for each peer lost for good from now on; returns
+        what stops it."""
+        self._loss_watchers.append(callback)
+
+        def unwatch() -> None:
+            if callback in self._loss_watchers:
+                self._loss_watchers.remove(callback)
+
+        return unwatch
 
     def on_forks_unsent(self, rank: int, forks: list[ForkPair]) -> None:
         self.forks.undelivered(rank, forks)
@@ -391,3 +413,11 @@ class Agent:
             **{k: v for feature in self.features for k, v in feature.debug_info().items()},
             **{k: v for hook in self.pipeline.hooks for k, v in hook.debug_info().items()},
         }
+
+
+def _tell_watchers(jobs: list[tuple[Callable[[PeerLostError], None], PeerLostError]]) -> None:
+    for watcher, error in jobs:
+        try:
+            watcher(error)
+        except Exception:  # the program's own error: logged, the other watchers still run
+            _log.exception("a peer-loss callback failed for %s", error.worker)

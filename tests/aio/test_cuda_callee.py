@@ -262,6 +262,32 @@ def test_lease_of_a_remote_value_goes_back_once_it_is_kept() -> None:
     assert pool_of(transfer).in_use(0) == 0
 
 
+@pytest.mark.parametrize("coroutine", [False, True])
+def test_a_remote_value_is_remembered_with_the_streams_it_was_made_on(coroutine: bool) -> None:
+    # Before the owner keeps it: a to_here that came first may send it at once, from
+    # another stream (seen on an H100: the value's memory read before its kernel ran).
+    gpu, transfer, pipeline = setup()
+    remembered: list[tuple[Any, list[Any]]] = []
+    transfer.remember = lambda value, streams: remembered.append((value, streams))  # type: ignore[method-assign]
+    y = FakeTensor(0, "y")
+    for remote in (False, True):
+        call = served(pipeline, remote=remote, coroutine=coroutine)
+        if coroutine:
+
+            async def make() -> FakeTensor:
+                return y
+
+            assert asyncio.run(call.wrapped(make)()) is y
+        else:
+            assert call.wrapped(lambda: y)() is y
+        assert len(remembered) == int(remote)  # as it returns, before the owner keeps it
+        pipeline.replying(call, True, y)
+    ((value, streams),) = remembered  # the remote() call only
+    assert value is y
+    assert len(streams) == 1
+    assert streams[0] is not gpu.default_stream(0)  # its leased pool stream
+
+
 def test_lease_of_a_stream_producer_goes_back_once_its_generator_is_made() -> None:
     _, transfer, pipeline = setup()
     call = served(pipeline)

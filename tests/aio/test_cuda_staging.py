@@ -280,32 +280,3 @@ def test_a_value_not_remembered_or_gone_adds_no_wait() -> None:
     waits = gpu.waits
     transfer.policy(MAP).to_host(FakeTensor(0, "z"))
     assert gpu.waits == waits + 1  # only the copy stream's wait for the producer
-
-
-def test_hook_remembers_a_remote_value_on_the_streams_it_ran_on() -> None:
-    class Recording(HostTransfer):
-        def __init__(self) -> None:
-            self.remembered: list[tuple[Any, list[Any]]] = []
-
-        def remember(self, value: Any, streams: list[Any]) -> None:
-            self.remembered.append((value, streams))
-
-    class Lease:
-        def __init__(self) -> None:
-            self.released = False
-
-        def leased_streams(self) -> list[Any]:
-            return ["pool stream"]
-
-        def replied(self, ok: bool, remote: bool) -> None:
-            self.released = True
-
-    transfer = Recording()
-    hook = DeviceMapHook(None, transfer)
-    for remote in (True, False):
-        call = IncomingCall("w0", 0, "w1", 1, "fn", remote, {FIELD: {"cuda:0": "cuda:0"}})
-        lease = Lease()
-        call.state[hook] = lease
-        hook.replying(call, True, "value")
-        assert lease.released
-    assert transfer.remembered == [("value", ["pool stream"])]  # the remote() one only

@@ -90,6 +90,18 @@ def test_Agent_pending_call_to_killed_peer_fails_within_a_second(
     assert obs["pending_failed_at"] - obs["killed_at"] < 1.0
 
 
+def test_on_peer_lost_tells_the_program_once_about_the_killed_peer(
+    killed_peer: dict[str, Any],
+) -> None:
+    obs = killed_peer
+    ((worker, reason),) = obs["losses"]  # once, and only w1 (w2 lives on)
+    assert worker == "w1"
+    assert reason
+    assert obs["loss_told_after"] is not None
+    assert obs["loss_told_after"] < 1.0  # after the pending call failed, not a timeout later
+    assert obs["stopped_watcher"] == []
+
+
 def test_Agent_later_call_to_killed_peer_fails_fast(killed_peer: dict[str, Any]) -> None:
     later = killed_peer["later_w1"]
     assert later["error"] is not None, later
@@ -301,6 +313,7 @@ def test_a_worker_whose_graceful_shutdown_fails_still_says_goodbye(tmp_path: Pat
     assert error["type"] == "PeerLostError"
     assert "shut down" in error["message"]
     assert obs["shutdown"]["error"] is None
+    assert obs["losses"] == []  # it left: on_peer_lost is for losses only
     assert "shutdown failed" in (tmp_path / "w1.log").read_text()
 
 

@@ -30,6 +30,10 @@ def kill_peer(args: argparse.Namespace) -> int:
     obs: Observations = {"w1_pid": asyncrpc.rpc_sync("w1", fns.pid)}
     failed_at: list[float] = []
     called_back = threading.Event()
+    losses: list[tuple[str, str, float]] = []
+    asyncrpc.on_peer_lost(lambda e: losses.append((e.worker, e.reason, time.monotonic())))
+    stopped: list[str] = []
+    asyncrpc.on_peer_lost(lambda e: stopped.append(e.worker))()  # stopped at once
 
     def note_failure(_: object) -> None:
         failed_at.append(time.monotonic())
@@ -51,6 +55,10 @@ def kill_peer(args: argparse.Namespace) -> int:
     obs["w2_in_flight"] = attempt(lambda: w2_in_flight.wait(5.0))
     obs["later_w2"] = attempt(lambda: asyncrpc.rpc_sync("w2", fns.add, args=(1, 2)))
     obs["debug_lost_peers"] = asyncrpc.get_debug_info()["lost_peers"]
+    poll(lambda: bool(losses), 5.0)
+    obs["losses"] = [[worker, reason] for worker, reason, _ in losses]
+    obs["stopped_watcher"] = list(stopped)
+    obs["loss_told_after"] = losses[0][2] - failed_at[0] if losses and failed_at else None
     obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(graceful=bool(args.graceful), timeout=5.0))
     obs["not_initialized_after"] = attempt(asyncrpc.get_worker_info)["error"]
     report(obs)
@@ -66,8 +74,12 @@ def failed_shutdown(args: argparse.Namespace) -> int:
     worker does not shut down meanwhile, so w1's shutdown fails: w1 leaves all the same,
     and says so (Goodbye). This worker learns w1 is gone without calling it."""
     asyncrpc.init_rpc("driver", rank=0, world_size=2, rpc_backend_options=options(args))
+    losses: list[str] = []
+    asyncrpc.on_peer_lost(lambda e: losses.append(e.worker))
     obs: Observations = {"w1_answers": asyncrpc.rpc_sync("w1", fns.add, args=(1, 2))}
     obs["lost_without_a_call"] = poll(lambda: "w1" in asyncrpc.get_debug_info()["lost_peers"], 20.0)
+    time.sleep(0.2)  # the callback pool would have run a watcher by now
+    obs["losses"] = list(losses)  # w1 said Goodbye: it left, it was not lost
     obs["call_after"] = attempt(lambda: asyncrpc.rpc_sync("w1", fns.add, args=(1, 2)))
     obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(graceful=False))
     report(obs)

@@ -404,15 +404,21 @@ class Dispatcher:
     # -- running ---------------------------------------------------------------------------
 
     def _expired(self, served: ServedRequest) -> None:
-        """A request whose caller's deadline passed before it started: it never runs. Its
-        caller has its timeout error already, so no reply is written; the hooks see it
-        end, and a remote() value fails as its deadline watch fails it."""
+        """A request whose caller's deadline passed before it started: it never runs. It
+        is answered all the same, with the timeout error its caller has already (which
+        it ignores): what follows replies (the RRef forks the request carried) must
+        still settle. A remote() value fails, as its deadline watch fails it. Nothing is
+        printed: the function raised nothing."""
         self._stop_running(served)
         self._counters.calls_expired += 1
         request = served.request
         error = RpcTimeoutError(self._name, request.target, request.timeout)
-        if served.remote:
-            self._finish(served, False, error)
+        if not served.remote:
+            self._send_error(served, error)
+            return
+        self._owner.on_value(request, served.peer, False, error)
+        if request.headers:
+            self._acknowledge(served, False, error)
         else:
             self._replying(served, False, error)
 
@@ -613,13 +619,11 @@ class Dispatcher:
         if request.mode == CallMode.STREAM:
             self._producers.forget(served.peer, request.call_id)  # never started: the error replies
         elif served.remote:
-            # The hooks first (one serving all sees it too): the value may leave at once
-            # once the owner keeps it, to a to_here that came before it was done, and a
-            # hook may have to note first where the work that made it ends (CUDA streams).
-            headers = self._replying(served, ok, value)
             self._owner.on_value(request, served.peer, ok, value)
             if request.headers:
-                self._acknowledge(served, headers)
+                self._acknowledge(served, ok, value)
+            else:
+                self._replying(served, ok, value)  # a hook serving all still sees it
             return
         if not ok:
             self._send_error(served, value)
@@ -629,9 +633,10 @@ class Dispatcher:
     def _print_error(self, request: Request, caller: str | None, exc: BaseException) -> None:
         print_request_error(self._name, request, caller, exc)
 
-    def _acknowledge(self, served: ServedRequest, headers: dict[str, Any] | None) -> None:
+    def _acknowledge(self, served: ServedRequest, ok: bool, value: Any) -> None:
         # A remote() request with pipeline fields: its caller's hooks wait for the end of
         # the function (torch's remote profiling does too), so say so with an empty reply.
+        headers = self._replying(served, ok, value)
         payload, segments, keep, _ = self._serializer.dumps(None)
         reply = Reply(served.request.call_id, headers).to_fields()
         self._write(served.conn, encode_frame(reply, payload, segments), keep, None)

@@ -107,8 +107,15 @@ class RequestStreams:
 
     # -- running ---------------------------------------------------------------------------
 
-    def wrap(self, fn: Callable[..., Any], coroutine: bool) -> Callable[..., Any]:
-        """``fn`` run on the leased streams (a coroutine function stays one)."""
+    def wrap(
+        self,
+        fn: Callable[..., Any],
+        coroutine: bool,
+        made: Callable[[Any, list[CudaStream]], None] | None = None,
+    ) -> Callable[..., Any]:
+        """``fn`` run on the leased streams (a coroutine function stays one); ``made``
+        is told its result and those streams, before anyone else sees the result (a
+        remote() value, kept here and sent later from other streams)."""
         if coroutine:
 
             async def run_coroutine(*args: Any, **kwargs: Any) -> Any:
@@ -117,22 +124,28 @@ class RequestStreams:
                     streams = self._leased(lease)
                     with self.callee.devices.use_streams(streams):
                         self._order()
-                    return await on_streams(self.callee.devices, streams, fn(*args, **kwargs))
+                    result = await on_streams(self.callee.devices, streams, fn(*args, **kwargs))
                 except BaseException:
                     self.release()
                     raise
+                if made is not None:
+                    made(result, streams)
+                return result
 
             return run_coroutine
 
         def run(*args: Any, **kwargs: Any) -> Any:
             lease = self._lease_blocking()
             try:
-                with self.callee.devices.use_streams(self._leased(lease)):
+                streams = self._leased(lease)
+                with self.callee.devices.use_streams(streams):
                     self._order()
                     result = fn(*args, **kwargs)
             except BaseException:
                 self.release()
                 raise
+            if made is not None:
+                made(result, streams)
             if inspect.isgenerator(result) or inspect.isasyncgen(result):
                 # A stream's producer: its body runs later, item by item, not on these
                 # streams, and no reply frame follows: nothing to hold them for.
@@ -140,11 +153,6 @@ class RequestStreams:
             return result
 
         return run
-
-    def leased_streams(self) -> list[CudaStream]:
-        """The streams the function ran on (none before it started or once released)."""
-        lease = self.lease
-        return [] if lease is None or lease.released else list(lease.streams)
 
     def _order(self) -> None:
         first, self._first = self._first, None  # once; it holds the received tensors

@@ -267,7 +267,10 @@ class DeviceMapHook(CallHook):
         streams = self.transfer.serve(call.policy.devices, call.reply_policy.devices)
         if streams is not None:  # pool streams, ordered after the data, made current
             call.state[self] = streams
-            call.wrap(functools.partial(streams.wrap, coroutine=call.coroutine))
+            # A remote() value stays here and leaves later (to_here), pickled on other
+            # streams: whoever sends it first must wait for the work that made it.
+            made = self.transfer.remember if call.remote else None
+            call.wrap(functools.partial(streams.wrap, coroutine=call.coroutine, made=made))
             return
         first = self.transfer.before_use(call.policy.devices)
         if first is not None:
@@ -280,10 +283,6 @@ class DeviceMapHook(CallHook):
                 call.reply_headers[IPC_FIELD] = ipc
         streams = call.state.get(self)
         if streams is not None:
-            if ok and call.remote:
-                # A remote() value stays here and leaves later (to_here), pickled on
-                # other streams: whoever sends it first waits for the work that made it.
-                self.transfer.remember(value, streams.leased_streams())
             streams.replied(ok, call.remote)
 
     def reply_ready(self, call: IncomingCall) -> Awaitable[None] | None:
