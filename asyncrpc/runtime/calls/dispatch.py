@@ -167,6 +167,10 @@ def _is_future_like(value: Any) -> bool:
     )
 
 
+# How long after its deadline a running ``async def`` is cancelled (see _run_coroutine).
+CANCEL_GRACE_S = 0.05
+
+
 class ServedRequest:
     """One request this worker serves, from its arrival until its reply is written.
 
@@ -431,11 +435,14 @@ class Dispatcher:
                 if deadline is None:
                     result = await fn(*args, **kwargs)
                 else:  # cancelled at its deadline: its own finally blocks run
+                    # A little after it: the caller's own timer fires first, and the
+                    # caller gets its own error, never this reply racing it.
+                    limit = asyncio.timeout(deadline - time.monotonic() + CANCEL_GRACE_S)
                     try:
-                        async with asyncio.timeout(deadline - time.monotonic()):
+                        async with limit:
                             result = await fn(*args, **kwargs)
                     except TimeoutError as exc:
-                        if not expired(deadline):
+                        if not limit.expired():
                             raise  # the function's own timeout, not ours
                         request = served.request
                         raise RpcTimeoutError(self._name, request.target, request.timeout) from exc
