@@ -20,17 +20,19 @@ async def sleeper(key: str, seconds: float) -> str:
         SEEN[key] = "finished"
         return "slept"
     except asyncio.CancelledError:
-        SEEN[key] = ("cancelled", time.time())
+        SEEN[key] = ("stopped", time.time(), "CancelledError")
         raise
 
 
 async def relay(key: str, to: str, seconds: float) -> str:
-    """Call ``sleeper`` on ``to`` with no timeout of its own: it inherits this request's."""
+    """Call ``sleeper`` on ``to`` with no timeout of its own: it inherits this request's.
+    Whichever stops it first is noted: the caller's cancel, or the inherited timeout of
+    its own call (both come at the caller's deadline)."""
     SEEN[key] = "running"
     try:
         return str(await asyncrpc.call(to, sleeper, key, seconds))
-    except asyncio.CancelledError:
-        SEEN[key] = ("cancelled", time.time())
+    except BaseException as exc:
+        SEEN[key] = ("stopped", time.time(), type(exc).__name__)
         raise
 
 
