@@ -32,7 +32,7 @@ class CudaDevices:
         if not torch.cuda.is_available():
             raise RuntimeError("CudaDevices needs a CUDA device; use FakeDevices in tests")
         self._opening: dict[int, torch.cuda.Stream] = {}  # where other GPUs' memory opens
-        self._idle: dict[int, torch.cuda.Stream] = {}  # never given work: see _Held
+        self._idle: dict[int, torch.cuda.Stream] = {}  # never given work: see close_blocks
 
     def device_of(self, tensor: Any) -> int | None:
         device = getattr(tensor, "device", None)
