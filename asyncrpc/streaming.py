@@ -43,7 +43,8 @@ def stream(to: Any, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Str
     Each wait for an item is bounded by the default ``rpc_timeout``. Leaving the iteration
     early (``break``, ``close()``, leaving ``async with``), cancelling the consuming task or
     a timeout stops the producer: its generator is closed on the callee, running its
-    ``finally`` blocks.
+    ``finally`` blocks. Inside a function served for a peer, the stream also ends at that
+    request's deadline (``rpc_stream``'s ``total_timeout`` sets a limit of its own).
 
     Args:
         to: a worker name, rank or ``WorkerInfo``.
@@ -78,6 +79,7 @@ def rpc_stream(
     kwargs: dict[str, Any] | None = None,
     timeout: float = UNSET_RPC_TIMEOUT,
     window: int | None = None,
+    total_timeout: float = 0.0,
 ) -> Stream[Any]:
     """``stream`` with torch-style arguments.
 
@@ -90,6 +92,11 @@ def rpc_stream(
             also closes the stream); -1: the default ``rpc_timeout``, 0: no limit.
         window: items the producer may run ahead of the consumer (default:
             ``RpcBackendOptions.stream_window``).
+        total_timeout: seconds the whole stream may last (0: no limit): then the
+            producer's generator is closed on the callee (its ``finally`` runs) and the
+            consumer gets ``RpcTimeoutError`` after the items received before. Inside a
+            function served for a peer, a stream ends no later than that request's
+            deadline, as calls do (``inherit_deadlines``).
 
     Returns:
         The ``Stream``.
@@ -97,4 +104,6 @@ def rpc_stream(
     Raises:
         ValueError: ``window`` is not a positive int. Else as ``stream``.
     """
-    return _STREAMS.get().open(to, fn, tuple(args or ()), dict(kwargs or {}), timeout, window)
+    return _STREAMS.get().open(
+        to, fn, tuple(args or ()), dict(kwargs or {}), timeout, window, total_timeout=total_timeout
+    )

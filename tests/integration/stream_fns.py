@@ -161,3 +161,14 @@ def grad_items(n: int) -> Iterator[torch.Tensor]:
     """Items that require grad (refused inside a distributed autograd context)."""
     for i in range(n):
         yield torch.full((2,), float(i), requires_grad=True)
+
+
+def remaining_items(n: int) -> Iterator[float | None]:
+    """Yields what ``time_remaining()`` says inside the producer, ``n`` times."""
+    for _ in range(n):
+        yield asyncrpc.time_remaining()
+
+
+async def aremaining_items(n: int) -> AsyncIterator[float | None]:
+    for _ in range(n):
+        yield asyncrpc.time_remaining()

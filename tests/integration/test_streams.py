@@ -182,6 +182,55 @@ def test_stream_item_timeout_raises_and_stops_the_producer(group: Group) -> None
     assert _no_streams_left("w2")
 
 
+# -- deadlines: the whole stream's limit, and a served request's deadline --------------------
+
+
+@pytest.mark.parametrize("fn", [sf.tracked, sf.atracked], ids=["sync", "async"])
+def test_stream_total_timeout_closes_the_producer_and_raises_after_the_items(
+    group: Group, fn: object
+) -> None:
+    tag = _tag()
+    stream = asyncrpc.rpc_stream("w1", fn, args=(tag, None, 0.05), total_timeout=0.5)
+    received: list[int] = []
+
+    def take_all() -> None:
+        for item in stream:  # endless, an item every 50 ms: only the limit ends it
+            received.append(item)
+
+    started = time.monotonic()
+    with pytest.raises(asyncrpc.RpcTimeoutError):
+        take_all()
+    elapsed = time.monotonic() - started
+    assert received == list(range(len(received)))
+    assert len(received) >= 1
+    assert 0.45 <= elapsed < 5.0, elapsed  # not before the limit; bounded for a loaded VM
+    assert _eventually(lambda: asyncrpc.rpc_sync("w1", sf.finally_count, args=(tag,)) == 1)
+    assert _no_streams_left("w1")
+
+
+@pytest.mark.parametrize("fn", [sf.remaining_items, sf.aremaining_items], ids=["sync", "async"])
+def test_stream_producer_reads_its_time_remaining(group: Group, fn: object) -> None:
+    got = list(asyncrpc.rpc_stream("w1", fn, args=(3,), total_timeout=5.0))
+    assert len(got) == 3, got
+    assert all(r is not None and 0.0 < r <= 5.0 for r in got), got
+    assert got[0] > 4.0, got  # the budget less one trip, not some other figure
+    assert list(asyncrpc.rpc_stream("w1", fn, args=(1,))) == [None]  # no limit: None
+
+
+def test_stream_opened_inside_a_served_call_ends_at_that_calls_deadline(group: Group) -> None:
+    # The driver gives w3 one second; w3 consumes an endless stream from w1 (opened with
+    # no limit of its own): the stream inherits w3's deadline, so w1's generator is closed
+    # then, not when w3's consumer happens to notice.
+    tag = _tag()
+    started = time.monotonic()
+    with pytest.raises(asyncrpc.RpcTimeoutError):
+        asyncrpc.rpc_sync("w3", sf.consume_forever, args=("w1", tag), timeout=1.0)
+    assert time.monotonic() - started < 5.0
+    assert _eventually(lambda: asyncrpc.rpc_sync("w1", sf.finally_count, args=(tag,)) == 1)
+    assert _eventually(lambda: asyncrpc.rpc_sync("w1", sf.produced, args=(tag,)) > 0)
+    assert _no_streams_left("w1")
+
+
 # -- flow control ----------------------------------------------------------------------------
 
 

@@ -16,11 +16,15 @@ from __future__ import annotations
 import contextvars
 import time
 
-__all__ = ["deadline_after", "expired", "inherited", "running_until", "time_remaining"]
+__all__ = [
+    "deadline_after", "expired", "inherited", "running_until", "serving_peer", "time_remaining",
+]  # fmt: skip
 
-# The monotonic time by which the request being served must be done (None: no deadline).
-_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
-    "asyncrpc_deadline", default=None
+# The request being served: the monotonic time by which it must be done (None: no
+# deadline), and the rank of the peer it is served for (None: not serving one). One
+# variable holding both: it is set around every served request.
+_SERVED: contextvars.ContextVar[tuple[float | None, int | None]] = contextvars.ContextVar(
+    "asyncrpc_served", default=(None, None)
 )
 
 # A nested call whose parent's budget is spent still gets this much, so that it fails as a
@@ -43,20 +47,25 @@ def expired(deadline: float | None) -> bool:
 
 
 class running_until:  # lower case: it reads as a function, ``with running_until(d):``
-    """Serve a request with ``deadline`` for the duration of the block (this thread or
-    task only). A class, not a generator: it wraps every served request, and a
-    generator-based context manager costs several times more per use."""
+    """Serve a request with ``deadline`` for peer ``caller`` for the duration of the block
+    (this thread or task only). A class, not a generator: it wraps every served request,
+    and a generator-based context manager costs several times more per use."""
 
-    __slots__ = ("_deadline", "_token")
+    __slots__ = ("_served", "_token")
 
-    def __init__(self, deadline: float | None) -> None:
-        self._deadline = deadline
+    def __init__(self, deadline: float | None, caller: int | None = None) -> None:
+        self._served = (deadline, caller)
 
     def __enter__(self) -> None:
-        self._token = _DEADLINE.set(self._deadline)
+        self._token = _SERVED.set(self._served)
 
     def __exit__(self, *exc: object) -> None:
-        _DEADLINE.reset(self._token)
+        _SERVED.reset(self._token)
+
+
+def serving_peer() -> int | None:
+    """The rank of the peer the calling code serves a request for (None outside one)."""
+    return _SERVED.get()[1]
 
 
 def time_remaining() -> float | None:
@@ -65,7 +74,7 @@ def time_remaining() -> float | None:
 
     A synchronous function can poll it and stop early: its caller has given up by then
     (an ``async def`` is cancelled at its deadline; a ``def`` cannot be)."""
-    deadline = _DEADLINE.get()
+    deadline = _SERVED.get()[0]
     if deadline is None:
         return None
     return max(0.0, deadline - time.monotonic())
@@ -74,7 +83,7 @@ def time_remaining() -> float | None:
 def inherited(timeout: float) -> float:
     """The timeout of a call made now: ``timeout`` (seconds; 0: none), or what is left of
     the served request's deadline when that is shorter."""
-    deadline = _DEADLINE.get()
+    deadline = _SERVED.get()[0]
     if deadline is None:
         return timeout
     left = max(_SPENT_S, deadline - time.monotonic())

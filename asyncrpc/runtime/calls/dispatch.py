@@ -95,7 +95,10 @@ class Producers(Protocol):
     """What the dispatcher asks of the producing side of streams (``calls/streams/``,
     above it): hold a stream request's credit, forget it, start its generator."""
 
-    def expect(self, conn: Any, peer: int, stream_id: int, target: str) -> None: ...
+    def expect(
+        self, conn: Any, peer: int, stream_id: int, target: str, timeout: float = 0.0,
+        deadline: float | None = None,
+    ) -> None: ...  # fmt: skip
 
     def forget(self, peer: int, stream_id: int) -> None: ...
 
@@ -248,7 +251,9 @@ class Dispatcher:
             owner.on_remote_request(peer, request)
             self.watch_remote(peer, request)
         elif request.mode == CallMode.STREAM:  # its credit may come before it starts
-            self._producers.expect(conn, peer, request.call_id, request.target)
+            self._producers.expect(
+                conn, peer, request.call_id, request.target, request.timeout, served.deadline
+            )
         owner.take_unconfirmed()  # forget forks unpickled elsewhere (replies)
         try:
             if self._pipeline.serves(request.headers):
@@ -431,7 +436,7 @@ class Dispatcher:
     ) -> None:
         deadline = served.deadline
         try:
-            with running_until(deadline):
+            with running_until(deadline, served.peer):
                 if deadline is None:
                     result = await fn(*args, **kwargs)
                 else:  # cancelled at its deadline: its own finally blocks run
@@ -462,7 +467,7 @@ class Dispatcher:
         self, served: ServedRequest, fn: Any, async_exec: bool, args: Any, kwargs: Any
     ) -> None:
         try:
-            with running_until(served.deadline):
+            with running_until(served.deadline, served.peer):
                 result = fn(*args, **kwargs)
         except BaseException as exc:
             self._finish(served, False, exc)
@@ -480,7 +485,7 @@ class Dispatcher:
             post(self._expired, served)
             return
         try:
-            with running_until(served.deadline):
+            with running_until(served.deadline, served.peer):
                 result = fn(*args, **kwargs)
         except BaseException as exc:
             post(self._finish, served, False, exc)

@@ -140,6 +140,15 @@ class Outbox:
             timeout = 0.0
         return inherited(timeout) if self._inherit else timeout
 
+    def stream_limit(self, total: float) -> float:
+        """The limit of a whole stream: ``total`` seconds (0, a negative number or inf:
+        none), or what is left of the served request's deadline when that is shorter."""
+        if math.isnan(total):
+            raise ValueError("the timeout is NaN")
+        if total < 0 or math.isinf(total):
+            total = 0.0
+        return inherited(total) if self._inherit else total
+
     # -- encoding (the calling thread) -----------------------------------------------------
 
     def encode(

@@ -366,7 +366,7 @@ class LaneServer:
         with self._lock:
             self.running += 1
         try:
-            with running_until(deadline_after(request.timeout)):
+            with running_until(deadline_after(request.timeout), lane.rank):
                 value, ok = run(*args, **kwargs), True
         except BaseException as exc:  # the RRef's users get it when they fetch
             value, ok = exc, False
@@ -400,7 +400,7 @@ class LaneServer:
         with self._lock:
             self.running += 1
         try:
-            with running_until(deadline_after(request.timeout)):
+            with running_until(deadline_after(request.timeout), lane.rank):
                 result = run(*args, **kwargs)
         except BaseException as exc:  # the caller gets it, as from a pool thread
             self._reply_error(serving, lane, request, incoming, exc)

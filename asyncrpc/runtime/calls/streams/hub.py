@@ -2,11 +2,11 @@
 with the agent's lifecycle (layer L2.42, on the agent's loop unless said otherwise).
 
 A stream is a call in ``CallMode.STREAM``: the request is pickled, framed and passed
-through the call pipeline like any call (``Outbox.encode``), and its ``PendingCall`` (no
-deadline) stands for the whole stream, so what ends a call ends a stream the same way: the
-producer's last frame, an error reply, a lost connection or peer, a shutdown; and the
-pipeline's hooks see one call per stream (profiling: one span, the item count as its
-value). The items themselves go around the pending table, straight to the
+through the call pipeline like any call (``Outbox.encode``), and its ``PendingCall`` (with
+the whole stream's limit, if any) stands for the whole stream, so what ends a call ends a
+stream the same way: the producer's last frame, an error reply, a lost connection or
+peer, a shutdown; and the pipeline's hooks see one call per stream (profiling: one span,
+the item count as its value). The items themselves go around the pending table, straight to the
 ``ConsumerStream`` (``consumer.py``); the producing side is ``producer.py``.
 """
 
@@ -75,9 +75,11 @@ class StreamHub(Feature):
 
     def open(
         self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
-        window: int | None, target: str | None = None,
+        window: int | None, target: str | None = None, total_timeout: float = 0.0,
     ) -> Stream[Any]:  # fmt: skip
-        """Start ``fn(*args, **kwargs)`` on ``to`` as a stream and return its ``Stream``.
+        """Start ``fn(*args, **kwargs)`` on ``to`` as a stream and return its ``Stream``;
+        ``timeout`` bounds each wait for an item, ``total_timeout`` the whole stream (0:
+        none; inside a served request, no later than its deadline): both ends stop then.
 
         Raises:
             ValueError: ``window`` is not a positive number of items, or the timeout is NaN.
@@ -89,8 +91,11 @@ class StreamHub(Feature):
             raise ValueError(f"a stream window must be a positive int, got {window!r}")
         rank = outbox.resolve(to)
         item_timeout = outbox.effective_timeout(timeout)
+        # The whole stream's limit rides as the request's timeout: the pending call fails
+        # with RpcTimeoutError then, and the producer closes its generator.
+        total = outbox.stream_limit(total_timeout)
         encoded = outbox.encode(
-            rank, fn, args, kwargs, 0.0, CallKind.STREAM, CallMode.STREAM, target=target
+            rank, fn, args, kwargs, total, CallKind.STREAM, CallMode.STREAM, target=target
         )
         stream_id, target = encoded.call_id, encoded.target
         name = self._addresses[rank].name

@@ -21,14 +21,16 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-from asyncrpc.errors import FrameTooLargeError, SerializationError
+from asyncrpc.errors import FrameTooLargeError, RpcTimeoutError, SerializationError
 from asyncrpc.functions import is_coroutine_function, is_inline
 from asyncrpc.protocol.serde import pack_exception
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.stream import ProducerFlow, StreamEnd, StreamError, StreamItem
+from asyncrpc.runtime.calls.deadline import running_until
 from asyncrpc.runtime.ports import Frames, Loop
 
 __all__ = ["ProducerStream", "Producers"]
@@ -49,15 +51,23 @@ class ProducerStream:
     """One stream this worker produces: its generator, credit and state."""
 
     __slots__ = (
-        "async_source", "closed", "conn", "dumps", "flow", "flushing", "outbox", "peer", "replying",
-        "running", "source", "stream_id", "target", "task", "wakeup",
+        "async_source", "closed", "conn", "deadline", "dumps", "flow", "flushing", "outbox",
+        "peer", "replying", "running", "source", "stream_id", "target", "task", "timeout",
+        "timer", "wakeup",
     )  # fmt: skip
 
-    def __init__(self, conn: Any, peer: int, stream_id: int, target: str) -> None:
+    def __init__(
+        self, conn: Any, peer: int, stream_id: int, target: str, timeout: float = 0.0,
+        deadline: float | None = None,
+    ) -> None:  # fmt: skip
         self.conn = conn
         self.peer = peer
         self.stream_id = stream_id
         self.target = target
+        # The whole stream's limit (seconds; 0: none) as a deadline on this clock: the
+        # generator is closed then, and the consumer told with an RpcTimeoutError.
+        self.timeout, self.deadline = timeout, deadline
+        self.timer: asyncio.TimerHandle | None = None
         self.flow = ProducerFlow()
         self.closed = False  # ended, failed or closed: nothing more is sent
         self.replying: Replying | None = None  # set when the function starts
@@ -98,10 +108,18 @@ class Producers:
 
     # -- from the dispatcher -----------------------------------------------------------------
 
-    def expect(self, conn: Any, peer: int, stream_id: int, target: str) -> None:
+    def expect(
+        self, conn: Any, peer: int, stream_id: int, target: str, timeout: float = 0.0,
+        deadline: float | None = None,
+    ) -> None:  # fmt: skip
         """A stream request arrived: hold its credit until its function starts (its
-        arguments may still wait for RRef confirmations)."""
-        self._streams[(peer, stream_id)] = ProducerStream(conn, peer, stream_id, target)
+        arguments may still wait for RRef confirmations). ``deadline`` (monotonic) ends
+        the whole stream, ``timeout`` being the limit it came from."""
+        stream = ProducerStream(conn, peer, stream_id, target, timeout, deadline)
+        self._streams[(peer, stream_id)] = stream
+        if deadline is not None:
+            delay = max(0.0, deadline - time.monotonic())
+            stream.timer = self._loop.call_later(delay, self._expire, stream)
 
     def forget(self, peer: int, stream_id: int) -> None:
         """The request failed before its function started (the error goes as a reply)."""
@@ -171,13 +189,21 @@ class Producers:
         for stream in list(self._streams.values()):
             self.close(stream, error)
 
+    def _expire(self, stream: ProducerStream) -> None:
+        """The stream's deadline: its generator is closed (its ``finally`` runs) and the
+        consumer gets the timeout its own side would give."""
+        stream.timer = None
+        if not stream.closed:
+            self.close(stream, RpcTimeoutError(self._name, stream.target, stream.timeout))
+
     # -- running -----------------------------------------------------------------------------
 
     async def _await_source(
         self, stream: ProducerStream, run: Callable[..., Any], args: Any, kwargs: Any
     ) -> None:
         try:
-            result = await run(*args, **kwargs)
+            with running_until(stream.deadline, stream.peer):  # this task only
+                result = await run(*args, **kwargs)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -209,6 +235,8 @@ class Producers:
 
     async def _drive(self, stream: ProducerStream, source: AsyncIterator[Any]) -> None:
         flow = stream.flow
+        serving = running_until(stream.deadline, stream.peer)  # time_remaining() inside
+        serving.__enter__()  # in this task only: its context is its own
         try:
             while not stream.closed:
                 if flow.take(1) == 0:
@@ -265,7 +293,8 @@ class Producers:
         # Pool thread: call a plain function that returns what is streamed.
         post = self._pool.post
         try:
-            result = run(*args, **kwargs)
+            with running_until(stream.deadline, stream.peer):
+                result = run(*args, **kwargs)
         except BaseException as exc:
             post(self._called, stream, exc, None)
             return
@@ -288,7 +317,8 @@ class Producers:
             if stream.closed:
                 break
             try:
-                item = next(source)
+                with running_until(stream.deadline, stream.peer):
+                    item = next(source)
             except BaseException as exc:  # StopIteration too: the end
                 post(self._stepped, stream, exc)
                 return
@@ -440,6 +470,9 @@ class Producers:
         """Leave the table (once) and tell the pipeline; returns its reply fields."""
         stream.closed = True
         self._streams.pop((stream.peer, stream.stream_id), None)
+        if stream.timer is not None:
+            stream.timer.cancel()
+            stream.timer = None
         replying, stream.replying = stream.replying, None
         return None if replying is None else replying(ok, value)
 
