@@ -17,6 +17,8 @@ from asyncrpc.api import (
     init_rpc,
     init_rpc_async,
     is_available,
+    membership,
+    on_caller_lost,
     on_peer_lost,
     remote,
     rpc_async,
@@ -41,6 +43,7 @@ from asyncrpc.errors import (
     MissingRankError,
     MixedGroupError,
     NotInitializedError,
+    NotServingError,
     OperatorArgumentsError,
     PeerLostError,
     PeerUnavailableError,
@@ -69,6 +72,7 @@ from asyncrpc.protocol.serde import register_reducer
 from asyncrpc.rref.handle import RRef
 from asyncrpc.runtime.calls.deadline import time_remaining
 from asyncrpc.runtime.futures import Future, collect_all, wait_all
+from asyncrpc.runtime.group.events import MemberEvent, MemberEvents
 from asyncrpc.streaming import Stream, rpc_stream, stream
 
 __all__ = [
@@ -86,9 +90,12 @@ __all__ = [
     "Future",
     "InitArgumentError",
     "InitError",
+    "MemberEvent",
+    "MemberEvents",
     "MissingRankError",
     "MixedGroupError",
     "NotInitializedError",
+    "NotServingError",
     "OperatorArgumentsError",
     "PeerLostError",
     "PeerUnavailableError",
@@ -128,6 +135,8 @@ __all__ = [
     "init_rpc",
     "init_rpc_async",
     "is_available",
+    "membership",
+    "on_caller_lost",
     "on_peer_lost",
     "register_reducer",
     "remote",

@@ -17,7 +17,13 @@ from contextlib import asynccontextmanager
 from typing import Any, ParamSpec, TypeVar, overload
 
 from asyncrpc.autograd.feature import DistAutograd
-from asyncrpc.errors import BlockingCallError, InitArgumentError, InitError, PeerLostError
+from asyncrpc.errors import (
+    BlockingCallError,
+    InitArgumentError,
+    InitError,
+    NotServingError,
+    PeerLostError,
+)
 from asyncrpc.functions import not_scriptable
 from asyncrpc.profiling.feature import Profiling
 from asyncrpc.protocol.options import (
@@ -31,10 +37,12 @@ from asyncrpc.rref.context import RRefs
 from asyncrpc.rref.forks import Forks
 from asyncrpc.rref.handle import RRef, current_rrefs
 from asyncrpc.runtime.agent import Agent
+from asyncrpc.runtime.calls.deadline import serving_peer
 from asyncrpc.runtime.calls.pipeline import CallKind
 from asyncrpc.runtime.current import clear_agent, current_agent, set_agent
 from asyncrpc.runtime.feature import Feature
 from asyncrpc.runtime.futures import Future
+from asyncrpc.runtime.group.events import MemberEvents
 from asyncrpc.runtime.group.join import Group
 from asyncrpc.runtime.group.shutdown import shutdown_limit
 from asyncrpc.runtime.ports import Frames, Loop, Ports
@@ -51,6 +59,9 @@ __all__ = [
     "init_rpc",
     "init_rpc_async",
     "is_available",
+    "membership",
+    "on_caller_lost",
+    "on_peer_lost",
     "remote",
     "rpc_async",
     "rpc_sync",
@@ -536,7 +547,47 @@ def on_peer_lost(callback: Callable[[PeerLostError], None]) -> Callable[[], None
     Raises:
         NotInitializedError: no worker runs in this process.
     """
-    return current_agent().watch_losses(callback)
+    return current_agent().watchers.watch_all(callback)
+
+
+def on_caller_lost(callback: Callable[[PeerLostError], None]) -> Callable[[], None]:
+    """Inside a function served for a peer: call ``callback(error)`` once when that peer
+    (the caller) is gone for good, so that this worker can release what it keeps for it (a
+    parameter server's per-trainer state, say). Gone means lost (it died, hung or became
+    unreachable: ``error.evidence`` is ``"silence"`` or ``"redial_refused"``) or left (it
+    shut down: ``"goodbye"``). Registered once per caller is enough; a callback registered
+    for a peer already gone runs at once. It runs on the callback pool, where it may block
+    or make calls.
+
+    Returns:
+        A function that stops the callback.
+
+    Raises:
+        NotServingError: not called from inside a function served for a peer.
+    """
+    caller = serving_peer()
+    if caller is None:
+        raise NotServingError(
+            "on_caller_lost() needs a caller: call it inside a function a peer called"
+        )
+    return current_agent().watchers.watch_peer(caller, callback)
+
+
+def membership() -> MemberEvents:
+    """An async iterator of the group's changes from now on, as this worker sees them:
+    ``MemberEvent`` s of kind ``"joined"`` (a member that joined a dynamic group after this
+    worker, once this worker meets it: its first call here, or a look-up), ``"left"`` (it
+    shut down) and ``"lost"`` (it died, hung or became unreachable, with the evidence).
+
+    ``async for event in asyncrpc.membership(): ...`` on any event loop (the worker's own,
+    inside an ``async def`` it serves, or the program's). The iteration ends when the
+    iterator is closed (``close()``, or leaving ``async with``) or this worker shuts down.
+    ``get_worker_infos()`` gives the members at any moment.
+
+    Raises:
+        NotInitializedError: no worker runs in this process.
+    """
+    return current_agent().watchers.subscribe()
 
 
 @not_scriptable

@@ -200,6 +200,11 @@ class NotInitializedError(AsyncRpcError, RuntimeError):
     """An RPC API was used before ``init_rpc`` or after ``shutdown``."""
 
 
+class NotServingError(AsyncRpcError, RuntimeError):
+    """Something only a function served for a peer can ask was asked elsewhere (for
+    instance ``asyncrpc.on_caller_lost`` with no caller)."""
+
+
 class ShutdownError(AsyncRpcError, RuntimeError):
     """A graceful shutdown could not complete (the rendezvous store went away, the time
     given ran out, or workers died and ``lost_workers="error"`` asked to hear of it)."""
@@ -443,12 +448,19 @@ class ConnectionLostError(AsyncRpcError, ConnectionError, RuntimeError):
 
 
 class PeerLostError(ConnectionLostError):
-    """The connection to a named peer was lost: it died, or it closed on us."""
+    """The connection to a named peer was lost: it died, or it closed on us.
 
-    def __init__(self, worker: str, reason: str = "connection lost") -> None:
-        super().__init__(worker, reason)
+    ``evidence`` says how a peer lost for good was found: ``"silence"`` (no byte on its
+    connection for the heartbeat's limit, and, where it could be probed, no answer from its
+    process either), ``"redial_refused"`` (its connection broke and redials were refused),
+    ``"goodbye"`` (it shut down); empty for a connection lost with the peer still reachable.
+    """
+
+    def __init__(self, worker: str, reason: str = "connection lost", evidence: str = "") -> None:
+        super().__init__(worker, reason, evidence)
         self.worker = worker
         self.reason = reason
+        self.evidence = evidence
 
     def __str__(self) -> str:
         return f"lost the connection to worker {self.worker!r}: {self.reason}"

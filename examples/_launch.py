@@ -37,6 +37,7 @@ def workers(
     extra: Sequence[str] = (),
     deadline: float = DEADLINE_S,
     exit_grace: float = EXIT_GRACE_S,
+    may_fail: Sequence[int] = (),
 ) -> Iterator[list[subprocess.Popen[bytes]]]:
     """Spawn ``python -m module --role worker --rank r ...`` for each rank; kill leftovers.
 
@@ -50,6 +51,8 @@ def workers(
         deadline: seconds from now after which the run is stopped: the workers are
             killed and this process exits with ``EXIT_OVERTIME``.
         exit_grace: seconds the workers get to exit after the block (within the deadline).
+        may_fail: ranks the example itself kills or stops (a lost worker is its subject):
+            their exit is not checked, and one still running is killed.
 
     Yields:
         The started processes.
@@ -73,8 +76,9 @@ def workers(
     watchdog = _Watchdog(procs, deadline)
     try:
         yield procs
-        codes = _wait_all(procs, min(exit_grace, watchdog.left()))
-        _check(ranks, codes, exit_grace)
+        checked = [(r, p) for r, p in zip(ranks, procs, strict=True) if r not in may_fail]
+        codes = _wait_all([p for _, p in checked], min(exit_grace, watchdog.left()))
+        _check([r for r, _ in checked], codes, exit_grace)
     finally:
         watchdog.stop()
         _kill(procs)

@@ -153,8 +153,17 @@ class RpcBackendOptions:
             connection (the key handshake still runs inside it).
         heartbeat_interval: seconds of silence after which an idle connection is pinged
             (0 turns heartbeats off).
-        heartbeat_timeout: seconds of silence after which a peer is declared lost: its
-            pending calls fail with ``PeerLostError``, even those with no timeout.
+        heartbeat_timeout: seconds of silence after which the peer's process is probed
+            (its lane listener dialled, which a thread of its own answers, not its event
+            loop); no answer within ``min(1, heartbeat_timeout)`` s, or nothing listening,
+            and the peer is declared lost: its pending calls fail with ``PeerLostError``,
+            even those with no timeout. A stopped or dead worker is found in about 2 to 3 s
+            with the defaults.
+        silent_link_timeout: seconds of silence after which a peer is declared lost even
+            though its process answers probes: its event loop blocked that long by user
+            code, or its connection carries nothing. It is also the limit where no probe
+            can be made (the peer takes no lanes: ``sync_lanes=0`` or TLS). Never shorter
+            than ``heartbeat_timeout``.
         print_errors: print, on this worker's stderr, the traceback of every exception a
             function raises when it runs here for a peer (as torch's agent does); the
             caller gets the exception either way.
@@ -201,8 +210,9 @@ class RpcBackendOptions:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
-    heartbeat_interval: float = 2.0
-    heartbeat_timeout: float = 10.0
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 1.25
+    silent_link_timeout: float = 10.0
     print_errors: bool = True
     inherit_deadlines: bool = True
     stream_window: int = 128
@@ -221,6 +231,10 @@ class RpcBackendOptions:
             raise InitError(
                 "need heartbeat_interval >= 0 and, when it is on, heartbeat_timeout > interval "
                 f"(got {self.heartbeat_interval} and {self.heartbeat_timeout})"
+            )
+        if not self.silent_link_timeout > 0:
+            raise InitError(
+                f"silent_link_timeout must be > 0 seconds, got {self.silent_link_timeout}"
             )
         tls = (self.tls_cert, self.tls_key, self.tls_ca)
         if any(p is not None for p in tls) and not all(p is not None for p in tls):

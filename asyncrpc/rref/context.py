@@ -23,6 +23,7 @@ from asyncrpc.runtime.calls.pending import describe_function
 from asyncrpc.runtime.calls.pipeline import CallKind
 from asyncrpc.runtime.feature import Feature
 from asyncrpc.runtime.futures import Future
+from asyncrpc.runtime.group.events import PeerWatchers
 from asyncrpc.runtime.ports import Calls, Loop
 
 __all__ = ["RRefs"]
@@ -44,6 +45,14 @@ class RRefs(Feature):
         self.forks = forks
         self._calls = calls
         self._loop = loop
+        self._owners = PeerWatchers()  # RRef.on_owner_lost
+
+    def watch_owner(
+        self, owner: int, callback: Callable[[PeerLostError], None]
+    ) -> Callable[[], None]:
+        """``callback(error)`` once when ``owner`` is gone for good (see
+        ``RRef.on_owner_lost``)."""
+        return self._owners.watch_peer(owner, callback)
 
     # -- operations ------------------------------------------------------------------------
 
@@ -125,9 +134,11 @@ class RRefs(Feature):
 
     def on_peer_lost(self, rank: int, error: PeerLostError) -> None:
         self.forks.on_peer_lost(rank)
+        self._owners.on_gone(rank, error, left=error.evidence == "goodbye")
 
     def debug_info(self) -> dict[str, Any]:
         return self.forks.debug_info()
 
     def close(self) -> None:
         self.forks.close()
+        self._owners.close()

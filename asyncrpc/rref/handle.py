@@ -89,6 +89,10 @@ class RRefOps(Protocol):
 
     async def run_in_pool(self, fn: Callable[[], Any]) -> Any: ...
 
+    def watch_owner(
+        self, owner: int, callback: Callable[[PeerLostError], None]
+    ) -> Callable[[], None]: ...
+
 
 _RREFS: FeatureSlot[RRefOps] = FeatureSlot("rrefs", "RRefs")
 _STREAMS: FeatureSlot[StreamHub] = FeatureSlot("streams", "streams")
@@ -195,6 +199,22 @@ class RRef(Generic[T]):
     def confirmed_by_owner(self) -> bool:
         """True once the owner has registered this reference (always True on the owner)."""
         return self._ctx.confirmed(self)
+
+    def on_owner_lost(self, callback: Callable[[PeerLostError], None]) -> Callable[[], None]:
+        """Call ``callback(error)`` once when this reference's owner is gone for good: lost
+        (it died, hung or became unreachable) or shut down without waiting for this
+        reference. The value is gone with it (``to_here()`` and proxies raise
+        ``RRefOwnerLostError``); ``error`` is the owner's ``PeerLostError``, whose
+        ``evidence`` says how it was found. At once if the owner is gone already; never
+        on the owner itself. The callback runs on the callback pool (it may block, or make
+        calls to other workers).
+
+        Returns:
+            A function that stops the callback.
+        """
+        if self._fork_id is None:  # the owner: its value ends with this worker
+            return _no_watch
+        return current_rrefs().watch_owner(self._owner, callback)
 
     # -- values ----------------------------------------------------------------------------
 
@@ -587,3 +607,7 @@ async def _invoke_method(
     if is_async_execution(method):
         return await await_async_result(result)
     return result
+
+
+def _no_watch() -> None:
+    """The stop function of a watch that can never fire."""

@@ -36,18 +36,20 @@ from asyncrpc.runtime.calls.streams.producer import Producers
 from asyncrpc.runtime.cuda.feature import CudaFeature
 from asyncrpc.runtime.cuda.maps import check_device_maps
 from asyncrpc.runtime.feature import Feature
-from asyncrpc.runtime.futures import callbacks, set_default_callback_loop
+from asyncrpc.runtime.futures import set_default_callback_loop
+from asyncrpc.runtime.group.events import PeerWatchers
 from asyncrpc.runtime.group.join import Group, join
 from asyncrpc.runtime.group.shutdown import GracefulShutdown, shutdown_limit
 from asyncrpc.runtime.intraop import keep_team
 from asyncrpc.runtime.lanes.client import CallerLanes
 from asyncrpc.runtime.lanes.feature import Lanes
 from asyncrpc.runtime.lanes.handshake import LaneRoster
+from asyncrpc.runtime.lanes.probe import ProcessProbe
 from asyncrpc.runtime.lanes.server import LaneServer, Serving
 from asyncrpc.runtime.metrics import Counters, LagProbe
 from asyncrpc.runtime.net.listener import Listener
 from asyncrpc.runtime.net.network import Network
-from asyncrpc.runtime.net.peers import GOODBYE_REASON, Dial
+from asyncrpc.runtime.net.peers import Dial
 from asyncrpc.runtime.net.tls import configured_tls
 from asyncrpc.runtime.net.transport import Connection
 from asyncrpc.runtime.ports import ForkLedger, Frames, Loop, Ports
@@ -89,8 +91,10 @@ class Agent:
         self.loop = Loop(loop, pool)
         self.counters = Counters()
         self.lag = LagProbe(loop)
-        # The program's callbacks for a peer lost for good (asyncrpc.on_peer_lost).
-        self._loss_watchers: list[Callable[[PeerLostError], None]] = []
+        # The program's watchers of peers joining and leaving (on_peer_lost, membership(),
+        # RRef.on_owner_lost, on_caller_lost).
+        self.watchers = PeerWatchers()
+        group.directory.on_joined = self.watchers.on_joined
         cuda = CudaFeature(options, group.same_host)
         allocate = cuda.allocator(ReceiveBuffers().segment)  # CUDA segments: pinned memory
         self.network = Network(
@@ -125,6 +129,13 @@ class Agent:
         )  # fmt: skip
         ports = Ports(group, options, self.loop, self.outbox, self.network, self.counters)
         self.lanes = lanes
+        if group.tls is None:
+            # A silent peer's process is probed on its lane listener before it is
+            # declared lost (see runtime/net/heartbeat.py); none under TLS (no lanes).
+            self.network.heartbeat.probe = ProcessProbe(
+                loop, (group.name, group.rank), group.addresses, group.host_id, group.key,
+                options.max_frame_size, min(1.0, options.heartbeat_timeout),
+            )  # fmt: skip
         self._plug((streams, *features(ports, made), lanes, cuda))
         lanes.serve(self._serving())
 
@@ -299,22 +310,7 @@ class Agent:
         self.dispatcher.cancel_peer(rank)
         for feature in self.features:
             feature.on_peer_lost(rank, error)
-        watchers = self._loss_watchers
-        if watchers and error.reason != GOODBYE_REASON:
-            # On the callback pool: a watcher may block, or call the lost peer's
-            # neighbours, which the loop must stay free to serve.
-            callbacks.submit(_tell_watchers, [(watcher, error) for watcher in watchers])
-
-    def watch_losses(self, callback: Callable[[PeerLostError], None]) -> Callable[[], None]:
-        """Call ``callback(error)`` once for each peer lost for good from now on; returns
-        what stops it."""
-        self._loss_watchers.append(callback)
-
-        def unwatch() -> None:
-            if callback in self._loss_watchers:
-                self._loss_watchers.remove(callback)
-
-        return unwatch
+        self.watchers.on_gone(rank, error, left=error.evidence == "goodbye")
 
     def on_forks_unsent(self, rank: int, forks: list[ForkPair]) -> None:
         self.forks.undelivered(rank, forks)
@@ -375,6 +371,7 @@ class Agent:
         for feature in self.features:  # streams first: their calls end as streams do
             feature.close()
         self.outbox.close()
+        self.watchers.close()  # membership() iterations end
         await asyncio.sleep(0)  # let the transports flush and call connection_lost
         self.loop.pool.shutdown()
         await self.loop.pool.stopped(timeout=1.0)
@@ -413,11 +410,3 @@ class Agent:
             **{k: v for feature in self.features for k, v in feature.debug_info().items()},
             **{k: v for hook in self.pipeline.hooks for k, v in hook.debug_info().items()},
         }
-
-
-def _tell_watchers(jobs: list[tuple[Callable[[PeerLostError], None], PeerLostError]]) -> None:
-    for watcher, error in jobs:
-        try:
-            watcher(error)
-        except Exception:  # the program's own error: logged, the other watchers still run
-            _log.exception("a peer-loss callback failed for %s", error.worker)

@@ -32,7 +32,7 @@ class Counters:
     protocol_errors: int = 0
     auth_failures: int = 0  # handshakes refused: wrong key, or none within the deadline
     handshake_timeouts: int = 0  # accepted connections with no handshake by the deadline
-    silent_connections: int = 0  # closed by the heartbeat: no byte for heartbeat_timeout
+    silent_connections: int = 0  # closed by the heartbeat: its peer found gone (see heartbeat.py)
     stalled_frames: int = 0  # of those, closed in the middle of a frame
     reconnects: int = 0  # connections to a peer made after an earlier one was lost
 

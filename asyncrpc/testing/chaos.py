@@ -152,10 +152,11 @@ class Scheduler:
         self.proxies[i].heal()
 
     def sigstop(self, i: int) -> None:
-        """A hung worker: stopped for less than the heartbeat limit, then continued."""
+        """A hung worker: stopped for less than the heartbeat limit (1.25 s of silence
+        before its process is probed, by default), then continued."""
         self.workers[i].signal(signal.SIGSTOP)
         try:
-            self._hold(0.2, 3.0)
+            self._hold(0.2, 1.0)
         finally:
             self.workers[i].signal(signal.SIGCONT)
 

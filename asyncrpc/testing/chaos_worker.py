@@ -347,8 +347,7 @@ def _options(args: argparse.Namespace) -> asyncrpc.RpcBackendOptions:
         advertise_port=args.advertise_port,
         unix_sockets=False,  # through the proxies, which sit on TCP
         shared_memory=False,  # every byte on the socket, where the faults are
-        heartbeat_interval=1.0,
-        heartbeat_timeout=args.heartbeat_timeout,
+        heartbeat_timeout=args.heartbeat_timeout,  # the rest of the heartbeat: defaults
     )
 
 
@@ -405,7 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--listen-port", type=int, required=True)
     parser.add_argument("--advertise-port", type=int, required=True)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--heartbeat-timeout", type=float, default=8.0)
+    parser.add_argument(
+        "--heartbeat-timeout", type=float, default=asyncrpc.RpcBackendOptions().heartbeat_timeout
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=f"[c{args.rank}] %(levelname)s %(message)s")

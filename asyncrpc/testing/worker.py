@@ -37,6 +37,7 @@ def _options(args: argparse.Namespace) -> asyncrpc.RpcBackendOptions:
         handshake_timeout=args.handshake_timeout,
         heartbeat_interval=args.heartbeat_interval,
         heartbeat_timeout=args.heartbeat_timeout,
+        silent_link_timeout=args.silent_link_timeout,
         listen_host=args.listen_host,
         advertise_host=args.advertise_host,
         listen_port=args.listen_port,
@@ -90,8 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-threads", type=int, default=512)
     parser.add_argument("--max-frame-size", type=int, default=None)
     parser.add_argument("--handshake-timeout", type=float, default=5.0)
-    parser.add_argument("--heartbeat-interval", type=float, default=2.0)
-    parser.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    # The library's defaults, so that tests run workers as users do.
+    defaults = asyncrpc.RpcBackendOptions()
+    parser.add_argument("--heartbeat-interval", type=float, default=defaults.heartbeat_interval)
+    parser.add_argument("--heartbeat-timeout", type=float, default=defaults.heartbeat_timeout)
+    parser.add_argument("--silent-link-timeout", type=float, default=defaults.silent_link_timeout)
     parser.add_argument("--listen-host", default="127.0.0.1")
     parser.add_argument("--advertise-host", default=None)
     parser.add_argument("--listen-port", type=int, default=0)

@@ -72,6 +72,16 @@ class FakeClock:
         self.now = end
 
 
+def stall(clock: FakeClock, seconds: float) -> None:
+    """The loop was blocked for ``seconds``: time moves on, then the timers that fell due
+    meanwhile run, late, at the new time."""
+    clock.now += seconds
+    while clock._timers and clock._timers[0][0] <= clock.now:
+        _, _, timer, run_it = heapq.heappop(clock._timers)
+        if not timer.cancelled:
+            run_it()
+
+
 def run(conns: list[FakeConn], seconds: float, chatty: FakeConn | None = None) -> dict:
     """Run a Heartbeat over ``conns`` for ``seconds`` of fake time, in 5 ms steps; a
     ``chatty`` connection receives bytes at every step."""
@@ -80,7 +90,7 @@ def run(conns: list[FakeConn], seconds: float, chatty: FakeConn | None = None) -
     pinged: list[int] = []
     beat = Heartbeat(
         clock, INTERVAL, TIMEOUT, lambda: conns,  # type: ignore[arg-type]
-        lambda c: pinged.append(id(c)), lambda c, s: silent.setdefault(id(c), s),
+        lambda c: pinged.append(id(c)), lambda c, s, why: silent.setdefault(id(c), s),
     )  # fmt: skip
     beat.start()
     for _ in range(round(seconds / 0.005)):
@@ -119,10 +129,128 @@ def test_Heartbeat_interval_zero_is_off() -> None:
     reported: list[object] = []
     beat = Heartbeat(
         clock, 0, TIMEOUT, lambda: [quiet], reported.append,  # type: ignore[arg-type]
-        lambda c, s: reported.append(c),
+        lambda c, s, why: reported.append(c),
     )  # fmt: skip
     beat.start()
     assert clock.pending() == 0  # no tick was ever scheduled
     clock.advance(0.2)
     beat.stop()
     assert reported == []
+
+
+class Prober:
+    """A probe whose answers the test gives: ``answer`` is what each probe says (None:
+    the process answered), after ``delay`` seconds of fake time."""
+
+    def __init__(self, clock: FakeClock, answer: str | None, delay: float = 0.01) -> None:
+        self.clock, self.answer, self.delay = clock, answer, delay
+        self.started: list[float] = []
+
+    def __call__(self, conn: Any, reply: Callable[[str | None], None]) -> bool:
+        self.started.append(self.clock.now)
+        self.clock.call_later(self.delay, reply, self.answer)
+        return True
+
+
+def probed(answer: str | None, seconds: float, limit: float = 1.0) -> dict[str, Any]:
+    clock = FakeClock()
+    quiet = FakeConn()
+    reports: list[tuple[float, float, str]] = []
+    prober = Prober(clock, answer)
+
+    def silent(conn: FakeConn, seconds: float, why: str) -> None:
+        reports.append((clock.now, seconds, why))
+        conn.closed = True  # as the network does: it aborts the connection
+
+    beat = Heartbeat(
+        clock, INTERVAL, TIMEOUT, lambda: [quiet],  # type: ignore[arg-type]
+        lambda c: None, silent,
+        silent_limit=limit, probe=prober,  # type: ignore[arg-type]
+    )  # fmt: skip
+    beat.start()
+    clock.advance(seconds)
+    beat.stop()
+    return {"reports": reports, "probes": prober.started, "beat": beat}
+
+
+def test_Heartbeat_a_silent_peer_whose_process_does_not_answer_is_reported_at_once() -> None:
+    seen = probed("and its process did not answer a probe within 1 s", 0.3)
+    when, silent, why = seen["reports"][0]
+    assert TIMEOUT <= when <= TIMEOUT + TIMEOUT / 4 + 0.011  # one look late, plus the probe
+    assert silent >= TIMEOUT
+    assert why.startswith("no sign of life for")
+    assert "did not answer a probe" in why
+    assert seen["probes"]
+    assert seen["beat"].probes_unanswered == 1
+
+
+def test_Heartbeat_a_silent_peer_whose_process_answers_waits_for_the_silent_limit() -> None:
+    seen = probed(None, 1.5, limit=1.0)
+    assert len(seen["reports"]) == 1
+    when, silent, why = seen["reports"][0]
+    assert when >= 1.0
+    assert silent >= 1.0
+    assert "still answered probes" in why
+    # Probed again while it stays silent, once per TIMEOUT, not at every look.
+    assert 5 <= len(seen["probes"]) <= 10, seen["probes"]
+    assert seen["beat"].probes_unanswered == 0
+
+
+def test_Heartbeat_without_a_probe_silence_alone_decides_at_the_silent_limit() -> None:
+    clock = FakeClock()
+    quiet = FakeConn()
+    reports: list[float] = []
+    beat = Heartbeat(
+        clock, INTERVAL, TIMEOUT, lambda: [quiet],  # type: ignore[arg-type]
+        lambda c: None, lambda c, s, why: reports.append(clock.now), silent_limit=0.5,
+    )  # fmt: skip
+    beat.start()
+    clock.advance(1.0)
+    beat.stop()
+    assert reports
+    assert 0.5 <= reports[0] < 0.6
+
+
+def test_Heartbeat_a_probe_answered_after_the_peer_spoke_is_ignored() -> None:
+    clock = FakeClock()
+    conn = FakeConn()
+    reports: list[str] = []
+    prober = Prober(clock, "and its process did not answer", delay=0.05)
+    beat = Heartbeat(
+        clock, INTERVAL, TIMEOUT, lambda: [conn],  # type: ignore[arg-type]
+        lambda c: None, lambda c, s, why: reports.append(why), silent_limit=1.0,
+        probe=prober,  # type: ignore[arg-type]
+    )  # fmt: skip
+    beat.start()
+    while not prober.started:
+        clock.advance(0.005)
+    conn.bytes_in += 1  # it spoke while its probe ran
+    clock.advance(0.06)
+    assert reports == []
+    beat.stop()
+
+
+def test_Heartbeat_a_late_tick_judges_nobody() -> None:
+    # This worker's own loop was blocked for 2 s: the peer's bytes are unread, so the
+    # silence the late tick would measure is ours. Nobody is reported or probed for it.
+    clock = FakeClock()
+    conn = FakeConn()
+    reports: list[str] = []
+    prober = Prober(clock, "and its process did not answer")
+    beat = Heartbeat(
+        clock, 0.2, 1.0, lambda: [conn],  # type: ignore[arg-type]
+        lambda c: None, lambda c, s, why: reports.append(why), silent_limit=1.5,
+        probe=prober,  # type: ignore[arg-type]
+    )  # fmt: skip
+    beat.start()
+    clock.advance(0.25)  # one tick on time: it saw the connection's bytes
+    stall(clock, 2.0)  # blocked: the tick due meanwhile runs late
+    assert reports == []
+    assert prober.started == []
+    clock.advance(0.5)  # on time again: still within its limit
+    assert reports == []
+    assert prober.started == []
+    clock.advance(0.6)  # 1.1 s of silence since the late tick: now it is probed
+    assert prober.started
+    assert reports
+    beat.stop()

@@ -556,3 +556,34 @@ def remote_to_self_here(value: Any) -> tuple[bool, int, Any]:
     rref = asyncrpc.remote(asyncrpc.get_worker_info().name, make_lock_holder, args=(value,))
     held = rref.to_here()
     return held is rref.local_value(), held.made_in, held.value
+
+
+# -- liveness and losses (scenarios.faults: hang_defaults) ---------------------------------
+@inline
+def busy_inline(seconds: float) -> float:
+    """Hold the callee's event loop for ``seconds`` in pure Python (a user's long
+    ``@inline`` function): its loop answers nothing meanwhile, its process lives."""
+    end = time.monotonic() + seconds
+    spins = 0
+    while time.monotonic() < end:
+        spins += 1
+    return seconds
+
+
+_caller_losses: list[list[Any]] = []
+
+
+def watch_my_caller() -> bool:
+    """Remember this caller's end (asyncrpc.on_caller_lost), as a server keeping state
+    for it would."""
+    asyncrpc.on_caller_lost(lambda e: _caller_losses.append([e.worker, e.evidence]))
+    return True
+
+
+def caller_losses() -> list[list[Any]]:
+    return list(_caller_losses)
+
+
+def register_with(name: str) -> bool:
+    """Call ``name``'s ``watch_my_caller``: ``name`` then watches this worker."""
+    return bool(asyncrpc.rpc_sync(name, watch_my_caller))

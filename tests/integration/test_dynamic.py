@@ -90,6 +90,7 @@ def test_dynamic_members_that_joined_early_and_late_call_each_other_and_share_rr
 def test_dynamic_member_leaves_alone_and_a_newcomer_joins_after_it() -> None:
     with _group() as (init, procs):
         a = _join(init, procs, "a", 0)
+        a.value("watch")  # membership events on a, from now on
         b = _join(init, procs, "b", 1)
         assert a.value("call b") == "b"
         started = time.monotonic()
@@ -105,6 +106,10 @@ def test_dynamic_member_leaves_alone_and_a_newcomer_joins_after_it() -> None:
         assert d.value("call a") == "a"
         assert a.value("call d") == "d"
         assert a.value("infos") == ["a", "d"]
+        # a met b (joined), b shut down (left, said goodbye), then d joined and called a.
+        assert a.value("events 3") == [
+            ["joined", "b", ""], ["left", "b", "goodbye"], ["joined", "d", ""],
+        ]  # fmt: skip
         results = _shutdown_all([d, a])
         assert [code for code, _ in results] == [0, 0], results
 

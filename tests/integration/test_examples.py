@@ -152,3 +152,29 @@ def test_actor_learner_fails_at_once_when_an_actor_dies(tmp_path: Path) -> None:
     assert proc.returncode == 1, text
     assert "PeerLostError" in text
     assert "deadline" not in text
+
+
+def test_parameter_server_drops_a_lost_trainer_and_goes_on(tmp_path: Path) -> None:
+    out = tmp_path / "drop.json"
+    proc = _run("examples.failures.drop_trainer", "--trainers", "3", "--steps", "10",
+                "--die-after", "3", "--json", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    # Every step applied: three trainers until the last one died, two after it.
+    assert result["trainers_per_step"] == [3, 3, 3] + [2] * 7, result
+    assert result["dropped"] == [["trainer3", "redial_refused"]]
+    assert result["losses"][-1] < result["losses"][0]
+
+
+def test_trainer_fails_over_to_the_standby_with_the_weights_of_one_process(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "failover.json"
+    proc = _run("examples.failures.failover", "--steps", "10", "--hang-at", "4",
+                "--json", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["server"] == "standby"
+    assert result["failed_calls"] == 1  # the update the primary froze in, sent again
+    assert result["matches_one_process"] is True  # applied once on the standby
+    assert result["found_after_s"] < 10.0  # the heartbeat and the probe, not a timeout

@@ -9,8 +9,9 @@ who calls whom, so members that joined earlier and later meet in every order.
 Commands: ``call NAME`` (``rpc_sync`` from this thread), ``acall NAME`` (``await call`` on
 the agent's loop), ``remote NAME`` (an RRef owned by NAME, held here), ``pass NAME I``
 (NAME fetches held RRef I through its own fork), ``fetch I`` (``to_here`` of held RRef I),
-``drop I`` (let held RRef I go), ``infos``, ``shutdown``, and ``leave`` (``shutdown`` that
-first prints ``LEAVING`` once the shutdown has begun).
+``drop I`` (let held RRef I go), ``infos``, ``watch`` (collect ``asyncrpc.membership()``
+from now on), ``events N`` (the events collected, once N have come), ``shutdown``, and
+``leave`` (``shutdown`` that first prints ``LEAVING`` once the shutdown has begun).
 """
 
 from __future__ import annotations
@@ -82,7 +83,31 @@ def _announce_leaving() -> None:
     threading.Thread(target=announce, daemon=True).start()
 
 
+_events: list[list[str]] = []
+
+
+def _watch() -> None:
+    """Collect ``asyncrpc.membership()`` on an event loop of the program's own (a thread)."""
+    events = asyncrpc.membership()  # from now on
+
+    async def collect() -> None:
+        async for event in events:
+            _events.append([event.kind, event.worker.name, event.evidence])
+
+    threading.Thread(target=asyncio.run, args=(collect(),), daemon=True).start()
+
+
+def _events_seen(count: str) -> list[list[str]]:
+    """The events collected, once there are ``count`` of them (or after 10 s)."""
+    deadline = time.monotonic() + 10.0
+    while len(_events) < int(count) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return list(_events)
+
+
 COMMANDS: dict[str, Callable[..., Any]] = {
+    "watch": _watch,
+    "events": _events_seen,
     "call": lambda name: asyncrpc.rpc_sync(name, fns.whoami, timeout=30.0),
     "acall": _on_loop,
     "remote": _remote,

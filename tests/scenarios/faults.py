@@ -4,6 +4,7 @@ hung by SIGSTOP, and faults injected by a proxy in front of each worker."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import sys
 import threading
@@ -219,6 +220,9 @@ def faults(args: argparse.Namespace) -> int:
     proxies = {f"f{i + 1}": FaultProxy(target, port) for i, (target, port) in enumerate(pairs)}
     opts = options(args)
     opts.heartbeat_interval, opts.heartbeat_timeout = 0.2, 1.0
+    # A black-holed link to a live worker: its process answers the probe (on its lane
+    # listener, not behind the proxy), so only this limit declares it lost.
+    opts.silent_link_timeout = 2.0
     opts.unix_sockets = False  # through the proxies, which sit on TCP
     asyncrpc.init_rpc("driver", rank=0, world_size=5, rpc_backend_options=opts)
     ledger, obs = _Ledger(), Observations()
@@ -262,5 +266,77 @@ def faults(args: argparse.Namespace) -> int:
     asyncrpc.shutdown(graceful=False)
     for proxy in proxies.values():
         proxy.close()
+    report(obs)
+    return 0
+
+
+# -- scenario: a peer hangs (SIGSTOP) under the default heartbeat ----------------------------
+
+
+@scenario("hang_defaults")
+def hang_defaults(args: argparse.Namespace) -> int:
+    """Rank 0 of {driver, w1, w2, w3}, every worker with the default heartbeat options.
+
+    w1 owns an RRef the driver holds and has called w2 (which watches it with
+    ``on_caller_lost``); w3's event loop is held by a 4 s ``@inline`` function. Prints
+    ``STARTED`` once a call with no timeout runs on w1, reads one line (the test writes
+    ``STOPPED`` right after it SIGSTOPs w1), then observes how w1's loss is found and told,
+    and that w3, blocked but alive, is not lost.
+    """
+    asyncrpc.init_rpc("driver", rank=0, world_size=4, rpc_backend_options=options(args))
+    obs: Observations = {}
+    events: list[list[Any]] = []
+    watching = asyncrpc.membership()
+
+    async def collect() -> None:
+        async for event in watching:
+            events.append([event.kind, event.worker.name, event.evidence, time.monotonic()])
+
+    threading.Thread(target=asyncio.run, args=(collect(),), daemon=True).start()
+    losses: list[tuple[str, str, float]] = []
+    asyncrpc.on_peer_lost(lambda e: losses.append((e.worker, e.evidence, time.monotonic())))
+    rref = asyncrpc.remote("w1", fns.add, args=(1, 2))
+    obs["rref_value"] = rref.to_here()
+    owner_lost: list[tuple[str, float]] = []
+    rref.on_owner_lost(lambda e: owner_lost.append((e.evidence, time.monotonic())))
+    obs["w1_registered"] = asyncrpc.rpc_sync("w1", fns.register_with, args=("w2",))
+    stuck = asyncrpc.rpc_async("w1", fns.sleep, args=(60.0,), timeout=0)
+    failed_at: list[float] = []
+    stuck.add_done_callback(lambda _: failed_at.append(time.monotonic()))
+    obs["running_on_w1"] = poll(
+        lambda: asyncrpc.rpc_sync("w1", fns.metrics)["running_requests"] >= 1, 5.0
+    )
+    blocked = asyncrpc.rpc_async("w3", fns.busy_inline, args=(4.0,), timeout=0)
+    print("STARTED", flush=True)
+    obs["stdin"] = sys.stdin.readline().strip()
+    stopped_at = time.monotonic()
+    obs["pending"] = attempt(lambda: stuck.wait(30.0))
+    obs["detected_after"] = time.monotonic() - stopped_at
+    obs["pending_evidence"] = getattr(stuck.exception(), "evidence", None)
+    obs["blocked_w3"] = attempt(lambda: blocked.wait(30.0))
+    poll(lambda: bool(owner_lost) and bool(losses) and len(events) >= 1 and bool(failed_at), 5.0)
+    obs["owner_lost"] = [evidence for evidence, _ in owner_lost]
+    obs["losses"] = [[worker, evidence] for worker, evidence, _ in losses]
+    obs["events"] = [event[:3] for event in events]
+    if losses and failed_at and owner_lost and events:
+        # After the pending call failed (the declaration), each told within:
+        obs["told_after_s"] = {
+            "on_peer_lost": losses[0][2] - failed_at[0],
+            "on_owner_lost": owner_lost[0][1] - failed_at[0],
+            "membership": events[0][3] - failed_at[0],
+        }
+    obs["w2_caller_losses"] = None
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:  # w2 finds w1 gone by its own heartbeat
+        seen = asyncrpc.rpc_sync("w2", fns.caller_losses)
+        if seen:
+            obs["w2_caller_losses"] = seen
+            break
+        time.sleep(0.05)
+    debug = asyncrpc.get_debug_info()
+    obs["lost_peers"] = debug["lost_peers"]
+    obs["liveness_probes"] = debug["liveness_probes"]
+    obs["probes_unanswered"] = debug["probes_unanswered"]
+    obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(timeout=10.0))
     report(obs)
     return 0

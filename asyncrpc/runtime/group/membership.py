@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from asyncrpc.errors import BadDestinationError, PeerUnavailableError, UnknownWorkerError
 from asyncrpc.protocol.address import PeerAddress
@@ -32,6 +33,8 @@ class Directory:
         self.addresses = addresses  # the group's own dict: entries are only ever added
         self.ranks_by_name = {a.name: r for r, a in addresses.items()}
         self._group = group
+        # Told of each member of a dynamic group met after joining (membership events).
+        self.on_joined: Callable[[WorkerInfo], None] | None = None
 
     @property
     def dynamic(self) -> bool:
@@ -53,8 +56,11 @@ class Directory:
     def learn(self, address: PeerAddress) -> None:
         # Callers on any thread: the address goes in first, so whoever finds the name
         # finds its address too (each dict assignment is atomic).
+        new = address.rank not in self.addresses
         self.addresses[address.rank] = address
         self.ranks_by_name[address.name] = address.rank
+        if new and self.on_joined is not None and self.dynamic:
+            self.on_joined(WorkerInfo(address.name, address.rank))
 
     def lookup(self, who: str | int) -> int | None:
         """The rank of ``who``, read in the store if not known yet (blocking); None if no

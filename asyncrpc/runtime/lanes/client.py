@@ -47,7 +47,7 @@ from asyncrpc.protocol.wire.messages import ACK_WANTED, Ack, Cancel, Kind, optio
 from asyncrpc.runtime.calls.outbox import EncodedRequest, Observed
 from asyncrpc.runtime.calls.pipeline import Pipeline
 from asyncrpc.runtime.lanes.frames import BlockingFrames, Unsent
-from asyncrpc.runtime.lanes.handshake import HANDSHAKE_ERRORS, dial_lane
+from asyncrpc.runtime.lanes.handshake import HANDSHAKE_ERRORS, dial_lane, lane_target
 from asyncrpc.runtime.net.peers import closed_by_peer, without_goodbye
 from asyncrpc.runtime.threads.blocking import blocking
 
@@ -237,11 +237,7 @@ class CallerLanes:
         return lane
 
     def _target(self, address: PeerAddress) -> str | tuple[str, int] | None:
-        if address.lane_path and self._host_id and address.host_id == self._host_id:
-            return address.lane_path
-        if address.lane_port:
-            return (address.host, address.lane_port)
-        return None
+        return lane_target(address, self._host_id)
 
     def call(self, lane: Lane, encoded: EncodedRequest) -> Any:
         """Run one call on ``lane`` (see ``Lane.call``), its errors as the loop's path

@@ -21,7 +21,7 @@ from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import Refusal, decode_message
 from asyncrpc.runtime.lanes.frames import BlockingFrames, lane_allocate
 
-__all__ = ["HANDSHAKE_ERRORS", "LaneRoster", "Opened", "accept_lane", "dial_lane"]
+__all__ = ["HANDSHAKE_ERRORS", "LaneRoster", "Opened", "accept_lane", "dial_lane", "lane_target"]
 
 
 class LaneRoster:
@@ -59,6 +59,16 @@ class Opened:
     rank: int
     name: str
     peer_max_frame: int
+
+
+def lane_target(address: PeerAddress, host_id: str | None) -> str | tuple[str, int] | None:
+    """Where the worker at ``address`` takes lanes: its Unix socket when it is on this host
+    (``host_id``), else its TCP port; None when it takes none (``sync_lanes=0``, TLS)."""
+    if address.lane_path and host_id and address.host_id == host_id:
+        return address.lane_path
+    if address.lane_port:
+        return (address.host, address.lane_port)
+    return None
 
 
 def dial_lane(

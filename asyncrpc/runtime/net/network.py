@@ -150,6 +150,7 @@ class Network:
         self.heartbeat = Heartbeat(
             loop, options.heartbeat_interval, options.heartbeat_timeout,
             lambda: self.connections, self.links.ping, self._silent, self.links.ask_acks,
+            silent_limit=options.silent_link_timeout,
         )  # fmt: skip
 
     def start(self) -> None:
@@ -206,17 +207,16 @@ class Network:
         self._auth_log.warning("worker %r refused a connection: %s", self.members.name, error)
         conn.abort(error)
 
-    def _silent(self, conn: Watched, seconds: float) -> None:
+    def _silent(self, conn: Watched, seconds: float, reason: str) -> None:
         assert isinstance(conn, Connection)
         self.counters.silent_connections += 1
-        reason = f"no sign of life for {seconds:.1f} s"
         if conn.mid_frame:
             self.counters.stalled_frames += 1
             reason += " (in the middle of a frame)"
         if conn.peer is not None:
             # Evidence that the peer is gone, not only this connection: declared lost.
             name = self.addresses[conn.peer].name
-            self.peers.declare_lost(conn.peer, PeerLostError(name, reason))
+            self.peers.declare_lost(conn.peer, PeerLostError(name, reason, "silence"))
         conn.abort(ConnectionLostError(reason))
 
     # -- receiving (asyncrpc.runtime.net.transport.ConnectionHandler) ----------------------
@@ -457,5 +457,8 @@ class Network:
             "bytes_out": sum(c.bytes_out for c in conns),
             "open_connections": len(live),
             "open_unix_connections": sum(1 for c in live if c.is_unix),
+            # silent peers whose process was probed, and probes whose silence lost a peer
+            "liveness_probes": self.heartbeat.probes,
+            "probes_unanswered": self.heartbeat.probes_unanswered,
             **self.shm.stats(),
         }

@@ -213,7 +213,9 @@ class PeerTable:
                 if peer.conn is not None and not peer.conn.closed:
                     return  # adopted meanwhile, dialled by the peer
                 if refused > len(REFUSED_RETRY_DELAYS):
-                    self.declare_lost(rank, PeerLostError(name, _refused(peer, refused, error)))
+                    self.declare_lost(
+                        rank, PeerLostError(name, _refused(peer, refused, error), "redial_refused")
+                    )
                     return
                 if isinstance(error, ConnectionRefusedError):
                     delay: float | None = REFUSED_RETRY_DELAYS[refused - 1]
@@ -403,7 +405,7 @@ class PeerTable:
         if peer.conn is conn:
             peer.conn = None
         if conn.goodbye:
-            self.declare_lost(rank, PeerLostError(peer.address.name, GOODBYE_REASON))
+            self.declare_lost(rank, PeerLostError(peer.address.name, GOODBYE_REASON, "goodbye"))
         elif closed_by_peer(exc) and peer.conn is None:
             peer.vanished = str(exc or "EOF")
         return rank
