@@ -15,7 +15,7 @@ from typing import Any
 
 from asyncrpc.api import get_debug_info
 from asyncrpc.errors import NotInitializedError
-from asyncrpc.observe.figures import CALL_FIGURES
+from asyncrpc.observe.figures import CALL_FIGURES, count_from_start
 
 __all__ = ["MetricsServer", "collector", "serve"]
 
@@ -28,8 +28,8 @@ def _snapshot() -> Mapping[str, Any] | None:
 
 
 def _count_calls() -> None:
-    # No worker yet: counted from the worker the first scrape finds (see ``collector``).
-    with contextlib.suppress(NotInitializedError):
+    count_from_start()  # a worker started later counts from its start
+    with contextlib.suppress(NotInitializedError):  # the one running counts from now
         CALL_FIGURES.get().start()
 
 
@@ -38,7 +38,7 @@ def collector() -> Any:
 
     It reads the worker that runs when it is scraped (none: no samples), and starts the
     per-call figures (``asyncrpc_calls_started_total``, ``asyncrpc_call_latency_seconds``
-    ...) of the worker it finds.
+    ...): of the running worker from now, of a worker started later from its start.
 
     Returns:
         A ``prometheus_client.registry.Collector``.
@@ -49,12 +49,8 @@ def collector() -> Any:
     """
     from asyncrpc.metrics.prometheus import WorkerCollector
 
-    def snapshot() -> Mapping[str, Any] | None:
-        _count_calls()
-        return _snapshot()
-
     _count_calls()
-    return WorkerCollector(snapshot)
+    return WorkerCollector(_snapshot)
 
 
 class MetricsServer:

@@ -21,7 +21,18 @@ from asyncrpc.runtime.calls.pipeline import CallHook, OutgoingCall
 from asyncrpc.runtime.current import FeatureSlot
 from asyncrpc.runtime.feature import Feature
 
-__all__ = ["CALL_FIGURES", "LATENCY_BUCKETS", "CallFigures", "FiguresHook"]
+__all__ = ["CALL_FIGURES", "LATENCY_BUCKETS", "CallFigures", "FiguresHook", "count_from_start"]
+
+# Whether workers this process starts count from their start: a metrics endpoint is the
+# process's, and is often served before init_rpc (one flag, set once, never cleared).
+_from_start = False
+
+
+def count_from_start() -> None:
+    """Workers started from now on in this process count their calls from the start."""
+    global _from_start
+    _from_start = True
+
 
 # Upper bounds of the latency histogram, in seconds (Prometheus' ``le``; +Inf is implied).
 # From 50 µs, a loopback call on a fast machine, to 30 s, past torch's default timeout's
@@ -108,6 +119,7 @@ class CallFigures(Feature):
 
     def __init__(self) -> None:
         self.hook = FiguresHook()
+        self.hook.on = _from_start
 
     def hooks(self) -> Sequence[CallHook]:
         return (self.hook,)
