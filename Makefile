@@ -6,10 +6,12 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install test test-fast test-long examples-torch test-gpu lint docs bench bench-cuda bench-full example check clean conformance conformance-ci chaos soak fuzz size
 
+# The optional extras (otel, prometheus) go in too: `make test` tests with them, and
+# tests/integration/test_observe_absent.py runs workers with them hidden.
 $(STAMP): pyproject.toml .ci/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c .ci/constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q -c .ci/constraints.txt -e '.[dev,otel,prometheus]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -25,6 +25,7 @@ from asyncrpc.errors import (
     PeerLostError,
 )
 from asyncrpc.functions import not_scriptable
+from asyncrpc.observe.features import features as observing_features
 from asyncrpc.profiling.feature import Profiling
 from asyncrpc.protocol.options import (
     UNSET_RPC_TIMEOUT,
@@ -194,7 +195,11 @@ def _forks(group: Group, options: RpcBackendOptions, loop: Loop, frames: Frames)
 def _features(ports: Ports, forks: Forks) -> list[Feature]:
     # The features of the floors above the runtime, once the agent's calls exist (profiling
     # before autograd: its span covers the other hooks' work).
-    return [RRefs(forks, ports.calls, ports.loop), Profiling(ports), DistAutograd(ports)]
+    # Then the observers (asyncrpc/observe/), idle until asked: their hooks see the others'.
+    return [
+        RRefs(forks, ports.calls, ports.loop), Profiling(ports), DistAutograd(ports),
+        *observing_features(),
+    ]  # fmt: skip
 
 
 async def _start(name: str, rank: int, world_size: int | None, options: RpcBackendOptions) -> Agent:

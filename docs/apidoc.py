@@ -34,6 +34,7 @@ MODULES = [
     "asyncrpc.nn",
     "asyncrpc.streaming",
     "asyncrpc.profiling",
+    "asyncrpc.metrics",
     "asyncrpc.testing",
     "asyncrpc.errors",
 ]

@@ -44,11 +44,12 @@ FLOORS: list[tuple[float, tuple[str, ...]]] = [
     # Lanes: calling threads' own connections; their server hands requests to the dispatcher.
     (2.46, ("asyncrpc.runtime.lanes",)),
     (2.5, ("asyncrpc.runtime.agent", "asyncrpc.runtime.current")),
-    (3, ("asyncrpc.rref", "asyncrpc.profiling", "asyncrpc.autograd")),
+    (3, ("asyncrpc.rref", "asyncrpc.profiling", "asyncrpc.autograd", "asyncrpc.observe")),
     (
         4,
         (
             "asyncrpc.api",
+            "asyncrpc.metrics",
             "asyncrpc.streaming",
             "asyncrpc.optim",
             "asyncrpc.nn",

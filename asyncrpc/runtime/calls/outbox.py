@@ -196,6 +196,8 @@ class Outbox:
                     forks = [*forks, (rref_id, fork_id)] if forks else [(rref_id, fork_id)]
             request = Request(call_id, timeout, mode, target, rref_id, fork_id, headers)
             pieces = encode_frame(request.to_fields(), payload, segments)
+            if call is not None:
+                call.nbytes = frame_nbytes(pieces)  # for the hooks' ``completed``
         except BaseException:
             self._unlend(keep)  # no frame: no peer will give its shared chunks back
             if forks:

@@ -154,7 +154,7 @@ class OutgoingCall(_Call):
 
     __slots__ = (
         "args", "call_id", "callee", "callee_rank", "caller", "fn", "headers", "kind",
-        "kwargs", "on_value", "result", "target",
+        "kwargs", "nbytes", "on_value", "result", "target",
     )  # fmt: skip
 
     def __init__(
@@ -173,6 +173,7 @@ class OutgoingCall(_Call):
         self.call_id = 0
         self.headers: dict[str, Any] = {}
         self.result: Any = None  # the reply's value, once it came
+        self.nbytes = 0  # the request frame's size, once it is framed (after ``outgoing``)
         # Set by a hook in ``completed``: called on each thread that reads the value, just
         # before it gets it (CUDA: that thread's streams wait for the reply's copies).
         self.on_value: Callable[[], None] | None = None
