@@ -32,8 +32,8 @@ from asyncrpc.rref.values import (
     owner_value,
     type_of,
 )
-from asyncrpc.runtime.calls.dispatch import await_async_result
 from asyncrpc.runtime.calls.pipeline import CallKind
+from asyncrpc.runtime.calls.served import await_async_result
 from asyncrpc.runtime.calls.streams.hub import StreamHub
 from asyncrpc.runtime.current import FeatureSlot
 from asyncrpc.runtime.futures import Future, chain

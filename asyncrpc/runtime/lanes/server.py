@@ -50,12 +50,9 @@ from asyncrpc.protocol.wire.messages import (
 )
 from asyncrpc.runtime.calls.builtins import checked_op, is_torch_c_function
 from asyncrpc.runtime.calls.deadline import deadline_after, running_until
-from asyncrpc.runtime.calls.dispatch import (
-    Dispatcher,
-    missing_reference_error,
-    print_request_error,
-)
+from asyncrpc.runtime.calls.dispatch import Dispatcher
 from asyncrpc.runtime.calls.pipeline import IncomingCall, Pipeline
+from asyncrpc.runtime.calls.served import missing_reference_error, print_request_error
 from asyncrpc.runtime.lanes.frames import BlockingFrames, Unsent
 from asyncrpc.runtime.lanes.handshake import HANDSHAKE_ERRORS, LaneRoster, accept_lane
 
