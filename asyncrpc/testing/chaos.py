@@ -270,13 +270,16 @@ def _drive(
     return {"seed": args.seed, "workers": args.workers, "load_s": round(load_s, 1),
             "faults": scheduler.counts, **audit(ledgers),
             "stuck_lanes": sum(d["stuck_lanes"] for d in done),
+            "false_losses": sum(d["false_losses"] for d in done),
+            "liveness_probes": sum(d["liveness_probes"] for d in done),
             "workers_state": checked, "exit_codes": codes}  # fmt: skip
 
 
 def _verdict(report: dict[str, Any]) -> list[str]:
     """What failed, in words; empty when every figure holds."""
     bad = [f"{k} {report[k]}" for k in ("lost", "duplicated", "wrong", "untyped", "hung",
-                                         "phantom", "stuck_lanes") if report[k]]  # fmt: skip
+                                         "phantom", "stuck_lanes", "false_losses")
+           if report[k]]  # fmt: skip
     for rank, state in enumerate(report["workers_state"]):
         base, end = state["baseline"], state["end"]
         if not state["rrefs_zero"]:
@@ -311,7 +314,8 @@ def _print(report: dict[str, Any]) -> None:
     print(f"  operations {report['ops']}: {report['outcomes']}")
     print(
         "  lost {lost}, duplicated {duplicated}, wrong {wrong}, untyped {untyped}, "
-        "hung {hung}, phantom {phantom}, stuck lanes {stuck_lanes}".format(**report)
+        "hung {hung}, phantom {phantom}, stuck lanes {stuck_lanes}, "
+        "false losses {false_losses} (liveness probes {liveness_probes})".format(**report)
     )
     for rank, state in enumerate(report["workers_state"]):
         base, end = state["baseline"], state["end"]

@@ -378,7 +378,13 @@ def run(args: argparse.Namespace) -> int:
     load.stop.set()
     for lane in lanes:
         lane.join(CALL_TIMEOUT + 2 * GRACE)
-    _say("DONE", {"stuck_lanes": sum(lane.is_alive() for lane in lanes)})
+    # No worker of the soak dies, so a peer this one declared lost is a false loss (a
+    # SIGSTOP is shorter than the heartbeat's limit, a black hole shorter than the
+    # silent-link limit).
+    debug = asyncrpc.get_debug_info()
+    _say("DONE", {"stuck_lanes": sum(lane.is_alive() for lane in lanes),
+                  "false_losses": len(debug["lost_peers"]),
+                  "liveness_probes": debug["liveness_probes"]})  # fmt: skip
     if not _expect("RELEASE"):
         return 2
     load.trainer.drop()
