@@ -338,6 +338,8 @@ async def test_stream_rref_proxy_iterates_a_generator_method(group: Group) -> No
     async with asyncio.timeout(30):
         items = [x async for x in rref.stream(window=2).aup(6)]
     assert items == list(range(100, 106))
+    # A byte window of one byte: every item goes alone, and the stream still finishes.
+    assert list(rref.stream(window_bytes=1).up(3)) == [100, 101, 102]
 
 
 def test_stream_of_tensors_intact_and_through_shared_memory(group: Group) -> None:
