@@ -39,7 +39,9 @@ def stream(to: Any, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Str
 
     An ``async def`` generator runs on the callee's loop, a plain one on its thread pool.
     Items arrive in order, exactly once; tensors in them travel like call arguments. The
-    producer runs at most ``RpcBackendOptions.stream_window`` items ahead of the consumer.
+    producer runs at most ``RpcBackendOptions.stream_window`` items ahead of the consumer,
+    and makes its next item only while those hold fewer than
+    ``RpcBackendOptions.stream_window_bytes`` bytes.
     Each wait for an item is bounded by the default ``rpc_timeout``. Leaving the iteration
     early (``break``, ``close()``, leaving ``async with``), cancelling the consuming task or
     a timeout stops the producer: its generator is closed on the callee, running its
@@ -80,6 +82,7 @@ def rpc_stream(
     timeout: float = UNSET_RPC_TIMEOUT,
     window: int | None = None,
     total_timeout: float = 0.0,
+    window_bytes: int | None = None,
 ) -> Stream[Any]:
     """``stream`` with torch-style arguments.
 
@@ -97,13 +100,19 @@ def rpc_stream(
             consumer gets ``RpcTimeoutError`` after the items received before. Inside a
             function served for a peer, a stream ends no later than that request's
             deadline, as calls do (``inherit_deadlines``).
+        window_bytes: bytes the producer may run ahead: it makes its next item only while
+            the items not yet consumed hold fewer bytes (payload and tensor segments), and
+            an item larger than this still goes, alone (default:
+            ``RpcBackendOptions.stream_window_bytes``; 0: count items only).
 
     Returns:
         The ``Stream``.
 
     Raises:
-        ValueError: ``window`` is not a positive int. Else as ``stream``.
+        ValueError: ``window`` is not a positive int, or ``window_bytes`` not an int >= 0.
+            Else as ``stream``.
     """
     return _STREAMS.get().open(
-        to, fn, tuple(args or ()), dict(kwargs or {}), timeout, window, total_timeout=total_timeout
-    )
+        to, fn, tuple(args or ()), dict(kwargs or {}), timeout, window,
+        total_timeout=total_timeout, window_bytes=window_bytes,
+    )  # fmt: skip

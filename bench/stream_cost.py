@@ -13,7 +13,9 @@ Each round starts a fresh pair of workers on 127.0.0.1 (this process, on uvloop 
 - a stalled consumer: a stream of fresh 1 MiB tensors with a window of 8 whose consumer
   takes one item and then waits 1 s: how many items the producer made, the shared memory
   it lent for them (items to a peer on this host travel through it, so that is where they
-  wait), and how much the consumer's resident memory grew.
+  wait), and how much the consumer's resident memory grew;
+- the same with fresh 16 MiB tensors, the default item window (128) and a byte window of
+  64 MiB: the bytes stop the producer at 4 items, where the items alone would allow 2 GiB.
 
 Medians over rounds. With ``--grpc-python`` (a Python with grpcio installed), the same
 small-item and 1 MiB rates of gRPC's server streaming and unary calls (``grpc.aio``, bytes
@@ -41,6 +43,7 @@ from asyncrpc.testing import free_port, spawn_worker, stop_workers
 
 MIB_FLOATS = 1 << 18
 STALL_WINDOW = 8
+STALL_ITEM_MIB, STALL_WINDOW_MIB = 16, 64  # the byte-window row: 4 items of 16 MiB
 
 
 def _rss_mib() -> float:
@@ -91,19 +94,21 @@ async def _tensors(n: int) -> dict[str, float]:
     return {"echo_mb_per_s": echo, "stream_mb_per_s": stream}
 
 
-async def _stalled() -> dict[str, float]:
+async def _stalled(
+    key: str, floats: int, window: int | None = None, window_bytes: int | None = None
+) -> dict[str, float]:
     before = _rss_mib()
-    tag = "stall"
     stream = asyncrpc.rpc_stream(
-        "server", fns.stream_fresh_tensors, args=(tag, MIB_FLOATS), window=STALL_WINDOW
-    )
+        "server", fns.stream_fresh_tensors, args=(key, floats), window=window,
+        window_bytes=window_bytes,
+    )  # fmt: skip
     first = await anext(stream)
     await asyncio.sleep(1.0)  # the consumer stalls; the producer should stop at the window
-    made, lent = await asyncrpc.call("server", fns.stream_progress, tag)
+    made, lent = await asyncrpc.call("server", fns.stream_progress, key)
     grown = _rss_mib() - before
     await stream.aclose()
     del first
-    return {"stall_made": made, "stall_lent_mib": lent / (1 << 20), "stall_rss_mib": grown}
+    return {f"{key}_made": made, f"{key}_lent_mib": lent / (1 << 20), f"{key}_rss_mib": grown}
 
 
 async def _client(init: str, args: argparse.Namespace) -> dict[str, float]:
@@ -111,7 +116,12 @@ async def _client(init: str, args: argparse.Namespace) -> dict[str, float]:
     async with asyncrpc.worker("client", rank=0, world_size=2, rpc_backend_options=options):
         out = await _small(args.items, args.calls)
         out.update(await _tensors(args.tensors))
-        out.update(await _stalled())
+        out.update(await _stalled("stall", MIB_FLOATS, window=STALL_WINDOW))
+        out.update(
+            await _stalled(
+                "bytes", STALL_ITEM_MIB * MIB_FLOATS, window_bytes=STALL_WINDOW_MIB << 20
+            )
+        )
     return out
 
 
@@ -158,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         f"  stalled consumer, window {STALL_WINDOW}: producer made {med('stall_made'):.0f} "
         f"items of 1 MiB; shared memory lent by it {med('stall_lent_mib'):.0f} MiB; "
         f"consumer RSS +{med('stall_rss_mib'):.0f} MiB"
+    )
+    print(
+        f"  stalled consumer, {STALL_WINDOW_MIB} MiB byte window: producer made "
+        f"{med('bytes_made'):.0f} items of {STALL_ITEM_MIB} MiB; shared memory lent by it "
+        f"{med('bytes_lent_mib'):.0f} MiB; consumer RSS +{med('bytes_rss_mib'):.0f} MiB"
     )
     print(f"  rounds: {json.dumps(runs)}")
     if args.grpc_python:

@@ -174,6 +174,11 @@ class RpcBackendOptions:
             for a function that starts work meant to outlive its caller.
         stream_window: the default flow-control window of streams (``asyncrpc.stream``):
             a producer runs at most this many items ahead of its consumer.
+        stream_window_bytes: the default byte window of streams, beside ``stream_window``:
+            a producer makes its next item only while the items its consumer has not yet
+            taken hold fewer bytes than this (payload and tensor segments), so at most this
+            much plus one item is in flight, and an item larger than the window still
+            goes, alone. 0 counts items only.
         sync_lanes: lanes this worker serves at once (0 turns lanes off, on both sides).
             A lane is a connection a calling thread opens to a peer at its second
             ``rpc_sync`` there and then uses alone, in blocking I/O: its calls skip the
@@ -216,6 +221,7 @@ class RpcBackendOptions:
     print_errors: bool = True
     inherit_deadlines: bool = True
     stream_window: int = 128
+    stream_window_bytes: int = 64 << 20
     sync_lanes: int = 64
     _extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -239,8 +245,7 @@ class RpcBackendOptions:
         tls = (self.tls_cert, self.tls_key, self.tls_ca)
         if any(p is not None for p in tls) and not all(p is not None for p in tls):
             raise InitError("TLS needs all of tls_cert, tls_key and tls_ca")
-        if type(self.stream_window) is not int or self.stream_window < 1:
-            raise InitError(f"stream_window must be an int >= 1, got {self.stream_window!r}")
+        _check_streams(self.stream_window, self.stream_window_bytes)
         if type(self.sync_lanes) is not int or self.sync_lanes < 0:
             raise InitError(f"sync_lanes must be an int >= 0, got {self.sync_lanes!r}")
         if self.num_worker_threads < 1:
@@ -289,6 +294,13 @@ class RpcBackendOptions:
                 set before.
         """
         self.devices = [_device_key(d) for d in devices]
+
+
+def _check_streams(window: object, window_bytes: object) -> None:
+    if type(window) is not int or window < 1:
+        raise InitError(f"stream_window must be an int >= 1, got {window!r}")
+    if type(window_bytes) is not int or window_bytes < 0:
+        raise InitError(f"stream_window_bytes must be an int >= 0, got {window_bytes!r}")
 
 
 def _check_shutdown(timeout: float | None, lost_workers: str, rref_leaks: str) -> None:

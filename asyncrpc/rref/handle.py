@@ -446,7 +446,10 @@ class RRef(Generic[T]):
         """
         return _Proxy(self, CallKind.REMOTE, timeout)
 
-    def stream(self, timeout: float = UNSET_RPC_TIMEOUT, window: int | None = None) -> Any:
+    def stream(
+        self, timeout: float = UNSET_RPC_TIMEOUT, window: int | None = None,
+        window_bytes: int | None = None,
+    ) -> Any:  # fmt: skip
         """Proxy: ``rref.stream().method(*args)`` iterates the generator method ``method``
         of the value on its owner, as ``asyncrpc.rpc_stream`` does.
 
@@ -455,23 +458,26 @@ class RRef(Generic[T]):
                 ``rpc_timeout``, 0 none.
             window: items the producer may run ahead (default:
                 ``RpcBackendOptions.stream_window``).
+            window_bytes: bytes the producer may run ahead, as ``rpc_stream``'s (default:
+                ``RpcBackendOptions.stream_window_bytes``; 0: items only).
 
         Returns:
             A proxy whose method calls return a ``Stream``.
         """
-        return _Proxy(self, CallKind.STREAM, timeout, window)
+        return _Proxy(self, CallKind.STREAM, timeout, (window, window_bytes))
 
 
 class _Proxy:
     """Turns ``proxy.method(*args, **kwargs)`` into a call of ``method`` on the owner, of
     the proxy's kind (a stream's items come from the iterator the method returns)."""
 
-    __slots__ = ("_kind", "_rref", "_timeout", "_window")
+    __slots__ = ("_kind", "_rref", "_timeout", "_windows")
 
     def __init__(
-        self, rref: RRef[Any], kind: CallKind, timeout: float, window: int | None = None
-    ) -> None:
-        self._rref, self._kind, self._timeout, self._window = rref, kind, timeout, window
+        self, rref: RRef[Any], kind: CallKind, timeout: float,
+        windows: tuple[int | None, int | None] = (None, None),
+    ) -> None:  # fmt: skip
+        self._rref, self._kind, self._timeout, self._windows = rref, kind, timeout, windows
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
@@ -485,8 +491,9 @@ class _Proxy:
         target = f"RRef.{name}"  # what the hooks (and the profiler) call it
         if kind is CallKind.STREAM:
             streams = _STREAMS.get()
-            return streams.open(rref._owner, _stream_method, call_args, {}, timeout, self._window,
-                                target)  # fmt: skip
+            window, window_bytes = self._windows
+            return streams.open(rref._owner, _stream_method, call_args, {}, timeout, window,
+                                target, window_bytes=window_bytes)  # fmt: skip
         ops = current_rrefs()
         if kind is CallKind.REMOTE:
             _check_method(rref, name, timeout)

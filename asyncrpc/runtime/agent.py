@@ -125,7 +125,7 @@ class Agent:
         )  # fmt: skip
         streams = StreamHub(
             group.name, self.loop, self.outbox, self.network, self.serializer, producers,
-            group.addresses, self.counters, options.stream_window,
+            group.addresses, self.counters, options.stream_window, options.stream_window_bytes,
         )  # fmt: skip
         ports = Ports(group, options, self.loop, self.outbox, self.network, self.counters)
         self.lanes = lanes

@@ -36,10 +36,12 @@ class Hub:
 
     def __init__(self) -> None:
         self.granted: list[int] = []
+        self.granted_bytes: list[int] = []
         self.closed: list[ConsumerStream] = []
 
-    def grant(self, stream: ConsumerStream, count: int) -> None:
+    def grant(self, stream: ConsumerStream, count: int, nbytes: int) -> None:
         self.granted.append(count)
+        self.granted_bytes.append(nbytes)
 
     def close_stream(self, stream: ConsumerStream) -> None:
         self.closed.append(stream)
@@ -68,6 +70,21 @@ async def test_ConsumerStream_hands_items_in_batches_of_half_a_window() -> None:
     assert hub.granted == []  # nothing consumed yet
     assert await _fetch(stream, 4) == [4, 5, 6, 7]
     assert hub.granted == [4]  # half a window consumed: granted in one frame
+
+
+async def test_ConsumerStream_grants_the_bytes_of_the_items_consumed() -> None:
+    hub = Hub()
+    loop = asyncio.get_running_loop()
+    stream = ConsumerStream(loop, 1, 2, "w2", "mod.gen", 0.0, 128, hub, window_bytes=100)
+    for seq in range(3):
+        stream.flow.check(seq, 30)
+        stream.on_item(seq, seq)
+    assert await _fetch(stream, 0) == [0, 1, 2]
+    assert hub.granted == []
+    stream.flow.check(3, 30)
+    stream.on_item(3, 3)
+    assert await _fetch(stream, 2) == [3]  # 60 of 100 bytes taken: half the byte window
+    assert (hub.granted, hub.granted_bytes) == ([2], [60])
 
 
 async def test_ConsumerStream_a_waiting_fetch_gets_the_items_of_one_pass_together() -> None:
@@ -111,6 +128,7 @@ class Conn:
         self.decoder = FrameDecoder()
         self.serializer = serializer
         self.items: list[Any] = []
+        self.sizes: list[int] = []  # what each item says it costs in byte credit
         self.outcome: Any = None
         self.done = asyncio.Event()
         self.peer_max_frame = 0
@@ -121,6 +139,7 @@ class Conn:
                 message = decode_stream_message(frame.fields)
                 if isinstance(message, StreamItem):
                     assert message.seq == len(self.items)
+                    self.sizes.append(message.nbytes)
                     self.items.append(self.serializer.loads(frame.payload, frame.segments))
                 elif isinstance(message, StreamEnd):
                     self.outcome = message.count
@@ -212,6 +231,38 @@ async def test_Producers_advance_only_within_credit_and_close_runs_finally(fn: A
     await _until(CLOSED.is_set)
     assert len(producers) == 0
     assert [ok for ok, _ in told] == [False]  # the pipeline heard it ended, once
+    host.pool.shutdown()
+
+
+def endless_blobs() -> Iterator[bytes]:
+    for i in endless():
+        yield bytes(1000) + bytes([i % 256])
+
+
+async def aendless_blobs() -> AsyncIterator[bytes]:
+    async for i in aendless():
+        yield bytes(1000) + bytes([i % 256])
+
+
+@pytest.mark.parametrize("fn", [endless_blobs, aendless_blobs], ids=["sync", "async"])
+async def test_Producers_stop_once_the_items_made_spend_the_byte_credit(fn: Any) -> None:
+    PRODUCED.clear()
+    CLOSED.clear()
+    host = Host()
+    producers, conn = host.producers(), Conn(host.serializer)
+    producers.expect(conn, 2, 7, "gen")
+    producers.start(2, 7, fn, fn, (), {}, _replying([]), host.serializer.dumps)
+    producers.on_credit(2, 7, 100, 2500)  # items of ~1 kB: the bytes run out first
+    await _until(lambda: len(conn.items) == 3)
+    await asyncio.sleep(0.05)  # nothing more may happen (as above: why a sleep)
+    assert len(PRODUCED) == 3  # made while credit was left: 0, ~1000 and ~2000 bytes
+    assert all(1001 <= size < 1100 for size in conn.sizes)  # the pickle of 1001 bytes
+    producers.on_credit(2, 7, 1, conn.sizes[0])  # one consumed: room for one more
+    await _until(lambda: len(conn.items) == 4)
+    await asyncio.sleep(0.05)
+    assert len(PRODUCED) == 4
+    producers.on_close(2, 7)
+    await _until(CLOSED.is_set)
     host.pool.shutdown()
 
 

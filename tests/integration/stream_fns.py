@@ -88,6 +88,20 @@ def tensors(n: int, floats: int) -> Iterator[torch.Tensor]:
         yield torch.full((floats,), float(i))
 
 
+def blobs(tag: str, n: int, nbytes: int) -> Iterator[torch.Tensor]:
+    """``n`` tensors of ``nbytes`` each (item i filled with i), noting progress as
+    ``tracked`` does: the producer's own count of the items it made."""
+    for i in range(n):
+        PRODUCED[tag] = i + 1
+        yield torch.full((nbytes,), i % 128, dtype=torch.uint8)
+
+
+async def ablobs(tag: str, n: int, nbytes: int) -> AsyncIterator[torch.Tensor]:
+    for i in range(n):
+        PRODUCED[tag] = i + 1
+        yield torch.full((nbytes,), i % 128, dtype=torch.uint8)
+
+
 def produced(tag: str) -> int:
     return PRODUCED.get(tag, 0)
 

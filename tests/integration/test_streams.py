@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -261,6 +262,60 @@ def test_stream_stalled_consumer_stops_the_producer_at_the_window(group: Group) 
     assert _eventually(lambda: asyncrpc.rpc_sync("w3", sf.finally_count, args=(tag,)) == 1)
 
 
+@pytest.mark.parametrize("fn", [sf.blobs, sf.ablobs], ids=["sync", "async"])
+def test_stream_byte_window_bounds_large_items_by_the_producers_count(
+    group: Group, fn: object
+) -> None:
+    # The 64 MiB items in a 256 MiB byte window, scaled down to stay light on a
+    # shared machine: 4 MiB tensors in 16 MiB. The item window (128) would let all 12 go;
+    # the bytes stop the producer at 4 items made and not consumed, by its own count.
+    tag, size, n = _tag(), 4 << 20, 12
+
+    def made() -> int:
+        return int(asyncrpc.rpc_sync("w1", sf.produced, args=(tag,)))
+
+    with asyncrpc.rpc_stream("w1", fn, args=(tag, n, size), window_bytes=16 << 20) as stream:
+        assert _eventually(lambda: made() >= 4)
+        # Left as a sleep: nothing more may be made while nothing is consumed, and no
+        # event marks the producer parked for credit. Overproduction would fail it.
+        time.sleep(0.3)
+        ahead = [made()]
+        for consumed, tensor in enumerate(stream, start=1):
+            assert tensor.shape == (size,)
+            assert int(tensor[-1]) == consumed - 1
+            del tensor
+            time.sleep(0.02)  # a slow consumer: the producer refills its window meanwhile
+            ahead.append(made() - consumed)
+    assert len(ahead) == n + 1
+    assert ahead[0] == 4, ahead
+    assert max(ahead) <= 4, ahead
+
+
+@pytest.mark.asyncio
+async def test_stream_item_larger_than_the_byte_window_goes_alone(group: Group) -> None:
+    tag, size = _tag(), 4 << 20
+    ahead: list[int] = []
+    async with asyncio.timeout(60):
+        stream = asyncrpc.rpc_stream("w2", sf.ablobs, args=(tag, 5, size), window_bytes=1 << 20)
+        async for consumed, tensor in _aenumerate(stream):
+            assert tensor.shape == (size,)
+            assert int(tensor[0]) == consumed - 1
+            await asyncio.sleep(0.02)
+            made = await asyncrpc.rpc_async("w2", sf.produced, args=(tag,))
+            ahead.append(made - consumed)
+    assert len(ahead) == 5
+    assert max(ahead) <= 1, ahead  # each item alone: none made before its elder was taken
+    with pytest.raises(ValueError, match="window_bytes"):
+        asyncrpc.rpc_stream("w1", sf.count, args=(3,), window_bytes=-1)
+
+
+async def _aenumerate(stream: asyncrpc.Stream[Any]) -> AsyncIterator[tuple[int, Any]]:
+    consumed = 0
+    async for item in stream:
+        consumed += 1
+        yield consumed, item
+
+
 @pytest.mark.asyncio
 async def test_stream_many_concurrent_streams_between_two_workers(group: Group) -> None:
     async def one(i: int) -> list[int]:
@@ -283,6 +338,8 @@ async def test_stream_rref_proxy_iterates_a_generator_method(group: Group) -> No
     async with asyncio.timeout(30):
         items = [x async for x in rref.stream(window=2).aup(6)]
     assert items == list(range(100, 106))
+    # A byte window of one byte: every item goes alone, and the stream still finishes.
+    assert list(rref.stream(window_bytes=1).up(3)) == [100, 101, 102]
 
 
 def test_stream_of_tensors_intact_and_through_shared_memory(group: Group) -> None:

@@ -156,6 +156,16 @@ def test_coerce_options_takes_ours_and_torchs() -> None:
     assert coerce_options(theirs).init_method == "tcp://127.0.0.1:2"
 
 
+def test_RpcBackendOptions_checks_the_stream_windows() -> None:
+    assert RpcBackendOptions().stream_window_bytes == 64 << 20
+    assert RpcBackendOptions(stream_window_bytes=0).stream_window_bytes == 0  # items only
+    for bad in (-1, 1.5, True):
+        with pytest.raises(errors.InitError):
+            RpcBackendOptions(stream_window_bytes=bad)  # type: ignore[arg-type]
+    with pytest.raises(errors.InitError):
+        RpcBackendOptions(stream_window=0)
+
+
 @pytest.mark.parametrize(
     "exc",
     [

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from asyncrpc.errors import LocalProtocolError, RemoteProtocolError
 from asyncrpc.protocol.wire import FrameDecoder, encode_frame
@@ -23,8 +25,9 @@ from asyncrpc.protocol.wire.stream import (
 
 MESSAGES = [
     StreamItem(7, 0),
-    StreamItem(1 << 40, 99),
+    StreamItem(1 << 40, 99, 64 << 20),
     StreamCredit(7, 64),
+    StreamCredit(7, 64, 1 << 40),
     StreamEnd(7, 100),
     StreamEnd(7, 100, {"p": [[1, 2]]}),
     StreamError(7, 3),
@@ -59,8 +62,11 @@ def test_decode_stream_message_roundtrips_through_the_frame_decoder(chunk: int |
     "fields",
     [
         [Kind.STREAM_ITEM, 1],  # no seq
-        [Kind.STREAM_ITEM, 1, -1],
-        [Kind.STREAM_ITEM, True, 0],  # a bool is not an id
+        [Kind.STREAM_ITEM, 1, 0],  # no size
+        [Kind.STREAM_ITEM, 1, -1, 0],
+        [Kind.STREAM_ITEM, 1, 0, -5],
+        [Kind.STREAM_CREDIT, 1, 4, -1],
+        [Kind.STREAM_ITEM, True, 0, 0],  # a bool is not an id
         [Kind.STREAM_CREDIT, 1, 0],  # a credit of nothing
         [Kind.STREAM_CREDIT, 1, 1.5],
         [Kind.STREAM_END, 1, 2, "not a map"],
@@ -121,17 +127,17 @@ def test_ConsumerFlow_refuses_items_beyond_the_window() -> None:
     flow.check(1)
     with pytest.raises(RemoteProtocolError):
         flow.check(2)  # nothing consumed: the producer overran its credit
-    assert flow.consumed(2) == 2
+    assert flow.consumed(2) == (2, 0)
     flow.check(2)
 
 
 def test_ConsumerFlow_grants_in_batches_of_half_a_window() -> None:
     flow = ConsumerFlow(window=8)
-    assert flow.initial() == 8
+    assert flow.initial() == (8, 0)
     for seq in range(8):
         flow.check(seq)
-    assert flow.consumed(3) == 0  # below half a window: held back
-    assert flow.consumed(1) == 4
+    assert flow.consumed(3) == (0, 0)  # below half a window: held back
+    assert flow.consumed(1) == (4, 0)
     assert flow.acked == 4
 
 
@@ -139,8 +145,8 @@ def test_ConsumerFlow_windows_of_one_and_two_grant_every_item() -> None:
     for window in (1, 2):
         flow = ConsumerFlow(window)
         flow.check(0)
-        assert flow.consumed(1) == 1
-        assert flow.consumed(0) == 0
+        assert flow.consumed(1) == (1, 0)
+        assert flow.consumed(0) == (0, 0)
 
 
 def test_ConsumerFlow_checks_consumption_and_the_end_count() -> None:
@@ -160,12 +166,150 @@ def test_flows_keep_the_producer_within_the_window() -> None:
     # never has more than the window unacknowledged.
     window = 5
     producer, consumer = ProducerFlow(), ConsumerFlow(window)
-    producer.grant(consumer.initial())
+    producer.grant(*consumer.initial())
     for consumed in range(1, 51):
         while producer.take(1):
             consumer.check(producer.sent_one())
             assert producer.sent - (consumed - 1) <= window
         grant = consumer.consumed(1)
-        if grant:
-            producer.grant(grant)
+        if grant[0]:
+            producer.grant(*grant)
     assert producer.sent >= 50
+
+
+# -- byte credit -----------------------------------------------------------------------------
+
+
+def test_ProducerFlow_stops_when_its_byte_credit_is_spent() -> None:
+    flow = ProducerFlow()
+    flow.grant(100, 10)
+    assert flow.take(1) == 1
+    flow.sent_one(4)
+    assert flow.take(1) == 1
+    flow.sent_one(7)  # made while 6 bytes were left: charged in full
+    assert flow.byte_credit == -1
+    assert flow.take() == 0  # items left, bytes not
+    flow.grant(1, 4)
+    assert flow.take(1) == 1
+
+
+def test_ProducerFlow_sends_an_item_larger_than_the_byte_window_alone() -> None:
+    flow = ProducerFlow()
+    flow.grant(8, 10)
+    assert flow.take(1) == 1
+    flow.sent_one(1000)
+    assert flow.take() == 0  # nothing follows it until it is consumed
+    flow.grant(1, 1000)
+    assert flow.byte_credit == 10
+    assert flow.take(1) == 1
+
+
+def test_ProducerFlow_counts_bytes_only_when_its_first_credit_grants_them() -> None:
+    flow = ProducerFlow()
+    flow.grant(2)
+    assert flow.byte_credit is None
+    assert flow.take() == 2
+    flow.sent_one(1 << 40)
+    assert flow.take() == 0  # the item credit is spent, not a byte credit
+    with pytest.raises(RemoteProtocolError):
+        flow.grant(1, 5)  # bytes on a stream that does not count them
+    with pytest.raises(RemoteProtocolError):
+        ProducerFlow().grant(1, -1)
+
+
+def test_ConsumerFlow_refuses_an_item_past_the_byte_window() -> None:
+    flow = ConsumerFlow(window=100, window_bytes=10)
+    assert flow.initial() == (100, 10)
+    flow.check(0, 6)
+    flow.check(1, 6)  # made with 4 bytes of credit left: allowed
+    with pytest.raises(RemoteProtocolError):
+        flow.check(2, 1)  # made with none left
+    assert flow.consumed(1) == (1, 6)  # half the byte window owed: granted at once
+    flow.check(2, 1)
+
+
+def test_ConsumerFlow_grants_at_half_a_byte_window_or_half_an_item_window() -> None:
+    flow = ConsumerFlow(window=8, window_bytes=100)
+    for seq, size in enumerate([10, 10, 10, 40, 1, 1, 1, 1]):
+        flow.check(seq, size)
+    assert flow.consumed(3) == (0, 0)  # 3 items, 30 bytes: below both halves
+    assert flow.consumed(1) == (4, 70)  # 70 bytes >= 50
+    assert flow.consumed(3) == (0, 0)
+    assert flow.consumed(1) == (4, 4)  # 4 items >= half of 8
+    assert (flow.acked, flow.acked_bytes) == (8, 74)
+
+
+def test_flows_bound_64_MiB_items_to_4_in_a_256_MiB_window() -> None:
+    # The figure: tensor items of 64 MiB (plus their pickle) and a stalled
+    # consumer: the producer makes 4 and stops until one is consumed, whatever the item
+    # window.
+    size = (64 << 20) + 300
+    producer, consumer = ProducerFlow(), ConsumerFlow(window=128, window_bytes=256 << 20)
+    producer.grant(*consumer.initial())
+    made = 0
+    while producer.take(1):
+        consumer.check(producer.sent_one(size), size)
+        made += 1
+    assert made == 4
+    assert consumer.consumed(2) == (2, 2 * size)  # half the byte window: granted
+    producer.grant(2, 2 * size)
+    while producer.take(1):
+        consumer.check(producer.sent_one(size), size)
+        made += 1
+    assert made == 6  # again 4 unconsumed
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    window=st.integers(1, 9),
+    window_bytes=st.integers(0, 400),
+    sizes=st.lists(st.integers(0, 1000), min_size=1, max_size=40),
+    data=st.data(),
+)
+def test_flows_bound_bytes_and_items_in_flight_and_never_stall(
+    window: int, window_bytes: int, sizes: list[int], data: st.DataObject
+) -> None:
+    # Both machines with frames in transit both ways, in an order hypothesis picks: the
+    # producer makes an item only within both windows, the consumer never refuses what it
+    # makes, and the stream always finishes (no state where nothing can move).
+    producer, consumer = ProducerFlow(), ConsumerFlow(window, window_bytes)
+    producer.grant(*consumer.initial())
+    items: list[tuple[int, int]] = []  # producer -> consumer, in order
+    credits: list[tuple[int, int]] = []  # consumer -> producer, in order
+    made = taken = 0  # the producer's items, the consumer's items taken (in order)
+    unconsumed_bytes = 0  # bytes made, not yet taken
+    received = 0
+    while taken < len(sizes):
+        moves = []
+        if made < len(sizes) and producer.take(1):
+            producer.give_back()
+            moves.append("make")
+        if items:
+            moves.append("deliver")
+        if credits:
+            moves.append("credit")
+        if received > taken:
+            moves.append("consume")
+        assert moves, "the stream stalled"
+        move = data.draw(st.sampled_from(moves))
+        if move == "make":
+            assert producer.take(1) == 1
+            if window_bytes:
+                assert unconsumed_bytes < window_bytes  # credit left when it was made
+            size = sizes[made]
+            items.append((producer.sent_one(size), size))
+            made += 1
+            unconsumed_bytes += size
+            assert made - taken <= window
+        elif move == "deliver":
+            consumer.check(*items.pop(0))
+            received += 1
+        elif move == "credit":
+            producer.grant(*credits.pop(0))
+        else:
+            count = data.draw(st.integers(1, received - taken))
+            unconsumed_bytes -= sum(sizes[taken : taken + count])
+            taken += count
+            grant = consumer.consumed(count)
+            if grant[0]:
+                credits.append(grant)

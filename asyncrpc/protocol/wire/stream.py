@@ -5,20 +5,23 @@ caller then grants the producer its first credit. From then on, only these five 
 carry it, each naming its stream by that id:
 
   producer -> consumer: ``StreamItem`` (one item: payload and tensor segments, numbered
-      from 0), then exactly one of ``StreamEnd`` (the generator finished after ``count``
-      items) or ``StreamError`` (it raised after ``count`` items; the payload is the
-      packed exception);
-  consumer -> producer: ``StreamCredit`` (``count`` more items may be sent) and
-      ``StreamClose`` (stop: the consumer is gone).
+      from 0, with their size in bytes), then exactly one of ``StreamEnd`` (the generator
+      finished after ``count`` items) or ``StreamError`` (it raised after ``count`` items;
+      the payload is the packed exception);
+  consumer -> producer: ``StreamCredit`` (``count`` more items and ``nbytes`` more bytes
+      may be sent) and ``StreamClose`` (stop: the consumer is gone).
 
-The credit rules (``ProducerFlow``, ``ConsumerFlow``) are pure state machines too, so both
-sides' bookkeeping is unit-tested without a loop. Like every frame after ``Hello``, these
+Credit is counted in items and in bytes, as gRPC counts bytes: a window of 128 items is
+harmless for small items and 8 GiB for 64 MiB tensors. The credit rules (``ProducerFlow``,
+``ConsumerFlow``) are pure state machines too, so both sides' bookkeeping is unit-tested
+without a loop. Like every frame after ``Hello``, these
 are refused before the handshake completes (the pre-auth decoder admits handshake kinds
 only, and the agent routes them only on an authenticated connection).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,24 +44,38 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class StreamItem:
-    """Item number ``seq`` (from 0) of stream ``stream_id``; the payload is its pickle."""
+    """Item number ``seq`` (from 0) of stream ``stream_id``; the payload is its pickle.
+
+    ``nbytes`` is what the item costs in byte credit: its payload and tensor segments as
+    written (the header aside). The producer states it because it is the side that knows
+    it before the bytes leave, and both sides must count the same number.
+    """
 
     stream_id: int
     seq: int
+    nbytes: int = 0
 
     def to_fields(self) -> list[Any]:
-        return [Kind.STREAM_ITEM, self.stream_id, self.seq]
+        return [Kind.STREAM_ITEM, self.stream_id, self.seq, self.nbytes]
 
 
 @dataclass(frozen=True, slots=True)
 class StreamCredit:
-    """The consumer may take ``count`` more items of ``stream_id`` (it consumed as many)."""
+    """The producer of ``stream_id`` may send ``count`` more items and ``nbytes`` more bytes.
+
+    The first credit of a stream is its windows; each later one returns what the consumer
+    consumed. A first credit of 0 bytes means the stream counts items only.
+    """
 
     stream_id: int
     count: int
+    nbytes: int = 0
 
     def to_fields(self) -> list[Any]:
-        return [Kind.STREAM_CREDIT, self.stream_id, self.count]
+        fields: list[Any] = [Kind.STREAM_CREDIT, self.stream_id, self.count]
+        if self.nbytes:
+            fields.append(self.nbytes)
+        return fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,12 +147,13 @@ def decode_stream_message(fields: list[Any]) -> StreamMessage:
     kind = fields[0] if fields else None
     try:
         if kind == Kind.STREAM_ITEM:
-            return StreamItem(_count(fields[1]), _count(fields[2]))
+            return StreamItem(_count(fields[1]), _count(fields[2]), _count(fields[3]))
         if kind == Kind.STREAM_CREDIT:
             count = _count(fields[2])
             if count == 0:
                 raise ValueError("a credit of 0 items")
-            return StreamCredit(_count(fields[1]), count)
+            nbytes = _count(fields[3]) if len(fields) > 3 else 0
+            return StreamCredit(_count(fields[1]), count, nbytes)
         if kind == Kind.STREAM_END:
             return StreamEnd(_count(fields[1]), _count(fields[2]), optional_headers(fields, 3))
         if kind == Kind.STREAM_ERROR:
@@ -150,31 +168,56 @@ def decode_stream_message(fields: list[Any]) -> StreamMessage:
 class ProducerFlow:
     """The producer's side of one stream's credit: it may send only what it was granted.
 
-    The consumer grants ``window`` items first, then one credit per item it consumed, so
-    the producer is never more than ``window`` items ahead of the consumer. Credit is
-    reserved (``take``) before the generator is advanced, so an item is produced only
-    when it may be sent.
+    The consumer grants ``window`` items (and ``window_bytes`` bytes) first, then what it
+    consumed, so the producer is never more than ``window`` items ahead of the consumer.
+    Credit is reserved (``take``) before the generator is advanced, so an item is produced
+    only when it may be sent.
+
+    Bytes are counted the same way with one difference: an item's size is known only once
+    it is made, so the rule is that an item may be *made* while some byte credit is left,
+    and its size is then charged in full (``byte_credit`` may go below 0). Holding a made
+    item back until it fits would keep it in memory anyway, and an item larger than the
+    whole window would never fit. So at most ``window_bytes`` plus one item are unconsumed,
+    an item of any size still goes, and after a large one nothing follows until the
+    consumer has taken enough.
     """
 
-    __slots__ = ("credit", "reserved", "sent")
+    __slots__ = ("byte_credit", "credit", "granted", "reserved", "sent")
 
     def __init__(self) -> None:
         self.credit = 0  # items that may be produced now
+        self.byte_credit: int | None = None  # bytes that may be sent now (None: not counted)
+        self.granted = False  # the first credit (the windows) arrived
         self.reserved = 0  # taken, not yet sent
         self.sent = 0  # items sent so far (the next item's number)
 
-    def grant(self, count: int) -> None:
-        """The consumer granted ``count`` more items.
+    def grant(self, count: int, nbytes: int = 0) -> None:
+        """The consumer granted ``count`` more items and ``nbytes`` more bytes; a first grant
+        of 0 bytes means the stream counts items only.
 
         Raises:
-            RemoteProtocolError: ``count`` is not positive.
+            RemoteProtocolError: ``count`` is not positive, ``nbytes`` negative, or bytes
+                are granted on a stream that does not count them.
         """
-        if count <= 0:
-            raise RemoteProtocolError(f"a credit of {count} items")
+        if count <= 0 or nbytes < 0:
+            raise RemoteProtocolError(f"a credit of {count} items and {nbytes} bytes")
+        if not self.granted:
+            self.granted = True
+            self.byte_credit = nbytes or None
+        elif self.byte_credit is not None:
+            self.byte_credit += nbytes
+        elif nbytes:
+            raise RemoteProtocolError(
+                f"a credit of {nbytes} bytes on a stream without a byte window"
+            )
         self.credit += count
 
     def take(self, most: int | None = None) -> int:
-        """Reserve up to ``most`` (default: all) of the credit; returns how many."""
+        """Reserve up to ``most`` (default: all) of the item credit; returns how many, 0 when
+        the byte credit is spent. A burst of several items stops within ``byte_credit``
+        itself (see ``Producers._steps``)."""
+        if self.byte_credit is not None and self.byte_credit <= 0:
+            return 0
         count = self.credit if most is None else min(most, self.credit)
         self.credit -= count
         self.reserved += count
@@ -185,8 +228,8 @@ class ProducerFlow:
         self.credit += self.reserved
         self.reserved = 0
 
-    def sent_one(self) -> int:
-        """Number the next item, using one reserved credit.
+    def sent_one(self, nbytes: int = 0) -> int:
+        """Number the next item, of ``nbytes`` bytes, using one reserved credit.
 
         Raises:
             LocalProtocolError: no credit was reserved for it (a bug here).
@@ -194,6 +237,8 @@ class ProducerFlow:
         if self.reserved <= 0:
             raise LocalProtocolError(f"stream item {self.sent} sent without credit")
         self.reserved -= 1
+        if self.byte_credit is not None:
+            self.byte_credit -= nbytes
         seq = self.sent
         self.sent += 1
         return seq
@@ -202,32 +247,41 @@ class ProducerFlow:
 class ConsumerFlow:
     """The consumer's side of one stream's credit: which items may come, when to grant more.
 
-    ``check`` accepts each item's number (in order, exactly once, within the window);
+    ``check`` accepts each item's number (in order, exactly once, within the windows);
     ``consumed`` counts the items the application took and returns the credit to send, in
     batches of half a window (one credit frame per half window, not per item). That never
-    leaves the producer stuck: it stops only with a whole window unacknowledged, and once
-    the consumer has taken those, at least half a window is owed and granted.
+    leaves the producer stuck: it stops only with a whole window of items, or of bytes,
+    unacknowledged, and once the consumer has taken those, at least half of that window is
+    owed and granted.
     """
 
-    __slots__ = ("_owed", "acked", "received", "window")
+    __slots__ = (
+        "_owed", "_owed_bytes", "_sizes", "acked", "acked_bytes", "received", "received_bytes",
+        "window", "window_bytes",
+    )  # fmt: skip
 
-    def __init__(self, window: int) -> None:
-        if window < 1:
-            raise LocalProtocolError(f"a stream window of {window} items")
+    def __init__(self, window: int, window_bytes: int = 0) -> None:
+        if window < 1 or window_bytes < 0:
+            raise LocalProtocolError(f"a stream window of {window} items and {window_bytes} bytes")
         self.window = window
+        self.window_bytes = window_bytes  # 0: bytes are not counted
         self.received = 0  # items received (the next item's number)
         self.acked = 0  # items the producer was told were consumed
         self._owed = 0  # consumed, not yet reported
+        self.received_bytes = self.acked_bytes = self._owed_bytes = 0  # the same, in bytes
+        # The sizes of the items received and not yet consumed, oldest first: items are
+        # consumed in order, so the bytes of ``count`` consumed items are the first ones.
+        self._sizes: deque[int] = deque()
 
-    def initial(self) -> int:
-        """The first credit: a whole window."""
-        return self.window
+    def initial(self) -> tuple[int, int]:
+        """The first credit: whole windows (items, bytes; 0 bytes: not counted)."""
+        return self.window, self.window_bytes
 
-    def check(self, seq: int) -> None:
-        """Accept item number ``seq``.
+    def check(self, seq: int, nbytes: int = 0) -> None:
+        """Accept item number ``seq`` of ``nbytes`` bytes.
 
         Raises:
-            RemoteProtocolError: out of order, repeated, or beyond the granted window.
+            RemoteProtocolError: out of order, repeated, or beyond the granted windows.
         """
         if seq != self.received:
             raise RemoteProtocolError(f"stream item {seq} arrived, expected {self.received}")
@@ -235,11 +289,20 @@ class ConsumerFlow:
             raise RemoteProtocolError(
                 f"stream item {seq} exceeds the window of {self.window} items"
             )
+        if self.window_bytes:
+            # The producer may make an item while its byte credit is above 0; its view of
+            # the credit lags ours (our grants are on the way), never leads it.
+            if self.received_bytes - self.acked_bytes >= self.window_bytes:
+                raise RemoteProtocolError(
+                    f"stream item {seq} exceeds the window of {self.window_bytes} bytes"
+                )
+            self.received_bytes += nbytes
+            self._sizes.append(nbytes)
         self.received += 1
 
-    def consumed(self, count: int) -> int:
-        """The application took ``count`` more items; returns the credit to grant now (0:
-        none yet).
+    def consumed(self, count: int) -> tuple[int, int]:
+        """The application took ``count`` more items; returns the credit to grant now
+        (items, bytes; ``(0, 0)``: none yet).
 
         Raises:
             LocalProtocolError: more consumed than received (a bug here).
@@ -249,11 +312,18 @@ class ConsumerFlow:
             raise LocalProtocolError(
                 f"consumed {self.acked + self._owed} stream items of {self.received}"
             )
-        if self._owed < max(1, self.window // 2):
-            return 0
+        sizes = self._sizes
+        for _ in range(count if self.window_bytes else 0):
+            self._owed_bytes += sizes.popleft()
+        if self._owed < max(1, self.window // 2) and (
+            not self.window_bytes or self._owed_bytes < max(1, self.window_bytes // 2)
+        ):
+            return 0, 0
         grant, self._owed = self._owed, 0
+        grant_bytes, self._owed_bytes = self._owed_bytes, 0
         self.acked += grant
-        return grant
+        self.acked_bytes += grant_bytes
+        return grant, grant_bytes
 
     def check_end(self, count: int) -> None:
         """The producer says it sent ``count`` items.

@@ -34,7 +34,7 @@ from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import ShmMessage, ShmOp
 from asyncrpc.runtime.shm.arena import SharedArena
 
-__all__ = ["SHM_TAG_PREFIX", "SharedMemory"]
+__all__ = ["SHM_TAG_PREFIX", "SharedMemory", "segment_nbytes"]
 
 SHM_TAG_PREFIX: Final = "shm:"
 _EMPTY: Final = memoryview(bytearray())  # what a shared segment asks the wire to receive
@@ -370,6 +370,15 @@ def _open_file_of(
         os.close(handle)
         raise
     return handle
+
+
+def segment_nbytes(view: memoryview, tag: str) -> int:
+    """The bytes a segment to be sent stands for: its own, or for one placed in shared
+    memory (an empty view) those its tag names, which hold a chunk of the arena until the
+    receiver lets go of them. Stream credit counts these (``calls/streams/producer.py``)."""
+    if tag.startswith(SHM_TAG_PREFIX):
+        return _parse_tag(tag)[5]
+    return memoryview(view).nbytes
 
 
 def _parse_tag(tag: str) -> tuple[int, int, int, int, int, int, str]:

@@ -30,8 +30,8 @@ Waiter = Future[list[Any]] | asyncio.Future[list[Any]]
 class ConsumerHub(Protocol):
     """What a consumer asks of the stream hub (``hub.py``)."""
 
-    def grant(self, stream: ConsumerStream, count: int) -> None:
-        """Send the producer a credit of ``count`` items."""
+    def grant(self, stream: ConsumerStream, count: int, nbytes: int) -> None:
+        """Send the producer a credit of ``count`` items and ``nbytes`` bytes."""
 
     def close_stream(self, stream: ConsumerStream) -> None:
         """Close the stream: the producer stops."""
@@ -47,7 +47,7 @@ class ConsumerStream:
 
     def __init__(
         self, loop: asyncio.AbstractEventLoop, stream_id: int, peer: int, peer_name: str,
-        target: str, timeout: float, window: int, hub: ConsumerHub,
+        target: str, timeout: float, window: int, hub: ConsumerHub, window_bytes: int = 0,
     ) -> None:  # fmt: skip
         self._loop = loop
         self.stream_id = stream_id
@@ -55,7 +55,7 @@ class ConsumerStream:
         self.peer_name = peer_name
         self.target = target
         self.timeout = timeout  # seconds a fetch may wait for the next item (0: forever)
-        self.flow = ConsumerFlow(window)
+        self.flow = ConsumerFlow(window, window_bytes)
         self.items: deque[Any] = deque()
         self.ended = False  # the outcome is known (it follows the items still buffered)
         self.closed = False  # closed by this side: nothing more is delivered
@@ -107,9 +107,9 @@ class ConsumerStream:
         """Hand the next items to ``waiter``, now or when they come; ``consumed``: items the
         application took from the previous batch."""
         if consumed and not self.closed:
-            grant = self.flow.consumed(consumed)
-            if grant:
-                self._hub.grant(self, grant)
+            count, nbytes = self.flow.consumed(consumed)
+            if count:
+                self._hub.grant(self, count, nbytes)
         previous, self._waiter = self._waiter, waiter
         if previous is not None:  # an abandoned fetch (its consumer was cancelled)
             _settle(previous, [], None)

@@ -54,6 +54,8 @@ class StreamHub(Feature):
         addresses: the members' names, by rank.
         counters: the worker's counters (protocol errors, failed calls).
         window: the default number of items a producer may run ahead.
+        window_bytes: the default number of bytes a producer may run ahead (0: not
+            counted).
     """
 
     name = "streams"
@@ -62,11 +64,11 @@ class StreamHub(Feature):
     def __init__(
         self, name: str, loop: Loop, outbox: Outbox, frames: Frames, serializer: Serializer,
         producers: Producers, addresses: dict[int, PeerAddress], counters: Counters,
-        window: int,
+        window: int, window_bytes: int = 0,
     ) -> None:  # fmt: skip
         self._name, self._loop, self._outbox, self._frames = name, loop, outbox, frames
         self._serializer, self._addresses, self._counters = serializer, addresses, counters
-        self._window = window
+        self._window, self._window_bytes = window, window_bytes
         self.producers = producers
         self._consumers: dict[int, ConsumerStream] = {}
         self.items_received = 0
@@ -76,19 +78,26 @@ class StreamHub(Feature):
     def open(
         self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
         window: int | None, target: str | None = None, total_timeout: float = 0.0,
+        window_bytes: int | None = None,
     ) -> Stream[Any]:  # fmt: skip
         """Start ``fn(*args, **kwargs)`` on ``to`` as a stream and return its ``Stream``;
         ``timeout`` bounds each wait for an item, ``total_timeout`` the whole stream (0:
         none; inside a served request, no later than its deadline): both ends stop then.
+        The producer runs at most ``window`` items and about ``window_bytes`` bytes ahead
+        (None: the options' defaults; 0 bytes: items only).
 
         Raises:
-            ValueError: ``window`` is not a positive number of items, or the timeout is NaN.
+            ValueError: ``window`` is not a positive int, ``window_bytes`` not an int >= 0,
+                or the timeout is NaN.
             UnknownWorkerError, SerializationError, ClosedError: at once, as for calls.
         """
         loop, outbox = self._loop, self._outbox
         window = self._window if window is None else window
         if type(window) is not int or window < 1:
             raise ValueError(f"a stream window must be a positive int, got {window!r}")
+        window_bytes = self._window_bytes if window_bytes is None else window_bytes
+        if type(window_bytes) is not int or window_bytes < 0:
+            raise ValueError(f"a stream's window_bytes must be an int >= 0, got {window_bytes!r}")
         rank = outbox.resolve(to)
         item_timeout = outbox.effective_timeout(timeout)
         # The whole stream's limit rides as the request's timeout: the pending call fails
@@ -100,7 +109,7 @@ class StreamHub(Feature):
         stream_id, target = encoded.call_id, encoded.target
         name = self._addresses[rank].name
         consumer = ConsumerStream(
-            loop.aio, stream_id, rank, name, target, item_timeout, window, self
+            loop.aio, stream_id, rank, name, target, item_timeout, window, self, window_bytes
         )
         # The stream's outcome; the waiter is an asyncio future: only the loop touches it.
         ended: asyncio.Future[Any] = loop.aio.create_future()
@@ -115,7 +124,7 @@ class StreamHub(Feature):
         self._consumers[stream_id] = consumer
         self._outbox.start(encoded, ended)
         if stream_id in self._outbox.pending:  # written (or waiting to be): first credit
-            credit = StreamCredit(stream_id, consumer.flow.initial())
+            credit = StreamCredit(stream_id, *consumer.flow.initial())
             pieces = encode_frame(credit.to_fields(), b"")
             self._frames.send(OutgoingFrame(consumer.peer, pieces))
 
@@ -125,9 +134,10 @@ class StreamHub(Feature):
 
     # -- the consumers' requests (ConsumerHub) -----------------------------------------------
 
-    def grant(self, stream: ConsumerStream, count: int) -> None:
+    def grant(self, stream: ConsumerStream, count: int, nbytes: int) -> None:
         if not stream.ended:
-            self._control(stream.peer, StreamCredit(stream.stream_id, count).to_fields())
+            credit = StreamCredit(stream.stream_id, count, nbytes)
+            self._control(stream.peer, credit.to_fields())
 
     def close_stream(self, stream: ConsumerStream, error: BaseException | None = None) -> None:
         """Close a stream this worker consumes; ``error`` goes to a fetch waiting on it."""
@@ -156,7 +166,7 @@ class StreamHub(Feature):
         if isinstance(message, StreamItem):
             self._on_item(peer, message, frame)
         elif isinstance(message, StreamCredit):
-            self.producers.on_credit(peer, message.stream_id, message.count)
+            self.producers.on_credit(peer, message.stream_id, message.count, message.nbytes)
         elif isinstance(message, StreamClose):
             self.producers.on_close(peer, message.stream_id)
         else:
@@ -167,7 +177,7 @@ class StreamHub(Feature):
         if stream is None or stream.peer != peer:
             return  # closed meanwhile: the producer stops at our close
         try:
-            stream.flow.check(message.seq)
+            stream.flow.check(message.seq, message.nbytes)
         except RemoteProtocolError as exc:
             self._counters.protocol_errors += 1
             self.close_stream(stream, exc)

@@ -6,7 +6,8 @@ driven by a task on the loop; a plain generator is advanced on the agent's pool,
 of steps per grant of credit, and each item is pickled on the pool thread that made it, as
 replies of synchronous functions are. Either way the generator is advanced only after a
 credit has been reserved for the item it yields (``ProducerFlow``), so a stalled consumer
-stops the producer within ``window`` items.
+stops the producer within ``window`` items, or once the bytes of the items it made reach
+the consumer's byte window.
 
 Every stream ends exactly once, through ``_end`` (generator exhausted), ``_fail`` (it
 raised, or an item could not be pickled) or ``close`` (the consumer closed it, its
@@ -32,6 +33,7 @@ from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.stream import ProducerFlow, StreamEnd, StreamError, StreamItem
 from asyncrpc.runtime.calls.deadline import running_until
 from asyncrpc.runtime.ports import Frames, Loop
+from asyncrpc.runtime.shm.shm import segment_nbytes
 
 __all__ = ["ProducerStream", "Producers"]
 
@@ -151,11 +153,17 @@ class Producers:
 
     # -- from the consumer -------------------------------------------------------------------
 
-    def on_credit(self, peer: int, stream_id: int, count: int) -> None:
+    def on_credit(self, peer: int, stream_id: int, count: int, nbytes: int = 0) -> None:
+        """The consumer granted credit.
+
+        Raises:
+            RemoteProtocolError: a credit the stream's flow refuses (the agent aborts the
+                connection).
+        """
         stream = self._streams.get((peer, stream_id))
         if stream is None:
             return  # ended meanwhile
-        stream.flow.grant(count)
+        stream.flow.grant(count, nbytes)
         self._pump(stream)
 
     def on_close(self, peer: int, stream_id: int) -> None:
@@ -275,10 +283,15 @@ class Producers:
             return
         if stream.source is None or stream.running:
             return
-        count = stream.flow.take()
+        flow = stream.flow
+        count = flow.take()
         if count:
             stream.running = True
-            self._submit(stream, self._steps, stream, stream.source, stream.flow.sent, count)
+            # The burst gets the byte credit left now: the thread stops once its items spend
+            # it (credit granted meanwhile goes to the next burst).
+            self._submit(
+                stream, self._steps, stream, stream.source, flow.sent, count, flow.byte_credit
+            )
 
     def _submit(self, stream: ProducerStream, fn: Callable[..., Any], *args: Any) -> None:
         try:
@@ -309,12 +322,17 @@ class Producers:
         else:
             self._adopt(stream, result)
 
-    def _steps(self, stream: ProducerStream, source: Iterator[Any], first: int, count: int) -> None:
+    def _steps(
+        self, stream: ProducerStream, source: Iterator[Any], first: int, count: int,
+        budget: int | None,
+    ) -> None:  # fmt: skip
         # Pool thread: advance the generator ``count`` times (the credit reserved), pickling
-        # each item here and handing it to the loop, in order. Stops early once closed.
+        # each item here and handing it to the loop, in order. Stops early once closed, or
+        # once the items made spent the ``budget`` of bytes (None: bytes not counted).
         post = self._pool.post
+        spent = 0
         for seq in range(first, first + count):
-            if stream.closed:
+            if stream.closed or (budget is not None and spent >= budget):
                 break
             try:
                 with running_until(stream.deadline, stream.peer):
@@ -328,6 +346,7 @@ class Producers:
                 post(self._stepped, stream, exc)
                 return
             del item
+            spent += built[3]
             post(self._write, stream, *built)
         if stream.closed:  # here, not on the loop: this thread owns the generator now
             _close_now(source)
@@ -372,8 +391,11 @@ class Producers:
 
     # -- sending -----------------------------------------------------------------------------
 
-    def _encode(self, stream: ProducerStream, seq: int, item: Any) -> tuple[list[Any], Any, Any]:
-        """Frame item ``seq`` (on the loop or a pool thread)."""
+    def _encode(
+        self, stream: ProducerStream, seq: int, item: Any
+    ) -> tuple[list[Any], Any, Any, int]:
+        """Frame item ``seq`` (on the loop or a pool thread); returns the frame's pieces,
+        what they keep alive, the RRef forks minted, and the item's size in bytes."""
         assert stream.dumps is not None
         try:  # RRefs pickled before a failure: the serializer undoes their forks
             payload, segments, keep, forks = stream.dumps(item)
@@ -382,14 +404,18 @@ class Producers:
                 f"item {seq} of {stream.target} on worker {self._name!r} cannot be sent: {exc}"
             )
             raise error from exc
-        pieces = encode_frame(StreamItem(stream.stream_id, seq).to_fields(), payload, segments)
-        return pieces, keep, forks
+        nbytes = _item_nbytes(payload, segments)
+        header = StreamItem(stream.stream_id, seq, nbytes).to_fields()
+        pieces = encode_frame(header, payload, segments)
+        return pieces, keep, forks, nbytes
 
-    def _write(self, stream: ProducerStream, pieces: list[Any], keep: Any, forks: Any) -> None:
+    def _write(
+        self, stream: ProducerStream, pieces: list[Any], keep: Any, forks: Any, nbytes: int
+    ) -> None:
         if stream.closed:
             self._undelivered(stream, forks)
             return
-        stream.flow.sent_one()
+        stream.flow.sent_one(nbytes)
         self.items_sent += 1
         stream.outbox.append((pieces, keep, forks))
         if not stream.flushing:
@@ -475,6 +501,16 @@ class Producers:
             stream.timer = None
         replying, stream.replying = stream.replying, None
         return None if replying is None else replying(ok, value)
+
+
+def _item_nbytes(payload: Any, segments: list[Any]) -> int:
+    """An item's cost in byte credit: its payload and tensor segments as sent, a segment
+    placed in shared memory by the bytes it holds there (it skips the socket but holds the
+    same memory until consumed, which is what the window bounds)."""
+    size = memoryview(payload).nbytes
+    for view, tag in segments:
+        size += segment_nbytes(view, tag)
+    return size
 
 
 def _close_now(source: Any) -> None:
