@@ -137,11 +137,15 @@ def _row(endpoint: Endpoint, now: float) -> Row:
     t_new, new = endpoint.good[-1]
     t_old, old = endpoint.good[0]
     seconds = t_new - t_old
-    fresh = state == UP  # a silent worker's rates are unknown, not its last ones
+    if state != UP:
+        # What it said last is not what it does now: its name and the peers it had lost
+        # are kept, no figure is shown as if current.
+        return Row(new.worker or "?", new.rank, endpoint.url, state, reason, lost=new.lost,
+                   world_size=new.world_size)  # fmt: skip
     since = old.latency if seconds > 0 else {}
 
     def per_s(key: str) -> float | None:
-        return rate(old, new, key, seconds) if fresh else None
+        return rate(old, new, key, seconds)
 
     return Row(
         worker=new.worker or "?",
@@ -151,8 +155,8 @@ def _row(endpoint: Endpoint, now: float) -> Row:
         reason=reason,
         calls_out=per_s("calls_sent_total"),
         calls_in=per_s("calls_received_total"),
-        p50=quantile(0.5, new.latency, since) if fresh else None,
-        p99=quantile(0.99, new.latency, since) if fresh else None,
+        p50=quantile(0.5, new.latency, since),
+        p99=quantile(0.99, new.latency, since),
         pending=new.get("pending_calls"),
         running=new.get("running_requests"),
         bytes_in=per_s("bytes_in_total"),
@@ -164,7 +168,7 @@ def _row(endpoint: Endpoint, now: float) -> Row:
         lost=new.lost,
         lost_by=(),
         world_size=new.world_size,
-        stream=_streams(endpoint, fresh),
+        stream=_streams(endpoint),
     )
 
 
@@ -174,14 +178,14 @@ def _items(figures: Figures) -> float:
     )
 
 
-def _streams(endpoint: Endpoint, fresh: bool) -> StreamRow | None:
+def _streams(endpoint: Endpoint) -> StreamRow | None:
     t_new, new = endpoint.good[-1]
     t_old, old = endpoint.good[0]
     opened = (new.get("streams_consuming") or 0.0) + (new.get("streams_producing") or 0.0)
     if not opened:
         return None
     items = _items(new)
-    per_s = (items - _items(old)) / (t_new - t_old) if fresh and t_new > t_old else None
+    per_s = (items - _items(old)) / (t_new - t_old) if t_new > t_old else None
     # How long the item count stood still while streams were open: the newest scrape
     # back to the first with the same count.
     still_since = t_new

@@ -125,6 +125,7 @@ def test_Board_marks_a_silent_worker_hung_and_names_who_lost_it() -> None:
     assert (w2.worker, w2.state) == ("w2", HUNG)
     assert w2.calls_out is None
     assert w2.p50 is None
+    assert w2.pending is None  # nor its last gauges
     assert w2.lost_by == ("w0", "w1")
     assert "last answer 3.0s ago" in w2.reason
     assert w0.lost == ("w2",)
