@@ -6,13 +6,16 @@ where tmux is not installed."""
 from __future__ import annotations
 
 import contextlib
+import http.server
 import os
 import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from asyncrpc.testing import free_port
+from asyncrpc.top.__main__ import main
 
-pytest.importorskip("prometheus_client")  # the workers serve /metrics with it
 pytestmark = pytest.mark.timeout(180)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +62,7 @@ def _wait(
 
 @pytest.fixture
 def group(tmp_path: Path) -> Iterator[Group]:
+    pytest.importorskip("prometheus_client")  # the workers serve /metrics with it
     init = f"tcp://127.0.0.1:{free_port()}"
     processes: list[subprocess.Popen[bytes]] = []
     logs = [tmp_path / f"t{rank}.log" for rank in range(WORLD)]
@@ -180,3 +184,57 @@ def test_Top_live_screen_marks_a_stopped_worker_at_once(group: Group) -> None:
         _tmux(socket, "send-keys", "-t", "top", "q")
         time.sleep(0.5)
         _tmux(socket, "kill-server")  # our own server, on its own socket
+
+
+# -- without workers: what a scrape makes of a silent listener and of a closed port -----
+
+
+CANNED = (
+    'asyncrpc_worker_info{rank="0",worker="w0",world_size="3"} 1.0\n'
+    'asyncrpc_calls_sent_total{worker="w0"} 5.0\n'
+)
+
+
+class _Canned(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = CANNED.encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass  # no request log on stderr
+
+
+def test_Top_once_tells_a_silent_endpoint_from_a_closed_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Canned)
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
+    # A listener that never accepts: the kernel completes the handshake, as for a stopped
+    # process, and nothing is ever said.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    closed = free_port()  # nothing listens there
+    try:
+        endpoints = [str(server.server_port), str(silent.getsockname()[1]), str(closed)]
+        started = time.monotonic()
+        code = main(["--once", "--interval", "0.2", "--timeout", "0.5", ",".join(endpoints)])
+        took = time.monotonic() - started
+    finally:
+        server.shutdown()
+        server.server_close()
+        silent.close()
+    screen = capsys.readouterr().out
+    assert code == 2, screen
+    assert row(screen, "w0")[:3] == ["w0", "0", "up"], screen
+    assert f"? ({'http://127.0.0.1:' + endpoints[1]}/metrics): no answer in 0.5s" in screen
+    assert re.search(rf"^\?\s+DOWN.*\n\s+\^ \? \(http://127.0.0.1:{closed}/metrics\)", screen,
+                     re.M), screen  # fmt: skip
+    assert "1/3 up" in screen
+    # Two rounds of scrapes, each bounded by the timeout, whatever the silent one does.
+    assert took < 5.0, took
