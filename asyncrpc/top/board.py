@@ -20,6 +20,7 @@ from asyncrpc.top.figures import Figures, quantile, rate
 __all__ = ["Attempt", "Board", "Endpoint", "Row", "StreamRow"]
 
 UP, HUNG, DOWN, ERROR, WAITING = "up", "HUNG", "DOWN", "ERROR", "waiting"
+IDLE = "idle"  # the endpoint answers, but no worker runs in its process
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from asyncrpc.top.board import DOWN, ERROR, HUNG, Attempt
+from asyncrpc.top.board import DOWN, ERROR, HUNG, IDLE, Attempt
 from asyncrpc.top.exposition import ExpositionError, parse
 from asyncrpc.top.figures import extract
 
@@ -52,7 +52,10 @@ def scrape(url: str, timeout: float) -> Attempt:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as reply:
             body = reply.read().decode("utf-8", "replace")
-        return Attempt(time.monotonic(), figures=extract(parse(body)))
+        figures = extract(parse(body))
+        if not figures.worker:  # served before init_rpc or after shutdown: no figures
+            return Attempt(time.monotonic(), state=IDLE, reason="no worker runs there")
+        return Attempt(time.monotonic(), figures=figures)
     except ExpositionError as exc:
         return Attempt(time.monotonic(), state=ERROR, reason=f"not Prometheus text: {exc}")
     except urllib.error.HTTPError as exc:

@@ -189,6 +189,7 @@ def test_Top_live_screen_marks_a_stopped_worker_at_once(group: Group) -> None:
 # -- without workers: what a scrape makes of a silent listener and of a closed port -----
 
 
+EMPTY = ""  # what an endpoint serves before init_rpc
 CANNED = (
     'asyncrpc_worker_info{rank="0",worker="w0",world_size="3"} 1.0\n'
     'asyncrpc_calls_sent_total{worker="w0"} 5.0\n'
@@ -197,7 +198,7 @@ CANNED = (
 
 class _Canned(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
-        body = CANNED.encode()
+        body = (EMPTY if self.path == "/empty" else CANNED).encode()
         self.send_response(200)
         self.send_header("Content-Type", "text/plain; version=0.0.4")
         self.send_header("Content-Length", str(len(body)))
@@ -221,7 +222,8 @@ def test_Top_once_tells_a_silent_endpoint_from_a_closed_one(
     silent.listen(8)
     closed = free_port()  # nothing listens there
     try:
-        endpoints = [str(server.server_port), str(silent.getsockname()[1]), str(closed)]
+        endpoints = [str(server.server_port), str(silent.getsockname()[1]), str(closed),
+                     f"http://127.0.0.1:{server.server_port}/empty"]  # fmt: skip
         started = time.monotonic()
         code = main(["--once", "--interval", "0.2", "--timeout", "0.5", ",".join(endpoints)])
         took = time.monotonic() - started
@@ -235,6 +237,7 @@ def test_Top_once_tells_a_silent_endpoint_from_a_closed_one(
     assert f"? ({'http://127.0.0.1:' + endpoints[1]}/metrics): no answer in 0.5s" in screen
     assert re.search(rf"^\?\s+DOWN.*\n\s+\^ \? \(http://127.0.0.1:{closed}/metrics\)", screen,
                      re.M), screen  # fmt: skip
-    assert "1/3 up" in screen
+    assert re.search(r"^\?\s+idle.*\n.*/empty\): no worker runs there", screen, re.M), screen
+    assert "1/4 up" in screen
     # Two rounds of scrapes, each bounded by the timeout, whatever the silent one does.
     assert took < 5.0, took
