@@ -42,12 +42,18 @@ class Endpoint:
         self.good: deque[tuple[float, Figures]] = deque()
         self.last: Attempt | None = None
         self.last_good_at: float | None = None
+        # When its stream items last moved: a stall can outlast the window of scrapes.
+        self.items_moved_at: float | None = None
+        self._items: float | None = None
 
     def record(self, attempt: Attempt) -> None:
         self.last = attempt
         if attempt.figures is None:
             return
         self.last_good_at = attempt.at
+        items = _items(attempt.figures)
+        if items != self._items:
+            self.items_moved_at, self._items = attempt.at, items
         self.good.append((attempt.at, attempt.figures))
         # Keep the newest scrape and those within the window before it (at least two).
         while len(self.good) > 2 and attempt.at - self.good[1][0] >= self.window:
@@ -187,12 +193,6 @@ def _streams(endpoint: Endpoint) -> StreamRow | None:
         return None
     items = _items(new)
     per_s = (items - _items(old)) / (t_new - t_old) if t_new > t_old else None
-    # How long the item count stood still while streams were open: the newest scrape
-    # back to the first with the same count.
-    still_since = t_new
-    for at, figures in reversed(endpoint.good):
-        if _items(figures) != items:
-            break
-        still_since = at
-    still = t_new - still_since if len(endpoint.good) > 1 else None
+    moved = endpoint.items_moved_at
+    still = t_new - moved if moved is not None and len(endpoint.good) > 1 else None
     return StreamRow(new.worker, int(opened), items, per_s, still)

@@ -171,3 +171,16 @@ def test_Render_frame_shows_each_worker_and_marks_the_hung_one() -> None:
 )
 def test_Scrape_normalize_url(given: str, url: str) -> None:
     assert normalize_url(given) == url
+
+
+def test_Board_a_stream_with_no_item_for_longer_than_the_window_shows_how_long() -> None:
+    board = Board(["http://h:1/metrics"], window=5.0)
+    for at, sent in ((0.0, 10), (4.0, 30), (8.0, 30), (12.0, 30), (16.0, 30)):
+        board.record([attempt(at, scrape_text("w0", sent=sent, fast=sent, slow=0))])
+    (w0,) = board.rows(now=16.0)
+    assert w0.stream is not None
+    assert w0.stream.items_per_s == 0
+    assert w0.stream.still_for == 12.0  # since 4.0, past the 5 s window
+    line = next(line for line in frame([w0], interval=1.0) if "open" in line.text)
+    assert "no item for 12s" in line.text
+    assert line.alert
