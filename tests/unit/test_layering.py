@@ -50,6 +50,7 @@ FLOORS: list[tuple[float, tuple[str, ...]]] = [
         (
             "asyncrpc.api",
             "asyncrpc.metrics",
+            "asyncrpc.top",
             "asyncrpc.streaming",
             "asyncrpc.optim",
             "asyncrpc.nn",
