@@ -506,8 +506,9 @@ def get_metrics() -> dict[str, Any]:
         waiting for a reply), ``running_requests`` (requests it runs for others),
         ``bytes_in``/``bytes_out``, ``open_connections``, ``connections_lost``,
         ``reconnects``, ``thread_pool_busy``/``thread_pool_idle``/``thread_pool_blocked``,
-        ``loop_lag_ms``/``loop_lag_max_ms`` (how late the event loop runs), the
-        ``shm_*`` and ``stream*`` counters and the thread hand-offs (``handoffs_*``).
+        ``thread_pool_queued`` (jobs waiting for a thread), ``loop_lag_ms``/
+        ``loop_lag_max_ms`` (how late the event loop runs), the ``shm_*`` and ``stream*``
+        counters and the thread hand-offs (``handoffs_*``).
 
     Raises:
         NotInitializedError: no worker runs in this process.

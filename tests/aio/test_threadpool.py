@@ -281,3 +281,20 @@ async def test_WorkerPool_stand_ins_exit_when_their_job_is_done() -> None:
         assert pool.threads == 1
     finally:
         pool.shutdown()
+
+
+async def test_WorkerPool_statistics_count_the_jobs_waiting_for_a_thread() -> None:
+    pool = await _pool(1)
+    gate, started = threading.Event(), threading.Event()
+    try:
+        pool.submit(lambda: (started.set(), gate.wait(5.0)))
+        assert await asyncio.to_thread(started.wait, 5.0)
+        for _ in range(3):
+            pool.submit(lambda: None)  # the one thread is busy: these wait
+        figures = pool.statistics()
+        assert (figures["thread_pool_busy"], figures["thread_pool_queued"]) == (1, 3)
+        gate.set()
+        await until_async(lambda: pool.statistics()["thread_pool_queued"] == 0, 5.0)
+    finally:
+        gate.set()
+        pool.shutdown()

@@ -108,6 +108,8 @@ class WorkerPool:
             "thread_pool_threads": self.threads,
             "thread_pool_blocked": self.blocked,
             "thread_pool_refused": self.refused,
+            # Jobs submitted that no thread has taken yet (the pool's queue).
+            "thread_pool_queued": self._queued,
         }
 
     def _should_start(self) -> bool:
