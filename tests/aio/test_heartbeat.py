@@ -145,11 +145,19 @@ class Prober:
     def __init__(self, clock: FakeClock, answer: str | None, delay: float = 0.01) -> None:
         self.clock, self.answer, self.delay = clock, answer, delay
         self.started: list[float] = []
+        self.noticed = False
 
     def __call__(self, conn: Any, reply: Callable[[str | None], None]) -> bool:
         self.started.append(self.clock.now)
         self.clock.call_later(self.delay, reply, self.answer)
         return True
+
+    def notice(self, conn: Any) -> None:
+        self.noticed = True
+
+    @property
+    def checked(self) -> int:
+        return 1
 
 
 def probed(answer: str | None, seconds: float, limit: float = 1.0) -> dict[str, Any]:

@@ -51,6 +51,7 @@ def test_Heartbeat_pending_call_with_no_timeout_fails_when_the_peer_hangs(
     obs = hung_peer
     assert obs["code"] == 0, obs["logs"]
     assert obs["running_on_w1"] is True
+    assert obs["checked"] is True  # w1's and w2's listeners answered a probe before
     assert obs["stdin"] == "STOPPED"
     error = obs["pending"]["error"]
     assert error is not None, obs["pending"]
@@ -115,6 +116,7 @@ def test_Heartbeat_defaults_find_a_stopped_peer_by_silence_and_an_unanswered_pro
     obs = hung_by_default
     assert obs["code"] == 0, obs["logs"]
     assert obs["running_on_w1"] is True
+    assert obs["checked"] is True
     assert obs["stdin"] == "STOPPED"
     error = obs["pending"]["error"]
     assert error is not None, obs["pending"]

@@ -151,6 +151,9 @@ def hang_peer(args: argparse.Namespace) -> int:
     obs["running_on_w1"] = poll(
         lambda: asyncrpc.rpc_sync("w1", fns.metrics)["running_requests"] >= 1, 5.0
     )
+    # The probe of a peer is trusted once its listener has answered from here: a peer
+    # stopped in its very first moments is found by silence alone (silent_link_timeout).
+    obs["checked"] = poll(lambda: asyncrpc.get_metrics()["liveness_checked"] >= 2, 10.0)
     print("STARTED", flush=True)
     obs["stdin"] = sys.stdin.readline().strip()
     stopped_at = time.monotonic()
@@ -306,6 +309,15 @@ def hang_defaults(args: argparse.Namespace) -> int:
     obs["running_on_w1"] = poll(
         lambda: asyncrpc.rpc_sync("w1", fns.metrics)["running_requests"] >= 1, 5.0
     )
+    # Each probe is trusted once the peer's listener has answered from here (see
+    # hang_peer): the driver's of w1, w2 and w3, and w2's of w1.
+    obs["checked"] = poll(
+        lambda: (
+            asyncrpc.get_metrics()["liveness_checked"] >= 3
+            and asyncrpc.rpc_sync("w2", fns.metrics)["liveness_checked"] >= 1
+        ),
+        10.0,
+    )
     blocked = asyncrpc.rpc_async("w3", fns.busy_inline, args=(4.0,), timeout=0)
     print("STARTED", flush=True)
     obs["stdin"] = sys.stdin.readline().strip()
@@ -326,7 +338,7 @@ def hang_defaults(args: argparse.Namespace) -> int:
             "membership": events[0][3] - failed_at[0],
         }
     obs["w2_caller_losses"] = None
-    deadline = time.monotonic() + 10.0
+    deadline = time.monotonic() + 20.0  # past silent_link_timeout, whatever w2 knew
     while time.monotonic() < deadline:  # w2 finds w1 gone by its own heartbeat
         seen = asyncrpc.rpc_sync("w2", fns.caller_losses)
         if seen:

@@ -13,8 +13,16 @@ authenticated one (the key proof), so only a member can answer for the peer.
   or its host is unreachable; evidence of a loss.
 - Nobody listens at its address: the process is gone.
 
+The last two are evidence only where the peer's listener has been seen to answer from
+here before: a lane address that a firewall drops, or that is advertised on an interface
+the listener does not bind, would otherwise make every live peer look dead (the main
+connection open and merely silent means its process still holds its sockets). So each
+peer's listener is checked once while its connection is live (``notice``; again every
+``_RECHECK_S`` until it answers), and until then a probe proves nothing.
+
 The dial blocks, so each probe runs on a short-lived thread of its own (they are rare: one
-per silent peer per ``heartbeat_timeout``), and its answer goes back to the loop.
+check per peer, and one probe per silent peer per ``heartbeat_timeout``), and its answer
+goes back to the loop.
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ from asyncrpc.protocol.address import PeerAddress
 from asyncrpc.runtime.lanes.handshake import HANDSHAKE_ERRORS, dial_lane, lane_target
 
 __all__ = ["ProcessProbe", "probe_process"]
+
+# How often a peer whose lane listener has not answered yet is checked again (seconds).
+_RECHECK_S = 10.0
 
 
 def probe_process(
@@ -78,23 +89,49 @@ class ProcessProbe:
         self._loop = loop
         self._me, self._addresses, self._host_id = me, addresses, host_id
         self._key, self._max_frame_size, self.timeout = key, max_frame_size, timeout
+        # Ranks whose lane listener answered from here (any thread adds, by set.add).
+        self._answered: set[int] = set()
+        self._next_check: dict[int, float] = {}  # loop thread only
+
+    @property
+    def checked(self) -> int:
+        """Peers whose lane listener answered from here: their silence can be tested."""
+        return len(self._answered)
 
     def target(self, rank: int) -> str | tuple[str, int] | None:
         """Where ``rank`` takes lanes; None when it takes none (``sync_lanes=0``, TLS)."""
         address = self._addresses.get(rank)
         return None if address is None else lane_target(address, self._host_id)
 
+    def notice(self, conn: object) -> None:
+        """A live connection: check once that its peer's listener answers from here."""
+        rank = getattr(conn, "peer", None)
+        if rank is None or rank in self._answered:
+            return
+        now = self._loop.time()
+        if now < self._next_check.get(rank, 0.0):
+            return
+        self._next_check[rank] = now + _RECHECK_S
+        self._start(rank, lambda evidence: None)
+
     def __call__(self, conn: object, answer: Callable[[str | None], None]) -> bool:
         rank = getattr(conn, "peer", None)
-        target = None if rank is None else self.target(rank)
+        return rank is not None and self._start(rank, answer)
+
+    def _start(self, rank: int, answer: Callable[[str | None], None]) -> bool:
+        target = self.target(rank)
         if target is None:
             return False
-        assert rank is not None
         peer = (self._addresses[rank].name, rank)
         args = (target, self._me, peer, self._key, self._max_frame_size, self.timeout)
+        trusted = rank in self._answered
 
         def run() -> None:
             evidence = probe_process(*args)
+            if evidence is None:
+                self._answered.add(rank)
+            elif not trusted:
+                evidence = None  # never seen to answer from here: it proves nothing
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 self._loop.call_soon_threadsafe(answer, evidence)
 

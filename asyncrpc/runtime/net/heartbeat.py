@@ -30,12 +30,10 @@ from typing import Any, Protocol
 
 __all__ = ["Heartbeat", "Probe", "ProbeAnswer"]
 
-# What a probe tells: None when the peer's process answered, else the evidence that it
-# did not (a sentence for the loss's reason).
+# What a probe tells: None when the peer's process answered (or the probe proves
+# nothing), else the evidence that it did not (a sentence for the loss's reason).
 ProbeAnswer = Callable[[str | None], None]
-# Starts a probe of ``conn``'s peer whose answer comes back on the loop through the
-# callback; False when none can be made (the peer takes no lanes).
-Probe = Callable[["Watched", ProbeAnswer], bool]
+
 
 # A tick later than this past its time (seconds, beyond one period) judges nobody.
 _LATE_S = 0.5
@@ -49,6 +47,25 @@ class Watched(Protocol):
     def closed(self) -> bool: ...
 
     def send(self, pieces: Any, keepalive: object = None) -> None: ...
+
+
+class Probe(Protocol):
+    """Tests a silent peer's process without its event loop (``runtime/lanes/probe.py``)."""
+
+    def __call__(self, conn: Watched, answer: ProbeAnswer) -> bool:
+        """Start a probe of ``conn``'s peer; its answer comes back on the loop through
+        ``answer``. False when none can be made (the peer takes no lanes)."""
+        ...
+
+    def notice(self, conn: Watched) -> None:
+        """``conn`` is live: a chance to check, ahead of any silence, that its peer can be
+        probed at all (a probe that never answered proves nothing)."""
+        ...
+
+    @property
+    def checked(self) -> int:
+        """Peers whose probe has answered from here: their silence can be tested."""
+        ...
 
 
 class Heartbeat:
@@ -122,6 +139,8 @@ class Heartbeat:
                 count, since = conn.bytes_in, now
                 self._probed.pop(conn, None)
             heard[conn] = (count, since)
+            if self.probe is not None:
+                self.probe.notice(conn)
             self._judge(conn, now - since, now)
         self._heard = heard  # forgets connections that closed
         for conn in [c for c in self._probed if c not in heard]:

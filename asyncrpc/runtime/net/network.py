@@ -459,6 +459,7 @@ class Network:
             "open_unix_connections": sum(1 for c in live if c.is_unix),
             # silent peers whose process was probed, and probes whose silence lost a peer
             "liveness_probes": self.heartbeat.probes,
+            "liveness_checked": 0 if self.heartbeat.probe is None else self.heartbeat.probe.checked,
             "probes_unanswered": self.heartbeat.probes_unanswered,
             **self.shm.stats(),
         }
