@@ -42,6 +42,9 @@ class ScriptedGroup:
     def declare_lost(self, rank: int) -> None:
         self.declared.add(rank)
 
+    def count_dead(self, tag: str, rank: int) -> bool:
+        return True
+
     def declared_lost(self, ranks: list[int]) -> list[int]:
         return [r for r in ranks if r in self.declared]
 

@@ -156,10 +156,10 @@ def test_a_missing_rank_is_named_on_every_member() -> None:
     assert all("3" in str(o) for o in outcomes)
 
 
-@pytest.mark.parametrize("size", [8, 64])
-def test_a_barrier_costs_a_few_requests_whatever_the_size(size: int) -> None:
-    # Each poll is one check() of every rank's key: the count depends on how long the
-    # barrier takes (polls back off from 5 ms), not on the group's size.
+@pytest.mark.parametrize("size", [8, 64, 200])
+def test_a_barrier_costs_two_requests_whatever_the_size(size: int) -> None:
+    # An arrival is one add (its rank's bit); the waiter's one store wait names the
+    # blocks' "full" keys; the arrival that fills a block of 62 sets its key.
     store = dist.HashStore()
     groups = [StoreGroup(_Counted(store), r, size) for r in range(size)]
     gate = threading.Barrier(size)
@@ -172,13 +172,33 @@ def test_a_barrier_costs_a_few_requests_whatever_the_size(size: int) -> None:
     with ThreadPoolExecutor(size) as pool:
         assert all(pool.map(pass_barrier, groups))
     counts = [g.store.inner.total for g in groups]
-    assert max(counts) <= 12, counts
-    assert all(
-        g.store.inner.requests["check"] == c - 1 for g, c in zip(groups, counts, strict=True)
-    )
+    blocks = (size + 61) // 62
+    assert sum(counts) == 2 * size + blocks, counts
+    assert max(counts) <= 3, counts
 
 
-def test_missing_ranks_are_read_by_halving() -> None:
+def test_a_dead_rank_is_counted_once_and_opens_the_barrier() -> None:
+    store = dist.HashStore()
+    size = 70  # two blocks
+    groups = [StoreGroup(store, r, size) for r in range(size)]
+    for group in groups:
+        if group.rank not in (5, 64):
+            group.arrive("closing")
+    assert not groups[0].await_arrivals("closing", list(range(size)), 0.05)
+    assert groups[0].missing("closing") == [5, 64]
+    # Rank 64 dies; two survivors count it: once.
+    assert groups[1].count_dead("closing", 64)
+    assert not groups[2].count_dead("closing", 64)
+    assert groups[0].missing("closing") == [5]
+    # Rank 5 was thought dead but arrives: counted once, its bits not carried over.
+    assert groups[3].count_dead("closing", 5)
+    groups[5].arrive("closing")
+    assert groups[0].missing("closing") == []
+    assert groups[0].await_arrivals("closing", list(range(size)), 1.0)
+    assert not groups[1].count_dead("closing", 63)  # arrived: not counted again
+
+
+def test_missing_ranks_are_read_per_block() -> None:
     store = dist.HashStore()
     group = StoreGroup(_Counted(store), 0, 64)
     for rank in range(64):
@@ -189,5 +209,5 @@ def test_missing_ranks_are_read_by_halving() -> None:
     assert not group.await_arrivals("calls-done", list(range(64)), 0.05)
     before = counted.total
     assert group.missing("calls-done", list(range(64))) == [37]
-    assert counted.total - before <= 13  # 1 + 2 per halving step, not one per rank
+    assert counted.total - before == 2  # one read per block of 62 ranks, not per rank
     assert group.missing("calls-done", [1, 2, 3]) == []
