@@ -112,7 +112,7 @@ def _pass_barrier(group: Any, tag: str, size: int, arrive: bool = True) -> None:
     if arrive:
         group.arrive(tag)
     if hasattr(group, "await_arrivals"):  # the one-request wait, in slices
-        waiting, slice_s, probe_every = list(range(size)), 1.0, 1.0
+        waiting, slice_s, probe_every = list(range(size)), 0.5, 1.0
         probe_at = time.monotonic() + probe_every
         while not group.await_arrivals(tag, waiting, slice_s):  # bounded: all arrive
             if time.monotonic() > probe_at:  # who is missing, read now and then
@@ -121,7 +121,7 @@ def _pass_barrier(group: Any, tag: str, size: int, arrive: bool = True) -> None:
                     return
                 probe_every = min(probe_every * 2, 8.0)
                 probe_at = time.monotonic() + probe_every
-                slice_s = 1.0
+                slice_s = 0.5
                 continue
             slice_s = min(slice_s * 2, 2.0)
         return

@@ -49,7 +49,7 @@ _MAX_POLL_S = 0.25
 # barriers.py), and sees its own verdicts on lost peers within a slice.
 PROBE_AFTER_S = 1.0
 _MAX_PROBE_S = 8.0
-_FIRST_SLICE_S = 1.0
+_FIRST_SLICE_S = 0.5
 _MAX_SLICE_S = 2.0
 
 
