@@ -305,6 +305,11 @@ class Agent:
             # neighbours, which the loop must stay free to serve.
             callbacks.submit(_tell_watchers, [(watcher, error) for watcher in watchers])
 
+    def busy_peers(self) -> set[int]:
+        """The ranks with a call of ours waiting for its reply, or a request of theirs
+        running here (streams are calls on the consumer's side)."""
+        return set(self.outbox.pending.count_by_peer()) | self.dispatcher.running_peers()
+
     def watch_losses(self, callback: Callable[[PeerLostError], None]) -> Callable[[], None]:
         """Call ``callback(error)`` once for each peer lost for good from now on; returns
         what stops it."""

@@ -319,6 +319,20 @@ class PeerTable:
         if self._on_adopted is not None:
             self._on_adopted(rank, conn)
 
+    def take_back(self, rank: int, conn: Connection) -> bool:
+        """Make ``conn`` (authenticated, detached while its peer was asked to close it
+        for idleness: ``idle.py``) ``rank``'s connection again; False if another one is.
+        Callers waiting for a connection get it (a dial they started meanwhile was
+        refused as "already connected", and stops at its next look)."""
+        peer = self.peers[rank]
+        if peer.conn is not None and peer.conn is not conn and not peer.conn.closed:
+            return False
+        peer.conn = conn
+        if peer.ready is None or peer.ready.done():
+            peer.ready = asyncio.get_running_loop().create_future()
+        peer.ready.set_result(conn)
+        return True
+
     # -- the handshake: read, feed the machine, act -------------------------------------
 
     def on_handshake(self, conn: Connection, message: object) -> None:
