@@ -43,6 +43,7 @@ if rank == 0:
         return asyncrpc.rpc_async("w1", fn, args=args).wait()
 
     out["first"] = call(max, 1, 2)
+    out["self"] = asyncrpc.rpc_async("w0", max, args=(9, 1)).wait()  # the loopback too
     out["open_after_call"] = metric("open_connections")
     out["closed_when_idle"] = wait_closed(0)
     out["open_when_idle"] = metric("open_connections")
@@ -101,6 +102,7 @@ def test_idle_connections_close_and_the_next_call_dials_again() -> None:
     print(f"a call after an idle close: {out['cold_ms']:.2f} ms (median); on the live "
           f"connection after it: {out['warm_ms']:.2f} ms")  # fmt: skip
     assert out["first"] == 2
+    assert out["self"] == 9
     assert out["open_after_call"] == 1
     assert out["closed_when_idle"] is True
     assert out["open_when_idle"] == 0
