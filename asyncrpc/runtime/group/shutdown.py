@@ -202,8 +202,8 @@ class GracefulShutdown:
         slice_s, probe_every = _FIRST_SLICE_S, PROBE_AFTER_S
         probe_at = time.monotonic() + probe_every
         while True:  # bounded by the clock, or by every live worker arriving
-            # One request, answered when they have all arrived (or were counted dead) or
-            # after the slice.
+            # Polls of one request each, until they have all arrived (or were counted
+            # dead) or the slice ends.
             seconds = max(0.0, clock.within(slice_s) - time.monotonic())
             if await loop.run_in_executor(None, store.await_arrivals, tag, waiting, seconds):
                 return
