@@ -45,6 +45,9 @@ class ScriptedGroup:
     def count_dead(self, tag: str, rank: int) -> bool:
         return True
 
+    def lost_ranks(self) -> list[int]:
+        return sorted(self.declared)
+
     def declared_lost(self, ranks: list[int]) -> list[int]:
         return [r for r in ranks if r in self.declared]
 

@@ -204,6 +204,11 @@ def test_a_dead_rank_is_counted_once_and_opens_the_barrier() -> None:
     assert groups[0].missing("closing") == []
     assert groups[0].await_arrivals("closing", list(range(size)), 1.0)
     assert not groups[1].count_dead("closing", 63)  # arrived: not counted again
+    # The others learn whom the first survivor declared dead (one request if none).
+    assert groups[4].lost_ranks() == []
+    groups[1].declare_lost(64)
+    groups[2].declare_lost(64)
+    assert groups[4].lost_ranks() == [64]
 
 
 def test_missing_ranks_are_read_per_block() -> None:

@@ -27,6 +27,7 @@ _T = TypeVar("_T")
 # milliseconds, a worker serving its peers from inside shutdown() polls 4 times a second.
 _FIRST_POLL_S = 0.005
 _POLL_S = 0.25
+_LOST_LIST = _PREFIX + "lost_list"
 # Ranks per barrier counter: their bits fit a signed 64-bit value (torch's ``add``).
 _BLOCK = 62
 
@@ -234,8 +235,26 @@ class StoreBarriers:
         return not self._clear("left", [rank])
 
     def declare_lost(self, rank: int) -> None:
-        """Record that this worker found ``rank`` dead while shutting down."""
-        self._store_op(lambda: self.store.set(f"{_PREFIX}lost/{rank}", b"1"))
+        """Record that this worker found ``rank`` dead while shutting down (also in the
+        list ``lost_ranks`` reads)."""
+
+        def record() -> None:
+            self.store.set(f"{_PREFIX}lost/{rank}", b"1")
+            self.store.append(_LOST_LIST, f"{rank} ")
+
+        self._store_op(record)
+
+    def lost_ranks(self) -> list[int]:
+        """The ranks some worker declared dead while shutting down: one request when none
+        was. A barrier opens for a worker once the dead were counted by anyone, so a
+        survivor reads here those it did not find dead itself."""
+
+        def read() -> list[int]:
+            if not self.store.check([_LOST_LIST]):
+                return []
+            return sorted({int(r) for r in self.store.get(_LOST_LIST).split()})
+
+        return self._store_op(read)
 
     def declared_lost(self, ranks: list[int]) -> list[int]:
         """Those of ``ranks`` some worker recorded as dead (never blocks; a request each:

@@ -161,6 +161,7 @@ class GracefulShutdown:
         rrefs.report_leaks()
         await _until(lambda: self._requests_running() == 0, clock, "requests it runs")
         await self._barrier("closing", clock)
+        await self._adopt_verdicts()
         await self._release_store(clock)
 
     def report_dead(self, policy: str) -> None:
@@ -268,6 +269,15 @@ class GracefulShutdown:
             if not liveness.is_connected(rank):
                 await self._set_aside(rank, "declared lost by another worker")
                 await self._count_dead(tag, [rank])
+
+    async def _adopt_verdicts(self) -> None:
+        """Learn the dead that other survivors counted: the barriers opened for this
+        worker without it finding them dead itself (one request when none died)."""
+        loop = asyncio.get_running_loop()
+        lost = await loop.run_in_executor(None, self._group.store.lost_ranks)
+        for rank in lost:
+            if rank not in self.dead:
+                await self._set_aside(rank, "declared lost by another worker")
 
     async def _set_aside(self, rank: int, why: str) -> None:
         name = await self._name(rank)
