@@ -505,6 +505,7 @@ def get_metrics() -> dict[str, Any]:
         ``calls_failed``, ``calls_timed_out``, ``pending_calls`` (calls of this worker
         waiting for a reply), ``running_requests`` (requests it runs for others),
         ``bytes_in``/``bytes_out``, ``open_connections``, ``connections_lost``,
+        ``connections_idle_closed`` (closed by both sides for ``idle_timeout``),
         ``reconnects``, ``thread_pool_busy``/``thread_pool_idle``/``thread_pool_blocked``,
         ``thread_pool_queued`` (jobs waiting for a thread), ``loop_lag_ms``/
         ``loop_lag_max_ms`` (how late the event loop runs), the ``shm_*`` and ``stream*``

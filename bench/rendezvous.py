@@ -97,6 +97,8 @@ def _one_worker(
     shut_arrived = time.time()
     for tag in _TAGS:
         _pass_barrier(group, tag, size)
+    if hasattr(group, "lost_ranks"):  # shutdown.py reads whom others found dead
+        group.lost_ranks()
     phase[0] = "left"
     group.arrive("left")
     if rank == 0:

@@ -164,6 +164,11 @@ class RpcBackendOptions:
             code, or its connection carries nothing. It is also the limit where no probe
             can be made (the peer takes no lanes: ``sync_lanes=0`` or TLS). Never shorter
             than ``heartbeat_timeout``.
+        idle_timeout: seconds after which a connection that carried no call either way,
+            with nothing in flight on either side, is closed by agreement of both sides
+            (0, the default, keeps connections for the worker's life, as torch does); the
+            next call dials again. For large groups whose traffic moves between peers:
+            a worker then holds descriptors only for the peers it talks to now.
         print_errors: print, on this worker's stderr, the traceback of every exception a
             function raises when it runs here for a peer (as torch's agent does); the
             caller gets the exception either way.
@@ -218,6 +223,7 @@ class RpcBackendOptions:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 1.25
     silent_link_timeout: float = 10.0
+    idle_timeout: float = 0.0
     print_errors: bool = True
     inherit_deadlines: bool = True
     stream_window: int = 128
@@ -242,6 +248,8 @@ class RpcBackendOptions:
             raise InitError(
                 f"silent_link_timeout must be > 0 seconds, got {self.silent_link_timeout}"
             )
+        if not self.idle_timeout >= 0:
+            raise InitError(f"idle_timeout must be >= 0 seconds (0: off), got {self.idle_timeout}")
         tls = (self.tls_cert, self.tls_key, self.tls_ca)
         if any(p is not None for p in tls) and not all(p is not None for p in tls):
             raise InitError("TLS needs all of tls_cert, tls_key and tls_ca")

@@ -312,6 +312,11 @@ class Agent:
             feature.on_peer_lost(rank, error)
         self.watchers.on_gone(rank, error, left=error.evidence == "goodbye")
 
+    def busy_peers(self) -> set[int]:
+        """The ranks with a call of ours waiting for its reply, or a request of theirs
+        running here (streams are calls on the consumer's side)."""
+        return set(self.outbox.pending.count_by_peer()) | self.dispatcher.running_peers()
+
     def on_forks_unsent(self, rank: int, forks: list[ForkPair]) -> None:
         self.forks.undelivered(rank, forks)
 

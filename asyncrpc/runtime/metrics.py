@@ -29,6 +29,7 @@ class Counters:
     calls_expired: int = 0  # requests served here whose caller's deadline passed first
     connections_opened: int = 0
     connections_lost: int = 0
+    connections_idle_closed: int = 0  # closed by both sides' agreement (idle_timeout)
     protocol_errors: int = 0
     auth_failures: int = 0  # handshakes refused: wrong key, or none within the deadline
     handshake_timeouts: int = 0  # accepted connections with no handshake by the deadline

@@ -42,6 +42,12 @@ class ScriptedGroup:
     def declare_lost(self, rank: int) -> None:
         self.declared.add(rank)
 
+    def count_dead(self, tag: str, rank: int) -> bool:
+        return True
+
+    def lost_ranks(self) -> list[int]:
+        return sorted(self.declared)
+
     def declared_lost(self, ranks: list[int]) -> list[int]:
         return [r for r in ranks if r in self.declared]
 

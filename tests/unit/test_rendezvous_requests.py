@@ -32,6 +32,7 @@ class _Counted:
 
     def __init__(self, inner: Any) -> None:
         self.inner, self.requests = inner, Counter[str]()
+        self.keys_named: list[int] = []  # how many keys each check named
         self._lock = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:
@@ -40,6 +41,8 @@ class _Counted:
         def counted(*args: Any) -> Any:
             with self._lock:
                 self.requests[name] += 1
+                if name == "check":
+                    self.keys_named.append(len(args[0]))
             return method(*args)
 
         return counted
@@ -156,10 +159,12 @@ def test_a_missing_rank_is_named_on_every_member() -> None:
     assert all("3" in str(o) for o in outcomes)
 
 
-@pytest.mark.parametrize("size", [8, 64])
-def test_a_barrier_costs_a_few_requests_whatever_the_size(size: int) -> None:
-    # Each poll is one check() of every rank's key: the count depends on how long the
-    # barrier takes (polls back off from 5 ms), not on the group's size.
+@pytest.mark.parametrize("size", [8, 64, 200])
+def test_a_barrier_costs_a_few_requests_of_n_over_62_keys(size: int) -> None:
+    # An arrival is one add (its rank's bit); a poll is one check of the blocks' "full"
+    # keys (the store looks up N / 62 keys, not N); the arrival that fills a block of 62
+    # sets its key. The polls back off from 5 ms: their count depends on how long the
+    # barrier takes, not on the group's size.
     store = dist.HashStore()
     groups = [StoreGroup(_Counted(store), r, size) for r in range(size)]
     gate = threading.Barrier(size)
@@ -172,13 +177,41 @@ def test_a_barrier_costs_a_few_requests_whatever_the_size(size: int) -> None:
     with ThreadPoolExecutor(size) as pool:
         assert all(pool.map(pass_barrier, groups))
     counts = [g.store.inner.total for g in groups]
+    blocks = (size + 61) // 62
     assert max(counts) <= 12, counts
-    assert all(
-        g.store.inner.requests["check"] == c - 1 for g, c in zip(groups, counts, strict=True)
-    )
+    assert sum(g.store.inner.requests["add"] for g in groups) == size
+    assert sum(g.store.inner.requests["set"] for g in groups) == blocks
+    named = {n for g in groups for n in g.store.inner.keys_named}
+    assert named == {blocks}, named
 
 
-def test_missing_ranks_are_read_by_halving() -> None:
+def test_a_dead_rank_is_counted_once_and_opens_the_barrier() -> None:
+    store = dist.HashStore()
+    size = 70  # two blocks
+    groups = [StoreGroup(store, r, size) for r in range(size)]
+    for group in groups:
+        if group.rank not in (5, 64):
+            group.arrive("closing")
+    assert not groups[0].await_arrivals("closing", list(range(size)), 0.05)
+    assert groups[0].missing("closing") == [5, 64]
+    # Rank 64 dies; two survivors count it: once.
+    assert groups[1].count_dead("closing", 64)
+    assert not groups[2].count_dead("closing", 64)
+    assert groups[0].missing("closing") == [5]
+    # Rank 5 was thought dead but arrives: counted once, its bits not carried over.
+    assert groups[3].count_dead("closing", 5)
+    groups[5].arrive("closing")
+    assert groups[0].missing("closing") == []
+    assert groups[0].await_arrivals("closing", list(range(size)), 1.0)
+    assert not groups[1].count_dead("closing", 63)  # arrived: not counted again
+    # The others learn whom the first survivor declared dead (one request if none).
+    assert groups[4].lost_ranks() == []
+    groups[1].declare_lost(64)
+    groups[2].declare_lost(64)
+    assert groups[4].lost_ranks() == [64]
+
+
+def test_missing_ranks_are_read_per_block() -> None:
     store = dist.HashStore()
     group = StoreGroup(_Counted(store), 0, 64)
     for rank in range(64):
@@ -189,5 +222,5 @@ def test_missing_ranks_are_read_by_halving() -> None:
     assert not group.await_arrivals("calls-done", list(range(64)), 0.05)
     before = counted.total
     assert group.missing("calls-done", list(range(64))) == [37]
-    assert counted.total - before <= 13  # 1 + 2 per halving step, not one per rank
+    assert counted.total - before == 2  # check and multi_get of the blocks, not per rank
     assert group.missing("calls-done", [1, 2, 3]) == []

@@ -25,6 +25,7 @@ __all__ = [
     "Goodbye",
     "Hello",
     "HelloReply",
+    "Idle",
     "Kind",
     "Message",
     "Ping",
@@ -64,6 +65,8 @@ class Kind(IntEnum):
     STREAM_CLOSE = 17
     # Lanes only (asyncrpc/runtime/lanes/): the caller read a reply carrying RRef forks.
     ACK = 18
+    # Closing a connection both sides have left idle (asyncrpc/runtime/net/idle.py).
+    IDLE = 19
 
 
 class CallMode(IntEnum):
@@ -308,6 +311,18 @@ class ShmMessage:
         return [Kind.SHM, int(self.op), list(self.values)]
 
 
+@dataclass(frozen=True, slots=True)
+class Idle:
+    """About closing an idle connection: ``ask`` True, "I have nothing in flight with you,
+    and have written my last frame on this connection: close it if you have nothing
+    either"; False, "I have: keep it" (the asker takes it back)."""
+
+    ask: bool
+
+    def to_fields(self) -> list[Any]:
+        return [Kind.IDLE, self.ask]
+
+
 Message = (
     Hello
     | HelloReply
@@ -322,6 +337,7 @@ Message = (
     | Pong
     | ShmMessage
     | Ack
+    | Idle
 )
 
 
@@ -353,6 +369,12 @@ def _int(value: Any) -> int:
     # bool is an int subclass; a peer sending True for an id is broken.
     if type(value) is not int:
         raise TypeError(f"expected an int, got {value!r}")
+    return value
+
+
+def _bool(value: Any) -> bool:
+    if type(value) is not bool:
+        raise TypeError(f"expected a bool, got {value!r}")
     return value
 
 
@@ -464,4 +486,5 @@ _DECODERS: dict[int, Any] = {
     Kind.PONG: lambda f: Pong(),
     Kind.SHM: _decode_shm,
     Kind.ACK: lambda f: Ack(_int(f[1])),
+    Kind.IDLE: lambda f: Idle(_bool(f[1])),
 }

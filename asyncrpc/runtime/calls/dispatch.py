@@ -257,6 +257,10 @@ class Dispatcher:
             del self._running[served.key]
             self._cancel(served)
 
+    def running_peers(self) -> set[int]:
+        """The ranks whose requests run here now (their connections are not idle)."""
+        return {served.peer for served in self._running.values()}
+
     def cancel_peer(self, peer: int) -> None:
         """The caller is gone: nobody will read these replies."""
         for served in [s for s in self._running.values() if s.peer == peer]:

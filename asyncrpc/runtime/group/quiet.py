@@ -159,6 +159,10 @@ class QuietStore:
         with quiet_cpp_logs():
             self._store.wait(keys, timeout)
 
+    def append(self, key: str, value: str | bytes) -> None:
+        with quiet_cpp_logs():
+            self._store.append(key, value)
+
     def multi_get(self, keys: list[str]) -> list[bytes]:
         with quiet_cpp_logs():
             return [bytes(value) for value in self._store.multi_get(keys)]

@@ -161,6 +161,7 @@ class GracefulShutdown:
         rrefs.report_leaks()
         await _until(lambda: self._requests_running() == 0, clock, "requests it runs")
         await self._barrier("closing", clock)
+        await self._adopt_verdicts()
         await self._release_store(clock)
 
     def report_dead(self, policy: str) -> None:
@@ -197,11 +198,13 @@ class GracefulShutdown:
             return
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, store.reach, tag)
+        await self._count_dead(tag, sorted(self.dead))  # known dead from earlier rounds
         waiting = [r for r in range(size) if r not in self.dead]
         slice_s, probe_every = _FIRST_SLICE_S, PROBE_AFTER_S
         probe_at = time.monotonic() + probe_every
         while True:  # bounded by the clock, or by every live worker arriving
-            # One request, answered when they have all arrived or after the slice.
+            # Polls of one request each, until they have all arrived (or were counted
+            # dead) or the slice ends.
             seconds = max(0.0, clock.within(slice_s) - time.monotonic())
             if await loop.run_in_executor(None, store.await_arrivals, tag, waiting, seconds):
                 return
@@ -212,17 +215,24 @@ class GracefulShutdown:
                 missing = await loop.run_in_executor(None, store.missing, tag, waiting)
                 raise clock.expired(self._names(missing), tag)
             if time.monotonic() > probe_at:
-                # Which workers are missing is read only now and then (a few requests by
-                # halving): to dial them, and to adopt other survivors' verdicts.
+                # Which workers are missing is read only now and then (a read per 62
+                # ranks): to dial them, and to adopt other survivors' verdicts.
                 waiting = await self._waiting_for(tag, waiting)
                 if not waiting:
                     return
-                await self._probe(waiting)
+                await self._probe(tag, waiting)
                 probe_every = min(probe_every * 2, _MAX_PROBE_S)
                 probe_at = time.monotonic() + probe_every
                 slice_s = _FIRST_SLICE_S  # a refused dial's verdict comes in milliseconds
                 continue
             slice_s = min(slice_s * 2, _MAX_SLICE_S)
+
+    async def _count_dead(self, tag: str, ranks: list[int]) -> None:
+        """Count the dead ``ranks`` at barrier ``tag`` (once, whoever counts first), so
+        that the barrier opens for the survivors."""
+        store, loop = self._group.store, asyncio.get_running_loop()
+        for rank in ranks:
+            await loop.run_in_executor(None, store.count_dead, tag, rank)
 
     async def _set_aside_lost(self, tag: str, among: list[int]) -> None:
         """Set aside the workers of ``among`` this worker found dead, unless they reached
@@ -237,6 +247,7 @@ class GracefulShutdown:
         still = set(await loop.run_in_executor(None, store.missing, tag, lost))
         for rank in (r for r in lost if r in still):
             await self._set_aside(rank, tag)
+            await self._count_dead(tag, [rank])
             await loop.run_in_executor(None, store.declare_lost, rank)
 
     async def _waiting_for(self, tag: str, among: list[int]) -> list[int]:
@@ -247,15 +258,25 @@ class GracefulShutdown:
         await self._set_aside_lost(tag, missing)
         return [r for r in missing if r not in self.dead]
 
-    async def _probe(self, missing: list[int]) -> None:
-        """Dial the workers missing for long; adopt the verdicts other survivors stored
-        about those this worker has no live connection to."""
+    async def _probe(self, tag: str, missing: list[int]) -> None:
+        """Dial the workers missing for long; adopt (and count at barrier ``tag``) the
+        verdicts other survivors stored about those this worker has no live connection to."""
         liveness, loop = self._liveness, asyncio.get_running_loop()
         for rank in missing:
             liveness.probe(rank)
         declared = await loop.run_in_executor(None, self._group.store.declared_lost, missing)
         for rank in declared:
             if not liveness.is_connected(rank):
+                await self._set_aside(rank, "declared lost by another worker")
+                await self._count_dead(tag, [rank])
+
+    async def _adopt_verdicts(self) -> None:
+        """Learn the dead that other survivors counted: the barriers opened for this
+        worker without it finding them dead itself (one request when none died)."""
+        loop = asyncio.get_running_loop()
+        lost = await loop.run_in_executor(None, self._group.store.lost_ranks)
+        for rank in lost:
+            if rank not in self.dead:
                 await self._set_aside(rank, "declared lost by another worker")
 
     async def _set_aside(self, rank: int, why: str) -> None:
@@ -292,6 +313,7 @@ class GracefulShutdown:
         if self._group.rank != 0:
             return
         limit = clock.within(5.0)
+        await self._count_dead("left", sorted(self.dead))
         # Who has not left yet (in a dynamic group, of the members listed now).
         missing = await loop.run_in_executor(None, store.missing, "left")
         waiting = [r for r in missing if r not in self.dead]

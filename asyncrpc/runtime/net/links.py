@@ -343,6 +343,11 @@ class Links:
     def unacked_frames(self) -> int:
         return sum(len(log) for log in list(self._logs.values()))
 
+    def unacked(self, rank: int) -> int:
+        """Refcount frames to ``rank`` not acknowledged yet (forks in frames included)."""
+        log = self._logs.get(rank)
+        return 0 if log is None else len(log)
+
     # -- connection events -----------------------------------------------------------------
 
     def on_adopted(self, rank: int, conn: Connection) -> None:

@@ -38,6 +38,8 @@ class LoopbackConnection:
         self.goodbye = False
         self.bytes_in = 0
         self.bytes_out = 0
+        self.frames_in = 0  # as a Connection's (the network counts call frames on both)
+        self.idle: str | None = None  # never closed for idleness
 
     def send(self, pieces: list[Any], keepalive: object = None) -> None:
         # Pieces are decoded (copied) right here, so keepalive needs no holding.

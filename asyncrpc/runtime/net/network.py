@@ -37,6 +37,7 @@ from asyncrpc.protocol.wire.messages import (
     Goodbye,
     Hello,
     HelloReply,
+    Idle,
     Kind,
     Pong,
     ShmMessage,
@@ -44,6 +45,7 @@ from asyncrpc.protocol.wire.messages import (
 )
 from asyncrpc.runtime.metrics import Counters, RateLimitedLog
 from asyncrpc.runtime.net.heartbeat import Heartbeat, Watched
+from asyncrpc.runtime.net.idle import IdleCloser
 from asyncrpc.runtime.net.links import ForkEvents, Links
 from asyncrpc.runtime.net.listener import Listener, Parked
 from asyncrpc.runtime.net.loopback import LoopbackConnection
@@ -56,7 +58,7 @@ from asyncrpc.runtime.shm.shm import SHM_TAG_PREFIX, SharedMemory
 __all__ = ["Members", "Network", "Receiver"]
 
 _log = logging.getLogger(__name__)
-_OWN_KINDS = frozenset({Kind.PING, Kind.PONG, Kind.GOODBYE, Kind.SHM})
+_OWN_KINDS = frozenset({Kind.PING, Kind.PONG, Kind.GOODBYE, Kind.SHM, Kind.IDLE})
 
 
 def _never(rank: int) -> bool:
@@ -101,6 +103,11 @@ class Receiver(ForkEvents, Protocol):
 
     def on_peer_lost(self, rank: int, error: PeerLostError) -> None:
         """``rank`` is gone for good."""
+
+    def busy_peers(self) -> set[int]:
+        """The ranks this worker has something in flight with: calls waiting for their
+        reply, requests of theirs running here (an idle connection to any other may be
+        closed: ``idle.py``)."""
 
 
 class Network:
@@ -152,11 +159,16 @@ class Network:
             lambda: self.connections, self.links.ping, self._silent, self.links.ask_acks,
             silent_limit=options.silent_link_timeout,
         )  # fmt: skip
+        self.idle = IdleCloser(
+            loop, options.idle_timeout, lambda: self.connections, self.peers,
+            self._busy_peers, self.links.unacked,
+        )  # fmt: skip
 
     def start(self) -> None:
         """Take the listener's connections (parked ones first) and start the heartbeat."""
         self._listener.attach(self)
         self.heartbeat.start()
+        self.idle.start()
 
     # -- connections -----------------------------------------------------------------------
 
@@ -224,6 +236,7 @@ class Network:
     def on_frame(self, conn: Any, frame: Frame) -> None:
         fields = frame.fields
         if conn.peer is not None and (not fields or fields[0] not in _OWN_KINDS):
+            conn.frames_in += 1  # a sign of use for the idle closer (an int, no clock)
             self._receiver.on_frame(conn, frame)  # the hot path: calls and replies
             return
         message = self.decode(conn, fields)
@@ -239,6 +252,8 @@ class Network:
             self.links.ponged(conn, conn.peer)
         elif isinstance(message, ShmMessage):
             self.shm.on_message(conn.peer, message)
+        elif isinstance(message, Idle):
+            self.idle.on_idle(conn, message.ask)
         else:
             self.write(conn, encode_frame(Pong().to_fields(), b""))
 
@@ -288,8 +303,11 @@ class Network:
         rank = self.peers.on_lost(conn, exc)
         if rank is None:
             return
-        self.counters.connections_lost += 1
         peer = self.peers.peers[rank]
+        if conn.idle is not None:
+            self._closed_idle(rank, conn)
+            return
+        self.counters.connections_lost += 1
         # Forks whose frames may have died with it: ask the peer (see reflog.py).
         self.links.on_lost(rank, conn, ask=peer.lost is None and not self.closed)
         cause = f"connection lost ({exc or 'EOF'})"
@@ -309,6 +327,24 @@ class Network:
         elif peer.lost is None:
             _log.debug("worker %r: a connection to %r closed: %s", self.members.name,
                        peer.address.name, cause)  # fmt: skip
+
+    def _busy_peers(self) -> set[int]:
+        # Asked of the receiver only when idle_timeout is on (at the closer's ticks).
+        return self._receiver.busy_peers()
+
+    def _closed_idle(self, rank: int, conn: Connection) -> None:
+        """``conn`` closed after both sides agreed it was idle: nothing was in flight on
+        it, so nothing failed; no redial (the next frame for ``rank`` dials)."""
+        self.counters.connections_idle_closed += 1
+        peer = self.peers.peers[rank]
+        peer.vanished = None  # closed on purpose, though without a Goodbye
+        self.links.on_lost(rank, conn, ask=False)
+        self._receiver.on_connection_lost(
+            rank, conn, PeerLostError(peer.address.name, "connection closed while idle")
+        )
+        self.shm.on_peer_lost(rank)
+        _log.debug("worker %r: closed the idle connection to %r", self.members.name,
+                   peer.address.name)  # fmt: skip
 
     def _on_adopted(self, rank: int, conn: Connection) -> None:
         self.links.on_adopted(rank, conn)
@@ -438,6 +474,7 @@ class Network:
         """Stop listening and close every connection (saying Goodbye first if ``graceful``)."""
         self.closed = True
         self.heartbeat.stop()
+        self.idle.stop()
         self._listener.close()
         goodbye = encode_frame(Goodbye("shutdown").to_fields(), b"")
         for conn in list(self.connections):

@@ -163,11 +163,17 @@ class PeerTable:
             peer.ready = asyncio.get_running_loop().create_future()
             if not self._challenged(rank):
                 self._start_dial(peer, rank)
-            else:
+            elif self.rank > rank:
                 # The peer is dialling us: its Auth will resolve ``ready`` within a round
                 # trip, and dialling too could leave each side with a different connection.
                 # If that handshake fails (or is a stranger's), we dial: at once when it
-                # closes, at the latest after _CHALLENGE_WAIT_S.
+                # closes, at the latest after _CHALLENGE_WAIT_S. Only the higher rank may
+                # dial early: the lower rank's dial wins the tie-break, so the peer would
+                # accept it while adopting its own dial (when our answer to that dial is
+                # read after our Hello), and each side would then close the connection the
+                # other adopted, with calls written on it ("Broken pipe" in a loaded
+                # 64-worker all-to-all). The lower rank waits for the handshake to end:
+                # adopted, failed, or closed at the handshake deadline.
                 loop = asyncio.get_running_loop()
                 loop.call_later(_CHALLENGE_WAIT_S, self._dial_if_waiting, rank)
         try:
@@ -314,6 +320,20 @@ class PeerTable:
         _log.debug("%s connected to %s", self.name, peer.address.name)
         if self._on_adopted is not None:
             self._on_adopted(rank, conn)
+
+    def take_back(self, rank: int, conn: Connection) -> bool:
+        """Make ``conn`` (authenticated, detached while its peer was asked to close it
+        for idleness: ``idle.py``) ``rank``'s connection again; False if another one is.
+        Callers waiting for a connection get it (a dial they started meanwhile was
+        refused as "already connected", and stops at its next look)."""
+        peer = self.peers[rank]
+        if peer.conn is not None and peer.conn is not conn and not peer.conn.closed:
+            return False
+        peer.conn = conn
+        if peer.ready is None or peer.ready.done():
+            peer.ready = asyncio.get_running_loop().create_future()
+        peer.ready.set_result(conn)
+        return True
 
     # -- the handshake: read, feed the machine, act -------------------------------------
 

@@ -71,6 +71,11 @@ class Connection(asyncio.BufferedProtocol):
         self.peer: int | None = None
         self.peer_name: str | None = None
         self.goodbye = False  # the peer said it is closing on purpose
+        # Frames of calls received (not the network's own): the idle closer's sign of use.
+        self.frames_in = 0
+        # Closing for idleness (net/idle.py): None, "asked" (this side asked and wrote its
+        # last frame here) or "closing" (agreed: closed by this side or about to be).
+        self.idle: str | None = None
         self.peer_max_frame = 0  # the largest frame the peer takes (handshake; 0: unknown)
         self.is_unix = False  # a Unix socket (a peer on this host), not TCP
         self.bytes_in = 0
