@@ -60,6 +60,10 @@ def worker(rank: int, size: int, init_method: str) -> int:
     report: dict[str, Any] = {"rank": rank, "imported": imported, "joined": joined}
     if rank == 0:
         report.update(_drive(size))
+    # Nobody dies here: a peer this worker declared lost is a false loss (the heartbeat's
+    # limits under the load of N workers on two cores).
+    debug = asyncrpc.get_debug_info()
+    report["lost_peers"], report["liveness_probes"] = debug["lost_peers"], debug["liveness_probes"]
     report["leaving"] = time.time()
     asyncrpc.shutdown(timeout=300.0)
     report["left"] = time.time()
@@ -126,18 +130,22 @@ def _row(size: int, reports: list[dict[str, Any]], codes: list[int]) -> dict[str
         "fds_max": max(p["fds"] for p in prints),
         "threads": mean("os_threads"),
         "exit_codes_ok": codes == [0] * size,
+        "false_losses": sum(len(r["lost_peers"]) for r in reports),
+        "liveness_probes": sum(r["liveness_probes"] for r in reports),
     }
 
 
 def _print(rows: list[dict[str, Any]]) -> None:
     print("| workers | init (s) | all-to-all calls | all-to-all (s) | shutdown (s) | RSS/worker "
-          "(MiB) | PSS/worker (MiB) | fds/worker (max) | threads/worker | ok |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "(MiB) | PSS/worker (MiB) | fds/worker (max) | threads/worker | false losses "
+          "(probes) | ok |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        ok = r["all_pairs_ok"] and r["exit_codes_ok"]
+        ok = r["all_pairs_ok"] and r["exit_codes_ok"] and not r["false_losses"]
         print(f"| {r['workers']} | {r['init_s']:.1f} | {r['calls']} | {r['calls_s']:.1f} "
               f"| {r['shutdown_s']:.1f} | {r['rss_mib']:.0f} | {r['pss_mib']:.0f} "
-              f"| {r['fds']:.0f} ({r['fds_max']}) | {r['threads']:.0f} | {ok} |")  # fmt: skip
+              f"| {r['fds']:.0f} ({r['fds_max']}) | {r['threads']:.0f} "
+              f"| {r['false_losses']} ({r['liveness_probes']}) | {ok} |")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED {failure[:3000]}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0 if not failures and all(r["all_pairs_ok"] and r["exit_codes_ok"] for r in rows) else 1
+    good = all(r["all_pairs_ok"] and r["exit_codes_ok"] and not r["false_losses"] for r in rows)
+    return 0 if not failures and good else 1
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Rank 0 is the trainer; rank 1 ("primary") holds the model and copies every updat
 rank 2 ("standby") before it answers. After ``--hang-at`` updates the primary stops
 (SIGSTOP, as a machine that freezes): it has copied that update to the standby but never
 answers. The trainer's call has no timeout; the heartbeat finds the primary silent, its
-process does not answer a probe, and it is declared lost in about 2.5 s. The trainer's
+process does not answer a probe, and it is declared lost within about 2.5 s. The trainer's
 ``asyncrpc.on_peer_lost`` callback switches it to the standby, and the failed update is
 sent again there. Updates are numbered, so the standby applies each one once: the final
 weights equal those of the same training in one process.
@@ -126,7 +126,7 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def _options(args: argparse.Namespace) -> asyncrpc.RpcBackendOptions:
-    # The default heartbeat: a frozen worker is declared lost in about 2.5 s.
+    # The default heartbeat: a frozen worker is declared lost within about 2.5 s.
     return asyncrpc.RpcBackendOptions(init_method=args.init_method, rpc_timeout=args.timeout)
 
 

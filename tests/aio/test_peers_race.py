@@ -75,6 +75,13 @@ class Side:
     def on_protocol_error(self, conn: Connection, exc: BaseException) -> None: ...
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known race, not fixed: letting only the higher rank dial early (the first fix) "
+    "let a stranger's claim on a name keep its worker out for the whole handshake deadline "
+    "(tests/integration/test_healing.py); the fix belongs in adoption (both sides keeping "
+    "the connection the lower rank dialled), see issue 38's note",
+)
 async def test_PeerTable_a_slow_challenge_leaves_both_sides_on_one_connection() -> None:
     tag = uuid.uuid4().hex[:8]
     paths = {0: f"\0asyncrpc-race-{tag}-0", 1: f"\0asyncrpc-race-{tag}-1"}

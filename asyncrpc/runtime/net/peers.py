@@ -163,17 +163,11 @@ class PeerTable:
             peer.ready = asyncio.get_running_loop().create_future()
             if not self._challenged(rank):
                 self._start_dial(peer, rank)
-            elif self.rank > rank:
+            else:
                 # The peer is dialling us: its Auth will resolve ``ready`` within a round
                 # trip, and dialling too could leave each side with a different connection.
                 # If that handshake fails (or is a stranger's), we dial: at once when it
-                # closes, at the latest after _CHALLENGE_WAIT_S. Only the higher rank may
-                # dial early: the lower rank's dial wins the tie-break, so the peer would
-                # accept it while adopting its own dial (when our answer to that dial is
-                # read after our Hello), and each side would then close the connection the
-                # other adopted, with calls written on it ("Broken pipe" in a loaded
-                # 64-worker all-to-all). The lower rank waits for the handshake to end:
-                # adopted, failed, or closed at the handshake deadline.
+                # closes, at the latest after _CHALLENGE_WAIT_S.
                 loop = asyncio.get_running_loop()
                 loop.call_later(_CHALLENGE_WAIT_S, self._dial_if_waiting, rank)
         try:
