@@ -5,6 +5,7 @@ a lost consumer's references dropped, and no leak over 1,000 calls."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -69,6 +70,19 @@ def settle(*transfers: StagedTransfer) -> None:
             for device in range(2):
                 gpu(transfer).run(gpu(transfer).default_stream(device))
                 gpu(transfer).run(transfer.in_stream(device))
+
+
+def by_handle(
+    transfer: StagedTransfer, tensor: Any, peer: int, device_map: dict[str, str] | None = None
+) -> str:
+    """``tensor``'s tag in a message to ``peer``, sent the way the send gate lets it go:
+    once the producer's fill into the block has run."""
+    policy = transfer.policy(device_map or {"cuda:0": "cuda:0"}, peer)
+    tag, _ = policy.to_host(tensor)
+    for _, event in policy.shared:
+        gpu(transfer).run(event.stream)
+    assert transfer.ready(policy) is None
+    return str(tag)
 
 
 # -- the probe -------------------------------------------------------------------------------
@@ -139,7 +153,7 @@ def test_forced_ipc_needs_no_probe_but_still_only_same_host_peers() -> None:
 
 
 @pytest.mark.asyncio
-async def test_handle_leaves_at_once_and_the_consumer_reads_after_the_producer() -> None:
+async def test_handle_leaves_once_the_fill_ran_and_the_consumer_needs_no_wait() -> None:
     a, b = probed()
     producer = gpu(a).launch(gpu(a).default_stream(0), "writes x")
     copies = gpu(a).copies
@@ -147,26 +161,26 @@ async def test_handle_leaves_at_once_and_the_consumer_reads_after_the_producer()
     tag, tensor = sent.to_host(FakeTensor(0, "x"))
     assert is_ipc_tag(tag)
     assert tensor.fake_device == 0  # stays on the device: no copy, an empty segment
-    assert a.ready(sent) is None  # nothing to wait for before writing the frame
     assert gpu(a).copies == copies + 1  # one copy on the device, for sharing; none to host
     assert a.staged_out == 0
+    held = a.ready(sent)
+    assert held is not None  # the fill into the block waits behind the producer's kernel
+    waiting = asyncio.ensure_future(held)
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    gpu(a).run(gpu(a).default_stream(0))  # the kernel, then the fill
+    assert producer.done
+    await asyncio.wait_for(waiting, 1)
     received = b.policy({}, A)
     x = received.to_device(EMPTY, tag)
     assert x.fake_device == 1
     assert x.value == "x"
-    first = b.before_use(received)
-    assert first is not None
-    reader = gpu(b).new_stream(1)
-    with gpu(b).use_streams([reader]):
-        first()
-        kernel = gpu(b).launch(reader, "reads x")
-    gpu(b).run(b.in_stream(1))
-    assert gpu(b).run(reader) == 0  # the producer's kernel has not run
+    assert gpu(b).waits == 0  # nothing to wait on: the bytes were in the block already
+    # A second message whose fill is already done when it is framed is not held at all.
+    again = a.policy({"cuda:0": "cuda:1"}, B)
+    again.to_host(FakeTensor(0, "y"))
     gpu(a).run(gpu(a).default_stream(0))
-    assert producer.done
-    gpu(b).run(b.in_stream(1))
-    gpu(b).run(reader)
-    assert kernel.done
+    assert a.ready(again) is None
 
 
 def test_memory_on_another_gpu_of_the_host_gets_a_peer_copy() -> None:
@@ -185,12 +199,15 @@ def test_a_received_tensor_is_the_consumers_own_and_goes_back_by_handle() -> Non
     # An echo: what the consumer opened was copied into memory of its own, so its reply can
     # go by handle again (torch cannot share memory a process opened from a handle).
     a, b = probed()
-    tag, _ = a.policy({"cuda:0": "cuda:0"}, B).to_host(FakeTensor(0, "x"))
+    tag = by_handle(a, FakeTensor(0, "x"), B)
     x = b.policy({}, A).to_device(EMPTY, tag)
-    back, same = b.policy({"cuda:0": "cuda:0"}, A).to_host(x)  # the echo's reply
+    settle(b)
+    reply = b.policy({"cuda:0": "cuda:0"}, A)
+    back, same = reply.to_host(x)  # the echo's reply
     assert is_ipc_tag(back)
     assert same is x
     assert ipc(b).refused == 0
+    settle(b)
     y = a.policy({}, B).to_device(EMPTY, back)
     assert y.value == "x"
 
@@ -204,15 +221,17 @@ def test_memory_the_driver_will_not_share_goes_staged() -> None:
 
 
 def test_the_consumer_reads_the_bytes_as_they_were_sent() -> None:
-    # The tensor is copied into the block on the producer's stream, the event after it:
-    # what the consumer copies out is that, not the producer's tensor, so later writes
-    # cannot reach it.
+    # The tensor is copied into the block on the producer's stream: what the consumer
+    # copies out is that, not the producer's tensor, so later writes cannot reach it.
     a, b = probed()
     x = FakeTensor(0, "x")
-    tag, _ = a.policy({"cuda:0": "cuda:0"}, B).to_host(x)
+    policy = a.policy({"cuda:0": "cuda:0"}, B)
+    tag, _ = policy.to_host(x)
     labels = [item.label for item in gpu(a).default_stream(0).items]
     assert labels[-1].startswith("fill block")
     x.value = "written later"
+    settle(a)
+    assert a.ready(policy) is None
     assert b.policy({}, A).to_device(EMPTY, tag).value == "x"
 
 
@@ -249,14 +268,14 @@ def test_a_block_is_lent_until_the_consumers_copy_is_done_and_it_said_so() -> No
     ipc(a).field_in(B, ipc(b).field_out(A))  # the probes' blocks, named back
     ipc(b).field_in(A, ipc(a).field_out(B))
     made = ipc(a).blocks.made
-    tag, _ = a.policy({"cuda:0": "cuda:0"}, B).to_host(FakeTensor(0, "x"))
+    tag = by_handle(a, FakeTensor(0, "x"), B)
     x = b.policy({}, A).to_device(EMPTY, tag)
     assert ipc(a).outstanding(B) == 1
     ipc(a).field_in(B, ipc(b).field_out(A))  # b's next message: its copy has not run yet
     assert ipc(a).outstanding(B) == 1
-    second, _ = a.policy({"cuda:0": "cuda:0"}, B).to_host(FakeTensor(0, "y"))
+    second = by_handle(a, FakeTensor(0, "y"), B)
     assert ipc(a).blocks.made == made + 1  # the lent one is not filled again meanwhile
-    settle(a, b)  # the producer's fills, then the consumer's copies out of them
+    settle(a, b)  # the consumer's copies out
     told = ipc(b).field_out(A)
     assert told is not None
     assert len(told["r"]) == 1
@@ -268,6 +287,19 @@ def test_a_block_is_lent_until_the_consumers_copy_is_done_and_it_said_so() -> No
     assert host.live() == live  # a free block was filled again, none exported
     assert b.policy({}, A).to_device(EMPTY, second).value == "y"
     assert host.over_released == 0
+
+
+def test_a_block_whose_last_fill_has_not_run_is_not_filled_again() -> None:
+    # A probe's message does not wait for its fill: should the peer name its block back
+    # before that fill ran, the block is not lent again until it has.
+    host = FakeIpc()
+    a, b = probed(host)
+    settle(b)  # b copied the probe out; a's probe fill has not run
+    ipc(a).field_in(B, ipc(b).field_out(A))
+    assert ipc(a).outstanding(B) == 0
+    made = ipc(a).blocks.made
+    by_handle(a, FakeTensor(0, "x"), B)
+    assert ipc(a).blocks.made == made + 1  # a new block, not the probe's
 
 
 def test_a_lost_consumer_references_are_dropped_and_the_memory_collected() -> None:
@@ -308,7 +340,7 @@ def test_a_block_opened_but_never_named_back_is_not_dropped_twice() -> None:
 def test_a_lost_producer_s_blocks_are_unmapped() -> None:
     host = FakeIpc()
     a, b = probed(host)
-    tag, _ = a.policy({"cuda:0": "cuda:0"}, B).to_host(FakeTensor(0, "x"))
+    tag = by_handle(a, FakeTensor(0, "x"), B)
     y = b.policy({}, A).to_device(EMPTY, tag)
     referenced = host.referenced()
     ipc(b).on_peer_lost(A)
@@ -323,7 +355,7 @@ def test_a_thousand_calls_reuse_one_block() -> None:
     ipc(a).field_in(B, ipc(b).field_out(A))  # the probe's block, named back
     released = ipc(a).released
     for call in range(1000):
-        tag, _ = a.policy({"cuda:0": "cuda:0"}, B).to_host(FakeTensor(0, call))
+        tag = by_handle(a, FakeTensor(0, call), B)
         y = b.policy({}, A).to_device(EMPTY, tag)
         assert y.value == call
         settle(a, b)  # the copies ran; the reply names the block back
@@ -331,9 +363,31 @@ def test_a_thousand_calls_reuse_one_block() -> None:
     ipc(b).field_in(A, ipc(a).field_out(B))
     assert ipc(a).outstanding(B) == 0
     assert ipc(a).blocks.made == 1  # the probe's block, reused by every call
+    assert gpu(b).waits == 0  # no message made the consumer wait on the producer
     assert host.over_released == 0
     assert ipc(a).shared == 1000
     assert ipc(a).released - released == 1000
+
+
+def test_a_block_filled_again_holds_its_frame_until_the_new_fill_ran() -> None:
+    # Each message through the block waits for its own fill (behind the producer's
+    # kernel) before it leaves, and the consumer reads that message's bytes.
+    host = FakeIpc()
+    a, b = probed(host)
+    settle(a, b)
+    ipc(a).field_in(B, ipc(b).field_out(A))  # the probe's block, named back
+    for value in ("x", "y"):
+        producer = gpu(a).launch(gpu(a).default_stream(0), f"writes {value}")
+        policy = a.policy({"cuda:0": "cuda:0"}, B)
+        tag, _ = policy.to_host(FakeTensor(0, value))
+        assert a.ready(policy) is not None  # held: asked, never awaited, nothing left
+        settle(a)
+        assert producer.done
+        assert a.ready(policy) is None
+        assert b.policy({}, A).to_device(EMPTY, tag).value == value
+        settle(b)
+        ipc(a).field_in(B, ipc(b).field_out(A))  # named back: free for the next message
+    assert ipc(a).blocks.made == 1
 
 
 def test_no_block_within_the_bound_sends_the_tensor_staged() -> None:

@@ -28,43 +28,54 @@ SLEEP_CYCLES = 200_000_000
 N = 1 << 22  # 16 MiB of float32
 
 
-def _open_in_child(desc: tuple, event: bytes, nbytes: int, results: mp.Queue) -> None:  # type: ignore[type-arg]
+def _open_in_child(desc: tuple, nbytes: int, go: mp.Queue, results: mp.Queue) -> None:  # type: ignore[type-arg]
     from asyncrpc.runtime.cuda.real import CudaDevices
 
     gpu = CudaDevices()
     stream = gpu.new_stream(0)
-    local, opened = gpu.open_block(desc)
-    flat, done = gpu.copy_from_block(opened, local, nbytes, event, 0, stream)
-    with gpu.use_streams([stream]):
-        total = float(flat.view(torch.float32).sum().item())
-    results.put((total, gpu.done(done)))
+    local, opened = gpu.open_block(desc)  # once: the producer fills it again
+    for _ in range(2):
+        go.get(timeout=120)
+        flat, done = gpu.copy_from_block(opened, local, nbytes, 0, stream)
+        with gpu.use_streams([stream]):
+            total = float(flat.view(torch.float32).sum().item())
+        results.put((total, gpu.done(done)))
     gpu.close_blocks([opened])
 
 
 def test_CudaDevices_block_filled_then_copied_out_in_another_process_sees_the_queued_write() -> (
     None
 ):
+    """Two messages through one block: each fill is queued behind a long kernel with no
+    host sync, its message goes once the fill's event is done (what the send gate does),
+    and the copy out in the other process sees that fill and not a write queued after."""
     from asyncrpc.runtime.cuda.real import CudaDevices
 
     gpu = CudaDevices()
     x = torch.zeros(N, device="cuda:0")
     block, desc = gpu.export_block(0, x.nbytes)
-    torch.cuda._sleep(SLEEP_CYCLES)
-    x.fill_(2.0)
-    started = time.perf_counter()
-    keep, event = gpu.fill_block(block, x, x.nbytes, gpu.current_stream(0))  # copy, event
-    assert time.perf_counter() - started < 0.05  # no host sync
-    x.fill_(5.0)  # written after the fill: the consumer must not see it
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    child = ctx.Process(target=_open_in_child, args=(desc, event, x.nbytes, results))
+    go, results = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_open_in_child, args=(desc, x.nbytes, go, results))
     child.start()
     try:
-        assert results.get(timeout=120) == (2.0 * N, True)
+        for value in (2.0, 3.0):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            x.fill_(value)
+            started = time.perf_counter()
+            filled = gpu.fill_block(block, x, x.nbytes, gpu.current_stream(0))
+            assert time.perf_counter() - started < 0.05  # no host sync
+            x.fill_(5.0)  # written after the fill: the consumer must not see it
+            assert not gpu.done(filled)  # behind the kernel
+            deadline = time.monotonic() + 60
+            while not gpu.done(filled):  # the send gate's poll, bounded
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+            go.put(True)
+            assert results.get(timeout=120) == (value * N, True)
     finally:
         child.join(60)
     assert child.exitcode == 0
-    del keep
 
 
 def test_killed_consumer_holding_shared_memory_does_not_leak_it(tmp_path: Path) -> None:

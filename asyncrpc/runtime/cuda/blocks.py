@@ -4,13 +4,12 @@
 Why blocks and not one export per tensor: on an H100 (docs/cuda.md, "What the hardware
 settled"), opening another process's memory costs the consumer about 0.7 ms, and letting
 go of it waits for the GPU with the GIL held (230 ms behind a busy kernel, the whole
-process stopped), while an interprocess event costs 0.1 ms on each side. So a producer
-keeps, per peer and device, blocks it exported once; the peer maps each block once and
-keeps the mapping while the producer lives. A message's tensor is copied into a free
-block on the producer's stream, an interprocess event after it; the consumer's stream
-waits on that event and copies the bytes out into memory of its own, and once that copy
-is done the consumer names the block back (``ipc.py``'s release notices) and it is free
-for the next message.
+process stopped). So a producer keeps, per peer and device, blocks it exported once; the
+peer maps each block once and keeps the mapping while the producer lives. A message's
+tensor is copied into a free block on the producer's stream, and the message leaves once
+that copy is done (its send gate); the consumer copies the bytes out into memory of its
+own, and once that copy is done it names the block back (``ipc.py``'s release notices)
+and the block is free for the next message.
 
 Bound: at most ``limit`` bytes of blocks per peer (sizes rounded up to a power of two
 from ``MIN_BLOCK``). A message that fits no free block and whose new block would pass the
@@ -45,7 +44,8 @@ class ExportedBlock:
     size: int
     memory: Any  # the seam's device buffer: held while the peer may read it
     desc: IpcDescriptor  # what names it to the peer
-    event: Any = None  # the interprocess event of the message in it, kept until it is free
+    named: str = ""  # ``desc`` as the tags carry it (encoded once)
+    filled: Any = None  # the event of its last fill: not filled again before it completed
     confirmed: bool = False  # the peer said it opened it (it returned a message's block)
 
 
@@ -75,11 +75,16 @@ class ExportBlocks:
         size = _size_class(nbytes)
         key = (peer, device, size)
         with self._lock:
-            free = self._free.get(key)
-            if free:
-                block = free.pop()
-                self._lent.setdefault(peer, {})[block.id] = block
-                return block
+            free = self._free.get(key, [])
+            # The consumer named it back once its copy out was done, which follows the
+            # fill its message waited for; a probe's message does not wait, so its fill
+            # is asked here (a query: it never blocks).
+            for i in range(len(free) - 1, -1, -1):
+                block = free[i]
+                if block.filled is None or self._devices.done(block.filled):
+                    del free[i]
+                    self._lent.setdefault(peer, {})[block.id] = block
+                    return block
             if self._bytes.get(peer, 0) + size > self.limit:
                 self.full += 1
                 return None
@@ -107,7 +112,6 @@ class ExportBlocks:
                 if block is None:
                     continue
                 count += 1
-                block.event = None
                 block.confirmed = True
                 self._free.setdefault((peer, block.device, block.size), []).append(block)
         return count

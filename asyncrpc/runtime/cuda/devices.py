@@ -123,13 +123,12 @@ class Devices(Protocol):
         (and, once dropped, until every opener released it and ``collect`` ran)."""
         ...
 
-    def fill_block(
-        self, block: Any, tensor: Any, nbytes: int, stream: CudaStream
-    ) -> tuple[Any, bytes]:
+    def fill_block(self, block: Any, tensor: Any, nbytes: int, stream: CudaStream) -> Event:
         """Queue on ``stream`` (the producer's) a copy of the first ``nbytes`` of
-        ``tensor``'s memory into ``block``, then an interprocess event: returns the event
-        (keep it until the opener is done) and its handle, which the opener waits on.
-        The host does not wait; writes to ``tensor`` queued later never reach the block."""
+        ``tensor``'s memory into ``block``; returns an event recorded after it (of this
+        process: the message naming the block leaves once it completed, so the opener
+        needs no interprocess event to wait on). The host does not wait; writes to
+        ``tensor`` queued later never reach the block."""
         ...
 
     def open_block(self, desc: IpcDescriptor) -> tuple[int, Any]:
@@ -143,13 +142,13 @@ class Devices(Protocol):
         ...
 
     def copy_from_block(
-        self, opened: Any, local: int, nbytes: int, event: bytes, device: int, stream: CudaStream
+        self, opened: Any, local: int, nbytes: int, device: int, stream: CudaStream
     ) -> tuple[Any, Event]:
-        """Queue on ``stream`` a wait for the producer's interprocess ``event``, then a copy
-        of the first ``nbytes`` of the mapped block (on GPU ``local``) into a new flat uint8
-        tensor on ``device``, owned by this process (a peer copy across GPUs). Returns the
-        tensor and an event that completes once the block may be filled again. No host
-        wait; work queued on ``stream`` afterwards sees the bytes."""
+        """Queue on ``stream`` a copy of the first ``nbytes`` of the mapped block (on GPU
+        ``local``; the producer's fill of it had completed before its message was sent)
+        into a new flat uint8 tensor on ``device``, owned by this process (a peer copy
+        across GPUs). Returns the tensor and an event that completes once the block may be
+        filled again. No host wait; work queued on ``stream`` afterwards sees the bytes."""
         ...
 
     def close_blocks(self, opened: list[Any]) -> None:

@@ -82,13 +82,12 @@ class FakeIpc:
     """One host's CUDA IPC, simulated: exported blocks by handle, with torch's reference
     counting as a GPU showed it (an opener's mapping counts one reference, taken when it
     opens; closing the mapping or ``unshare`` drops it; ``collect`` frees blocks their
-    producer let go of and nobody references), and interprocess events by handle. Give
+    producer let go of and nobody references). Give
     the same instance to the ``FakeDevices`` of every "process" on one host."""
 
     def __init__(self) -> None:
         self._ids = itertools.count(1)
         self.shared: dict[int, _Shared] = {}
-        self.events: dict[int, FakeEvent] = {}
         self.opened = 0
         self.freed = 0
         self.over_released = 0  # references dropped twice (a bug above the seam)
@@ -236,22 +235,25 @@ class FakeDevices:
 
     def fill_block(
         self, block: FakeTensor, tensor: Any, nbytes: int, stream: FakeStream
-    ) -> tuple[FakeEvent, bytes]:
+    ) -> FakeEvent:
         if getattr(tensor, "opened", False):
             raise RuntimeError("memory the driver will not share")
         ipc = self.ipc
         handle = block.handle
         assert handle is not None, "not an exported block"
+        work = FakeWork(f"fill block {handle} on {stream.name}")
         # The bytes as the producer's work leaves them: what the consumer sees, whatever
-        # is written to ``tensor`` later.
-        ipc.shared[handle].value = getattr(tensor, "value", None)
-        block.value = ipc.shared[handle].value
+        # is written to ``tensor`` later. In shared memory only once the fill has run.
+        value = getattr(tensor, "value", None)
+
+        def land() -> None:
+            ipc.shared[handle].value = value
+
+        work.action = land
+        block.value = value
         self.copies += 1
-        stream.items.append(FakeWork(f"fill block {handle} on {stream.name}"))
-        event = self.record(stream)
-        event_id = next(ipc._ids)
-        ipc.events[event_id] = event
-        return event, event_id.to_bytes(8, "little")
+        stream.items.append(work)
+        return self.record(stream)
 
     def open_block(self, desc: tuple[Any, ...]) -> tuple[int, FakeMapping]:
         uuid, handle = desc
@@ -266,18 +268,14 @@ class FakeDevices:
         return local, FakeMapping(handle, entry)
 
     def copy_from_block(
-        self, opened: FakeMapping, local: int, nbytes: int, event: bytes, device: int,
-        stream: FakeStream,
-    ) -> tuple[FakeTensor, FakeEvent]:  # fmt: skip
-        produced = self.ipc.events.get(int.from_bytes(event, "little"))
-        if produced is None:
-            raise OSError("cannot open a CUDA IPC event")
-        self.waits += 1
-        stream.items.append(FakeWork(f"wait for block {opened.handle}", after=produced))
+        self, opened: FakeMapping, local: int, nbytes: int, device: int, stream: FakeStream
+    ) -> tuple[FakeTensor, FakeEvent]:
         if local != device:
             stream.items.append(FakeWork(f"peer copy {local} -> {device} on {stream.name}"))
         self.copies += 1
         stream.items.append(FakeWork(f"copy out of block {opened.handle} on {stream.name}"))
+        # What the block holds now: the message's bytes only if the producer's fill has
+        # run (its send gate's job).
         tensor = FakeTensor(device, opened.entry.value, nbytes=nbytes)
         return tensor, self.record(stream)
 

@@ -87,6 +87,11 @@ class SendGate:
     def idle(self) -> bool:
         return self._tail is None or self._tail.done()
 
+    def passes(self, frame: FrameEvents) -> bool:
+        """Whether ``frame`` may be written now, without awaiting ``ready``: no frame is
+        held before it and its events are done (asked, never waited for)."""
+        return self.idle() and self._all_done(frame)
+
     async def ready(self, frame: FrameEvents) -> None:
         """Return once the frame's events are done and every frame queued before it has
         left. Cancelling the wait lets the frames behind it go on (the frame is dropped)."""

@@ -3,11 +3,17 @@
 A tensor for a peer that can open this process's CUDA IPC handles is copied, on the
 producer's stream, into a device block exported to that peer (``blocks.py``), and travels
 as a handle in its segment's tag (``ipc:<device>:<block>:<nbytes>:<descriptor>``) with an
-empty segment. An interprocess event recorded after that copy orders the consumer, so
-the frame leaves at once; the consumer maps the block (once per block), its copy-in
-stream waits for the event and copies the bytes into memory of its own, and its users are
-ordered after that stream as for staged copies. Neither side's later work touches the
-other's memory, and a received tensor can be sent on by handle again (an echo).
+empty segment. The message leaves once that copy is done (``export`` returns its event,
+which the frame's send gate polls: a small copy is done by the time the frame is
+written), so the consumer needs nothing to wait on: it maps the block (once per block),
+copies the bytes into memory of its own on its copy-in stream, and its users are ordered
+after that stream as for staged copies. Neither side's later work touches the other's
+memory, and a received tensor can be sent on by handle again (an echo).
+
+Why no interprocess event (an H100 machine, ``bench/cuda_call_profile.py``): recording
+one per message and waiting on it in the consumer cost about 0.15 ms of host time per
+message, more than the rest of the transfer; the producer's local event costs a few us
+and polling it nothing that blocks.
 
 Which peers: decided per peer and direction by a probe that rides on the device-map
 hook's header field (``ci``), so no new wire message is needed: the first message to a
@@ -64,7 +70,7 @@ def _encode(value: list[Any]) -> str:
 
 def _decode(text: str) -> list[Any]:
     value = msgpack.unpackb(base64.b64decode(text), raw=False)
-    if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], list)):
+    if not isinstance(value, list):
         raise ValueError("malformed CUDA IPC descriptor")
     return value
 
@@ -160,13 +166,15 @@ class IpcLinks:
             host = _zeros(PROBE_BYTES)
             stream = self._stream_for(0)
             probe = self.devices.stage_in(host, 0, stream)
-            tag = self.export(peer, probe, PROBE_BYTES, "cuda:0", stream, count=False)
+            # The probe's bytes are never read: its message need not wait for the fill
+            # (and the block is not filled again before this fill is done: blocks.py).
+            exported = self.export(peer, probe, PROBE_BYTES, "cuda:0", stream, count=False)
         except Exception:  # no device memory to share: the peer gets staged copies
             _log.debug("CUDA IPC probe for peer %s could not be made", peer, exc_info=True)
             return None
-        if tag is None:
+        if exported is None:
             return None
-        return [identity.boot_id, tag]
+        return [identity.boot_id, exported[0]]
 
     def _try_probe(self, peer: int, offer: Any) -> bool:
         """Can we open what ``peer`` offered? Same boot, one of our GPUs, and it opens."""
@@ -192,10 +200,11 @@ class IpcLinks:
         target: str,
         stream: CudaStream,
         count: bool = True,
-    ) -> str | None:
+    ) -> tuple[str, Event] | None:
         """Copy the first ``nbytes`` of ``tensor`` into a block exported to ``peer``, after
-        the work queued on ``stream`` (the producer's); returns the segment's tag, or None
-        when no block is free within the bound (then the tensor goes staged).
+        the work queued on ``stream`` (the producer's); returns the segment's tag and the
+        copy's event (the message must not leave before it completed), or None when no
+        block is free within the bound (then the tensor goes staged).
 
         Raises:
             RuntimeError: the device would not export or fill a block.
@@ -207,14 +216,17 @@ class IpcLinks:
         if block is None:
             return None
         try:
-            block.event, event = self.devices.fill_block(block.memory, tensor, nbytes, stream)
+            filled = self.devices.fill_block(block.memory, tensor, nbytes, stream)
         except BaseException:
             self.blocks.returned(peer, [block.id])
             raise
+        block.filled = filled
         if count:
             with self._lock:
                 self.shared += 1
-        return f"{TAG}{target}:{block.id}:{nbytes}:{_encode([list(block.desc), event])}"
+        if not block.named:
+            block.named = _encode(list(block.desc))
+        return f"{TAG}{target}:{block.id}:{nbytes}:{block.named}", filled
 
     def outstanding(self, peer: int) -> int:
         """Messages ``peer`` has not named back yet."""
@@ -240,18 +252,15 @@ class IpcLinks:
         if kind != "cuda" or not index.isdigit() or not block_id.isdigit():
             raise ValueError(f"malformed CUDA IPC tag {tag[:60]!r}")
         device, block, size = int(index), int(block_id), int(nbytes)
-        desc, event = _decode(text)
-        if not isinstance(event, bytes):
-            raise ValueError("malformed CUDA IPC event handle")
         with self._lock:
             mapped = self._mapped.get(peer, {}).get(block)
-        if mapped is None:
-            mapped = self.devices.open_block(tuple(desc))
+        if mapped is None:  # the first message in this block: map it (kept)
+            mapped = self.devices.open_block(tuple(_decode(text)))
             with self._lock:
                 self._mapped.setdefault(peer, {})[block] = mapped
         local, opened = mapped
         stream = self._stream_for(device)
-        tensor, done = self.devices.copy_from_block(opened, local, size, event, device, stream)
+        tensor, done = self.devices.copy_from_block(opened, local, size, device, stream)
         with self._lock:
             self._in.setdefault(peer, []).append((block, done))
             self.opened += 1

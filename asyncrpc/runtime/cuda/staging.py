@@ -183,11 +183,14 @@ class StagedTransfer:
         """What a frame sent under ``policy`` waits for (None: nothing was staged): its
         parts (``StagedParts``) when every tensor it stages was copied in several chunks,
         so the links write its first chunks while the next are copied; else its events."""
-        if not isinstance(policy, StagedCopy) or not policy.events:
+        if not isinstance(policy, StagedCopy) or not (policy.events or policy.shared):
             return None
-        if len(policy.chunks) > 1 and not policy.whole:
+        frame = policy.frame_events()
+        if self.gate.passes(frame):  # copies already done (small ones often are): no hold
+            return None
+        if len(policy.chunks) > 1 and not policy.whole and not policy.shared:
             return StagedParts(self, policy)
-        return self.gate.ready(policy.frame_events())
+        return _Held(self.gate, frame)
 
     def parts(self, policy: TensorPolicy, pieces: list[Any]) -> list[Part]:
         """The frame of ``pieces``, sent under ``policy``, as parts a writer may send one
@@ -247,6 +250,20 @@ class StagedTransfer:
         return stream
 
 
+class _Held:
+    """A frame's wait in the send gate, entered only once awaited: a frame dropped
+    before that (its call cancelled, the peer lost, a shutdown) leaves no coroutine
+    that was never awaited, and takes no place in the gate."""
+
+    __slots__ = ("_frame", "_gate")
+
+    def __init__(self, gate: SendGate, frame: FrameEvents) -> None:
+        self._gate, self._frame = gate, frame
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._gate.ready(self._frame).__await__()
+
+
 class StagedParts:
     """A staged frame's readiness in parts (``asyncrpc.runtime.net.links.FrameInParts``):
     the links write each part of the frame once its chunk's copy to the host is done, the
@@ -279,8 +296,8 @@ class StagedCopy(TensorPolicy):
     """The CUDA half of one message's tensor policy (see the module's docstring)."""
 
     __slots__ = (
-        "_producers", "chunks", "device_map", "events", "peer", "received", "streams",
-        "transfer", "whole",
+        "_producers", "chunks", "device_map", "events", "peer", "received", "shared",
+        "streams", "transfer", "whole",
     )  # fmt: skip
 
     def __init__(
@@ -299,12 +316,15 @@ class StagedCopy(TensorPolicy):
         # tensor's chunks in order; those of one device are ordered on its copy stream).
         self.chunks: list[tuple[int, int, Event]] = []
         self.whole = False  # a tensor was copied in one piece (not contiguous)
+        # (device, event) after each copy into a block for the peer (by handle): the
+        # frame leaves once they completed, so the peer reads the blocks without a wait.
+        self.shared: list[tuple[int, Event]] = []
 
     def blocking(self) -> TensorPolicy:
         return HostCopy(self.device_map)
 
     def frame_events(self) -> FrameEvents:
-        return FrameEvents(tuple(self.events.items()))
+        return FrameEvents(tuple(self.events.items()) + tuple(self.shared))
 
     def to_host(self, tensor: Any) -> tuple[str, Any]:
         transfer = self.transfer
@@ -365,9 +385,9 @@ class StagedCopy(TensorPolicy):
         self, ipc: IpcLinks, tensor: Any, device: int, target: str, on: Any
     ) -> tuple[str, Any] | None:
         """By handle, or None where it cannot go so (the driver refused, or the peer's
-        blocks are all in use up to their bound): then it goes staged. Nothing to wait for
-        here: the consumer's stream waits for the event recorded after the copy into the
-        block; the segment goes empty."""
+        blocks are all in use up to their bound): then it goes staged. The copy into the
+        block is queued here; the frame waits for its event (``shared``); the segment goes
+        empty."""
         assert self.peer is not None
         devices = self.transfer.devices
         stream = on if on is not None else devices.current_stream(device)
@@ -376,12 +396,14 @@ class StagedCopy(TensorPolicy):
             with devices.use_streams([stream]):  # conj/neg/contiguous, if any, on that stream
                 tensor, _, nbytes = _resolved_span(tensor)  # as the serializer will describe it
         try:
-            tag = ipc.export(self.peer, tensor, nbytes, target, stream)
+            exported = ipc.export(self.peer, tensor, nbytes, target, stream)
         except (RuntimeError, ValueError):
-            tag = None
-        if tag is None:  # refused, or no block free within the bound
+            exported = None
+        if exported is None:  # refused, or no block free within the bound
             ipc.refused += 1
             return None
+        tag, filled = exported
+        self.shared.append((device, filled))  # the frame leaves once the fill is done
         return tag, tensor
 
     def to_device(self, segment: Any, device: str) -> Any:
