@@ -72,7 +72,10 @@ def rusage_us() -> float:
 
 
 def _wrap(owner: Any, name: str, label: str, end: bool = True) -> None:
-    inner = getattr(owner, name)
+    inner = getattr(owner, name, None)
+    if inner is None:  # renamed since: say so rather than stop the run
+        print(f"backward_stages: no {name} on {owner!r}; not stamped", file=sys.stderr)
+        return
 
     @functools.wraps(inner)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -90,9 +93,11 @@ def install(side: str) -> None:
     """Wrap the stages of a backward hop with stamps (``side``: "c" or "s")."""
     import asyncrpc.autograd as ag
     from asyncrpc.autograd import engine
-    from asyncrpc.autograd.context import context_table
+    from asyncrpc.autograd.feature import context_table
+    from asyncrpc.runtime.current import current_agent
 
-    agent, table = context_table()
+    _, table = context_table()
+    agent = current_agent()
     if side == "c":
         _wrap(ag, "local_pass", "c thread: local pass")
     hop = engine.Hop
@@ -124,7 +129,13 @@ def _install_fine(side: str, agent: Any) -> None:
         if hasattr(graph, name):
             _wrap(graph, name, f"{side}:   {name}")
     _wrap(engine, "_route", f"{side}:   _route")
-    _wrap(agent, "call_future", f"{side}:   call_future")
+    from asyncrpc.runtime.lanes import client as lane_client
+    from asyncrpc.runtime.lanes import frames as lane_frames
+
+    _wrap(agent.outbox, "call_future", f"{side}:   call_future")
+    _wrap(lane_frames.BlockingFrames, "write", f"{side}:   lane write")
+    _wrap(lane_frames.BlockingFrames, "read", f"{side}:   lane read")
+    _wrap(lane_client.CallerLanes, "call", f"{side}:   lane call")
     _wrap(agent.outbox, "encode", f"{side}:   encode")
     _wrap(intraop.one_thread, "__enter__", f"{side}:   one_thread enter")
     _wrap(pickler.Serializer, "loads", f"{side}:   loads")
@@ -160,7 +171,7 @@ def _loop_thread_time(agent: Any) -> float:
     import concurrent.futures
 
     fut: concurrent.futures.Future[float] = concurrent.futures.Future()
-    agent.loop.call_soon_threadsafe(lambda: fut.set_result(time.thread_time()))
+    agent.loop.aio.call_soon_threadsafe(lambda: fut.set_result(time.thread_time()))
     return fut.result(timeout=10) * 1e6
 
 
