@@ -191,7 +191,11 @@ class StoreBarriers:
         # host process aborted at exit ("terminate called without an active exception")
         # in 2 of 2 runs of tests/integration/test_ddp.py with waits in slices, and in 1
         # of 4 with one wait without limit per barrier (its other requests on a second
-        # connection), though no start-up gate's wait ever did. Why is not known.
+        # connection), though no start-up gate's wait ever did. A wait that returns on
+        # an executor thread while the interpreter finalizes does that (Python 3.11
+        # unwinds the thread through torch's C++: std::terminate); a check does not.
+        # And a wait holds the worker's one store connection: a member's address read
+        # meanwhile queues behind it (docs/scale.md).
         return self._store_op(lambda: _poll_until(lambda: self.store.check(keys), seconds))
 
     def _clear(self, tag: str, ranks: list[int]) -> list[int]:
