@@ -320,7 +320,7 @@ class PeerTable:
             # this side writes nothing on it but a Ping: the peer's Pong proves the peer
             # adopted it (``on_pong`` installs it), the peer's Auth on its own dial
             # replaces it (the rule: the lower rank's dial wins), and its close drops it.
-            # Frames for the peer wait meanwhile, a round trip at most. The peer's own
+            # Frames for the peer wait meanwhile (a round trip, if it reads). The peer's own
             # frames on it are read as usual. A stranger's claim to the lower rank's name
             # changes nothing: the real peer's Pong still comes.
             peer.tentative = conn
