@@ -22,7 +22,7 @@ import pytest
 from asyncrpc.protocol import auth
 from asyncrpc.protocol.address import PeerAddress
 from asyncrpc.protocol.wire import PROTOCOL_VERSION, FrameDecoder, encode_frame
-from asyncrpc.protocol.wire.messages import Hello, HelloReply, Ping, Pong, decode_message
+from asyncrpc.protocol.wire.messages import Auth, Hello, HelloReply, Ping, Pong, decode_message
 from asyncrpc.runtime.net.peers import PeerTable
 from asyncrpc.runtime.net.transport import Connection, open_unix_connection, start_unix_server
 
@@ -31,7 +31,8 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(20)]
 
 class Side:
     """One worker's peer table with the part of the network that feeds its handshakes;
-    ``hold_reply`` delays the HelloReply of its own dial until ``release`` (a slow reader)."""
+    ``hold_reply`` delays the HelloReply of its own dial until ``release`` (a slow reader),
+    which comes right behind the first message of kind ``release_on`` it reads."""
 
     def __init__(self, name: str, rank: int, addresses: dict[int, PeerAddress]) -> None:
         self.table = PeerTable(
@@ -39,6 +40,7 @@ class Side:
             dial=self.dial,
         )  # fmt: skip
         self.hold_reply = False
+        self.release_on: type[Any] = Hello
         self.held: list[Callable[[], None]] = []
         self.adopted_closed: list[Connection] = []  # adopted, then closed under this side
         self.hello_seen = asyncio.Event()
@@ -74,8 +76,8 @@ class Side:
         self.table.on_handshake(conn, message)
         if isinstance(message, Hello):
             self.hello_seen.set()
-            if self.hold_reply:  # the held answer is read right behind this Hello
-                self.release()
+        if self.hold_reply and isinstance(message, self.release_on):
+            self.release()  # the held answer is read right behind this message
 
     def on_connection_lost(self, conn: Connection, exc: BaseException | None) -> None:
         if conn.peer is not None:
@@ -142,6 +144,21 @@ async def test_PeerTable_a_slow_challenge_leaves_both_sides_on_one_connection() 
         await asyncio.sleep(1.0)
         high.release()
         conns = await asyncio.wait_for(asyncio.gather(low_call, high_call), 5)
+        await assert_one_connection(low, high, conns)
+
+
+async def test_PeerTable_a_race_won_at_the_peer_by_the_higher_ranks_dial_keeps_that_one() -> None:
+    async with pair() as (low, high):
+        # As above, but the lower rank reads the higher rank's Auth before the answer to
+        # its own dial: it adopts the higher rank's dial first, which both then keep.
+        high.hold_reply = True
+        high_call = asyncio.ensure_future(high.table.connection(0))
+        await asyncio.wait_for(low.hello_seen.wait(), 5)
+        low.hold_reply, low.release_on = True, Auth
+        low_call = asyncio.ensure_future(low.table.connection(1))
+        conns = await asyncio.wait_for(asyncio.gather(low_call, high_call), 5)
+        assert conns[1].initiated  # the higher rank's dial: its Ping was answered
+        assert high.ponged.is_set()
         await assert_one_connection(low, high, conns)
 
 
