@@ -74,7 +74,7 @@ print(json.dumps(out))
 
 # Lanes (rpc_sync from a user thread on the thread's own connection) close too.
 _LANE_WORKER = """
-import json, sys, threading, time
+import json, statistics, sys, threading, time
 import asyncrpc
 
 rank, init, idle = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
@@ -104,6 +104,20 @@ if rank == 0:
         closed = metric("lanes_idle_closed")
         out["slow"] = asyncrpc.rpc_sync("w1", time.sleep, args=(4 * idle,))
         out["closed_during_slow"] = metric("lanes_idle_closed") - closed
+        # What a call costs just after its lane closed (a new lane: dial and handshake on
+        # this thread), and on the live lane after it.
+        cold, warm = [], []
+        for _ in range(int(sys.argv[4])):
+            closed = metric("lanes_idle_closed")
+            until(lambda: metric("lanes_idle_closed") > closed)
+            start = time.perf_counter()
+            asyncrpc.rpc_sync("w1", max, args=(5, 6))
+            cold.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            asyncrpc.rpc_sync("w1", max, args=(7, 8))
+            warm.append(time.perf_counter() - start)
+        out["cold_ms"] = 1000 * statistics.median(cold) if cold else None
+        out["warm_ms"] = 1000 * statistics.median(warm) if warm else None
         out["failed"] = metric("calls_failed")
 
     thread = threading.Thread(target=run)  # a user thread: its own lanes
@@ -156,7 +170,9 @@ def test_idle_connections_close_and_the_next_call_dials_again() -> None:
 
 
 def test_idle_lanes_close_and_the_threads_next_call_opens_another() -> None:
-    out = _run(idle=0.3, rounds=0, script=_LANE_WORKER)
+    out = _run(idle=0.3, rounds=int(os.environ.get("IDLE_ROUNDS", "5")), script=_LANE_WORKER)
+    print(f"an rpc_sync after its lane closed: {out['cold_ms']:.2f} ms (median); on the live "
+          f"lane after it: {out['warm_ms']:.2f} ms")  # fmt: skip
     assert out["calls"] == [1, 1, 2]
     assert out["lanes_open"] == 1
     assert out["closed_when_idle"] is True
