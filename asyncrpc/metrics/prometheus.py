@@ -44,6 +44,7 @@ COUNTERS: frozenset[str] = frozenset(
         "stream_items_sent",
         "stream_items_received",
         "lanes_opened",
+        "lanes_idle_closed",
         "lane_calls",
         "lanes_served",
         "lane_requests_served",

@@ -168,7 +168,9 @@ class RpcBackendOptions:
             with nothing in flight on either side, is closed by agreement of both sides
             (0, the default, keeps connections for the worker's life, as torch does); the
             next call dials again. For large groups whose traffic moves between peers:
-            a worker then holds descriptors only for the peers it talks to now.
+            a worker then holds descriptors only for the peers it talks to now. A
+            calling thread's lane (``rpc_sync``'s own connection) unused that long is
+            closed too.
         print_errors: print, on this worker's stderr, the traceback of every exception a
             function raises when it runs here for a peer (as torch's agent does); the
             caller gets the exception either way.

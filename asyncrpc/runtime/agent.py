@@ -154,7 +154,7 @@ class Agent:
             # forks a lane carried before it died (any thread): their owner is asked
             in_doubt=partial(self.loop.run_on_loop, forks.query_forks),
         )  # fmt: skip
-        return Lanes(callers, server)
+        return Lanes(callers, server, self.loop.aio, options.idle_timeout)
 
     def _serving(self) -> Serving:
         group, options = self.group, self.options

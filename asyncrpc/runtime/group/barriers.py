@@ -40,6 +40,21 @@ def timed_out(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "timeout" in str(exc).lower()
 
 
+def _poll_until(condition: Callable[[], bool], seconds: float) -> bool:
+    """Ask ``condition`` (a store request) until it holds or ``seconds`` pass, pausing
+    5 ms at first, doubling up to 250 ms; whether it held (asked once more after the
+    last pause)."""
+    deadline = time.monotonic() + seconds
+    delay = _FIRST_POLL_S
+    while not condition():  # bounded by the deadline
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(delay, left))
+        delay = min(delay * 2, _POLL_S)
+    return True
+
+
 class StoreBarriers:
     """The barrier keys of a group's store (a base of ``StoreGroup``)."""
 
@@ -66,26 +81,13 @@ class StoreBarriers:
             RuntimeError, OSError: the store is unreachable.
         """
         if not hasattr(self.store.inner, "wait"):
-            return self._poll_for(keys, timeout)
+            return _poll_until(lambda: self.store.check(keys), timeout)
         try:
             self.store.wait(keys, datetime.timedelta(seconds=max(timeout, 0.001)))
         except (RuntimeError, OSError) as exc:
             if timed_out(exc):
                 return False
             raise
-        return True
-
-    def _poll_for(self, keys: list[str], timeout: float) -> bool:
-        """``check`` all of ``keys`` (one request, however many) until they are set or
-        ``timeout`` passes, backing off from 5 ms to 250 ms; whether they are."""
-        deadline = time.monotonic() + timeout
-        delay = _FIRST_POLL_S
-        while not self.store.check(keys):  # bounded by the deadline
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, _POLL_S)
         return True
 
     def unset(self, keys: dict[int, str]) -> list[int]:
@@ -182,26 +184,19 @@ class StoreBarriers:
             ShutdownError: the store is unreachable.
         """
         if self.world_size is None:
-            return self._store_op(lambda: not ranks or self._poll_bits(tag, ranks, seconds))
+            return self._store_op(lambda: _poll_until(lambda: not self._clear(tag, ranks), seconds))
         blocks = range((self.world_size + _BLOCK - 1) // _BLOCK)
         keys = [self._full_key(tag, b) for b in blocks]
         # Polled, not a store ``wait``: with waits in the shutdown's barriers the store's
         # host process aborted at exit ("terminate called without an active exception")
         # in 2 of 2 runs of tests/integration/test_ddp.py with waits in slices, and in 1
         # of 4 with one wait without limit per barrier (its other requests on a second
-        # connection), though no start-up gate's wait ever did. Why is not known.
-        return self._store_op(lambda: self._poll_for(keys, seconds))
-
-    def _poll_bits(self, tag: str, ranks: list[int], seconds: float) -> bool:
-        deadline = time.monotonic() + seconds
-        delay = _FIRST_POLL_S
-        while self._clear(tag, ranks):  # bounded by the deadline
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, _POLL_S)
-        return True
+        # connection), though no start-up gate's wait ever did. A wait that returns on
+        # an executor thread while the interpreter finalizes does that (Python 3.11
+        # unwinds the thread through torch's C++: std::terminate); a check does not.
+        # And a wait holds the worker's one store connection: a member's address read
+        # meanwhile queues behind it (docs/scale.md).
+        return self._store_op(lambda: _poll_until(lambda: self.store.check(keys), seconds))
 
     def _clear(self, tag: str, ranks: list[int]) -> list[int]:
         """Those of ``ranks`` whose bit is clear: two requests when every block they fall

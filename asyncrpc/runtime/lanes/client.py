@@ -21,6 +21,8 @@ wire's own frames and the same handshake.
 A timed-out call leaves its lane usable: a late reply is recognised by its call id and
 dropped. A lane breaks when its socket does, or when the agent closes it (the peer is
 declared lost, or this worker shuts down); the call fails as it would on the loop's path.
+With ``idle_timeout`` set, a lane no call used for that long is closed (``close_idle``),
+with the peer's thread serving it; its thread's next call to that peer dials a new one.
 """
 
 from __future__ import annotations
@@ -66,11 +68,15 @@ _RETRY_AFTER_S = 30.0
 class Lane:
     """One calling thread's connection to one peer."""
 
-    __slots__ = ("__weakref__", "frames", "lost", "name", "rank", "remotes")
+    __slots__ = ("__weakref__", "busy", "frames", "lost", "name", "rank", "remotes", "used")
 
     def __init__(self, frames: BlockingFrames, rank: int, name: str) -> None:
         self.frames, self.rank, self.name = frames, rank, name
         self.lost: PeerLostError | None = None  # why the agent closed it, if it did
+        # In a call (set and cleared under CallerLanes' lock), and when the last one ended:
+        # an idle lane is closed only between calls (``CallerLanes.close_idle``).
+        self.busy = False
+        self.used = time.monotonic()
         # remote() requests sent on it whose Ack has not been read yet: call id -> the
         # RRef forks they carry (in doubt if the lane dies first; the owner is asked).
         self.remotes: dict[int, list[Any]] = {}
@@ -251,6 +257,9 @@ class CallerLanes:
         observed = encoded.observed
         policy = None if observed is None else observed[1].reply_policy
         with self._lock:
+            if lane.frames.closed:
+                return UNSENT  # closed for idleness since this thread took it: go another way
+            lane.busy = True
             self.in_flight += 1
         outcome, headers = "calls_failed", None
         try:
@@ -272,7 +281,7 @@ class CallerLanes:
             _tell_hooks(observed, None, None, exc)
             raise
         finally:
-            self._count(outcome)
+            self._count(outcome, lane)
             if lane.frames.closed:
                 self._remove([lane])
         _tell_hooks(observed, value, headers, error)
@@ -289,6 +298,10 @@ class CallerLanes:
         """Write a request that expects no reply (remote()) on ``lane``, its forks followed
         until the owner's Ack; False if not one byte of it left (it may go another way)."""
         forks = encoded.forks or []
+        with self._lock:
+            if lane.frames.closed:
+                return False  # closed for idleness since this thread took it
+            lane.busy = True
         lane.remotes[encoded.call_id] = forks
         try:
             lane.frames.write(encoded.pieces, time.monotonic() + self._timeout)
@@ -299,6 +312,9 @@ class CallerLanes:
         except (TimeoutError, ClosedError, ConnectionLostError, OSError):
             self._remove([lane])  # cut short: it may have arrived (its forks in doubt)
             return True
+        finally:
+            with self._lock:
+                lane.busy, lane.used = False, time.monotonic()
         with self._lock:
             self.counts["calls_sent"] += 1
         return True
@@ -330,10 +346,11 @@ class CallerLanes:
             reason = without_goodbye(reason)  # the peer closed it: as on the loop's path
         return "calls_failed", PeerLostError(lane.name, reason)
 
-    def _count(self, outcome: str) -> None:
-        """One call is over: count it as sent (every call that left), and how it failed,
-        if it did."""
+    def _count(self, outcome: str, lane: Lane) -> None:
+        """One call on ``lane`` is over: count it as sent (every call that left), and how
+        it failed, if it did."""
         with self._lock:
+            lane.busy, lane.used = False, time.monotonic()
             self.in_flight -= 1
             if not outcome:
                 return  # never left
@@ -359,6 +376,23 @@ class CallerLanes:
             in_doubt = [fork for forks in remotes.values() for fork in forks]
             if in_doubt and lost is None:  # a lost owner's forks are dropped with it
                 self._in_doubt(lane.rank, in_doubt)
+
+    def close_idle(self, seconds: float) -> int:
+        """Close the lanes no call has used for ``seconds`` (``idle_timeout``); how many.
+
+        Closed under the lock that a call takes to start, so none is closed under a call:
+        a thread that took such a lane just before finds it closed and goes another way
+        (its request never left). The peer's thread serving it ends at the close. A
+        remote() request's Ack not read yet (it is read by the lane's next call) puts its
+        forks in doubt: their owner is asked, as when a lane breaks.
+        """
+        now = time.monotonic()
+        with self._lock:
+            idle = [lane for lane in self._lanes if not lane.busy and now - lane.used >= seconds]
+            for lane in idle:
+                lane.frames.close()
+        self._remove(idle)
+        return len(idle)
 
     def on_peer_lost(self, rank: int, error: PeerLostError) -> None:
         """``rank`` is gone for good: close its lanes (a blocked caller gets ``error``)."""

@@ -322,9 +322,15 @@ class Links:
 
     def ping(self, conn: Watched) -> None:
         conn.send(encode_frame(Ping().to_fields(), b""))
-        log = self._logs.get(conn.peer) if conn.peer is not None else None
-        if log is not None:
-            log.pinged(conn)  # its Pong acknowledges the refcount frames sent before it
+        rank = conn.peer
+        log = self._logs.get(rank) if rank is not None else None
+        peer = self._peers.peers.get(rank) if rank is not None else None
+        if log is not None and peer is not None and peer.conn is conn:
+            # Its Pong acknowledges the refcount frames sent before it. Only pings on the
+            # peer's connection mark the log: our own dial held back in a race (peers.py,
+            # ``adopt``) may be dropped without a loss report, and a mark of its would
+            # stay at the head of the log for good.
+            log.pinged(conn)
 
     def ponged(self, conn: Connection, rank: int) -> None:
         log = self._logs.get(rank)

@@ -248,7 +248,9 @@ class Network:
             conn.goodbye = True
         elif isinstance(message, Pong):
             # Its bytes were the sign of life the heartbeat looks for; it also acknowledges
-            # the refcount frames sent before its Ping.
+            # the refcount frames sent before its Ping. On our own dial, held back while
+            # the peer's might win, it proves the peer adopted it (PeerTable.adopt).
+            self.peers.on_pong(conn)
             self.links.ponged(conn, conn.peer)
         elif isinstance(message, ShmMessage):
             self.shm.on_message(conn.peer, message)

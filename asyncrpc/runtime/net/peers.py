@@ -6,8 +6,10 @@ feeds it the handshake messages and performs its actions (send, adopt, close). A
 is adopted as the peer's only when the other side has proven the key. Until then the
 connection takes handshake frames only, under small limits, and nothing is unpickled.
 When two workers dial each other at the same moment, both apply one rule, so exactly one
-connection survives: the one dialled by the lower rank. No request is ever
-sent before the handshake, so the losing connection carries nothing and is simply closed.
+connection survives: the one dialled by the lower rank. No request is ever sent before
+the handshake, and the higher rank writes nothing on its own dial while the lower rank's
+may still win (see ``adopt``), so the losing connection carries nothing and is simply
+closed.
 
 A connection is not the peer. Losing one fails what was written on it, and the next call
 dials again. A peer is declared lost (for good: its calls fail at once) only on evidence:
@@ -34,7 +36,7 @@ from asyncrpc.errors import (
 from asyncrpc.protocol.address import PeerAddress
 from asyncrpc.protocol.handshake import Action, Adopt, Close, Handshake, Refusal, Send, State
 from asyncrpc.protocol.wire import encode_frame
-from asyncrpc.protocol.wire.messages import Auth, Hello, HelloReply
+from asyncrpc.protocol.wire.messages import Auth, Hello, HelloReply, Ping
 from asyncrpc.runtime.net.transport import Connection, open_connection, open_unix_connection
 
 __all__ = [
@@ -86,13 +88,15 @@ def without_goodbye(reason: str) -> str:
 class Peer:
     """What this agent knows of one other worker."""
 
-    __slots__ = ("address", "conn", "dialing", "lost", "ready", "vanished")
+    __slots__ = ("address", "conn", "dialing", "lost", "ready", "tentative", "vanished")
 
     def __init__(self, address: PeerAddress) -> None:
         self.address = address
         self.conn: Connection | None = None
         self.ready: asyncio.Future[Connection] | None = None
         self.dialing = False
+        # Our own dial, authenticated, held back while the peer's may still win (``adopt``).
+        self.tentative: Connection | None = None
         self.lost: PeerLostError | None = None
         # How its last connection ended when the peer closed it without a Goodbye ("EOF",
         # a reset); None once a new connection is adopted. A dial that is then refused
@@ -100,7 +104,7 @@ class Peer:
         self.vanished: str | None = None
 
 
-def send_message(conn: Connection, message: Hello | HelloReply | Auth) -> None:
+def send_message(conn: Connection, message: Hello | HelloReply | Auth | Ping) -> None:
     conn.send(encode_frame(message.to_fields(), b""))
 
 
@@ -290,6 +294,7 @@ class PeerTable:
         if peer.lost is not None:
             return
         peer.lost = error
+        self._drop_tentative(peer)
         self._dial_failed(peer, error)
         if self._on_declared_lost is not None:
             self._on_declared_lost(rank)
@@ -302,10 +307,51 @@ class PeerTable:
         peer.ready = None  # a later call may try again
 
     def adopt(self, peer: Peer, rank: int, conn: Connection, peer_max_frame: int) -> None:
+        """Make ``conn`` (authenticated) ``rank``'s connection, or hold it back (below)."""
         conn.open(self._max_frame_size)  # authenticated: the handshake's limits are lifted
         conn.peer_max_frame = peer_max_frame  # what we send is checked against it
         conn.peer = rank
         conn.peer_name = peer.address.name
+        if conn.initiated and self.rank > rank and self._challenged(rank):
+            # Both dialled, and the lower rank's dial (challenged here) may still win: the
+            # peer keeps the first connection it authenticates, and if that is its own, it
+            # closes this one unread. Writing calls here now could lose them ("Broken pipe"
+            # in a loaded 64-worker all-to-all, when each side kept a different one). So
+            # this side writes nothing on it but a Ping: the peer's Pong proves the peer
+            # adopted it (``on_pong`` installs it), the peer's Auth on its own dial
+            # replaces it (the rule: the lower rank's dial wins), and its close drops it.
+            # Frames for the peer wait meanwhile (a round trip, if it reads). The peer's own
+            # frames on it are read as usual. A stranger's claim to the lower rank's name
+            # changes nothing: the real peer's Pong still comes.
+            peer.tentative = conn
+            if peer.ready is None or peer.ready.done():
+                peer.ready = asyncio.get_running_loop().create_future()
+            send_message(conn, Ping())
+            return
+        self._install(peer, rank, conn)
+
+    def _drop_tentative(self, peer: Peer) -> None:
+        # Nothing but a Ping of ours was written on it: it is closed as if never adopted
+        # (no loss to report, no redial, no calls to fail).
+        held, peer.tentative = peer.tentative, None
+        if held is not None:
+            held.peer = None
+            held.close()
+
+    def on_pong(self, conn: Connection) -> None:
+        """A Pong came on ``conn``: if it is held back (see ``adopt``), the peer adopted
+        it; it becomes the peer's connection."""
+        rank = conn.peer
+        peer = self.peers.get(rank) if rank is not None else None
+        if peer is not None and peer.tentative is conn and rank is not None:
+            self._install(peer, rank, conn)
+
+    def _install(self, peer: Peer, rank: int, conn: Connection) -> None:
+        if peer.tentative is not conn:
+            # The peer's Auth on its own dial (the lower rank's, which wins): it adopted
+            # that one first, so it closes ours unread (see ``adopt``).
+            self._drop_tentative(peer)
+        peer.tentative = None
         peer.conn = conn
         peer.vanished = None
         if peer.ready is None or peer.ready.done():
@@ -416,6 +462,12 @@ class PeerTable:
         if rank is None:
             return None
         peer = self.peers[rank]
+        if peer.tentative is conn and not conn.goodbye:
+            # Closed before the peer's Pong: it kept its own dial (or the link broke);
+            # nothing of ours was written on it. Callers wait for the peer's Auth, or dial.
+            peer.tentative = None
+            self._challenge_failed(rank)
+            return None
         if peer.conn is conn:
             peer.conn = None
         if conn.goodbye:
@@ -433,6 +485,8 @@ class PeerTable:
         peer = self.peers.get(rank)
         if peer is None or peer.ready is None or peer.ready.done() or peer.dialing:
             return
+        if peer.tentative is not None:
+            return  # our own dial, adopted by the peer unless it closes (see ``adopt``)
         if peer.lost is None and (peer.conn is None or peer.conn.closed):
             self._start_dial(peer, rank)
 
