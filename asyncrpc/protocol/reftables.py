@@ -57,6 +57,10 @@ class UserFork:
     children: dict[ForkId, int] | None = None  # pending child -> its holder (lazily made)
 
 
+def _name(ident: RRefId | ForkId) -> str:
+    return f"{ident.worker}:{ident.local_id}"
+
+
 class _Window:
     """A set remembering only its ``limit`` newest members: bounded tombstones."""
 
@@ -160,6 +164,28 @@ class RefTables:
             "pending_users": sum(1 for e in active if not e.confirmed),
             "forks_undelivered": self._undone,
         }
+
+    def describe(self, limit: int = 20) -> dict[str, list[str]]:
+        """What is left, one line per entry (at most ``limit`` of each): owned RRefs with
+        the forks they wait for and who holds them, and active user forks with their
+        state. For leak reports: which RRef, which worker, in which state."""
+        owned = [
+            f"rref {_name(rref_id)} local={entry.local} created={entry.created} forks="
+            + ",".join(f"{_name(fork)}@{holder}" for fork, holder in entry.forks.items())
+            for rref_id, entry in list(self._owned.items())[:limit]
+        ]
+        users = [
+            f"fork {_name(fork_id)} of {_name(e.rref_id)} owner={e.owner} parent={e.parent} "
+            f"confirmed={e.confirmed} handle={e.handle} timed_out={e.timed_out} "
+            f"children={sorted(_name(c) for c in e.children or {})}"
+            for fork_id, e in list(self._users.items())
+            if not (e.deleted or e.lost)
+        ][:limit]
+        pending = [
+            f"fork {_name(child)} under {_name(parent)}"
+            for child, parent in self._child_parent.items()
+        ]
+        return {"owned": owned, "users": users, "pending_children": pending[:limit]}
 
     def user_state(self, fork_id: ForkId) -> UserState:
         """The state of a user fork this worker tracks.

@@ -438,6 +438,11 @@ class Forks:
         with self._lock:
             return {**self.counter.debug_info(), "forks_queried": self._queried}
 
+    def describe(self) -> dict[str, list[str]]:
+        """The entries behind ``debug_info``'s counts (``RefTables.describe``)."""
+        with self._lock:
+            return self.counter.describe()
+
     def close(self) -> None:
         self.closed = True
         with self._lock:

@@ -284,6 +284,8 @@ def _verdict(report: dict[str, Any]) -> list[str]:
         base, end = state["baseline"], state["end"]
         if not state["rrefs_zero"]:
             bad.append(f"c{rank} RRef counts {state['rref_counts']}")
+            for kind, lines in state.get("rref_entries", {}).items():
+                bad.extend(f"c{rank} {kind}: {line}" for line in lines)
         if not state["back"]:
             bad.append(f"c{rank} fds/threads {base} -> {end}")
         if end["rss_kib"] > base["rss_kib"] * 1.25 + _RSS_SLACK_KIB:

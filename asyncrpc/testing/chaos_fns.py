@@ -120,6 +120,14 @@ def rref_counts() -> dict[str, int]:
     return counts
 
 
+def rref_entries() -> dict[str, list[str]]:
+    """The RRef entries behind ``rref_counts`` (what a leak report names)."""
+    from asyncrpc.rref.handle import current_rrefs
+
+    forks = getattr(current_rrefs(), "forks", None)
+    return {} if forks is None else forks.describe()  # type: ignore[no-any-return]
+
+
 def thread_kinds() -> dict[str, int]:
     """Live threads by name, digits dropped ("asyncrpc-pool-3" counts as "asyncrpc-pool-")."""
     kinds = Counter(re.sub(r"\d+", "", t.name) for t in threading.enumerate())

@@ -323,6 +323,7 @@ def _settle(load: Load, baseline: dict[str, Any]) -> dict[str, Any]:
         return not any(counts.values())
 
     rrefs_zero = _poll(zero, 60.0)
+    entries = {} if rrefs_zero else fns.rref_entries()  # what is left, for the report
     now: dict[str, Any] = {}
 
     def back() -> bool:
@@ -333,7 +334,8 @@ def _settle(load: Load, baseline: dict[str, Any]) -> dict[str, Any]:
         )
 
     came_back = _poll(back, 30.0)
-    return {"rref_counts": counts, "rrefs_zero": rrefs_zero, "baseline": baseline,
+    return {"rref_counts": counts, "rrefs_zero": rrefs_zero, "rref_entries": entries,
+            "baseline": baseline,
             "end": now, "back": came_back, **load.ledger.summary()}  # fmt: skip
 
 

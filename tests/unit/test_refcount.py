@@ -399,6 +399,28 @@ def test_RefCounter_debug_info_counts() -> None:
     assert net.rc[1].debug_info()["pending_users"] == 0
 
 
+def test_RefCounter_describe_names_what_is_left() -> None:
+    net = Router()
+    rref_id, fork = net.remote(caller=1, owner=0)
+    net.pass_user(rref_id, fork, src=1, dest=2)
+    owner = net.rc[0].describe()
+    assert len(owner["owned"]) == 1
+    assert owner["owned"][0].startswith(f"rref {rref_id.worker}:{rref_id.local_id} ")
+    assert owner["users"] == []
+    user = net.rc[1].describe()
+    (line,) = user["users"]
+    assert line.startswith(
+        f"fork {fork.worker}:{fork.local_id} of {rref_id.worker}:{rref_id.local_id} owner=0 "
+        "parent=None confirmed=False handle=True timed_out=False children=['"
+    )
+    assert len(user["pending_children"]) == 1  # the fork passed to 2, not yet confirmed
+    net.drain()
+    net.apply(1, net.rc[1].release_all_users())
+    net.apply(2, net.rc[2].release_all_users())
+    net.drain()
+    assert net.rc[0].describe() == {"owned": [], "users": [], "pending_children": []}
+
+
 def test_RefCounter_local_bugs_raise() -> None:
     rc = RefCounter(0)
     rref_id = rc.next_rref_id()
