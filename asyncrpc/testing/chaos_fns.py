@@ -12,6 +12,7 @@ import gc
 import os
 import re
 import threading
+import warnings
 from collections import Counter
 from typing import Any
 
@@ -121,11 +122,49 @@ def rref_counts() -> dict[str, int]:
 
 
 def rref_entries() -> dict[str, list[str]]:
-    """The RRef entries behind ``rref_counts`` (what a leak report names)."""
-    from asyncrpc.rref.handle import current_rrefs
+    """The RRef entries behind ``rref_counts`` (what a leak report names), and for each
+    user RRef object still alive here, what holds it (``_holders``)."""
+    from asyncrpc.rref.handle import RRef, current_rrefs
 
     forks = getattr(current_rrefs(), "forks", None)
-    return {} if forks is None else forks.describe()  # type: ignore[no-any-return]
+    entries: dict[str, list[str]] = {} if forks is None else forks.describe()
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance on some of torch's modules warns
+        warnings.simplefilter("ignore")
+        alive = [o for o in gc.get_objects() if isinstance(o, RRef) and not o.is_owner()]
+    entries["held_by"] = [f"{o!r}: {_holders(o, {id(alive)})}" for o in alive[:10]]
+    return entries
+
+
+_OURS = ("rref_entries", "_holders", "<listcomp>", "<genexpr>")
+
+
+def _holders(target: object, exclude: set[int], depth: int = 4) -> str:
+    """The chains of objects that refer to ``target``, by type (frames by function), a few
+    levels up: enough to name the table or frame that keeps an RRef alive."""
+    import types
+
+    def name(obj: object) -> str:
+        if isinstance(obj, types.FrameType):
+            return f"frame {obj.f_code.co_name} ({obj.f_code.co_filename.rsplit('/', 1)[-1]})"
+        return type(obj).__qualname__
+
+    frontier: list[tuple[object, str]] = [(target, "")]
+    for _ in range(depth):  # bounded: a few levels, a few referrers each
+        nxt: list[tuple[object, str]] = []
+        for obj, path in frontier:
+            referrers = [
+                r for r in gc.get_referrers(obj)
+                if id(r) not in exclude and r is not frontier and r is not nxt
+                and not (isinstance(r, types.FrameType) and r.f_code.co_name in _OURS)
+            ]  # fmt: skip
+            for ref in referrers[:4]:
+                nxt.append((ref, f"{path} <- {name(ref)}"))
+        if not nxt:
+            break
+        frontier = nxt[:12]
+    chains = [path for _, path in frontier]
+    return "; ".join(chains[:8])
 
 
 def thread_kinds() -> dict[str, int]:
