@@ -139,7 +139,7 @@ def rref_entries() -> dict[str, list[str]]:
 _OURS = ("rref_entries", "_holders", "<listcomp>", "<genexpr>")
 
 
-def _holders(target: object, exclude: set[int], depth: int = 4) -> str:
+def _holders(target: object, exclude: set[int], depth: int = 6) -> str:
     """The chains of objects that refer to ``target``, by type (frames by function), a few
     levels up: enough to name the table or frame that keeps an RRef alive."""
     import types
@@ -147,23 +147,44 @@ def _holders(target: object, exclude: set[int], depth: int = 4) -> str:
     def name(obj: object) -> str:
         if isinstance(obj, types.FrameType):
             return f"frame {obj.f_code.co_name} ({obj.f_code.co_filename.rsplit('/', 1)[-1]})"
+        if isinstance(obj, (tuple, list)):  # what else it holds says whose it is
+            kinds = ",".join(type(item).__qualname__ for item in obj[:5])
+            return f"{type(obj).__qualname__}[{len(obj)}: {kinds}]"
+        if isinstance(obj, dict):
+            keys = ",".join(str(k)[:20] for k in list(obj)[:5])
+            return f"dict[{len(obj)}: {keys}]"
         return type(obj).__qualname__
 
-    frontier: list[tuple[object, str]] = [(target, "")]
+    # Our own lists (the frontier, each get_referrers answer) refer to what they hold:
+    # their ids are excluded, and no tuple or iterator of ours is made over them.
+    objects: list[object] = [target]
+    paths: list[str] = [""]
+    exclude = exclude | {id(objects), id(paths)}
     for _ in range(depth):  # bounded: a few levels, a few referrers each
-        nxt: list[tuple[object, str]] = []
-        for obj, path in frontier:
-            referrers = [
-                r for r in gc.get_referrers(obj)
-                if id(r) not in exclude and r is not frontier and r is not nxt
-                and not (isinstance(r, types.FrameType) and r.f_code.co_name in _OURS)
-            ]  # fmt: skip
-            for ref in referrers[:4]:
-                nxt.append((ref, f"{path} <- {name(ref)}"))
-        if not nxt:
+        next_objects: list[object] = []
+        next_paths: list[str] = []
+        exclude |= {id(next_objects), id(next_paths)}
+        for i in range(len(objects)):
+            referrers = gc.get_referrers(objects[i])
+            exclude.add(id(referrers))
+            taken = 0
+            for j in range(len(referrers)):
+                ref = referrers[j]
+                if id(ref) in exclude or (
+                    isinstance(ref, types.FrameType) and ref.f_code.co_name in _OURS
+                ):
+                    continue
+                next_objects.append(ref)
+                next_paths.append(f"{paths[i]} <- {name(ref)}")
+                taken += 1
+                if taken == 3:
+                    break
+            del referrers
+        if not next_objects:
             break
-        frontier = nxt[:12]
-    chains = [path for _, path in frontier]
+        objects, paths = next_objects[:12], next_paths[:12]
+        exclude |= {id(objects), id(paths)}
+    chains = paths
     return "; ".join(chains[:8])
 
 
