@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import copy
 import copyreg
-from typing import Any, Final, cast
+from typing import Any, Final, TypeVar, cast
 
 __all__ = [
     "copy_exception",
     "exception_state",
+    "own_copy",
     "paired_copy",
     "rebuild_exception",
     "reduce_exception",
@@ -55,6 +56,32 @@ def copy_exception(exc: BaseException) -> BaseException:
     be rebuilt on another worker (``copy.copy`` for a class that pickles itself)."""
     parts = _parts(exc)
     return copy.copy(exc).with_traceback(None) if parts is None else rebuild_exception(*parts)
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def own_copy(exc: E) -> E:
+    """``exc`` for one more raise of its own: a copy of the same class, args and attributes,
+    with its cause, without its traceback.
+
+    Why: raising an exception instance puts every frame it passes through into its
+    traceback, and those frames keep their locals (tensors, RRefs, whole batches) alive for
+    as long as anything holds the exception. One error that fails many calls, or that is
+    kept to fail later ones (a peer lost for good), would hold the frames of every place it
+    was raised in: in the chaos soak, a user RRef held by such a traceback kept its owner's
+    count above zero for good. Each raise gets its own copy instead. Where no copy can be
+    made, ``exc`` itself.
+    """
+    try:
+        copied = copy_exception(exc)
+    except Exception:  # a class whose state cannot be copied: raised as it is
+        return exc
+    if not isinstance(copied, type(exc)):
+        return exc
+    copied.__cause__ = exc.__cause__
+    copied.__suppress_context__ = exc.__suppress_context__
+    return copied
 
 
 def _parts(exc: BaseException) -> tuple[type[BaseException], _Args, _State, _State] | None:

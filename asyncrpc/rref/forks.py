@@ -30,6 +30,7 @@ from asyncrpc.errors import (
     ShutdownError,
     as_remote_call_error,
 )
+from asyncrpc.errorstate import own_copy
 from asyncrpc.protocol.options import WorkerInfo
 from asyncrpc.protocol.refcount import RefCounter, UserState
 from asyncrpc.protocol.reflog import ForkPair
@@ -453,5 +454,5 @@ class Forks:
         error = RRefError(f"worker {self.name!r} shut down")
         for value in self._values.values():
             if not value.done():
-                value.set_exception(error)
+                value.set_exception(own_copy(error))
         self._values.clear()

@@ -112,6 +112,14 @@ def test_Agent_later_call_to_killed_peer_fails_fast(killed_peer: dict[str, Any])
     assert killed_peer["debug_lost_peers"] == ["w1"]
 
 
+def test_failed_calls_to_a_lost_peer_keep_none_of_the_callers_frames(
+    killed_peer: dict[str, Any],
+) -> None:
+    # The lost peer's error is kept for good; raising that one instance in each caller
+    # would put every caller's frame (and its locals) into its traceback for good.
+    assert killed_peer["locals_kept_after_failed_calls"] == [False, False]
+
+
 def test_Agent_other_peers_keep_working_after_a_kill(killed_peer: dict[str, Any]) -> None:
     assert killed_peer["w2_in_flight"] == {
         "value": "slept", "error": None, "elapsed": killed_peer["w2_in_flight"]["elapsed"]

@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 import asyncrpc
@@ -53,6 +55,11 @@ def kill_peer(args: argparse.Namespace) -> int:
     called_back.wait(5.0)
     obs["pending_failed_at"] = failed_at[0] if failed_at else None
     obs["later_w1"] = attempt(lambda: asyncrpc.rpc_sync("w1", fns.add, args=(1, 2)))
+    # Locals of functions whose calls to the lost peer failed, the errors caught and
+    # dropped: nothing of the worker's (the lost peer's error, kept for good) holds them.
+    held = [_call_holding_a_local("w1") for _ in range(2)]
+    gc.collect()
+    obs["locals_kept_after_failed_calls"] = [ref() is not None for ref in held]
     obs["w2_in_flight"] = attempt(lambda: w2_in_flight.wait(5.0))
     obs["later_w2"] = attempt(lambda: asyncrpc.rpc_sync("w2", fns.add, args=(1, 2)))
     obs["debug_lost_peers"] = asyncrpc.get_debug_info()["lost_peers"]
@@ -64,6 +71,17 @@ def kill_peer(args: argparse.Namespace) -> int:
     obs["not_initialized_after"] = attempt(asyncrpc.get_worker_info)["error"]
     report(obs)
     return 0
+
+
+class _Local:
+    """Stands for what a user's frame holds while its call fails (a batch, an RRef)."""
+
+
+def _call_holding_a_local(to: str) -> weakref.ref[_Local]:
+    batch = _Local()
+    with contextlib.suppress(asyncrpc.PeerLostError):
+        asyncrpc.rpc_sync(to, fns.add, args=(1, 2))
+    return weakref.ref(batch)
 
 
 # -- scenario: a peer whose graceful shutdown fails still says Goodbye ---------------------

@@ -204,3 +204,49 @@ def test_serializer_rebuilds_an_exception_returned_as_a_value() -> None:
     assert segments == []
     got = serializer.loads(payload, [])["error"]
     same(ec.QuotaExceeded("bob", 10), got)
+
+
+def _raise_through_a_frame(exc: BaseException, holder: object) -> None:
+    del holder  # the frame is what the traceback keeps, with its locals
+    raise exc
+
+
+def test_own_copy_raised_leaves_the_kept_error_without_the_raisers_frames() -> None:
+    import gc
+    import weakref
+
+    from asyncrpc.errors import PeerLostError
+    from asyncrpc.errorstate import own_copy
+
+    kept = PeerLostError("w1", "gone", "silence")
+    kept.__cause__ = OSError("reset")
+
+    class Local:
+        pass
+
+    local = Local()
+    ref = weakref.ref(local)
+    with pytest.raises(PeerLostError) as info:
+        _raise_through_a_frame(own_copy(kept), local)
+    raised = info.value
+    assert raised is not kept
+    assert (type(raised), raised.worker, raised.reason, raised.evidence) == (
+        PeerLostError, "w1", "gone", "silence",
+    )  # fmt: skip
+    assert raised.__cause__ is kept.__cause__
+    del info, raised
+    del local
+    gc.collect()
+    assert ref() is None  # the copy's traceback went with it
+    assert kept.__traceback__ is None
+
+
+def test_own_copy_of_an_uncopyable_error_is_the_error() -> None:
+    from asyncrpc.errorstate import own_copy
+
+    class Stubborn(Exception):
+        def __reduce__(self) -> object:
+            raise TypeError("no copies")
+
+    error = Stubborn()
+    assert own_copy(error) is error

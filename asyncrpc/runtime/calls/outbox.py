@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol
 
 from asyncrpc.errors import ClosedError, PeerLostError, RpcTimeoutError
+from asyncrpc.errorstate import own_copy
 from asyncrpc.functions import is_async_execution, is_coroutine_function
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT, WorkerInfo
 from asyncrpc.protocol.reflog import ForkPair
@@ -486,7 +487,7 @@ class Outbox:
         """Fail the calls to ``rank`` (only those written on ``sent_on``, if given)."""
         for call in self.pending.pop_peer(rank, sent_on):
             self._counters.calls_failed += 1
-            call.fail(error)
+            call.fail(own_copy(error))  # one error, raised by each caller: a copy each
 
     def close(self) -> None:
         """No more calls; those still pending fail."""

@@ -41,6 +41,7 @@ from asyncrpc.errors import (
     RemoteProtocolError,
     RpcTimeoutError,
 )
+from asyncrpc.errorstate import own_copy
 from asyncrpc.protocol.address import PeerAddress
 from asyncrpc.protocol.serde import Serializer, unpack_exception
 from asyncrpc.protocol.serde.policy import TensorPolicy
@@ -336,7 +337,7 @@ class CallerLanes:
             return "calls_timed_out", RpcTimeoutError(lane.name, target, timeout)
         lane.frames.close()
         if lane.lost is not None:
-            return "calls_failed", lane.lost
+            return "calls_failed", own_copy(lane.lost)
         if self.closed:
             return "calls_failed", ClosedError(
                 f"worker {self._me[0]!r} shut down before the reply came"

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from typing import Any, Protocol, runtime_checkable
 
 from asyncrpc.errors import ClosedError, FrameTooLargeError, PeerLostError, UnknownWorkerError
+from asyncrpc.errorstate import own_copy
 from asyncrpc.protocol.address import PeerAddress
 from asyncrpc.protocol.reflog import ForkPair, RefLog
 from asyncrpc.protocol.wire import encode_frame
@@ -298,7 +299,8 @@ class Links:
         self._written(conn, frame)
 
     def _fail_unsent(self, rank: int, call: SentCall | None, exc: BaseException) -> None:
-        if call is not None and call.unsent(exc):
+        # One error fails every frame waiting for the peer: each call raises its own copy.
+        if call is not None and call.unsent(own_copy(exc)):
             self._counters.calls_failed += 1
         else:
             address = self._addresses.get(rank)  # None: a rank nobody could look up

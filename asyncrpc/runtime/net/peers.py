@@ -33,6 +33,7 @@ from asyncrpc.errors import (
     PeerUnavailableError,
     RemoteProtocolError,
 )
+from asyncrpc.errorstate import own_copy
 from asyncrpc.protocol.address import PeerAddress
 from asyncrpc.protocol.handshake import Action, Adopt, Close, Handshake, Refusal, Send, State
 from asyncrpc.protocol.wire import encode_frame
@@ -162,7 +163,7 @@ class PeerTable:
         if peer.conn is not None and not peer.conn.closed:
             return peer.conn
         if peer.lost is not None:
-            raise peer.lost
+            raise own_copy(peer.lost)  # kept for good: each raise gets its own copy
         if peer.ready is None or peer.ready.done():
             peer.ready = asyncio.get_running_loop().create_future()
             if not self._challenged(rank):
@@ -302,7 +303,9 @@ class PeerTable:
     def _dial_failed(self, peer: Peer, exc: BaseException) -> None:
         _log.debug("dial to %s failed: %s", peer.address.name, exc)
         if peer.ready is not None and not peer.ready.done():
-            peer.ready.set_exception(exc)
+            # Its waiters raise it; a lost peer's error is kept for good: a copy, so their
+            # frames do not end up in the kept one's traceback.
+            peer.ready.set_exception(own_copy(exc))
             peer.ready.exception()  # mark retrieved: waiters may all have given up
         peer.ready = None  # a later call may try again
 
