@@ -292,6 +292,7 @@ class Dispatcher:
         self, served: ServedRequest, fn: Any, async_exec: bool, args: Any, kwargs: Any
     ) -> None:
         deadline = served.deadline
+        limit = None
         try:
             with running_until(deadline, served.peer):
                 if deadline is None:
@@ -314,6 +315,10 @@ class Dispatcher:
         except asyncio.CancelledError:
             self._stop_running(served)
             served.incoming = None
+            # The task keeps this error, whose traceback keeps this frame: drop what the
+            # frame holds (the timeout holds the task: a cycle only the GC would break),
+            # so the arguments go now, and a stream among them closes itself now.
+            args = kwargs = limit = None
             raise
         except BaseException as exc:
             self._finish(served, False, exc)

@@ -41,8 +41,9 @@ class ConsumerStream:
     """The state of one stream this worker consumes; touched on the agent's loop only."""
 
     __slots__ = (
-        "_handing", "_hub", "_loop", "_outcome", "_timer", "_waiter", "closed", "ended", "flow",
-        "items", "peer", "peer_name", "stream_id", "target", "timeout",
+        "_handing", "_hub", "_loop", "_outcome", "_timer", "_waiter", "closed", "ended", "failure",
+        "flow",
+        "items", "peer", "peer_name", "serving", "stream_id", "target", "timeout",
     )  # fmt: skip
 
     def __init__(
@@ -60,10 +61,14 @@ class ConsumerStream:
         self.ended = False  # the outcome is known (it follows the items still buffered)
         self.closed = False  # closed by this side: nothing more is delivered
         self._outcome: BaseException | None = None
+        self.failure: BaseException | None = None  # the error it ended with, kept
         self._waiter: Waiter | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._handing = False  # a hand-off to the waiting fetch is scheduled
         self._hub = hub
+        # A stream argument of a request this worker serves: read as part of serving it,
+        # so a graceful shutdown does not close it (see StreamHub.flush).
+        self.serving = False
 
     # -- from the hub ------------------------------------------------------------------------
 
@@ -87,6 +92,7 @@ class ConsumerStream:
         if self.ended:
             return
         self.ended, self._outcome = True, outcome
+        self.failure = outcome
         self._hand()
 
     def shut(self, error: BaseException | None) -> None:
@@ -94,6 +100,7 @@ class ConsumerStream:
         self.closed = self.ended = True
         self.items.clear()
         self._outcome = error
+        self.failure = self.failure or error
         self._hand()
 
     # -- from the application ----------------------------------------------------------------

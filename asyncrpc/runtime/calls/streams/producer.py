@@ -35,7 +35,7 @@ from asyncrpc.runtime.calls.deadline import running_until
 from asyncrpc.runtime.ports import Frames, Loop
 from asyncrpc.runtime.shm.shm import segment_nbytes
 
-__all__ = ["ProducerStream", "Producers"]
+__all__ = ["ProducerStream", "Producers", "close_iterable"]
 
 _CLOSED = object()  # a pool thread closed the generator itself
 _JOIN_BYTES = 64 << 10  # item frames joined into one write, up to this many bytes
@@ -522,3 +522,25 @@ def _close_now(source: Any) -> None:
         close()
     except Exception:
         _log.exception("closing a streamed generator failed")
+
+
+def close_iterable(loop: Loop, items: Any) -> None:
+    """Close an iterable nobody will read (on the loop): an async one's ``aclose`` in a
+    task of the loop, a plain one's ``close`` on the pool (its ``finally`` may block)."""
+    if hasattr(items, "aclose"):
+        task = loop.aio.create_task(_aclose(items))
+        task.add_done_callback(_log_failure)
+    elif hasattr(items, "close"):
+        try:
+            loop.pool.submit(_close_now, items)
+        except Exception:  # the pool is shut down: its finally runs when it is collected
+            _log.debug("could not close an unread stream argument on the pool")
+
+
+async def _aclose(items: Any) -> None:
+    await items.aclose()
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        _log.error("closing an unread stream argument failed", exc_info=task.exception())

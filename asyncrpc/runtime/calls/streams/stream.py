@@ -59,6 +59,12 @@ class Stream(Generic[T]):
         state = "closed" if self._closed else "done" if self._done else "open"
         return f"<Stream {c.target} on {c.peer_name!r} ({state})>"
 
+    @property
+    def failure(self) -> BaseException | None:
+        """The error the stream ended with, once it ended with one (None: not ended, ended
+        cleanly, or closed by this side)."""
+        return self._consumer.failure
+
     # -- async ---------------------------------------------------------------------------
 
     def __aiter__(self) -> Stream[T]:

@@ -1,0 +1,119 @@
+"""Scenarios of client and bidirectional streams that need a group of their own (test
+layer): rank 0 of {driver, w1}, where w1 is started by the test. Scenarios that need w1
+killed print ``STREAMING`` and wait for the test's ``KILLED`` line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import asyncrpc
+from tests.integration import duplex_fns as df
+from tests.integration import stream_fns as sf
+from tests.scenarios.common import Observations, attempt, error, poll, report
+from tests.scenarios.registry import scenario
+
+
+def _join(args: argparse.Namespace) -> None:
+    options = asyncrpc.RpcBackendOptions(
+        init_method=args.init_method, rpc_timeout=20.0, shutdown_timeout=10.0
+    )
+    asyncrpc.init_rpc("driver", rank=0, world_size=2, rpc_backend_options=options)
+    # w1 calls shutdown() right after joining (torch's passive workers' way): wait until
+    # it has begun, so that what follows runs in a worker serving through its shutdown.
+    poll(lambda: asyncrpc.rpc_sync("w1", sf.leaving), 30.0)
+
+
+def _wait_killed() -> str:
+    print("STREAMING", flush=True)
+    return sys.stdin.readline().strip()
+
+
+def _clean_here() -> bool:
+    def clean() -> bool:
+        m = asyncrpc.get_metrics()
+        keys = ("streams_producing", "streams_consuming", "stream_args_held", "thread_pool_busy")
+        return all(m[key] == 0 for key in keys)
+
+    return poll(clean, 10.0)
+
+
+@scenario("bidi_killed_callee")
+def bidi_killed_callee(args: argparse.Namespace) -> int:
+    """The driver has a bidirectional stream open with w1; the test kills w1."""
+    _join(args)
+    obs: Observations = {}
+    b = asyncrpc.bidi("w1", df.doubler_sync)
+    replies = []
+    for i in range(10):
+        b.send(i).wait(10)
+        replies.append(next(b))
+    obs["replies"] = replies
+    obs["stdin"] = _wait_killed()
+    failure = None
+    try:
+        for _ in range(1000):  # bounded: the loss ends it long before
+            b.send(0).wait(10)
+            next(b)
+    except Exception as exc:  # the observation is the error itself
+        failure = exc
+    obs["error"] = error(failure)
+    obs["send_after"] = attempt(lambda: b.send(1).wait(10))
+    obs["clean"] = _clean_here()
+    obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(graceful=False))
+    report(obs)
+    return 0
+
+
+@scenario("stream_arg_killed_callee")
+def stream_arg_killed_callee(args: argparse.Namespace) -> int:
+    """The driver streams an endless argument to w1; the test kills w1: the call fails
+    with the loss and the driver's source is closed (its finally runs here)."""
+    _join(args)
+    obs: Observations = {}
+    source = df.slow_source("victim", 10**9, 0.001)
+    call = asyncrpc.rpc_async("w1", df.read_noted, args=(asyncrpc.stream_arg(source), "victim"))
+    obs["streaming"] = poll(lambda: len(df.SEEN.get("victim", ())) > 20, 10.0)
+    obs["stdin"] = _wait_killed()
+    obs["call"] = attempt(lambda: call.wait(10.0))
+    obs["finally_ran"] = poll(lambda: df.ENDED.get("victim") == "finally", 10.0)
+    obs["clean"] = _clean_here()
+    obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(graceful=False))
+    report(obs)
+    return 0
+
+
+@scenario("bidi_killed_caller")
+def bidi_killed_caller(args: argparse.Namespace) -> int:
+    """w1 has a bidirectional stream open with the driver (the callee); the test kills w1:
+    the driver's function reading the requests gets the loss."""
+    _join(args)
+    obs: Observations = {}
+    asyncrpc.rpc_async("w1", df.bidi_forever, args=("driver", "served"))
+    obs["streaming"] = poll(lambda: len(df.SEEN.get("served", ())) > 10, 10.0)
+    obs["stdin"] = _wait_killed()
+    obs["ended"] = poll(lambda: df.ENDED.get("served") is not None, 10.0) and df.ENDED["served"]
+    obs["clean"] = _clean_here()
+    obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(graceful=False))
+    report(obs)
+    return 0
+
+
+@scenario("bidi_shutdown")
+def bidi_shutdown(args: argparse.Namespace) -> int:
+    """A graceful shutdown with a bidirectional stream open: it closes the stream (replies
+    end with ClosedError, sending fails) and does not hang."""
+    _join(args)
+    obs: Observations = {}
+    b = asyncrpc.bidi("w1", df.noted_doubler, "open")
+    first: list[Any] = []
+    for i in range(5):
+        b.send(i).wait(10)
+        first.append(next(b))
+    obs["first"] = first
+    obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(graceful=True, timeout=10.0))
+    obs["rest"] = attempt(lambda: sum(1 for _ in b))
+    obs["send_after"] = attempt(lambda: b.send(1).wait(10))
+    report(obs)
+    return 0
