@@ -2,12 +2,14 @@
 
 ``StreamArg`` is an iterable sent as a call argument. Pickling it registers the iterable
 with this worker's stream hub (``runtime/calls/streams/sources.py``) and sends a handle;
-unpickling the handle on the callee opens an ordinary stream back to the sender, whose
-items are the iterable's, so the callee's function gets a ``Stream``. The callee opens it
-as soon as the request is read, before its function starts: the first items are on their
-way while the function starts, and a function that never reads it still closes it (the
-``Stream``, dropped with the arguments, closes itself). A bidirectional stream is a server
-stream whose function takes a ``StreamArg`` over a ``SendQueue`` first (``open_bidi``).
+the callee's function gets a ``StreamInput`` for it, which opens an ordinary stream back
+to the sender, whose items are the iterable's, the first time it is iterated. Opened
+there, inside the function, the stream is the function's own, as a stream it opens
+itself is: it ends no later than the request's deadline, and inside a distributed
+autograd context its items carry gradients. One never iterated is released when it is
+dropped (it opens and closes the stream at once, so the sender closes its iterable).
+A bidirectional stream is a server stream whose function takes a ``StreamArg`` over a
+``SendQueue`` first (``open_bidi``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from asyncrpc.runtime.calls.streams.sources import SendQueue
 from asyncrpc.runtime.calls.streams.stream import Stream
 from asyncrpc.runtime.current import FeatureSlot
 
-__all__ = ["StreamArg", "open_bidi"]
+__all__ = ["StreamArg", "StreamInput", "open_bidi"]
 
 T = TypeVar("T")
 _STREAMS: FeatureSlot[StreamHub] = FeatureSlot("streams", "streams")
@@ -69,17 +71,114 @@ class StreamArg(Generic[T]):
         source_id = hub.sources.add(self._items)
         self._items = None  # the hub holds it now
         handle = (hub.worker_name, source_id, self.timeout, self.window, self.window_bytes)
-        return _open_input, handle
+        return StreamInput, (handle,)
 
 
-def _open_input(
-    sender: str, source_id: int, timeout: float, window: int | None, window_bytes: int | None
-) -> Stream[Any]:
-    """Runs where the handle is unpickled: the ``Stream`` of the sender's items."""
+# Where a stream argument comes from: the sender's name, its id there, and the item
+# timeout and windows the sender asked for.
+Handle = tuple[str, int, float, int | None, int | None]
+
+
+class StreamInput(Generic[T]):
+    """A stream argument as the callee's function gets it: iterate it with ``async for``
+    (or ``for`` off the agent's loop), like a ``Stream``; it opens on first use.
+
+    Closing it (``close``, ``async with``/``with``, dropping it) stops the sender's
+    iterable. Passed on to another call unopened, it is read there instead.
+    """
+
+    __slots__ = ("__weakref__", "_handle", "_stream")
+
+    def __init__(self, handle: Handle) -> None:
+        self._handle: Handle | None = handle
+        self._stream: Stream[T] | None = None
+
+    def __repr__(self) -> str:
+        if self._stream is not None:
+            return f"<StreamInput {self._stream!r}>"
+        return f"<StreamInput from {self._handle[0]!r}>" if self._handle else "<StreamInput>"
+
+    def _open(self) -> Stream[T]:
+        stream = self._stream
+        if stream is None:
+            handle, self._handle = self._handle, None
+            if handle is None:
+                raise StreamArgError("this stream argument was closed or passed on")
+            stream = self._stream = _open(handle)
+        return stream
+
+    def __aiter__(self) -> StreamInput[T]:
+        self._open()
+        return self
+
+    async def __anext__(self) -> T:
+        return await self._open().__anext__()
+
+    def __iter__(self) -> StreamInput[T]:
+        self._open()
+        return self
+
+    def __next__(self) -> T:
+        return self._open().__next__()
+
+    def close(self) -> None:
+        """Stop the stream: the sender's iterable is closed. Returns at once; idempotent."""
+        stream, self._stream = self._stream, None
+        handle, self._handle = self._handle, None
+        if stream is not None:
+            stream.close()
+        elif handle is not None:
+            _release(handle)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __enter__(self) -> StreamInput[T]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> StreamInput[T]:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Passed on unopened: the next callee reads it from the sender directly.
+        if self._handle is None:
+            raise StreamArgError("a stream argument being read cannot be passed on")
+        handle, self._handle = self._handle, None
+        return StreamInput, (handle,)
+
+    def __del__(self) -> None:
+        # Never I/O here: an unopened one is released from the agent's loop (a function
+        # that never reads its stream argument still lets the sender close it).
+        handle = getattr(self, "_handle", None)
+        if handle is None:
+            return
+        self._handle = None
+        try:
+            _STREAMS.get().loop.aio.call_soon_threadsafe(_release, handle)
+        except Exception:  # no agent or a closed loop: the sender's expiry closes it
+            return
+
+
+def _open(handle: Handle) -> Stream[Any]:
+    sender, source_id, timeout, window, window_bytes = handle
     return _STREAMS.get().open(
         sender, _source_items, (source_id,), {}, timeout, window, _TARGET,
         window_bytes=window_bytes, serving=True,
     )  # fmt: skip
+
+
+def _release(handle: Handle) -> None:
+    """Open the stream and close it at once: the sender closes its iterable."""
+    try:
+        _open(handle).close()
+    except Exception:  # shut down or unknown sender: its expiry or shutdown closes it
+        return
 
 
 async def _source_items(source_id: int) -> Any:

@@ -256,3 +256,13 @@ def bidi_forever(to: str, tag: str) -> int:
         next(b)
         i += 1
         time.sleep(0.01)
+
+
+def ignores(xs: Any) -> str:
+    """Never reads its stream argument."""
+    return type(xs).__name__
+
+
+def forwards(xs: Any, to: str) -> int:
+    """Passes its stream argument on, unread, to ``to``'s ``total``."""
+    return int(asyncrpc.rpc_sync(to, total, args=(xs,)))
