@@ -266,3 +266,31 @@ def ignores(xs: Any) -> str:
 def forwards(xs: Any, to: str) -> int:
     """Passes its stream argument on, unread, to ``to``'s ``total``."""
     return int(asyncrpc.rpc_sync(to, total, args=(xs,)))
+
+
+# -- gradients through streams ---------------------------------------------------------------
+
+
+def scaled(x: torch.Tensor, n: int) -> Iterator[torch.Tensor]:
+    """Yields ``x * k`` for k = 1..n: each item's gradient reaches ``x`` on the caller."""
+    for k in range(1, n + 1):
+        yield x * k
+
+
+async def ascaled(x: torch.Tensor, n: int) -> AsyncIterator[torch.Tensor]:
+    for k in range(1, n + 1):
+        yield x * k
+
+
+def summed(xs: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Sums a stream argument of tensors requiring grad (on the pool)."""
+    out: torch.Tensor | None = None
+    for x in xs:
+        out = x if out is None else out + x
+    assert out is not None
+    return out
+
+
+async def tripled(requests: AsyncIterator[torch.Tensor]) -> AsyncIterator[torch.Tensor]:
+    async for r in requests:
+        yield r * 3

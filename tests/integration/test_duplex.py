@@ -324,3 +324,53 @@ def test_stream_arg_passed_on_unread_is_read_by_the_next_callee(group: Group) ->
     arg = asyncrpc.stream_arg(range(1000))
     assert asyncrpc.rpc_sync("w1", df.forwards, args=(arg, "w3")) == sum(range(1000))
     assert _no_streams_left("w3")
+
+
+# -- gradients through streams (issue 36, item 3) --------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [df.scaled, df.ascaled], ids=["sync", "async"])
+def test_stream_items_carry_gradients_back_to_the_producer(group: Group, fn: Any) -> None:
+    from asyncrpc import autograd as dist_autograd
+
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    with dist_autograd.context() as ctx:
+        items = list(asyncrpc.stream("w1" if fn is df.scaled else "w2", fn, x, 3))
+        assert all(item.requires_grad for item in items)
+        loss = torch.stack(items).sum()
+        dist_autograd.backward(ctx, [loss])
+        grads = dist_autograd.get_gradients(ctx)
+    assert torch.equal(grads[x], torch.full((2,), 1.0 + 2.0 + 3.0))
+
+
+def test_stream_arg_items_carry_gradients_back_to_the_sender(group: Group) -> None:
+    from asyncrpc import autograd as dist_autograd
+
+    x = torch.tensor([1.0, -1.0], requires_grad=True)
+    with dist_autograd.context() as ctx:
+        items = [x * k for k in range(1, 5)]
+        total = asyncrpc.rpc_sync("w1", df.summed, args=(asyncrpc.stream_arg(items),))
+        assert total.requires_grad
+        dist_autograd.backward(ctx, [(total * total).sum()])
+        grads = dist_autograd.get_gradients(ctx)
+    # total = 10 x, loss = sum(100 x^2): d/dx = 200 x
+    assert torch.allclose(grads[x], 200 * x.detach())
+
+
+@pytest.mark.asyncio
+async def test_bidi_gradients_flow_through_requests_and_replies(group: Group) -> None:
+    from asyncrpc import autograd as dist_autograd
+
+    x = torch.tensor([0.5, 2.0], requires_grad=True)
+    async with asyncio.timeout(30), dist_autograd.context() as ctx:
+        b = asyncrpc.bidi("w2", df.tripled)
+        replies = []
+        for k in range(1, 4):
+            await b.send(x * k)
+            replies.append(await b.__anext__())
+        b.done_sending()
+        assert [r async for r in b] == []
+        loss = torch.stack(replies).sum()
+        await dist_autograd.backward_async(ctx, [loss])
+        grads = dist_autograd.get_gradients(ctx)
+    assert torch.equal(grads[x], torch.full((2,), 3.0 * (1 + 2 + 3)))

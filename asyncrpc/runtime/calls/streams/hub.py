@@ -20,6 +20,7 @@ from asyncrpc.errors import ClosedError, PeerLostError, RemoteProtocolError
 from asyncrpc.protocol.address import PeerAddress
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
 from asyncrpc.protocol.serde import Serializer, unpack_exception
+from asyncrpc.protocol.serde.policy import DEFAULT, TrackGrads
 from asyncrpc.protocol.wire import Frame, encode_frame
 from asyncrpc.protocol.wire.messages import CallMode
 from asyncrpc.protocol.wire.stream import (
@@ -31,7 +32,7 @@ from asyncrpc.protocol.wire.stream import (
     decode_stream_message,
 )
 from asyncrpc.runtime.calls.outbox import EncodedRequest, Outbox
-from asyncrpc.runtime.calls.pipeline import CallKind
+from asyncrpc.runtime.calls.pipeline import CallKind, Pipeline
 from asyncrpc.runtime.calls.streams.consumer import ConsumerStream
 from asyncrpc.runtime.calls.streams.producer import Producers, close_iterable
 from asyncrpc.runtime.calls.streams.sources import Sources
@@ -202,8 +203,17 @@ class StreamHub(Feature):
             self._counters.protocol_errors += 1
             self.close_stream(stream, exc)
             return
+        headers, observed, policy = message.headers, None, None
+        if headers:  # the hooks' fields: the stream's call, its hooks, its items' grads
+            call = self._outbox.pending.get(stream.stream_id)
+            observed = None if call is None else call.request.observed
+            policy = None if observed is None else TrackGrads(DEFAULT)
         try:
-            value = self._serializer.loads(frame.payload, frame.segments, context=peer)
+            value = self._serializer.loads(
+                frame.payload, frame.segments, context=peer, policy=policy
+            )
+            if observed is not None and headers and policy is not None:
+                Pipeline.item_received(*observed, headers, policy.take())
         except Exception as exc:
             self.close_stream(stream, exc)
             return
