@@ -14,10 +14,11 @@ A bidirectional stream is a server stream whose function takes a ``StreamArg`` o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any, Generic, TypeVar
 
 from asyncrpc.errors import StreamArgError
+from asyncrpc.functions import inline
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
 from asyncrpc.runtime.calls.streams.bidi import Bidi
 from asyncrpc.runtime.calls.streams.hub import StreamHub
@@ -107,16 +108,16 @@ class StreamInput(Generic[T]):
             stream = self._stream = _open(handle)
         return stream
 
-    def __aiter__(self) -> StreamInput[T]:
-        self._open()
-        return self
+    # ``async for``/``for`` iterate the opened ``Stream`` itself: nothing between it and
+    # the items.
+    def __aiter__(self) -> Stream[T]:
+        return self._open()
 
-    async def __anext__(self) -> T:
-        return await self._open().__anext__()
+    def __anext__(self) -> Awaitable[T]:
+        return self._open().__anext__()
 
-    def __iter__(self) -> StreamInput[T]:
-        self._open()
-        return self
+    def __iter__(self) -> Stream[T]:
+        return self._open()
 
     def __next__(self) -> T:
         return self._open().__next__()
@@ -181,9 +182,13 @@ def _release(handle: Handle) -> None:
         return
 
 
-async def _source_items(source_id: int) -> Any:
+@inline
+def _source_items(source_id: int) -> Any:
     """Runs on the sender, as a stream's function: the iterable sent as ``source_id``
     (an async one is advanced on the loop, a plain one on the pool)."""
+    # Inline: run as the request is read, before a close behind it on the same
+    # connection, so the producer owns the iterable (and closes it) from then on. A task
+    # would be cancelled unstarted by that close, and the iterable left in the table.
     return _STREAMS.get().sources.take(source_id)
 
 
@@ -208,4 +213,4 @@ def open_bidi(
         to, fn, (requests, *args), kwargs, timeout, window, target,
         total_timeout=total_timeout, window_bytes=window_bytes,
     )  # fmt: skip
-    return Bidi(replies, queue, loop.run_on_loop)
+    return Bidi(replies, queue, loop.thread_id, loop.run_on_loop)

@@ -12,7 +12,8 @@ both.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import threading
+from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
@@ -36,15 +37,19 @@ class Bidi(Generic[T]):
     stream's producer is.
     """
 
-    __slots__ = ("__weakref__", "_queue", "_replies", "_run_on_loop")
+    __slots__ = ("__weakref__", "_loop_thread", "_queue", "_replies", "_run_on_loop")
 
     def __init__(
-        self, replies: Stream[T], queue: SendQueue, run_on_loop: Callable[..., None]
-    ) -> None:
+        self, replies: Stream[T], queue: SendQueue, loop_thread: int,
+        run_on_loop: Callable[..., None],
+    ) -> None:  # fmt: skip
         self._replies = replies
         self._queue = queue
-        queue.why = lambda: replies.failure  # a send on a failed stream gets its error
+        self._loop_thread = loop_thread
         self._run_on_loop = run_on_loop
+        queue.why = lambda: replies.failure  # a send on a failed stream gets its error
+        # However the replies end, nothing more is sent (on the loop, as they end).
+        run_on_loop(replies.when_over, queue.stop)
 
     def __repr__(self) -> str:
         return f"<Bidi {self._replies!r}, {self._queue!r}>"
@@ -73,6 +78,8 @@ class Bidi(Generic[T]):
             Exception: (through the future) the stream failed: the error its replies end
                 with (``PeerLostError``, the callee's exception...).
         """
+        if threading.get_ident() == self._loop_thread and self._queue.offer(item):
+            return _QUEUED  # on the loop with room: queued now, no future to make
         done: Future[None] = Future()
         try:
             self._run_on_loop(self._queue.put, item, done)
@@ -88,25 +95,19 @@ class Bidi(Generic[T]):
 
     # -- the replies ---------------------------------------------------------------------
 
-    def __aiter__(self) -> Bidi[T]:
-        return self
+    # ``async for``/``for`` iterate the replies' ``Stream`` itself: nothing between it and
+    # the items (the end of the replies stops the sending from the loop, see __init__).
+    def __aiter__(self) -> Stream[T]:
+        return self._replies
 
-    async def __anext__(self) -> T:
-        try:
-            return await self._replies.__anext__()
-        except BaseException:  # the end, an error or a cancellation: nothing more is sent
-            self._stop_sending()
-            raise
+    def __anext__(self) -> Awaitable[T]:
+        return self._replies.__anext__()
 
-    def __iter__(self) -> Bidi[T]:
-        return self
+    def __iter__(self) -> Stream[T]:
+        return self._replies
 
     def __next__(self) -> T:
-        try:
-            return self._replies.__next__()
-        except BaseException:
-            self._stop_sending()
-            raise
+        return self._replies.__next__()
 
     # -- closing -------------------------------------------------------------------------
 
@@ -140,3 +141,9 @@ class Bidi(Generic[T]):
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+# What ``send`` returns for an item queued at once on the loop: a future done with None.
+# Shared: a done future holds nothing more (callbacks added to it are run, not kept).
+_QUEUED: Future[None] = Future()
+_QUEUED.set_result(None)

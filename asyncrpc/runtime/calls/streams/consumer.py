@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from asyncrpc.errors import RpcTimeoutError
@@ -43,7 +44,7 @@ class ConsumerStream:
     __slots__ = (
         "_handing", "_hub", "_loop", "_outcome", "_timer", "_waiter", "closed", "ended", "failure",
         "flow",
-        "items", "peer", "peer_name", "serving", "stream_id", "target", "timeout",
+        "items", "on_end", "peer", "peer_name", "serving", "stream_id", "target", "timeout",
     )  # fmt: skip
 
     def __init__(
@@ -69,6 +70,9 @@ class ConsumerStream:
         # A stream argument of a request this worker serves: read as part of serving it,
         # so a graceful shutdown does not close it (see StreamHub.flush).
         self.serving = False
+        # Told once when the stream is over, however it ends (a bidirectional stream's
+        # sender stops then).
+        self.on_end: Callable[[], None] | None = None
 
     # -- from the hub ------------------------------------------------------------------------
 
@@ -93,6 +97,7 @@ class ConsumerStream:
             return
         self.ended, self._outcome = True, outcome
         self.failure = outcome
+        self._ending()
         self._hand()
 
     def shut(self, error: BaseException | None) -> None:
@@ -101,7 +106,13 @@ class ConsumerStream:
         self.items.clear()
         self._outcome = error
         self.failure = self.failure or error
+        self._ending()
         self._hand()
+
+    def _ending(self) -> None:
+        on_end, self.on_end = self.on_end, None
+        if on_end is not None:
+            on_end()
 
     # -- from the application ----------------------------------------------------------------
 

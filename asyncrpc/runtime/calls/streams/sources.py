@@ -144,13 +144,19 @@ class SendQueue:
         room), or fails with ``ClosedError`` if the stream can take no more."""
         if self._stopped or self._ended:
             try_set_exception(done, self._refusal())
-            return
-        if len(self._items) < self._limit:
-            self._items.append(item)
+        elif self.offer(item):
             try_set_result(done, None)
-            self._wake()
         else:
             self._putters.append((item, done))
+
+    def offer(self, item: Any) -> bool:
+        """Queue ``item`` if there is room now and the stream takes items; whether it did."""
+        if self._stopped or self._ended or len(self._items) >= self._limit or self._putters:
+            return False
+        self._items.append(item)
+        if self._waiter is not None:
+            self._wake()
+        return True
 
     def end(self) -> None:
         """The sender is done: the callee's iteration ends after the items sent."""
