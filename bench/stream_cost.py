@@ -199,6 +199,17 @@ def main(argv: list[str] | None = None) -> int:
     client, bidi = med("client_items_per_s"), med("bidi_items_per_s")
     print(f"  stream_arg, async for    {client:12,.0f} items/s   {client / calls:6.1f}x")
     print(f"  bidi echo, send + read   {bidi:12,.0f} items/s   {bidi / calls:6.1f}x")
+    # On a loaded machine the rates of a round move together: the ratio of each round
+    # (a stream and the calls it is compared with, measured one after the other) is the
+    # steadier figure.
+    ratios = {
+        key: statistics.median(r[key] / r["calls_per_s"] for r in runs)
+        for key in ("items_per_s", "client_items_per_s", "bidi_items_per_s")
+    }
+    print(
+        f"  medians of the rounds' ratios to the calls: stream {ratios['items_per_s']:.1f}x, "
+        f"stream_arg {ratios['client_items_per_s']:.1f}x, bidi {ratios['bidi_items_per_s']:.1f}x"
+    )
     print(f"  echo 1 MiB               {echo:12,.0f} MB/s")
     print(f"  stream of 1 MiB tensors  {stream:12,.0f} MB/s      {stream / echo:6.2f}x of echo")
     print(

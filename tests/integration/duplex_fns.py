@@ -294,3 +294,9 @@ def summed(xs: Iterable[torch.Tensor]) -> torch.Tensor:
 async def tripled(requests: AsyncIterator[torch.Tensor]) -> AsyncIterator[torch.Tensor]:
     async for r in requests:
         yield r * 3
+
+
+def send_slowly_to(to: str, tag: str, n: int) -> int:
+    """On a worker: streams ``n`` items, 20 ms apart, to ``to``'s ``read_noted``."""
+    arg = asyncrpc.stream_arg(slow_source(tag, n, 0.02))
+    return int(asyncrpc.rpc_sync(to, read_noted, args=(arg, tag)))

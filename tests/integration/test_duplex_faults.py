@@ -72,3 +72,13 @@ def test_bidi_graceful_shutdown_closes_it(tmp_path: Path) -> None:
     assert obs["rest"]["error"]["type"] == "ClosedError", obs["rest"]
     assert obs["send_after"]["error"]["type"] == "ClosedError", obs
     assert codes == [0]
+
+
+def test_stream_arg_callee_in_graceful_shutdown_reads_it_to_the_end(tmp_path: Path) -> None:
+    obs, codes = _run("callee_shutdown_reads_on", tmp_path, kill=False)
+    assert obs["reading"] is True
+    assert obs["shutdown"]["error"] is None, obs
+    assert obs["ended"] == "end", obs
+    assert obs["seen"] == list(range(100))
+    assert obs["call"]["value"] == 100, obs
+    assert codes == [0]

@@ -117,3 +117,20 @@ def bidi_shutdown(args: argparse.Namespace) -> int:
     obs["send_after"] = attempt(lambda: b.send(1).wait(10))
     report(obs)
     return 0
+
+
+@scenario("callee_shutdown_reads_on")
+def callee_shutdown_reads_on(args: argparse.Namespace) -> int:
+    """w1 sends the driver a stream argument, slowly; the driver, reading it for w1's call,
+    begins a graceful shutdown meanwhile: it reads the stream to its end (serving a
+    request), and the shutdown completes after."""
+    _join(args)
+    obs: Observations = {}
+    call = asyncrpc.rpc_async("w1", df.send_slowly_to, args=("driver", "served", 100))
+    obs["reading"] = poll(lambda: len(df.SEEN.get("served", ())) >= 5, 20.0)
+    obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(graceful=True, timeout=30.0))
+    obs["seen"] = df.SEEN.get("served")
+    obs["ended"] = df.ENDED.get("served")
+    obs["call"] = attempt(lambda: call.wait(1.0))
+    report(obs)
+    return 0
