@@ -36,8 +36,8 @@ _TARGET = "asyncrpc.stream_arg"  # the reverse stream's name, for the hooks and 
 class StreamArg(Generic[T]):
     """An iterable or async iterable passed as a call argument, streamed to the callee.
 
-    Made by ``asyncrpc.stream_arg``. The callee's function gets a ``Stream`` of its items
-    in its place. Send it once: one callee reads it, once.
+    Made by ``asyncrpc.stream_arg``. The callee's function gets a ``StreamInput`` of its
+    items in its place. Send it once: one callee reads it, once.
     """
 
     __slots__ = ("_items", "_sent", "timeout", "window", "window_bytes")
@@ -132,6 +132,7 @@ class StreamInput(Generic[T]):
             _release(handle)
 
     async def aclose(self) -> None:
+        """``close``, for ``async with`` and async code."""
         self.close()
 
     def __enter__(self) -> StreamInput[T]:

@@ -14,14 +14,24 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, ParamSpec, TypeVar, overload
 
-from asyncrpc.duplex import StreamArg, open_bidi
+from asyncrpc.duplex import StreamArg, StreamInput, open_bidi
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
 from asyncrpc.runtime.calls.streams.bidi import Bidi
 from asyncrpc.runtime.calls.streams.hub import StreamHub
 from asyncrpc.runtime.calls.streams.stream import Stream
 from asyncrpc.runtime.current import FeatureSlot
 
-__all__ = ["Bidi", "Stream", "StreamArg", "bidi", "rpc_bidi", "rpc_stream", "stream", "stream_arg"]
+__all__ = [
+    "Bidi",
+    "Stream",
+    "StreamArg",
+    "StreamInput",
+    "bidi",
+    "rpc_bidi",
+    "rpc_stream",
+    "stream",
+    "stream_arg",
+]
 
 P = ParamSpec("P")
 _STREAMS: FeatureSlot[StreamHub] = FeatureSlot("streams", "streams")
@@ -131,8 +141,9 @@ def stream_arg(
     """Pass ``items`` to a remote function as a stream it reads as the items arrive.
 
     Put the result among the arguments of any call (``rpc_sync``, ``rpc_async``,
-    ``remote``, ``stream``, RRef proxies): the callee's function gets a ``Stream`` in its
-    place, to iterate with ``async for`` (or ``for`` in a function that runs on the pool).
+    ``remote``, ``stream``, RRef proxies): the callee's function gets a ``StreamInput`` in
+    its place, to iterate with ``async for`` (or ``for`` in a function that runs on the
+    pool) as a ``Stream``; it opens on first use, inside the function.
     This worker advances ``items`` only as the callee's credit allows, as a stream's
     producer: an async iterable on the agent's loop, a plain one on its pool. Items and
     their tensors travel like call arguments. The callee opens the stream as soon as it
@@ -164,7 +175,7 @@ def stream_arg(
 def bidi(to: Any, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Bidi[Any]:
     """Open a bidirectional stream: ``fn(requests, *args, **kwargs)`` runs on worker ``to``.
 
-    The callee's function takes the requests first, as a ``Stream`` (``async for`` them),
+    The callee's function takes the requests first, as a ``StreamInput`` (``async for``),
     and yields replies, as ``stream``'s generator does. The caller gets a ``Bidi``: its
     ``send(item)`` sends a request (``await`` the future it returns, or ``.wait()`` it:
     it completes once the item is queued, which waits while a window of requests is
