@@ -300,3 +300,23 @@ def send_slowly_to(to: str, tag: str, n: int) -> int:
     """On a worker: streams ``n`` items, 20 ms apart, to ``to``'s ``read_noted``."""
     arg = asyncrpc.stream_arg(slow_source(tag, n, 0.02))
     return int(asyncrpc.rpc_sync(to, read_noted, args=(arg, tag)))
+
+
+async def never_reads(requests: AsyncIterator[int], tag: str) -> AsyncIterator[int]:
+    """A bidirectional function that reads no request until told (``release``)."""
+    GATES[tag] = asyncio.Event()
+    await GATES[tag].wait()
+    async for r in requests:
+        yield r
+
+
+GATES: dict[str, asyncio.Event] = {}
+
+
+@inline
+def release(tag: str) -> bool:
+    gate = GATES.get(tag)
+    if gate is None:
+        return False
+    gate.set()
+    return True

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -377,3 +378,36 @@ async def test_bidi_gradients_flow_through_requests_and_replies(group: Group) ->
         await dist_autograd.backward_async(ctx, [loss])
         grads = dist_autograd.get_gradients(ctx)
     assert torch.equal(grads[x], torch.full((2,), 3.0 * (1 + 2 + 3)))
+
+
+# -- flow control both ways -------------------------------------------------------------------
+
+
+def test_stream_arg_stalled_callee_stops_the_source_at_the_window(group: Group) -> None:
+    tag, source_tag = _tag(), _tag()
+    arg = asyncrpc.stream_arg(df.slow_source(source_tag, 10**6, 0.0), window=8)
+    call = asyncrpc.rpc_async("w2", df.read_slowly, args=(arg, tag))  # one item a second
+    assert _eventually(lambda: asyncrpc.rpc_sync("w2", df.seen, args=(tag,)) == [0])
+    time.sleep(0.5)  # the source has had time to run ahead, if it could
+    assert len(df.SEEN[source_tag]) <= 1 + 8 + 1  # read, the window, one being made
+    call.cancel()
+    assert _eventually(lambda: df.ENDED.get(source_tag) == "finally")
+    assert _no_streams_left("w2")
+
+
+@pytest.mark.asyncio
+async def test_bidi_sends_wait_while_the_callee_does_not_read(group: Group) -> None:
+    tag, window = _tag(), 4
+    b = asyncrpc.rpc_bidi("w2", df.never_reads, args=(tag,), window=window)
+    sends = [b.send(i) for i in range(30)]
+    await asyncio.sleep(1.0)
+    queued = sum(s.done() for s in sends)
+    # The callee's credit (a window) and the sender's queue (a window): no more.
+    assert window <= queued <= 2 * window + 1, queued
+    assert await asyncio.to_thread(asyncrpc.rpc_sync, "w2", df.release, args=(tag,))
+    async with asyncio.timeout(30):
+        replies = [await b.__anext__() for _ in range(30)]  # it reads: every send goes
+        assert all(s.done() for s in sends)
+        b.done_sending()
+        assert [r async for r in b] == []
+    assert replies == list(range(30))
