@@ -6,8 +6,9 @@ the callee's function gets a ``StreamInput`` for it, which opens an ordinary str
 to the sender, whose items are the iterable's, the first time it is iterated. Opened
 there, inside the function, the stream is the function's own, as a stream it opens
 itself is: it ends no later than the request's deadline, and inside a distributed
-autograd context its items carry gradients. One never iterated is released when it is
-dropped (it opens and closes the stream at once, so the sender closes its iterable).
+autograd context its items carry gradients. The ``StreamInput`` tells the sender when it
+arrives (a claim: the sender holds the iterable for it, however late it reads) and when it
+is dropped unread (the sender closes the iterable); ``Sources`` has an entry's whole life.
 A bidirectional stream is a server stream whose function takes a ``StreamArg`` over a
 ``SendQueue`` first (``open_bidi``).
 """
@@ -20,6 +21,7 @@ from typing import Any, Generic, TypeVar
 from asyncrpc.errors import StreamArgError
 from asyncrpc.functions import inline
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
+from asyncrpc.runtime.calls.deadline import serving_peer
 from asyncrpc.runtime.calls.streams.bidi import Bidi
 from asyncrpc.runtime.calls.streams.hub import StreamHub
 from asyncrpc.runtime.calls.streams.sources import SendQueue
@@ -93,6 +95,9 @@ class StreamInput(Generic[T]):
     def __init__(self, handle: Handle) -> None:
         self._handle: Handle | None = handle
         self._stream: Stream[T] | None = None
+        # Unpickled: tell the sender it arrived (it then holds it for us, unexpired), from
+        # the loop, after the unpickling that made this object.
+        _schedule(_tell, handle, _claimed)
 
     def __repr__(self) -> str:
         if self._stream is not None:
@@ -161,10 +166,7 @@ class StreamInput(Generic[T]):
         if handle is None:
             return
         self._handle = None
-        try:
-            _STREAMS.get().loop.aio.call_soon_threadsafe(_release, handle)
-        except Exception:  # no agent or a closed loop: the sender's expiry closes it
-            return
+        _schedule(_tell, handle, _discarded)
 
 
 def _open(handle: Handle) -> Stream[Any]:
@@ -176,11 +178,38 @@ def _open(handle: Handle) -> Stream[Any]:
 
 
 def _release(handle: Handle) -> None:
-    """Open the stream and close it at once: the sender closes its iterable."""
+    """Tell the sender its iterable will not be read: it closes it."""
+    _tell(handle, _discarded)
+
+
+def _schedule(fn: Any, *args: Any) -> None:
     try:
-        _open(handle).close()
-    except Exception:  # shut down or unknown sender: its expiry or shutdown closes it
+        _STREAMS.get().loop.aio.call_soon_threadsafe(fn, *args)
+    except Exception:  # no agent, or a closed loop: the sender's expiry or shutdown ends it
         return
+
+
+def _tell(handle: Handle, fn: Any) -> None:
+    """Call ``fn(source_id)`` on the handle's sender and forget it (on the loop)."""
+    try:
+        hub = _STREAMS.get()
+    except Exception:  # shut down meanwhile
+        return
+    hub.notify(handle[0], fn, (handle[1],))
+
+
+@inline
+def _claimed(source_id: int) -> None:
+    """Runs on the sender: the handle of ``source_id`` reached the calling worker."""
+    peer = serving_peer()
+    if peer is not None:
+        _STREAMS.get().sources.claim(source_id, peer)
+
+
+@inline
+def _discarded(source_id: int) -> None:
+    """Runs on the sender: the callee dropped ``source_id`` unread."""
+    _STREAMS.get().sources.discard(source_id)
 
 
 @inline

@@ -41,6 +41,31 @@ async def test_Sources_an_unread_argument_is_closed_after_its_expiry() -> None:
         sources.take(stale)
 
 
+async def test_Sources_a_claimed_argument_does_not_expire() -> None:
+    closed: list[Any] = []
+    sources = Sources(closed.append, expiry=0.05)
+    source_id = sources.add(["slow reader"])
+    sources.claim(source_id, peer=3)  # its request arrived at worker 3
+    await asyncio.sleep(0.06)
+    sources.add(["another"])
+    assert sources.take(source_id) == ["slow reader"]  # read late, still there
+    assert closed == []
+
+
+async def test_Sources_discard_and_a_lost_claimer_close_the_iterable() -> None:
+    closed: list[Any] = []
+    sources = Sources(closed.append, expiry=0.0)
+    dropped, lost, kept = sources.add(["dropped"]), sources.add(["lost"]), sources.add(["kept"])
+    sources.discard(dropped)  # the callee dropped it unread
+    sources.claim(lost, peer=2)
+    sources.claim(kept, peer=5)
+    sources.drop_peer(2)  # worker 2 is lost: what it claimed will never be read
+    assert closed == [["dropped"], ["lost"]]
+    assert len(sources) == 1
+    sources.discard(dropped)  # once only
+    assert len(closed) == 2
+
+
 async def test_Sources_close_all_closes_every_unread_argument() -> None:
     closed: list[Any] = []
     sources = Sources(closed.append, expiry=0.0)

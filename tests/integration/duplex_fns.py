@@ -320,3 +320,9 @@ def release(tag: str) -> bool:
         return False
     gate.set()
     return True
+
+
+async def reads_late(xs: AsyncIterator[int], delay: float) -> int:
+    """Holds its stream argument ``delay`` seconds before reading it."""
+    await asyncio.sleep(delay)
+    return sum([x async for x in xs])

@@ -152,7 +152,7 @@ async def test_stream_arg_cancelling_the_call_stops_both_ends(group: Group, sour
 
 def test_stream_arg_callee_waits_for_an_item_at_most_its_timeout(group: Group) -> None:
     tag = _tag()
-    slow = asyncrpc.stream_arg(df.slow_source(tag, 3, 5.0), timeout=0.5)
+    slow = asyncrpc.stream_arg(df.slow_source(tag, 3, 2.0), timeout=0.5)
     assert asyncrpc.rpc_sync("w1", df.error_type_of_reading, args=(slow,)) == "RpcTimeoutError"
     assert _eventually(lambda: df.ENDED.get(tag) == "finally")
     assert _no_streams_left("w1")

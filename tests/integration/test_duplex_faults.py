@@ -82,3 +82,11 @@ def test_stream_arg_callee_in_graceful_shutdown_reads_it_to_the_end(tmp_path: Pa
     assert obs["seen"] == list(range(100))
     assert obs["call"]["value"] == 100, obs
     assert codes == [0]
+
+
+def test_stream_arg_read_late_is_still_held_for_its_callee(tmp_path: Path) -> None:
+    obs, codes = _run("late_reader", tmp_path, kill=False)
+    assert obs["late"]["error"] is None, obs
+    assert obs["late"]["value"] == sum(range(100))
+    assert obs["held"] == 0
+    assert codes == [0]

@@ -134,3 +134,23 @@ def callee_shutdown_reads_on(args: argparse.Namespace) -> int:
     obs["call"] = attempt(lambda: call.wait(1.0))
     report(obs)
     return 0
+
+
+@scenario("late_reader")
+def late_reader(args: argparse.Namespace) -> int:
+    """The driver's default rpc_timeout is 1 s; w1's function holds its stream argument 3 s
+    before reading it (the call itself has 20 s): the argument, claimed on arrival, waits
+    for it. One whose request never arrived would have been closed after 1 s."""
+    options = asyncrpc.RpcBackendOptions(
+        init_method=args.init_method, rpc_timeout=1.0, shutdown_timeout=10.0
+    )
+    asyncrpc.init_rpc("driver", rank=0, world_size=2, rpc_backend_options=options)
+    obs: Observations = {}
+    arg = asyncrpc.stream_arg(range(100))
+    obs["late"] = attempt(
+        lambda: asyncrpc.rpc_sync("w1", df.reads_late, args=(arg, 3.0), timeout=20.0)
+    )
+    obs["held"] = asyncrpc.get_metrics()["stream_args_held"]
+    obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(graceful=True, timeout=10.0))
+    report(obs)
+    return 0

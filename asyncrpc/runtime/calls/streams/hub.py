@@ -13,6 +13,7 @@ the item count as its value). The items themselves go around the pending table, 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,6 +43,9 @@ from asyncrpc.runtime.metrics import Counters
 from asyncrpc.runtime.ports import Frames, Loop, OutgoingFrame
 
 __all__ = ["StreamHub"]
+
+_log = logging.getLogger(__name__)
+_UNCLAIMED_S = 300.0  # how long a stream argument waits for its request to arrive
 
 
 class StreamHub(Feature):
@@ -75,9 +79,10 @@ class StreamHub(Feature):
         self.producers = producers
         self._consumers: dict[int, ConsumerStream] = {}
         self.items_received = 0
-        # Iterables sent as stream arguments, until their callee opens them; one unopened
-        # for as long as a call may last is closed (see sources.py).
-        expiry = outbox.effective_timeout(UNSET_RPC_TIMEOUT)
+        # Iterables sent as stream arguments, until their callee opens them; one whose
+        # request never arrived is closed after as long as a call may last, or 5 minutes
+        # without a default timeout (see sources.py).
+        expiry = outbox.effective_timeout(UNSET_RPC_TIMEOUT) or _UNCLAIMED_S
         self.sources = Sources(lambda items: close_iterable(loop, items), expiry)
 
     @property
@@ -152,6 +157,14 @@ class StreamHub(Feature):
     def _ended(self, consumer: ConsumerStream, done: asyncio.Future[Any]) -> None:
         self._consumers.pop(consumer.stream_id, None)
         consumer.finished(None if done.cancelled() else done.exception())
+
+    def notify(self, to: Any, fn: Any, args: tuple[Any, ...]) -> None:
+        """Call ``fn(*args)`` on ``to`` and forget it: the stream arguments' bookkeeping
+        between workers (claims, releases). Any thread; a failure is only logged."""
+        try:
+            self._outbox.call_future(to, fn, args, {}, UNSET_RPC_TIMEOUT)
+        except Exception as exc:  # shut down, or the peer is gone: its entry goes anyway
+            _log.debug("could not tell %r about a stream argument: %r", to, exc)
 
     # -- the consumers' requests (ConsumerHub) -----------------------------------------------
 
@@ -248,6 +261,7 @@ class StreamHub(Feature):
 
     def on_peer_lost(self, rank: int, error: PeerLostError) -> None:
         self.producers.close_peer(rank)
+        self.sources.drop_peer(rank)  # stream arguments it received and will never read
 
     def flush(self) -> None:
         """This worker begins to shut down: it reads no more. Its consumers get

@@ -31,29 +31,33 @@ _log = logging.getLogger(__name__)
 
 
 class _Entry:
-    __slots__ = ("deadline", "items")
+    __slots__ = ("claimed_by", "deadline", "items")
 
     def __init__(self, items: Any, deadline: float | None) -> None:
         self.items = items
-        self.deadline = deadline  # monotonic; an entry still unopened then is closed
+        self.deadline = deadline  # monotonic; still unclaimed then, it is closed
+        self.claimed_by: int | None = None  # the rank that received the handle
 
 
 class Sources:
     """Iterables this worker sent as stream arguments and no callee has opened yet.
 
-    ``add`` runs on the thread that pickles a call (any thread), ``take`` and ``close_all``
-    on the loop. Both touch the table only with single dict operations (atomic in
-    CPython), so neither takes a lock the loop could wait on.
+    ``add`` runs on the thread that pickles a call (any thread), the rest on the loop.
+    They touch the table only with single dict operations (atomic in CPython), so none
+    takes a lock the loop could wait on.
 
-    An entry goes when its callee opens it (``take``; the stream then owns the iterable),
-    when this worker shuts down, or, unopened, ``expiry`` seconds after it was sent: the
-    request that carried it was lost or failed before its callee could read it (the call
-    itself failed by then: a callee unpickles the arguments before it runs anything).
+    An entry's life: the callee that unpickles the handle claims it (a small call back:
+    it arrived), and opens it when its function first reads it (``take``: the stream owns
+    the iterable from then on), or releases it when it drops the handle unread
+    (``discard``). An entry also goes, its iterable closed, when its claimer is lost, when
+    this worker shuts down, and, never claimed, ``expiry`` seconds after it was sent: the
+    request that carried it failed before its callee read it (an argument after it could
+    not be pickled, the peer was lost), and the call failed with that.
 
     Args:
         close: closes an iterable nobody will read (on the loop: it runs its ``finally``
             where it may block).
-        expiry: seconds an entry waits to be opened (0: forever).
+        expiry: seconds an entry waits to be claimed (0: forever).
     """
 
     def __init__(self, close: Callable[[Any], None], expiry: float) -> None:
@@ -73,37 +77,55 @@ class Sources:
         self._entries[source_id] = _Entry(items, deadline)
         return source_id
 
+    def claim(self, source_id: int, peer: int) -> None:
+        """Worker ``peer`` received the handle: the entry waits for it, without expiry,
+        until it opens or releases it, or is lost (loop)."""
+        entry = self._entries.get(source_id)
+        if entry is not None:
+            entry.deadline, entry.claimed_by = None, peer
+        self._sweep()
+
     def take(self, source_id: int) -> Any:
         """The callee opened ``source_id``: its iterable, now the stream's (loop).
 
         Raises:
             StreamArgError: no such entry: opened already (a stream argument is read
-                once), expired, or this worker shut down.
+                once), released, expired unclaimed, or this worker shut down.
         """
         self._sweep()
         entry = self._entries.pop(source_id, None)
         if entry is None:
             raise StreamArgError(
                 f"stream argument {source_id} is not held here: it was read already "
-                f"(a stream argument is read once), or it expired unread"
+                f"(a stream argument is read once), or released, or it expired unread"
             )
         self.taken += 1
         return entry.items
+
+    def discard(self, source_id: int) -> None:
+        """The callee dropped the handle unread: the iterable is closed (loop)."""
+        entry = self._entries.pop(source_id, None)
+        if entry is not None:
+            self._close(entry.items)
+
+    def drop_peer(self, peer: int) -> None:
+        """Worker ``peer`` is lost: the entries it claimed will never be read (loop)."""
+        for source_id, entry in self._entries.copy().items():
+            if entry.claimed_by == peer:
+                self.discard(source_id)
 
     def _sweep(self) -> None:
         now = time.monotonic()
         for source_id, entry in self._entries.copy().items():
             expired = entry.deadline is not None and entry.deadline < now
             if expired and self._entries.pop(source_id, None) is not None:
-                _log.debug("stream argument %d expired unread", source_id)
+                _log.debug("stream argument %d expired unclaimed", source_id)
                 self._close(entry.items)
 
     def close_all(self) -> None:
         """This worker stops: every iterable still held is closed (loop)."""
         for source_id in list(self._entries.copy()):
-            entry = self._entries.pop(source_id, None)
-            if entry is not None:
-                self._close(entry.items)
+            self.discard(source_id)
 
 
 class SendQueue:
