@@ -135,3 +135,26 @@ async def test_SendQueue_stop_without_a_failure_says_closed() -> None:
     queue.stop()
     with pytest.raises(ClosedError):
         _put(queue, "a").value()
+
+
+async def test_Sources_an_unclaimed_argument_expires_without_more_activity() -> None:
+    loop = asyncio.get_running_loop()
+    closed: list[Any] = []
+    done = asyncio.Event()
+
+    def close(items: Any) -> None:
+        closed.append(items)
+        done.set()
+
+    def later(delay: float, sweep: Any) -> None:
+        loop.call_soon_threadsafe(loop.call_later, delay, sweep)
+
+    sources = Sources(close, expiry=0.05, later=later)
+    sources.add(["lost request"])
+    claimed = sources.add(["arrived"])
+    sources.claim(claimed, peer=1)
+    assert sources.unclaimed == 1
+    async with asyncio.timeout(5):
+        await done.wait()  # nothing else happens here: the scheduled sweep closes it
+    assert closed == [["lost request"]]
+    assert len(sources) == 1  # the claimed one waits for its reader

@@ -13,7 +13,7 @@ import pytest
 from asyncrpc.testing import free_port, spawn_worker, stop_workers
 from tests import scenarios
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(150)
 
 
 def _run(name: str, tmp_path: Path, kill: bool) -> tuple[dict[str, Any], list[int | None]]:
@@ -90,3 +90,12 @@ def test_stream_arg_read_late_is_still_held_for_its_callee(tmp_path: Path) -> No
     assert obs["late"]["value"] == sum(range(100))
     assert obs["held"] == 0
     assert codes == [0]
+
+
+def test_stream_arg_held_unread_by_a_killed_callee_is_closed(tmp_path: Path) -> None:
+    obs, codes = _run("stream_arg_killed_before_reading", tmp_path, kill=True)
+    assert obs["claimed"] is True
+    assert obs["call"]["error"]["type"] == "PeerLostError", obs
+    assert obs["released"] is True, obs
+    assert obs["source_closed"] is True
+    assert codes == [-signal.SIGKILL]

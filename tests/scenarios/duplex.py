@@ -5,7 +5,9 @@ killed print ``STREAMING`` and wait for the test's ``KILLED`` line."""
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
+import time
 from typing import Any
 
 import asyncrpc
@@ -152,5 +154,38 @@ def late_reader(args: argparse.Namespace) -> int:
     )
     obs["held"] = asyncrpc.get_metrics()["stream_args_held"]
     obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(graceful=True, timeout=10.0))
+    report(obs)
+    return 0
+
+
+@scenario("stream_arg_killed_before_reading")
+def stream_arg_killed_before_reading(args: argparse.Namespace) -> int:
+    """w1 received a stream argument (claimed it) and holds it unread; the test kills w1:
+    once w1 is declared lost (for good, not on the connection's loss: a connection may
+    heal, and its callee read on), the driver closes the iterable it held for w1."""
+    _join(args)
+    obs: Observations = {}
+    source = df.slow_source("unread", 10, 0.0)
+    call = asyncrpc.rpc_async(
+        "w1", df.reads_late, args=(asyncrpc.stream_arg(source), 60.0), timeout=0
+    )
+    obs["claimed"] = poll(
+        lambda: (
+            asyncrpc.get_metrics()["stream_args_held"] == 1
+            and asyncrpc.get_metrics()["stream_args_unclaimed"] == 0
+        ),
+        10.0,
+    )
+    obs["stdin"] = _wait_killed()
+    start = time.monotonic()
+    obs["call"] = attempt(lambda: call.wait(10.0))
+    # Its expiry (the default rpc_timeout, 20 s) would release it too: well before that.
+    obs["released"] = poll(lambda: asyncrpc.get_metrics()["stream_args_held"] == 0, 15.0)
+    obs["lost_after"] = time.monotonic() - start
+    obs["source_closed"] = poll(
+        lambda: inspect.getgeneratorstate(source) == inspect.GEN_CLOSED, 5.0
+    )
+    obs["elapsed"] = time.monotonic() - start
+    obs["shutdown"] = attempt(lambda: asyncrpc.shutdown(graceful=False))
     report(obs)
     return 0

@@ -83,7 +83,10 @@ class StreamHub(Feature):
         # request never arrived is closed after as long as a call may last, or 5 minutes
         # without a default timeout (see sources.py).
         expiry = outbox.effective_timeout(UNSET_RPC_TIMEOUT) or _UNCLAIMED_S
-        self.sources = Sources(lambda items: close_iterable(loop, items), expiry)
+        self.sources = Sources(
+            lambda items: close_iterable(loop, items), expiry,
+            lambda delay, sweep: loop.aio.call_soon_threadsafe(loop.aio.call_later, delay, sweep),
+        )  # fmt: skip
 
     @property
     def worker_name(self) -> str:
@@ -293,4 +296,5 @@ class StreamHub(Feature):
             "stream_items_sent": self.producers.items_sent,
             "stream_items_received": self.items_received,
             "stream_args_held": len(self.sources),
+            "stream_args_unclaimed": self.sources.unclaimed,
         }

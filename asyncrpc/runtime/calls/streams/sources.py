@@ -60,9 +60,16 @@ class Sources:
         expiry: seconds an entry waits to be claimed (0: forever).
     """
 
-    def __init__(self, close: Callable[[Any], None], expiry: float) -> None:
+    def __init__(
+        self, close: Callable[[Any], None], expiry: float,
+        later: Callable[[float, Callable[[], None]], object] | None = None,
+    ) -> None:  # fmt: skip
         self._close = close
         self._expiry = expiry
+        # Runs a sweep after a delay, on the loop (from any thread): an unclaimed entry is
+        # closed at its expiry even when nothing else happens here (None: on activity only).
+        self._later = later
+        self._sweeping = False  # a sweep is scheduled
         self._entries: dict[int, _Entry] = {}
         self._ids = itertools.count(1)  # next() on a count is atomic under the GIL
         self.taken = 0
@@ -70,12 +77,29 @@ class Sources:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def unclaimed(self) -> int:
+        """Entries whose request has not (yet) been seen to arrive."""
+        return sum(1 for entry in self._entries.copy().values() if entry.claimed_by is None)
+
     def add(self, items: Any) -> int:
         """Hold ``items`` for a callee (any thread); returns the id its handle carries."""
         deadline = time.monotonic() + self._expiry if self._expiry > 0 else None
         source_id = next(self._ids)
         self._entries[source_id] = _Entry(items, deadline)
+        if deadline is not None and not self._sweeping and self._later is not None:
+            self._sweeping = True  # two threads may both schedule one: harmless
+            self._later(self._expiry, self._swept)
         return source_id
+
+    def _swept(self) -> None:
+        # The scheduled sweep (loop): again while an entry still waits for its expiry.
+        self._sweeping = False
+        self._sweep()
+        waiting = [e.deadline for e in self._entries.copy().values() if e.deadline is not None]
+        if waiting and self._later is not None:
+            self._sweeping = True
+            self._later(max(0.0, min(waiting) - time.monotonic()), self._swept)
 
     def claim(self, source_id: int, peer: int) -> None:
         """Worker ``peer`` received the handle: the entry waits for it, without expiry,
