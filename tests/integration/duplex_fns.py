@@ -326,3 +326,18 @@ async def reads_late(xs: AsyncIterator[int], delay: float) -> int:
     """Holds its stream argument ``delay`` seconds before reading it."""
     await asyncio.sleep(delay)
     return sum([x async for x in xs])
+
+
+def blobs(tag: str, n: int, nbytes: int) -> Iterator[torch.Tensor]:
+    """A caller-side source of ``n`` tensors of ``nbytes``, noting how many it made."""
+    for i in range(n):
+        SEEN.setdefault(tag, []).append(i)
+        yield torch.full((nbytes,), i % 128, dtype=torch.uint8)
+
+
+async def held_then_read(xs: AsyncIterator[torch.Tensor], tag: str) -> int:
+    """Opens its stream argument, takes nothing until ``release(tag)``, then reads it all."""
+    GATES[tag] = asyncio.Event()
+    await xs.__anext__()
+    await GATES[tag].wait()
+    return 1 + sum([1 async for _ in xs])

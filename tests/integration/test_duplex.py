@@ -411,3 +411,18 @@ async def test_bidi_sends_wait_while_the_callee_does_not_read(group: Group) -> N
         b.done_sending()
         assert [r async for r in b] == []
     assert replies == list(range(30))
+
+
+def test_stream_arg_byte_window_bounds_the_callers_source(group: Group) -> None:
+    # As test_streams' byte-window test, the other way: 4 MiB tensors, a 16 MiB window;
+    # the callee takes one and stalls: the caller's source makes at most a window more.
+    tag, size, n = _tag(), 4 << 20, 12
+    arg = asyncrpc.stream_arg(df.blobs(tag, n, size), window_bytes=16 << 20)
+    call = asyncrpc.rpc_async("w2", df.held_then_read, args=(arg, tag))
+    assert _eventually(lambda: len(df.SEEN.get(tag, ())) >= 4)
+    time.sleep(0.3)  # nothing more may be made while the callee holds; more would fail
+    # 16 MiB made, one item of it taken: credit comes back at half the byte window.
+    assert len(df.SEEN[tag]) == 4, df.SEEN[tag]
+    assert asyncrpc.rpc_sync("w2", df.release, args=(tag,))
+    assert call.wait(30) == n
+    assert _no_streams_left("w2")
