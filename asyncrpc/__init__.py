@@ -60,6 +60,7 @@ from asyncrpc.errors import (
     ShutdownError,
     ShutdownTimeoutError,
     StoreHostLostError,
+    StreamArgError,
     ThreadPoolExhaustedError,
     TorchScriptCallError,
     UnknownWorkerError,
@@ -73,13 +74,24 @@ from asyncrpc.rref.handle import RRef
 from asyncrpc.runtime.calls.deadline import time_remaining
 from asyncrpc.runtime.futures import Future, collect_all, wait_all
 from asyncrpc.runtime.group.events import MemberEvent, MemberEvents
-from asyncrpc.streaming import Stream, rpc_stream, stream
+from asyncrpc.streaming import (
+    Bidi,
+    Stream,
+    StreamArg,
+    StreamInput,
+    bidi,
+    rpc_bidi,
+    rpc_stream,
+    stream,
+    stream_arg,
+)
 
 __all__ = [
     "AsyncExecutionError",
     "AsyncRpcError",
     "BackendType",
     "BadDestinationError",
+    "Bidi",
     "BlockingCallError",
     "ClosedError",
     "ConnectionLostError",
@@ -116,6 +128,9 @@ __all__ = [
     "ShutdownTimeoutError",
     "StoreHostLostError",
     "Stream",
+    "StreamArg",
+    "StreamArgError",
+    "StreamInput",
     "TensorPipeRpcBackendOptions",
     "ThreadPoolExhaustedError",
     "TorchScriptCallError",
@@ -124,6 +139,7 @@ __all__ = [
     "WorkerNameError",
     "WorkersLostError",
     "WorldSizeMismatchError",
+    "bidi",
     "call",
     "collect_all",
     "functions",
@@ -141,11 +157,13 @@ __all__ = [
     "register_reducer",
     "remote",
     "rpc_async",
+    "rpc_bidi",
     "rpc_stream",
     "rpc_sync",
     "shutdown",
     "shutdown_async",
     "stream",
+    "stream_arg",
     "time_remaining",
     "wait_all",
     "worker",

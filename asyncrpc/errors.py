@@ -54,6 +54,7 @@ __all__ = [
     "ShutdownError",
     "ShutdownTimeoutError",
     "StoreHostLostError",
+    "StreamArgError",
     "ThreadPoolExhaustedError",
     "TorchScriptCallError",
     "UnknownWorkerError",
@@ -434,6 +435,12 @@ class RpcTimeoutError(AsyncRpcError, TimeoutError, RuntimeError):
             f"call to {self.function} on worker {self.worker!r} timed out after "
             f"{self.timeout:g} s (RPC ran for more than the set timeout)"
         )
+
+
+class StreamArgError(AsyncRpcError, LookupError, RuntimeError):
+    """A stream argument (``asyncrpc.stream_arg``, a ``bidi`` stream's requests) could not
+    be read: it was read already (once is all), it expired unread, or its sender shut
+    down."""
 
 
 # -- connections ---------------------------------------------------------------------------

@@ -7,7 +7,11 @@ Each round starts a fresh pair of workers on 127.0.0.1 (this process, on uvloop 
 ``init_rpc_async``, and one server) and measures, in the same run:
 
 - small items: a stream of ``--items`` ints (a plain generator on the server's pool),
-  items/s, beside one ``await asyncrpc.call`` of a no-op per item, calls/s;
+  items/s, beside one ``await asyncrpc.call`` of a no-op per item, calls/s; the same
+  ints the other way, as a stream argument (``stream_arg(range(n))``, advanced on this
+  worker's pool, read by an ``async def`` on the server's loop), items/s; and a
+  bidirectional stream echoing them (``await b.send(i)`` from one task, the replies read
+  by another), items/s each way;
 - 1 MiB float32 tensors: a stream of ``--tensors`` of them, MB/s one way, beside the echo
   bandwidth of the same tensor (2 x bytes / median round trip, as the main bench);
 - a stalled consumer: a stream of fresh 1 MiB tensors with a window of 8 whose consumer
@@ -72,7 +76,37 @@ async def _small(items: int, calls: int) -> dict[str, float]:
         lambda: sum(1 for _ in asyncrpc.stream("server", fns.stream_items, items))
     )
     sync_per_s = count / (time.perf_counter() - started)
-    return {"calls_per_s": calls_per_s, "items_per_s": items_per_s, "sync_items_per_s": sync_per_s}
+    return {
+        "calls_per_s": calls_per_s, "items_per_s": items_per_s, "sync_items_per_s": sync_per_s,
+        "client_items_per_s": await _client_stream(items), "bidi_items_per_s": await _bidi(items),
+    }  # fmt: skip
+
+
+async def _client_stream(items: int) -> float:
+    """A stream argument of ``items`` ints, read on the server's loop; items/s."""
+    started = time.perf_counter()
+    count = await asyncrpc.call("server", fns.stream_count, asyncrpc.stream_arg(range(items)))
+    assert count == items
+    return items / (time.perf_counter() - started)
+
+
+async def _bidi(items: int) -> float:
+    """``items`` ints echoed on a bidirectional stream, sent and read at once; items/s."""
+    started = time.perf_counter()
+    link = asyncrpc.bidi("server", fns.bidi_echo)
+
+    async def send() -> None:
+        for i in range(items):
+            await link.send(i)
+        link.done_sending()
+
+    sender = asyncio.ensure_future(send())
+    count = 0
+    async for _ in link:
+        count += 1
+    await sender
+    assert count == items
+    return items / (time.perf_counter() - started)
 
 
 async def _tensors(n: int) -> dict[str, float]:
@@ -162,6 +196,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  await call per item      {calls:12,.0f} calls/s")
     print(f"  stream, async for        {items:12,.0f} items/s   {items / calls:6.1f}x")
     print(f"  stream, for (a thread)   {sync_items:12,.0f} items/s   {sync_items / calls:6.1f}x")
+    client, bidi = med("client_items_per_s"), med("bidi_items_per_s")
+    print(f"  stream_arg, async for    {client:12,.0f} items/s   {client / calls:6.1f}x")
+    print(f"  bidi echo, send + read   {bidi:12,.0f} items/s   {bidi / calls:6.1f}x")
+    # On a loaded machine the rates of a round move together: the ratio of each round
+    # (a stream and the calls it is compared with, measured one after the other) is the
+    # steadier figure.
+    ratios = {
+        key: statistics.median(r[key] / r["calls_per_s"] for r in runs)
+        for key in ("items_per_s", "client_items_per_s", "bidi_items_per_s")
+    }
+    print(
+        f"  medians of the rounds' ratios to the calls: stream {ratios['items_per_s']:.1f}x, "
+        f"stream_arg {ratios['client_items_per_s']:.1f}x, bidi {ratios['bidi_items_per_s']:.1f}x"
+    )
     print(f"  echo 1 MiB               {echo:12,.0f} MB/s")
     print(f"  stream of 1 MiB tensors  {stream:12,.0f} MB/s      {stream / echo:6.2f}x of echo")
     print(

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Iterator
 from types import BuiltinFunctionType
 from typing import Any, NamedTuple
 
 from asyncrpc.autograd.context import AutogradContext, ContextTable, current_context_id
 from asyncrpc.autograd.release import Releases
-from asyncrpc.protocol.serde.policy import DEFAULT, NoGrads, TensorPolicy
+from asyncrpc.protocol.serde.policy import DEFAULT, TensorPolicy, TrackGrads
 from asyncrpc.runtime.calls.pipeline import CallHook, IncomingCall, OutgoingCall
 
 __all__ = ["FIELD", "RELEASED", "AutogradHook"]
@@ -127,9 +127,24 @@ class AutogradHook(CallHook):
     def stream_items(self, call: IncomingCall, policy: TensorPolicy | None) -> TensorPolicy | None:
         if call.reply_policy.grads is None:
             return policy
-        # A stream opened inside a distributed autograd context, which does not follow its
-        # items: one requiring grad is refused rather than its gradient lost.
-        return NoGrads(policy or DEFAULT, "a stream item")
+        # A stream opened inside a distributed autograd context: each item is a message
+        # of its own, its tensors requiring grad listed as a reply's are (item_sent).
+        return TrackGrads(policy or DEFAULT)
+
+    def item_sent(self, call: IncomingCall, grads: list[Any]) -> dict[str, Any] | None:
+        # Pickling thread (a pool thread for a plain generator): the context is locked.
+        context = call.state.get(self)
+        if not isinstance(context, AutogradContext) or not grads:
+            return None  # an item without grad needs no message: nothing flows back
+        message_id = context.next_message_id(self._rank)
+        context.record_send(message_id, call.caller_rank, grads)
+        return {FIELD: [context.id, message_id]}
+
+    def item_received(self, call: OutgoingCall, headers: dict[str, Any], grads: list[Any]) -> None:
+        sent = call.state.get(self)
+        fields = headers.get(FIELD)
+        if isinstance(sent, _Sent) and sent.context is not None and fields and grads:
+            sent.context.record_recv(call.callee_rank, int(fields[1]), grads)
 
     def debug_info(self) -> dict[str, Any]:
         contexts = self.contexts
@@ -152,7 +167,7 @@ def _within(fn: Callable[..., Any], context_id: int, coroutine: bool) -> Callabl
         async def run_coroutine(*args: Any, **kwargs: Any) -> Any:
             # This runs in the request's own task, whose context is a copy: no reset.
             current_context_id.set(context_id)
-            return await fn(*args, **kwargs)
+            return _streamed_within(await fn(*args, **kwargs), context_id)
 
         return run_coroutine
 
@@ -166,9 +181,46 @@ def _within(fn: Callable[..., Any], context_id: int, coroutine: bool) -> Callabl
         # plain generator, such as a stream's, for an old-style coroutine).
         if inspect.iscoroutine(result):
             return _awaited_within(result, context_id)
-        return result
+        return _streamed_within(result, context_id)
 
     return run
+
+
+def _streamed_within(result: Any, context_id: int) -> Any:
+    """A stream's generator, each step of it run inside the context (a generator's body
+    runs when it is advanced, long after the call that made it returned): its own calls
+    and the stream arguments it reads take part. Anything else as it is."""
+    if inspect.isgenerator(result):
+        return _steps_within(result, context_id)
+    if inspect.isasyncgen(result):
+        return _async_steps_within(result, context_id)
+    return result
+
+
+def _steps_within(gen: Generator[Any, Any, Any], context_id: int) -> Iterator[Any]:
+    try:
+        while True:
+            token = current_context_id.set(context_id)
+            try:
+                item = next(gen)
+            except StopIteration:
+                return
+            finally:
+                current_context_id.reset(token)
+            yield item
+    finally:
+        gen.close()  # closed early (the consumer left): the generator's finally runs
+
+
+async def _async_steps_within(agen: AsyncGenerator[Any, Any], context_id: int) -> Any:
+    # Driven by one task of its own (calls/streams/producer.py): set in it, the context
+    # holds for every step and for nothing else.
+    current_context_id.set(context_id)
+    try:
+        async for item in agen:
+            yield item
+    finally:
+        await agen.aclose()
 
 
 async def _awaited_within(coro: Coroutine[Any, Any, Any], context_id: int) -> Any:

@@ -8,7 +8,7 @@ parameter-RRef makers of dist-autograd, one per system (each builds its own RRef
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -23,6 +23,7 @@ __all__ = [
     "PS_LR",
     "async_noop",
     "autograd_batch",
+    "bidi_echo",
     "echo",
     "fake_grads",
     "forward",
@@ -31,6 +32,7 @@ __all__ = [
     "parameter_rrefs",
     "ps_pull",
     "ps_push",
+    "stream_count",
     "stream_fresh_tensors",
     "stream_items",
     "stream_progress",
@@ -194,3 +196,17 @@ def stream_progress(tag: str) -> tuple[int, int]:
     from asyncrpc import get_metrics
 
     return _stream_progress.get(tag, 0), get_metrics()["shm_lent_bytes"]
+
+
+async def stream_count(xs: AsyncIterator[Any]) -> int:
+    """Reads a stream argument on the callee's loop; how many items it had."""
+    count = 0
+    async for _ in xs:
+        count += 1
+    return count
+
+
+async def bidi_echo(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """A bidirectional stream's function: each request back as its reply."""
+    async for request in requests:
+        yield request

@@ -18,6 +18,7 @@ from typing import Any, Generic, Protocol, TypeVar, cast
 import torch
 
 from asyncrpc.autograd import backward_async as dist_backward_async
+from asyncrpc.duplex import open_bidi
 from asyncrpc.errors import PeerLostError, RRefError, RRefOwnerLostError
 from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT, WorkerInfo
@@ -466,18 +467,39 @@ class RRef(Generic[T]):
         """
         return _Proxy(self, CallKind.STREAM, timeout, (window, window_bytes))
 
+    def bidi(
+        self, timeout: float = UNSET_RPC_TIMEOUT, window: int | None = None,
+        window_bytes: int | None = None,
+    ) -> Any:  # fmt: skip
+        """Proxy: ``rref.bidi().method(*args)`` opens a bidirectional stream with the
+        method ``method`` of the value on its owner, as ``asyncrpc.rpc_bidi`` does: the
+        method takes the requests first and yields replies.
+
+        Args:
+            timeout: seconds each wait for a reply here, or for a request on the owner,
+                may last; -1 means the default ``rpc_timeout``, 0 none.
+            window: items each side may run ahead (default:
+                ``RpcBackendOptions.stream_window``).
+            window_bytes: bytes each side may run ahead, as ``rpc_bidi``'s.
+
+        Returns:
+            A proxy whose method calls return a ``Bidi``.
+        """
+        return _Proxy(self, CallKind.STREAM, timeout, (window, window_bytes), bidi=True)
+
 
 class _Proxy:
     """Turns ``proxy.method(*args, **kwargs)`` into a call of ``method`` on the owner, of
     the proxy's kind (a stream's items come from the iterator the method returns)."""
 
-    __slots__ = ("_kind", "_rref", "_timeout", "_windows")
+    __slots__ = ("_bidi", "_kind", "_rref", "_timeout", "_windows")
 
     def __init__(
         self, rref: RRef[Any], kind: CallKind, timeout: float,
-        windows: tuple[int | None, int | None] = (None, None),
+        windows: tuple[int | None, int | None] = (None, None), bidi: bool = False,
     ) -> None:  # fmt: skip
         self._rref, self._kind, self._timeout, self._windows = rref, kind, timeout, windows
+        self._bidi = bidi
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
@@ -490,8 +512,11 @@ class _Proxy:
         call_args = (rref, name, args, kwargs)
         target = f"RRef.{name}"  # what the hooks (and the profiler) call it
         if kind is CallKind.STREAM:
-            streams = _STREAMS.get()
             window, window_bytes = self._windows
+            if self._bidi:  # the requests go first, before the proxy's own arguments
+                return open_bidi(rref._owner, _bidi_method, call_args, {}, timeout, window,
+                                 target, window_bytes=window_bytes)  # fmt: skip
+            streams = _STREAMS.get()
             return streams.open(rref._owner, _stream_method, call_args, {}, timeout, window,
                                 target, window_bytes=window_bytes)  # fmt: skip
         ops = current_rrefs()
@@ -591,6 +616,18 @@ async def _stream_method(
     del rref  # see owner_value
     value = await owner_value(future)
     return getattr(value, name)(*args, **kwargs)
+
+
+async def _bidi_method(
+    requests: Any, rref: RRef[Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Runs on the owner: what ``value.name(requests, *args, **kwargs)`` returns, streamed
+    from there as ``_stream_method``'s."""
+    future = rref._value
+    assert future is not None
+    del rref  # see owner_value
+    value = await owner_value(future)
+    return getattr(value, name)(requests, *args, **kwargs)
 
 
 async def _invoke_method(

@@ -1,15 +1,16 @@
-"""An IMPALA-style reinforcement-learning loop: actors stream trajectories to a learner,
-and the learner streams new weights back to the actors.
+"""An IMPALA-style reinforcement-learning loop on one bidirectional stream per actor:
+trajectories go from the actor to the learner, new weights from the learner to the actor.
 
 Rank 0 is the learner; ranks 1..N are actors. The learner opens one stream per actor
-(``asyncrpc.rpc_stream(actor, act, ..., window=2)``): ``act`` is an async generator that
-runs on the actor, plays a contextual bandit with its copy of the policy, and yields one
-unroll of observations, actions, rewards and the behaviour policy's log-probabilities at a
-time. The window is the backpressure: an actor is never more than two unrolls ahead of the
-learner, which bounds how stale its policy gets. Meanwhile each actor follows the learner's
-weights through a stream of its own (``weights``, window 1: the learner always sends the
-newest version the actor has not seen). The learner corrects for the lag with truncated
-importance weights (IMPALA's V-trace without a value function: rho clipped at 1).
+(``asyncrpc.rpc_bidi(actor, act, ..., window=2)``): ``act`` is an async generator that runs
+on the actor, takes the learner's weights as its request stream, plays a contextual bandit
+with its copy of the policy and yields one unroll of observations, actions, rewards and
+the behaviour policy's log-probabilities at a time. The window is the backpressure both
+ways: an actor is never more than two unrolls ahead of the learner, which bounds how stale
+its policy gets, and the learner's sender for an actor waits while that actor has two
+versions of the weights unread, then sends the newest (a slow actor skips versions). The
+learner corrects for the lag with truncated importance weights (IMPALA's V-trace without a
+value function: rho clipped at 1).
 """
 
 from __future__ import annotations
@@ -83,39 +84,38 @@ class Learner:
             self.changed.notify_all()
 
 
-LEARNER: Learner | None = None  # set on the learner's process
+async def send_weights(learner: Learner, link: asyncrpc.Bidi[Any]) -> None:
+    """On the learner, for one actor: each new version of the weights, the newest first.
 
-
-async def weights() -> AsyncIterator[tuple[int, dict[str, torch.Tensor]]]:
-    """Runs on the learner, for one actor: each new version of the weights, newest first.
-
-    With a window of 1 the next version is made only once the actor took the last one, so
-    a slow actor skips versions instead of queueing them.
+    ``send`` waits while the actor has a window of versions unread; the version sent next
+    is the newest then, so a slow actor skips versions instead of queueing them.
     """
-    learner, seen = LEARNER, -1
-    assert learner is not None
+    seen = 0  # the actor starts with version 0 (make_policy)
     while True:
         async with learner.changed:
             while learner.version <= seen:
                 await learner.changed.wait()
         seen = learner.version
-        yield seen, learner.state()
+        await link.send((seen, learner.state()))
 
 
 # -- the actors' side -----------------------------------------------------------------------
 
 
-async def follow(policy: nn.Module, versions: list[int]) -> None:
-    """Keep ``policy`` at the learner's newest weights (a stream from the learner)."""
-    async for version, state in asyncrpc.rpc_stream("learner", weights, window=1):
+async def follow(weights: AsyncIterator[Any], policy: nn.Module, versions: list[int]) -> None:
+    """Keep ``policy`` at the learner's newest weights (the requests of this actor's stream)."""
+    async for version, state in weights:
         policy.load_state_dict(state)
         versions.append(version)
 
 
-async def act(actor: int, unrolls: int, length: int) -> AsyncIterator[dict[str, Any]]:
-    """Runs on an actor: play ``unrolls`` unrolls of ``length`` steps, yielding each."""
+async def act(
+    weights: AsyncIterator[Any], actor: int, unrolls: int, length: int
+) -> AsyncIterator[dict[str, Any]]:
+    """Runs on an actor: play ``unrolls`` unrolls of ``length`` steps, yielding each, while
+    following the weights the learner sends on the same stream."""
     policy, env, versions = make_policy(), Bandit(seed=actor), [0]
-    following = asyncio.create_task(follow(policy, versions))
+    following = asyncio.create_task(follow(weights, policy, versions))
     try:
         for _ in range(unrolls):
             obs = env.observe(length)
@@ -129,7 +129,7 @@ async def act(actor: int, unrolls: int, length: int) -> AsyncIterator[dict[str, 
                 "behaviour_logp": logp.gather(1, actions.unsqueeze(1)).squeeze(1),
                 "version": versions[-1],
             }
-            await asyncio.sleep(0)  # let the weight stream deliver
+            await asyncio.sleep(0)  # let the weights come in
     finally:  # runs when the learner is done with this actor, however that happens
         following.cancel()
 
@@ -149,22 +149,26 @@ def _options(args: argparse.Namespace, *, serves_whole_run: bool) -> asyncrpc.Rp
 
 
 async def learn(args: argparse.Namespace) -> dict[str, Any]:
-    """Rank 0: merge the actors' streams into one queue and learn from each unroll."""
-    global LEARNER
+    """Rank 0: merge the actors' unrolls into one queue and learn from each."""
     world = args.actors + 1
     options = _options(args, serves_whole_run=False)
     async with asyncrpc.worker("learner", rank=0, world_size=world, rpc_backend_options=options):
-        learner = LEARNER = Learner(args.lr)
+        learner = Learner(args.lr)
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=args.actors)
         lags: list[int] = []
 
         async def pump(actor: int) -> None:
-            stream = asyncrpc.rpc_stream(
+            # One stream per actor, both ways: unrolls in, weights out.
+            link = asyncrpc.rpc_bidi(
                 f"actor{actor}", act, args=(actor, args.unrolls, args.length), window=2
             )
-            async with stream:
-                async for unroll in stream:
-                    await queue.put(unroll)
+            async with link:
+                sending = asyncio.create_task(send_weights(learner, link))
+                try:
+                    async for unroll in link:
+                        await queue.put(unroll)
+                finally:
+                    sending.cancel()
 
         # In a task group: an actor's stream that fails (the actor died) ends the learner
         # at once with its error, instead of leaving it waiting for unrolls for good.
@@ -179,7 +183,6 @@ async def learn(args: argparse.Namespace) -> dict[str, Any]:
                     recent = learner.rewards[-20:]
                     print(f"update {step:4d}  reward {sum(recent) / len(recent):.3f}  "
                           f"policy lag {max(lags[-20:])}", flush=True)  # fmt: skip
-        LEARNER = None
     return {"rewards": learner.rewards, "max_lag": max(lags), "updates": learner.version}
 
 

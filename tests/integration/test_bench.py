@@ -226,3 +226,20 @@ def test_bench_plain_alone_runs_only_the_users_programs(tmp_path: Path) -> None:
             assert outcome["stats"]["p50_us"] > 0, (system, key, outcome)
             assert outcome["stats"]["n"] == 10
     assert "floor" not in result.raw
+
+
+@pytest.mark.timeout(240)
+def test_stream_cost_reports_the_stream_rows_with_their_ratios() -> None:
+    # bench/stream_cost.py, tiny: every row is there, and the rounds' figures are sane.
+    done = subprocess.run(
+        [sys.executable, "bench/stream_cost.py", "--rounds", "1", "--items", "500",
+         "--calls", "100", "--tensors", "5"],
+        capture_output=True, text=True, timeout=200, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    for row in ("stream, async for", "stream_arg, async for", "bidi echo, send + read",
+                "medians of the rounds' ratios"):  # fmt: skip
+        assert row in done.stdout, done.stdout
+    (rounds,) = json.loads(done.stdout.split("rounds: ", 1)[1].splitlines()[0])
+    for key in ("calls_per_s", "items_per_s", "client_items_per_s", "bidi_items_per_s"):
+        assert rounds[key] > 0, rounds

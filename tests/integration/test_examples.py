@@ -48,6 +48,18 @@ def test_model_parallel_matches_single_process(tmp_path: Path) -> None:
     assert result["async_losses"] == pytest.approx(result["reference"], abs=1e-5)
 
 
+def test_pipeline_parallel_matches_single_process(tmp_path: Path) -> None:
+    out = tmp_path / "pp.json"
+    proc = _run("examples.pipeline_parallel", "--steps", "8", "--micro-batches", "4",
+                "--json", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["match"] is True
+    assert result["moved"] is True  # every part, the trainer's encoder too, was trained
+    assert result["losses"] == pytest.approx(result["reference"], rel=1e-5, abs=1e-6)
+    assert result["weight_diff"] < 1e-6
+
+
 def test_torch_migration_versions_agree() -> None:
     proc = _run("examples.torch_migration")
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -376,13 +376,13 @@ def test_stream_profiler_shows_one_span_per_stream_with_its_item_count(
     assert found[remote_event_name(span, stream_items_name(3))] == 1
 
 
-def test_stream_inside_dist_autograd_refuses_items_that_require_grad(group: Group) -> None:
-    # Distributed autograd does not follow stream items: a gradient would go missing.
+def test_stream_inside_dist_autograd_items_keep_requires_grad(group: Group) -> None:
+    # Distributed autograd follows stream items (tests/integration/test_duplex.py has the
+    # gradients): inside a context they arrive requiring grad; outside one, as before.
     from asyncrpc import autograd as dist_autograd
 
     with dist_autograd.context():
-        items = asyncrpc.stream("w1", sf.grad_items, 3)
-        with pytest.raises(asyncrpc.SerializationError, match="requires grad"):
-            list(items)
-    outside = [t.tolist() for t in asyncrpc.stream("w1", sf.grad_items, 2)]
-    assert outside == [[0.0, 0.0], [1.0, 1.0]]
+        inside = list(asyncrpc.stream("w1", sf.grad_items, 3))
+    assert [t.requires_grad for t in inside] == [True, True, True]
+    outside = list(asyncrpc.stream("w1", sf.grad_items, 2))
+    assert [t.tolist() for t in outside] == [[0.0, 0.0], [1.0, 1.0]]

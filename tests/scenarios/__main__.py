@@ -14,6 +14,7 @@ from tests.scenarios import (  # noqa: F401 (imported to register their scenario
     auth,
     autograd,
     ddp,
+    duplex,
     dynamic,
     faults,
     heal,

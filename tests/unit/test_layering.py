@@ -44,7 +44,16 @@ FLOORS: list[tuple[float, tuple[str, ...]]] = [
     # Lanes: calling threads' own connections; their server hands requests to the dispatcher.
     (2.46, ("asyncrpc.runtime.lanes",)),
     (2.5, ("asyncrpc.runtime.agent", "asyncrpc.runtime.current")),
-    (3, ("asyncrpc.rref", "asyncrpc.profiling", "asyncrpc.autograd", "asyncrpc.observe")),
+    (
+        3,
+        (
+            "asyncrpc.rref",
+            "asyncrpc.profiling",
+            "asyncrpc.autograd",
+            "asyncrpc.observe",
+            "asyncrpc.duplex",
+        ),
+    ),
     (
         4,
         (

@@ -177,6 +177,33 @@ def test_Pipeline_calls_a_hook_only_for_the_stages_it_overrides() -> None:
     assert pipeline.overriding("outgoing") == ()
 
 
+class ItemFields(CallHook):
+    """Adds a field to each stream item, and notes the items received with fields."""
+
+    def __init__(self, key: str, log: list[Any]) -> None:
+        self.key, self.log = key, log
+
+    def item_sent(self, call: IncomingCall, grads: list[torch.Tensor]) -> dict[str, Any] | None:
+        return {self.key: len(grads)} if grads else None
+
+    def item_received(
+        self, call: OutgoingCall, headers: dict[str, Any], grads: list[torch.Tensor]
+    ) -> None:
+        self.log.append((self.key, headers, len(grads)))
+
+
+def test_Pipeline_item_fields_merge_the_hooks_fields_or_give_none() -> None:
+    log: list[Any] = []
+    pipeline = Pipeline([ItemFields("a", log), OnlyCompleted(log), ItemFields("b", log)])
+    assert ItemFields.stages == {"item_sent", "item_received"}
+    served = incoming_call()
+    assert pipeline.item_fields(served, []) is None  # no hook had a field: no map at all
+    grad = torch.ones(1, requires_grad=True)
+    assert pipeline.item_fields(served, [grad]) == {"a": 1, "b": 1}
+    Pipeline.item_received(pipeline.hooks, outgoing_call(), {"a": 1}, [grad])
+    assert log == [("a", {"a": 1}, 1), ("b", {"a": 1}, 1)]
+
+
 # -- tensor policies -------------------------------------------------------------------
 
 

@@ -26,6 +26,7 @@ from asyncrpc.protocol.wire.stream import (
 MESSAGES = [
     StreamItem(7, 0),
     StreamItem(1 << 40, 99, 64 << 20),
+    StreamItem(7, 1, 12, {"ag": [3, 9]}),  # an item with the pipeline's fields
     StreamCredit(7, 64),
     StreamCredit(7, 64, 1 << 40),
     StreamEnd(7, 100),
@@ -65,6 +66,8 @@ def test_decode_stream_message_roundtrips_through_the_frame_decoder(chunk: int |
         [Kind.STREAM_ITEM, 1, 0],  # no size
         [Kind.STREAM_ITEM, 1, -1, 0],
         [Kind.STREAM_ITEM, 1, 0, -5],
+        [Kind.STREAM_ITEM, 1, 0, 5, "not a map"],
+        [Kind.STREAM_ITEM, 1, 0, 5, {1: "keys are strings"}],
         [Kind.STREAM_CREDIT, 1, 4, -1],
         [Kind.STREAM_ITEM, True, 0, 0],  # a bool is not an id
         [Kind.STREAM_CREDIT, 1, 0],  # a credit of nothing

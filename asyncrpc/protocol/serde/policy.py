@@ -16,7 +16,7 @@ import torch
 
 from asyncrpc.errors import SerializationError
 
-__all__ = ["DEFAULT", "NoGrads", "TensorPolicy"]
+__all__ = ["DEFAULT", "NoGrads", "TensorPolicy", "TrackGrads"]
 
 
 class TensorPolicy:
@@ -110,4 +110,45 @@ class NoGrads(TensorPolicy):
         return self.inner.to_device(segment, device)
 
     def imported(self, tensor: torch.Tensor) -> None:
+        self.inner.imported(tensor)
+
+
+class TrackGrads(TensorPolicy):
+    """Lists the tensors requiring grad of one message after another, and otherwise does
+    what ``inner`` does: the policy of stream items that distributed autograd follows.
+
+    One stream's items are pickled one at a time (on the loop, or on one pool thread per
+    burst), and unpickled one at a time on the loop, so one object serves them all:
+    ``take`` hands over the list of the message just done and starts the next.
+    """
+
+    __slots__ = ("grads", "inner")
+
+    def __init__(self, inner: TensorPolicy) -> None:
+        self.inner = inner
+        self.grads: list[torch.Tensor] = []
+
+    def take(self) -> list[torch.Tensor]:
+        """The tensors requiring grad of the message just pickled or unpickled, in the
+        order both sides share; the list starts again for the next one."""
+        grads, self.grads = self.grads, []
+        return grads
+
+    def met(self, tensor: torch.Tensor) -> bool:
+        return self.inner.met(tensor)
+
+    def exported(self, tensor: torch.Tensor) -> None:
+        if tensor.requires_grad:
+            self.grads.append(tensor)
+        self.inner.exported(tensor)
+
+    def to_host(self, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        return self.inner.to_host(tensor)
+
+    def to_device(self, segment: torch.Tensor, device: str) -> torch.Tensor:
+        return self.inner.to_device(segment, device)
+
+    def imported(self, tensor: torch.Tensor) -> None:
+        if tensor.requires_grad:
+            self.grads.append(tensor)
         self.inner.imported(tensor)

@@ -44,7 +44,8 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class StreamItem:
-    """Item number ``seq`` (from 0) of stream ``stream_id``; the payload is its pickle.
+    """Item number ``seq`` (from 0) of stream ``stream_id``; the payload is its pickle,
+    with the call pipeline's fields for it, if any (as a reply has them).
 
     ``nbytes`` is what the item costs in byte credit: its payload and tensor segments as
     written (the header aside). The producer states it because it is the side that knows
@@ -54,9 +55,14 @@ class StreamItem:
     stream_id: int
     seq: int
     nbytes: int = 0
+    # The pipeline's fields for this item, if any (distributed autograd's message ids).
+    headers: dict[str, Any] | None = None
 
     def to_fields(self) -> list[Any]:
-        return [Kind.STREAM_ITEM, self.stream_id, self.seq, self.nbytes]
+        fields: list[Any] = [Kind.STREAM_ITEM, self.stream_id, self.seq, self.nbytes]
+        if self.headers:
+            fields.append(self.headers)
+        return fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +153,10 @@ def decode_stream_message(fields: list[Any]) -> StreamMessage:
     kind = fields[0] if fields else None
     try:
         if kind == Kind.STREAM_ITEM:
-            return StreamItem(_count(fields[1]), _count(fields[2]), _count(fields[3]))
+            return StreamItem(
+                _count(fields[1]), _count(fields[2]), _count(fields[3]),
+                optional_headers(fields, 4),
+            )  # fmt: skip
         if kind == Kind.STREAM_CREDIT:
             count = _count(fields[2])
             if count == 0:

@@ -28,6 +28,7 @@ from asyncrpc.errors import (
 )
 from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
 from asyncrpc.protocol.serde import MissingReferenceError, Serializer, pack_exception
+from asyncrpc.protocol.serde.policy import TensorPolicy, TrackGrads
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import ACK_WANTED, CallMode, ErrorReply, Reply, Request
 from asyncrpc.runtime.calls.builtins import checked_op, is_torch_c_function, runs_on_loop
@@ -169,8 +170,11 @@ class Dispatcher:
             incoming = served.incoming
             policy = None if incoming is None else self._pipeline.item_policy(incoming)
             dumps = partial(self._serializer.dumps, context=served.peer, policy=policy)
+            fields = None  # the hooks' fields for each item (distributed autograd's)
+            if incoming is not None and self._pipeline.overriding("item_sent"):
+                fields = partial(self._item_fields, incoming, policy)
             self._producers.start(
-                served.peer, request.call_id, fn, run, args, kwargs, replying, dumps
+                served.peer, request.call_id, fn, run, args, kwargs, replying, dumps, fields
             )
             return
         if is_coroutine_function(fn):
@@ -207,6 +211,13 @@ class Dispatcher:
         """Run the pipeline's callee side; returns the function wrapped by the hooks."""
         result: Callable[..., Any] = self._pipeline.serve(incoming, *call)
         return result
+
+    def _item_fields(
+        self, incoming: IncomingCall, policy: TensorPolicy | None
+    ) -> dict[str, Any] | None:
+        """The header fields of a stream item just pickled with ``policy``."""
+        grads = policy.take() if isinstance(policy, TrackGrads) else []
+        return self._pipeline.item_fields(incoming, grads)
 
     def _replying(self, served: ServedRequest, ok: bool, value: Any) -> dict[str, Any] | None:
         """The pipeline's last look at a served request; returns its reply header fields."""
@@ -292,6 +303,7 @@ class Dispatcher:
         self, served: ServedRequest, fn: Any, async_exec: bool, args: Any, kwargs: Any
     ) -> None:
         deadline = served.deadline
+        limit = None
         try:
             with running_until(deadline, served.peer):
                 if deadline is None:
@@ -314,6 +326,10 @@ class Dispatcher:
         except asyncio.CancelledError:
             self._stop_running(served)
             served.incoming = None
+            # The task keeps this error, whose traceback keeps this frame: drop what the
+            # frame holds (the timeout holds the task: a cycle only the GC would break),
+            # so the arguments go now, and a stream among them closes itself now.
+            args = kwargs = limit = None
             raise
         except BaseException as exc:
             self._finish(served, False, exc)

@@ -36,6 +36,14 @@ On the callee, for each request that carries header fields (or every request whi
   9. ``stream_items(call, policy)`` on the loop, for a streaming call, before its function
      starts: the tensor policy of its items (each item's frame leaves as soon as it is
      built, with no ready stage), given the policy the hooks before it chose.
+ 10. ``item_sent(call, grads)`` on the thread that pickles each item of a streaming call
+     (the loop, or the pool thread advancing a plain generator), after it is pickled with
+     that policy: ``grads`` are its tensors requiring grad when the policy tracks them
+     (``TrackGrads``); the hook may return header fields for the item's frame.
+On the caller again, for a stream it consumes:
+ 11. ``item_received(call, headers, grads)`` on the loop, for each item whose frame carries
+     header fields, after it is unpickled (its tensors requiring grad tracked): the hook
+     sees the fields and ``grads``.
 Tracked requiring-grad tensors always travel as segments, so both sides list them in the
 same order (see ``TensorPolicy.met``).
 
@@ -77,7 +85,7 @@ Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
 # The stages a hook may override, in the order a call meets them.
 STAGES = (
     "active", "serves_all", "prepare", "outgoing", "ready", "completed", "receiving",
-    "incoming", "replying", "reply_ready", "stream_items",
+    "incoming", "replying", "reply_ready", "stream_items", "item_sent", "item_received",
 )  # fmt: skip
 
 
@@ -288,6 +296,18 @@ class CallHook:
         as it is built: there is no ready stage to hold it (agent's loop)."""
         return policy
 
+    def item_sent(self, call: IncomingCall, grads: list[torch.Tensor]) -> dict[str, Any] | None:
+        """An item of a streaming call was pickled (the thread that pickles it): ``grads``
+        are its tensors requiring grad, if its policy tracks them. Returns header fields
+        for the item's frame (None: none)."""
+        return None
+
+    def item_received(
+        self, call: OutgoingCall, headers: dict[str, Any], grads: list[torch.Tensor]
+    ) -> None:
+        """An item carrying header fields arrived on a stream this worker consumes and was
+        unpickled (agent's loop); ``grads`` are its tensors requiring grad."""
+
     def debug_info(self) -> dict[str, Any]:
         """What this hook adds to ``get_debug_info()``."""
         return {}
@@ -438,6 +458,24 @@ class Pipeline:
         for hook in self._by_stage["stream_items"]:
             policy = hook.stream_items(call, policy)
         return policy
+
+    def item_fields(self, call: IncomingCall, grads: list[torch.Tensor]) -> dict[str, Any] | None:
+        """Run the ``item_sent`` stage for one item; its header fields (None: none)."""
+        fields: dict[str, Any] | None = None
+        for hook in self._by_stage["item_sent"]:
+            more = hook.item_sent(call, grads)
+            if more:
+                fields = more if fields is None else {**fields, **more}
+        return fields
+
+    @staticmethod
+    def item_received(
+        hooks: Sequence[CallHook], call: OutgoingCall, headers: dict[str, Any],
+        grads: list[torch.Tensor],
+    ) -> None:  # fmt: skip
+        for hook in hooks:
+            if "item_received" in hook.stages:
+                hook.item_received(call, headers, grads)
 
     def reply_ready(self, call: IncomingCall) -> Awaitable[None] | None:
         """What the reply's frame waits for: None, or one awaitable for all hooks'."""

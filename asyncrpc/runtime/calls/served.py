@@ -86,7 +86,7 @@ class Producers(Protocol):
     def start(
         self, peer: int, stream_id: int, fn: Any, run: Callable[..., Any], args: Any,
         kwargs: Any, replying: Callable[[bool, Any], dict[str, Any] | None],
-        dumps: Callable[[Any], Any],
+        dumps: Callable[[Any], Any], fields: Callable[[], dict[str, Any] | None] | None = None,
     ) -> None: ...  # fmt: skip
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from asyncrpc.errors import RpcTimeoutError
@@ -41,8 +42,9 @@ class ConsumerStream:
     """The state of one stream this worker consumes; touched on the agent's loop only."""
 
     __slots__ = (
-        "_handing", "_hub", "_loop", "_outcome", "_timer", "_waiter", "closed", "ended", "flow",
-        "items", "peer", "peer_name", "stream_id", "target", "timeout",
+        "_handing", "_hub", "_loop", "_outcome", "_timer", "_waiter", "closed", "ended", "failure",
+        "flow",
+        "items", "on_end", "peer", "peer_name", "serving", "stream_id", "target", "timeout",
     )  # fmt: skip
 
     def __init__(
@@ -60,10 +62,17 @@ class ConsumerStream:
         self.ended = False  # the outcome is known (it follows the items still buffered)
         self.closed = False  # closed by this side: nothing more is delivered
         self._outcome: BaseException | None = None
+        self.failure: BaseException | None = None  # the error it ended with, kept
         self._waiter: Waiter | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._handing = False  # a hand-off to the waiting fetch is scheduled
         self._hub = hub
+        # A stream argument of a request this worker serves: read as part of serving it,
+        # so a graceful shutdown does not close it (see StreamHub.flush).
+        self.serving = False
+        # Told once when the stream is over, however it ends (a bidirectional stream's
+        # sender stops then).
+        self.on_end: Callable[[], None] | None = None
 
     # -- from the hub ------------------------------------------------------------------------
 
@@ -87,6 +96,8 @@ class ConsumerStream:
         if self.ended:
             return
         self.ended, self._outcome = True, outcome
+        self.failure = outcome
+        self._ending()
         self._hand()
 
     def shut(self, error: BaseException | None) -> None:
@@ -94,7 +105,14 @@ class ConsumerStream:
         self.closed = self.ended = True
         self.items.clear()
         self._outcome = error
+        self.failure = self.failure or error
+        self._ending()
         self._hand()
+
+    def _ending(self) -> None:
+        on_end, self.on_end = self.on_end, None
+        if on_end is not None:
+            on_end()
 
     # -- from the application ----------------------------------------------------------------
 

@@ -13,12 +13,15 @@ the item count as its value). The items themselves go around the pending table, 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from asyncrpc.errors import ClosedError, PeerLostError, RemoteProtocolError
 from asyncrpc.protocol.address import PeerAddress
+from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
 from asyncrpc.protocol.serde import Serializer, unpack_exception
+from asyncrpc.protocol.serde.policy import DEFAULT, TrackGrads
 from asyncrpc.protocol.wire import Frame, encode_frame
 from asyncrpc.protocol.wire.messages import CallMode
 from asyncrpc.protocol.wire.stream import (
@@ -30,15 +33,19 @@ from asyncrpc.protocol.wire.stream import (
     decode_stream_message,
 )
 from asyncrpc.runtime.calls.outbox import EncodedRequest, Outbox
-from asyncrpc.runtime.calls.pipeline import CallKind
+from asyncrpc.runtime.calls.pipeline import CallKind, Pipeline
 from asyncrpc.runtime.calls.streams.consumer import ConsumerStream
-from asyncrpc.runtime.calls.streams.producer import Producers
+from asyncrpc.runtime.calls.streams.producer import Producers, close_iterable
+from asyncrpc.runtime.calls.streams.sources import Sources
 from asyncrpc.runtime.calls.streams.stream import Stream
 from asyncrpc.runtime.feature import Feature
 from asyncrpc.runtime.metrics import Counters
 from asyncrpc.runtime.ports import Frames, Loop, OutgoingFrame
 
 __all__ = ["StreamHub"]
+
+_log = logging.getLogger(__name__)
+_UNCLAIMED_S = 300.0  # how long a stream argument waits for its request to arrive
 
 
 class StreamHub(Feature):
@@ -72,19 +79,40 @@ class StreamHub(Feature):
         self.producers = producers
         self._consumers: dict[int, ConsumerStream] = {}
         self.items_received = 0
+        # Iterables sent as stream arguments, until their callee opens them; one whose
+        # request never arrived is closed after as long as a call may last, or 5 minutes
+        # without a default timeout (see sources.py).
+        expiry = outbox.effective_timeout(UNSET_RPC_TIMEOUT) or _UNCLAIMED_S
+        self.sources = Sources(
+            lambda items: close_iterable(loop, items), expiry,
+            lambda delay, sweep: loop.aio.call_soon_threadsafe(loop.aio.call_later, delay, sweep),
+        )  # fmt: skip
+
+    @property
+    def worker_name(self) -> str:
+        return self._name
+
+    @property
+    def loop(self) -> Loop:
+        return self._loop
+
+    @property
+    def default_window(self) -> int:
+        return self._window
 
     # -- opening (any thread) ----------------------------------------------------------------
 
     def open(
         self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
         window: int | None, target: str | None = None, total_timeout: float = 0.0,
-        window_bytes: int | None = None,
+        window_bytes: int | None = None, serving: bool = False,
     ) -> Stream[Any]:  # fmt: skip
         """Start ``fn(*args, **kwargs)`` on ``to`` as a stream and return its ``Stream``;
         ``timeout`` bounds each wait for an item, ``total_timeout`` the whole stream (0:
         none; inside a served request, no later than its deadline): both ends stop then.
         The producer runs at most ``window`` items and about ``window_bytes`` bytes ahead
-        (None: the options' defaults; 0 bytes: items only).
+        (None: the options' defaults; 0 bytes: items only). ``serving``: a stream argument
+        of a request this worker serves (a graceful shutdown lets it run, see ``flush``).
 
         Raises:
             ValueError: ``window`` is not a positive int, ``window_bytes`` not an int >= 0,
@@ -111,6 +139,7 @@ class StreamHub(Feature):
         consumer = ConsumerStream(
             loop.aio, stream_id, rank, name, target, item_timeout, window, self, window_bytes
         )
+        consumer.serving = serving
         # The stream's outcome; the waiter is an asyncio future: only the loop touches it.
         ended: asyncio.Future[Any] = loop.aio.create_future()
         ended.add_done_callback(lambda done: self._ended(consumer, done))
@@ -131,6 +160,14 @@ class StreamHub(Feature):
     def _ended(self, consumer: ConsumerStream, done: asyncio.Future[Any]) -> None:
         self._consumers.pop(consumer.stream_id, None)
         consumer.finished(None if done.cancelled() else done.exception())
+
+    def notify(self, to: Any, fn: Any, args: tuple[Any, ...]) -> None:
+        """Call ``fn(*args)`` on ``to`` and forget it: the stream arguments' bookkeeping
+        between workers (claims, releases). Any thread; a failure is only logged."""
+        try:
+            self._outbox.call_future(to, fn, args, {}, UNSET_RPC_TIMEOUT)
+        except Exception as exc:  # shut down, or the peer is gone: its entry goes anyway
+            _log.debug("could not tell %r about a stream argument: %r", to, exc)
 
     # -- the consumers' requests (ConsumerHub) -----------------------------------------------
 
@@ -182,8 +219,17 @@ class StreamHub(Feature):
             self._counters.protocol_errors += 1
             self.close_stream(stream, exc)
             return
+        headers, observed, policy = message.headers, None, None
+        if headers:  # the hooks' fields: the stream's call, its hooks, its items' grads
+            call = self._outbox.pending.get(stream.stream_id)
+            observed = None if call is None else call.request.observed
+            policy = None if observed is None else TrackGrads(DEFAULT)
         try:
-            value = self._serializer.loads(frame.payload, frame.segments, context=peer)
+            value = self._serializer.loads(
+                frame.payload, frame.segments, context=peer, policy=policy
+            )
+            if observed is not None and headers and policy is not None:
+                Pipeline.item_received(*observed, headers, policy.take())
         except Exception as exc:
             self.close_stream(stream, exc)
             return
@@ -218,6 +264,7 @@ class StreamHub(Feature):
 
     def on_peer_lost(self, rank: int, error: PeerLostError) -> None:
         self.producers.close_peer(rank)
+        self.sources.drop_peer(rank)  # stream arguments it received and will never read
 
     def flush(self) -> None:
         """This worker begins to shut down: it reads no more. Its consumers get
@@ -226,14 +273,19 @@ class StreamHub(Feature):
         the barrier waits: a worker that calls shutdown() right after joining, torch's way
         of serving until everybody is done, still serves streams. They end when their
         consumers close them (a consumer's own shutdown does) or when this worker stops
-        (``close``)."""
+        (``close``). So do the stream arguments of the requests it serves: reading them is
+        serving the request, as producing a stream is."""
         for stream in list(self._consumers.values()):
-            self.close_stream(stream, ClosedError(f"worker {self._name!r} shut down"))
+            if not stream.serving:
+                self.close_stream(stream, ClosedError(f"worker {self._name!r} shut down"))
 
     def close(self) -> None:
-        """This worker stops: its consumers are closed (``flush``), and every producer's
-        consumer is told."""
+        """This worker stops: its consumers are closed (``flush``, then those serving
+        requests), and every producer's consumer is told."""
         self.flush()
+        for stream in list(self._consumers.values()):
+            self.close_stream(stream, ClosedError(f"worker {self._name!r} shut down"))
+        self.sources.close_all()
         if len(self.producers):
             self.producers.close_all(PeerLostError(self._name, "it shut down while streaming"))
 
@@ -243,4 +295,6 @@ class StreamHub(Feature):
             "streams_producing": len(self.producers),
             "stream_items_sent": self.producers.items_sent,
             "stream_items_received": self.items_received,
+            "stream_args_held": len(self.sources),
+            "stream_args_unclaimed": self.sources.unclaimed,
         }

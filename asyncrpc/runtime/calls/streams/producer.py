@@ -35,7 +35,7 @@ from asyncrpc.runtime.calls.deadline import running_until
 from asyncrpc.runtime.ports import Frames, Loop
 from asyncrpc.runtime.shm.shm import segment_nbytes
 
-__all__ = ["ProducerStream", "Producers"]
+__all__ = ["ProducerStream", "Producers", "close_iterable"]
 
 _CLOSED = object()  # a pool thread closed the generator itself
 _JOIN_BYTES = 64 << 10  # item frames joined into one write, up to this many bytes
@@ -47,13 +47,17 @@ Replying = Callable[[bool, Any], dict[str, Any] | None]
 # Pickles one item for the consumer as a reply to it is pickled (the dispatcher's choice of
 # serializer arguments): item -> (payload, segments, keepalive, RRef forks minted).
 Dumps = Callable[[Any], tuple[bytes, list[Any], Any, list[Any] | None]]
+# The call pipeline's header fields for the item just pickled (None: none), asked right
+# after each ``Dumps`` on the same thread (distributed autograd's message ids).
+Fields = Callable[[], dict[str, Any] | None]
 
 
 class ProducerStream:
     """One stream this worker produces: its generator, credit and state."""
 
     __slots__ = (
-        "async_source", "closed", "conn", "deadline", "dumps", "flow", "flushing", "outbox",
+        "async_source", "closed", "conn", "deadline", "dumps", "fields", "flow", "flushing",
+        "outbox",
         "peer", "replying", "running", "source", "stream_id", "target", "task", "timeout",
         "timer", "wakeup",
     )  # fmt: skip
@@ -74,6 +78,7 @@ class ProducerStream:
         self.closed = False  # ended, failed or closed: nothing more is sent
         self.replying: Replying | None = None  # set when the function starts
         self.dumps: Dumps | None = None  # likewise
+        self.fields: Fields | None = None  # likewise, when the hooks have item fields
         # A plain iterator, advanced on the pool (None: none, or handed back to be closed).
         self.source: Iterator[Any] | None = None
         self.running = False  # a pool job is advancing ``source``
@@ -129,15 +134,16 @@ class Producers:
 
     def start(
         self, peer: int, stream_id: int, fn: Any, run: Callable[..., Any], args: Any,
-        kwargs: Any, replying: Replying, dumps: Dumps,
+        kwargs: Any, replying: Replying, dumps: Dumps, fields: Fields | None = None,
     ) -> None:  # fmt: skip
         """Start the stream's function: ``fn`` decides where it runs, ``run`` (``fn`` as
-        the pipeline's hooks wrapped it) is what is called, ``dumps`` pickles its items."""
+        the pipeline's hooks wrapped it) is what is called, ``dumps`` pickles its items
+        and ``fields`` gives each one's header fields."""
         stream = self._streams.get((peer, stream_id))
         if stream is None:  # closed before it could start
             replying(False, asyncio.CancelledError())
             return
-        stream.replying, stream.dumps = replying, dumps
+        stream.replying, stream.dumps, stream.fields = replying, dumps, fields
         if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn) or is_inline(fn):
             try:  # a generator function returns at once: its body runs when advanced
                 result = run(*args, **kwargs)
@@ -405,7 +411,8 @@ class Producers:
             )
             raise error from exc
         nbytes = _item_nbytes(payload, segments)
-        header = StreamItem(stream.stream_id, seq, nbytes).to_fields()
+        headers = None if stream.fields is None else stream.fields()
+        header = StreamItem(stream.stream_id, seq, nbytes, headers).to_fields()
         pieces = encode_frame(header, payload, segments)
         return pieces, keep, forks, nbytes
 
@@ -522,3 +529,25 @@ def _close_now(source: Any) -> None:
         close()
     except Exception:
         _log.exception("closing a streamed generator failed")
+
+
+def close_iterable(loop: Loop, items: Any) -> None:
+    """Close an iterable nobody will read (on the loop): an async one's ``aclose`` in a
+    task of the loop, a plain one's ``close`` on the pool (its ``finally`` may block)."""
+    if hasattr(items, "aclose"):
+        task = loop.aio.create_task(_aclose(items))
+        task.add_done_callback(_log_failure)
+    elif hasattr(items, "close"):
+        try:
+            loop.pool.submit(_close_now, items)
+        except Exception:  # the pool is shut down: its finally runs when it is collected
+            _log.debug("could not close an unread stream argument on the pool")
+
+
+async def _aclose(items: Any) -> None:
+    await items.aclose()
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        _log.error("closing an unread stream argument failed", exc_info=task.exception())

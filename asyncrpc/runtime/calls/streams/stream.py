@@ -59,6 +59,21 @@ class Stream(Generic[T]):
         state = "closed" if self._closed else "done" if self._done else "open"
         return f"<Stream {c.target} on {c.peer_name!r} ({state})>"
 
+    def when_over(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on the loop) once the stream is over, however it ends; now if
+        it is over already. Call on the agent's loop."""
+        consumer = self._consumer
+        if consumer.ended:
+            callback()
+        else:
+            consumer.on_end = callback
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The error the stream ended with, once it ended with one (None: not ended, ended
+        cleanly, or closed by this side)."""
+        return self._consumer.failure
+
     # -- async ---------------------------------------------------------------------------
 
     def __aiter__(self) -> Stream[T]:

@@ -1,0 +1,1 @@
+"""Pipeline-parallel training with micro-batches streamed through two stages."""
