@@ -412,11 +412,16 @@ def _summed(done: Future[list[Future[int]]], hop: Hop) -> Future[int]:
     out: Future[int] = Future()
 
     def add(done: Future[list[Future[int]]]) -> None:
-        try:
-            returned = sum(future.value() for future in done.value())
-            try_set_result(out, hop.hand_on(returned))
-        except BaseException as exc:  # a hop's error, with its original type
-            try_set_exception(out, exc)
+        # Read, not raised: an error raised here, inside the hooks of whatever completed
+        # the last hop, would keep in its traceback every frame of that stack (and their
+        # locals: a failed call, its arguments) for as long as ``out`` holds it.
+        futures = done.value()
+        for future in futures:
+            error = future.exception()
+            if error is not None:  # a hop's error, with its original type
+                try_set_exception(out, error)
+                return
+        try_set_result(out, hop.hand_on(sum(future.value() for future in futures)))
 
     add_hook(done, add)
     return out

@@ -133,6 +133,15 @@ def rref_entries() -> dict[str, list[str]]:
         warnings.simplefilter("ignore")
         alive = [o for o in gc.get_objects() if isinstance(o, RRef) and not o.is_owner()]
     entries["held_by"] = [f"{o!r}: {_holders(o, {id(alive)})}" for o in alive[:10]]
+    if alive:  # calls that ended but are still held: what holds them
+        from asyncrpc.runtime.calls.pending import PendingCall
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            calls = [o for o in gc.get_objects() if isinstance(o, PendingCall)]
+        entries["calls_held_by"] = [
+            f"call {c.request.target} to {c.peer}: {_holders(c, {id(calls)})}" for c in calls[:5]
+        ]
     return entries
 
 

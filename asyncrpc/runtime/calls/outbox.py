@@ -485,9 +485,12 @@ class Outbox:
 
     def fail_peer(self, rank: int, error: PeerLostError, sent_on: object = None) -> None:
         """Fail the calls to ``rank`` (only those written on ``sent_on``, if given)."""
+        call: PendingCall | None = None
         for call in self.pending.pop_peer(rank, sent_on):
             self._counters.calls_failed += 1
             call.fail(own_copy(error))  # one error, raised by each caller: a copy each
+        # A traceback made in a hook the calls ran keeps this frame: not the last call.
+        call = None
 
     def close(self) -> None:
         """No more calls; those still pending fail."""
