@@ -4,20 +4,26 @@
 collector (``prometheus.py``) that reads, at each scrape, the figures ``get_metrics()``
 and ``get_debug_info()`` return; it also starts the per-call figures (calls by kind and
 peer, latency histograms) that only a scrape needs. ``collector()`` is that collector,
-for a program that serves its own registry.
+for a program that serves its own registry. ``serve`` also publishes its endpoint in the
+group's rendezvous store, where ``python -m asyncrpc.top --rendezvous`` finds it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 from asyncrpc.api import get_debug_info
 from asyncrpc.errors import NotInitializedError
 from asyncrpc.observe.figures import CALL_FIGURES, count_from_start
+from asyncrpc.runtime.current import current_agent
+from asyncrpc.runtime.group import endpoints
 
 __all__ = ["MetricsServer", "collector", "serve"]
+
+_log = logging.getLogger(__name__)
 
 
 def _snapshot() -> Mapping[str, Any] | None:
@@ -88,7 +94,10 @@ def serve(port: int = 0, host: str = "127.0.0.1") -> MetricsServer:
     """Serve this process's worker's metrics at ``http://host:port/metrics``.
 
     May be called before ``init_rpc``: until a worker runs, scrapes are empty. It starts
-    the per-call figures, which cost CPU per call (see ``docs/observability.md``).
+    the per-call figures, which cost CPU per call (see ``docs/observability.md``). The
+    endpoint is published in the group's rendezvous store (for ``python -m asyncrpc.top
+    --rendezvous``): when the worker joins, or now, one store request away, if it runs;
+    a wildcard ``host`` is published as the worker's RPC address.
 
     Args:
         port: the TCP port; 0 lets the OS choose (read ``MetricsServer.port``).
@@ -107,4 +116,22 @@ def serve(port: int = 0, host: str = "127.0.0.1") -> MetricsServer:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector())
     server, thread = start_http_server(port, addr=host, registry=registry)
-    return MetricsServer(server, thread, host)
+    served = MetricsServer(server, thread, host)
+    endpoints.announce(host, served.port)  # a worker joining later publishes it
+    _publish_now(host, served.port)
+    return served
+
+
+def _publish_now(host: str, port: int) -> None:
+    try:
+        agent = current_agent()
+    except NotInitializedError:
+        return  # published when a worker joins (runtime/group/rendezvous.py)
+    group = agent.group
+    # Blocking, as binding the port is: a round trip to the store's host. Best effort: the
+    # endpoint serves the same without it.
+    try:
+        endpoints.publish(group.store.store, group.rank, host, port,
+                          group.addresses[group.rank].host)  # fmt: skip
+    except (RuntimeError, OSError) as exc:
+        _log.warning("could not publish the metrics endpoint in the store: %s", exc)

@@ -106,7 +106,18 @@ class Board:
     """Every watched endpoint, in the order given."""
 
     def __init__(self, urls: Sequence[str], window: float = 5.0) -> None:
+        self.window = window
         self.endpoints = [Endpoint(url, window) for url in urls]
+
+    @property
+    def urls(self) -> list[str]:
+        return [endpoint.url for endpoint in self.endpoints]
+
+    def watch(self, urls: Sequence[str]) -> None:
+        """Watch ``urls`` from now on, in that order; an endpoint watched already keeps
+        its history (the group's endpoints, read again from its store)."""
+        had = {endpoint.url: endpoint for endpoint in self.endpoints}
+        self.endpoints = [had.get(url) or Endpoint(url, self.window) for url in urls]
 
     def record(self, attempts: Iterable[Attempt]) -> None:
         for endpoint, attempt in zip(self.endpoints, attempts, strict=True):

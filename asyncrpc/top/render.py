@@ -100,13 +100,17 @@ def _stream_line(stream: StreamRow) -> Line:
     )
 
 
-def frame(rows: Sequence[Row], *, interval: float, wall: float | None = None) -> list[Line]:
+def frame(
+    rows: Sequence[Row], *, interval: float, wall: float | None = None,
+    notes: Sequence[str] = (),
+) -> list[Line]:  # fmt: skip
     """The lines of one frame.
 
     Args:
         rows: the board's rows.
         interval: the refresh period, for the header.
         wall: the time to show (``time.time()`` when None).
+        notes: lines to show under the header, marked (the store is not answering).
 
     Returns:
         The lines, the header first.
@@ -118,8 +122,9 @@ def frame(rows: Sequence[Row], *, interval: float, wall: float | None = None) ->
     world = f", world size {'/'.join(sorted(sizes))}" if sizes else ""
     lines = [
         Line(f"asyncrpc top  {stamp}  {up}/{len(watched)} up{world}  every {interval:g}s"),
-        Line(_join([title for title, _ in _COLUMNS])),
     ]
+    lines += [Line(f"  ! {note}", alert=True) for note in notes]
+    lines.append(Line(_join([title for title, _ in _COLUMNS])))
     for row in rows:
         lines.append(Line(_join(_cells(row)), alert=row.state != UP or bool(row.lost_by)))
         note = _note(row)
