@@ -253,6 +253,52 @@ def test_Top_live_screen_marks_a_stopped_worker_at_once(group: Group) -> None:
         _tmux(socket, "kill-server")  # our own server, on its own socket
 
 
+def stream_items(screen: str, worker: str) -> float | None:
+    """The items so far on ``worker``'s stream line, None when it has none."""
+    found = re.search(rf"^  {worker}\s+\d+ open  \[(.*)\]  ([\d.]+)([kMG]?) items so far",
+                      screen, re.M)  # fmt: skip
+    if found is None:
+        return None
+    return float(found[2]) * {"": 1, "k": 1e3, "M": 1e6, "G": 1e9}[found[3]]
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_Top_live_screen_through_the_store_shows_a_stream_moving(group: Group) -> None:
+    socket = f"asyncrpc-top-rdzv-{os.getpid()}"
+    _tmux_top(socket, "--rendezvous", group.init)
+    screens: list[str] = []
+
+    def screen() -> str:
+        screens.append(_tmux(socket, "capture-pane", "-p", "-t", "top"))
+        return screens[-1]
+
+    def last() -> str:
+        return screens[-1] if screens else "(no screen)"
+
+    try:
+        _wait("every worker found and up",
+              lambda: "4/4 up, world size 4" in screen()
+              and all(row(last(), f"t{r}")[2:3] == ["up"] for r in range(WORLD)),
+              60.0, last)  # fmt: skip
+        # t0 reads an endless stream from t1 (an item every 20 ms): both show it, and
+        # the count grows from frame to frame.
+        _wait("t0's stream line", lambda: stream_items(screen(), "t0") is not None, 10.0, last)
+        first = stream_items(last(), "t0")
+        time.sleep(3.0)
+        _wait("t0's items grow", lambda: (stream_items(screen(), "t0") or 0) > (first or 0),
+              5.0, last)  # fmt: skip
+        line = next(line for line in last().splitlines() if line.startswith("  t0 "))
+        strip = line[line.index("[") + 1 : line.index("]")]
+        assert any(cell in ":-=#" for cell in strip), line  # items moved in recent scrapes
+        assert "items/s" in line, line
+        assert stream_items(last(), "t1") is not None, last()  # the producing end
+        print(last())  # pytest -s shows the screen
+    finally:
+        _tmux(socket, "send-keys", "-t", "top", "q")
+        time.sleep(0.5)
+        _tmux(socket, "kill-server")  # our own server, on its own socket
+
+
 # -- without workers: what a scrape makes of a silent listener and of a closed port -----
 
 

@@ -187,6 +187,22 @@ def test_Board_a_stream_with_no_item_for_longer_than_the_window_shows_how_long()
     assert line.alert
 
 
+def test_Render_a_stream_line_shows_its_movement_scrape_by_scrape() -> None:
+    board = Board(["http://h:1/metrics"], window=5.0)
+    # 10 items/s, then 40, then nothing for three scrapes.
+    for at, sent in ((0.0, 0), (1.0, 10), (2.0, 20), (3.0, 60), (4.0, 60), (5.0, 60), (6.0, 60)):
+        board.record([attempt(at, scrape_text("w0", sent=sent, fast=sent, slow=0))])
+    (w0,) = board.rows(now=6.0)
+    assert w0.stream is not None
+    assert w0.stream.history == (10.0, 10.0, 40.0, 0.0, 0.0, 0.0)
+    line = next(line for line in frame([w0], interval=1.0) if "open" in line.text)
+    # Oldest left, in quarters of the peak; a dot where no item moved.
+    assert "[      ::#...]" in line.text
+    assert "60 items so far" in line.text
+    # The rate is the window's (5 s: 50 items); "no item for" waits for a whole window.
+    assert "10 items/s" in line.text
+
+
 def test_Board_watch_keeps_the_history_of_endpoints_it_watched_already() -> None:
     board = Board(["http://h:1/metrics"])
     board.record([attempt(1.0, scrape_text("w0", sent=10, fast=10, slow=0))])
