@@ -11,19 +11,15 @@ group's rendezvous store, where ``python -m asyncrpc.top --rendezvous`` finds it
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Mapping
 from typing import Any
 
-from asyncrpc.api import get_debug_info
+from asyncrpc.api import _publish_metrics, get_debug_info
 from asyncrpc.errors import NotInitializedError
 from asyncrpc.observe.figures import CALL_FIGURES, count_from_start
-from asyncrpc.runtime.current import current_agent
 from asyncrpc.runtime.group import endpoints
 
 __all__ = ["MetricsServer", "collector", "serve"]
-
-_log = logging.getLogger(__name__)
 
 
 def _snapshot() -> Mapping[str, Any] | None:
@@ -118,20 +114,5 @@ def serve(port: int = 0, host: str = "127.0.0.1") -> MetricsServer:
     server, thread = start_http_server(port, addr=host, registry=registry)
     served = MetricsServer(server, thread, host)
     endpoints.announce(host, served.port)  # a worker joining later publishes it
-    _publish_now(host, served.port)
+    _publish_metrics(host, served.port)  # or now, if a worker runs
     return served
-
-
-def _publish_now(host: str, port: int) -> None:
-    try:
-        agent = current_agent()
-    except NotInitializedError:
-        return  # published when a worker joins (runtime/group/rendezvous.py)
-    group = agent.group
-    # Blocking, as binding the port is: a round trip to the store's host. Best effort: the
-    # endpoint serves the same without it.
-    try:
-        endpoints.publish(group.store.store, group.rank, host, port,
-                          group.addresses[group.rank].host)  # fmt: skip
-    except (RuntimeError, OSError) as exc:
-        _log.warning("could not publish the metrics endpoint in the store: %s", exc)

@@ -138,6 +138,7 @@ def test_Top_once_shows_every_worker_then_a_stopped_one_hung(group: Group) -> No
 
 
 def test_Top_once_finds_every_worker_through_the_rendezvous_store(group: Group) -> None:
+    # t0 and t1 served their metrics before init_rpc, t2 and t3 after (top_worker.py).
     code, screen = top_once([], "--rendezvous", group.init)
     assert code == 0, screen
     assert "4/4 up, world size 4" in screen, screen

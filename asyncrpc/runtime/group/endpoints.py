@@ -19,7 +19,14 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["EndpointReader", "MetricsEndpoint", "announce", "announced", "publish"]
+__all__ = [
+    "EndpointReader",
+    "MetricsEndpoint",
+    "announce",
+    "announced",
+    "publish",
+    "publish_or_log",
+]
 
 _log = logging.getLogger(__name__)
 _COUNT = "asyncrpc/metrics_count"
@@ -72,6 +79,15 @@ def publish(store: Any, rank: int, host: str, port: int, rpc_host: str = "") -> 
         host = rpc_host if rpc_host not in _WILDCARDS else socket.gethostname()
     number = int(store.add(_COUNT, 1))
     store.set(f"{_ENTRY}{number}", f"{rank} {host} {port}")
+
+
+def publish_or_log(store: Any, rank: int, host: str, port: int, rpc_host: str = "") -> None:
+    """``publish``, best effort: a worker serves and runs the same without it, so a store
+    that cannot be reached is logged, not raised."""
+    try:
+        publish(store, rank, host, port, rpc_host)
+    except (RuntimeError, OSError) as exc:  # torch's DistNetworkError, DistStoreError
+        _log.warning("could not publish metrics endpoint %s:%d in the store: %s", host, port, exc)
 
 
 def _parse(record: bytes) -> MetricsEndpoint | None:

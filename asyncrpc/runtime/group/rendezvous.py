@@ -357,10 +357,7 @@ def _publish_metrics(group: StoreGroup, address: PeerAddress) -> None:
     """Publish the metrics endpoints this process serves (``endpoints.py``) for
     ``asyncrpc.top --rendezvous``. Best effort: a worker runs the same without it."""
     for host, port in endpoints.announced():
-        try:
-            endpoints.publish(group.store, address.rank, host, port, address.host)
-        except (RuntimeError, OSError) as exc:
-            _log.warning("could not publish the metrics endpoint in the store: %s", exc)
+        endpoints.publish_or_log(group.store, address.rank, host, port, address.host)
 
 
 def join_group(
