@@ -224,3 +224,11 @@ def test_Discover_store_address_of_tcp_and_env(monkeypatch: pytest.MonkeyPatch) 
     for bad in ("file:///tmp/x", "tcp://node1"):
         with pytest.raises(ValueError, match="tcp://HOST:PORT"):
             store_address(bad)
+
+
+def test_Render_frame_marks_a_note_under_the_header() -> None:
+    lines = frame([], interval=1.0, wall=0.0, notes=["rendezvous store: gone"])
+    assert "0/0 up" in lines[0].text
+    assert lines[1].text == "  ! rendezvous store: gone"
+    assert lines[1].alert
+    assert lines[2].text.split()[0] == "WORKER"
