@@ -14,6 +14,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any, ParamSpec, TypeVar, overload
 
 from asyncrpc.autograd.feature import DistAutograd
@@ -43,6 +44,7 @@ from asyncrpc.runtime.calls.pipeline import CallKind
 from asyncrpc.runtime.current import clear_agent, current_agent, set_agent
 from asyncrpc.runtime.feature import Feature
 from asyncrpc.runtime.futures import Future
+from asyncrpc.runtime.group.endpoints import publish_or_log
 from asyncrpc.runtime.group.events import MemberEvents
 from asyncrpc.runtime.group.join import Group
 from asyncrpc.runtime.group.shutdown import shutdown_limit
@@ -238,6 +240,22 @@ def _peek_agent() -> Agent | None:
         return current_agent()
     except Exception:
         return None
+
+
+def _publish_metrics(host: str, port: int) -> None:
+    # asyncrpc.metrics.serve after init_rpc: the running worker publishes the endpoint in
+    # its store now (one served before is published when the worker joins). A store round
+    # trip: off the loop thread when called on it.
+    agent = _peek_agent()
+    if agent is None:
+        return
+    group = agent.group
+    publish = partial(publish_or_log, group.store.store, group.rank, host, port,
+                      group.addresses[group.rank].host)  # fmt: skip
+    if agent.loop.on_loop_thread():
+        agent.loop.aio.run_in_executor(None, publish)
+    else:
+        publish()
 
 
 def shutdown(graceful: bool = True, timeout: float | None = None) -> None:

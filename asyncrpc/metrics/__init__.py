@@ -4,7 +4,8 @@
 collector (``prometheus.py``) that reads, at each scrape, the figures ``get_metrics()``
 and ``get_debug_info()`` return; it also starts the per-call figures (calls by kind and
 peer, latency histograms) that only a scrape needs. ``collector()`` is that collector,
-for a program that serves its own registry.
+for a program that serves its own registry. ``serve`` also publishes its endpoint in the
+group's rendezvous store, where ``python -m asyncrpc.top --rendezvous`` finds it.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import contextlib
 from collections.abc import Mapping
 from typing import Any
 
-from asyncrpc.api import get_debug_info
+from asyncrpc.api import _publish_metrics, get_debug_info
 from asyncrpc.errors import NotInitializedError
 from asyncrpc.observe.figures import CALL_FIGURES, count_from_start
+from asyncrpc.runtime.group import endpoints
 
 __all__ = ["MetricsServer", "collector", "serve"]
 
@@ -88,7 +90,10 @@ def serve(port: int = 0, host: str = "127.0.0.1") -> MetricsServer:
     """Serve this process's worker's metrics at ``http://host:port/metrics``.
 
     May be called before ``init_rpc``: until a worker runs, scrapes are empty. It starts
-    the per-call figures, which cost CPU per call (see ``docs/observability.md``).
+    the per-call figures, which cost CPU per call (see ``docs/observability.md``). The
+    endpoint is published in the group's rendezvous store (for ``python -m asyncrpc.top
+    --rendezvous``): when the worker joins, or now, one store request away, if it runs;
+    a wildcard ``host`` is published as the worker's RPC address.
 
     Args:
         port: the TCP port; 0 lets the OS choose (read ``MetricsServer.port``).
@@ -107,4 +112,7 @@ def serve(port: int = 0, host: str = "127.0.0.1") -> MetricsServer:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector())
     server, thread = start_http_server(port, addr=host, registry=registry)
-    return MetricsServer(server, thread, host)
+    served = MetricsServer(server, thread, host)
+    endpoints.announce(host, served.port)  # a worker joining later publishes it
+    _publish_metrics(host, served.port)  # or now, if a worker runs
+    return served

@@ -1,9 +1,11 @@
 """``python -m asyncrpc.top``: a live view of a running group's workers (layer L4).
 
-It reads the workers' ``/metrics`` endpoints (``asyncrpc.metrics.serve``), every one
-named on the command line, and shows each worker's calls/s, latency, in-flight calls,
-bytes/s, thread pool, loop lag and lost peers. ``--once`` prints one frame and exits (2
-when a worker is not up); ``--plain`` prints a frame every interval without curses.
+It reads the workers' ``/metrics`` endpoints (``asyncrpc.metrics.serve``): those named on
+the command line, or every one the workers published in their rendezvous store
+(``--rendezvous``, the ``init_method`` they joined by; read again each frame), and shows
+each worker's calls/s, latency, in-flight calls, bytes/s, thread pool, loop lag, lost
+peers and open streams. ``--once`` prints one frame and exits (2 when a worker is not
+up); ``--plain`` prints a frame every interval without curses.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from collections.abc import Sequence
 
 from asyncrpc.top.board import UP, Board
+from asyncrpc.top.discover import Discovery, StoreUnreachableError
 from asyncrpc.top.render import Line, frame, text
 from asyncrpc.top.scrape import Scraper, normalize_url
 
@@ -26,9 +29,19 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
         description="A live view of asyncrpc workers, read from their /metrics endpoints.",
     )
     parser.add_argument(
-        "endpoints", nargs="+", metavar="ENDPOINT",
+        "endpoints", nargs="*", metavar="ENDPOINT",
         help="a worker's metrics endpoint: PORT (on 127.0.0.1), HOST:PORT or a URL; "
         "commas separate several in one argument",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rendezvous", metavar="INIT_METHOD",
+        help="find every worker's endpoint in the group's rendezvous store: the "
+        "init_method the workers joined by (tcp://HOST:PORT, or env:// with MASTER_ADDR "
+        "and MASTER_PORT)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--store-timeout", type=float, default=5.0,
+        help="seconds the rendezvous store has to answer (to connect, and each read)",
     )  # fmt: skip
     parser.add_argument("-n", "--interval", type=float, default=1.0, help="seconds per frame")
     parser.add_argument(
@@ -45,24 +58,38 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     mode.add_argument("--plain", action="store_true", help="print a frame every interval")
     args = parser.parse_args(argv)
-    if args.interval <= 0 or args.timeout <= 0:
-        parser.error("--interval and --timeout must be positive")
+    if args.interval <= 0 or args.timeout <= 0 or args.store_timeout <= 0:
+        parser.error("--interval, --timeout and --store-timeout must be positive")
+    if not args.endpoints and not args.rendezvous:
+        parser.error("name the workers' endpoints, or the group's --rendezvous address")
     args.urls = [normalize_url(t) for arg in args.endpoints for t in arg.split(",") if t]
     return args
 
 
 class _View:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.board = Board(args.urls, window=args.window)
-        self.scraper = Scraper(args.urls, timeout=args.timeout)
+    def __init__(self, args: argparse.Namespace, discovery: Discovery | None) -> None:
+        self.named = list(args.urls)
+        self.board = Board(self.named, window=args.window)
+        self.discovery = discovery
+        self.scraper = Scraper(32 if discovery else len(args.urls), timeout=args.timeout)
         self.interval = args.interval
         self.all_up = False
 
     def next_frame(self) -> list[Line]:
-        self.board.record(self.scraper.scrape_all())
+        notes: list[str] = []
+        if self.discovery is not None:
+            # Named endpoints first, then the store's: workers that joined since appear.
+            found = self.discovery.urls(self.board.urls)
+            self.board.watch(list(dict.fromkeys([*self.named, *found])))
+            if self.discovery.error:
+                notes.append(f"rendezvous store: {self.discovery.error} (showing the "
+                             "workers found before)")  # fmt: skip
+            elif not self.board.endpoints:
+                notes.append("no worker has published a metrics endpoint there yet")
+        self.board.record(self.scraper.scrape_all(self.board.urls))
         rows = self.board.rows(time.monotonic())
-        self.all_up = all(row.state == UP and not row.lost_by for row in rows)
-        return frame(rows, interval=self.interval)
+        self.all_up = bool(rows) and all(row.state == UP and not row.lost_by for row in rows)
+        return frame(rows, interval=self.interval, notes=notes)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -72,10 +99,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the command line, without the program's name (``sys.argv[1:]`` when None).
 
     Returns:
-        The exit status: 0, or 2 when ``--once`` found a worker not up or lost by others.
+        The exit status: 0; 2 when ``--once`` found a worker not up or lost by others (or
+        none); 1 when the rendezvous store cannot be reached or its address is not one.
     """
     args = _arguments(argv)
-    view = _View(args)
+    discovery = None
+    if args.rendezvous:
+        try:
+            discovery = Discovery(args.rendezvous, args.store_timeout)
+        except (ValueError, StoreUnreachableError) as exc:
+            sys.stderr.write(f"asyncrpc.top: {exc}\n")
+            return 1
+    view = _View(args, discovery)
     try:
         if args.once:
             view.next_frame()  # the first scrape: the base of the rates

@@ -21,6 +21,7 @@ __all__ = ["Attempt", "Board", "Endpoint", "Row", "StreamRow"]
 
 UP, HUNG, DOWN, ERROR, WAITING = "up", "HUNG", "DOWN", "ERROR", "waiting"
 IDLE = "idle"  # the endpoint answers, but no worker runs in its process
+HISTORY = 12  # scrapes of stream movement a stream line shows
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,9 @@ class Endpoint:
         # When its stream items last moved: a stall can outlast the window of scrapes.
         self.items_moved_at: float | None = None
         self._items: float | None = None
+        self._items_at: float | None = None
+        # Items/s between each two good scrapes, newest last: the stream line's strip.
+        self.items_history: deque[float] = deque(maxlen=HISTORY)
 
     def record(self, attempt: Attempt) -> None:
         self.last = attempt
@@ -52,8 +56,13 @@ class Endpoint:
             return
         self.last_good_at = attempt.at
         items = _items(attempt.figures)
+        if self._items is not None and self._items_at is not None and attempt.at > self._items_at:
+            # A restarted worker's counters begin again: no movement is made of that.
+            moved = max(0.0, items - self._items)
+            self.items_history.append(moved / (attempt.at - self._items_at))
         if items != self._items:
-            self.items_moved_at, self._items = attempt.at, items
+            self.items_moved_at = attempt.at
+        self._items, self._items_at = items, attempt.at
         self.good.append((attempt.at, attempt.figures))
         # Keep the newest scrape and those within the window before it (at least two).
         while len(self.good) > 2 and attempt.at - self.good[1][0] >= self.window:
@@ -70,9 +79,10 @@ class StreamRow:
 
     worker: str
     open: int
-    items: float  # sent and received so far
+    items: float  # sent and received so far, by all its streams, ended ones too
     items_per_s: float | None
     still_for: float | None  # seconds with streams open and no item moved, or None
+    history: tuple[float, ...] = ()  # items/s between each two scrapes, newest last
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +116,18 @@ class Board:
     """Every watched endpoint, in the order given."""
 
     def __init__(self, urls: Sequence[str], window: float = 5.0) -> None:
+        self.window = window
         self.endpoints = [Endpoint(url, window) for url in urls]
+
+    @property
+    def urls(self) -> list[str]:
+        return [endpoint.url for endpoint in self.endpoints]
+
+    def watch(self, urls: Sequence[str]) -> None:
+        """Watch ``urls`` from now on, in that order; an endpoint watched already keeps
+        its history (the group's endpoints, read again from its store)."""
+        had = {endpoint.url: endpoint for endpoint in self.endpoints}
+        self.endpoints = [had.get(url) or Endpoint(url, self.window) for url in urls]
 
     def record(self, attempts: Iterable[Attempt]) -> None:
         for endpoint, attempt in zip(self.endpoints, attempts, strict=True):
@@ -195,4 +216,4 @@ def _streams(endpoint: Endpoint) -> StreamRow | None:
     per_s = (items - _items(old)) / (t_new - t_old) if t_new > t_old else None
     moved = endpoint.items_moved_at
     still = t_new - moved if moved is not None and len(endpoint.good) > 1 else None
-    return StreamRow(new.worker, int(opened), items, per_s, still)
+    return StreamRow(new.worker, int(opened), items, per_s, still, tuple(endpoint.items_history))

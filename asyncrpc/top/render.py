@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from asyncrpc.top.board import UP, Row, StreamRow
+from asyncrpc.top.board import HISTORY, UP, Row, StreamRow
 
 __all__ = ["Line", "frame", "text"]
 
@@ -21,7 +21,8 @@ _COLUMNS = (  # (title, width), right-aligned but for the first three
     ("P99", 8), ("PEND", 5), ("RUN", 4), ("RX B/s", 8), ("TX B/s", 8), ("POOL", 7),
     ("LAG", 7), ("LOST", 0),
 )  # fmt: skip
-_BAR = 12
+_BAR = HISTORY  # scrapes in a stream line's strip
+_LEVELS = ":-=#"  # a quarter of the strip's peak rate, a half, three quarters, the peak
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,27 +87,41 @@ def _note(row: Row) -> str | None:
     return f"  ^ {row.worker}{where}: " + "; ".join(said)
 
 
-def _stream_line(stream: StreamRow) -> Line:
+def _strip(history: Sequence[float]) -> str:
     # A stream's length is not known to the metrics (a generator ends when it ends), so
-    # this is a meter of movement, not of completion: the marker steps with the items.
-    pos = int(stream.items) % _BAR
-    bar = "".join("#" if i == pos else "." for i in range(_BAR))
+    # no bar can show how much is done. What is known is whether items move and how fast:
+    # one cell per scrape (oldest left), "." where no item moved, else its rate in four
+    # steps of the strip's own peak. A stall reads as dots coming in from the right.
+    peak = max(history, default=0.0)
+    cells = [
+        "." if rate <= 0 or peak <= 0 else _LEVELS[min(3, int(4 * rate / peak - 1e-9))]
+        for rate in history
+    ]
+    return "".join(cells).rjust(_BAR)
+
+
+def _stream_line(stream: StreamRow) -> Line:
     stalled = stream.still_for is not None and stream.still_for > 0 and not stream.items_per_s
     moving = f"{_si(stream.items_per_s)} items/s"
     state = f"no item for {stream.still_for:.0f}s" if stalled else moving
     return Line(
-        f"  {stream.worker:<10} {stream.open} open  [{bar}]  {_si(stream.items)} items  {state}",
+        f"  {stream.worker:<10} {stream.open} open  [{_strip(stream.history[-_BAR:])}]  "
+        f"{_si(stream.items)} items so far  {state}",
         alert=stalled,
     )
 
 
-def frame(rows: Sequence[Row], *, interval: float, wall: float | None = None) -> list[Line]:
+def frame(
+    rows: Sequence[Row], *, interval: float, wall: float | None = None,
+    notes: Sequence[str] = (),
+) -> list[Line]:  # fmt: skip
     """The lines of one frame.
 
     Args:
         rows: the board's rows.
         interval: the refresh period, for the header.
         wall: the time to show (``time.time()`` when None).
+        notes: lines to show under the header, marked (the store is not answering).
 
     Returns:
         The lines, the header first.
@@ -118,8 +133,9 @@ def frame(rows: Sequence[Row], *, interval: float, wall: float | None = None) ->
     world = f", world size {'/'.join(sorted(sizes))}" if sizes else ""
     lines = [
         Line(f"asyncrpc top  {stamp}  {up}/{len(watched)} up{world}  every {interval:g}s"),
-        Line(_join([title for title, _ in _COLUMNS])),
     ]
+    lines += [Line(f"  ! {note}", alert=True) for note in notes]
+    lines.append(Line(_join([title for title, _ in _COLUMNS])))
     for row in rows:
         lines.append(Line(_join(_cells(row)), alert=row.state != UP or bool(row.lost_by)))
         note = _note(row)

@@ -68,16 +68,17 @@ def scrape(url: str, timeout: float) -> Attempt:
 
 
 class Scraper:
-    """Scrapes a fixed list of endpoints in parallel; ``close()`` ends its threads."""
+    """Scrapes endpoints in parallel, up to ``threads`` at once; ``close()`` ends its
+    threads."""
 
-    def __init__(self, urls: Sequence[str], timeout: float) -> None:
-        self.urls = list(urls)
+    def __init__(self, threads: int, timeout: float) -> None:
         self.timeout = timeout
-        self._pool = ThreadPoolExecutor(max(1, min(32, len(self.urls))), "asyncrpc-top")
+        self._pool = ThreadPoolExecutor(max(1, min(32, threads)), "asyncrpc-top")
 
-    def scrape_all(self) -> list[Attempt]:
-        """One attempt per endpoint, in order; returns within about the timeout."""
-        futures = [self._pool.submit(scrape, url, self.timeout) for url in self.urls]
+    def scrape_all(self, urls: Sequence[str]) -> list[Attempt]:
+        """One attempt per endpoint, in order; returns within about the timeout (more
+        endpoints than threads: a multiple of it)."""
+        futures = [self._pool.submit(scrape, url, self.timeout) for url in urls]
         return [future.result() for future in futures]
 
     def close(self) -> None:

@@ -1,7 +1,8 @@
 """``python -m asyncrpc.top`` attached to a live 4-worker group: every worker shown, then a
 stopped one (SIGSTOP) marked HUNG at once and, when the group's heartbeats find it, named
-lost by the others. ``--once`` always runs; the live screen is read through tmux, skipped
-where tmux is not installed."""
+lost by the others; attached through the group's rendezvous store, every worker found,
+and a store that does not answer said at once. ``--once`` always runs; the live screen is
+read through tmux, skipped where tmux is not installed."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class Group:
     processes: list[subprocess.Popen[bytes]]
     logs: list[Path]
     ports: list[int]
+    init: str  # the init_method the workers joined by
 
     def text(self) -> str:
         return "\n".join(log.read_text(errors="replace") for log in self.logs)
@@ -75,7 +77,7 @@ def group(tmp_path: Path) -> Iterator[Group]:
                     stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
                     env=_env(),
                 ))  # fmt: skip
-        made = Group(processes, logs, [])
+        made = Group(processes, logs, [], init)
         _wait("workers ready", lambda: all("READY" in log.read_text() for log in logs), 90.0,
               made.text)  # fmt: skip
         for log in logs:
@@ -97,8 +99,10 @@ def group(tmp_path: Path) -> Iterator[Group]:
                 process.wait(10.0)
 
 
-def top_once(ports: list[int]) -> tuple[int, str]:
-    command = [sys.executable, "-m", "asyncrpc.top", "--once", ",".join(map(str, ports))]
+def top_once(ports: list[int], *options: str) -> tuple[int, str]:
+    command = [sys.executable, "-m", "asyncrpc.top", "--once", *options]
+    if ports:
+        command.append(",".join(map(str, ports)))
     done = subprocess.run(
         command, check=False, capture_output=True, text=True, timeout=90, cwd=ROOT, env=_env()
     )
@@ -133,6 +137,65 @@ def test_Top_once_shows_every_worker_then_a_stopped_one_hung(group: Group) -> No
         assert row(screen, f"t{rank}")[2] == "up", screen
 
 
+def test_Top_once_finds_every_worker_through_the_rendezvous_store(group: Group) -> None:
+    # t0 and t1 served their metrics before init_rpc, t2 and t3 after (top_worker.py).
+    code, screen = top_once([], "--rendezvous", group.init)
+    assert code == 0, screen
+    assert "4/4 up, world size 4" in screen, screen
+    for rank in range(WORLD):
+        cells = row(screen, f"t{rank}")
+        assert cells[1:3] == [str(rank), "up"], screen
+    # In rank order, as the store lists them.
+    workers = [line.split()[0] for line in screen.splitlines() if line.startswith("t")]
+    assert workers == [f"t{r}" for r in range(WORLD)], screen
+
+
+def test_Top_says_at_once_that_no_store_answers() -> None:
+    started = time.monotonic()
+    code, said = top_once([], "--store-timeout", "1", "--rendezvous",
+                          f"tcp://127.0.0.1:{free_port()}")  # fmt: skip
+    took = time.monotonic() - started
+    assert code == 1, said
+    assert "asyncrpc.top: no rendezvous store answered at tcp://127.0.0.1:" in said, said
+    assert "Traceback" not in said, said
+    assert took < 30.0, took  # the interpreter and torch's import, then the 1 s timeout
+    code, said = top_once([], "--rendezvous", "file:///tmp/nowhere")
+    assert code == 1, said
+    assert "give tcp://HOST:PORT or env://" in said, said
+
+
+def test_Discovery_finds_workers_that_publish_later() -> None:
+    # A dynamic group's newcomers: published after the view attached, read on its next
+    # refresh (a real TCPStore, as the workers' rank 0 hosts it).
+    import datetime
+
+    import torch.distributed as dist
+
+    from asyncrpc.runtime.group import endpoints
+    from asyncrpc.top.discover import Discovery, StoreUnreachableError
+
+    port = free_port()
+    host = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=10))  # fmt: skip
+    endpoints.publish(host, 1, "127.0.0.1", 9101)
+    discovery = Discovery(f"tcp://127.0.0.1:{port}", timeout=5.0)
+    assert discovery.urls([]) == ["http://127.0.0.1:9101/metrics"]
+    endpoints.publish(host, 0, "0.0.0.0", 9100, rpc_host="10.0.0.7")
+    endpoints.publish(host, 1, "127.0.0.1", 9111)  # rank 1 again: its latest entry counts
+    assert discovery.urls([]) == ["http://10.0.0.7:9100/metrics", "http://127.0.0.1:9111/metrics"]
+    # A counted entry not written yet (its worker between its two requests) waits.
+    host.add("asyncrpc/metrics_count", 1)
+    assert len(discovery.urls([])) == 2
+    host.set("asyncrpc/metrics/4", "2 127.0.0.1 9102")
+    assert discovery.urls([])[-1] == "http://127.0.0.1:9102/metrics"
+    del host  # the store's host goes: the view keeps what it knew, and says why
+    known = ["http://127.0.0.1:9100/metrics"]
+    assert discovery.urls(known) == known
+    assert discovery.error
+    with pytest.raises(StoreUnreachableError):
+        Discovery(f"tcp://127.0.0.1:{port}", timeout=0.5)
+
+
 def _tmux(socket: str, *args: str) -> str:
     done = subprocess.run(
         ["tmux", "-L", socket, *args], check=False, capture_output=True, text=True, timeout=10
@@ -140,18 +203,23 @@ def _tmux(socket: str, *args: str) -> str:
     return done.stdout
 
 
-@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
-def test_Top_live_screen_marks_a_stopped_worker_at_once(group: Group) -> None:
-    socket = f"asyncrpc-top-{os.getpid()}"
+def _tmux_top(socket: str, *args: str) -> None:
+    """Start ``python -m asyncrpc.top ARGS`` in a 150x30 pane of our own tmux server."""
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in _env().items() if k == "PYTHONPATH")
     # Without the runner's COLUMNS/LINES: the view must take the pane's own size.
     command = (f"env -u COLUMNS -u LINES {env} {shlex.quote(sys.executable)} -m asyncrpc.top "
-               + " ".join(map(str, group.ports)))  # fmt: skip
+               + " ".join(map(shlex.quote, args)))  # fmt: skip
     subprocess.run(
         ["tmux", "-L", socket, "-f", "/dev/null", "new-session", "-d", "-s", "top",
          "-x", "150", "-y", "30", "-c", str(ROOT), command],
         check=True, timeout=10,
     )  # fmt: skip
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_Top_live_screen_marks_a_stopped_worker_at_once(group: Group) -> None:
+    socket = f"asyncrpc-top-{os.getpid()}"
+    _tmux_top(socket, *map(str, group.ports))
     screens: list[str] = []
 
     def screen() -> str:
@@ -180,6 +248,52 @@ def test_Top_live_screen_marks_a_stopped_worker_at_once(group: Group) -> None:
         for rank in (0, 2, 3):
             assert row(last(), f"t{rank}")[-1] == "t1", last()  # their LOST column
         print(last())
+    finally:
+        _tmux(socket, "send-keys", "-t", "top", "q")
+        time.sleep(0.5)
+        _tmux(socket, "kill-server")  # our own server, on its own socket
+
+
+def stream_items(screen: str, worker: str) -> float | None:
+    """The items so far on ``worker``'s stream line, None when it has none."""
+    found = re.search(rf"^  {worker}\s+\d+ open  \[(.*)\]  ([\d.]+)([kMG]?) items so far",
+                      screen, re.M)  # fmt: skip
+    if found is None:
+        return None
+    return float(found[2]) * {"": 1, "k": 1e3, "M": 1e6, "G": 1e9}[found[3]]
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_Top_live_screen_through_the_store_shows_a_stream_moving(group: Group) -> None:
+    socket = f"asyncrpc-top-rdzv-{os.getpid()}"
+    _tmux_top(socket, "--rendezvous", group.init)
+    screens: list[str] = []
+
+    def screen() -> str:
+        screens.append(_tmux(socket, "capture-pane", "-p", "-t", "top"))
+        return screens[-1]
+
+    def last() -> str:
+        return screens[-1] if screens else "(no screen)"
+
+    try:
+        _wait("every worker found and up",
+              lambda: "4/4 up, world size 4" in screen()
+              and all(row(last(), f"t{r}")[2:3] == ["up"] for r in range(WORLD)),
+              60.0, last)  # fmt: skip
+        # t0 reads an endless stream from t1 (an item every 20 ms): both show it, and
+        # the count grows from frame to frame.
+        _wait("t0's stream line", lambda: stream_items(screen(), "t0") is not None, 10.0, last)
+        first = stream_items(last(), "t0")
+        time.sleep(3.0)
+        _wait("t0's items grow", lambda: (stream_items(screen(), "t0") or 0) > (first or 0),
+              5.0, last)  # fmt: skip
+        line = next(line for line in last().splitlines() if line.startswith("  t0 "))
+        strip = line[line.index("[") + 1 : line.index("]")]
+        assert any(cell in ":-=#" for cell in strip), line  # items moved in recent scrapes
+        assert "items/s" in line, line
+        assert stream_items(last(), "t1") is not None, last()  # the producing end
+        print(last())  # pytest -s shows the screen
     finally:
         _tmux(socket, "send-keys", "-t", "top", "q")
         time.sleep(0.5)

@@ -1,9 +1,11 @@
 """A worker of the ``asyncrpc.top`` tests: serves /metrics, calls its peers, streams.
 
-``python -m tests.integration.top_worker NAME RANK WORLD INIT_METHOD``. It prints
-``METRICS <port>`` first, then joins the group and calls every other worker in turn (so
-every pair has a connection, and heartbeats to find a stopped one); rank 0 also
-consumes a slow endless stream from rank 1. It shuts down when its stdin closes.
+``python -m tests.integration.top_worker NAME RANK WORLD INIT_METHOD``. Ranks 0 and 1
+serve their metrics before they join the group (published in the store as they join),
+ranks 2 and 3 after (published at once); each prints ``METRICS <port>``. Every worker
+calls every other in turn (so every pair has a connection, and heartbeats to find a
+stopped one); rank 0 also consumes a slow endless stream from rank 1. It shuts down when
+its stdin closes.
 """
 
 from __future__ import annotations
@@ -56,10 +58,13 @@ def _stream(stop: threading.Event) -> None:
 
 def main() -> int:
     name, rank, world, init = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    server = asyncrpc.metrics.serve(0)
-    print(f"METRICS {server.port}", flush=True)
     options = asyncrpc.RpcBackendOptions(init_method=init, rpc_timeout=10.0, shutdown_timeout=5.0)
+    if rank < 2:
+        server = asyncrpc.metrics.serve(0)
     asyncrpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=options)
+    if rank >= 2:
+        server = asyncrpc.metrics.serve(0)
+    print(f"METRICS {server.port}", flush=True)
     stop = threading.Event()
     peers = [f"t{r}" for r in range(world) if r != rank]
     threads = [threading.Thread(target=_calls, args=(peers, stop), daemon=True)]

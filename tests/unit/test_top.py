@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from asyncrpc.top.board import DOWN, HUNG, UP, Attempt, Board
+from asyncrpc.top.discover import store_address
 from asyncrpc.top.exposition import ExpositionError, parse
 from asyncrpc.top.figures import extract, quantile
 from asyncrpc.top.render import frame, text
@@ -184,3 +185,50 @@ def test_Board_a_stream_with_no_item_for_longer_than_the_window_shows_how_long()
     line = next(line for line in frame([w0], interval=1.0) if "open" in line.text)
     assert "no item for 12s" in line.text
     assert line.alert
+
+
+def test_Render_a_stream_line_shows_its_movement_scrape_by_scrape() -> None:
+    board = Board(["http://h:1/metrics"], window=5.0)
+    # 10 items/s, then 40, then nothing for three scrapes.
+    for at, sent in ((0.0, 0), (1.0, 10), (2.0, 20), (3.0, 60), (4.0, 60), (5.0, 60), (6.0, 60)):
+        board.record([attempt(at, scrape_text("w0", sent=sent, fast=sent, slow=0))])
+    (w0,) = board.rows(now=6.0)
+    assert w0.stream is not None
+    assert w0.stream.history == (10.0, 10.0, 40.0, 0.0, 0.0, 0.0)
+    line = next(line for line in frame([w0], interval=1.0) if "open" in line.text)
+    # Oldest left, in quarters of the peak; a dot where no item moved.
+    assert "[      ::#...]" in line.text
+    assert "60 items so far" in line.text
+    # The rate is the window's (5 s: 50 items); "no item for" waits for a whole window.
+    assert "10 items/s" in line.text
+
+
+def test_Board_watch_keeps_the_history_of_endpoints_it_watched_already() -> None:
+    board = Board(["http://h:1/metrics"])
+    board.record([attempt(1.0, scrape_text("w0", sent=10, fast=10, slow=0))])
+    board.watch(["http://h:0/metrics", "http://h:1/metrics"])
+    assert board.urls == ["http://h:0/metrics", "http://h:1/metrics"]
+    assert board.endpoints[0].last is None
+    assert board.endpoints[1].name == "w0"
+
+
+def test_Discover_store_address_of_tcp_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert store_address("tcp://node1:29500") == ("node1", 29500)
+    assert store_address("tcp://10.0.0.1:29500?rank=0&world_size=4") == ("10.0.0.1", 29500)
+    monkeypatch.setenv("MASTER_ADDR", "node2")
+    monkeypatch.setenv("MASTER_PORT", "1234")
+    assert store_address("env://") == ("node2", 1234)
+    monkeypatch.delenv("MASTER_PORT")
+    with pytest.raises(ValueError, match="MASTER_PORT"):
+        store_address("env://")
+    for bad in ("file:///tmp/x", "tcp://node1"):
+        with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+            store_address(bad)
+
+
+def test_Render_frame_marks_a_note_under_the_header() -> None:
+    lines = frame([], interval=1.0, wall=0.0, notes=["rendezvous store: gone"])
+    assert "0/0 up" in lines[0].text
+    assert lines[1].text == "  ! rendezvous store: gone"
+    assert lines[1].alert
+    assert lines[2].text.split()[0] == "WORKER"

@@ -36,6 +36,7 @@ from asyncrpc.errors import (
 )
 from asyncrpc.protocol import auth
 from asyncrpc.protocol.address import PeerAddress
+from asyncrpc.runtime.group import endpoints
 from asyncrpc.runtime.group.barriers import StoreBarriers
 from asyncrpc.runtime.group.quiet import QuietStore
 from asyncrpc.runtime.group.stores import (
@@ -352,6 +353,13 @@ def _join_store(
     return {0: first}, key
 
 
+def _publish_metrics(group: StoreGroup, address: PeerAddress) -> None:
+    """Publish the metrics endpoints this process serves (``endpoints.py``) for
+    ``asyncrpc.top --rendezvous``. Best effort: a worker runs the same without it."""
+    for host, port in endpoints.announced():
+        endpoints.publish_or_log(group.store, address.rank, host, port, address.host)
+
+
 def join_group(
     init_method: str,
     name: str,
@@ -416,6 +424,7 @@ def join_group(
             raise StoreHostLostError(init_method, first_line(exc)) from exc
         raise InitError(f"the rendezvous store became unreachable: {first_line(exc)}") from exc
     peers[rank] = address
+    _publish_metrics(group, address)
     if not hosts_store(init_method):
         group.host_name = None  # rank 0's process does not serve this store
     elif 0 in peers:
