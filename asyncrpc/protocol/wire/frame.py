@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, cast
 
 import msgpack
@@ -81,12 +81,15 @@ class Frame:
         payload: The payload bytes; owned by the frame (never a view of decoder memory).
         segments: The allocator's owners, one per segment, in order.
         tags: The sender's tag of each segment (e.g. ``"cpu"`` or ``"cuda:0"``).
+        nbytes: The frame's size on the wire, prelude included (the decoder reads it from
+            the prelude; 0 for a frame built by hand). Not part of equality.
     """
 
     fields: list[Any]
     payload: bytes | bytearray | memoryview
     segments: list[object]
     tags: list[str]
+    nbytes: int = field(default=0, compare=False)
 
 
 def byte_view(view: memoryview, what: str) -> memoryview:
