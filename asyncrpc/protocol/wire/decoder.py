@@ -361,9 +361,7 @@ class FrameDecoder:
                 if not self._advance():
                     return frames
                 if self._state == _DONE:
-                    nbytes = (
-                        PRELUDE_SIZE + self._header_len + self._payload_len + self._buffers_len
-                    )
+                    nbytes = PRELUDE_SIZE + self._header_len + self._payload_len + self._buffers_len
                     frames.append(
                         _new_frame(self._fields, self._payload, self._owners, self._tags, nbytes)
                     )

@@ -27,6 +27,7 @@ __all__ = [
     "U32_LIMIT",
     "Allocator",
     "Frame",
+    "body_nbytes",
     "byte_view",
     "bytearray_allocator",
     "encode_frame",
@@ -106,6 +107,17 @@ def frame_nbytes(pieces: Sequence[bytes | memoryview]) -> int:
     size = 0
     for piece in pieces:
         size += piece.nbytes if isinstance(piece, memoryview) else len(piece)
+    return size
+
+
+def body_nbytes(
+    payload: bytes | bytearray | memoryview, segments: Sequence[tuple[memoryview, str]] = ()
+) -> int:
+    """The size the frame of ``payload`` and ``segments`` will have, less its msgpack
+    header: what is known of a reply before the hooks have written its header fields."""
+    size = PRELUDE_SIZE + (payload.nbytes if isinstance(payload, memoryview) else len(payload))
+    for view, _ in segments:
+        size += view.nbytes if isinstance(view, memoryview) else len(view)
     return size
 
 
