@@ -7,10 +7,12 @@ CLIENT span, child of the calling thread's current span, ended when the call com
 its ``traceparent`` rides in the request's header (``traceparent.py``). The callee makes a
 SERVER span, child of it, current while the function runs, so what that function calls
 is in the same trace (A -> B -> C is one trace). Attributes follow OpenTelemetry's RPC
-conventions: ``rpc.system``, ``rpc.method`` (the function's qualified name), peers, the
-request's size (an ``rpc.message`` event), status and ``error.type``. With no provider
-set the hook is inactive: one global read per call, no object made, nothing added to the
-frame.
+conventions: ``rpc.system``, ``rpc.method`` (the function's qualified name), peers,
+status and ``error.type``, and the sizes of the messages as ``rpc.message`` events: the
+client span has the request SENT and the reply RECEIVED, the server span the request
+RECEIVED and the reply SENT (each a frame's size on the wire; a reply SENT leaves out its
+header, which the hooks are still writing when the span ends). With no provider set the
+hook is inactive: one global read per call, no object made, nothing added to the frame.
 
 A generator served as a stream has its span, but what it calls while it iterates is not
 under it: the wrapper holds the span current only while the function is called.
@@ -105,10 +107,8 @@ class TraceHook(CallHook):
         span: Span | None = call.state.pop(self, None)
         if span is None:
             return
-        if call.nbytes:  # OpenTelemetry's RPC message event: the request, as framed
-            sent: dict[str, str | int] = {"rpc.message.type": "SENT", "rpc.message.id": 1,
-                    "rpc.message.uncompressed_size": call.nbytes}  # fmt: skip
-            span.add_event("rpc.message", sent)
+        _message(span, "SENT", call.nbytes)  # the request, as framed
+        _message(span, "RECEIVED", call.reply_nbytes)  # its reply, if one came
         _end(span, error)
 
     # -- callee ----------------------------------------------------------------------------
@@ -135,12 +135,23 @@ class TraceHook(CallHook):
             },
         )  # fmt: skip
         call.state[self] = span
+        _message(span, "RECEIVED", call.nbytes)
         call.wrap(functools.partial(_current_while_running, span, call.coroutine))
 
     def replying(self, call: IncomingCall, ok: bool, value: Any) -> None:
         span: Span | None = call.state.pop(self, None)
         if span is not None:
+            _message(span, "SENT", call.reply_nbytes)
             _end(span, None if ok else value)
+
+
+def _message(span: Span, direction: str, nbytes: int) -> None:
+    """OpenTelemetry's RPC message event: one message each way per call, so each is the
+    first (id 1) of its direction; a size of 0 means none went, and makes no event."""
+    if nbytes:
+        event: dict[str, str | int] = {"rpc.message.type": direction, "rpc.message.id": 1,
+                 "rpc.message.uncompressed_size": nbytes}  # fmt: skip
+        span.add_event("rpc.message", event)
 
 
 def _end(span: Span, error: object) -> None:

@@ -281,7 +281,7 @@ class Agent:
         request = decode_message(frame.fields)
         assert isinstance(request, Request)  # decoded by its kind
         self.counters.calls_received += 1
-        self.dispatcher.on_request(conn, request, frame.payload, frame.segments)
+        self.dispatcher.on_request(conn, request, frame.payload, frame.segments, frame.nbytes)
 
     def _on_error(self, conn: Connection, frame: Frame) -> None:
         decode_message(frame.fields)  # checked, then read by the outbox

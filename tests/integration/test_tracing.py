@@ -88,6 +88,8 @@ def test_tracing_kinds_have_client_and_server_spans(
         )
     else:
         assert client["status"] == server["status"] == "UNSET"
+    if root != "stream":  # a reply (an error, a remote()'s acknowledgement) has its size
+        assert 0 < sizes(server)["SENT"] <= sizes(client)["RECEIVED"]
 
 
 def test_tracing_distributed_backward_hops_are_spans(traced: dict) -> None:
@@ -98,6 +100,36 @@ def test_tracing_distributed_backward_hops_are_spans(traced: dict) -> None:
     assert (
         one(spans, "SERVER", "asyncrpc.autograd.engine.grads_here")["parent_id"] == hop["span_id"]
     )
+
+
+def sizes(span: dict[str, Any]) -> dict[str, int]:
+    """A span's ``rpc.message`` events: the size of each direction's message."""
+    found = {}
+    for name, attributes in span["events"]:
+        if name == "rpc.message":
+            assert attributes["rpc.message.id"] == 1
+            direction = attributes["rpc.message.type"]
+            assert direction not in found, span
+            found[direction] = attributes["rpc.message.uncompressed_size"]
+    return found
+
+
+@pytest.mark.parametrize(
+    ("root", "name", "tensor"),
+    [("sizes_sync", "size_of", 1 << 19), ("sizes_async", "async_size_of", 1 << 20)],
+)
+def test_tracing_spans_have_the_message_sizes_both_ways(
+    traced: dict, root: str, name: str, tensor: int
+) -> None:
+    if root == "sizes_sync":  # the lanes' path, on both sides
+        assert traced["on_lane"] == 1
+    spans = in_trace(traced, root)
+    client = sizes(one(spans, "CLIENT", f"{FNS}.{name}"))
+    server = sizes(one(spans, "SERVER", f"{FNS}.{name}"))
+    # The request carries the tensor: the same frame, as sent and as received.
+    assert tensor <= client["SENT"] == server["RECEIVED"] < tensor + 4096
+    # The reply is a small int: its frame, and the server's view of it less its header.
+    assert 0 < server["SENT"] <= client["RECEIVED"] < 512
 
 
 def test_tracing_without_a_provider_makes_no_span(tmp_path: Path) -> None:

@@ -66,3 +66,12 @@ def count(n: int) -> Iterator[int]:
 
 def double(x: torch.Tensor) -> torch.Tensor:
     return x * 2
+
+
+def size_of(x: torch.Tensor) -> int:
+    """A small reply to a large request: the message sizes differ by far."""
+    return x.numel() * x.element_size()
+
+
+async def async_size_of(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()

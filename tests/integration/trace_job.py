@@ -20,8 +20,9 @@ from asyncrpc import autograd as dist_autograd
 from tests.integration import trace_fns as fns
 
 
-def scenario() -> dict[str, int]:
-    """Each user span's trace id, by what it covers."""
+def scenario() -> tuple[dict[str, int], int]:
+    """Each user span's trace id, by what it covers; how many calls of "sizes_sync"
+    went on a lane."""
     from opentelemetry import trace
 
     tracer = trace.get_tracer("trace_job")
@@ -46,6 +47,18 @@ def scenario() -> dict[str, int]:
         roots["error"] = span.get_span_context().trace_id
         with contextlib.suppress(KeyError):
             asyncrpc.rpc_sync("t1", fns.fail)
+    # Message sizes. The tensors travel inside the frames: shared memory is off here.
+    half = torch.zeros(1 << 17)  # 512 KiB of float32: under the lanes' 1 MiB limit
+    asyncrpc.rpc_sync("t1", fns.leaf, args=(0,))  # this thread's lane opens at the next
+    lane_calls = asyncrpc.get_metrics()["lane_calls"]
+    with root("sizes_sync") as span:  # a plain sync call from this thread: on its lane
+        roots["sizes_sync"] = span.get_span_context().trace_id
+        assert asyncrpc.rpc_sync("t1", fns.size_of, args=(half,)) == 1 << 19
+    on_lane = asyncrpc.get_metrics()["lane_calls"] - lane_calls
+    with root("sizes_async") as span:  # an async def on t2: the loop's path, both sides
+        roots["sizes_async"] = span.get_span_context().trace_id
+        big = torch.zeros(1 << 18)  # 1 MiB
+        assert asyncrpc.rpc_async("t2", fns.async_size_of, args=(big,)).wait() == 1 << 20
     with root("backward") as span:
         roots["backward"] = span.get_span_context().trace_id
         x = torch.ones(3, requires_grad=True)
@@ -53,7 +66,7 @@ def scenario() -> dict[str, int]:
             y = asyncrpc.rpc_sync("t2", fns.double, args=(x,))
             dist_autograd.backward(context_id, [y.sum()])
             assert dist_autograd.get_gradients(context_id)[x].tolist() == [2.0, 2.0, 2.0]
-    return roots
+    return roots, on_lane
 
 
 def main() -> int:
@@ -65,18 +78,21 @@ def main() -> int:
     args = parser.parse_args()
     if not args.no_provider:
         fns.install()
-    options = asyncrpc.RpcBackendOptions(init_method=args.init_method, rpc_timeout=30.0)
+    options = asyncrpc.RpcBackendOptions(
+        init_method=args.init_method, rpc_timeout=30.0, shared_memory=False
+    )
     asyncrpc.init_rpc(f"t{args.rank}", rank=args.rank, world_size=args.world_size,
                       rpc_backend_options=options)  # fmt: skip
     try:
         if args.rank == 0:
-            roots = scenario()
+            roots, on_lane = scenario()
             spans = [
                 span
                 for r in range(args.world_size)
                 for span in asyncrpc.rpc_sync(f"t{r}", fns.finished_spans)
             ]
-            print("SPANS " + json.dumps({"roots": roots, "spans": spans}), flush=True)
+            gathered = {"roots": roots, "spans": spans, "on_lane": on_lane}
+            print("SPANS " + json.dumps(gathered), flush=True)
     finally:
         asyncrpc.shutdown()
     return 0

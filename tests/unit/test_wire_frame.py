@@ -190,9 +190,11 @@ def test_FrameDecoder_round_trips_in_chunks(case: str, chunk: int | None) -> Non
     fields, payload, segments = CASES[case]
     alloc = RecordingAllocator()
     decoder = small_decoder(allocate=alloc)
-    frames = feed_all(decoder, wire_bytes(fields, payload, segments), chunk)
+    data = wire_bytes(fields, payload, segments)
+    frames = feed_all(decoder, data, chunk)
     assert len(frames) == 1
     assert_frame(frames[0], fields, payload, segments)
+    assert frames[0].nbytes == len(data)  # from the prelude, on every path
     assert alloc.calls == [(len(data), tag) for data, tag in segments]
     assert frames[0].segments == alloc.buffers
     assert decoder.at_frame_boundary()
@@ -208,6 +210,7 @@ def test_FrameDecoder_returns_every_frame_of_one_feed(chunk: int | None) -> None
     assert len(frames) == len(cases)
     for frame, (fields, payload, segments) in zip(frames, cases, strict=True):
         assert_frame(frame, fields, payload, segments)
+        assert frame.nbytes == len(wire_bytes(fields, payload, segments))
 
 
 def test_FrameDecoder_default_config_round_trips_large_parts() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, cast
 
 import msgpack
@@ -27,6 +27,7 @@ __all__ = [
     "U32_LIMIT",
     "Allocator",
     "Frame",
+    "body_nbytes",
     "byte_view",
     "bytearray_allocator",
     "encode_frame",
@@ -81,12 +82,15 @@ class Frame:
         payload: The payload bytes; owned by the frame (never a view of decoder memory).
         segments: The allocator's owners, one per segment, in order.
         tags: The sender's tag of each segment (e.g. ``"cpu"`` or ``"cuda:0"``).
+        nbytes: The frame's size on the wire, prelude included (the decoder reads it from
+            the prelude; 0 for a frame built by hand). Not part of equality.
     """
 
     fields: list[Any]
     payload: bytes | bytearray | memoryview
     segments: list[object]
     tags: list[str]
+    nbytes: int = field(default=0, compare=False)
 
 
 def byte_view(view: memoryview, what: str) -> memoryview:
@@ -103,6 +107,17 @@ def frame_nbytes(pieces: Sequence[bytes | memoryview]) -> int:
     size = 0
     for piece in pieces:
         size += piece.nbytes if isinstance(piece, memoryview) else len(piece)
+    return size
+
+
+def body_nbytes(
+    payload: bytes | bytearray | memoryview, segments: Sequence[tuple[memoryview, str]] = ()
+) -> int:
+    """The size the frame of ``payload`` and ``segments`` will have, less its msgpack
+    header: what is known of a reply before the hooks have written its header fields."""
+    size = PRELUDE_SIZE + (payload.nbytes if isinstance(payload, memoryview) else len(payload))
+    for view, _ in segments:
+        size += view.nbytes if isinstance(view, memoryview) else len(view)
     return size
 
 

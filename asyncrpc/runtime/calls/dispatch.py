@@ -29,7 +29,7 @@ from asyncrpc.errors import (
 from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
 from asyncrpc.protocol.serde import MissingReferenceError, Serializer, pack_exception
 from asyncrpc.protocol.serde.policy import TensorPolicy, TrackGrads
-from asyncrpc.protocol.wire import encode_frame
+from asyncrpc.protocol.wire import body_nbytes, encode_frame
 from asyncrpc.protocol.wire.messages import ACK_WANTED, CallMode, ErrorReply, Reply, Request
 from asyncrpc.runtime.calls.builtins import checked_op, is_torch_c_function, runs_on_loop
 from asyncrpc.runtime.calls.deadline import expired, running_until
@@ -96,7 +96,10 @@ class Dispatcher:
 
     # -- receiving -------------------------------------------------------------------------
 
-    def on_request(self, conn: Caller, request: Request, payload: Any, segments: Any) -> None:
+    def on_request(
+        self, conn: Caller, request: Request, payload: Any, segments: Any, nbytes: int = 0
+    ) -> None:
+        """Serve a request whose frame (``nbytes`` long, 0: not known) has just come."""
         peer = conn.peer
         assert peer is not None
         served = ServedRequest(conn, request, peer)
@@ -111,7 +114,7 @@ class Dispatcher:
         owner.take_unconfirmed()  # forget forks unpickled elsewhere (replies)
         try:
             if self._pipeline.serves(request.headers):
-                self._receiving(served)
+                self._receiving(served, nbytes)
             incoming = served.incoming
             fn, args, kwargs = self._serializer.loads(
                 payload,
@@ -199,12 +202,12 @@ class Dispatcher:
         served.runner = runner
         self._running[served.key] = served
 
-    def _receiving(self, served: ServedRequest) -> None:
+    def _receiving(self, served: ServedRequest, nbytes: int) -> None:
         """The request as the pipeline sees it, its policies set before it is unpickled."""
         request, peer = served.request, served.peer
         served.incoming = self._pipeline.received(
             served.conn.peer_name or str(peer), peer, self._name, request.call_id,
-            request.target, served.remote, request.headers,
+            request.target, served.remote, request.headers, nbytes,
         )  # fmt: skip
 
     def _serve(self, incoming: IncomingCall, call: Any) -> Callable[..., Any]:
@@ -219,12 +222,17 @@ class Dispatcher:
         grads = policy.take() if isinstance(policy, TrackGrads) else []
         return self._pipeline.item_fields(incoming, grads)
 
-    def _replying(self, served: ServedRequest, ok: bool, value: Any) -> dict[str, Any] | None:
-        """The pipeline's last look at a served request; returns its reply header fields."""
+    def _replying(
+        self, served: ServedRequest, ok: bool, value: Any, payload: Any = b"", segments: Any = ()
+    ) -> dict[str, Any] | None:
+        """The pipeline's last look at a served request; returns its reply header fields.
+        ``payload`` and ``segments``: the reply's, pickled (none: no reply is sent)."""
         incoming, served.incoming = served.incoming, None
         if incoming is None:
             return None
-        return self._pipeline.reply_fields(incoming, ok, value)
+        # Sized only here, where a hook looks: an untraced reply is never measured.
+        nbytes = body_nbytes(payload, segments) if payload or segments else 0
+        return self._pipeline.reply_fields(incoming, ok, value, nbytes)
 
     def _missing(self, request: Request, exc: MissingReferenceError) -> Exception:
         return missing_reference_error(self._name, request, exc)
@@ -416,7 +424,7 @@ class Dispatcher:
             )
             error.__cause__ = exc
             return None, (None, None, None), error
-        headers = self._replying(served, True, result)
+        headers = self._replying(served, True, result, payload, segments)
         if forks and getattr(served.conn, "acks_forks", False):
             # A lane (runtime/lanes/): its caller says when it has read the forks.
             headers = {**(headers or {}), ACK_WANTED: 1}
@@ -521,15 +529,15 @@ class Dispatcher:
     def _acknowledge(self, served: ServedRequest, ok: bool, value: Any) -> None:
         # A remote() request with pipeline fields: its caller's hooks wait for the end of
         # the function (torch's remote profiling does too), so say so with an empty reply.
-        headers = self._replying(served, ok, value)
         payload, segments, keep, _ = self._serializer.dumps(None)
+        headers = self._replying(served, ok, value, payload, segments)
         reply = Reply(served.request.call_id, headers).to_fields()
         self._write(served.conn, encode_frame(reply, payload, segments), keep, None)
 
     def _send_error(self, served: ServedRequest, exc: BaseException) -> None:
         _log.debug("%s raised %r for %s", served.request.target, exc, served.conn.peer_name)
-        headers = self._replying(served, False, exc)
         payload = pack_exception(exc, self._name)
+        headers = self._replying(served, False, exc, payload)
         fields = ErrorReply(served.request.call_id, headers).to_fields()
         self._write(served.conn, encode_frame(fields, payload), None, None)
         self._counters.errors_sent += 1

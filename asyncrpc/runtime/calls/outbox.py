@@ -464,7 +464,10 @@ class Outbox:
         if call is None:
             return  # timed out or cancelled meanwhile
         observed = call.request.observed
-        policy = None if observed is None else observed[1].reply_policy
+        policy = None
+        if observed is not None:  # what the hooks see: its policy, and its size
+            outgoing = observed[1]
+            policy, outgoing.reply_nbytes = outgoing.reply_policy, frame.nbytes
         try:
             headers = optional_headers(fields, 2)
             value = self._serializer.loads(
@@ -481,6 +484,9 @@ class Outbox:
         if call is None:
             return
         self._counters.calls_failed += 1
+        observed = call.request.observed
+        if observed is not None:
+            observed[1].reply_nbytes = frame.nbytes
         call.fail(unpack_exception(bytes(frame.payload)), optional_headers(fields, 2))
 
     def fail_peer(self, rank: int, error: PeerLostError, sent_on: object = None) -> None:

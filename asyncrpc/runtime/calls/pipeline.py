@@ -162,7 +162,7 @@ class OutgoingCall(_Call):
 
     __slots__ = (
         "args", "call_id", "callee", "callee_rank", "caller", "fn", "headers", "kind",
-        "kwargs", "nbytes", "on_value", "result", "target",
+        "kwargs", "nbytes", "on_value", "reply_nbytes", "result", "target",
     )  # fmt: skip
 
     def __init__(
@@ -182,6 +182,9 @@ class OutgoingCall(_Call):
         self.headers: dict[str, Any] = {}
         self.result: Any = None  # the reply's value, once it came
         self.nbytes = 0  # the request frame's size, once it is framed (after ``outgoing``)
+        # The reply (or error reply) frame's size, once it came (before ``completed``); 0
+        # without one (timeout, lost peer, a remote() or a stream).
+        self.reply_nbytes = 0
         # Set by a hook in ``completed``: called on each thread that reads the value, just
         # before it gets it (CUDA: that thread's streams wait for the reply's copies).
         self.on_value: Callable[[], None] | None = None
@@ -197,12 +200,12 @@ class IncomingCall(_Call):
 
     __slots__ = (
         "args", "call_id", "callee", "caller", "caller_rank", "coroutine", "fn", "headers",
-        "kwargs", "remote", "reply_headers", "target", "wrappers",
+        "kwargs", "nbytes", "remote", "reply_headers", "reply_nbytes", "target", "wrappers",
     )  # fmt: skip
 
     def __init__(
         self, caller: str, caller_rank: int, callee: str, call_id: int, target: str,
-        remote: bool, headers: dict[str, Any],
+        remote: bool, headers: dict[str, Any], nbytes: int = 0,
     ) -> None:  # fmt: skip
         super().__init__()
         self.caller = caller
@@ -212,6 +215,11 @@ class IncomingCall(_Call):
         self.target = target
         self.remote = remote  # a remote() request: the value stays here
         self.headers = headers
+        self.nbytes = nbytes  # the request frame's size on the wire (0: not known)
+        # The reply's size, known before ``replying``: its payload and tensor segments, and
+        # the prelude. Its header is not counted: the hooks' ``replying`` stage is still
+        # adding to it. 0: no reply is sent (a remote() without fields, a stream).
+        self.reply_nbytes = 0
         self.coroutine = False  # the function is an `async def` (wrappers must keep that)
         self.fn: Any = None
         self.args: Sequence[Any] = ()
@@ -417,11 +425,13 @@ class Pipeline:
 
     def received(
         self, caller: str, caller_rank: int, callee: str, call_id: int, target: str,
-        remote: bool, headers: dict[str, Any] | None,
+        remote: bool, headers: dict[str, Any] | None, nbytes: int = 0,
     ) -> IncomingCall:  # fmt: skip
         """A request as the hooks see it, their ``receiving`` stage run: its tensor
-        policies are set before it is unpickled."""
-        call = IncomingCall(caller, caller_rank, callee, call_id, target, remote, headers or {})
+        policies are set before it is unpickled. ``nbytes``: its frame's size."""
+        call = IncomingCall(
+            caller, caller_rank, callee, call_id, target, remote, headers or {}, nbytes
+        )
         self.receiving(call)
         return call
 
@@ -432,8 +442,12 @@ class Pipeline:
         self.incoming(call)
         return call.wrapped(fn)
 
-    def reply_fields(self, call: IncomingCall, ok: bool, value: Any) -> dict[str, Any] | None:
-        """Run the ``replying`` stage; the reply's header fields (None: none)."""
+    def reply_fields(
+        self, call: IncomingCall, ok: bool, value: Any, nbytes: int = 0
+    ) -> dict[str, Any] | None:
+        """Run the ``replying`` stage; the reply's header fields (None: none). ``nbytes``:
+        the reply's size so far (see ``IncomingCall.reply_nbytes``)."""
+        call.reply_nbytes = nbytes
         self.replying(call, ok, value)
         return call.reply_headers or None
 

@@ -69,10 +69,13 @@ _RETRY_AFTER_S = 30.0
 class Lane:
     """One calling thread's connection to one peer."""
 
-    __slots__ = ("__weakref__", "busy", "frames", "lost", "name", "rank", "remotes", "used")
+    __slots__ = (
+        "__weakref__", "busy", "frames", "lost", "name", "rank", "remotes", "replied", "used",
+    )  # fmt: skip
 
     def __init__(self, frames: BlockingFrames, rank: int, name: str) -> None:
         self.frames, self.rank, self.name = frames, rank, name
+        self.replied = 0  # the size of the last reply frame ``call`` read (for the hooks)
         self.lost: PeerLostError | None = None  # why the agent closed it, if it did
         # In a call (set and cleared under CallerLanes' lock), and when the last one ended:
         # an idle lane is closed only between calls (``CallerLanes.close_idle``).
@@ -113,6 +116,7 @@ class Lane:
             if fields[1] != call_id:
                 continue  # the reply of a call that timed out
             headers = optional_headers(fields, 2)
+            self.replied = frame.nbytes
             if kind == Kind.ERROR:
                 return None, unpack_exception(bytes(frame.payload)), headers
             value = loads(frame.payload, frame.segments, context=self.rank, policy=policy)
@@ -257,6 +261,7 @@ class CallerLanes:
         """
         observed = encoded.observed
         policy = None if observed is None else observed[1].reply_policy
+        lane.replied = 0
         with self._lock:
             if lane.frames.closed:
                 return UNSENT  # closed for idleness since this thread took it: go another way
@@ -285,6 +290,8 @@ class CallerLanes:
             self._count(outcome, lane)
             if lane.frames.closed:
                 self._remove([lane])
+        if observed is not None:
+            observed[1].reply_nbytes = lane.replied
         _tell_hooks(observed, value, headers, error)
         if error is None:
             return value

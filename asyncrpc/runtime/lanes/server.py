@@ -38,7 +38,7 @@ from typing import Any, Protocol
 from asyncrpc.errors import ClosedError, FrameTooLargeError, SerializationError
 from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
 from asyncrpc.protocol.serde import MissingReferenceError, Serializer, pack_exception
-from asyncrpc.protocol.wire import Frame, encode_frame
+from asyncrpc.protocol.wire import Frame, body_nbytes, encode_frame
 from asyncrpc.protocol.wire.messages import (
     ACK_WANTED,
     Ack,
@@ -303,11 +303,14 @@ class LaneServer:
         if pipeline.serves(headers):
             if not pipeline.on_lanes(headers):  # a hook that runs on the loop only
                 start = serving.dispatcher.on_request
-                self._hand_over(serving, lane, request, start, frame.payload, frame.segments)
+                self._hand_over(
+                    serving, lane, request, start, frame.payload, frame.segments, frame.nbytes
+                )
                 return
             incoming = pipeline.received(
-                lane.name, rank, serving.name, request.call_id, request.target, False, headers
-            )
+                lane.name, rank, serving.name, request.call_id, request.target, False, headers,
+                frame.nbytes,
+            )  # fmt: skip
         try:
             policy = None if incoming is None else incoming.policy
             call = serving.serializer.loads(
@@ -341,7 +344,9 @@ class LaneServer:
         )
         if hooked:  # its hooks run on the loop
             start = serving.dispatcher.on_request
-            serving.run_on_loop(start, self._no_reply(lane), request, frame.payload, frame.segments)
+            serving.run_on_loop(
+                start, self._no_reply(lane), request, frame.payload, frame.segments, frame.nbytes
+            )
             return
         try:
             call = serving.serializer.loads(frame.payload, frame.segments, context=rank)
@@ -439,9 +444,10 @@ class LaneServer:
             error.__cause__ = exc
             self._reply_error(serving, lane, request, incoming, error)
             return
-        headers = (
-            None if incoming is None else serving.pipeline.reply_fields(incoming, True, result)
-        )
+        headers = None
+        if incoming is not None:  # sized only for the hooks: an untraced reply is not
+            nbytes = body_nbytes(payload, segments)
+            headers = serving.pipeline.reply_fields(incoming, True, result, nbytes)
         if forks:
             headers = {**(headers or {}), ACK_WANTED: 1}
         pieces = encode_frame(Reply(request.call_id, headers).to_fields(), payload, segments)
@@ -455,8 +461,10 @@ class LaneServer:
         if serving.print_errors:
             print_request_error(serving.name, request, lane.name, exc)
         pipeline = serving.pipeline
-        headers = None if incoming is None else pipeline.reply_fields(incoming, False, exc)
         payload = pack_exception(exc, serving.name)
+        headers = None
+        if incoming is not None:
+            headers = pipeline.reply_fields(incoming, False, exc, body_nbytes(payload))
         pieces = encode_frame(ErrorReply(request.call_id, headers).to_fields(), payload)
         self._write(serving, lane, request, pieces, None, "errors_sent")
 
