@@ -14,7 +14,7 @@ import re
 import threading
 import warnings
 from collections import Counter
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -129,20 +129,26 @@ def rref_entries() -> dict[str, list[str]]:
     forks = getattr(current_rrefs(), "forks", None)
     entries: dict[str, list[str]] = {} if forks is None else forks.describe()
     gc.collect()
-    with warnings.catch_warnings():  # isinstance on some of torch's modules warns
-        warnings.simplefilter("ignore")
-        alive = [o for o in gc.get_objects() if isinstance(o, RRef) and not o.is_owner()]
+    alive = [o for o in _live(RRef) if not o.is_owner()]
     entries["held_by"] = [f"{o!r}: {_holders(o, {id(alive)})}" for o in alive[:10]]
     if alive:  # calls that ended but are still held: what holds them
         from asyncrpc.runtime.calls.pending import PendingCall
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            calls = [o for o in gc.get_objects() if isinstance(o, PendingCall)]
+        calls = _live(PendingCall)
         entries["calls_held_by"] = [
             f"call {c.request.target} to {c.peer}: {_holders(c, {id(calls)})}" for c in calls[:5]
         ]
     return entries
+
+
+T = TypeVar("T")
+
+
+def _live(cls: type[T]) -> list[T]:
+    """The objects of ``cls`` the collector tracks in this process."""
+    with warnings.catch_warnings():  # isinstance on some of torch's modules warns
+        warnings.simplefilter("ignore")
+        return [o for o in gc.get_objects() if isinstance(o, cls)]
 
 
 _OURS = ("rref_entries", "_holders", "<listcomp>", "<genexpr>")

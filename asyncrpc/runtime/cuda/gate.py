@@ -95,7 +95,7 @@ class SendGate:
     async def ready(self, frame: FrameEvents) -> None:
         """Return once the frame's events are done and every frame queued before it has
         left. Cancelling the wait lets the frames behind it go on (the frame is dropped)."""
-        if self.idle() and self._all_done(frame):
+        if self.passes(frame):
             return
         self.held += 1
         before, mine = self._tail, asyncio.get_running_loop().create_future()
