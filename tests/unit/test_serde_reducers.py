@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import pickle
 import sys
 import threading
 import types
 import warnings
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -317,6 +319,53 @@ def test_Serializer_persistent_tuple_may_carry_tensors() -> None:
     sent = helpers.wire_roundtrip(serializer, helpers.Handle(2))
     assert len(sent.segments) == 1
     assert torch.equal(sent.value, torch.full((BIG,), 2.0))
+
+
+def test_Serializer_loads_keeps_nothing_alive_after_it_returns() -> None:
+    # Received objects live as long as the value does, not until the next garbage
+    # collection: a received RRef must be released when the program drops it.
+    loaded: list[weakref.ref[Any]] = []
+
+    def dump(obj: object, context: object, made: list[Any]) -> tuple[Any, ...] | None:
+        return ("h", obj.ident) if isinstance(obj, helpers.Handle) else None
+
+    def load(pid: tuple[Any, ...], context: object) -> object:
+        handle = helpers.Handle(pid[1])
+        loaded.append(weakref.ref(handle))
+        return handle
+
+    serializer = Serializer(persistent_dump=dump, persistent_load=load)
+    message = [helpers.Handle(1), torch.ones(BIG), torch.ones(2)]
+    payload, segments, _, _ = serializer.dumps(message)
+    owners = [bytearray(view) for view, _ in segments]
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        value = serializer.loads(payload, owners)
+        tensor = weakref.ref(value[1])
+        del value
+        assert loaded[0]() is None
+        assert tensor() is None
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def test_Serializer_same_handle_twice_is_dumped_once() -> None:
+    made: list[Any] = []
+
+    def dump(obj: object, context: object, minted: list[Any]) -> tuple[Any, ...] | None:
+        if not isinstance(obj, helpers.Handle):
+            return None
+        made.append(obj.ident)
+        return ("h", obj.ident)
+
+    handle = helpers.Handle(3)
+    serializer = Serializer(persistent_dump=dump, persistent_load=lambda pid, ctx: [pid[1]])
+    payload, segments, _, _ = serializer.dumps((handle, {"again": handle}))
+    first, nested = serializer.loads(payload, segments)
+    assert made == [3]  # one reference minted for the message, as torch's pickler does
+    assert first is nested["again"]
 
 
 def test_Serializer_persistent_reference_without_load_hook_raises() -> None:

@@ -27,9 +27,7 @@ from asyncrpc.protocol.serde.reducers import (
     default_registry,
 )
 from asyncrpc.protocol.serde.tensors import (
-    HOOK_PID,
     SMALL_TENSOR_BYTES,
-    TENSOR_PID,
     Segment,
     TensorDescriptor,
     export_tensor,
@@ -138,23 +136,50 @@ class _Pickler(pickle.Pickler):
         # saves depth first and fails inside the object it entered last).
         self.last: object = None
 
-    def persistent_id(self, obj: Any) -> Any:
+    # Every hook runs in ``reducer_override``, which pickle calls only for objects it has
+    # no exact-type rule for, after its memo: not for ints, strings, tuples, lists or dicts,
+    # which make up most of a message. (A ``persistent_id`` method would be called back for
+    # every one of them, ~26 Python calls for a backward hop's few objects, and costs a
+    # few µs a message even when the code is warm.) An object the hooks replace is saved
+    # as a call of a marker function (``_tensor_ref``, ``_hooked_ref``) that the unpickler
+    # resolves to its own method; the memo makes a second appearance the same object.
+    def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
-        if cls in _PLAIN:
-            return None
-        self.last = obj
         if cls is _Tensor or cls is _Parameter:
-            policy = self._policy
-            if policy is not None and policy.met(obj):
-                return self._tensor_id(obj)
-            if is_small_tensor(obj, self._inline_bytes):
-                return None  # reducer_override puts it in the pickle
-            return self._tensor_id(obj)
+            self.last = obj
+            return self._reduce_tensor(obj)
+        if cls in _PLAIN:
+            return NotImplemented
+        self.last = obj
         if self._hook is not None:
             pid = self._hook(obj, self._context, self.made)
             if pid is not None:
-                return (HOOK_PID, pid)
-        return None
+                return _hooked_ref, (pid,)
+        reduce_fn = self._reducers.get(cls)
+        if reduce_fn is not None:
+            return reduce_fn(obj)
+        if isinstance(obj, BaseException):
+            # An exception in a value (returned, or held by one) is rebuilt from its state,
+            # as a raised one is: its class need not take its args back (see errorstate).
+            return reduce_exception(obj) or NotImplemented
+        return NotImplemented
+
+    def _reduce_tensor(self, tensor: torch.Tensor) -> Any:
+        """A plain tensor: a segment outside the payload, or its bytes inside (small)."""
+        policy = self._policy
+        if (policy is None or not policy.met(tensor)) and is_small_tensor(
+            tensor, self._inline_bytes
+        ):
+            # Called once per tensor (pickle's memo answers a second appearance), in the
+            # order segments are exported too: the policy sees one sequence.
+            if policy is not None:
+                policy.exported(tensor)
+            return reduce_small_tensor(tensor)
+        descriptor = self._tensor_id(tensor)
+        if descriptor is not None:
+            return _tensor_ref, (descriptor,)
+        reduced = reduce_tensor_fallback(tensor)
+        return NotImplemented if reduced is None else reduced
 
     def _tensor_id(self, tensor: torch.Tensor) -> TensorDescriptor | None:
         descriptor = self._exported.get(id(tensor))
@@ -171,26 +196,15 @@ class _Pickler(pickle.Pickler):
                 policy.exported(tensor)
         return descriptor
 
-    def reducer_override(self, obj: Any) -> Any:
-        cls = type(obj)
-        reduce_fn = self._reducers.get(cls)
-        if reduce_fn is not None:
-            return reduce_fn(obj)
-        if cls is _Tensor or cls is _Parameter:
-            if is_small_tensor(obj, self._inline_bytes):
-                # Called once per tensor (pickle's memo answers a second appearance), in
-                # the order persistent_id exports segments: the policy sees one sequence.
-                if self._policy is not None:
-                    self._policy.exported(obj)
-                return reduce_small_tensor(obj)
-            reduced = reduce_tensor_fallback(obj)
-            if reduced is not None:
-                return reduced
-        elif isinstance(obj, BaseException):
-            # An exception in a value (returned, or held by one) is rebuilt from its state,
-            # as a raised one is: its class need not take its args back (see errorstate).
-            return reduce_exception(obj) or NotImplemented
-        return NotImplemented
+
+def _tensor_ref(descriptor: TensorDescriptor) -> torch.Tensor:
+    """Marker for a tensor sent as a segment: ``_Unpickler`` reads it as its own method."""
+    raise SerializationError("a tensor segment reference outside asyncrpc's unpickler")
+
+
+def _hooked_ref(pid: tuple[Any, ...]) -> object:
+    """Marker for an object the ``persistent_dump`` hook replaced (see ``_tensor_ref``)."""
+    raise SerializationError("a hook reference outside asyncrpc's unpickler")
 
 
 class _Unpickler(pickle.Unpickler):
@@ -212,24 +226,28 @@ class _Unpickler(pickle.Unpickler):
         # segment index -> tensor: a tensor sent twice arrives as one object.
         self._tensors: dict[int, torch.Tensor] = {}
 
-    def persistent_load(self, pid: Any) -> Any:
-        kind = pid[0]
-        if kind == TENSOR_PID:
-            key: int = pid[1]
-            tensor = self._tensors.get(key)
-            if tensor is None:
-                policy = self._policy
-                tensor = import_tensor(pid, self._owners[key], policy or DEFAULT)
-                self._tensors[key] = tensor
-                if policy is not None:
-                    policy.imported(tensor)
-            return tensor
-        if kind == HOOK_PID and self._hook is not None:
-            return self._hook(pid[1], self._context)
-        raise SerializationError(
-            f"the payload holds a persistent reference of kind {kind!r} that this "
-            "serializer has no hook for"
-        )
+    def _tensor_ref(self, descriptor: TensorDescriptor) -> torch.Tensor:
+        key = descriptor[1]
+        tensor = self._tensors.get(key)
+        if tensor is None:
+            if not 0 <= key < len(self._owners):
+                raise SerializationError(
+                    f"the payload names tensor segment {key} of {len(self._owners)}"
+                )
+            policy = self._policy
+            tensor = import_tensor(descriptor, self._owners[key], policy or DEFAULT)
+            self._tensors[key] = tensor
+            if policy is not None:
+                policy.imported(tensor)
+        return tensor
+
+    def _hooked_ref(self, pid: tuple[Any, ...]) -> object:
+        if self._hook is None:
+            raise SerializationError(
+                "the payload holds an object its sender's hook replaced, and this "
+                "serializer has no hook to load it"
+            )
+        return self._hook(pid, self._context)
 
     def find_class(self, module_name: str, global_name: str) -> Any:
         try:
@@ -239,6 +257,10 @@ class _Unpickler(pickle.Unpickler):
             raise MissingReferenceError(module_name, global_name, reason) from exc
         if found is rebuild_small_tensor and self._policy is not None:
             return self._rebuild_small_tensor  # so the policy sees it, in pickle order
+        if found is _tensor_ref:
+            return self._tensor_ref
+        if found is _hooked_ref:
+            return self._hooked_ref
         return found
 
     def _rebuild_small_tensor(self, packed: bytes) -> torch.Tensor:
@@ -381,6 +403,12 @@ class Serializer:
             raise SerializationError(
                 f"cannot unpickle the payload: {type(exc).__name__}: {exc}"
             ) from exc
+        finally:
+            # The memo holds the unpickler's own bound methods (``find_class`` hands them
+            # out for the marker functions), a cycle through the unpickler: left to the
+            # collector, it would keep every object of the message alive until the next
+            # collection, received RRefs too (their owners would wait for the release).
+            unpickler.memo.clear()
 
     def allocate(self, nbytes: int, tag: str) -> tuple[object, memoryview]:
         """The wire's ``Allocator``: an uninitialized uint8 tensor and a view of its bytes.

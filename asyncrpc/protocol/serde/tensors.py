@@ -18,7 +18,6 @@ from asyncrpc.errors import SerializationError
 from asyncrpc.protocol.serde.policy import DEFAULT, TensorPolicy
 
 __all__ = [
-    "HOOK_PID",
     "SMALL_TENSOR_BYTES",
     "TENSOR_PID",
     "Allocator",
@@ -44,10 +43,9 @@ Segment = tuple[memoryview, str]
 # the segment, requires_grad, is nn.Parameter, receiver's device).
 TensorDescriptor = tuple[int, int, str, tuple[int, ...], tuple[int, ...], int, bool, bool, str]
 
-# The first field of every persistent id says who made it: the tensor hook or the
-# serializer's persistent_dump hook (whose own tuple is then the second field).
+# The first field of a tensor's descriptor: a version tag of its layout, so a descriptor
+# is told apart from other tuples in tests and in a malformed payload's error.
 TENSOR_PID: Final = 0
-HOOK_PID: Final = 1
 
 SMALL_TENSOR_BYTES: Final = 16384
 """Dense CPU tensors up to this size travel inside the pickle, not as segments: a segment
