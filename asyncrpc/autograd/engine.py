@@ -18,7 +18,6 @@ graph is kept (``retain_graph``) until the context is released.
 from __future__ import annotations
 
 import functools
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -111,17 +110,25 @@ async def pass_anywhere(
 def _route(context: AutogradContext, routed: list[tuple[torch.Tensor, Any]]) -> Outgoing:
     # A gradient the graph handed to two leaves (a function returning one tensor twice)
     # is copied for each; any other is kept as it is, where its layout allows.
-    handed = Counter(id(grad) for _, grad in routed)
+    handed = _handed_twice(routed)
     outgoing: Outgoing = {}
     for leaf, grad in routed:
         received = context.recvs.get(id(leaf))
         if received is None:
-            context.accumulate(leaf, grad, shared=handed[id(grad)] > 1)
+            context.accumulate(leaf, grad, shared=id(grad) in handed)
             continue
         sender, message_id, index, count = received
         slots = outgoing.setdefault((sender, message_id), [None] * count)
         slots[index] = grad if slots[index] is None else slots[index] + grad
     return outgoing
+
+
+def _handed_twice(routed: list[tuple[torch.Tensor, Any]]) -> set[int] | tuple[()]:
+    """The ids of the gradients handed to more than one leaf (usually none: no set made)."""
+    ids = [id(grad) for _, grad in routed]
+    if len(set(ids)) == len(ids):
+        return ()
+    return {key for key in ids if ids.count(key) > 1}
 
 
 async def propagate(
@@ -148,12 +155,15 @@ async def propagate(
 # them as with a hop of its own (one message back instead of a hop and its reply).
 Batches = list[tuple[int, list[Any]]]
 HopReply = int | tuple[Batches, int]
+# A hop's credit as it travels: a plain tuple, ``PassCredit``'s fields. Pickling the named
+# tuple itself costs a class lookup on both sides of every hop.
+WireCredit = tuple[int, int, int]
 
 
 @inline
 @async_execution
 def grads_arrived(
-    context_id: int, batches: Batches, credit: PassCredit | None = None, caller: int = -1
+    context_id: int, batches: Batches, credit: WireCredit | None = None, caller: int = -1
 ) -> Future[HopReply]:
     """Runs on the worker that sent the tensors of each ``(message id, grads)`` batch: the
     backward goes on here, in one local pass for all of them (see ``Hop.take``).
@@ -166,11 +176,12 @@ def grads_arrived(
     agent, table = context_table()
     context = table.get(context_id)
     table.count_hop()
-    return Hop(agent, table, context, credit, caller).take(batches)
+    share = None if credit is None else PassCredit(*credit)
+    return Hop(agent, table, context, share, caller).take(batches)
 
 
 def grads_here(
-    context_id: int, batches: Batches, credit: PassCredit | None = None, caller: int = -1
+    context_id: int, batches: Batches, credit: WireCredit | None = None, caller: int = -1
 ) -> HopReply:
     """``grads_arrived`` for a hop that came on a lane (``root_onward``): run on the
     thread that serves the lane, which writes the reply itself, and blocks it until the
@@ -180,7 +191,8 @@ def grads_here(
     agent, table = context_table()
     context = table.get(context_id)
     table.count_hop()
-    return Hop(agent, table, context, credit, caller).run_here(batches).wait()
+    share = None if credit is None else PassCredit(*credit)
+    return Hop(agent, table, context, share, caller).run_here(batches).wait()
 
 
 def root_onward(root: Hop, outgoing: Outgoing) -> Future[int]:
@@ -202,7 +214,7 @@ def root_onward(root: Hop, outgoing: Outgoing) -> Future[int]:
         return root.onward(outgoing)  # type: ignore[return-value]  # the root embeds none
     ((to, batches),) = hops.items()
     agent, credit = root.agent, root.credit
-    args = (root.context.id, batches, credit, agent.rank)
+    args = (root.context.id, batches, tuple(credit), agent.rank)
     with root.table.root_threads.away(credit.pass_id):  # no deadlock on a hop back here
         try:
             reply = agent.calls.call_on_lane(to, grads_here, args, {}, UNSET_RPC_TIMEOUT)
@@ -341,8 +353,9 @@ class Hop:
         shared: list[PassCredit | None] = [*shares] if shares else [None] * len(hops)
         followed = []
         for (to, batches), share in zip(hops.items(), shared, strict=True):
+            wire = None if share is None else tuple(share)
             call = agent.calls.call_future(
-                to, grads_arrived, (context_id, batches, share, agent.rank), {},
+                to, grads_arrived, (context_id, batches, wire, agent.rank), {},
                 UNSET_RPC_TIMEOUT,
             )  # fmt: skip
             followed.append(_then_follow(call, functools.partial(self.follow, share)))
