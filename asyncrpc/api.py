@@ -14,7 +14,6 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from functools import partial
 from typing import Any, ParamSpec, TypeVar, overload
 
 from asyncrpc.autograd.feature import DistAutograd
@@ -26,6 +25,7 @@ from asyncrpc.errors import (
     PeerLostError,
 )
 from asyncrpc.functions import not_scriptable
+from asyncrpc.metrics.snapshot import get_debug_info, get_metrics
 from asyncrpc.observe.features import features as observing_features
 from asyncrpc.profiling.feature import Profiling
 from asyncrpc.protocol.options import (
@@ -44,7 +44,6 @@ from asyncrpc.runtime.calls.pipeline import CallKind
 from asyncrpc.runtime.current import clear_agent, current_agent, set_agent
 from asyncrpc.runtime.feature import Feature
 from asyncrpc.runtime.futures import Future
-from asyncrpc.runtime.group.endpoints import publish_or_log
 from asyncrpc.runtime.group.events import MemberEvents
 from asyncrpc.runtime.group.join import Group
 from asyncrpc.runtime.group.shutdown import shutdown_limit
@@ -240,22 +239,6 @@ def _peek_agent() -> Agent | None:
         return current_agent()
     except Exception:
         return None
-
-
-def _publish_metrics(host: str, port: int) -> None:
-    # asyncrpc.metrics.serve after init_rpc: the running worker publishes the endpoint in
-    # its store now (one served before is published when the worker joins). A store round
-    # trip: off the loop thread when called on it.
-    agent = _peek_agent()
-    if agent is None:
-        return
-    group = agent.group
-    publish = partial(publish_or_log, group.store.store, group.rank, host, port,
-                      group.addresses[group.rank].host)  # fmt: skip
-    if agent.loop.on_loop_thread():
-        agent.loop.aio.run_in_executor(None, publish)
-    else:
-        publish()
 
 
 def shutdown(graceful: bool = True, timeout: float | None = None) -> None:
@@ -513,46 +496,6 @@ def get_rpc_timeout() -> float:
         NotInitializedError: no worker runs in this process.
     """
     return current_agent().options.rpc_timeout
-
-
-def get_metrics() -> dict[str, Any]:
-    """This worker's counters: calls, bytes, connections, thread pool, loop lag.
-
-    Returns:
-        A fresh dict of numbers, among them ``calls_sent``, ``calls_received``,
-        ``calls_failed``, ``calls_timed_out``, ``pending_calls`` (calls of this worker
-        waiting for a reply), ``running_requests`` (requests it runs for others),
-        ``bytes_in``/``bytes_out``, ``open_connections``, ``connections_lost``,
-        ``connections_idle_closed`` (closed by both sides for ``idle_timeout``),
-        ``reconnects``, ``thread_pool_busy``/``thread_pool_idle``/``thread_pool_blocked``,
-        ``thread_pool_queued`` (jobs waiting for a thread), ``loop_lag_ms``/
-        ``loop_lag_max_ms`` (how late the event loop runs), the ``shm_*`` and ``stream*``
-        counters and the thread hand-offs (``handoffs_*``).
-
-    Raises:
-        NotInitializedError: no worker runs in this process.
-    """
-    return current_agent().metrics()
-
-
-def get_debug_info() -> dict[str, Any]:
-    """``get_metrics()`` plus identity, peers and RRef bookkeeping.
-
-    What to read when a call hangs: ``pending_by_peer`` (this worker's calls waiting for
-    a reply, by callee), ``running_requests``, ``lost_peers`` and ``rpc_timeout``.
-
-    Returns:
-        A fresh dict: ``name``, ``rank``, ``world_size``, ``rpc_timeout``,
-        ``pending_by_peer``, ``lost_peers``, ``leaving`` (its shutdown has begun), every
-        key of ``get_metrics()``, the RRef
-        counts (``owner_rrefs``, ``user_rrefs``, ``pending_forks``, ``pending_users``,
-        ``forks_queried``, ``forks_undelivered``, ``unacked_ref_frames``) and the call
-        hooks' counters (``num_autograd_contexts``, ``autograd_*``, ``device_maps``...).
-
-    Raises:
-        NotInitializedError: no worker runs in this process.
-    """
-    return current_agent().debug_info()
 
 
 def on_peer_lost(callback: Callable[[PeerLostError], None]) -> Callable[[], None]:

@@ -21,47 +21,27 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: the examples import from the root
     sys.path.insert(0, str(ROOT))
 
 import asyncrpc  # noqa: E402
-from asyncrpc.testing import free_port  # noqa: E402
+from asyncrpc.testing import free_port, record_spans, recorded_spans  # noqa: E402
 from bench.trace_svg import render  # noqa: E402
 from examples._launch import workers  # noqa: E402
 from examples.parameter_server import ps  # noqa: E402
-
-_exporter: Any = None
-
-
-def install() -> None:
-    """Set this process's tracer provider, its spans kept in memory until ``dump``."""
-    global _exporter
-    from opentelemetry import trace
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    _exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(_exporter))
-    trace.set_tracer_provider(provider)
 
 
 def dump(worker: str, folder: Path) -> None:
     """Write the spans this process ended, as plain data (ids as hex, times in ns)."""
     spans = [
         {
-            "worker": worker, "name": s.name, "kind": s.kind.name,
-            "trace_id": f"{s.context.trace_id:032x}", "span_id": f"{s.context.span_id:016x}",
-            "parent_id": None if s.parent is None else f"{s.parent.span_id:016x}",
-            "start": s.start_time, "end": s.end_time, "status": s.status.status_code.name,
-            "attributes": dict(s.attributes or {}),
-            "events": [[e.name, dict(e.attributes or {})] for e in s.events],
+            "worker": worker, **s, "trace_id": f"{s['trace_id']:032x}",
+            "span_id": f"{s['span_id']:016x}",
+            "parent_id": None if s["parent_id"] is None else f"{s['parent_id']:016x}",
         }
-        for s in _exporter.get_finished_spans()
+        for s in recorded_spans()
     ]  # fmt: skip
     (folder / f"{worker}.json").write_text(json.dumps(spans))
 
@@ -71,7 +51,7 @@ def trainer(argv: list[str]) -> int:
     ours = argparse.ArgumentParser(add_help=False)
     ours.add_argument("--spans", type=Path, required=True)
     known, rest = ours.parse_known_args(argv)
-    install()
+    record_spans()
     args = ps.parse(rest)
     asyncio.run(ps.trainer_worker(args))
     dump(f"trainer{args.rank}", known.spans)
@@ -96,7 +76,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def run(trainers: int, steps: int, folder: Path) -> None:
     """The example's main process (the server); its trainers, traced as well."""
-    install()
+    record_spans()
     args = ps.parse(["--trainers", str(trainers), "--steps", str(steps)])
     args.init_method = f"tcp://127.0.0.1:{free_port()}"
     extra = ["--timeout", str(args.timeout), "--deadline", str(args.deadline),

@@ -14,8 +14,8 @@ import contextlib
 from collections.abc import Mapping
 from typing import Any
 
-from asyncrpc.api import _publish_metrics, get_debug_info
 from asyncrpc.errors import NotInitializedError
+from asyncrpc.metrics.snapshot import get_debug_info, publish_endpoint
 from asyncrpc.observe.figures import CALL_FIGURES, count_from_start
 from asyncrpc.runtime.group import endpoints
 
@@ -114,5 +114,5 @@ def serve(port: int = 0, host: str = "127.0.0.1") -> MetricsServer:
     server, thread = start_http_server(port, addr=host, registry=registry)
     served = MetricsServer(server, thread, host)
     endpoints.announce(host, served.port)  # a worker joining later publishes it
-    _publish_metrics(host, served.port)  # or now, if a worker runs
+    publish_endpoint(host, served.port)  # or now, if a worker runs
     return served

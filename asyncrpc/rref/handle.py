@@ -2,27 +2,24 @@
 
 An RRef is either the owner's (``is_owner()``: the value lives here) or a user's (a fork
 the owner counts). ``to_here()`` blocks like torch's; ``to_here_future()`` returns an
-``asyncrpc.Future``, awaitable in async code. The proxies ``rpc_sync()``, ``rpc_async()``
-and ``remote()`` run a method of the value on its owner; ``backward()`` runs autograd from a
-tensor value, locally or in a distributed autograd context. Dropping the last Python object of
+``asyncrpc.Future``, awaitable in async code. The proxies ``rpc_sync()``, ``rpc_async()``,
+``remote()``, ``stream()`` and ``bidi()`` run a method of the value on its owner (they live
+in ``proxies.py``); ``backward()`` runs autograd from a tensor value, locally or in a
+distributed autograd context. Dropping the last Python object of
 an RRef never does I/O: ``__del__`` hands the release to the agent's loop.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar, cast
 
-import torch
-
 from asyncrpc.autograd import backward_async as dist_backward_async
-from asyncrpc.duplex import open_bidi
 from asyncrpc.errors import PeerLostError, RRefError, RRefOwnerLostError
-from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT, WorkerInfo
 from asyncrpc.protocol.refmessages import ForkId, RRefId
+from asyncrpc.rref.proxies import Proxy, ProxyCalls
 from asyncrpc.rref.values import (
     backward_here,
     check_tensor,
@@ -34,8 +31,6 @@ from asyncrpc.rref.values import (
     type_of,
 )
 from asyncrpc.runtime.calls.pipeline import CallKind
-from asyncrpc.runtime.calls.served import await_async_result
-from asyncrpc.runtime.calls.streams.hub import StreamHub
 from asyncrpc.runtime.current import FeatureSlot
 from asyncrpc.runtime.futures import Future, chain
 
@@ -65,10 +60,11 @@ class RRefBackend(Protocol):
     async def run_in_pool(self, fn: Callable[[], Any]) -> Any: ...
 
 
-class RRefOps(Protocol):
+class RRefOps(ProxyCalls, Protocol):
     """The RRef operations that make calls, of the current worker (``context.RRefs``): an
     RRef's state lives in its worker's fork bookkeeping; what it asks of other workers
-    goes through the current worker's calls, as ``rpc_sync`` does."""
+    goes through the current worker's calls, as ``rpc_sync`` does (``call`` is the
+    proxies' own, ``proxies.ProxyCalls``)."""
 
     @property
     def forks(self) -> RRefBackend: ...
@@ -77,10 +73,6 @@ class RRefOps(Protocol):
         self, to: Any, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
         target: str | None = ...,
     ) -> RRef[Any]: ...  # fmt: skip
-
-    def call(
-        self, to: int, fn: Any, args: Sequence[Any], timeout: float, kind: CallKind, target: str
-    ) -> Future[Any]: ...
 
     def call_sync(
         self, to: int, fn: Any, args: Sequence[Any], timeout: float, target: str
@@ -96,7 +88,6 @@ class RRefOps(Protocol):
 
 
 _RREFS: FeatureSlot[RRefOps] = FeatureSlot("rrefs", "RRefs")
-_STREAMS: FeatureSlot[StreamHub] = FeatureSlot("streams", "streams")
 
 
 def current_rrefs() -> RRefOps:
@@ -419,7 +410,7 @@ class RRef(Generic[T]):
         Returns:
             A proxy whose method calls block for the result, as ``rpc_sync``.
         """
-        return _Proxy(self, CallKind.SYNC, timeout)
+        return Proxy(self, CallKind.SYNC, timeout)
 
     def rpc_async(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
         """Proxy: ``rref.rpc_async().method(*args)`` returns a Future of the result.
@@ -431,7 +422,7 @@ class RRef(Generic[T]):
         Returns:
             A proxy whose method calls return a ``Future``, as ``rpc_async``.
         """
-        return _Proxy(self, CallKind.ASYNC, timeout)
+        return Proxy(self, CallKind.ASYNC, timeout)
 
     def remote(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
         """Proxy: ``rref.remote().method(*args)`` returns an RRef of the result.
@@ -445,7 +436,7 @@ class RRef(Generic[T]):
         Returns:
             A proxy whose method calls return an ``RRef`` owned by this RRef's owner.
         """
-        return _Proxy(self, CallKind.REMOTE, timeout)
+        return Proxy(self, CallKind.REMOTE, timeout)
 
     def stream(
         self, timeout: float = UNSET_RPC_TIMEOUT, window: int | None = None,
@@ -465,7 +456,7 @@ class RRef(Generic[T]):
         Returns:
             A proxy whose method calls return a ``Stream``.
         """
-        return _Proxy(self, CallKind.STREAM, timeout, (window, window_bytes))
+        return Proxy(self, CallKind.STREAM, timeout, (window, window_bytes))
 
     def bidi(
         self, timeout: float = UNSET_RPC_TIMEOUT, window: int | None = None,
@@ -485,63 +476,7 @@ class RRef(Generic[T]):
         Returns:
             A proxy whose method calls return a ``Bidi``.
         """
-        return _Proxy(self, CallKind.STREAM, timeout, (window, window_bytes), bidi=True)
-
-
-class _Proxy:
-    """Turns ``proxy.method(*args, **kwargs)`` into a call of ``method`` on the owner, of
-    the proxy's kind (a stream's items come from the iterator the method returns)."""
-
-    __slots__ = ("_bidi", "_kind", "_rref", "_timeout", "_windows")
-
-    def __init__(
-        self, rref: RRef[Any], kind: CallKind, timeout: float,
-        windows: tuple[int | None, int | None] = (None, None), bidi: bool = False,
-    ) -> None:  # fmt: skip
-        self._rref, self._kind, self._timeout, self._windows = rref, kind, timeout, windows
-        self._bidi = bidi
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return functools.partial(self._invoke, name)
-
-    def _invoke(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        rref, kind, timeout = self._rref, self._kind, self._timeout
-        rref._ctx.check_usable(rref)
-        call_args = (rref, name, args, kwargs)
-        target = f"RRef.{name}"  # what the hooks (and the profiler) call it
-        if kind is CallKind.STREAM:
-            window, window_bytes = self._windows
-            if self._bidi:  # the requests go first, before the proxy's own arguments
-                return open_bidi(rref._owner, _bidi_method, call_args, {}, timeout, window,
-                                 target, window_bytes=window_bytes)  # fmt: skip
-            streams = _STREAMS.get()
-            return streams.open(rref._owner, _stream_method, call_args, {}, timeout, window,
-                                target, window_bytes=window_bytes)  # fmt: skip
-        ops = current_rrefs()
-        if kind is CallKind.REMOTE:
-            _check_method(rref, name, timeout)
-            return ops.remote(rref._owner, _invoke_method, call_args, {}, timeout, target)
-        future = ops.call(rref._owner, _invoke_method, call_args, timeout, kind, target)
-        future = chain(future, functools.partial(owner_lost_as_rref_error, rref.owner_name()))
-        return future if kind is CallKind.ASYNC else future.wait()
-
-
-def _check_method(rref: RRef[Any], name: str, timeout: float) -> None:
-    # As torch does before a remote() through a proxy: the value's type must have the
-    # method, else AttributeError now rather than an RRef of the failure. The type is asked
-    # of the owner once per handle; in async code (no blocking) the check is left out.
-    if asyncio._get_running_loop() is not None:
-        return
-    value_type = rref._get_type(timeout)
-    if not hasattr(value_type, name) and not _is_script_module(value_type):
-        raise AttributeError(f"type object {value_type.__name__!r} has no attribute {name!r}")
-
-
-def _is_script_module(value_type: type) -> bool:
-    # ScriptModules resolve their methods at run time
-    return issubclass(value_type, torch.jit.ScriptModule | torch._C.ScriptModule)
+        return Proxy(self, CallKind.STREAM, timeout, (window, window_bytes), bidi=True)
 
 
 _TO_HERE = "RRef.to_here"  # the name of fetches, for the hooks (and the profiler)
@@ -604,53 +539,6 @@ async def _fetch(worker_id: int, local_id: int) -> Any:
     the parent fork that is handing it over) and has not freed the value.
     """
     return await owner_value(current_rrefs().forks.owned_value(worker_id, local_id))
-
-
-async def _stream_method(
-    rref: RRef[Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """Runs on the owner: the iterator ``value.name(*args, **kwargs)`` returns, streamed
-    from there (an async one on the loop, a plain one on the pool)."""
-    future = rref._value
-    assert future is not None
-    del rref  # see owner_value
-    value = await owner_value(future)
-    return getattr(value, name)(*args, **kwargs)
-
-
-async def _bidi_method(
-    requests: Any, rref: RRef[Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """Runs on the owner: what ``value.name(requests, *args, **kwargs)`` returns, streamed
-    from there as ``_stream_method``'s."""
-    future = rref._value
-    assert future is not None
-    del rref  # see owner_value
-    value = await owner_value(future)
-    return getattr(value, name)(requests, *args, **kwargs)
-
-
-async def _invoke_method(
-    rref: RRef[Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """Runs on the owner: ``value.name(*args, **kwargs)``.
-
-    ``async def``, ``async_execution`` and ``@inline`` methods run on the loop; plain
-    methods on the agent's thread pool, so a slow method never stalls the loop.
-    """
-    future, ctx = rref._value, rref._ctx
-    assert future is not None
-    del rref  # see owner_value
-    value = await owner_value(future)
-    method = getattr(value, name)
-    if is_coroutine_function(method):
-        return await method(*args, **kwargs)
-    if not (is_inline(method) or is_async_execution(method)):
-        return await ctx.run_in_pool(functools.partial(method, *args, **kwargs))
-    result = method(*args, **kwargs)  # on the loop: it returns at once
-    if is_async_execution(method):
-        return await await_async_result(result)
-    return result
 
 
 def _no_watch() -> None:

@@ -6,36 +6,16 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from asyncrpc.testing import free_port, spawn_worker, stop_workers
-from tests import scenarios
+from tests.integration.stream_peer import run_with_w1
 
 pytestmark = pytest.mark.timeout(150)
 
 
-def _run(name: str, tmp_path: Path, kill: bool) -> tuple[dict[str, Any], list[int | None]]:
-    init = f"tcp://127.0.0.1:{free_port()}"
-    worker = spawn_worker("w1", 1, 2, init, log_dir=tmp_path, rpc_timeout=20.0,
-                          shutdown_timeout=20.0)  # fmt: skip
-    driver = scenarios.start(name, "--init-method", init)
-    try:
-        if kill:
-            driver.wait_line("STREAMING", 60)
-            worker.kill()
-            driver.send("KILLED")
-        code, obs = driver.result(60)
-        assert code == 0, driver.text()
-    finally:
-        driver.kill()
-        codes = stop_workers([worker], timeout=15)
-    return obs, codes
-
-
 def test_bidi_killed_callee_ends_the_replies_with_peer_lost(tmp_path: Path) -> None:
-    obs, codes = _run("bidi_killed_callee", tmp_path, kill=True)
+    obs, codes = run_with_w1("bidi_killed_callee", tmp_path, kill=True)
     assert obs["stdin"] == "KILLED"
     assert obs["replies"] == [2 * i for i in range(10)]
     assert obs["error"] is not None, obs
@@ -47,7 +27,7 @@ def test_bidi_killed_callee_ends_the_replies_with_peer_lost(tmp_path: Path) -> N
 
 
 def test_stream_arg_killed_callee_fails_the_call_and_closes_the_source(tmp_path: Path) -> None:
-    obs, codes = _run("stream_arg_killed_callee", tmp_path, kill=True)
+    obs, codes = run_with_w1("stream_arg_killed_callee", tmp_path, kill=True)
     assert obs["streaming"] is True
     assert obs["call"]["error"]["type"] == "PeerLostError", obs
     assert obs["finally_ran"] is True
@@ -58,7 +38,7 @@ def test_stream_arg_killed_callee_fails_the_call_and_closes_the_source(tmp_path:
 def test_bidi_killed_caller_closes_the_callees_function(tmp_path: Path) -> None:
     # As a stream's producer whose consumer dies is closed, and a call whose caller dies
     # is cancelled: the callee's function stops where it waits.
-    obs, codes = _run("bidi_killed_caller", tmp_path, kill=True)
+    obs, codes = run_with_w1("bidi_killed_caller", tmp_path, kill=True)
     assert obs["streaming"] is True
     assert obs["ended"] in ("CancelledError", "GeneratorExit"), obs
     assert obs["clean"] is True
@@ -66,7 +46,7 @@ def test_bidi_killed_caller_closes_the_callees_function(tmp_path: Path) -> None:
 
 
 def test_bidi_graceful_shutdown_closes_it(tmp_path: Path) -> None:
-    obs, codes = _run("bidi_shutdown", tmp_path, kill=False)
+    obs, codes = run_with_w1("bidi_shutdown", tmp_path, kill=False)
     assert obs["first"] == [0, 2, 4, 6, 8]
     assert obs["shutdown"]["error"] is None, obs["shutdown"]
     assert obs["rest"]["error"]["type"] == "ClosedError", obs["rest"]
@@ -75,7 +55,7 @@ def test_bidi_graceful_shutdown_closes_it(tmp_path: Path) -> None:
 
 
 def test_stream_arg_callee_in_graceful_shutdown_reads_it_to_the_end(tmp_path: Path) -> None:
-    obs, codes = _run("callee_shutdown_reads_on", tmp_path, kill=False)
+    obs, codes = run_with_w1("callee_shutdown_reads_on", tmp_path, kill=False)
     assert obs["reading"] is True
     assert obs["shutdown"]["error"] is None, obs
     assert obs["ended"] == "end", obs
@@ -85,7 +65,7 @@ def test_stream_arg_callee_in_graceful_shutdown_reads_it_to_the_end(tmp_path: Pa
 
 
 def test_stream_arg_read_late_is_still_held_for_its_callee(tmp_path: Path) -> None:
-    obs, codes = _run("late_reader", tmp_path, kill=False)
+    obs, codes = run_with_w1("late_reader", tmp_path, kill=False)
     assert obs["late"]["error"] is None, obs
     assert obs["late"]["value"] == sum(range(100))
     assert obs["held"] == 0
@@ -93,7 +73,7 @@ def test_stream_arg_read_late_is_still_held_for_its_callee(tmp_path: Path) -> No
 
 
 def test_stream_arg_held_unread_by_a_killed_callee_is_closed(tmp_path: Path) -> None:
-    obs, codes = _run("stream_arg_killed_before_reading", tmp_path, kill=True)
+    obs, codes = run_with_w1("stream_arg_killed_before_reading", tmp_path, kill=True)
     assert obs["claimed"] is True
     assert obs["call"]["error"]["type"] == "PeerLostError", obs
     assert obs["released"] is True, obs

@@ -5,36 +5,16 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from asyncrpc.testing import free_port, spawn_worker, stop_workers
-from tests import scenarios
+from tests.integration.stream_peer import run_with_w1
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _run(name: str, tmp_path: Path, kill: bool) -> tuple[dict[str, Any], list[int | None]]:
-    init = f"tcp://127.0.0.1:{free_port()}"
-    worker = spawn_worker("w1", 1, 2, init, log_dir=tmp_path, rpc_timeout=20.0,
-                          shutdown_timeout=20.0)  # fmt: skip
-    driver = scenarios.start(name, "--init-method", init)
-    try:
-        if kill:
-            driver.wait_line("STREAMING", 60)
-            worker.kill()
-            driver.send("KILLED")
-        code, obs = driver.result(60)
-        assert code == 0, driver.text()
-    finally:
-        driver.kill()
-        codes = stop_workers([worker], timeout=15)
-    return obs, codes
-
-
 def test_stream_killed_producer_ends_the_stream_with_peer_lost(tmp_path: Path) -> None:
-    obs, codes = _run("killed_producer", tmp_path, kill=True)
+    obs, codes = run_with_w1("killed_producer", tmp_path, kill=True)
     assert obs["stdin"] == "KILLED"
     assert obs["error"] is not None, obs
     assert obs["error"]["type"] == "PeerLostError"
@@ -47,7 +27,7 @@ def test_stream_killed_producer_ends_the_stream_with_peer_lost(tmp_path: Path) -
 
 
 def test_stream_killed_consumer_stops_the_producer(tmp_path: Path) -> None:
-    obs, _ = _run("killed_consumer", tmp_path, kill=True)
+    obs, _ = run_with_w1("killed_consumer", tmp_path, kill=True)
     assert obs["w1_in_shutdown"] is True
     assert obs["producing"] is True
     assert obs["consumer_call"]["error"]["type"] == "PeerLostError"
@@ -60,7 +40,7 @@ def test_stream_a_producer_in_graceful_shutdown_serves_its_stream_to_the_end(
 ) -> None:
     # The worker that produces calls shutdown mid-stream: it reads no more, but the
     # stream it serves is its consumer's, which reads all of it before the barrier ends.
-    obs, codes = _run("producer_shutdown", tmp_path, kill=False)
+    obs, codes = run_with_w1("producer_shutdown", tmp_path, kill=False)
     assert obs["w1_in_shutdown"] is True
     assert obs["started"] is True
     assert obs["shutdown"]["error"] is None, obs["shutdown"]
@@ -71,7 +51,7 @@ def test_stream_a_producer_in_graceful_shutdown_serves_its_stream_to_the_end(
 
 
 def test_stream_graceful_shutdown_closes_open_streams(tmp_path: Path) -> None:
-    obs, codes = _run("shutdown_mid_stream", tmp_path, kill=False)
+    obs, codes = run_with_w1("shutdown_mid_stream", tmp_path, kill=False)
     assert obs["first"] == [0, 1, 2, 3, 4]
     assert obs["shutdown"]["error"] is None, obs["shutdown"]
     assert obs["rest"]["error"] is not None, obs["rest"]

@@ -17,6 +17,7 @@ import torch
 
 import asyncrpc
 from asyncrpc import autograd as dist_autograd
+from asyncrpc.testing import record_spans, recorded_spans
 from tests.integration import trace_fns as fns
 
 
@@ -77,7 +78,7 @@ def main() -> int:
     parser.add_argument("--no-provider", action="store_true")
     args = parser.parse_args()
     if not args.no_provider:
-        fns.install()
+        record_spans()
     options = asyncrpc.RpcBackendOptions(
         init_method=args.init_method, rpc_timeout=30.0, shared_memory=False
     )
@@ -89,7 +90,7 @@ def main() -> int:
             spans = [
                 span
                 for r in range(args.world_size)
-                for span in asyncrpc.rpc_sync(f"t{r}", fns.finished_spans)
+                for span in asyncrpc.rpc_sync(f"t{r}", recorded_spans)
             ]
             gathered = {"roots": roots, "spans": spans, "on_lane": on_lane}
             print("SPANS " + json.dumps(gathered), flush=True)
