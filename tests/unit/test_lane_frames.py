@@ -66,6 +66,28 @@ def test_BlockingFrames_read_times_out_and_stays_usable(pair: tuple[Any, Any]) -
     assert decode_message(right.read(time.monotonic() + 5).fields) == Ack(1)
 
 
+def test_BlockingFrames_deadlines_of_any_length_follow_each_other(pair: tuple[Any, Any]) -> None:
+    left, right = pair
+    # A long budget, then a short one: the short one is kept, not the timeout set before.
+    left.write(encode_frame(Ack(1).to_fields(), b""))
+    assert decode_message(right.read(time.monotonic() + 5).fields) == Ack(1)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        right.read(started + 0.05)
+    assert time.monotonic() - started < 1.0
+    # No deadline after a short one: the wait outlasts the timeout left set, unharmed.
+    writer = threading.Timer(0.3, lambda: left.write(encode_frame(Ack(2).to_fields(), b"")))
+    writer.start()
+    try:
+        assert decode_message(right.read().fields) == Ack(2)
+    finally:
+        writer.join()
+    # The same budget twice, and a write with one: each still holds.
+    for call in (3, 4):
+        left.write(encode_frame(Ack(call).to_fields(), b""), time.monotonic() + 5)
+        assert decode_message(right.read(time.monotonic() + 5).fields) == Ack(call)
+
+
 def test_BlockingFrames_close_wakes_a_blocked_reader(pair: tuple[Any, Any]) -> None:
     _, right = pair
     errors: list[BaseException] = []
@@ -156,6 +178,11 @@ def test_lane_handshake_both_sides_adopt_with_the_key() -> None:
     # Frames flow both ways once open, with the caps lifted.
     dialled.frames.write(encode_frame(Ack(5).to_fields(), b"y" * 10_000))
     assert decode_message(accepted.frames.read(time.monotonic() + 5).fields) == Ack(5)
+    # The dial's own timeout (5 s) is gone: a call's shorter deadline holds on the lane.
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        dialled.frames.read(started + 0.1)
+    assert time.monotonic() - started < 2.0
     dialled.frames.close()
     accepted.frames.close()
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
+import sys
 import time
 from typing import Any
 
@@ -22,6 +24,10 @@ from asyncrpc.protocol.wire import PRELUDE_SIZE, Frame, FrameDecoder, frame_nbyt
 __all__ = ["BlockingFrames", "Unsent", "lane_allocate"]
 
 _UINT8 = torch.uint8
+_KERNEL_TIMEOUTS = sys.platform == "linux"  # struct timeval is two longs there
+_TIMEVAL = struct.Struct("@ll")
+_SEND_TIMEOUT = socket.SO_SNDTIMEO
+_RECEIVE_TIMEOUT = socket.SO_RCVTIMEO
 
 
 def lane_allocate(nbytes: int, tag: str) -> tuple[object, memoryview]:
@@ -62,6 +68,7 @@ class BlockingFrames:
         # The socket's timeout now: switching it costs system calls, so it is switched
         # only when a deadline starts or ends (a call without one keeps it blocking).
         self._timeout: float | None = sock.gettimeout()
+        self._armed: dict[int, float] = {}  # option -> the kernel timeout set (see _budget)
         self.bytes_in = self.bytes_out = 0  # written by the owning thread only
 
     def open(self, peer_name: str, peer_max_frame: int) -> None:
@@ -96,9 +103,12 @@ class BlockingFrames:
         views: list[Any] = list(pieces)  # bytes and byte views (``encode_frame``'s pieces)
         started = False
         try:
-            while views:  # bounded: each pass sends at least one byte or raises
-                self._wait_budget(deadline)
-                sent = self.sock.sendmsg(views)
+            while views:  # bounded: each pass sends at least one byte, or by the deadline
+                self._budget(deadline, _SEND_TIMEOUT)
+                try:
+                    sent = self.sock.sendmsg(views)
+                except BlockingIOError:  # the kernel's send timeout: is the deadline past?
+                    continue
                 started = True
                 self.bytes_out += sent
                 while views and sent >= len(views[0]):
@@ -124,10 +134,12 @@ class BlockingFrames:
         frames = self._frames
         decoder = self.decoder
         while not frames:  # bounded by the deadline, or by the peer closing
-            self._wait_budget(deadline)
+            self._budget(deadline, _RECEIVE_TIMEOUT)
             buffer = decoder.get_buffer()
             try:
                 nbytes = self.sock.recv_into(buffer)
+            except BlockingIOError:  # the kernel's receive timeout: is the deadline past?
+                continue
             except OSError as exc:
                 raise self._broken("reading", exc) from exc
             if nbytes == 0:
@@ -135,6 +147,32 @@ class BlockingFrames:
             self.bytes_in += nbytes
             frames.extend(decoder.buffer_updated(nbytes))
         return frames.pop(0)
+
+    # On Linux a deadline is the kernel's SO_SNDTIMEO / SO_RCVTIMEO on a blocking socket,
+    # set again only when a call's budget does not fit the one set for an earlier call:
+    # calls with the same timeout make no system call for it. (A Python socket timeout
+    # costs an ioctl to set for each call and a poll before every send and receive.) The
+    # kernel's timeout ends a blocking call with EAGAIN, and the loops above then ask
+    # here whether the deadline passed. A call without a deadline leaves the timeout set:
+    # its wait wakes once per that many seconds and sleeps again.
+    def _budget(self, deadline: float | None, option: int) -> None:
+        if not _KERNEL_TIMEOUTS:
+            self._wait_budget(deadline)
+            return
+        if self.sock.gettimeout() is not None:  # a Python timeout (a dial's): blocking again
+            self.sock.settimeout(None)
+            self._timeout = None
+        if deadline is None:
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the lane's deadline passed")
+        armed = self._armed.get(option, 0.0)
+        if armed and left <= armed <= left + max(left / 20, 0.002):
+            return  # it ends at most 5% (or 2 ms) after this deadline
+        total = int(left * 1e6) + 1  # whole µs, rounded up: never 0, which means "none"
+        self.sock.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(*divmod(total, 1_000_000)))
+        self._armed[option] = total / 1e6
 
     def _wait_budget(self, deadline: float | None) -> None:
         if deadline is None:
