@@ -20,7 +20,7 @@ from types import TracebackType
 from typing import Any, Generic, TypeVar
 
 from asyncrpc.errors import BlockingCallError, ClosedError
-from asyncrpc.runtime.calls.streams.consumer import ConsumerStream
+from asyncrpc.runtime.calls.streams.consumer import ConsumerStream, unwrap
 from asyncrpc.runtime.futures import Future
 
 __all__ = ["Stream"]
@@ -94,7 +94,7 @@ class Stream(Generic[T]):
                 raise StopAsyncIteration
             self._buffer.extend(batch)
         self._taken += 1
-        item: T = self._buffer.popleft()
+        item: T = unwrap(self._buffer.popleft())  # on the reader's thread
         return item
 
     async def _fetch_async(self) -> list[Any]:
@@ -153,7 +153,7 @@ class Stream(Generic[T]):
                 raise StopIteration
             self._buffer.extend(batch)
         self._taken += 1
-        item: T = self._buffer.popleft()
+        item: T = unwrap(self._buffer.popleft())  # on the reader's thread
         return item
 
     def __enter__(self) -> Stream[T]:
