@@ -72,8 +72,10 @@ def test_items_are_staged_on_the_copy_stream_after_the_producers_work_under_the_
     assert host.fake_device is None
     out = transfer.out_stream(0)
     assert labels(out) == ["wait for default0", "copy 0:4 to host on " + out.name]
-    assert pipeline.item_ready(call) is not None  # the copy has not run: the frame waits
-    assert pipeline.item_ready(call) is None  # the next item starts afresh: nothing staged
+    ready = pipeline.items_ready(call)
+    assert ready is not None
+    assert ready() is not None  # the copy has not run: the frame waits
+    assert ready() is None  # the next item starts afresh: nothing staged
     assert not kernel.done
     assert transfer.staged_out == 1
 
@@ -84,10 +86,12 @@ async def test_each_item_waits_for_its_own_copies_only() -> None:
     call = stream_call(pipeline)
     policy = pipeline.item_policy(call)
     assert policy is not None
+    ready = pipeline.items_ready(call)
+    assert ready is not None
     policy.to_host(FakeTensor(0, b"aa", nbytes=2))
-    first = pipeline.item_ready(call)
+    first = ready()
     policy.to_host(FakeTensor(1, b"bb", nbytes=2))
-    second = pipeline.item_ready(call)
+    second = ready()
     assert first is not None
     assert second is not None
     gpu.run(transfer.out_stream(1))  # item 1's copy only
@@ -116,7 +120,9 @@ def test_a_stream_argument_follows_the_senders_own_map_to_its_reader() -> None:
     policy = pipeline.item_policy(call)
     assert isinstance(policy, ItemCopies)
     assert policy.to_host(FakeTensor(0, b"x", nbytes=1))[0] == "cuda:1"
-    assert pipeline.item_ready(call) is not None
+    ready = pipeline.items_ready(call)
+    assert ready is not None
+    assert ready() is not None
 
 
 def test_without_a_gpu_items_keep_the_host_copy() -> None:
@@ -124,7 +130,7 @@ def test_without_a_gpu_items_keep_the_host_copy() -> None:
     call = stream_call(pipeline)
     assert isinstance(pipeline.item_policy(call), HostCopy)
     assert pipeline.items_in(1) is None  # the default copy on receipt
-    assert pipeline.item_ready(call) is None
+    assert pipeline.items_ready(call) is None  # its items never wait
 
 
 # -- the producer: frames held in order, never a host wait ------------------------------------
@@ -169,7 +175,7 @@ async def test_Producers_hold_each_item_until_its_copies_ran_and_keep_the_order(
     host = Host()
     producers, conn = host.producers(), Conn(host.serializer)
     producers.expect(conn, 2, 7, "gen")
-    ready = partial(pipeline.item_ready, call)
+    ready = pipeline.items_ready(call)
     producers.start(2, 7, fn, fn, (), {}, lambda ok, v: None, dumps, None, ready)
     ticks: list[int] = []
     ticker = asyncio.ensure_future(_ticking(ticks))
@@ -203,7 +209,7 @@ async def test_Producers_closed_while_an_item_is_held_drop_it_and_end_once() -> 
     producers.expect(conn, 2, 7, "gen")
     producers.start(
         2, 7, gen, gen, (), {}, lambda ok, v: told.append(ok),
-        partial(_dumps, host.serializer, policy), None, partial(pipeline.item_ready, call),
+        partial(_dumps, host.serializer, policy), None, pipeline.items_ready(call),
     )  # fmt: skip
     producers.on_credit(2, 7, 10)
     await asyncio.sleep(0.05)

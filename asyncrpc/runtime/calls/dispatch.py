@@ -192,22 +192,24 @@ class Dispatcher:
         self, served: ServedRequest, fn: Any, run: Callable[..., Any], args: Any, kwargs: Any
     ) -> None:
         """Start a streaming call's function, its items pickled as the hooks say."""
-        pipeline, incoming = self._pipeline, served.incoming
+        pipeline, incoming, fielded = self._pipeline, served.incoming, True
         if incoming is None and is_stream_source(fn) and pipeline.overriding("stream_items"):
             # A stream argument this worker sent, read by the peer: its items are this
-            # worker's own, so the hooks choose their policy even with no header field.
+            # worker's own, so the hooks choose their policy even with no header field
+            # (but no hook has state for it: no item fields, as without the pipeline).
             self._receiving(served, 0)
-            incoming = served.incoming
+            incoming, fielded = served.incoming, False
         if incoming is not None:
             incoming.own_items = is_stream_source(fn)
         # The items' tensor policy is the hooks' to say (the pipeline's stream_items).
-        policy = None if incoming is None else pipeline.item_policy(incoming)
+        policy = ready = None
+        if incoming is not None:
+            policy = pipeline.item_policy(incoming)
+            ready = pipeline.items_ready(incoming)  # CUDA copies still running, per item
         dumps = partial(self._serializer.dumps, context=served.peer, policy=policy)
-        fields = ready = None  # the hooks' fields for each item (distributed autograd's)
-        if incoming is not None and pipeline.overriding("item_sent"):
+        fields = None  # the hooks' fields for each item (distributed autograd's)
+        if incoming is not None and fielded and pipeline.overriding("item_sent"):
             fields = partial(self._item_fields, incoming, policy)
-        if incoming is not None and pipeline.overriding("item_ready"):
-            ready = partial(pipeline.item_ready, incoming)  # CUDA copies still running
         replying = partial(self._replying, served)
         self._producers.start(
             served.peer, served.request.call_id, fn, run, args, kwargs, replying, dumps,

@@ -36,14 +36,14 @@ On the callee, for each request that carries header fields (or every request whi
   9. ``stream_items(call, policy)`` on the loop, for a streaming call, before its function
      starts: the tensor policy of its items, given the policy the hooks before it chose
      (``call.own_items``: the stream is a stream argument this worker sent, its items
-     this worker's own, as a request's arguments are);
+     this worker's own, as a request's arguments are); then ``items_ready(call)``: what
+     to call after each item is pickled, on that thread, for what the item's frame waits
+     for before it is written (GPU copies of its tensors; None: nothing), or None when its
+     items never wait. Items leave in order: those behind a held item wait for it;
  10. ``item_sent(call, grads)`` on the thread that pickles each item of a streaming call
      (the loop, or the pool thread advancing a plain generator), after it is pickled with
      that policy: ``grads`` are its tensors requiring grad when the policy tracks them
-     (``TrackGrads``); the hook may return header fields for the item's frame; then
-     ``item_ready(call)`` on the same thread: what the item's frame waits for before it
-     is written (GPU copies of its tensors), or None. Items leave in order: those behind
-     a held item wait for it.
+     (``TrackGrads``); the hook may return header fields for the item's frame.
 On the caller again, for a stream it consumes:
  11. ``items_in(peer)`` on the loop, as a stream from ``peer`` opens (every hook that
      overrides it, active or not: receiving needs no configuration): the policy its
@@ -78,6 +78,7 @@ __all__ = [
     "CallKind",
     "CallTensors",
     "IncomingCall",
+    "ItemReady",
     "ItemsIn",
     "OutgoingCall",
     "Pipeline",
@@ -89,6 +90,9 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 
+# Called after each item of a stream is pickled: what its frame waits for (None: nothing).
+ItemReady = Callable[[], Awaitable[None] | None]
+
 # Takes the function to run and returns the function to run instead (same calling
 # convention: a coroutine function's wrapper returns an awaitable).
 Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
@@ -96,7 +100,7 @@ Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
 # The stages a hook may override, in the order a call meets them.
 STAGES = (
     "active", "serves_all", "prepare", "outgoing", "ready", "completed", "receiving",
-    "incoming", "replying", "reply_ready", "stream_items", "item_sent", "item_ready",
+    "incoming", "replying", "reply_ready", "stream_items", "items_ready", "item_sent",
     "items_in", "item_received",
 )  # fmt: skip
 
@@ -344,7 +348,7 @@ class CallHook:
 
     def stream_items(self, call: IncomingCall, policy: TensorPolicy | None) -> TensorPolicy | None:
         """The tensor policy of a streaming call's items, given ``policy``, what the hooks
-        before this one chose (None: the defaults); ``item_ready`` may then hold each
+        before this one chose (None: the defaults); ``items_ready`` may then hold each
         item's frame (agent's loop)."""
         return policy
 
@@ -354,9 +358,10 @@ class CallHook:
         for the item's frame (None: none)."""
         return None
 
-    def item_ready(self, call: IncomingCall) -> Awaitable[None] | None:
-        """What the frame of the item just pickled waits for before it is written (the
-        thread that pickled it; awaited on the loop). None: nothing."""
+    def items_ready(self, call: IncomingCall) -> ItemReady | None:
+        """What to call after each item of a streaming call is pickled (on that thread):
+        it returns what the item's frame waits for, awaited on the loop (None: nothing).
+        None: its items never wait (agent's loop, once per stream)."""
         return None
 
     def items_in(self, peer: int) -> ItemsIn | None:
@@ -536,9 +541,13 @@ class Pipeline:
                 fields = more if fields is None else {**fields, **more}
         return fields
 
-    def item_ready(self, call: IncomingCall) -> Awaitable[None] | None:
-        """What the item just pickled waits for: None, or one awaitable for all hooks'."""
-        return _all_of([hook.item_ready(call) for hook in self._by_stage["item_ready"]])
+    def items_ready(self, call: IncomingCall) -> ItemReady | None:
+        """What each item of a streaming call waits for (see ``CallHook.items_ready``): the
+        one hook's that gives one, called as is (nothing per item for the others)."""
+        ready = [r for r in (h.items_ready(call) for h in self._by_stage["items_ready"]) if r]
+        if len(ready) > 1:
+            return lambda: _all_of([wait() for wait in ready])
+        return ready[0] if ready else None
 
     def items_in(self, peer: int) -> ItemsIn | None:
         """The policy of a consumed stream's items: the first hook's that gives one."""

@@ -25,7 +25,13 @@ import torch
 from asyncrpc.errors import InitError, SerializationError
 from asyncrpc.protocol.serde.policy import TensorPolicy
 from asyncrpc.protocol.wire import Allocator
-from asyncrpc.runtime.calls.pipeline import CallHook, IncomingCall, ItemsIn, OutgoingCall
+from asyncrpc.runtime.calls.pipeline import (
+    CallHook,
+    IncomingCall,
+    ItemReady,
+    ItemsIn,
+    OutgoingCall,
+)
 from asyncrpc.runtime.cuda.callee import RequestStreams
 from asyncrpc.runtime.cuda.devices import CudaStream
 from asyncrpc.runtime.cuda.ipc import FIELD as IPC_FIELD
@@ -323,9 +329,8 @@ class DeviceMapHook(CallHook):
             call.state[_ITEMS] = take
         return items
 
-    def item_ready(self, call: IncomingCall) -> Awaitable[None] | None:
-        take = call.state.get(_ITEMS)
-        return None if take is None else cast("Awaitable[None] | None", take())
+    def items_ready(self, call: IncomingCall) -> ItemReady | None:
+        return cast("ItemReady | None", call.state.get(_ITEMS))
 
     def items_in(self, peer: int) -> ItemsIn | None:
         return self.transfer.items_in(peer)

@@ -22,7 +22,7 @@ from asyncrpc.protocol.wire.stream import ConsumerFlow
 from asyncrpc.runtime.calls.pipeline import ItemsIn
 from asyncrpc.runtime.futures import Future, try_set_exception, try_set_result
 
-__all__ = ["Arrived", "ConsumerHub", "ConsumerStream", "Waiter", "unwrap"]
+__all__ = ["Arrived", "ConsumerHub", "ConsumerStream", "Waiter"]
 
 # What a fetch settles: an asyncrpc Future (a consumer on another thread or loop) or an
 # asyncio future of the agent's loop. Its value: a list of items, empty at the end.
@@ -38,13 +38,10 @@ class Arrived:
     def __init__(self, value: Any, first: Callable[[], None]) -> None:
         self.value, self.first = value, first
 
-
-def unwrap(item: Any) -> Any:
-    """The value of a buffered item, its reader ordered after it first if it says so."""
-    if type(item) is Arrived:
-        item.first()
-        return item.value
-    return item
+    def take(self) -> Any:
+        """The value, once ``first`` ran (call it on the thread that reads the item)."""
+        self.first()
+        return self.value
 
 
 class ConsumerHub(Protocol):

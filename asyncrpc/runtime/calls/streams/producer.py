@@ -9,7 +9,7 @@ credit has been reserved for the item it yields (``ProducerFlow``), so a stalled
 stops the producer within ``window`` items, or once the bytes of the items it made reach
 the consumer's byte window.
 
-An item whose frame must wait (the call pipeline's ``item_ready``: the GPU copies of its
+An item whose frame must wait (the call pipeline's ``items_ready``: the GPU copies of its
 CUDA tensors) is held in the stream's outbox, with the items behind it, by one task per
 stream that awaits it on the loop (``_hold``): items leave in order, and the stream's end
 or error follows the items made before it.
@@ -34,13 +34,14 @@ from typing import Any
 from asyncrpc.errors import FrameTooLargeError, RpcTimeoutError, SerializationError
 from asyncrpc.functions import is_coroutine_function, is_inline
 from asyncrpc.protocol.serde import pack_exception
-from asyncrpc.protocol.wire import encode_frame
-from asyncrpc.protocol.wire.stream import ProducerFlow, StreamEnd, StreamError, StreamItem
+from asyncrpc.protocol.wire import encode_frame, frame_nbytes
+from asyncrpc.protocol.wire.stream import ProducerFlow, StreamEnd, StreamError, item_fields
 from asyncrpc.runtime.calls.deadline import running_until
+from asyncrpc.runtime.calls.streams.closing import close_now
 from asyncrpc.runtime.ports import Frames, Loop
 from asyncrpc.runtime.shm.shm import segment_nbytes
 
-__all__ = ["ProducerStream", "Producers", "close_iterable"]
+__all__ = ["ProducerStream", "Producers"]
 
 _CLOSED = object()  # a pool thread closed the generator itself
 _JOIN_BYTES = 64 << 10  # item frames joined into one write, up to this many bytes
@@ -244,7 +245,7 @@ class Producers:
             return
         stream.task = None
         if stream.closed:
-            _close_now(result)
+            close_now(result)
         else:
             self._adopt(stream, result)
 
@@ -353,30 +354,39 @@ class Producers:
         # Pool thread: advance the generator ``count`` times (the credit reserved), pickling
         # each item here and handing it to the loop, in order. Stops early once closed, or
         # once the items made spent the ``budget`` of bytes (None: bytes not counted).
+        # The burst runs in the request's deadline once, not once per item: between two
+        # steps only the items are pickled.
+        with running_until(stream.deadline, stream.peer):
+            outcome = self._burst(stream, source, first, count, budget)
+        if outcome is not None:
+            self._pool.post(self._stepped, stream, outcome)
+            return
         post = self._pool.post
+        if stream.closed:  # here, not on the loop: this thread owns the generator now
+            close_now(source)
+            post(self._stepped, stream, _CLOSED)
+            return
+        post(self._stepped, stream, None)
+
+    def _burst(
+        self, stream: ProducerStream, source: Iterator[Any], first: int, count: int,
+        budget: int | None,
+    ) -> BaseException | None:  # fmt: skip
+        """``_steps``'s loop; the exception that ended the stream (StopIteration too)."""
+        post, write, encode = self._pool.post, self._write, self._encode
         spent = 0
         for seq in range(first, first + count):
             if stream.closed or (budget is not None and spent >= budget):
                 break
             try:
-                with running_until(stream.deadline, stream.peer):
-                    item = next(source)
+                item = next(source)
+                built = encode(stream, seq, item)
             except BaseException as exc:  # StopIteration too: the end
-                post(self._stepped, stream, exc)
-                return
-            try:
-                built = self._encode(stream, seq, item)
-            except BaseException as exc:
-                post(self._stepped, stream, exc)
-                return
+                return exc
             del item
             spent += built[4]
-            post(self._write, stream, *built)
-        if stream.closed:  # here, not on the loop: this thread owns the generator now
-            _close_now(source)
-            post(self._stepped, stream, _CLOSED)
-            return
-        post(self._stepped, stream, None)
+            post(write, stream, *built)
+        return None
 
     def _stepped(self, stream: ProducerStream, outcome: object) -> None:
         """A burst of steps ended (loop): go on, end, fail, or close the generator."""
@@ -409,7 +419,7 @@ class Producers:
     def _close_in_pool(self, stream: ProducerStream, source: Any) -> None:
         # Not on the loop: a generator's finally may block.
         try:
-            self._pool.submit(_close_now, source)
+            self._pool.submit(close_now, source)
         except Exception:  # the pool is shut down: its finally runs when it is collected
             _log.debug("could not close the stream of %s on the pool", stream.target)
 
@@ -432,8 +442,9 @@ class Producers:
         nbytes = _item_nbytes(payload, segments)
         headers = None if stream.fields is None else stream.fields()
         wait = None if stream.ready is None else stream.ready()
-        header = StreamItem(stream.stream_id, seq, nbytes, headers).to_fields()
-        pieces = encode_frame(header, payload, segments)
+        pieces = encode_frame(
+            item_fields(stream.stream_id, seq, nbytes, headers), payload, segments
+        )
         return pieces, keep, forks, wait, nbytes
 
     def _write(
@@ -482,7 +493,7 @@ class Producers:
                 stream.outbox = rest + stream.outbox
                 stream.held = self._loop.create_task(self._hold(stream, wait))
                 return
-            nbytes = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in pieces)
+            nbytes = frame_nbytes(pieces)
             if joined and size + nbytes > limit:
                 self._send(stream, joined, keeps, forks_joined)
                 joined, keeps, forks_joined, size = [], [], [], 0
@@ -594,40 +605,7 @@ def _item_nbytes(payload: Any, segments: list[Any]) -> int:
     """An item's cost in byte credit: its payload and tensor segments as sent, a segment
     placed in shared memory by the bytes it holds there (it skips the socket but holds the
     same memory until consumed, which is what the window bounds)."""
-    size = memoryview(payload).nbytes
+    size = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
     for view, tag in segments:
         size += segment_nbytes(view, tag)
     return size
-
-
-def _close_now(source: Any) -> None:
-    """Close a plain generator (runs its ``finally``); on the thread that may block."""
-    close = getattr(source, "close", None)
-    if close is None:
-        return
-    try:
-        close()
-    except Exception:
-        _log.exception("closing a streamed generator failed")
-
-
-def close_iterable(loop: Loop, items: Any) -> None:
-    """Close an iterable nobody will read (on the loop): an async one's ``aclose`` in a
-    task of the loop, a plain one's ``close`` on the pool (its ``finally`` may block)."""
-    if hasattr(items, "aclose"):
-        task = loop.aio.create_task(_aclose(items))
-        task.add_done_callback(_log_failure)
-    elif hasattr(items, "close"):
-        try:
-            loop.pool.submit(_close_now, items)
-        except Exception:  # the pool is shut down: its finally runs when it is collected
-            _log.debug("could not close an unread stream argument on the pool")
-
-
-async def _aclose(items: Any) -> None:
-    await items.aclose()
-
-
-def _log_failure(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        _log.error("closing an unread stream argument failed", exc_info=task.exception())
