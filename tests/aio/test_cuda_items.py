@@ -222,6 +222,40 @@ async def test_Producers_closed_while_an_item_is_held_drop_it_and_end_once() -> 
     host.pool.shutdown()
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+async def test_Producers_send_the_error_after_the_held_items_made_before_it(sync: bool) -> None:
+    gpu, transfer, pipeline = setup()
+    call = stream_call(pipeline)
+    policy = pipeline.item_policy(call)
+
+    def gen() -> Iterator[Any]:
+        yield FakeTensor(0, b"x", nbytes=1)
+        raise KeyError("after one item")
+
+    async def agen() -> Any:
+        for item in gen():
+            yield item
+
+    fn = gen if sync else agen
+    host = Host()
+    producers, conn = host.producers(), Conn(host.serializer)
+    producers.expect(conn, 2, 7, "gen")
+    producers.start(
+        2, 7, fn, fn, (), {}, lambda ok, v: None, partial(_dumps, host.serializer, policy),
+        None, pipeline.items_ready(call),
+    )  # fmt: skip
+    producers.on_credit(2, 7, 10)
+    await asyncio.sleep(0.05)
+    assert conn.outcome is None  # the error waits for the item held before it
+    gpu.run(transfer.out_stream(0))
+    async with asyncio.timeout(5):
+        await conn.done.wait()
+    assert conn.items == [[b"x", "cuda:1"]]
+    assert isinstance(conn.outcome, KeyError)
+    host.pool.shutdown()
+
+
 # -- the consumer: copied in per item, each reader ordered after its item ---------------------
 
 

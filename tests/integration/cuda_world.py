@@ -32,7 +32,7 @@ from asyncrpc.runtime.cuda.fake import FakeEvent, FakeStream, FakeWork
 from asyncrpc.runtime.cuda.maps import check_device_maps
 from asyncrpc.runtime.cuda.staging import StagedTransfer
 
-DELAYS = {0: 0.3, 1: 0.0}  # seconds a copy to the host takes on each device
+DELAYS = {0: 1.0, 1: 0.0}  # seconds a copy to the host takes on each device
 NBYTES = 64 << 10  # large enough to travel as a segment
 
 
