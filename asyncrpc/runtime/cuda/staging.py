@@ -45,7 +45,7 @@ from asyncrpc.runtime.cuda.gate import (
 )
 from asyncrpc.runtime.cuda.ipc import IpcLinks, is_ipc_tag
 from asyncrpc.runtime.cuda.items import ItemArrivals, ItemCopies
-from asyncrpc.runtime.cuda.maps import HostCopy, cuda_index
+from asyncrpc.runtime.cuda.maps import cuda_index
 from asyncrpc.runtime.cuda.parts import Part, frame_parts, split_frame
 from asyncrpc.runtime.cuda.pinned import PinnedPool
 
@@ -328,9 +328,6 @@ class StagedCopy(TensorPolicy):
         # (device, event) after each copy into a block for the peer (by handle): the
         # frame leaves once they completed, so the peer reads the blocks without a wait.
         self.shared: list[tuple[int, Event]] = []
-
-    def blocking(self) -> TensorPolicy:
-        return HostCopy(self.device_map)
 
     def frame_events(self) -> FrameEvents:
         return FrameEvents(tuple(self.events.items()) + tuple(self.shared))
