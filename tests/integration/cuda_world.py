@@ -1,7 +1,9 @@
 """A fake CUDA world for worker processes, and the stream functions run in it (test layer).
 
-Imported first in every process of the group (``--import tests.integration.cuda_world``,
-or by the scenario), it installs ``GPU``, ``FakeDevices`` that run without a GPU:
+``install()`` (called by the scenario before it joins; a worker imports
+``tests.integration.cuda_world_on`` first, which calls it) puts the process in a world of
+``GPU``, ``FakeDevices`` that run without a GPU. Importing this module changes nothing: the
+pytest process and the other scenarios import it (for its names) and keep the real world.
 
 - a "CUDA tensor" is a CPU tensor marked with ``fake_device``: the agent's transfer is a
   ``StagedTransfer`` over ``GPU``, and the serializer sends a marked tensor through the
@@ -120,9 +122,11 @@ def _check(name: str, maps: Any, devices: Any, count: int) -> None:
     check_device_maps(name, maps, devices, GPU.count)
 
 
-pickler.export_tensor = _export_marked  # type: ignore[assignment]
-feature.cuda_transfer = _transfer  # type: ignore[assignment]
-agent_module.check_device_maps = _check  # type: ignore[assignment]
+def install() -> None:
+    """Put this process in the fake CUDA world (before it joins a group)."""
+    pickler.export_tensor = _export_marked  # type: ignore[assignment]
+    feature.cuda_transfer = _transfer  # type: ignore[assignment]
+    agent_module.check_device_maps = _check  # type: ignore[assignment]
 
 
 # -- what the group runs ----------------------------------------------------------------------

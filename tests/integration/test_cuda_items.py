@@ -26,7 +26,7 @@ def _whole(values: list[int]) -> list[list[object]]:
 def observed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     log_dir = tmp_path_factory.mktemp("cuda_items")
     init = f"tcp://127.0.0.1:{free_port()}"
-    extra = ["--import", "tests.integration.cuda_world", "--shared-memory", "0"]
+    extra = ["--import", "tests.integration.cuda_world_on", "--shared-memory", "0"]
     worker = spawn_worker("w1", 1, 2, init, log_dir=log_dir, rpc_timeout=20.0,
                           shutdown_timeout=60.0, extra_args=extra)  # fmt: skip
     driver = scenarios.start("cuda_items", "--init-method", init)

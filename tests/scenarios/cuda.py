@@ -1,6 +1,6 @@
 """CUDA tensors in stream items between two processes in a fake CUDA world (test layer):
-rank 0 of {driver, w1}, both importing ``tests.integration.cuda_world``; w1 is started by
-the test."""
+rank 0 of {driver, w1}, both in the fake world of ``tests.integration.cuda_world``; w1 is
+started by the test."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ def _reading(stream: Any) -> tuple[list[Any], list[int]]:
 @scenario("cuda_items")
 def cuda_items(args: argparse.Namespace) -> int:
     """A server stream, a client stream and a bidirectional stream of fake CUDA tensors."""
+    cw.install()  # this process only: the other scenarios keep the real world
     _join(args)
     obs: Observations = {}
     obs["server"], obs["server_waits"] = _reading(asyncrpc.stream("w1", cw.items, N))
