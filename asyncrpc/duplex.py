@@ -22,6 +22,7 @@ from asyncrpc.errors import StreamArgError
 from asyncrpc.functions import inline
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
 from asyncrpc.runtime.calls.deadline import serving_peer
+from asyncrpc.runtime.calls.pipeline import stream_source
 from asyncrpc.runtime.calls.streams.bidi import Bidi
 from asyncrpc.runtime.calls.streams.hub import StreamHub
 from asyncrpc.runtime.calls.streams.sources import SendQueue
@@ -212,6 +213,7 @@ def _discarded(source_id: int) -> None:
     _STREAMS.get().sources.discard(source_id)
 
 
+@stream_source
 @inline
 def _source_items(source_id: int) -> Any:
     """Runs on the sender, as a stream's function: the iterable sent as ``source_id``

@@ -21,9 +21,12 @@ Each round starts a fresh pair of workers on 127.0.0.1 (this process, on uvloop 
 - the same with fresh 16 MiB tensors, the default item window (128) and a byte window of
   64 MiB: the bytes stop the producer at 4 items, where the items alone would allow 2 GiB.
 
-Medians over rounds. With ``--grpc-python`` (a Python with grpcio installed), the same
-small-item and 1 MiB rates of gRPC's server streaming and unary calls (``grpc.aio``, bytes
-messages, no protobuf) are measured by ``bench/grpc_stream.py`` under that Python.
+Each small-item row also gives the CPU time both processes spent on it, per item (per
+call for the calls): user + system time from ``/proc/PID/stat``, this process's and the
+server's, over the row, divided by its count. Medians over rounds. With ``--grpc-python``
+(a Python with grpcio installed), the same small-item and 1 MiB rates of gRPC's server
+streaming and unary calls (``grpc.aio``, bytes messages, no protobuf) are measured by
+``bench/grpc_stream.py`` under that Python.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -50,6 +54,32 @@ STALL_WINDOW = 8
 STALL_ITEM_MIB, STALL_WINDOW_MIB = 16, 64  # the byte-window row: 4 items of 16 MiB
 
 
+_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime
+
+
+class _Cpu:
+    """CPU seconds of this process and the server, between two readings."""
+
+    def __init__(self, server: int) -> None:
+        self._pids = (os.getpid(), server)
+        self._start = self._now()
+
+    def _now(self) -> float:
+        return sum(_cpu_s(pid) for pid in self._pids)
+
+    def us_per(self, count: int) -> float:
+        """CPU µs per item since this was made (or last asked)."""
+        now = self._now()
+        spent, self._start = now - self._start, now
+        return spent / count * 1e6
+
+
 def _rss_mib() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -57,29 +87,34 @@ def _rss_mib() -> float:
     return float("nan")
 
 
-async def _small(items: int, calls: int) -> dict[str, float]:
+async def _small(items: int, calls: int, server: int) -> dict[str, float]:
     for _ in range(200):  # warm-up: connection, code paths
         await asyncrpc.call("server", fns.noop)
+    cpu = _Cpu(server)
     started = time.perf_counter()
     for _ in range(calls):
         await asyncrpc.call("server", fns.noop)
     calls_per_s = calls / (time.perf_counter() - started)
+    out = {"calls_per_s": calls_per_s, "calls_cpu_us": cpu.us_per(calls)}
     started = time.perf_counter()
     count = 0
     async for _ in asyncrpc.stream("server", fns.stream_items, items):
         count += 1
-    items_per_s = count / (time.perf_counter() - started)
+    out["items_per_s"] = count / (time.perf_counter() - started)
+    out["items_cpu_us"] = cpu.us_per(items)
     assert count == items
     # The same stream read with `for` on another thread (a synchronous consumer).
     started = time.perf_counter()
     count = await asyncio.to_thread(
         lambda: sum(1 for _ in asyncrpc.stream("server", fns.stream_items, items))
     )
-    sync_per_s = count / (time.perf_counter() - started)
-    return {
-        "calls_per_s": calls_per_s, "items_per_s": items_per_s, "sync_items_per_s": sync_per_s,
-        "client_items_per_s": await _client_stream(items), "bidi_items_per_s": await _bidi(items),
-    }  # fmt: skip
+    out["sync_items_per_s"] = count / (time.perf_counter() - started)
+    out["sync_items_cpu_us"] = cpu.us_per(items)
+    out["client_items_per_s"] = await _client_stream(items)
+    out["client_items_cpu_us"] = cpu.us_per(items)
+    out["bidi_items_per_s"] = await _bidi(items)
+    out["bidi_items_cpu_us"] = cpu.us_per(items)
+    return out
 
 
 async def _client_stream(items: int) -> float:
@@ -145,10 +180,10 @@ async def _stalled(
     return {f"{key}_made": made, f"{key}_lent_mib": lent / (1 << 20), f"{key}_rss_mib": grown}
 
 
-async def _client(init: str, args: argparse.Namespace) -> dict[str, float]:
+async def _client(init: str, args: argparse.Namespace, server: int) -> dict[str, float]:
     options = asyncrpc.RpcBackendOptions(init_method=init, rpc_timeout=120.0)
     async with asyncrpc.worker("client", rank=0, world_size=2, rpc_backend_options=options):
-        out = await _small(args.items, args.calls)
+        out = await _small(args.items, args.calls, server)
         out.update(await _tensors(args.tensors))
         out.update(await _stalled("stall", MIB_FLOATS, window=STALL_WINDOW))
         out.update(
@@ -163,7 +198,7 @@ def measure(args: argparse.Namespace, log_dir: Path) -> dict[str, float]:
     init = f"tcp://127.0.0.1:{free_port()}"
     server = spawn_worker("server", 1, 2, init, log_dir=log_dir)
     try:
-        return uvloop.run(_client(init, args))
+        return uvloop.run(_client(init, args, server.pid))
     finally:
         stop_workers([server], timeout=30)
 
@@ -190,15 +225,18 @@ def main(argv: list[str] | None = None) -> int:
     def med(key: str) -> float:
         return statistics.median(r[key] for r in runs)
 
-    calls, items, sync_items = med("calls_per_s"), med("items_per_s"), med("sync_items_per_s")
+    calls = med("calls_per_s")
     echo, stream = med("echo_mb_per_s"), med("stream_mb_per_s")
-    print(f"asyncrpc, medians of {args.rounds} rounds")
-    print(f"  await call per item      {calls:12,.0f} calls/s")
-    print(f"  stream, async for        {items:12,.0f} items/s   {items / calls:6.1f}x")
-    print(f"  stream, for (a thread)   {sync_items:12,.0f} items/s   {sync_items / calls:6.1f}x")
-    client, bidi = med("client_items_per_s"), med("bidi_items_per_s")
-    print(f"  stream_arg, async for    {client:12,.0f} items/s   {client / calls:6.1f}x")
-    print(f"  bidi echo, send + read   {bidi:12,.0f} items/s   {bidi / calls:6.1f}x")
+    print(f"asyncrpc, medians of {args.rounds} rounds (CPU: both processes, per item)")
+    print(f"  await call per item      {calls:12,.0f} calls/s {'':9} {med('calls_cpu_us'):7.1f} µs")
+    rows = (
+        ("stream, async for", "items"), ("stream, for (a thread)", "sync_items"),
+        ("stream_arg, async for", "client_items"), ("bidi echo, send + read", "bidi_items"),
+    )  # fmt: skip
+    for label, key in rows:
+        rate = med(f"{key}_per_s")
+        cpu = med(f"{key}_cpu_us")
+        print(f"  {label:<24} {rate:12,.0f} items/s   {rate / calls:6.1f}x {cpu:7.1f} µs")
     # On a loaded machine the rates of a round move together: the ratio of each round
     # (a stream and the calls it is compared with, measured one after the other) is the
     # steadier figure.

@@ -237,14 +237,6 @@ def test_segments_bound_for_a_gpu_land_in_host_buffers_of_the_seam() -> None:
     assert bytes(owner[:3].tolist()) == b"abc"  # the view writes the owner's memory
 
 
-def test_frames_with_no_ready_stage_get_a_policy_that_leaves_nothing_to_wait_for() -> None:
-    policy = staged(FakeDevices()).policy(MAP)
-    blocking = policy.blocking()
-    assert isinstance(blocking, HostCopy)
-    assert blocking.device_map == MAP
-    assert HostCopy(MAP).blocking().device_map == MAP
-
-
 # -- a remote() value kept by its owner --------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from tests.scenarios import (  # noqa: F401 (imported to register their scenarios)
     auth,
     autograd,
+    cuda,
     ddp,
     duplex,
     dynamic,

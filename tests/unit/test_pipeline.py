@@ -16,6 +16,7 @@ from asyncrpc.runtime.calls.pipeline import (
     CallKind,
     CallTensors,
     IncomingCall,
+    ItemsIn,
     OutgoingCall,
     Pipeline,
 )
@@ -190,6 +191,45 @@ class ItemFields(CallHook):
         self, call: OutgoingCall, headers: dict[str, Any], grads: list[torch.Tensor]
     ) -> None:
         self.log.append((self.key, headers, len(grads)))
+
+
+class Holds(CallHook):
+    """Holds each stream item on ``wait`` (None: its items never wait), and gives the
+    items it consumes ``policy``."""
+
+    def __init__(self, wait: Any, policy: ItemsIn | None = None) -> None:
+        self.wait, self.policy = wait, policy
+
+    def items_ready(self, call: IncomingCall) -> Any:
+        return None if self.wait is None else (lambda: self.wait)
+
+    def items_in(self, peer: int) -> ItemsIn | None:
+        return self.policy
+
+
+def test_Pipeline_items_ready_is_asked_once_per_stream_and_combines_the_hooks() -> None:
+    served = incoming_call()
+    assert Pipeline([Holds(None), OnlyCompleted([])]).items_ready(served) is None
+    one = Holds("w")
+    ready = Pipeline([Holds(None), one]).items_ready(served)
+    assert ready is not None
+    assert ready() == "w"  # one hook's callable: nothing in between per item
+    log: list[str] = []
+
+    async def wait(name: str) -> None:
+        log.append(name)
+
+    both = Pipeline([Holds(wait("a")), Holds(wait("b"))]).items_ready(served)
+    assert both is not None
+    asyncio.run(both())  # type: ignore[arg-type]
+    assert log == ["a", "b"]  # in the hooks' order
+
+
+def test_Pipeline_items_in_is_the_first_hooks_policy() -> None:
+    first, second = ItemsIn(), ItemsIn()
+    assert Pipeline([Holds(None), Holds(None)]).items_in(3) is None
+    assert Pipeline([Holds(None, first), Holds(None, second)]).items_in(3) is first
+    assert first.take() is None  # the base reads items as they are
 
 
 def test_Pipeline_item_fields_merge_the_hooks_fields_or_give_none() -> None:

@@ -20,7 +20,9 @@ from asyncrpc.protocol.wire.stream import (
     StreamEnd,
     StreamError,
     StreamItem,
+    decode_item,
     decode_stream_message,
+    item_fields,
 )
 
 MESSAGES = [
@@ -82,6 +84,16 @@ def test_decode_stream_message_roundtrips_through_the_frame_decoder(chunk: int |
 def test_decode_stream_message_rejects_malformed_headers(fields: list[Any]) -> None:
     with pytest.raises(RemoteProtocolError):
         decode_stream_message(fields)
+    if fields[:1] == [Kind.STREAM_ITEM]:  # the consumer's path for items checks the same
+        with pytest.raises(RemoteProtocolError):
+            decode_item(fields)
+
+
+@pytest.mark.parametrize("item", [m for m in MESSAGES if isinstance(m, StreamItem)], ids=repr)
+def test_item_fields_and_decode_item_agree_with_StreamItem(item: StreamItem) -> None:
+    fields = item_fields(item.stream_id, item.seq, item.nbytes, item.headers)
+    assert fields == item.to_fields()
+    assert StreamItem(*decode_item(fields)) == item
 
 
 def test_decode_message_leaves_stream_kinds_to_the_stream_module() -> None:

@@ -29,6 +29,7 @@ from asyncrpc.errors import LocalProtocolError, RemoteProtocolError
 from asyncrpc.protocol.wire.messages import Kind, optional_headers
 
 __all__ = [
+    "ITEM_KIND",
     "STREAM_KINDS",
     "ConsumerFlow",
     "ProducerFlow",
@@ -38,8 +39,12 @@ __all__ = [
     "StreamError",
     "StreamItem",
     "StreamMessage",
+    "decode_item",
     "decode_stream_message",
+    "item_fields",
 ]
+
+ITEM_KIND = int(Kind.STREAM_ITEM)  # a plain int: compared once per received frame
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,10 +64,38 @@ class StreamItem:
     headers: dict[str, Any] | None = None
 
     def to_fields(self) -> list[Any]:
-        fields: list[Any] = [Kind.STREAM_ITEM, self.stream_id, self.seq, self.nbytes]
-        if self.headers:
-            fields.append(self.headers)
-        return fields
+        return item_fields(self.stream_id, self.seq, self.nbytes, self.headers)
+
+
+def item_fields(
+    stream_id: int, seq: int, nbytes: int, headers: dict[str, Any] | None = None
+) -> list[Any]:
+    """The header array of a ``StreamItem``, without making one: the producer's path for
+    every item (a frozen dataclass costs more to build than the frame it describes)."""
+    fields: list[Any] = [ITEM_KIND, stream_id, seq, nbytes]
+    if headers:
+        fields.append(headers)
+    return fields
+
+
+def decode_item(fields: list[Any]) -> tuple[int, int, int, dict[str, Any] | None]:
+    """The stream id, number, size and header fields of a ``StreamItem`` header array,
+    checked as ``decode_stream_message`` checks them, without making the message: the
+    consumer's path for every item.
+
+    Raises:
+        RemoteProtocolError: the array is not a valid item header.
+    """
+    try:
+        stream_id, seq, nbytes = fields[1], fields[2], fields[3]
+        # bool is an int subclass, and a peer sending True for a count is broken.
+        if not (type(stream_id) is type(seq) is type(nbytes) is int):
+            raise TypeError("expected ints")
+        if stream_id < 0 or seq < 0 or nbytes < 0:
+            raise ValueError("expected non-negative ints")
+        return stream_id, seq, nbytes, optional_headers(fields, 4)
+    except (IndexError, TypeError, ValueError) as exc:
+        raise RemoteProtocolError(f"malformed stream header: {fields!r:.200}") from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,10 +186,7 @@ def decode_stream_message(fields: list[Any]) -> StreamMessage:
     kind = fields[0] if fields else None
     try:
         if kind == Kind.STREAM_ITEM:
-            return StreamItem(
-                _count(fields[1]), _count(fields[2]), _count(fields[3]),
-                optional_headers(fields, 4),
-            )  # fmt: skip
+            return StreamItem(*decode_item(fields))
         if kind == Kind.STREAM_CREDIT:
             count = _count(fields[2])
             if count == 0:

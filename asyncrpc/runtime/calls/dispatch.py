@@ -33,7 +33,7 @@ from asyncrpc.protocol.wire import body_nbytes, encode_frame
 from asyncrpc.protocol.wire.messages import ACK_WANTED, CallMode, ErrorReply, Reply, Request
 from asyncrpc.runtime.calls.builtins import checked_op, is_torch_c_function, runs_on_loop
 from asyncrpc.runtime.calls.deadline import expired, running_until
-from asyncrpc.runtime.calls.pipeline import IncomingCall, Pipeline
+from asyncrpc.runtime.calls.pipeline import IncomingCall, Pipeline, is_stream_source
 from asyncrpc.runtime.calls.served import (
     CANCEL_GRACE_S,
     Caller,
@@ -168,17 +168,7 @@ class Dispatcher:
                 return
         request = served.request
         if request.mode == CallMode.STREAM:  # a generator, driven by calls/streams/producer.py
-            replying = partial(self._replying, served)
-            # The items' tensor policy is the hooks' to say (the pipeline's stream_items).
-            incoming = served.incoming
-            policy = None if incoming is None else self._pipeline.item_policy(incoming)
-            dumps = partial(self._serializer.dumps, context=served.peer, policy=policy)
-            fields = None  # the hooks' fields for each item (distributed autograd's)
-            if incoming is not None and self._pipeline.overriding("item_sent"):
-                fields = partial(self._item_fields, incoming, policy)
-            self._producers.start(
-                served.peer, request.call_id, fn, run, args, kwargs, replying, dumps, fields
-            )
+            self._start_stream(served, fn, run, args, kwargs)
             return
         if is_coroutine_function(fn):
             self._counters.calls_on_loop += 1
@@ -197,6 +187,34 @@ class Dispatcher:
             job.refused = partial(self._refused, served)
             self._run_as(served, job)
             served.bound = not served.remote
+
+    def _start_stream(
+        self, served: ServedRequest, fn: Any, run: Callable[..., Any], args: Any, kwargs: Any
+    ) -> None:
+        """Start a streaming call's function, its items pickled as the hooks say."""
+        pipeline, incoming, fielded = self._pipeline, served.incoming, True
+        if incoming is None and is_stream_source(fn) and pipeline.overriding("stream_items"):
+            # A stream argument this worker sent, read by the peer: its items are this
+            # worker's own, so the hooks choose their policy even with no header field
+            # (but no hook has state for it: no item fields, as without the pipeline).
+            self._receiving(served, 0)
+            incoming, fielded = served.incoming, False
+        if incoming is not None:
+            incoming.own_items = is_stream_source(fn)
+        # The items' tensor policy is the hooks' to say (the pipeline's stream_items).
+        policy = ready = None
+        if incoming is not None:
+            policy = pipeline.item_policy(incoming)
+            ready = pipeline.items_ready(incoming)  # CUDA copies still running, per item
+        dumps = partial(self._serializer.dumps, context=served.peer, policy=policy)
+        fields = None  # the hooks' fields for each item (distributed autograd's)
+        if incoming is not None and fielded and pipeline.overriding("item_sent"):
+            fields = partial(self._item_fields, incoming, policy)
+        replying = partial(self._replying, served)
+        self._producers.start(
+            served.peer, served.request.call_id, fn, run, args, kwargs, replying, dumps,
+            fields, ready,
+        )  # fmt: skip
 
     def _run_as(self, served: ServedRequest, runner: Runner) -> None:
         served.runner = runner

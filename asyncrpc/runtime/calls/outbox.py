@@ -114,6 +114,11 @@ class Outbox:
 
     # -- the group's members, as the Calls port answers about them --------------------------
 
+    @property
+    def pipeline(self) -> Pipeline:
+        """The call pipeline its calls go through (a stream's consumer asks it too)."""
+        return self._pipeline
+
     def resolve(self, to: Any) -> int:
         """The rank of ``to`` (a name, rank or ``WorkerInfo``).
 

@@ -34,14 +34,22 @@ On the callee, for each request that carries header fields (or every request whi
      and may add reply header fields;
   8. ``reply_ready(call)`` on the loop, before the reply is written, like ``ready``;
   9. ``stream_items(call, policy)`` on the loop, for a streaming call, before its function
-     starts: the tensor policy of its items (each item's frame leaves as soon as it is
-     built, with no ready stage), given the policy the hooks before it chose.
+     starts: the tensor policy of its items, given the policy the hooks before it chose
+     (``call.own_items``: the stream is a stream argument this worker sent, its items
+     this worker's own, as a request's arguments are); then ``items_ready(call)``: what
+     to call after each item is pickled, on that thread, for what the item's frame waits
+     for before it is written (GPU copies of its tensors; None: nothing), or None when its
+     items never wait. Items leave in order: those behind a held item wait for it;
  10. ``item_sent(call, grads)`` on the thread that pickles each item of a streaming call
      (the loop, or the pool thread advancing a plain generator), after it is pickled with
      that policy: ``grads`` are its tensors requiring grad when the policy tracks them
      (``TrackGrads``); the hook may return header fields for the item's frame.
 On the caller again, for a stream it consumes:
- 11. ``item_received(call, headers, grads)`` on the loop, for each item whose frame carries
+ 11. ``items_in(peer)`` on the loop, as a stream from ``peer`` opens (every hook that
+     overrides it, active or not: receiving needs no configuration): the policy its
+     items are unpickled with; where it has a ``take()``, each item's reader calls what
+     ``take`` returned after unpickling it, on its own thread, before it gets the item.
+ 12. ``item_received(call, headers, grads)`` on the loop, for each item whose frame carries
      header fields, after it is unpickled (its tensors requiring grad tracked): the hook
      sees the fields and ``grads``.
 Tracked requiring-grad tensors always travel as segments, so both sides list them in the
@@ -55,7 +63,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from asyncrpc.functions import is_coroutine_function
 from asyncrpc.protocol.serde.policy import DEFAULT, TensorPolicy
@@ -70,13 +78,20 @@ __all__ = [
     "CallKind",
     "CallTensors",
     "IncomingCall",
+    "ItemReady",
+    "ItemsIn",
     "OutgoingCall",
     "Pipeline",
     "Wrapper",
+    "is_stream_source",
+    "stream_source",
 ]
 
 _log = logging.getLogger(__name__)
 
+
+# Called after each item of a stream is pickled: what its frame waits for (None: nothing).
+ItemReady = Callable[[], Awaitable[None] | None]
 
 # Takes the function to run and returns the function to run instead (same calling
 # convention: a coroutine function's wrapper returns an awaitable).
@@ -85,8 +100,25 @@ Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
 # The stages a hook may override, in the order a call meets them.
 STAGES = (
     "active", "serves_all", "prepare", "outgoing", "ready", "completed", "receiving",
-    "incoming", "replying", "reply_ready", "stream_items", "item_sent", "item_received",
+    "incoming", "replying", "reply_ready", "stream_items", "items_ready", "item_sent",
+    "items_in", "item_received",
 )  # fmt: skip
+
+
+_SOURCE_MARK = "_asyncrpc_stream_source"
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def stream_source(fn: _F) -> _F:
+    """Mark ``fn`` as the function a peer calls to read a stream argument this worker
+    sent: the stream's items are this worker's own (``IncomingCall.own_items``)."""
+    setattr(fn, _SOURCE_MARK, True)
+    return fn
+
+
+def is_stream_source(fn: Any) -> bool:
+    """Whether ``fn`` is marked ``stream_source``."""
+    return bool(getattr(fn, _SOURCE_MARK, False))
 
 
 class CallTensors(TensorPolicy):
@@ -130,6 +162,18 @@ class CallTensors(TensorPolicy):
             self.grads.append(tensor)
 
 
+class ItemsIn(TensorPolicy):
+    """The tensor policy of the items of one stream this worker consumes (``items_in``):
+    one object for all of them, unpickled one after another on the loop."""
+
+    __slots__ = ()
+
+    def take(self) -> Callable[[], None] | None:
+        """What the thread that reads the item just unpickled calls before it gets it (None:
+        nothing); the next item starts afresh."""
+        return None
+
+
 class _Call:
     """What both sides' calls share: the tensor policies of the message and its reply."""
 
@@ -138,8 +182,8 @@ class _Call:
     def __init__(self) -> None:
         self.policy = CallTensors()
         self.reply_policy = CallTensors()
-        # Per-hook state between stages, keyed by the hook.
-        self.state: dict[CallHook, Any] = {}
+        # Per-hook state between stages, keyed by the hook (or an object it owns).
+        self.state: dict[object, Any] = {}
 
     def track_grads(self) -> None:
         """Send and list tensors requiring grad, in the request and in its reply."""
@@ -200,7 +244,8 @@ class IncomingCall(_Call):
 
     __slots__ = (
         "args", "call_id", "callee", "caller", "caller_rank", "coroutine", "fn", "headers",
-        "kwargs", "nbytes", "remote", "reply_headers", "reply_nbytes", "target", "wrappers",
+        "kwargs", "nbytes", "own_items", "remote", "reply_headers", "reply_nbytes", "target",
+        "wrappers",
     )  # fmt: skip
 
     def __init__(
@@ -214,6 +259,9 @@ class IncomingCall(_Call):
         self.call_id = call_id
         self.target = target
         self.remote = remote  # a remote() request: the value stays here
+        # A stream that reads a stream argument this worker sent: its items are this
+        # worker's own, sent as the arguments of the request that carried it were.
+        self.own_items = False
         self.headers = headers
         self.nbytes = nbytes  # the request frame's size on the wire (0: not known)
         # The reply's size, known before ``replying``: its payload and tensor segments, and
@@ -300,14 +348,25 @@ class CallHook:
 
     def stream_items(self, call: IncomingCall, policy: TensorPolicy | None) -> TensorPolicy | None:
         """The tensor policy of a streaming call's items, given ``policy``, what the hooks
-        before this one chose (None: the defaults). Each item's frame is written as soon
-        as it is built: there is no ready stage to hold it (agent's loop)."""
+        before this one chose (None: the defaults); ``items_ready`` may then hold each
+        item's frame (agent's loop)."""
         return policy
 
     def item_sent(self, call: IncomingCall, grads: list[torch.Tensor]) -> dict[str, Any] | None:
         """An item of a streaming call was pickled (the thread that pickles it): ``grads``
         are its tensors requiring grad, if its policy tracks them. Returns header fields
         for the item's frame (None: none)."""
+        return None
+
+    def items_ready(self, call: IncomingCall) -> ItemReady | None:
+        """What to call after each item of a streaming call is pickled (on that thread):
+        it returns what the item's frame waits for, awaited on the loop (None: nothing).
+        None: its items never wait (agent's loop, once per stream)."""
+        return None
+
+    def items_in(self, peer: int) -> ItemsIn | None:
+        """The tensor policy of the items of a stream this worker opens from ``peer``
+        (agent's loop); None: the defaults."""
         return None
 
     def item_received(
@@ -481,6 +540,22 @@ class Pipeline:
             if more:
                 fields = more if fields is None else {**fields, **more}
         return fields
+
+    def items_ready(self, call: IncomingCall) -> ItemReady | None:
+        """What each item of a streaming call waits for (see ``CallHook.items_ready``): the
+        one hook's that gives one, called as is (nothing per item for the others)."""
+        ready = [r for r in (h.items_ready(call) for h in self._by_stage["items_ready"]) if r]
+        if len(ready) > 1:
+            return lambda: _all_of([wait() for wait in ready])
+        return ready[0] if ready else None
+
+    def items_in(self, peer: int) -> ItemsIn | None:
+        """The policy of a consumed stream's items: the first hook's that gives one."""
+        for hook in self._by_stage["items_in"]:
+            policy = hook.items_in(peer)
+            if policy is not None:
+                return policy
+        return None
 
     @staticmethod
     def item_received(

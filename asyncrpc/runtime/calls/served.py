@@ -14,7 +14,7 @@ import asyncio
 import concurrent.futures
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from asyncrpc.errors import AsyncExecutionError, FunctionNotFoundError, SerializationError
@@ -87,6 +87,7 @@ class Producers(Protocol):
         self, peer: int, stream_id: int, fn: Any, run: Callable[..., Any], args: Any,
         kwargs: Any, replying: Callable[[bool, Any], dict[str, Any] | None],
         dumps: Callable[[Any], Any], fields: Callable[[], dict[str, Any] | None] | None = None,
+        ready: Callable[[], Awaitable[None] | None] | None = None,
     ) -> None: ...  # fmt: skip
 
 

@@ -5,7 +5,8 @@
 streams after it; ``staging`` moves tensors through pinned memory on side streams (in
 chunks, into ``pinned``'s bounded pool), its frames held in the call pipeline's ready
 stages by the gate; ``parts`` cuts a staged frame into parts ready chunk by chunk;
-``maps`` is the device-map hook that gives each call its transfer policy; ``pool`` leases
+``maps`` is the device-map hook that gives each call its transfer policy (and ``items``
+each stream's items theirs, one message per item); ``pool`` leases
 streams and ``callee`` runs each request's function on leased pool streams made to wait
 for its data.
 """

@@ -18,14 +18,20 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
 from asyncrpc.errors import InitError, SerializationError
 from asyncrpc.protocol.serde.policy import TensorPolicy
 from asyncrpc.protocol.wire import Allocator
-from asyncrpc.runtime.calls.pipeline import CallHook, IncomingCall, OutgoingCall
+from asyncrpc.runtime.calls.pipeline import (
+    CallHook,
+    IncomingCall,
+    ItemReady,
+    ItemsIn,
+    OutgoingCall,
+)
 from asyncrpc.runtime.cuda.callee import RequestStreams
 from asyncrpc.runtime.cuda.devices import CudaStream
 from asyncrpc.runtime.cuda.ipc import FIELD as IPC_FIELD
@@ -41,6 +47,7 @@ __all__ = [
 ]
 
 FIELD = "dm"  # the header field this hook owns: the reply's map, "cuda:i" -> "cuda:j"
+_ITEMS = object()  # the key of a stream's item policy in its call's state
 
 
 class DeviceMapError(InitError, ValueError):
@@ -142,6 +149,16 @@ class Transfer(Protocol):
         """The wire's allocator of receive memory, given the one for host segments."""
         ...
 
+    def items_out(self, device_map: Mapping[str, str]) -> TensorPolicy:
+        """The policy of the items of one stream sent under ``device_map``; where it has a
+        ``take`` method, each item's frame waits for what ``take`` returns after it."""
+        ...
+
+    def items_in(self, peer: int) -> ItemsIn | None:
+        """The policy of the items of one stream received from ``peer`` (None: the
+        defaults)."""
+        ...
+
     def remember(self, value: Any, streams: list[CudaStream]) -> None:
         """A value kept here (a remote() result) was made on ``streams``: sending it later
         waits for that work."""
@@ -197,6 +214,12 @@ class HostTransfer:
 
     def allocator(self, plain: Allocator) -> Allocator:
         return plain  # every segment lands in host memory; the policy copies it over
+
+    def items_out(self, device_map: Mapping[str, str]) -> TensorPolicy:
+        return HostCopy(device_map)  # each item's copy is done once it is pickled
+
+    def items_in(self, peer: int) -> ItemsIn | None:
+        return None  # the default copies each segment to its device on the spot
 
     def remember(self, value: Any, streams: list[CudaStream]) -> None:
         pass  # the host copy waits for the sending thread's streams on the spot
@@ -291,10 +314,26 @@ class DeviceMapHook(CallHook):
         return ready if streams is None else streams.leave(ready)
 
     def stream_items(self, call: IncomingCall, policy: TensorPolicy | None) -> TensorPolicy | None:
-        # Items are pickled as replies are, with the reply's device map, but each frame
-        # leaves as soon as it is built: CUDA tensors take the transfer that waits on the
-        # spot.
-        return call.reply_policy.devices.blocking()
+        # A callee's items follow the reply's map, as its reply would; a stream argument's
+        # items (this worker's, read by the peer) follow this worker's own map to that
+        # peer, as the request that carried it did.
+        if call.own_items:
+            device_map: Mapping[str, str] | None = self._maps.get(call.caller)
+        else:
+            device_map = getattr(call.reply_policy.devices, "device_map", None)
+        if not device_map:
+            return policy  # nothing mapped: a CUDA tensor is refused, naming its device
+        items = self.transfer.items_out(device_map)
+        take = getattr(items, "take", None)  # a staged one: each item's frame is held
+        if take is not None:
+            call.state[_ITEMS] = take
+        return items
+
+    def items_ready(self, call: IncomingCall) -> ItemReady | None:
+        return cast("ItemReady | None", call.state.get(_ITEMS))
+
+    def items_in(self, peer: int) -> ItemsIn | None:
+        return self.transfer.items_in(peer)
 
     def debug_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"device_maps": {c: dict(m) for c, m in self._maps.items()}}

@@ -44,7 +44,8 @@ from asyncrpc.runtime.cuda.gate import (
     order_after,
 )
 from asyncrpc.runtime.cuda.ipc import IpcLinks, is_ipc_tag
-from asyncrpc.runtime.cuda.maps import HostCopy, cuda_index
+from asyncrpc.runtime.cuda.items import ItemArrivals, ItemCopies
+from asyncrpc.runtime.cuda.maps import cuda_index
 from asyncrpc.runtime.cuda.parts import Part, frame_parts, split_frame
 from asyncrpc.runtime.cuda.pinned import PinnedPool
 
@@ -129,6 +130,14 @@ class StagedTransfer:
 
     def policy(self, device_map: Mapping[str, str], peer: int | None = None) -> StagedCopy:
         return StagedCopy(self, device_map, peer)
+
+    def items_out(self, device_map: Mapping[str, str]) -> ItemCopies:
+        """The policy of one stream's items sent under ``device_map`` (``items.py``)."""
+        return ItemCopies(self, device_map)
+
+    def items_in(self, peer: int) -> ItemArrivals:
+        """The policy of one stream's items received from ``peer`` (``items.py``)."""
+        return ItemArrivals(self, peer)
 
     def field_out(self, peer: int) -> Any:
         """The IPC header field for the next message to ``peer`` (None: nothing)."""
@@ -319,9 +328,6 @@ class StagedCopy(TensorPolicy):
         # (device, event) after each copy into a block for the peer (by handle): the
         # frame leaves once they completed, so the peer reads the blocks without a wait.
         self.shared: list[tuple[int, Event]] = []
-
-    def blocking(self) -> TensorPolicy:
-        return HostCopy(self.device_map)
 
     def frame_events(self) -> FrameEvents:
         return FrameEvents(tuple(self.events.items()) + tuple(self.shared))

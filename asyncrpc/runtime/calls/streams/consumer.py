@@ -19,13 +19,29 @@ from typing import Any, Protocol
 
 from asyncrpc.errors import RpcTimeoutError
 from asyncrpc.protocol.wire.stream import ConsumerFlow
+from asyncrpc.runtime.calls.pipeline import ItemsIn
 from asyncrpc.runtime.futures import Future, try_set_exception, try_set_result
 
-__all__ = ["ConsumerHub", "ConsumerStream", "Waiter"]
+__all__ = ["Arrived", "ConsumerHub", "ConsumerStream", "Waiter"]
 
 # What a fetch settles: an asyncrpc Future (a consumer on another thread or loop) or an
 # asyncio future of the agent's loop. Its value: a list of items, empty at the end.
 Waiter = Future[list[Any]] | asyncio.Future[list[Any]]
+
+
+class Arrived:
+    """An item whose reader must call ``first`` on its own thread before it gets the
+    value (CUDA: its current streams wait for the item's copies to the device)."""
+
+    __slots__ = ("first", "value")
+
+    def __init__(self, value: Any, first: Callable[[], None]) -> None:
+        self.value, self.first = value, first
+
+    def take(self) -> Any:
+        """The value, once ``first`` ran (call it on the thread that reads the item)."""
+        self.first()
+        return self.value
 
 
 class ConsumerHub(Protocol):
@@ -43,8 +59,8 @@ class ConsumerStream:
 
     __slots__ = (
         "_handing", "_hub", "_loop", "_outcome", "_timer", "_waiter", "closed", "ended", "failure",
-        "flow",
-        "items", "on_end", "peer", "peer_name", "serving", "stream_id", "target", "timeout",
+        "flow", "items", "items_in", "on_end", "peer", "peer_name", "serving", "stream_id",
+        "target", "timeout",
     )  # fmt: skip
 
     def __init__(
@@ -73,6 +89,8 @@ class ConsumerStream:
         # Told once when the stream is over, however it ends (a bidirectional stream's
         # sender stops then).
         self.on_end: Callable[[], None] | None = None
+        # The hooks' policy of its items (set as it opens; None: the defaults).
+        self.items_in: ItemsIn | None = None
 
     # -- from the hub ------------------------------------------------------------------------
 

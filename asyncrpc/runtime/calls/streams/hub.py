@@ -21,21 +21,23 @@ from asyncrpc.errors import ClosedError, PeerLostError, RemoteProtocolError
 from asyncrpc.protocol.address import PeerAddress
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
 from asyncrpc.protocol.serde import Serializer, unpack_exception
-from asyncrpc.protocol.serde.policy import DEFAULT, TrackGrads
+from asyncrpc.protocol.serde.policy import DEFAULT, TensorPolicy, TrackGrads
 from asyncrpc.protocol.wire import Frame, encode_frame
 from asyncrpc.protocol.wire.messages import CallMode
 from asyncrpc.protocol.wire.stream import (
+    ITEM_KIND,
     STREAM_KINDS,
     StreamClose,
     StreamCredit,
     StreamEnd,
-    StreamItem,
+    decode_item,
     decode_stream_message,
 )
 from asyncrpc.runtime.calls.outbox import EncodedRequest, Outbox
 from asyncrpc.runtime.calls.pipeline import CallKind, Pipeline
-from asyncrpc.runtime.calls.streams.consumer import ConsumerStream
-from asyncrpc.runtime.calls.streams.producer import Producers, close_iterable
+from asyncrpc.runtime.calls.streams.closing import close_iterable
+from asyncrpc.runtime.calls.streams.consumer import Arrived, ConsumerStream
+from asyncrpc.runtime.calls.streams.producer import Producers
 from asyncrpc.runtime.calls.streams.sources import Sources
 from asyncrpc.runtime.calls.streams.stream import Stream
 from asyncrpc.runtime.feature import Feature
@@ -140,6 +142,9 @@ class StreamHub(Feature):
             loop.aio, stream_id, rank, name, target, item_timeout, window, self, window_bytes
         )
         consumer.serving = serving
+        # The hooks' policy of its items (CUDA: copied in on side streams, each reader
+        # ordered after its item's copies); None: the defaults.
+        consumer.items_in = self._outbox.pipeline.items_in(rank)
         # The stream's outcome; the waiter is an asyncio future: only the loop touches it.
         ended: asyncio.Future[Any] = loop.aio.create_future()
         ended.add_done_callback(lambda done: self._ended(consumer, done))
@@ -198,43 +203,55 @@ class StreamHub(Feature):
         Raises:
             RemoteProtocolError: the frame is malformed (the agent aborts the connection).
         """
-        message = decode_stream_message(frame.fields)
+        fields = frame.fields
+        if fields and fields[0] == ITEM_KIND:  # most frames: no message object made
+            self._on_item(conn.peer, decode_item(fields), frame)
+            return
+        message = decode_stream_message(fields)
         peer = conn.peer
-        if isinstance(message, StreamItem):
-            self._on_item(peer, message, frame)
-        elif isinstance(message, StreamCredit):
+        if isinstance(message, StreamCredit):
             self.producers.on_credit(peer, message.stream_id, message.count, message.nbytes)
         elif isinstance(message, StreamClose):
             self.producers.on_close(peer, message.stream_id)
         else:
             self._on_outcome(peer, message, frame)
 
-    def _on_item(self, peer: int, message: StreamItem, frame: Frame) -> None:
-        stream = self._consumers.get(message.stream_id)
+    def _on_item(
+        self, peer: int, item: tuple[int, int, int, dict[str, Any] | None], frame: Frame
+    ) -> None:
+        stream_id, seq, nbytes, headers = item
+        stream = self._consumers.get(stream_id)
         if stream is None or stream.peer != peer:
             return  # closed meanwhile: the producer stops at our close
         try:
-            stream.flow.check(message.seq, message.nbytes)
+            stream.flow.check(seq, nbytes)
         except RemoteProtocolError as exc:
             self._counters.protocol_errors += 1
             self.close_stream(stream, exc)
             return
-        headers, observed, policy = message.headers, None, None
+        observed, items_in = None, stream.items_in
+        policy: TensorPolicy | None = items_in
+        grads: TrackGrads | None = None
         if headers:  # the hooks' fields: the stream's call, its hooks, its items' grads
-            call = self._outbox.pending.get(stream.stream_id)
+            call = self._outbox.pending.get(stream_id)
             observed = None if call is None else call.request.observed
-            policy = None if observed is None else TrackGrads(DEFAULT)
+            if observed is not None:
+                policy = grads = TrackGrads(items_in or DEFAULT)
         try:
             value = self._serializer.loads(
                 frame.payload, frame.segments, context=peer, policy=policy
             )
-            if observed is not None and headers and policy is not None:
-                Pipeline.item_received(*observed, headers, policy.take())
+            if observed is not None and headers and grads is not None:
+                Pipeline.item_received(*observed, headers, grads.take())
         except Exception as exc:
             self.close_stream(stream, exc)
             return
         self.items_received += 1
-        stream.on_item(message.seq, value)
+        if items_in is not None:
+            first = items_in.take()
+            if first is not None:  # its reader's streams wait for its copies first
+                value = Arrived(value, first)
+        stream.on_item(seq, value)
 
     def _on_outcome(self, peer: int, message: Any, frame: Frame) -> None:
         stream = self._consumers.get(message.stream_id)

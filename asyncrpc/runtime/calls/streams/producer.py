@@ -9,6 +9,11 @@ credit has been reserved for the item it yields (``ProducerFlow``), so a stalled
 stops the producer within ``window`` items, or once the bytes of the items it made reach
 the consumer's byte window.
 
+An item whose frame must wait (the call pipeline's ``items_ready``: the GPU copies of its
+CUDA tensors) is held in the stream's outbox, with the items behind it, by one task per
+stream that awaits it on the loop (``_hold``): items leave in order, and the stream's end
+or error follows the items made before it.
+
 Every stream ends exactly once, through ``_end`` (generator exhausted), ``_fail`` (it
 raised, or an item could not be pickled) or ``close`` (the consumer closed it, its
 connection or peer is gone, or this worker shuts down); each removes it from the table and
@@ -23,19 +28,20 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 from asyncrpc.errors import FrameTooLargeError, RpcTimeoutError, SerializationError
 from asyncrpc.functions import is_coroutine_function, is_inline
 from asyncrpc.protocol.serde import pack_exception
-from asyncrpc.protocol.wire import encode_frame
-from asyncrpc.protocol.wire.stream import ProducerFlow, StreamEnd, StreamError, StreamItem
+from asyncrpc.protocol.wire import encode_frame, frame_nbytes
+from asyncrpc.protocol.wire.stream import ProducerFlow, StreamEnd, StreamError, item_fields
 from asyncrpc.runtime.calls.deadline import running_until
+from asyncrpc.runtime.calls.streams.closing import close_now
 from asyncrpc.runtime.ports import Frames, Loop
 from asyncrpc.runtime.shm.shm import segment_nbytes
 
-__all__ = ["ProducerStream", "Producers", "close_iterable"]
+__all__ = ["ProducerStream", "Producers"]
 
 _CLOSED = object()  # a pool thread closed the generator itself
 _JOIN_BYTES = 64 << 10  # item frames joined into one write, up to this many bytes
@@ -50,16 +56,21 @@ Dumps = Callable[[Any], tuple[bytes, list[Any], Any, list[Any] | None]]
 # The call pipeline's header fields for the item just pickled (None: none), asked right
 # after each ``Dumps`` on the same thread (distributed autograd's message ids).
 Fields = Callable[[], dict[str, Any] | None]
+# What the frame of the item just pickled waits for before it is written (None: nothing),
+# asked after ``Fields`` on the same thread (the GPU copies of its CUDA tensors).
+Ready = Callable[[], Awaitable[None] | None]
+# An item made and not yet written: its frame's pieces, what they keep alive, the RRef
+# forks minted, and what it waits for (None: nothing).
+_Made = tuple[list[Any], Any, Any, Awaitable[None] | None]
 
 
 class ProducerStream:
     """One stream this worker produces: its generator, credit and state."""
 
     __slots__ = (
-        "async_source", "closed", "conn", "deadline", "dumps", "fields", "flow", "flushing",
-        "outbox",
-        "peer", "replying", "running", "source", "stream_id", "target", "task", "timeout",
-        "timer", "wakeup",
+        "after_held", "async_source", "closed", "conn", "deadline", "dumps", "fields", "flow",
+        "flushing", "held", "outbox", "peer", "ready", "replying", "running", "source",
+        "stream_id", "target", "task", "timeout", "timer", "wakeup",
     )  # fmt: skip
 
     def __init__(
@@ -79,6 +90,7 @@ class ProducerStream:
         self.replying: Replying | None = None  # set when the function starts
         self.dumps: Dumps | None = None  # likewise
         self.fields: Fields | None = None  # likewise, when the hooks have item fields
+        self.ready: Ready | None = None  # likewise, when the hooks may hold an item's frame
         # A plain iterator, advanced on the pool (None: none, or handed back to be closed).
         self.source: Iterator[Any] | None = None
         self.running = False  # a pool job is advancing ``source``
@@ -86,8 +98,13 @@ class ProducerStream:
         self.task: asyncio.Task[None] | None = None  # drives an async iterator
         self.wakeup: asyncio.Future[None] | None = None  # the task waits for credit
         # Item frames made since the last write, written together (see Producers._flush).
-        self.outbox: list[tuple[list[Any], Any, Any]] = []
+        self.outbox: list[_Made] = []
         self.flushing = False  # a flush is scheduled
+        # The task awaiting the outbox's first item (its GPU copies): the items behind it
+        # wait in the outbox, so that none overtakes it. None: nothing held.
+        self.held: asyncio.Task[None] | None = None
+        # The stream's end (or failure), written once the held items have left.
+        self.after_held: Callable[[], None] | None = None
 
 
 class Producers:
@@ -135,15 +152,17 @@ class Producers:
     def start(
         self, peer: int, stream_id: int, fn: Any, run: Callable[..., Any], args: Any,
         kwargs: Any, replying: Replying, dumps: Dumps, fields: Fields | None = None,
+        ready: Ready | None = None,
     ) -> None:  # fmt: skip
         """Start the stream's function: ``fn`` decides where it runs, ``run`` (``fn`` as
-        the pipeline's hooks wrapped it) is what is called, ``dumps`` pickles its items
-        and ``fields`` gives each one's header fields."""
+        the pipeline's hooks wrapped it) is what is called, ``dumps`` pickles its items,
+        ``fields`` gives each one's header fields and ``ready`` what its frame waits for."""
         stream = self._streams.get((peer, stream_id))
         if stream is None:  # closed before it could start
             replying(False, asyncio.CancelledError())
             return
         stream.replying, stream.dumps, stream.fields = replying, dumps, fields
+        stream.ready = ready
         if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn) or is_inline(fn):
             try:  # a generator function returns at once: its body runs when advanced
                 result = run(*args, **kwargs)
@@ -184,7 +203,7 @@ class Producers:
         if stream.closed:
             return
         if error is not None:
-            self._fail(stream, error)
+            self._fail(stream, error, drain=False)  # nobody waits for held items now
         else:
             self._finish(stream, False, asyncio.CancelledError())
         self._close_source(stream)
@@ -226,7 +245,7 @@ class Producers:
             return
         stream.task = None
         if stream.closed:
-            _close_now(result)
+            close_now(result)
         else:
             self._adopt(stream, result)
 
@@ -335,30 +354,39 @@ class Producers:
         # Pool thread: advance the generator ``count`` times (the credit reserved), pickling
         # each item here and handing it to the loop, in order. Stops early once closed, or
         # once the items made spent the ``budget`` of bytes (None: bytes not counted).
+        # The burst runs in the request's deadline once, not once per item: between two
+        # steps only the items are pickled.
+        with running_until(stream.deadline, stream.peer):
+            outcome = self._burst(stream, source, first, count, budget)
+        if outcome is not None:
+            self._pool.post(self._stepped, stream, outcome)
+            return
         post = self._pool.post
+        if stream.closed:  # here, not on the loop: this thread owns the generator now
+            close_now(source)
+            post(self._stepped, stream, _CLOSED)
+            return
+        post(self._stepped, stream, None)
+
+    def _burst(
+        self, stream: ProducerStream, source: Iterator[Any], first: int, count: int,
+        budget: int | None,
+    ) -> BaseException | None:  # fmt: skip
+        """``_steps``'s loop; the exception that ended the stream (StopIteration too)."""
+        post, write, encode = self._pool.post, self._write, self._encode
         spent = 0
         for seq in range(first, first + count):
             if stream.closed or (budget is not None and spent >= budget):
                 break
             try:
-                with running_until(stream.deadline, stream.peer):
-                    item = next(source)
+                item = next(source)
+                built = encode(stream, seq, item)
             except BaseException as exc:  # StopIteration too: the end
-                post(self._stepped, stream, exc)
-                return
-            try:
-                built = self._encode(stream, seq, item)
-            except BaseException as exc:
-                post(self._stepped, stream, exc)
-                return
+                return exc
             del item
-            spent += built[3]
-            post(self._write, stream, *built)
-        if stream.closed:  # here, not on the loop: this thread owns the generator now
-            _close_now(source)
-            post(self._stepped, stream, _CLOSED)
-            return
-        post(self._stepped, stream, None)
+            spent += built[4]
+            post(write, stream, *built)
+        return None
 
     def _stepped(self, stream: ProducerStream, outcome: object) -> None:
         """A burst of steps ended (loop): go on, end, fail, or close the generator."""
@@ -391,7 +419,7 @@ class Producers:
     def _close_in_pool(self, stream: ProducerStream, source: Any) -> None:
         # Not on the loop: a generator's finally may block.
         try:
-            self._pool.submit(_close_now, source)
+            self._pool.submit(close_now, source)
         except Exception:  # the pool is shut down: its finally runs when it is collected
             _log.debug("could not close the stream of %s on the pool", stream.target)
 
@@ -399,9 +427,10 @@ class Producers:
 
     def _encode(
         self, stream: ProducerStream, seq: int, item: Any
-    ) -> tuple[list[Any], Any, Any, int]:
+    ) -> tuple[list[Any], Any, Any, Awaitable[None] | None, int]:
         """Frame item ``seq`` (on the loop or a pool thread); returns the frame's pieces,
-        what they keep alive, the RRef forks minted, and the item's size in bytes."""
+        what they keep alive, the RRef forks minted, what the frame waits for, and the
+        item's size in bytes."""
         assert stream.dumps is not None
         try:  # RRefs pickled before a failure: the serializer undoes their forks
             payload, segments, keep, forks = stream.dumps(item)
@@ -412,43 +441,59 @@ class Producers:
             raise error from exc
         nbytes = _item_nbytes(payload, segments)
         headers = None if stream.fields is None else stream.fields()
-        header = StreamItem(stream.stream_id, seq, nbytes, headers).to_fields()
-        pieces = encode_frame(header, payload, segments)
-        return pieces, keep, forks, nbytes
+        wait = None if stream.ready is None else stream.ready()
+        pieces = encode_frame(
+            item_fields(stream.stream_id, seq, nbytes, headers), payload, segments
+        )
+        return pieces, keep, forks, wait, nbytes
 
     def _write(
-        self, stream: ProducerStream, pieces: list[Any], keep: Any, forks: Any, nbytes: int
-    ) -> None:
+        self, stream: ProducerStream, pieces: list[Any], keep: Any, forks: Any,
+        wait: Awaitable[None] | None, nbytes: int,
+    ) -> None:  # fmt: skip
         if stream.closed:
             self._undelivered(stream, forks)
             return
         stream.flow.sent_one(nbytes)
         self.items_sent += 1
-        stream.outbox.append((pieces, keep, forks))
-        if not stream.flushing:
+        stream.outbox.append((pieces, keep, forks, wait))
+        if not stream.flushing and stream.held is None:
             stream.flushing = True
             self._loop.call_soon(self._flush, stream)
 
     def _flush(self, stream: ProducerStream) -> None:
         """Write the items made since the last flush, small frames joined into writes of up
         to ``_JOIN_BYTES``: a fast generator's items leave in a few system calls per loop
-        pass rather than one each."""
+        pass rather than one each. An item whose frame must wait (its GPU copies) stops
+        the flush: it and the items behind it leave, in order, once it may (``_hold``)."""
         stream.flushing = False
+        if stream.held is not None:
+            return  # the held item's task flushes the rest once it left
         outbox, stream.outbox = stream.outbox, []
         if stream.closed:
-            for _, _, forks in outbox:
-                self._undelivered(stream, forks)
+            self._drop(stream, outbox)
             return
         limit = min(_JOIN_BYTES, getattr(stream.conn, "peer_max_frame", 0) or _JOIN_BYTES)
         joined: list[Any] = []
         keeps: list[Any] = []
         forks_joined: list[Any] = []
         size = 0
-        for pieces, keep, forks in outbox:
+        for index, (pieces, keep, forks, wait) in enumerate(outbox):
             if stream.closed:  # a write failed: the rest is not sent
                 self._undelivered(stream, forks)
                 continue
-            nbytes = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in pieces)
+            if wait is not None:  # what is joined leaves; this one and the rest wait
+                if joined:
+                    self._send(stream, joined, keeps, forks_joined)
+                    joined, keeps, forks_joined = [], [], []
+                rest = [(pieces, keep, forks, None), *outbox[index + 1 :]]
+                if stream.closed:
+                    self._drop(stream, rest)
+                    return
+                stream.outbox = rest + stream.outbox
+                stream.held = self._loop.create_task(self._hold(stream, wait))
+                return
+            nbytes = frame_nbytes(pieces)
             if joined and size + nbytes > limit:
                 self._send(stream, joined, keeps, forks_joined)
                 joined, keeps, forks_joined, size = [], [], [], 0
@@ -460,6 +505,32 @@ class Producers:
             self._send(stream, joined, keeps, forks_joined)
         elif joined:
             self._undelivered(stream, forks_joined)
+
+    async def _hold(self, stream: ProducerStream, wait: Awaitable[None]) -> None:
+        """Wait (on the loop, never blocking it) until the outbox's first item may leave,
+        then flush; then the stream's end, if it came meanwhile. A wait that fails drops
+        the item and those behind it and fails the stream with its error."""
+        try:
+            await wait
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            stream.held = None
+            outbox, stream.outbox = stream.outbox, []
+            self._drop(stream, outbox)
+            stream.after_held = None
+            self._fail(stream, exc)
+            return
+        stream.held = None
+        self._flush(stream)
+        after = stream.after_held
+        if stream.held is None and after is not None:
+            stream.after_held = None
+            after()
+
+    def _drop(self, stream: ProducerStream, made: list[_Made]) -> None:
+        for _, _, forks, _ in made:
+            self._undelivered(stream, forks)
 
     def _send(
         self, stream: ProducerStream, pieces: list[Any], keeps: list[Any], forks: list[Any]
@@ -480,18 +551,28 @@ class Producers:
         self._flush(stream)  # the items first
         if stream.closed:  # an item could not be written: failed instead
             return
+        if stream.held is not None:  # items still wait for their copies: the end follows
+            stream.after_held = lambda: self._end(stream)
+            return
         count = stream.flow.sent
         headers = self._finish(stream, True, count)
         end = StreamEnd(stream.stream_id, count, headers)
         self._write_frame(stream.conn, encode_frame(end.to_fields(), b""))
 
-    def _fail(self, stream: ProducerStream, exc: BaseException) -> None:
+    def _fail(self, stream: ProducerStream, exc: BaseException, drain: bool = True) -> None:
+        """End the stream with ``exc``: after the items made before it (``drain``; those
+        still held wait for their copies first), or at once, dropping them."""
         if stream.closed:
             return
+        if not drain:
+            self._unhold(stream)
         if stream.outbox:
             self._flush(stream)  # the items before the error first
             if stream.closed:
                 return
+        if stream.held is not None:
+            stream.after_held = lambda: self._fail(stream, exc)
+            return
         count = stream.flow.sent
         headers = self._finish(stream, False, exc)
         payload = pack_exception(exc, self._name)
@@ -502,6 +583,7 @@ class Producers:
     def _finish(self, stream: ProducerStream, ok: bool, value: Any) -> dict[str, Any] | None:
         """Leave the table (once) and tell the pipeline; returns its reply fields."""
         stream.closed = True
+        self._unhold(stream)
         self._streams.pop((stream.peer, stream.stream_id), None)
         if stream.timer is not None:
             stream.timer.cancel()
@@ -509,45 +591,21 @@ class Producers:
         replying, stream.replying = stream.replying, None
         return None if replying is None else replying(ok, value)
 
+    def _unhold(self, stream: ProducerStream) -> None:
+        """Drop the items held for their copies, and those behind them (never sent)."""
+        held, stream.held, stream.after_held = stream.held, None, None
+        if held is None:
+            return
+        held.cancel()
+        outbox, stream.outbox = stream.outbox, []
+        self._drop(stream, outbox)
+
 
 def _item_nbytes(payload: Any, segments: list[Any]) -> int:
     """An item's cost in byte credit: its payload and tensor segments as sent, a segment
     placed in shared memory by the bytes it holds there (it skips the socket but holds the
     same memory until consumed, which is what the window bounds)."""
-    size = memoryview(payload).nbytes
+    size = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
     for view, tag in segments:
         size += segment_nbytes(view, tag)
     return size
-
-
-def _close_now(source: Any) -> None:
-    """Close a plain generator (runs its ``finally``); on the thread that may block."""
-    close = getattr(source, "close", None)
-    if close is None:
-        return
-    try:
-        close()
-    except Exception:
-        _log.exception("closing a streamed generator failed")
-
-
-def close_iterable(loop: Loop, items: Any) -> None:
-    """Close an iterable nobody will read (on the loop): an async one's ``aclose`` in a
-    task of the loop, a plain one's ``close`` on the pool (its ``finally`` may block)."""
-    if hasattr(items, "aclose"):
-        task = loop.aio.create_task(_aclose(items))
-        task.add_done_callback(_log_failure)
-    elif hasattr(items, "close"):
-        try:
-            loop.pool.submit(_close_now, items)
-        except Exception:  # the pool is shut down: its finally runs when it is collected
-            _log.debug("could not close an unread stream argument on the pool")
-
-
-async def _aclose(items: Any) -> None:
-    await items.aclose()
-
-
-def _log_failure(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        _log.error("closing an unread stream argument failed", exc_info=task.exception())

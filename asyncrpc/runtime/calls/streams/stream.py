@@ -20,7 +20,7 @@ from types import TracebackType
 from typing import Any, Generic, TypeVar
 
 from asyncrpc.errors import BlockingCallError, ClosedError
-from asyncrpc.runtime.calls.streams.consumer import ConsumerStream
+from asyncrpc.runtime.calls.streams.consumer import Arrived, ConsumerStream
 from asyncrpc.runtime.futures import Future
 
 __all__ = ["Stream"]
@@ -94,8 +94,10 @@ class Stream(Generic[T]):
                 raise StopAsyncIteration
             self._buffer.extend(batch)
         self._taken += 1
-        item: T = self._buffer.popleft()
-        return item
+        item = self._buffer.popleft()
+        if type(item) is Arrived:  # ordered after the item's copies, on the reader's thread
+            item = item.take()
+        return item  # type: ignore[no-any-return]
 
     async def _fetch_async(self) -> list[Any]:
         taken, self._taken = self._taken, 0
@@ -153,8 +155,10 @@ class Stream(Generic[T]):
                 raise StopIteration
             self._buffer.extend(batch)
         self._taken += 1
-        item: T = self._buffer.popleft()
-        return item
+        item = self._buffer.popleft()
+        if type(item) is Arrived:  # ordered after the item's copies, on the reader's thread
+            item = item.take()
+        return item  # type: ignore[no-any-return]
 
     def __enter__(self) -> Stream[T]:
         return self
