@@ -70,11 +70,6 @@ class TensorPolicy:
         """``tensor`` was rebuilt, from a segment or from the pickle: once per tensor, in
         the order of its first appearance in the pickle (the sender's ``exported`` order)."""
 
-    def blocking(self) -> TensorPolicy:
-        """This policy for frames written as soon as they are built (no ready stage to
-        hold them, e.g. stream items): one whose ``to_host`` leaves nothing to wait for."""
-        return self
-
 
 DEFAULT = TensorPolicy()
 """The policy of a message nobody configured."""
