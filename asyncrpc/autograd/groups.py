@@ -20,6 +20,7 @@ State is process-wide, like torch's process groups and its distributed engine.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 from collections.abc import Callable
@@ -42,9 +43,11 @@ class GroupKeeper:
     def __init__(self, registered: Callable[[Any], bool]) -> None:
         self._registered = registered  # whether torch still has this group
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._held: list[Any] = []
         self._seen_gone: set[int] = set()  # ids of held groups torch no longer had
         self._sweeping = False
+        self._dropping = 0  # groups let go whose teardown has not finished yet
 
     def keep(self, group: Any) -> bool:
         """Hold ``group`` (again: a no-op); True when nobody sweeps yet, and the caller
@@ -69,16 +72,35 @@ class GroupKeeper:
                     self._seen_gone.discard(id(group))
                     self._held.remove(group)
                     let_go.append(group)
+                    self._dropping += 1
                 else:
                     self._seen_gone.add(id(group))
             self._sweeping = bool(self._held)
             return let_go, self._sweeping
 
+    def dropped(self, count: int) -> None:
+        """The teardown of ``count`` groups ``sweep`` let go of has finished."""
+        with self._changed:
+            self._dropping -= count
+            self._changed.notify_all()
+
+    def settle(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) until no group torch has let go of is held
+        or tearing down; whether that came."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while self._dropping or any(not self._registered(g) for g in self._held):
+                left = deadline - time.monotonic()  # bounded by the deadline
+                if left <= 0:
+                    return False
+                self._changed.wait(min(left, SWEEP_S))
+            return True
+
     @property
     def held(self) -> int:
-        """How many groups are kept now."""
+        """How many groups are kept now, those still tearing down included."""
         with self._lock:
-            return len(self._held)
+            return len(self._held) + self._dropping
 
 
 def _is_default_group(group: Any) -> bool:
@@ -115,4 +137,21 @@ def _sweep_while_held(keeper: GroupKeeper) -> None:
         let_go, going = keeper.sweep()
         # The last references go here: each group's teardown releases the GIL and waits
         # for its gloo threads, on this thread rather than the program's.
+        count = len(let_go)
         let_go.clear()
+        if count:
+            keeper.dropped(count)
+
+
+# A process that ends while this module's thread tears a group down (a daemon thread, cut
+# off at exit in the middle of gloo's teardown) aborts: "terminate called without an active
+# exception". So does one that ends with a group torch let go of still held here, torn
+# down during finalization. At exit the sweeps are given time to finish that work.
+_EXIT_WAIT_S = 5.0
+
+
+def _settle_at_exit() -> None:
+    _keeper.settle(_EXIT_WAIT_S)
+
+
+atexit.register(_settle_at_exit)

@@ -4,6 +4,8 @@ one sweeper at a time is asked for."""
 
 from __future__ import annotations
 
+import threading
+
 from asyncrpc.autograd.groups import GroupKeeper
 
 
@@ -40,7 +42,27 @@ def test_GroupKeeper_lets_go_at_the_second_look_after_torch_let_go() -> None:
     let_go, again = keeper.sweep()
     assert let_go == [group]
     assert again is False
+    assert keeper.held == 1  # until its teardown is over: the caller says so
+    keeper.dropped(1)
     assert keeper.held == 0
+
+
+def test_GroupKeeper_settle_waits_for_groups_torch_let_go_of() -> None:
+    # What the exit hook waits for: a group torch let go of, held or tearing down, keeps
+    # the process from ending (a daemon thread cut off in gloo's teardown aborts it).
+    torch = _Torch()
+    group, kept_by_torch = object(), object()
+    torch.groups.append(kept_by_torch)
+    keeper = GroupKeeper(torch.registered)
+    keeper.keep(group)
+    keeper.keep(kept_by_torch)
+    assert keeper.settle(0.05) is False  # torch no longer has ``group``: still held here
+    keeper.sweep()
+    assert keeper.sweep()[0] == [group]
+    assert keeper.settle(0.05) is False  # let go, its teardown not over yet
+    threading.Timer(0.1, keeper.dropped, args=(1,)).start()
+    assert keeper.settle(5.0) is True  # the one torch still has does not count
+    assert keeper.held == 1
 
 
 def test_GroupKeeper_group_back_in_torch_starts_its_wait_again() -> None:
