@@ -31,6 +31,7 @@ class ScriptedGroup:
         self.declared: set[int] = set()  # ranks some worker recorded as dead
         self.reads = 0
         self.lost_reads = 0
+        self.found: list[list[int]] = []  # the addresses read (find_all), per request
         self.dynamic = False  # a static group: shutdown runs its barriers
         self.opened_here: dict[str, bool] = {}  # it never completes a barrier itself
 
@@ -61,6 +62,10 @@ class ScriptedGroup:
 
     def declared_lost(self, ranks: list[int]) -> list[int]:
         return [r for r in ranks if r in self.declared]
+
+    def find_all(self, ranks: list[int]) -> list[Any]:
+        self.found.append(ranks)
+        return [SimpleNamespace(name=f"w{r}", rank=r) for r in ranks]
 
 
 class NoRRefs:
@@ -101,9 +106,10 @@ class StubHost:
     def __init__(
         self, store: ScriptedGroup, lost: set[int], connected: frozenset[int] = frozenset()
     ) -> None:
-        addresses = {1: SimpleNamespace(name="w1"), 2: SimpleNamespace(name="w2")}
+        addresses = {r: SimpleNamespace(name=f"w{r}", rank=r) for r in range(3)}
         self.group: Any = SimpleNamespace(
             store=store,
+            directory=SimpleNamespace(learn=lambda a: addresses.__setitem__(a.rank, a)),
             name="w1",
             rank=1,
             world_size=3,
@@ -320,3 +326,17 @@ async def test_BarrierNews_refuses_garbage_from_a_peer(
 ) -> None:
     with pytest.raises(RemoteProtocolError):
         BarrierNews().heard(message, size)
+
+
+async def test_GracefulShutdown_reads_its_tree_parents_address_once_if_unknown() -> None:
+    # Rank 1's parent is rank 0 (it has no children in a group of 3): a first frame from
+    # rank 0 would make it look rank 0 up; read once, before the first barrier's wait.
+    group = CompletingGroup([])
+    host = StubHost(group, lost=set())
+    del host.group.addresses[0]
+    await _rounds(host).run(5.0)
+    assert group.found == [[0]]
+    assert host.group.addresses[0].name == "w0"
+    group.found.clear()
+    await _rounds(host).run(5.0)  # known now: nothing read
+    assert group.found == []

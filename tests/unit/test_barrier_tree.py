@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrpc.runtime.group.tree import FANOUT, children, recipients
+from asyncrpc.runtime.group.tree import FANOUT, children, neighbours, recipients
 
 
 def _reached(root: int, size: int, dead: set[int]) -> list[int]:
@@ -53,3 +53,14 @@ def test_tree_rejects_a_rank_outside_the_group() -> None:
         children(5, 0, 5)
     with pytest.raises(ValueError, match="-1"):
         recipients(0, -1, 5, set())
+
+
+def test_tree_neighbours_are_the_parent_and_the_children() -> None:
+    size, root = 1000, 0
+    assert neighbours(0, root, size) == [1, 2]
+    assert neighbours(5, root, size) == [2, 11, 12]
+    assert neighbours(999, root, size) == [499]
+    # Every rank is its parent's child, and the root of another tree has no parent.
+    for rank in range(1, size):
+        assert rank in children(neighbours(rank, root, size)[0], root, size)
+    assert neighbours(7, 7, 10) == [8, 9]

@@ -46,7 +46,7 @@ from asyncrpc.errors import (
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import BarrierOpened
 from asyncrpc.runtime.group.join import Group
-from asyncrpc.runtime.group.tree import recipients
+from asyncrpc.runtime.group.tree import neighbours, recipients
 
 __all__ = [
     "PROBE_AFTER_S",
@@ -77,8 +77,8 @@ _MAX_SLICE_S = 2.0
 # The graceful shutdown's barriers, in order ("left" is only rank 0's wait).
 TAGS = ("calls-done", "users-released", "closing")
 # The root of every barrier's tree: the same tree each time, so that a worker connects to
-# the same three peers at most (each new connection reads an address in the store). The
-# worker that completes a barrier tells rank 0 and its own children.
+# the same three peers at most, whose addresses it reads once (_meet_neighbours). The
+# worker that completes a barrier tells rank 0, which every worker knows from the join.
 _ROOT = 0
 
 
@@ -205,9 +205,6 @@ class GracefulShutdown:
     ) -> None:  # fmt: skip
         self._group, self._rrefs, self._liveness = group, rrefs, liveness
         self._news = BarrierNews() if news is None else news
-        # Whether some barrier opened without saying that nobody died: then the list of
-        # the lost is read once at the end (one request).
-        self._unsure = False
         self.opened: dict[str, str] = {}  # how each barrier opened here (tests, logs)
         self._calls_in_flight, self._requests_running = calls_in_flight, requests_running
         self.dead: dict[int, str] = {}
@@ -234,8 +231,6 @@ class GracefulShutdown:
         rrefs.report_leaks()
         await _until(lambda: self._requests_running() == 0, clock, "requests it runs")
         await self._barrier("closing", clock)
-        if self._unsure:
-            await self._adopt_verdicts()
         await self._release_store(clock)
 
     def report_dead(self, policy: str) -> None:
@@ -275,12 +270,17 @@ class GracefulShutdown:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, store.reach, tag)
         await self._count_dead(tag, sorted(self.dead))  # known dead from earlier rounds
+        if tag == TAGS[0]:
+            await self._meet_neighbours(size)
         waiting = [r for r in range(size) if r not in self.dead]
         slice_s, probe_every = _FIRST_SLICE_S, PROBE_AFTER_S
         probe_at = time.monotonic() + probe_every
         while True:  # bounded by the clock, or by every live worker arriving
             if tag in store.opened_here:  # this worker's arrival (or count) completed it
-                await self._tell(BarrierOpened(tag, _ROOT, store.opened_here[tag]), first=True)
+                dead = store.opened_here[tag]
+                if dead:
+                    await self._adopt_verdicts()
+                self._tell(BarrierOpened(tag, _ROOT, dead), first=True)
                 self._opened(tag, "completed here")
                 return
             # A message down the tree, or else (a dead parent, a lost frame) one look at
@@ -288,12 +288,15 @@ class GracefulShutdown:
             seconds = max(0.0, clock.within(slice_s) - time.monotonic())
             message = await self._news.wait(tag, seconds)
             if message is not None:
-                await self._tell(message)
+                if message.dead:
+                    # A rank was counted dead there: learn which now (one request), to
+                    # tell its children in its place and count it at the next barriers.
+                    await self._adopt_verdicts()
+                self._tell(message)
                 self._opened(tag, "told by a peer")
                 return
             if await loop.run_in_executor(None, store.await_arrivals, tag, waiting, 0.0):
-                self._unsure = True  # nobody said whether a rank died
-                self._opened(tag, "found open in the store")
+                await self._found_open(tag)
                 return
             # This worker's own verdicts cost no store request (unless one is lost).
             await self._set_aside_lost(tag, waiting)
@@ -306,9 +309,8 @@ class GracefulShutdown:
                 # ranks): to dial them, and to adopt other survivors' verdicts.
                 waiting = await self._waiting_for(tag, waiting)
                 if not waiting and tag not in store.opened_here:
-                    self._unsure = True
-                    self._opened(tag, "found open in the store")
-                    return  # whoever completed it tells the others
+                    await self._found_open(tag)
+                    return
                 await self._probe(tag, waiting)
                 probe_every = min(probe_every * 2, _MAX_PROBE_S)
                 probe_at = time.monotonic() + probe_every
@@ -320,26 +322,47 @@ class GracefulShutdown:
         self.opened[tag] = how
         _log.debug("worker %r: barrier %r open: %s", self._group.name, tag, how)
 
-    async def _tell(self, message: BarrierOpened, first: bool = False) -> None:
+    async def _meet_neighbours(self, size: int) -> None:
+        """Read the addresses of this worker's parent and children in the tree, those it
+        does not know, in one request: a first frame between two workers that never
+        talked would cost each a look-up (the dial's and the Hello's), per peer."""
+        group = self._group
+        unknown = [r for r in neighbours(group.rank, _ROOT, size) if r not in group.addresses]
+        if not unknown:
+            return
+        store, loop = group.store, asyncio.get_running_loop()
+        try:
+            found = await loop.run_in_executor(None, store.find_all, unknown)
+        except (RuntimeError, OSError) as exc:
+            raise store.unreachable(exc) from exc
+        for address in found:
+            group.directory.learn(address)
+
+    async def _found_open(self, tag: str) -> None:
+        """Barrier ``tag`` was found open in the store, no message having come (a dead
+        parent, a frame still on its way): learn who died (one request; nobody said) and
+        tell this worker's children all the same, as its parent would have."""
+        lost = await self._adopt_verdicts()
+        self._tell(BarrierOpened(tag, _ROOT, bool(lost)))
+        self._opened(tag, "found open in the store")
+
+    def _tell(self, message: BarrierOpened, first: bool = False) -> None:
         """Pass on ``message`` (a barrier is open): to this worker's children in the tree
         rooted at ``message.root``, skipping the dead (their children are told); when
-        this worker completed the barrier (``first``), to the root as well."""
+        this worker completed the barrier (``first``), to the root only (the tree stays
+        the same at every barrier: each pair of workers connects once)."""
         size = self._group.world_size
         assert size is not None
-        if message.dead:
-            # A rank was counted dead there: learn which now (one request), to tell its
-            # children in its place and to count it at the next barriers on arrival.
-            await self._adopt_verdicts()
         pieces = encode_frame(message.to_fields(), b"")
         me = self._group.rank
-        told = recipients(me, message.root, size, self.dead)
-        if first and me != message.root and message.root not in self.dead:
-            told.insert(0, message.root)
+        if first and me != message.root:
+            told = [message.root]
+        else:
+            told = recipients(me, message.root, size, self.dead)
         for rank in told:
             # Connecting if need be: a parameter-server job's workers may never have
-            # talked (the tree is the same at every barrier, so each pair connects once).
-            # A frame lost to a dying peer is the fallback's: its subtree looks at the
-            # store after a slice.
+            # talked. A frame lost to a dying peer is the fallback's: its subtree looks
+            # at the store after a slice.
             self._liveness.control(rank, pieces, connect=True)
 
     async def _count_dead(self, tag: str, ranks: list[int]) -> None:
@@ -387,16 +410,17 @@ class GracefulShutdown:
                 await self._set_aside(rank, "declared lost by another worker")
                 await self._count_dead(tag, [rank])
 
-    async def _adopt_verdicts(self) -> None:
-        """Learn the dead that other survivors counted: the barriers opened for this
-        worker without it finding them dead itself (one request when none died). Read
-        only when a barrier's message said some rank was counted dead, or a barrier
-        opened without a message."""
+    async def _adopt_verdicts(self) -> list[int]:
+        """Learn the dead that other survivors counted (a barrier may open for this worker
+        without it finding them dead itself); all the ranks declared lost. One request
+        when none died. Read only when a barrier's message says some rank was counted
+        dead there, or a barrier opened without a message."""
         loop = asyncio.get_running_loop()
-        lost = await loop.run_in_executor(None, self._group.store.lost_ranks)
+        lost: list[int] = await loop.run_in_executor(None, self._group.store.lost_ranks)
         for rank in lost:
             if rank not in self.dead:
                 await self._set_aside(rank, "declared lost by another worker")
+        return lost
 
     async def _set_aside(self, rank: int, why: str) -> None:
         name = await self._name(rank)

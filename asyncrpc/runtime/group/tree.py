@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-__all__ = ["FANOUT", "children", "recipients"]
+__all__ = ["FANOUT", "children", "neighbours", "recipients"]
 
 # Two children per worker: depth 10 at 1,000 workers, two frames out per worker. More
 # children make the tree shallower but the sender's share of the frames larger.
@@ -47,3 +47,17 @@ def recipients(rank: int, root: int, size: int, dead: Collection[int]) -> list[i
         else:
             told.append(child)
     return told
+
+
+def neighbours(rank: int, root: int, size: int) -> list[int]:
+    """The ranks ``rank`` hears from or tells in the tree rooted at ``root`` when nobody
+    died: its parent (none for the root), then its children.
+
+    Raises:
+        ValueError: a rank outside ``[0, size)``.
+    """
+    kids = children(rank, root, size)
+    position = (rank - root) % size
+    if position == 0:
+        return kids
+    return [(root + (position - 1) // FANOUT) % size, *kids]
