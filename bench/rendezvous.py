@@ -11,6 +11,17 @@ for the others), then, after every worker has joined, calls shutdown at a random
 ``[0, shutdown_spread)`` and passes the store barriers of a graceful shutdown in the order
 ``shutdown.py`` passes them (its waits in slices and its reads of who is missing too).
 
+A barrier opens as in ``shutdown.py``: the worker whose arrival completes it tells rank 0
+and its children, each worker told tells its two children (``group/tree.py``), and a
+worker no message reached within a slice checks the store. The ``BarrierOpened`` messages
+travel over multiprocessing queues between the simulation's processes, not over worker
+connections (a light worker has none; tests/integration/test_barrier_news.py runs the real
+path); what a real connection costs the store is counted, for workers that never talked
+before (the worst case): each reads its tree neighbours' addresses in one ``multi_get``
+at the first barrier, as ``shutdown.py`` does, and a message from any other worker (to
+rank 0, from the worker that completed a barrier) costs the sender a ``get`` of the
+receiver's address and the receiver one of the sender's, as a dial and a Hello do.
+
 It reports, per size:
 
 - store requests per worker to join (mean and max; opening the connection is not one),
@@ -21,9 +32,8 @@ It reports, per size:
   init: a burst of connections, more than ~50 a second, is answered in 5-10 s);
 - shutdown: from the last worker's arrival at its first barrier until the last one left.
 
-The code of the moment is what runs: a tree before the O(1) rendezvous (workers polling
-every key, then reading every address) is measured by running this file there; its
-barrier wait is then ``shutdown.py``'s polling of that time, reproduced below.
+The code of the moment is what runs: an earlier tree is measured by running its own
+copy of this file there (this one passes barriers as ``shutdown.py`` does now).
 """
 
 from __future__ import annotations
@@ -43,6 +53,61 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 _BUCKET_S = 0.1
 _TAGS = ("calls-done", "users-released", "closing")
+_FIRST_SLICE_S, _MAX_SLICE_S = 0.5, 2.0  # shutdown.py's
+
+
+class Mailbox:
+    """A simulated worker's received ``BarrierOpened`` messages: (root, dead) by tag, and
+    the senders whose address it has not read yet (a Hello it has not looked up)."""
+
+    def __init__(self) -> None:
+        self.messages: dict[str, tuple[int, bool]] = {}
+        self.senders: list[int] = []
+        self._changed = threading.Condition()
+
+    def put(self, tag: str, root: int, dead: bool, sender: int) -> None:
+        with self._changed:
+            self.messages.setdefault(tag, (root, dead))
+            self.senders.append(sender)
+            self._changed.notify_all()
+
+    def wait(self, tag: str, seconds: float) -> tuple[int, bool] | None:
+        with self._changed:
+            self._changed.wait_for(lambda: tag in self.messages, seconds)
+            return self.messages.get(tag)
+
+    def take_senders(self) -> list[int]:
+        with self._changed:
+            senders, self.senders = self.senders, []
+            return senders
+
+
+class Peers:
+    """How a simulated worker sends ``BarrierOpened`` to another (same process: its
+    mailbox; else the queue of the process that runs it), counting the address reads a
+    new connection costs."""
+
+    def __init__(self, rank: int, group: Any, post: Any) -> None:
+        self.rank, self.group, self._post = rank, group, post
+        self.known = {0, rank}  # rank 0's address comes with the start-up gate
+
+    def meet(self, rank: int) -> None:
+        if rank not in self.known:
+            self.group.find(rank)  # one get: the dialler's look-up, or the Hello's
+            self.known.add(rank)
+
+    def meet_neighbours(self, size: int) -> None:
+        """Read the tree neighbours' addresses in one request (shutdown.py does)."""
+        from asyncrpc.runtime.group.tree import neighbours
+
+        unknown = [r for r in neighbours(self.rank, 0, size) if r not in self.known]
+        if unknown:
+            self.group.find_all(unknown)
+            self.known.update(unknown)
+
+    def send(self, to: int, tag: str, root: int, dead: bool) -> None:
+        self.meet(to)
+        self._post(to, (tag, root, dead, self.rank))
 
 
 class CountingStore:
@@ -52,15 +117,16 @@ class CountingStore:
     def __init__(self, inner: Any, counts: Counter[str], buckets: Counter[int], phase: list[str]):
         self._inner, self._counts, self._buckets, self._phase = inner, counts, buckets, phase
 
-    def _count(self) -> None:
+    def _count(self, name: str) -> None:
         self._counts[self._phase[0]] += 1
+        self._counts[f"{self._phase[0]}:{name}"] += 1  # by kind of request too
         self._buckets[int(time.time() / _BUCKET_S)] += 1
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._inner, name)
 
         def counted(*args: Any) -> Any:
-            self._count()
+            self._count(name)
             return method(*args)
 
         return counted
@@ -69,6 +135,7 @@ class CountingStore:
 def _one_worker(
     rank: int, size: int, port: int, spread: float, start: float, out: dict[str, Any],
     buckets: Counter[int], joined: threading.Barrier, shutdown_spread: float,
+    mailbox: Mailbox, post: Any,
 ) -> None:  # fmt: skip
     import datetime
 
@@ -95,63 +162,117 @@ def _one_worker(
     time.sleep(rng.uniform(0, shutdown_spread))
     phase[0] = "barriers"
     shut_arrived = time.time()
-    for tag in _TAGS:
-        _pass_barrier(group, tag, size)
-    if hasattr(group, "lost_ranks"):  # shutdown.py reads whom others found dead
-        group.lost_ranks()
+    peers = Peers(rank, group, post)
+    ways = [_pass_barrier(group, tag, size, mailbox, peers) for tag in _TAGS]
     phase[0] = "left"
     group.arrive("left")
     if rank == 0:
-        _pass_barrier(group, "left", size, arrive=False)
+        _wait_left(group, size)
     out[rank] = {
         "arrived": arrived, "connected": connected, "joined": done,
         "shutdown_arrived": shut_arrived, "left": time.time(), "counts": dict(counts),
+        "ways": ways,
     }  # fmt: skip
 
 
-def _pass_barrier(group: Any, tag: str, size: int, arrive: bool = True) -> None:
-    """Arrive at ``tag`` and wait for every rank, as shutdown.py does (no worker dies)."""
-    if arrive:
-        group.arrive(tag)
-    if hasattr(group, "await_arrivals"):  # the one-request wait, in slices
-        waiting, slice_s, probe_every = list(range(size)), 0.5, 1.0
-        probe_at = time.monotonic() + probe_every
-        while not group.await_arrivals(tag, waiting, slice_s):  # bounded: all arrive
+def _pass_barrier(group: Any, tag: str, size: int, mailbox: Mailbox, peers: Peers) -> str:
+    """Arrive at ``tag`` and wait until it opens, as shutdown.py does (nobody dies); how
+    it opened: "completed", "told" or "store"."""
+    group.arrive(tag)
+    if tag == _TAGS[0]:
+        peers.meet_neighbours(size)
+    waiting, slice_s, probe_every = list(range(size)), _FIRST_SLICE_S, 1.0
+    probe_at = time.monotonic() + probe_every
+    try:
+        while True:  # bounded: all arrive
+            if tag in group.opened_here:
+                _tell(peers, tag, 0, group.opened_here[tag], size, first=True)
+                return "completed"
+            message = mailbox.wait(tag, slice_s)
+            if message is not None:
+                if message[1]:  # a rank was counted dead: shutdown.py reads which
+                    group.lost_ranks()
+                _tell(peers, tag, *message, size)
+                return "told"
+            if group.await_arrivals(tag, waiting, 0.0):
+                return _found_open(group, peers, tag, size)
             if time.monotonic() > probe_at:  # who is missing, read now and then
                 waiting = group.missing(tag, waiting)
-                if not waiting:
-                    return
+                if not waiting and tag not in group.opened_here:
+                    return _found_open(group, peers, tag, size)
                 probe_every = min(probe_every * 2, 8.0)
                 probe_at = time.monotonic() + probe_every
-                slice_s = 0.5
+                slice_s = _FIRST_SLICE_S
                 continue
-            slice_s = min(slice_s * 2, 2.0)
-        return
-    delay = 0.005  # the polling wait before it: every key read, backing off to 250 ms
-    while group.missing(tag):  # bounded: all arrive
-        time.sleep(delay)
-        delay = min(delay * 2, 0.25)
+            slice_s = min(slice_s * 2, _MAX_SLICE_S)
+    finally:
+        for sender in mailbox.take_senders():  # the Hellos of new connections
+            peers.meet(sender)
+
+
+def _found_open(group: Any, peers: Peers, tag: str, size: int) -> str:
+    """Found open in the store: read whom others found dead and tell the children."""
+    _tell(peers, tag, 0, bool(group.lost_ranks()), size)
+    return "store"
+
+
+def _tell(peers: Peers, tag: str, root: int, dead: bool, size: int, first: bool = False) -> None:
+    from asyncrpc.runtime.group.tree import recipients
+
+    told = [root] if first and peers.rank != root else recipients(peers.rank, root, size, ())
+    for rank in told:
+        peers.send(rank, tag, root, dead)
+
+
+def _wait_left(group: Any, size: int) -> None:
+    """Rank 0's wait for every worker to leave (shutdown.py's ``_release_store``)."""
+    waiting = group.missing("left")
+    while waiting:  # bounded: all leave
+        if group.await_arrivals("left", waiting, 1.0):
+            return
+        waiting = group.missing("left", waiting)
 
 
 def _process(ranks: list[int], size: int, port: int, spread: float, shutdown_spread: float,
-             ready: Any, when: Any, queue: Any) -> None:  # fmt: skip
+             ready: Any, when: Any, queue: Any, inboxes: list[Any], index: int,
+             finished: Any) -> None:  # fmt: skip
     import torch.distributed  # noqa: F401  (imports done before the clock starts)
 
     from asyncrpc.runtime.group import rendezvous  # noqa: F401
 
     _more_descriptors()
+    mailboxes = {r: Mailbox() for r in ranks}
+    for inbox in inboxes:
+        inbox.cancel_join_thread()  # exit without waiting for another process to read
+
+    def post(to: int, message: tuple[str, int, bool, int]) -> None:
+        if to in mailboxes:
+            mailboxes[to].put(*message)
+        else:
+            inboxes[to % len(inboxes)].put((to, message))
+
+    def route() -> None:  # messages from the other processes
+        while True:  # bounded: the process ends (a daemon thread)
+            to, message = inboxes[index].get()
+            mailboxes[to].put(*message)
+
+    threading.Thread(target=route, daemon=True).start()
     ready.wait()  # every process has imported: the driver has set the start
     start = when.value
     out: dict[int, Any] = {}
     buckets: Counter[int] = Counter()
     joined = threading.Barrier(len(ranks))
     work = (size, port, spread, start, out, buckets, joined, shutdown_spread)
-    threads = [threading.Thread(target=_one_worker, args=(r, *work), daemon=True) for r in ranks]
+    threads = [
+        threading.Thread(target=_one_worker, args=(r, *work, mailboxes[r], post), daemon=True)
+        for r in ranks
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     queue.put((out, dict(buckets)))
+    finished.wait(600)  # late messages for this process's workers are still read meanwhile
 
 
 def _more_descriptors() -> None:
@@ -178,13 +299,16 @@ def run(size: int, spread: float, processes: int, shutdown_spread: float = 1.0) 
     queue = context.Queue()
     ready = context.Barrier(processes + 1)
     when = context.Value("d", 0.0)
-    parts = [list(range(size))[i::processes] for i in range(processes)]
+    parts = [list(range(size))[i::processes] for i in range(processes)]  # rank % processes
+    inboxes = [context.Queue() for _ in parts]
+    finished = context.Event()
+    shared = (ready, when, queue, inboxes)
     procs = [
         context.Process(
             target=_process,
-            args=(part, size, server.port, spread, shutdown_spread, ready, when, queue),
+            args=(part, size, server.port, spread, shutdown_spread, *shared, index, finished),
         )
-        for part in parts
+        for index, part in enumerate(parts)
     ]
     for proc in procs:
         proc.start()
@@ -196,6 +320,7 @@ def run(size: int, spread: float, processes: int, shutdown_spread: float = 1.0) 
         out, counted = queue.get(timeout=3600)
         results.update(out)
         buckets.update(counted)
+    finished.set()
     for proc in procs:
         proc.join(timeout=60)
     del server
@@ -207,6 +332,10 @@ def _figures(
 ) -> dict[str, Any]:
     joins = [r["counts"].get("join", 0) for r in results.values()]
     barriers = [r["counts"].get("barriers", 0) / len(_TAGS) for r in results.values()]
+    ways = Counter(way for r in results.values() for way in r["ways"])
+    kinds: Counter[str] = Counter()
+    for r in results.values():
+        kinds.update({k[9:]: n for k, n in r["counts"].items() if k.startswith("barriers:")})
     per_second: Counter[int] = Counter()
     for bucket, n in buckets.items():
         per_second[int(bucket * _BUCKET_S)] += n
@@ -217,6 +346,11 @@ def _figures(
         "join_requests_max": max(joins),
         "barrier_requests_mean": sum(barriers) / len(barriers),
         "barrier_requests_max": max(barriers),
+        "barriers_opened": dict(ways),  # per worker per barrier: how it learned
+        # Per worker per barrier, by kind of request.
+        "barrier_requests_by_kind": {
+            k: round(n / len(results) / len(_TAGS), 3) for k, n in sorted(kinds.items())
+        },
         "store_peak_per_s": max(per_second.values()),
         "store_requests_total": sum(buckets.values()),
         "join_after_last_arrival_s": max(r["joined"] for r in results.values())
@@ -243,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     header = ("workers", "join req/worker (max)", "barrier req/worker (max)",
               "store peak req/s", "join after last arrival (s)", "of which connect (max s)",
-              "join after last connect (s)", "shutdown (s)")  # fmt: skip
+              "join after last connect (s)", "shutdown (s)", "barriers opened",
+              "barrier requests by kind")  # fmt: skip
     print(" | ".join(header))
     for size in args.workers:
         row = run(size, args.spread, min(args.processes, size), args.shutdown_spread)
@@ -253,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['barrier_requests_mean']:.1f} ({row['barrier_requests_max']:.1f}) | "
             f"{row['store_peak_per_s']:,} | {row['join_after_last_arrival_s']:.2f} | "
             f"{row['connect_max_s']:.2f} | {row['join_after_last_connect_s']:.2f} | "
-            f"{row['shutdown_after_last_arrival_s']:.2f}",
+            f"{row['shutdown_after_last_arrival_s']:.2f} | {row['barriers_opened']} | "
+            f"{row['barrier_requests_by_kind']}",
             flush=True,
         )
     if args.json:

@@ -27,7 +27,7 @@ from asyncrpc.protocol.reflog import ForkPair
 from asyncrpc.protocol.serde import Serializer
 from asyncrpc.protocol.serde.buffers import ReceiveBuffers
 from asyncrpc.protocol.wire import Frame
-from asyncrpc.protocol.wire.messages import Cancel, Kind, Request, decode_message
+from asyncrpc.protocol.wire.messages import BarrierOpened, Cancel, Kind, Request, decode_message
 from asyncrpc.runtime.calls.dispatch import Dispatcher
 from asyncrpc.runtime.calls.outbox import Outbox
 from asyncrpc.runtime.calls.pipeline import Pipeline
@@ -39,7 +39,7 @@ from asyncrpc.runtime.feature import Feature
 from asyncrpc.runtime.futures import set_default_callback_loop
 from asyncrpc.runtime.group.events import PeerWatchers
 from asyncrpc.runtime.group.join import Group, join
-from asyncrpc.runtime.group.shutdown import GracefulShutdown, shutdown_limit
+from asyncrpc.runtime.group.shutdown import BarrierNews, GracefulShutdown, shutdown_limit
 from asyncrpc.runtime.intraop import keep_team
 from asyncrpc.runtime.lanes.client import CallerLanes
 from asyncrpc.runtime.lanes.feature import Lanes
@@ -94,6 +94,7 @@ class Agent:
         # The program's watchers of peers joining and leaving (on_peer_lost, membership(),
         # RRef.on_owner_lost, on_caller_lost).
         self.watchers = PeerWatchers()
+        self.barrier_news = BarrierNews()  # shutdown barriers peers told us are open
         group.directory.on_joined = self.watchers.on_joined
         cuda = CudaFeature(options, group.same_host)
         allocate = cuda.allocator(ReceiveBuffers().segment)  # CUDA segments: pinned memory
@@ -172,7 +173,7 @@ class Agent:
         # Frames by kind (a reply, the hot path, is tested before the table).
         self._routes: dict[int, Callable[[Any, Frame], None]] = {
             Kind.REQUEST: self._on_request, Kind.ERROR: self._on_error,
-            Kind.CANCEL: self._on_cancel,
+            Kind.CANCEL: self._on_cancel, Kind.BARRIER_OPENED: self._on_barrier_opened,
         }  # fmt: skip
         for feature in self.features:
             for hook in feature.hooks():  # after the device maps: profiling, then autograd
@@ -293,6 +294,11 @@ class Agent:
         assert conn.peer is not None
         self.dispatcher.on_cancel(conn.peer, cancel.call_id)
 
+    def _on_barrier_opened(self, conn: Connection, frame: Frame) -> None:
+        message = decode_message(frame.fields)
+        assert isinstance(message, BarrierOpened)
+        self.barrier_news.heard(message, self.group.world_size)
+
     def on_connection_lost(self, rank: int, conn: Connection, error: PeerLostError) -> None:
         """Calls written on ``conn`` may or may not have run: they fail, typed; calls still
         waiting for a connection are sent on the next one."""
@@ -352,6 +358,7 @@ class Agent:
         rounds = GracefulShutdown(
             self.group, rrefs=self.forks, liveness=self.network,
             calls_in_flight=self.calls_in_flight, requests_running=self.requests_running,
+            news=self.barrier_news,
         )  # fmt: skip
         # This worker reads no more (its streams' consumers end now), and what features
         # hold back leaves now, so the rounds wait for it like any outstanding call.

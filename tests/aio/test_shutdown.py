@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from asyncrpc.errors import ShutdownError, ShutdownTimeoutError, WorkersLostError
-from asyncrpc.runtime.group.shutdown import GracefulShutdown, shutdown_limit
+from asyncrpc.errors import (
+    RemoteProtocolError,
+    ShutdownError,
+    ShutdownTimeoutError,
+    WorkersLostError,
+)
+from asyncrpc.protocol.wire import FrameDecoder
+from asyncrpc.protocol.wire.messages import BarrierOpened, decode_message
+from asyncrpc.runtime.group.shutdown import TAGS, BarrierNews, GracefulShutdown, shutdown_limit
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(10)]
 
@@ -22,7 +30,10 @@ class ScriptedGroup:
         self.arrived: list[str] = []
         self.declared: set[int] = set()  # ranks some worker recorded as dead
         self.reads = 0
+        self.lost_reads = 0
+        self.found: list[list[int]] = []  # the addresses read (find_all), per request
         self.dynamic = False  # a static group: shutdown runs its barriers
+        self.opened_here: dict[str, bool] = {}  # it never completes a barrier itself
 
     def reach(self, tag: str) -> None:
         self.arrived.append(tag)
@@ -46,10 +57,15 @@ class ScriptedGroup:
         return True
 
     def lost_ranks(self) -> list[int]:
+        self.lost_reads += 1
         return sorted(self.declared)
 
     def declared_lost(self, ranks: list[int]) -> list[int]:
         return [r for r in ranks if r in self.declared]
+
+    def find_all(self, ranks: list[int]) -> list[Any]:
+        self.found.append(ranks)
+        return [SimpleNamespace(name=f"w{r}", rank=r) for r in ranks]
 
 
 class NoRRefs:
@@ -68,6 +84,21 @@ class NoRRefs:
         pass
 
 
+def _opened(pieces: list[Any]) -> BarrierOpened:
+    (frame,) = FrameDecoder().feed(b"".join(bytes(p) for p in pieces))
+    message = decode_message(frame.fields)
+    assert isinstance(message, BarrierOpened)
+    return message
+
+
+class CompletingGroup(ScriptedGroup):
+    """A group in which this worker's arrival is the last one, at every barrier."""
+
+    def reach(self, tag: str) -> None:
+        super().reach(tag)
+        self.opened_here[tag] = False  # nobody was counted dead
+
+
 class StubHost:
     """A worker of rank 1 in a group of 3, with nothing in flight and no RRef held: the
     parts the rounds are built from (its liveness is itself)."""
@@ -75,9 +106,10 @@ class StubHost:
     def __init__(
         self, store: ScriptedGroup, lost: set[int], connected: frozenset[int] = frozenset()
     ) -> None:
-        addresses = {1: SimpleNamespace(name="w1"), 2: SimpleNamespace(name="w2")}
+        addresses = {r: SimpleNamespace(name=f"w{r}", rank=r) for r in range(3)}
         self.group: Any = SimpleNamespace(
             store=store,
+            directory=SimpleNamespace(learn=lambda a: addresses.__setitem__(a.rank, a)),
             name="w1",
             rank=1,
             world_size=3,
@@ -88,6 +120,7 @@ class StubHost:
         self._lost = lost
         self._connected = connected
         self.probed: list[int] = []
+        self.told: list[tuple[int, BarrierOpened]] = []  # BarrierOpened frames sent
 
     def calls_in_flight(self) -> int:
         return 0
@@ -106,11 +139,15 @@ class StubHost:
         if rank not in self._connected:
             self._lost.add(rank)  # as if it refused the connection
 
+    def control(self, rank: int, pieces: list[Any], connect: bool = False) -> None:
+        assert connect  # a child never talked to is dialled
+        self.told.append((rank, _opened(pieces)))
 
-def _rounds(host: StubHost) -> GracefulShutdown:
+
+def _rounds(host: StubHost, news: BarrierNews | None = None) -> GracefulShutdown:
     return GracefulShutdown(
         host.group, rrefs=host.rrefs, liveness=host, calls_in_flight=host.calls_in_flight,
-        requests_running=host.requests_running,
+        requests_running=host.requests_running, news=news,
     )  # fmt: skip
 
 
@@ -196,11 +233,12 @@ async def test_GracefulShutdown_keeps_waiting_for_a_connected_worker_declared_de
 
 
 async def test_GracefulShutdown_without_limit_waits_until_a_slow_worker_arrives() -> None:
-    # No deadline: a live worker missing for many reads is waited for, not given up on.
-    group = ScriptedGroup(*[[2]] * 12, [])
+    # No deadline: a live worker missing for many reads is waited for, not given up on
+    # (a read per slice, as no BarrierOpened message comes: 0.5, 1, 0.5 after the probe...).
+    group = ScriptedGroup(*[[2]] * 6, [])
     rounds = _rounds(StubHost(group, lost=set(), connected=frozenset({2})))
     await rounds.run(None)
-    assert group.reads >= 12
+    assert group.reads >= 6
     assert group.arrived == ["calls-done", "users-released", "closing", "left"]
     assert rounds.dead == {}
 
@@ -222,3 +260,83 @@ async def test_shutdown_limit_zero_and_none_mean_no_limit() -> None:
     assert shutdown_limit(2) == 2.0
     with pytest.raises(ValueError, match=">= 0"):
         shutdown_limit(-1)
+
+
+async def test_GracefulShutdown_the_worker_completing_a_barrier_tells_its_children() -> None:
+    # Rank 1 of 3 completes each barrier: the root of the tree tells the two others, and
+    # waits for nobody (the store still says rank 2 is missing: it is not asked).
+    group = CompletingGroup([2])
+    host = StubHost(group, lost=set())
+    await _rounds(host).run(5.0)
+    # The tree is rooted at rank 0 (the same at every barrier): rank 1 tells the root,
+    # and its own children (none in a group of 3).
+    assert host.told == [(0, BarrierOpened(tag, 0)) for tag in TAGS]
+    assert group.reads == 0
+    assert group.lost_reads == 0  # every barrier said nobody died
+
+
+async def test_GracefulShutdown_a_worker_told_the_barrier_is_open_asks_the_store_nothing() -> None:
+    # Rank 1 is a leaf of rank 0's tree in a group of 3: it tells nobody.
+    group = ScriptedGroup([2])  # the store would say rank 2 is missing, for ever
+    news = BarrierNews()
+    for tag in TAGS:
+        news.heard(BarrierOpened(tag, 0, dead=tag == "users-released"), 3)
+    host = StubHost(group, lost=set())
+    started = time.monotonic()
+    await _rounds(host, news).run(5.0)
+    assert time.monotonic() - started < 0.5  # no slice ran out
+    assert group.reads == 0
+    assert host.told == []
+    assert group.lost_reads == 1  # a barrier said a rank was counted dead: who?
+
+
+async def test_GracefulShutdown_without_news_falls_back_to_the_store_after_a_slice() -> None:
+    group = ScriptedGroup([2], [])  # a poll at the slice's end finds the barrier open
+    host = StubHost(group, lost=set())
+    started = time.monotonic()
+    await _rounds(host).run(5.0)
+    # Each barrier waits a slice (0.5 s) for a message before it looks; the first look
+    # finds rank 2 missing, the next slice's (1 s) finds it open.
+    assert time.monotonic() - started >= 2.5
+    assert group.reads == 4
+
+
+async def test_BarrierNews_wakes_a_waiter_and_keeps_the_first_message() -> None:
+    news = BarrierNews()
+    assert await news.wait("closing", 0.01) is None
+    waiter = asyncio.ensure_future(news.wait("closing", 5.0))
+    await asyncio.sleep(0)
+    news.heard(BarrierOpened("closing", 7), 10)
+    news.heard(BarrierOpened("closing", 3, dead=True), 10)  # a second message: known
+    assert await waiter == BarrierOpened("closing", 7)
+    assert await news.wait("closing", 0.0) == BarrierOpened("closing", 7)
+
+
+@pytest.mark.parametrize(
+    ("message", "size"),
+    [
+        (BarrierOpened("left", 0), 4),  # not a barrier anyone is told of
+        (BarrierOpened("closing", 4), 4),  # no such rank
+        (BarrierOpened("closing", -1), 4),
+        (BarrierOpened("closing", 0), None),  # a dynamic group has no barriers
+    ],
+)
+async def test_BarrierNews_refuses_garbage_from_a_peer(
+    message: BarrierOpened, size: int | None
+) -> None:
+    with pytest.raises(RemoteProtocolError):
+        BarrierNews().heard(message, size)
+
+
+async def test_GracefulShutdown_reads_its_tree_parents_address_once_if_unknown() -> None:
+    # Rank 1's parent is rank 0 (it has no children in a group of 3): a first frame from
+    # rank 0 would make it look rank 0 up; read once, before the first barrier's wait.
+    group = CompletingGroup([])
+    host = StubHost(group, lost=set())
+    del host.group.addresses[0]
+    await _rounds(host).run(5.0)
+    assert group.found == [[0]]
+    assert host.group.addresses[0].name == "w0"
+    group.found.clear()
+    await _rounds(host).run(5.0)  # known now: nothing read
+    assert group.found == []

@@ -1,6 +1,7 @@
 """The rendezvous store's load, simulated (``bench/rendezvous.py``): 200 workers, real
 store clients against a real TCPStore, join and pass the shutdown barriers in a fixed
-number of requests each."""
+number of requests each (the barriers' news travels between the simulation's processes
+over queues; tests/integration/test_barrier_news.py runs it over real connections)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,22 @@ from bench import rendezvous
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_200_workers_join_in_at_most_ten_requests_and_barriers_in_two() -> None:
+def test_200_workers_join_in_at_most_ten_requests_and_barriers_in_two_at_most() -> None:
     row = rendezvous.run(200, spread=2.0, processes=2)
     assert row["workers"] == 200
     assert row["join_requests_max"] <= 10, row
     assert row["join_requests_mean"] <= 9, row
-    assert row["barrier_requests_max"] <= 20, row  # polls: as long as the barrier takes
-    assert row["barrier_requests_mean"] <= 12, row  # shutdown calls over a second
+    # Issue 38's bound: at most two store requests per worker per barrier, on average.
+    # An arrival is one add; the tree neighbours' addresses one multi_get per shutdown;
+    # a worker waiting longer than a slice (0.5 s: shutdown calls come over a second)
+    # checks the store once. The rest are the few that complete a barrier or find it
+    # open before their message comes (a check of the lost list, an address).
+    assert row["barrier_requests_mean"] <= 2.0, row
+    assert row["barrier_requests_max"] <= 5, row  # a worker that waited for a slow one
+    by_kind = row["barrier_requests_by_kind"]
+    assert by_kind["add"] <= 1.05, by_kind  # one per arrival, and a few full blocks
+    assert by_kind["multi_get"] <= 1 / 3, by_kind  # the neighbours, once per shutdown
+    # Most workers learn that a barrier opened from a message, not from the store.
+    opened = row["barriers_opened"]
+    assert sum(opened.values()) == 3 * 200, opened
+    assert opened.get("told", 0) >= 0.9 * 3 * 200, opened

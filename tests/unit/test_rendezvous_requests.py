@@ -160,11 +160,11 @@ def test_a_missing_rank_is_named_on_every_member() -> None:
 
 
 @pytest.mark.parametrize("size", [8, 64, 200])
-def test_a_barrier_costs_a_few_requests_of_n_over_62_keys(size: int) -> None:
-    # An arrival is one add (its rank's bit); a poll is one check of the blocks' "full"
-    # keys (the store looks up N / 62 keys, not N); the arrival that fills a block of 62
-    # sets its key. The polls back off from 5 ms: their count depends on how long the
-    # barrier takes, not on the group's size.
+def test_a_barrier_costs_an_add_and_one_worker_knows_it_completed_it(size: int) -> None:
+    # An arrival is one add (its rank's bit); the arrival that fills a block of 62 adds
+    # one to the count of full blocks, and the one that fills the last block sets the
+    # "open" key and is the only one to know it opened the barrier (it tells the others
+    # over peer connections: shutdown.py). Here nobody tells: the others poll the one key.
     store = dist.HashStore()
     groups = [StoreGroup(_Counted(store), r, size) for r in range(size)]
     gate = threading.Barrier(size)
@@ -176,13 +176,29 @@ def test_a_barrier_costs_a_few_requests_of_n_over_62_keys(size: int) -> None:
 
     with ThreadPoolExecutor(size) as pool:
         assert all(pool.map(pass_barrier, groups))
-    counts = [g.store.inner.total for g in groups]
     blocks = (size + 61) // 62
-    assert max(counts) <= 12, counts
-    assert sum(g.store.inner.requests["add"] for g in groups) == size
-    assert sum(g.store.inner.requests["set"] for g in groups) == blocks
+    assert sum(g.store.inner.requests["add"] for g in groups) == size + blocks
+    assert sum(g.store.inner.requests["set"] for g in groups) == 1
+    assert sum("closing" in g.opened_here for g in groups) == 1
     named = {n for g in groups for n in g.store.inner.keys_named}
-    assert named == {blocks}, named
+    assert named == {1}, named  # a poll names one key, whatever the size
+
+
+def test_the_last_arrival_opens_the_barrier_and_costs_two_more_requests() -> None:
+    store = dist.HashStore()
+    size = 70  # two blocks
+    groups = [StoreGroup(_Counted(store), r, size) for r in range(size)]
+    for group in groups[:-1]:
+        group.arrive("calls-done")
+        assert group.opened_here == {}
+    last = groups[-1]
+    assert not last.await_arrivals("calls-done", list(range(size)), 0.0)
+    before = last.store.inner.total
+    last.arrive("calls-done")
+    # Its add, the count of full blocks, the "open" key.
+    assert last.store.inner.total - before == 3
+    assert last.opened_here == {"calls-done": False}  # nobody was counted dead
+    assert groups[0].await_arrivals("calls-done", list(range(size)), 0.0)
 
 
 def test_a_dead_rank_is_counted_once_and_opens_the_barrier() -> None:
@@ -200,7 +216,9 @@ def test_a_dead_rank_is_counted_once_and_opens_the_barrier() -> None:
     assert groups[0].missing("closing") == [5]
     # Rank 5 was thought dead but arrives: counted once, its bits not carried over.
     assert groups[3].count_dead("closing", 5)
+    assert groups[3].opened_here == {"closing": True}  # its count filled the last block
     groups[5].arrive("closing")
+    assert groups[5].opened_here == {}
     assert groups[0].missing("closing") == []
     assert groups[0].await_arrivals("closing", list(range(size)), 1.0)
     assert not groups[1].count_dead("closing", 63)  # arrived: not counted again

@@ -9,6 +9,7 @@ import pytest
 
 from asyncrpc.errors import RemoteProtocolError
 from asyncrpc.protocol.wire.messages import (
+    BarrierOpened,
     CallMode,
     ErrorReply,
     Hello,
@@ -95,6 +96,19 @@ def test_decode_message_shm_roundtrips_and_rejects_malformed() -> None:
         [Kind.SHM, ShmOp.RELEASE, [1, "2"]],  # not integers
         [Kind.SHM, ShmOp.RELEASE, [True]],  # a bool is not an id
         [Kind.SHM, ShmOp.RELEASE],  # missing
+    ):
+        with pytest.raises(RemoteProtocolError):
+            decode_message(bad)
+
+
+def test_decode_message_barrier_opened_roundtrips_and_rejects_malformed() -> None:
+    for message in (BarrierOpened("closing", 0), BarrierOpened("calls-done", 999, True)):
+        assert decode_message(message.to_fields()) == message
+    for bad in (
+        [Kind.BARRIER_OPENED, "closing", 0],  # whether a rank died: missing
+        [Kind.BARRIER_OPENED, "closing", True, False],  # a bool is not a rank
+        [Kind.BARRIER_OPENED, 3, 0, False],  # the tag is a str
+        [Kind.BARRIER_OPENED, "closing", 0, 1],  # dead is a bool
     ):
         with pytest.raises(RemoteProtocolError):
             decode_message(bad)

@@ -19,6 +19,7 @@ __all__ = [
     "ACK_WANTED",
     "Ack",
     "Auth",
+    "BarrierOpened",
     "CallMode",
     "Cancel",
     "ErrorReply",
@@ -67,6 +68,8 @@ class Kind(IntEnum):
     ACK = 18
     # Closing a connection both sides have left idle (asyncrpc/runtime/net/idle.py).
     IDLE = 19
+    # A graceful shutdown's barrier is open (asyncrpc/runtime/group/shutdown.py).
+    BARRIER_OPENED = 20
 
 
 class CallMode(IntEnum):
@@ -285,6 +288,19 @@ class Goodbye:
 
 
 @dataclass(frozen=True, slots=True)
+class BarrierOpened:
+    """Every worker reached the shutdown barrier ``tag``: passed down a tree of workers
+    rooted at ``root``. ``dead``: some rank was counted dead there (read who)."""
+
+    tag: str
+    root: int
+    dead: bool = False
+
+    def to_fields(self) -> list[Any]:
+        return [Kind.BARRIER_OPENED, self.tag, self.root, self.dead]
+
+
+@dataclass(frozen=True, slots=True)
 class Ping:
     """Are you alive? (sent on an idle connection; answered with a Pong at once)."""
 
@@ -338,6 +354,7 @@ Message = (
     | ShmMessage
     | Ack
     | Idle
+    | BarrierOpened
 )
 
 
@@ -487,4 +504,5 @@ _DECODERS: dict[int, Any] = {
     Kind.SHM: _decode_shm,
     Kind.ACK: lambda f: Ack(_int(f[1])),
     Kind.IDLE: lambda f: Idle(_bool(f[1])),
+    Kind.BARRIER_OPENED: lambda f: BarrierOpened(_str(f[1]), _int(f[2]), _bool(f[3])),
 }

@@ -1,11 +1,12 @@
-"""Store barriers, and the store requests of a graceful shutdown (layer L2).
+"""Store barriers, and the store requests of a graceful shutdown (layer L2.3).
 
-A barrier's arrivals are bits of one counter per 62 ranks: an arrival is one ``add``, and
-a static group's waiter polls the blocks' "full" keys with ``check`` (one request naming
-N / 62 keys, not N), backing off from 5 ms to 250 ms. A dead rank is counted once, by the
-first survivor to set its bit. A wait is cut in slices, so the shutdown can look at the
-workers still missing: they are the clear bits, read in two requests. (A start-up gate is
-a store ``wait``: ``wait_for``.)
+A barrier's arrivals are bits of one counter per 62 ranks: an arrival is one ``add``. The
+arrival that fills a block adds one to a counter of full blocks, and the one that fills
+the last block knows it completed the barrier: it sets the barrier's "open" key and (in
+``shutdown.py``) tells the others down a tree of peer connections. A waiter checks the
+one "open" key only as a fallback (a lost message). A dead rank is counted once, by the
+first survivor to set its bit. Who is missing is the clear bits, read in two requests.
+(A start-up gate is a store ``wait``: ``wait_for``.)
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ _POLL_S = 0.25
 _LOST_LIST = _PREFIX + "lost_list"
 # Ranks per barrier counter: their bits fit a signed 64-bit value (torch's ``add``).
 _BLOCK = 62
+# The count of a barrier's full blocks is in the low 32 bits of its counter; counting a
+# dead rank adds _DEAD_FLAG (the high bits say some rank died).
+_COUNT_MASK = (1 << 32) - 1
+_DEAD_FLAG = 1 << 32
 
 
 def timed_out(exc: BaseException) -> bool:
@@ -64,6 +69,9 @@ class StoreBarriers:
 
     def __init__(self, store: QuietStore) -> None:
         self.store = store
+        # The barriers this worker's own arrival or count completed (it tells the others),
+        # each with whether some rank was counted dead there.
+        self.opened_here: dict[str, bool] = {}
 
     # -- waiting ---------------------------------------------------------------------------
 
@@ -114,18 +122,18 @@ class StoreBarriers:
     # -- barriers --------------------------------------------------------------------------
     # A barrier's arrivals are bits of a few counters: rank r adds 1 << (r % 62) to the
     # counter of block r // 62, one ``add`` that both counts it and says who it is (the
-    # value is the block's arrivals). The arrival that fills a block sets the block's
-    # "full" key, and a static group's waiters poll every block's with one ``check``: the
-    # store looks up N / 62 keys per poll, not N. A dead rank is
-    # counted once, by whichever survivor sets its bit first (compare-and-set, only when
-    # the bit is clear), so the barrier opens for the survivors; who is missing is the
-    # clear bits (one read per block, only when probing).
+    # value is the block's arrivals). The arrival that fills a block adds one to the
+    # counter of full blocks; the one that brings it to N / 62 completed the barrier and
+    # sets the "open" key, which waiters check only when no message told them (one key,
+    # one request). A dead rank is counted once, by whichever survivor sets its bit first
+    # (compare-and-set, only when the bit is clear), so the barrier opens for the
+    # survivors; who is missing is the clear bits (one read per block, only when probing).
 
     def _counter(self, tag: str, block: int) -> str:
         return f"{_PREFIX}barrier/{tag}/{block}"
 
-    def _full_key(self, tag: str, block: int) -> str:
-        return f"{_PREFIX}barrier/{tag}/full/{block}"
+    def _open_key(self, tag: str) -> str:
+        return f"{_PREFIX}barrier/{tag}/open"
 
     def _full_mask(self, block: int) -> int:
         """Every bit of ``block``'s ranks (static; the last block may be shorter)."""
@@ -133,14 +141,24 @@ class StoreBarriers:
         count = min(_BLOCK, self.world_size - block * _BLOCK)
         return (1 << count) - 1
 
+    def _blocks_key(self, tag: str) -> str:
+        return f"{_PREFIX}barrier/{tag}/blocks"
+
     def _filled(self, tag: str, block: int, mask: int) -> None:
-        """Set ``block``'s full key if ``mask`` holds all its ranks (static groups)."""
-        if self.world_size is not None and mask == self._full_mask(block):
-            self.store.set(self._full_key(tag, block), b"1")
+        """If ``mask`` holds all of ``block``'s ranks (static groups), count the block
+        full; the count that fills the last block opens the barrier, here."""
+        if self.world_size is None or mask != self._full_mask(block):
+            return
+        blocks = (self.world_size + _BLOCK - 1) // _BLOCK
+        count = self.store.add(self._blocks_key(tag), 1)
+        if count & _COUNT_MASK == blocks:
+            self.store.set(self._open_key(tag), b"1")
+            self.opened_here[tag] = count > _COUNT_MASK
 
     def arrive(self, tag: str) -> None:
-        """Mark this rank as having reached barrier ``tag``: one ``add`` (and one ``set``
-        for the arrival that fills its block)."""
+        """Mark this rank as having reached barrier ``tag``: one ``add`` (and one more
+        for the arrival that fills its block, one ``set`` for the one that fills the last
+        block: ``opened_here`` then holds ``tag``)."""
         block, bit = divmod(self.rank, _BLOCK)
         key = self._counter(tag, block)
         mask = self.store.add(key, 1 << bit)
@@ -156,6 +174,10 @@ class StoreBarriers:
         was counted) already; whether this call counted it. A few requests (rare)."""
         block, bit = divmod(rank, _BLOCK)
         key = self._counter(tag, block)
+        # Flagged before the bit is set, so the flag is in the count of full blocks when
+        # the last one fills: whoever completes the barrier says some rank died, and only
+        # then do the others read the list of the lost (a spare flag costs them a read).
+        self.store.add(self._blocks_key(tag), _DEAD_FLAG)
         for _ in range(1000):  # bounded: each failed swap means another rank was counted
             mask = self.store.add(key, 0)
             if mask >> bit & 1:
@@ -176,27 +198,24 @@ class StoreBarriers:
 
     def await_arrivals(self, tag: str, ranks: list[int], seconds: float) -> bool:
         """Wait at most ``seconds`` until every rank in ``ranks`` has reached barrier
-        ``tag``; whether they have. A static group waits for the whole world, in one
-        request: the ranks left out of ``ranks`` are the dead, which the caller counted
-        (``count_dead``). A dynamic group polls the counters of ``ranks``.
+        ``tag``; whether they have (asked at least once, so ``seconds`` 0 is one look). A
+        static group polls the barrier's one "open" key: the ranks left out of ``ranks``
+        are the dead, which the caller counted (``count_dead``). A dynamic group polls the
+        counters of ``ranks``.
 
         Raises:
             ShutdownError: the store is unreachable.
         """
         if self.world_size is None:
             return self._store_op(lambda: _poll_until(lambda: not self._clear(tag, ranks), seconds))
-        blocks = range((self.world_size + _BLOCK - 1) // _BLOCK)
-        keys = [self._full_key(tag, b) for b in blocks]
-        # Polled, not a store ``wait``: with waits in the shutdown's barriers the store's
-        # host process aborted at exit ("terminate called without an active exception")
-        # in 2 of 2 runs of tests/integration/test_ddp.py with waits in slices, and in 1
-        # of 4 with one wait without limit per barrier (its other requests on a second
-        # connection), though no start-up gate's wait ever did. A wait that returns on
-        # an executor thread while the interpreter finalizes does that (Python 3.11
-        # unwinds the thread through torch's C++: std::terminate); a check does not.
-        # And a wait holds the worker's one store connection: a member's address read
-        # meanwhile queues behind it (docs/scale.md).
-        return self._store_op(lambda: _poll_until(lambda: self.store.check(keys), seconds))
+        # One key, polled, not a store ``wait``: a wait that returns on an executor
+        # thread while the interpreter finalizes aborts the process (Python 3.11 unwinds
+        # the thread through torch's C++: std::terminate; ``python -m
+        # bench.store_wait_exit``), and a wait holds the worker's one store connection (a
+        # member's address read meanwhile queues behind it). The shutdown polls only
+        # when no BarrierOpened message came (docs/scale.md).
+        key = [self._open_key(tag)]
+        return self._store_op(lambda: _poll_until(lambda: self.store.check(key), seconds))
 
     def _clear(self, tag: str, ranks: list[int]) -> list[int]:
         """Those of ``ranks`` whose bit is clear: two requests when every block they fall

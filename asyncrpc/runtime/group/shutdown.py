@@ -7,6 +7,11 @@ close. As in torch, the rounds wait without limit by default: a worker that call
 ``shutdown()`` right after joining serves its peers for as long as they run. A bound is
 opt-in (``ShutdownTimeoutError`` names where it comes from).
 
+A barrier's news travels over peer connections, not the store: the worker whose
+arrival completes it sends ``BarrierOpened`` down a tree of workers (``tree.py``), and a
+waiter asks the store only when no message came within a slice (a dead parent, a lost
+frame): an arrival and, mostly, nothing else (docs/scale.md).
+
 A worker that died is left out: a barrier stops waiting for a missing worker once it is
 declared lost (its connection broke and redials were refused, its heartbeats stopped), so
 the survivors finish together. A worker still missing after ``PROBE_AFTER_S`` is probed
@@ -26,15 +31,31 @@ members still there to leave, as in a static group.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from asyncrpc.errors import ShutdownError, ShutdownTimeoutError, WorkersLostError
+from asyncrpc.errors import (
+    RemoteProtocolError,
+    ShutdownError,
+    ShutdownTimeoutError,
+    WorkersLostError,
+)
+from asyncrpc.protocol.wire import encode_frame
+from asyncrpc.protocol.wire.messages import BarrierOpened
 from asyncrpc.runtime.group.join import Group
+from asyncrpc.runtime.group.tree import neighbours, recipients
 
-__all__ = ["PROBE_AFTER_S", "GracefulShutdown", "Liveness", "Releasing", "shutdown_limit"]
+__all__ = [
+    "PROBE_AFTER_S",
+    "BarrierNews",
+    "GracefulShutdown",
+    "Liveness",
+    "Releasing",
+    "shutdown_limit",
+]
 _log = logging.getLogger(__name__)
 _POLL_S = 0.005
 # A wait polls fast at first (a healthy group's barriers take milliseconds), then backs
@@ -46,11 +67,19 @@ _MAX_POLL_S = 0.25
 # space out to _MAX_PROBE_S. A barrier waits in slices that grow to _MAX_SLICE_S, so
 # that a worker serving its peers for hours from inside shutdown() sends the store a
 # request every two seconds (and its other store requests wait behind a slice at most:
-# barriers.py), and sees its own verdicts on lost peers within a slice.
+# barriers.py), and sees its own verdicts on lost peers within a slice. A slice is also
+# how long a waiter trusts the BarrierOpened messages before it checks the store once: in
+# a healthy group they come within milliseconds of the last arrival.
 PROBE_AFTER_S = 1.0
 _MAX_PROBE_S = 8.0
 _FIRST_SLICE_S = 0.5
 _MAX_SLICE_S = 2.0
+# The graceful shutdown's barriers, in order ("left" is only rank 0's wait).
+TAGS = ("calls-done", "users-released", "closing")
+# The root of every barrier's tree: the same tree each time, so that a worker connects to
+# the same three peers at most, whose addresses it reads once (_meet_neighbours). The
+# worker that completes a barrier tells rank 0, which every worker knows from the join.
+_ROOT = 0
 
 
 def shutdown_limit(timeout: float | None) -> float | None:
@@ -97,6 +126,41 @@ class Liveness(Protocol):
     def probe(self, rank: int) -> None:
         """Dial ``rank`` if not connected: it is declared lost if it refuses (no wait)."""
 
+    def control(self, rank: int, pieces: list[Any], connect: bool = False) -> None:
+        """Write a bookkeeping frame to ``rank``, connecting first when ``connect``."""
+
+
+class BarrierNews:
+    """The ``BarrierOpened`` messages this worker received, the first one per barrier;
+    on the agent's loop."""
+
+    def __init__(self) -> None:
+        self._messages: dict[str, BarrierOpened] = {}
+        self._heard: dict[str, asyncio.Event] = {}
+
+    def heard(self, message: BarrierOpened, size: int | None) -> None:
+        """Take ``message`` from a peer of a group of ``size`` workers.
+
+        Raises:
+            RemoteProtocolError: it names no shutdown barrier, or a root outside the group
+                (the peer sent garbage).
+        """
+        if message.tag not in TAGS or size is None or not 0 <= message.root < size:
+            raise RemoteProtocolError(f"no such barrier of {size} workers: {message!r}")
+        self._messages.setdefault(message.tag, message)
+        self._event(message.tag).set()
+
+    def _event(self, tag: str) -> asyncio.Event:
+        return self._heard.setdefault(tag, asyncio.Event())
+
+    async def wait(self, tag: str, seconds: float) -> BarrierOpened | None:
+        """The message that told this worker ``tag`` is open, waiting at most ``seconds``
+        for it; None if none came. Cancelling it only stops the wait."""
+        if tag not in self._messages:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._event(tag).wait(), seconds)
+        return self._messages.get(tag)
+
 
 class _Clock:
     """The deadline of one shutdown: none, or ``limit`` seconds from its start."""
@@ -127,15 +191,21 @@ class GracefulShutdown:
         liveness: which workers are lost or connected, and dialling them.
         calls_in_flight: how many calls this worker still waits for.
         requests_running: how many requests it still runs for others.
+        news: the ``BarrierOpened`` messages received (the agent's; a new one by default).
 
-    ``dead`` names the workers it stopped waiting for because they died, by rank.
+    ``dead`` names the workers it stopped waiting for because they died, by rank;
+    ``opened`` says how each barrier opened here ("told by a peer", "completed here",
+    "found open in the store").
     """
 
     def __init__(
         self, group: Group, *, rrefs: Releasing, liveness: Liveness,
         calls_in_flight: Callable[[], int], requests_running: Callable[[], int],
+        news: BarrierNews | None = None,
     ) -> None:  # fmt: skip
         self._group, self._rrefs, self._liveness = group, rrefs, liveness
+        self._news = BarrierNews() if news is None else news
+        self.opened: dict[str, str] = {}  # how each barrier opened here (tests, logs)
         self._calls_in_flight, self._requests_running = calls_in_flight, requests_running
         self.dead: dict[int, str] = {}
 
@@ -161,7 +231,6 @@ class GracefulShutdown:
         rrefs.report_leaks()
         await _until(lambda: self._requests_running() == 0, clock, "requests it runs")
         await self._barrier("closing", clock)
-        await self._adopt_verdicts()
         await self._release_store(clock)
 
     def report_dead(self, policy: str) -> None:
@@ -192,6 +261,8 @@ class GracefulShutdown:
         await self._release_store(clock)
 
     async def _barrier(self, tag: str, clock: _Clock) -> None:
+        # Longer than 40 lines: the one loop of a barrier's wait (news, store, verdicts,
+        # probes, the clock) reads best in one place.
         store = self._group.store
         size = self._group.world_size
         if size is None or size <= 1:
@@ -199,14 +270,33 @@ class GracefulShutdown:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, store.reach, tag)
         await self._count_dead(tag, sorted(self.dead))  # known dead from earlier rounds
+        if tag == TAGS[0]:
+            await self._meet_neighbours(size)
         waiting = [r for r in range(size) if r not in self.dead]
         slice_s, probe_every = _FIRST_SLICE_S, PROBE_AFTER_S
         probe_at = time.monotonic() + probe_every
         while True:  # bounded by the clock, or by every live worker arriving
-            # Polls of one request each, until they have all arrived (or were counted
-            # dead) or the slice ends.
+            if tag in store.opened_here:  # this worker's arrival (or count) completed it
+                dead = store.opened_here[tag]
+                if dead:
+                    await self._adopt_verdicts()
+                self._tell(BarrierOpened(tag, _ROOT, dead), first=True)
+                self._opened(tag, "completed here")
+                return
+            # A message down the tree, or else (a dead parent, a lost frame) one look at
+            # the store at the slice's end.
             seconds = max(0.0, clock.within(slice_s) - time.monotonic())
-            if await loop.run_in_executor(None, store.await_arrivals, tag, waiting, seconds):
+            message = await self._news.wait(tag, seconds)
+            if message is not None:
+                if message.dead:
+                    # A rank was counted dead there: learn which now (one request), to
+                    # tell its children in its place and count it at the next barriers.
+                    await self._adopt_verdicts()
+                self._tell(message)
+                self._opened(tag, "told by a peer")
+                return
+            if await loop.run_in_executor(None, store.await_arrivals, tag, waiting, 0.0):
+                await self._found_open(tag)
                 return
             # This worker's own verdicts cost no store request (unless one is lost).
             await self._set_aside_lost(tag, waiting)
@@ -218,7 +308,8 @@ class GracefulShutdown:
                 # Which workers are missing is read only now and then (a read per 62
                 # ranks): to dial them, and to adopt other survivors' verdicts.
                 waiting = await self._waiting_for(tag, waiting)
-                if not waiting:
+                if not waiting and tag not in store.opened_here:
+                    await self._found_open(tag)
                     return
                 await self._probe(tag, waiting)
                 probe_every = min(probe_every * 2, _MAX_PROBE_S)
@@ -226,6 +317,53 @@ class GracefulShutdown:
                 slice_s = _FIRST_SLICE_S  # a refused dial's verdict comes in milliseconds
                 continue
             slice_s = min(slice_s * 2, _MAX_SLICE_S)
+
+    def _opened(self, tag: str, how: str) -> None:
+        self.opened[tag] = how
+        _log.debug("worker %r: barrier %r open: %s", self._group.name, tag, how)
+
+    async def _meet_neighbours(self, size: int) -> None:
+        """Read the addresses of this worker's parent and children in the tree, those it
+        does not know, in one request: a first frame between two workers that never
+        talked would cost each a look-up (the dial's and the Hello's), per peer."""
+        group = self._group
+        unknown = [r for r in neighbours(group.rank, _ROOT, size) if r not in group.addresses]
+        if not unknown:
+            return
+        store, loop = group.store, asyncio.get_running_loop()
+        try:
+            found = await loop.run_in_executor(None, store.find_all, unknown)
+        except (RuntimeError, OSError) as exc:
+            raise store.unreachable(exc) from exc
+        for address in found:
+            group.directory.learn(address)
+
+    async def _found_open(self, tag: str) -> None:
+        """Barrier ``tag`` was found open in the store, no message having come (a dead
+        parent, a frame still on its way): learn who died (one request; nobody said) and
+        tell this worker's children all the same, as its parent would have."""
+        lost = await self._adopt_verdicts()
+        self._tell(BarrierOpened(tag, _ROOT, bool(lost)))
+        self._opened(tag, "found open in the store")
+
+    def _tell(self, message: BarrierOpened, first: bool = False) -> None:
+        """Pass on ``message`` (a barrier is open): to this worker's children in the tree
+        rooted at ``message.root``, skipping the dead (their children are told); when
+        this worker completed the barrier (``first``), to the root only (the tree stays
+        the same at every barrier: each pair of workers connects once)."""
+        size = self._group.world_size
+        assert size is not None
+        pieces = encode_frame(message.to_fields(), b"")
+        me = self._group.rank
+        if first and me != message.root:
+            told = [message.root]
+        else:
+            told = recipients(me, message.root, size, self.dead)
+        for rank in told:
+            # Connecting if need be: a parameter-server job's workers may never have
+            # talked. A frame lost to a dying peer is the fallback's: its subtree looks
+            # at the store after a slice.
+            self._liveness.control(rank, pieces, connect=True)
 
     async def _count_dead(self, tag: str, ranks: list[int]) -> None:
         """Count the dead ``ranks`` at barrier ``tag`` (once, whoever counts first), so
@@ -247,8 +385,10 @@ class GracefulShutdown:
         still = set(await loop.run_in_executor(None, store.missing, tag, lost))
         for rank in (r for r in lost if r in still):
             await self._set_aside(rank, tag)
-            await self._count_dead(tag, [rank])
+            # Named before it is counted: whoever the count lets through (the count flags
+            # the barrier as having a dead rank) then finds it in the list.
             await loop.run_in_executor(None, store.declare_lost, rank)
+            await self._count_dead(tag, [rank])
 
     async def _waiting_for(self, tag: str, among: list[int]) -> list[int]:
         """The live workers of ``among`` that have not reached barrier ``tag``; the dead
@@ -270,14 +410,17 @@ class GracefulShutdown:
                 await self._set_aside(rank, "declared lost by another worker")
                 await self._count_dead(tag, [rank])
 
-    async def _adopt_verdicts(self) -> None:
-        """Learn the dead that other survivors counted: the barriers opened for this
-        worker without it finding them dead itself (one request when none died)."""
+    async def _adopt_verdicts(self) -> list[int]:
+        """Learn the dead that other survivors counted (a barrier may open for this worker
+        without it finding them dead itself); all the ranks declared lost. One request
+        when none died. Read only when a barrier's message says some rank was counted
+        dead there, or a barrier opened without a message."""
         loop = asyncio.get_running_loop()
-        lost = await loop.run_in_executor(None, self._group.store.lost_ranks)
+        lost: list[int] = await loop.run_in_executor(None, self._group.store.lost_ranks)
         for rank in lost:
             if rank not in self.dead:
                 await self._set_aside(rank, "declared lost by another worker")
+        return lost
 
     async def _set_aside(self, rank: int, why: str) -> None:
         name = await self._name(rank)
