@@ -48,6 +48,8 @@ COUNTERS: frozenset[str] = frozenset(
         "lane_calls",
         "lanes_served",
         "lane_requests_served",
+        "lane_polls",
+        "lane_poll_hits",
         "forks_undelivered",
         "forks_queried",
     }

@@ -152,6 +152,7 @@ class Agent:
             options.max_frame_size, options.handshake_timeout, self._lane_serializer,
             small=options.shm_threshold if options.shared_memory else 1 << 20,
             enabled=options.sync_lanes > 0 and group.tls is None,
+            busy_poll=options.busy_poll_us / 1e6,
             # forks a lane carried before it died (any thread): their owner is asked
             in_doubt=partial(self.loop.run_on_loop, forks.query_forks),
         )  # fmt: skip
@@ -163,7 +164,7 @@ class Agent:
             group.name, group.rank, group.key, options.max_frame_size, options.handshake_timeout,
             LaneRoster.of(group.addresses, self.network.is_lost), self._lane_serializer,
             self.pipeline, self.dispatcher, self.forks, self.loop.run_on_loop,
-            options.print_errors,
+            options.print_errors, options.busy_poll_us / 1e6,
         )  # fmt: skip
 
     def _plug(self, features: Sequence[Feature]) -> None:

@@ -50,6 +50,7 @@ def _options(args: argparse.Namespace) -> asyncrpc.RpcBackendOptions:
         device_maps=_device_maps(args.device_map),
         cuda_transfer=args.cuda_transfer,
         sync_lanes=args.sync_lanes,
+        busy_poll_us=args.busy_poll_us,
         **({} if args.max_frame_size is None else {"max_frame_size": args.max_frame_size}),
     )
 
@@ -106,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shared-memory", type=int, choices=(0, 1), default=1)
     parser.add_argument("--shm-arena-bytes", type=int, default=1 << 30)
     parser.add_argument("--sync-lanes", type=int, default=64, help="0 turns lanes off")
+    parser.add_argument(
+        "--busy-poll-us", type=int, default=0, help="lane polling before sleeping (µs)"
+    )
     parser.add_argument(
         "--device-map",
         action="append",

@@ -318,6 +318,33 @@ def test_Lanes_off_on_either_side_means_every_call_takes_the_loop(
     assert codes == [0]
 
 
+def test_Lanes_busy_poll_answers_as_without_it(tmp_path: Path) -> None:
+    # Both sides poll their lanes (2 ms): replies that come within the poll, one that
+    # comes after it (the reader then sleeps as without polling), a remote error.
+    init = f"tcp://127.0.0.1:{free_port()}"
+    workers = [spawn_worker("w1", 1, 2, init, log_dir=tmp_path, shutdown_timeout=30.0,
+                            extra_args=["--busy-poll-us", "2000"])]  # fmt: skip
+    driver = scenarios.start("busy_poll", "--init-method", init, "--busy-poll-us", "2000")
+    try:
+        code, obs = driver.result(60.0)
+    finally:
+        driver.kill()
+        codes = stop_workers(workers, timeout=30.0)
+    assert code == 0, driver.text()
+    assert obs["values"] == list(range(1, 51))
+    assert obs["slow"]["value"] == "slept", obs["slow"]
+    assert obs["error"]["error"]["type"] == "KeyError", obs["error"]
+    assert obs["after"] == 5
+    assert obs["lane_calls"] >= 50  # they went on the thread's lane, where polling is
+    # The driver polled for its replies: the quick ones came within the poll, the 50 ms
+    # one did not (its thread slept); w1's lane thread polled for the next requests.
+    assert obs["lane_polls"] >= 50
+    assert 0 < obs["lane_poll_hits"] < obs["lane_polls"]
+    assert obs["w1"]["lane_polls"] >= 50
+    assert obs["shutdown"]["error"] is None
+    assert codes == [0]
+
+
 def test_Lanes_carry_calls_inside_a_distributed_autograd_context(group: Group) -> None:
     # The autograd hook is lane-safe: a forward inside a context takes the thread's lane,
     # the callee records it in the context on its lane thread, and the backward reaches

@@ -67,3 +67,24 @@ def lanes_off(args: argparse.Namespace) -> int:
     obs["shutdown"] = attempt(asyncrpc.shutdown)
     report(obs)
     return 0
+
+
+@scenario("busy_poll", option("--busy-poll-us", type=int, default=2000), world_size=2)
+def busy_poll(args: argparse.Namespace) -> int:
+    """Rank 0 of {driver, w1}, both polling their lanes for ``--busy-poll-us``: replies
+    that come within the poll, one that comes after it (a 50 ms call), a remote error,
+    and the thread's CPU time per call, which counts the polling."""
+    opts = options(args, busy_poll_us=args.busy_poll_us)
+    asyncrpc.init_rpc("driver", rank=0, world_size=2, rpc_backend_options=opts)
+    cpu = time.thread_time()
+    values = [asyncrpc.rpc_sync("w1", fns.add, args=(i, 1)) for i in range(50)]
+    obs: Observations = {"values": values, "cpu_per_call": (time.thread_time() - cpu) / 50}
+    obs["slow"] = attempt(lambda: asyncrpc.rpc_sync("w1", fns.sleep, args=(0.05,)))
+    obs["error"] = attempt(lambda: asyncrpc.rpc_sync("w1", fns.raise_key_error, args=("k",)))
+    obs["after"] = asyncrpc.rpc_sync("w1", fns.add, args=(2, 3))
+    metrics = asyncrpc.get_metrics()
+    obs.update({key: metrics[key] for key in ("lane_calls", "lane_polls", "lane_poll_hits")})
+    obs["w1"] = {key: asyncrpc.rpc_sync("w1", fns.metrics)[key] for key in ("lane_polls",)}
+    obs["shutdown"] = attempt(asyncrpc.shutdown)
+    report(obs)
+    return 0

@@ -166,6 +166,14 @@ def test_RpcBackendOptions_checks_the_stream_windows() -> None:
         RpcBackendOptions(stream_window=0)
 
 
+def test_RpcBackendOptions_checks_busy_poll() -> None:
+    assert RpcBackendOptions().busy_poll_us == 0  # off unless asked for
+    assert RpcBackendOptions(busy_poll_us=500).busy_poll_us == 500
+    for bad in (-1, 1.5, True, 10_001):
+        with pytest.raises(errors.InitError):
+            RpcBackendOptions(busy_poll_us=bad)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     "exc",
     [

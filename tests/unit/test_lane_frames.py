@@ -88,6 +88,50 @@ def test_BlockingFrames_deadlines_of_any_length_follow_each_other(pair: tuple[An
         assert decode_message(right.read(time.monotonic() + 5).fields) == Ack(call)
 
 
+def test_BlockingFrames_poll_reads_a_frame_that_comes_within_it(pair: tuple[Any, Any]) -> None:
+    left, right = pair
+    right.spin = 5.0  # long: the frame comes well within it
+    writer = threading.Timer(0.05, lambda: left.write(encode_frame(Ack(5).to_fields(), b"")))
+    writer.start()
+    try:
+        assert decode_message(right.read(time.monotonic() + 10).fields) == Ack(5)
+    finally:
+        writer.join()
+    assert (right.polls, right.poll_hits) == (1, 1)
+
+
+def test_BlockingFrames_poll_then_sleeps_for_a_late_frame(pair: tuple[Any, Any]) -> None:
+    left, right = pair
+    right.spin = 0.01
+    writer = threading.Timer(0.2, lambda: left.write(encode_frame(Ack(6).to_fields(), b"")))
+    writer.start()
+    try:
+        assert decode_message(right.read(time.monotonic() + 10).fields) == Ack(6)
+    finally:
+        writer.join()
+    assert (right.polls, right.poll_hits) == (1, 0)
+    left.write(encode_frame(Ack(7).to_fields(), b"x" * 100_000))  # in pieces, polled
+    assert decode_message(right.read(time.monotonic() + 10).fields) == Ack(7)
+    assert right.polls == 2
+
+
+def test_BlockingFrames_poll_keeps_the_deadline(pair: tuple[Any, Any]) -> None:
+    _, right = pair
+    right.spin = 5.0
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        right.read(started + 0.1)
+    assert time.monotonic() - started < 2.0  # the deadline, not the poll's 5 s
+
+
+def test_BlockingFrames_poll_sees_the_peer_close(pair: tuple[Any, Any]) -> None:
+    left, right = pair
+    right.spin = 5.0
+    threading.Timer(0.05, left.sock.close).start()
+    with pytest.raises(ConnectionLostError):
+        right.read(time.monotonic() + 10)
+
+
 def test_BlockingFrames_close_wakes_a_blocked_reader(pair: tuple[Any, Any]) -> None:
     _, right = pair
     errors: list[BaseException] = []

@@ -49,7 +49,7 @@ from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import ACK_WANTED, Ack, Cancel, Kind, optional_headers
 from asyncrpc.runtime.calls.outbox import EncodedRequest, Observed
 from asyncrpc.runtime.calls.pipeline import Pipeline
-from asyncrpc.runtime.lanes.frames import BlockingFrames, Unsent
+from asyncrpc.runtime.lanes.frames import FIGURES, BlockingFrames, Unsent, figures, retire
 from asyncrpc.runtime.lanes.handshake import HANDSHAKE_ERRORS, dial_lane, lane_target
 from asyncrpc.runtime.net.peers import closed_by_peer, without_goodbye
 from asyncrpc.runtime.threads.blocking import blocking
@@ -167,14 +167,17 @@ class CallerLanes:
         enabled: whether this worker opens lanes at all.
         in_doubt: ``in_doubt(rank, forks)`` asks ``rank`` about forks written on a lane
             that died before their Ack (any thread; the RRef layer's ForkQuery).
+        busy_poll: seconds a calling thread polls its lane for the reply before it sleeps
+            (the ``busy_poll_us`` option; 0: never).
     """
 
     def __init__(
         self, me: tuple[str, int], addresses: dict[int, PeerAddress], host_id: str | None,
         key: bytes, max_frame_size: int, timeout: float, serializer: Serializer, small: int,
-        enabled: bool, in_doubt: Callable[[int, list[Any]], None],
+        enabled: bool, in_doubt: Callable[[int, list[Any]], None], busy_poll: float = 0.0,
     ) -> None:  # fmt: skip
         self._me, self._addresses, self._host_id = me, addresses, host_id
+        self._busy_poll = busy_poll
         self._key, self._max_frame_size, self._timeout = key, max_frame_size, timeout
         self._in_doubt = in_doubt
         self._loads = serializer.loads
@@ -192,7 +195,7 @@ class CallerLanes:
         # Counted like the loop's calls (get_metrics adds them up), under the lock; the
         # bytes of lanes already closed are kept in ``_retired``.
         self.counts = {"calls_sent": 0, "calls_failed": 0, "calls_timed_out": 0}
-        self._retired = {"bytes_in": 0, "bytes_out": 0}
+        self._retired = dict.fromkeys(FIGURES, 0)
 
     def lane(self, rank: int, nbytes: int) -> Lane | None:
         """This thread's lane to ``rank`` for a plain call of ``nbytes`` bytes, opened if
@@ -238,6 +241,7 @@ class CallerLanes:
             with self._lock:
                 self._refused[rank] = time.monotonic() + _RETRY_AFTER_S
             return None
+        opened.frames.spin = self._busy_poll
         lane = Lane(opened.frames, rank, address.name)
         with self._lock:
             if self.closed or rank in self._lost:
@@ -374,8 +378,7 @@ class CallerLanes:
             for lane in lanes:
                 if lane in self._lanes:
                     self._lanes.discard(lane)
-                    self._retired["bytes_in"] += lane.frames.bytes_in
-                    self._retired["bytes_out"] += lane.frames.bytes_out
+                    retire(lane.frames, self._retired)
         for lane in lanes:
             if lost is not None:
                 lane.lost = lost
@@ -420,12 +423,12 @@ class CallerLanes:
         """The lanes' own figures (``lanes_*``), and their share of the agent's counters."""
         with self._lock:
             lanes = list(self._lanes)
-            bytes_in = self._retired["bytes_in"] + sum(lane.frames.bytes_in for lane in lanes)
-            bytes_out = self._retired["bytes_out"] + sum(lane.frames.bytes_out for lane in lanes)
+            summed = figures([lane.frames for lane in lanes], self._retired)
             return {
                 "lanes_open": len(lanes), "lanes_opened": self.opened,
                 "lane_calls": self.counts["calls_sent"], **self.counts,
-                "bytes_in": bytes_in, "bytes_out": bytes_out,
+                "bytes_in": summed["bytes_in"], "bytes_out": summed["bytes_out"],
+                "lane_polls": summed["polls"], "lane_poll_hits": summed["poll_hits"],
             }  # fmt: skip
 
 

@@ -21,7 +21,10 @@ from asyncrpc.errors import ClosedError, ConnectionLostError, FrameTooLargeError
 from asyncrpc.protocol.serde.tensors import memory_view
 from asyncrpc.protocol.wire import PRELUDE_SIZE, Frame, FrameDecoder, frame_nbytes
 
-__all__ = ["BlockingFrames", "Unsent", "lane_allocate"]
+__all__ = ["FIGURES", "BlockingFrames", "Unsent", "figures", "lane_allocate", "retire"]
+
+# A lane's figures that outlive it (summed over open lanes and those closed before).
+FIGURES = ("bytes_in", "bytes_out", "polls", "poll_hits")
 
 _UINT8 = torch.uint8
 _KERNEL_TIMEOUTS = sys.platform == "linux"  # struct timeval is two longs there
@@ -39,6 +42,17 @@ def lane_allocate(nbytes: int, tag: str) -> tuple[object, memoryview]:
     del tag  # the bytes land in CPU memory; the unpickler moves them where the tag says
     owner = torch.empty(nbytes, dtype=_UINT8)
     return owner, memory_view(owner.data_ptr(), nbytes, writable=True)
+
+
+def figures(frames: list[BlockingFrames], retired: dict[str, int]) -> dict[str, int]:
+    """``FIGURES`` summed over ``frames`` (open lanes) and ``retired`` (closed ones)."""
+    return {key: retired[key] + sum(getattr(f, key) for f in frames) for key in FIGURES}
+
+
+def retire(frames: BlockingFrames, retired: dict[str, int]) -> None:
+    """Add a closing lane's ``FIGURES`` to ``retired``."""
+    for key in FIGURES:
+        retired[key] += getattr(frames, key)
 
 
 class Unsent(Exception):
@@ -65,6 +79,11 @@ class BlockingFrames:
         self.peer_name: str | None = None
         self._frames: list[Frame] = []
         self.closed = False
+        # Seconds ``read`` polls the socket before it sleeps in ``recv_into`` (0: never; the
+        # ``busy_poll_us`` option). Polling trades CPU for the wake-up of a sleeping
+        # thread, which costs 20-30 µs on a virtual machine (bench/RESULTS.md).
+        self.spin = 0.0
+        self.polls = self.poll_hits = 0  # reads that polled; those a frame ended in time
         # The socket's timeout now: switching it costs system calls, so it is switched
         # only when a deadline starts or ends (a call without one keeps it blocking).
         self._timeout: float | None = sock.gettimeout()
@@ -133,6 +152,10 @@ class BlockingFrames:
         """
         frames = self._frames
         decoder = self.decoder
+        if not frames and self.spin > 0:
+            self.polls += 1
+            self._poll(deadline)
+            self.poll_hits += bool(frames)
         while not frames:  # bounded by the deadline, or by the peer closing
             self._budget(deadline, _RECEIVE_TIMEOUT)
             buffer = decoder.get_buffer()
@@ -147,6 +170,33 @@ class BlockingFrames:
             self.bytes_in += nbytes
             frames.extend(decoder.buffer_updated(nbytes))
         return frames.pop(0)
+
+    def _poll(self, deadline: float | None) -> None:
+        """Read what has arrived without sleeping, for ``spin`` seconds at most (or until
+        ``deadline``) or until a frame is whole. The GIL is released in each ``recv_into``.
+        """
+        frames, decoder, sock = self._frames, self.decoder, self.sock
+        end = time.monotonic() + self.spin
+        if deadline is not None:
+            end = min(end, deadline)
+        if sock.gettimeout() is not None:  # blocking: MSG_DONTWAIT then never sleeps
+            sock.settimeout(None)
+            self._timeout = None
+        buffer = decoder.get_buffer()
+        while time.monotonic() < end:  # bounded by ``end``
+            try:
+                nbytes = sock.recv_into(buffer, 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                continue  # nothing yet
+            except OSError as exc:
+                raise self._broken("reading", exc) from exc
+            if nbytes == 0:
+                raise self._broken("reading", None)
+            self.bytes_in += nbytes
+            frames.extend(decoder.buffer_updated(nbytes))
+            if frames:
+                return
+            buffer = decoder.get_buffer()
 
     # On Linux a deadline is the kernel's SO_SNDTIMEO / SO_RCVTIMEO on a blocking socket,
     # set again only when a call's budget does not fit the one set for an earlier call:

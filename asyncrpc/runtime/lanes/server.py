@@ -53,7 +53,7 @@ from asyncrpc.runtime.calls.deadline import deadline_after, running_until
 from asyncrpc.runtime.calls.dispatch import Dispatcher
 from asyncrpc.runtime.calls.pipeline import IncomingCall, Pipeline
 from asyncrpc.runtime.calls.served import missing_reference_error, print_request_error
-from asyncrpc.runtime.lanes.frames import BlockingFrames, Unsent
+from asyncrpc.runtime.lanes.frames import FIGURES, BlockingFrames, Unsent, figures, retire
 from asyncrpc.runtime.lanes.handshake import HANDSHAKE_ERRORS, LaneRoster, accept_lane
 
 __all__ = ["LaneForks", "LaneReply", "LaneServer", "Serving", "Writer"]
@@ -98,6 +98,7 @@ class Serving:
     forks: LaneForks
     run_on_loop: Callable[..., None]
     print_errors: bool
+    busy_poll: float = 0.0  # seconds a lane's thread polls for the next request (option)
 
 
 class LaneReply:
@@ -161,7 +162,7 @@ class LaneServer:
         # Counted like the loop's (get_metrics adds them up), under the lock; the bytes of
         # lanes already closed are kept in ``_retired``.
         self.counts = {"calls_received": 0, "replies_sent": 0, "errors_sent": 0}
-        self._retired = {"bytes_in": 0, "bytes_out": 0}
+        self._retired = dict.fromkeys(FIGURES, 0)
         self.port: int | None = None
         self.path: str | None = None
         for sock in sockets:
@@ -249,6 +250,7 @@ class LaneServer:
                 sock, (serving.name, serving.rank), serving.key, serving.max_frame_size,
                 serving.roster, serving.handshake_timeout,
             )  # fmt: skip
+            opened.frames.spin = serving.busy_poll
             lane = _Lane(opened.frames, opened.rank, opened.name)
             with self._lock:
                 if self._closed:
@@ -264,8 +266,7 @@ class LaneServer:
                 self._open -= 1
                 if lane is not None:
                     self._lanes.discard(lane)
-                    self._retired["bytes_in"] += lane.frames.bytes_in
-                    self._retired["bytes_out"] += lane.frames.bytes_out
+                    retire(lane.frames, self._retired)
             if lane is not None:
                 self._forget(lane)
 
@@ -546,9 +547,9 @@ class LaneServer:
         """The lanes' own figures (``lanes_*``), and their share of the agent's counters."""
         with self._lock:
             lanes = list(self._lanes)
-            bytes_in = self._retired["bytes_in"] + sum(lane.frames.bytes_in for lane in lanes)
-            bytes_out = self._retired["bytes_out"] + sum(lane.frames.bytes_out for lane in lanes)
+            summed = figures([lane.frames for lane in lanes], self._retired)
             return {
                 "lanes_served": len(lanes), "lane_requests_served": self.counts["calls_received"],
-                **self.counts, "bytes_in": bytes_in, "bytes_out": bytes_out,
+                **self.counts, "bytes_in": summed["bytes_in"], "bytes_out": summed["bytes_out"],
+                "lane_polls": summed["polls"], "lane_poll_hits": summed["poll_hits"],
             }  # fmt: skip
