@@ -86,6 +86,11 @@ def _parser() -> argparse.ArgumentParser:
         "--plain-calls", type=int,
         help="timed iterations per row of the plain program (default 400, quick 200)",
     )  # fmt: skip
+    add(
+        "--plain-busy-poll-us", type=int, metavar="US",
+        help="run asyncrpc's plain program again with busy_poll_us=US, in rows of its own "
+        "(default off, quick 300)",
+    )  # fmt: skip
     add("--json", metavar="PATH", help="write the full results as JSON")
     add("--plot", metavar="PATH.png", help="write a chart (needs matplotlib)")
     add(
@@ -115,7 +120,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
     if args.quick:
         config = BenchConfig(
             rounds=3, duration=0.25, warmup=0.05, ps_duration=1.0, idle_seconds=0.5,
-            plain_calls=200, quick=True,
+            plain_calls=200, plain_busy_poll_us=300, quick=True,
         )  # fmt: skip
     if args.systems:
         config.systems = tuple(s for s in ALL_SYSTEMS if s in args.systems)
@@ -123,7 +128,8 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
         config.systems = tuple(s for s in ALL_SYSTEMS if s in (*config.systems, "torch_tcp"))
     if args.workloads:
         config.workloads = tuple(w for w in WORKLOADS if w in args.workloads)
-    names = ("rounds", "duration", "warmup", "sizes", "inflight", "ps_duration", "plain_calls")
+    names = ("rounds", "duration", "warmup", "sizes", "inflight", "ps_duration", "plain_calls",
+             "plain_busy_poll_us")  # fmt: skip
     for name in (*names, "log_dir"):
         if getattr(args, name) is not None:
             setattr(config, name, getattr(args, name))

@@ -22,6 +22,7 @@ __all__ = [
     "PLAIN_PAIRS",
     "PLAIN_ROWS",
     "PLAIN_SYSTEMS",
+    "POLLED",
     "PRIMARY_METRIC",
     "PS_FLOATS",
     "PS_SHAPES",
@@ -90,6 +91,9 @@ PLAIN_ROWS: tuple[tuple[str, str], ...] = (
     ("step", "training step: local + remote Linear, optimizer"),
 )
 
+# The key suffix of the plain program's rows run with ``plain_busy_poll_us``.
+POLLED = " polled"
+
 # The harness rows that measure what a row of the plain program measures: (workload, item
 # key of both systems, plain row key). Their agreement is checked in every run that has both.
 PLAIN_PAIRS: tuple[tuple[str, str, str], ...] = (
@@ -151,6 +155,8 @@ class BenchConfig:
     ps_duration: float = 3.0
     ps_trainers: int = 2
     plain_calls: int = 400  # timed iterations per row of the plain program
+    # asyncrpc's plain program run again with this busy_poll_us (0: not), in rows of its own
+    plain_busy_poll_us: int = 0
     freeze: bool = True  # SIGSTOP the systems not being measured
     fresh: bool = True  # start every system's processes anew for each round
     idle_seconds: float = 1.0  # how long idle CPU use is sampled per system
@@ -363,7 +369,14 @@ def _autograd_rows(config: BenchConfig) -> list[Row]:
 
 
 def _plain_rows(config: BenchConfig) -> list[Row]:
-    return [Row(what, dict.fromkeys(PLAIN_SYSTEMS, key)) for key, what in PLAIN_ROWS]
+    rows = [Row(what, dict.fromkeys(PLAIN_SYSTEMS, key)) for key, what in PLAIN_ROWS]
+    poll = config.plain_busy_poll_us
+    if poll:  # against torch's same row with its default options
+        rows += [
+            Row(f"{what}, busy_poll_us={poll}", {"asyncrpc": key + POLLED, "torch": key})
+            for key, what in PLAIN_ROWS
+        ]
+    return rows
 
 
 _ROW_BUILDERS = {

@@ -175,13 +175,17 @@ def _measure(system: str, n: int) -> dict[str, dict[str, float]]:
     return res
 
 
-def _worker(system: str, rank: int, port: int, out: str, n: int) -> None:
+def _worker(system: str, rank: int, port: int, out: str, n: int, poll: int) -> None:
     rpc = importlib.import_module(_MODULES[system])
     import torch.distributed.rpc as torch_rpc
 
-    options = torch_rpc.TensorPipeRpcBackendOptions(
-        init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=120
-    )
+    init = f"tcp://127.0.0.1:{port}"
+    if poll:  # asyncrpc's own option, in its own options class
+        options = rpc.TensorPipeRpcBackendOptions(
+            init_method=init, rpc_timeout=120, busy_poll_us=poll
+        )
+    else:
+        options = torch_rpc.TensorPipeRpcBackendOptions(init_method=init, rpc_timeout=120)
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=options)
     if rank == 0:
         Path(out).write_text(json.dumps(_measure(system, n)))
@@ -198,9 +202,12 @@ def _free_port() -> int:
         return port
 
 
-def run_plain(system: str, n: int, log_dir: Path, timeout: float) -> dict[str, dict[str, float]]:
+def run_plain(
+    system: str, n: int, log_dir: Path, timeout: float, busy_poll_us: int = 0
+) -> dict[str, dict[str, float]]:
     """Run the plain program once with ``system`` (``torch`` or ``asyncrpc``) in two fresh
-    processes, ``n`` timed iterations per row; return each row's statistics.
+    processes, ``n`` timed iterations per row; return each row's statistics. asyncrpc's
+    workers poll their lanes ``busy_poll_us`` µs when it is given (asyncrpc's option).
 
     Raises:
         PlainError: a process failed, or they did not finish within ``timeout`` seconds
@@ -214,7 +221,8 @@ def run_plain(system: str, n: int, log_dir: Path, timeout: float) -> dict[str, d
     procs = []
     with open(log_dir / f"plain-{system}.log", "ab") as log:
         for rank in range(2):
-            argv = [sys.executable, "-P", __file__, system, str(rank), str(port), str(out), str(n)]
+            argv = [sys.executable, "-P", __file__, system, str(rank), str(port), str(out),
+                    str(n), str(busy_poll_us)]  # fmt: skip
             procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=log))
     try:
         deadline = time.monotonic() + timeout
@@ -240,12 +248,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         parser.add_argument(name, type=int)
     parser.add_argument("out")
     parser.add_argument("n", type=int)
+    parser.add_argument("poll", type=int, nargs="?", default=0)
     return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
     args = _parse(sys.argv[1:])
-    _worker(args.system, args.rank, args.port, args.out, args.n)
+    _worker(args.system, args.rank, args.port, args.out, args.n, args.poll)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip tearing down an interpreter that imported torch (over a second)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncrpc.bench.config import PLAIN_ROWS, BenchConfig, items_for
+from asyncrpc.bench.config import PLAIN_ROWS, POLLED, BenchConfig, items_for
 from asyncrpc.bench.plain import PlainError, run_plain
 from asyncrpc.bench.procs import ChildError, SystemGroup, start_group
 from asyncrpc.bench.progress import Progress
@@ -194,6 +194,22 @@ class _Orchestrator:
             return
         for key, stats in rows.items():
             per_item.setdefault(key, []).append({"stats": stats})
+        poll = self.config.plain_busy_poll_us
+        if system == "asyncrpc" and poll:
+            self._run_plain_polled(round_no, poll, per_item)
+
+    def _run_plain_polled(self, round_no: int, poll: int, per_item: dict[str, Any]) -> None:
+        """asyncrpc's plain program again, its lanes polling ``poll`` µs (rows of its own)."""
+        self.progress.step(f"round {round_no + 1}/{self.config.rounds} plain asyncrpc, polling")
+        try:
+            rows = run_plain("asyncrpc", self.config.plain_calls, self.log_dir, 300.0, poll)
+        except PlainError as exc:
+            self.progress.note(f"asyncrpc.bench: asyncrpc plain, polling: {exc}")
+            for key, _ in PLAIN_ROWS:
+                per_item.setdefault(key + POLLED, []).append({"error": str(exc)})
+            return
+        for key, stats in rows.items():
+            per_item.setdefault(key + POLLED, []).append({"stats": stats})
 
     def _durations(self, workload: str) -> tuple[float, float]:
         """Seconds each item is timed, and seconds it is warmed up just before."""

@@ -213,19 +213,24 @@ def test_bench_plain_alone_runs_only_the_users_programs(tmp_path: Path) -> None:
     reason = torch_rpc_unavailable()
     if reason is not None:
         pytest.skip(f"torch.distributed.rpc is needed for the comparison: {reason}")
-    from asyncrpc.bench import runner
-    from asyncrpc.bench.config import PLAIN_ROWS, BenchConfig
+    from asyncrpc.bench import report, runner, tables
+    from asyncrpc.bench.config import PLAIN_ROWS, POLLED, BenchConfig
 
-    config = BenchConfig(workloads=("plain",), rounds=1, plain_calls=10, log_dir=str(tmp_path))
+    config = BenchConfig(workloads=("plain",), rounds=1, plain_calls=10, log_dir=str(tmp_path),
+                         plain_busy_poll_us=200)  # fmt: skip
     result = runner.run_bench(config, progress=False)
     assert result.starts == {}  # no harness process was needed
-    for system in ("asyncrpc", "torch"):
+    keys = [key for key, _ in PLAIN_ROWS]
+    for system, expected in (("asyncrpc", keys + [k + POLLED for k in keys]), ("torch", keys)):
         rows = result.raw[system]["plain"]
-        assert list(rows) == [key for key, _ in PLAIN_ROWS]
+        assert list(rows) == expected
         for key, (outcome,) in rows.items():
             assert outcome["stats"]["p50_us"] > 0, (system, key, outcome)
             assert outcome["stats"]["n"] == 10
     assert "floor" not in result.raw
+    # The polled rows are rows of their own, against torch's same rows (its defaults).
+    text = tables.render(report.summarize(result, []))
+    assert "dist_autograd.backward alone, busy_poll_us=200" in text
 
 
 @pytest.mark.timeout(240)
