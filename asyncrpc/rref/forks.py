@@ -335,6 +335,15 @@ class Forks:
         if confirmed is not None:
             try_set_result(confirmed[1], None)
 
+    def on_lane_ack(self, peer: int, forks: list[ForkPair]) -> None:
+        """``peer``'s Ack, on a lane, of a remote() request carrying ``forks`` (the caller's
+        own fork of the new RRef): the lane's server writes it once ``on_remote_request``
+        registered that fork, as the ForkAccepted sent on the loop's connection says,
+        which may arrive after the lane's next reply. Taken as that message now (any
+        thread); the later one is a duplicate the counter ignores."""
+        for rref_id, fork_id in forks:
+            self.on_message(peer, RefMessage(_TO_WIRE[ForkAccepted], rref_id, fork_id))
+
     def on_peer_lost(self, rank: int) -> None:
         with self._lock:
             actions = self.counter.peer_lost(rank)

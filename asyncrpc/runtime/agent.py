@@ -155,6 +155,7 @@ class Agent:
             busy_poll=options.busy_poll_us / 1e6,
             # forks a lane carried before it died (any thread): their owner is asked
             in_doubt=partial(self.loop.run_on_loop, forks.query_forks),
+            acked=forks.on_lane_ack,
         )  # fmt: skip
         return Lanes(callers, server, self.loop.aio, options.idle_timeout)
 

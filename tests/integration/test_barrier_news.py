@@ -50,8 +50,14 @@ def test_barrier_news_opens_every_barrier_without_the_store(tmp_path: Path) -> N
     opened = [_how(log) for log in logs]
     assert all(sorted(how) == sorted(_TAGS) for how in opened), opened
     for tag in _TAGS:
-        ways = sorted(how[tag] for how in opened)
-        assert ways == ["completed here"] + ["told by a peer"] * 7, (tag, opened)
+        ways = [how[tag] for how in opened]
+        assert ways.count("completed here") == 1, (tag, opened)
+        # The others are told by a peer. On a loaded machine a message may come after
+        # the first slice (0.5 s): that worker looks in the store once and finds it open.
+        # Most must still be told: with the messages broken, all seven look.
+        told = ways.count("told by a peer")
+        assert told >= 5, (tag, opened)
+        assert ways.count("found open in the store") == 7 - told, (tag, opened)
 
 
 def test_barrier_news_survivors_finish_when_a_worker_was_killed(tmp_path: Path) -> None:

@@ -20,7 +20,8 @@ from asyncrpc.errors import (
 )
 from asyncrpc.protocol.handshake import pre_auth_decoder
 from asyncrpc.protocol.wire import FrameDecoder, encode_frame
-from asyncrpc.protocol.wire.messages import Ack, Cancel, decode_message
+from asyncrpc.protocol.wire.messages import Ack, Cancel, Reply, decode_message
+from asyncrpc.runtime.lanes.client import Lane
 from asyncrpc.runtime.lanes.frames import BlockingFrames, Unsent, lane_allocate
 from asyncrpc.runtime.lanes.handshake import LaneRoster, Opened, accept_lane, dial_lane
 
@@ -130,6 +131,26 @@ def test_BlockingFrames_poll_sees_the_peer_close(pair: tuple[Any, Any]) -> None:
     threading.Timer(0.05, left.sock.close).start()
     with pytest.raises(ConnectionLostError):
         right.read(time.monotonic() + 10)
+
+
+def test_Lane_call_takes_an_Ack_read_before_its_reply_as_the_forks_accepted(
+    pair: tuple[Any, Any],
+) -> None:
+    # A remote() sent on the lane earlier (call 5) carried the caller's own fork; the
+    # owner's Ack comes ahead of the next call's reply. The owner registered the fork
+    # before it wrote the Ack: the RRef layer is told so at once (its ForkAccepted on the
+    # loop's connection may come after this call returned, to_here() say).
+    left, right = pair
+    told: list[tuple[int, list[Any]]] = []
+    lane = Lane(left, 3, "w3", lambda rank, forks: told.append((rank, forks)))
+    lane.remotes[5] = [("rref", "fork")]
+    right.write(encode_frame(Ack(5).to_fields(), b""))
+    right.write(encode_frame(Reply(6).to_fields(), b"payload"))
+    value, error, _ = lane.call(6, encode_frame(Ack(0).to_fields(), b""), 5.0,
+                                lambda payload, segments, **_: bytes(payload))  # fmt: skip
+    assert (value, error) == (b"payload", None)
+    assert told == [(3, [("rref", "fork")])]
+    assert lane.remotes == {}
 
 
 def test_BlockingFrames_close_wakes_a_blocked_reader(pair: tuple[Any, Any]) -> None:

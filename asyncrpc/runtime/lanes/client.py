@@ -70,11 +70,18 @@ class Lane:
     """One calling thread's connection to one peer."""
 
     __slots__ = (
-        "__weakref__", "busy", "frames", "lost", "name", "rank", "remotes", "replied", "used",
+        "__weakref__", "acked", "busy", "frames", "lost", "name", "rank", "remotes", "replied",
+        "used",
     )  # fmt: skip
 
-    def __init__(self, frames: BlockingFrames, rank: int, name: str) -> None:
+    def __init__(
+        self, frames: BlockingFrames, rank: int, name: str,
+        acked: Callable[[int, list[Any]], None] | None = None,
+    ) -> None:  # fmt: skip
         self.frames, self.rank, self.name = frames, rank, name
+        # ``acked(rank, forks)``: the owner registered the forks of a remote() request sent
+        # on this lane (its Ack was read), as its ForkAccepted will also say.
+        self.acked = acked
         self.replied = 0  # the size of the last reply frame ``call`` read (for the hooks)
         self.lost: PeerLostError | None = None  # why the agent closed it, if it did
         # In a call (set and cleared under CallerLanes' lock), and when the last one ended:
@@ -109,7 +116,9 @@ class Lane:
             fields = frame.fields
             kind = fields[0]
             if kind == Kind.ACK:  # the owner read a remote() request sent on this lane
-                self.remotes.pop(fields[1], None)
+                forks = self.remotes.pop(fields[1], None)
+                if forks and self.acked is not None:
+                    self.acked(self.rank, forks)
                 continue
             if kind not in (Kind.REPLY, Kind.ERROR):
                 raise RemoteProtocolError(f"unexpected frame of kind {kind!r} on a lane")
@@ -169,14 +178,18 @@ class CallerLanes:
             that died before their Ack (any thread; the RRef layer's ForkQuery).
         busy_poll: seconds a calling thread polls its lane for the reply before it sleeps
             (the ``busy_poll_us`` option; 0: never).
+        acked: ``acked(rank, forks)``, told (on the calling thread) that ``rank`` Acked a
+            remote() request carrying ``forks``: it registered them (the RRef layer).
     """
 
     def __init__(
         self, me: tuple[str, int], addresses: dict[int, PeerAddress], host_id: str | None,
         key: bytes, max_frame_size: int, timeout: float, serializer: Serializer, small: int,
         enabled: bool, in_doubt: Callable[[int, list[Any]], None], busy_poll: float = 0.0,
+        acked: Callable[[int, list[Any]], None] | None = None,
     ) -> None:  # fmt: skip
         self._me, self._addresses, self._host_id = me, addresses, host_id
+        self._acked = acked
         self._busy_poll = busy_poll
         self._key, self._max_frame_size, self._timeout = key, max_frame_size, timeout
         self._in_doubt = in_doubt
@@ -242,7 +255,7 @@ class CallerLanes:
                 self._refused[rank] = time.monotonic() + _RETRY_AFTER_S
             return None
         opened.frames.spin = self._busy_poll
-        lane = Lane(opened.frames, rank, address.name)
+        lane = Lane(opened.frames, rank, address.name, self._acked)
         with self._lock:
             if self.closed or rank in self._lost:
                 lane.frames.close()
