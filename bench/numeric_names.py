@@ -5,8 +5,8 @@ Why: torch's TCPStore client, on every connection, formats the store's address w
 ``getnameinfo`` (no ``NI_NUMERICHOST``), a reverse DNS lookup. Its server does the same
 for every connection it accepts, on its one loop thread. A real job spreads the clients'
 lookups over its nodes' resolvers; the simulation runs a thousand clients on one host,
-whose resolver here (a sandbox's) answers about 50 lookups and then stalls the next for
-5 s, about 10 a second in all (``python -m bench.numeric_names --probe 200`` shows it). The
+whose resolver here (a sandbox's) answers about 50 lookups a second and stalls the rest
+5 s each (``python -m bench.numeric_names --probe 200`` shows it). The
 simulation's workers load this library (``LD_PRELOAD``) so their lookups cost what a
 node's own resolver would charge one worker: nothing measurable. Callers that demand a
 name (``NI_NAMEREQD``) still get the real lookup.

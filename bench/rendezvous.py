@@ -33,8 +33,8 @@ It reports, per size:
 
 Reverse name lookups: torch's TCPStore looks up the peer's name on every connection,
 the server on its one loop thread for each worker it accepts, each client for the store's
-address. This host's resolver answers about 10 a second and stalls the rest 5 s, which
-made the store accept 5-10 connections a second (docs/scale.md). By default the store
+address. This host's resolver answers about 50 a second and stalls the rest 5 s, which
+once behind made the store accept 5-10 connections a second (docs/scale.md). By default the store
 here listens on an IPv4 socket of ours, so its lookups of 127.0.0.1 are answered from
 /etc/hosts, and the workers preload ``numeric_names`` (one host's resolver asked by a
 thousand workers is this simulation's artefact, not a job's): the join is then what a
