@@ -53,6 +53,7 @@ import json
 import multiprocessing
 import os
 import random
+import shutil
 import sys
 import threading
 import time
@@ -333,6 +334,8 @@ def run(
             proc.start()
     when.value = time.time() + 0.5  # arrivals start once every process has imported
     ready.wait(timeout=600)
+    if preload is not None:  # every worker process has loaded it by now
+        shutil.rmtree(Path(preload).parent, ignore_errors=True)
     results: dict[int, Any] = {}
     buckets: Counter[int] = Counter()
     for _ in procs:  # bounded: one result per process
