@@ -28,9 +28,18 @@ It reports, per size:
   and per worker per barrier;
 - the store's busiest second (requests from all workers, counted in 100 ms buckets);
 - join: from the last worker's arrival until the last worker's join returned, and the
-  part of it that is torch's TCPStore client connecting (the same for torch's own
-  init: a burst of connections, more than ~50 a second, is answered in 5-10 s);
+  part of it that is torch's TCPStore client connecting;
 - shutdown: from the last worker's arrival at its first barrier until the last one left.
+
+Reverse name lookups: torch's TCPStore looks up the peer's name on every connection,
+the server on its one loop thread for each worker it accepts, each client for the store's
+address. This host's resolver answers about 50 a second and stalls the rest 5 s, which
+once behind made the store accept 5-10 connections a second (docs/scale.md). By default the store
+here listens on an IPv4 socket of ours, so its lookups of 127.0.0.1 are answered from
+/etc/hosts, and the workers preload ``numeric_names`` (one host's resolver asked by a
+thousand workers is this simulation's artefact, not a job's): the join is then what a
+job whose resolver answers at once would see. ``--store-listener torch --worker-lookups
+resolver`` runs it as before.
 
 The code of the moment is what runs: an earlier tree is measured by running its own
 copy of this file there (this one passes barriers as ``shutdown.py`` does now).
@@ -39,14 +48,17 @@ copy of this file there (this one passes barriers as ``shutdown.py`` does now).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
 import random
+import shutil
 import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -285,16 +297,23 @@ def _more_descriptors() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def run(size: int, spread: float, processes: int, shutdown_spread: float = 1.0) -> dict[str, Any]:
+def run(
+    size: int, spread: float, processes: int, shutdown_spread: float = 1.0,
+    store_listener: str = "ipv4", worker_lookups: str = "numeric",
+) -> dict[str, Any]:  # fmt: skip
     """One simulated group of ``size`` workers, arriving over ``spread`` seconds and
-    calling shutdown over ``shutdown_spread``; the figures of its join and shutdown."""
-    import datetime
+    calling shutdown over ``shutdown_spread``; the figures of its join and shutdown.
 
-    import torch.distributed as dist
-
+    ``store_listener`` "ipv4": the store accepts on an IPv4 socket of ours, so torch's
+    reverse lookup of each worker's address (127.0.0.1) is answered from /etc/hosts;
+    "torch": torch's own dual-stack socket, where a worker is ``::ffff:127.0.0.1`` and
+    each accept waits on this host's resolver. ``worker_lookups`` "numeric": the worker
+    processes preload ``numeric_names`` (their own lookup of the store's address costs
+    nothing, as on a node of their own); "resolver": they ask this host's resolver.
+    """
     _more_descriptors()
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=600), use_libuv=True)  # fmt: skip
+    server = _store_server(store_listener)
+    preload = _numeric_names() if worker_lookups == "numeric" else None
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     ready = context.Barrier(processes + 1)
@@ -310,10 +329,13 @@ def run(size: int, spread: float, processes: int, shutdown_spread: float = 1.0) 
         )
         for index, part in enumerate(parts)
     ]
-    for proc in procs:
-        proc.start()
+    with _preloaded(preload):  # the spawned interpreters load it; this one does not
+        for proc in procs:
+            proc.start()
     when.value = time.time() + 0.5  # arrivals start once every process has imported
     ready.wait(timeout=600)
+    if preload is not None:  # every worker process has loaded it by now
+        shutil.rmtree(Path(preload).parent, ignore_errors=True)
     results: dict[int, Any] = {}
     buckets: Counter[int] = Counter()
     for _ in procs:  # bounded: one result per process
@@ -324,7 +346,60 @@ def run(size: int, spread: float, processes: int, shutdown_spread: float = 1.0) 
     for proc in procs:
         proc.join(timeout=60)
     del server
-    return _figures(size, spread, results, buckets) | {"shutdown_spread_s": shutdown_spread}
+    lookups = {
+        "store_listener": store_listener,
+        "worker_lookups": "numeric" if preload else "resolver",
+    }
+    return (
+        _figures(size, spread, results, buckets) | {"shutdown_spread_s": shutdown_spread} | lookups
+    )
+
+
+def _store_server(listener: str) -> Any:
+    """The store's server, on torch's own listening socket or on an IPv4 one of ours."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=600)
+    if listener == "torch":
+        return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                             timeout=timeout, use_libuv=True)  # fmt: skip
+    own = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    own.bind(("127.0.0.1", 0))
+    own.listen(socket.SOMAXCONN)
+    port = own.getsockname()[1]
+    # The store owns the descriptor from here (its loop closes it with the server).
+    fd = own.detach()
+    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                         timeout=timeout, use_libuv=True, master_listen_fd=fd)  # fmt: skip
+
+
+def _numeric_names() -> str | None:
+    from bench.numeric_names import build
+
+    library = build()
+    if library is None:
+        print("no C compiler: the workers look names up through this host's resolver",
+              file=sys.stderr)  # fmt: skip
+        return None
+    return str(library)
+
+
+@contextlib.contextmanager
+def _preloaded(library: str | None) -> Iterator[None]:
+    """``LD_PRELOAD`` names ``library`` for the processes started meanwhile."""
+    before = os.environ.get("LD_PRELOAD")
+    if library is not None:
+        os.environ["LD_PRELOAD"] = f"{library} {before}" if before else library
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = before
 
 
 def _figures(
@@ -371,6 +446,16 @@ def main(argv: list[str] | None = None) -> int:
         "--shutdown-spread", type=float, default=1.0, help="shutdown() calls over this (s)"
     )
     parser.add_argument("--processes", type=int, default=4, help="processes of threads")
+    parser.add_argument(
+        "--store-listener", choices=("ipv4", "torch"), default="ipv4",
+        help="ipv4: the store's reverse lookups of workers hit /etc/hosts; torch: its "
+        "dual-stack socket, each accept waiting on this host's resolver",
+    )  # fmt: skip
+    parser.add_argument(
+        "--worker-lookups", choices=("numeric", "resolver"), default="numeric",
+        help="numeric: workers preload bench/numeric_names (no reverse DNS); resolver: "
+        "they ask this host's resolver, all 1,000 of them",
+    )  # fmt: skip
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -381,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
               "barrier requests by kind")  # fmt: skip
     print(" | ".join(header))
     for size in args.workers:
-        row = run(size, args.spread, min(args.processes, size), args.shutdown_spread)
+        row = run(size, args.spread, min(args.processes, size), args.shutdown_spread,
+                  args.store_listener, args.worker_lookups)  # fmt: skip
         rows.append(row)
         print(
             f"{size} | {row['join_requests_mean']:.1f} ({row['join_requests_max']}) | "
