@@ -121,6 +121,9 @@ class StubHost:
         self._connected = connected
         self.probed: list[int] = []
         self.told: list[tuple[int, BarrierOpened]] = []  # BarrierOpened frames sent
+        self.unsent_for = 0  # looks a told frame stays waiting for its connection
+        self.unsent_polls: dict[int, int] = {}
+        self.unsent_asked: list[list[int]] = []
 
     def calls_in_flight(self) -> int:
         return 0
@@ -142,6 +145,14 @@ class StubHost:
     def control(self, rank: int, pieces: list[Any], connect: bool = False) -> None:
         assert connect  # a child never talked to is dialled
         self.told.append((rank, _opened(pieces)))
+        self.unsent_polls[rank] = self.unsent_for  # "connecting" for that many looks
+
+    def unsent(self, ranks: list[int]) -> bool:
+        waiting = [r for r in ranks if self.unsent_polls.get(r, 0) > 0]
+        for rank in waiting:
+            self.unsent_polls[rank] -= 1
+        self.unsent_asked.append(list(ranks))
+        return bool(waiting)
 
 
 def _rounds(host: StubHost, news: BarrierNews | None = None) -> GracefulShutdown:
@@ -273,6 +284,20 @@ async def test_GracefulShutdown_the_worker_completing_a_barrier_tells_its_childr
     assert host.told == [(0, BarrierOpened(tag, 0)) for tag in TAGS]
     assert group.reads == 0
     assert group.lost_reads == 0  # every barrier said nobody died
+
+
+async def test_GracefulShutdown_lets_its_last_news_leave_before_closing() -> None:
+    # The news of the last barrier may wait for a connection to the peer told (one never
+    # called before): the rounds end only once it left, not while it waits (the worker
+    # would close its connections and drop it; that subtree would look at the store).
+    group = CompletingGroup([2])
+    host = StubHost(group, lost=set())
+    host.unsent_for = 3  # the frame to rank 0 waits three looks for its connection
+    await _rounds(host).run(5.0)
+    assert host.told[-1] == (0, BarrierOpened("closing", 0))
+    assert host.unsent_asked[-1] == [0]
+    assert host.unsent_polls[0] == 0  # looked at until it left
+    assert len(host.unsent_asked) == 4  # three "still waiting", then "left"
 
 
 async def test_GracefulShutdown_a_worker_told_the_barrier_is_open_asks_the_store_nothing() -> None:

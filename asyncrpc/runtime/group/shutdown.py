@@ -129,6 +129,9 @@ class Liveness(Protocol):
     def control(self, rank: int, pieces: list[Any], connect: bool = False) -> None:
         """Write a bookkeeping frame to ``rank``, connecting first when ``connect``."""
 
+    def unsent(self, ranks: list[int]) -> bool:
+        """Whether frames for any of ``ranks`` still wait for their connection."""
+
 
 class BarrierNews:
     """The ``BarrierOpened`` messages this worker received, the first one per barrier;
@@ -204,6 +207,7 @@ class GracefulShutdown:
         news: BarrierNews | None = None,
     ) -> None:  # fmt: skip
         self._group, self._rrefs, self._liveness = group, rrefs, liveness
+        self._told: list[int] = []  # whom this worker passed its last news to
         self._news = BarrierNews() if news is None else news
         self.opened: dict[str, str] = {}  # how each barrier opened here (tests, logs)
         self._calls_in_flight, self._requests_running = calls_in_flight, requests_running
@@ -231,6 +235,11 @@ class GracefulShutdown:
         rrefs.report_leaks()
         await _until(lambda: self._requests_running() == 0, clock, "requests it runs")
         await self._barrier("closing", clock)
+        # The last news this worker passed on may still wait for its connection (a peer
+        # never called before): closing now would drop it, and that subtree would look
+        # at the store only after a slice. Let it leave first (briefly: best effort).
+        told = self._told
+        await _until(lambda: not self._liveness.unsent(told), _Clock(_FIRST_SLICE_S), None)
         await self._release_store(clock)
 
     def report_dead(self, policy: str) -> None:
@@ -359,6 +368,7 @@ class GracefulShutdown:
             told = [message.root]
         else:
             told = recipients(me, message.root, size, self.dead)
+        self._told = told
         for rank in told:
             # Connecting if need be: a parameter-server job's workers may never have
             # talked. A frame lost to a dying peer is the fallback's: its subtree looks

@@ -187,6 +187,10 @@ class Links:
         if forks and conn.peer is not None:
             self._wrote_forks(conn.peer, forks)
 
+    def waiting(self, rank: int) -> bool:
+        """Whether frames for ``rank`` still wait here (for a connection, or behind one)."""
+        return rank in self._unsent
+
     def holds(self, rank: int, call_id: int) -> bool:
         """Whether the request of ``call_id`` still waits here (it will not be written if
         its call is over by then)."""

@@ -463,6 +463,10 @@ class Network:
         if peer is not None and peer.conn is not None and not peer.conn.closed:
             self.write(peer.conn, pieces)
 
+    def unsent(self, ranks: list[int]) -> bool:
+        """Whether frames for any of ``ranks`` still wait for their connection here."""
+        return any(self.links.waiting(rank) for rank in ranks)
+
     def cancel(self, rank: int, call_id: int) -> None:
         """Tell ``rank`` that ``call_id`` is over, unless its request was not written yet
         (it waits here, and will be skipped)."""
