@@ -83,6 +83,11 @@ def param_rrefs(rref: Any, module: str) -> list[Any]:
 def _cpu_ns(pid: int) -> int:
     # Nanoseconds on a CPU, all threads (busy-polling ones too). The same reading as
     # asyncrpc.bench.cpu, repeated here so that the torch run never imports asyncrpc.
+    # Our own process is read from its CPU clock: schedstat counts a running thread's
+    # time only when it is switched out or at a tick, and a thread that polls instead of
+    # sleeping can run a short row through without either (0 µs read for 20 calls).
+    if pid == os.getpid():
+        return time.process_time_ns()
     total = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(OSError, ValueError, IndexError):
