@@ -165,11 +165,15 @@ class BlockingFrames:
                 continue
             except OSError as exc:
                 raise self._broken("reading", exc) from exc
-            if nbytes == 0:
-                raise self._broken("reading", None)
-            self.bytes_in += nbytes
-            frames.extend(decoder.buffer_updated(nbytes))
+            self._received(nbytes)
         return frames.pop(0)
+
+    def _received(self, nbytes: int) -> None:
+        """Parse ``nbytes`` just read into the decoder's buffer (0: the peer closed)."""
+        if nbytes == 0:
+            raise self._broken("reading", None)
+        self.bytes_in += nbytes
+        self._frames.extend(self.decoder.buffer_updated(nbytes))
 
     def _poll(self, deadline: float | None) -> None:
         """Read what has arrived without sleeping, for ``spin`` seconds at most (or until
@@ -179,9 +183,7 @@ class BlockingFrames:
         end = time.monotonic() + self.spin
         if deadline is not None:
             end = min(end, deadline)
-        if sock.gettimeout() is not None:  # blocking: MSG_DONTWAIT then never sleeps
-            sock.settimeout(None)
-            self._timeout = None
+        self._blocking()  # MSG_DONTWAIT then never sleeps
         buffer = decoder.get_buffer()
         while time.monotonic() < end:  # bounded by ``end``
             try:
@@ -190,10 +192,7 @@ class BlockingFrames:
                 continue  # nothing yet
             except OSError as exc:
                 raise self._broken("reading", exc) from exc
-            if nbytes == 0:
-                raise self._broken("reading", None)
-            self.bytes_in += nbytes
-            frames.extend(decoder.buffer_updated(nbytes))
+            self._received(nbytes)
             if frames:
                 return
             buffer = decoder.get_buffer()
@@ -209,9 +208,7 @@ class BlockingFrames:
         if not _KERNEL_TIMEOUTS:
             self._wait_budget(deadline)
             return
-        if self.sock.gettimeout() is not None:  # a Python timeout (a dial's): blocking again
-            self.sock.settimeout(None)
-            self._timeout = None
+        self._blocking()
         if deadline is None:
             return
         left = deadline - time.monotonic()
@@ -223,6 +220,13 @@ class BlockingFrames:
         total = int(left * 1e6) + 1  # whole µs, rounded up: never 0, which means "none"
         self.sock.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(*divmod(total, 1_000_000)))
         self._armed[option] = total / 1e6
+
+    def _blocking(self) -> None:
+        """Drop a Python socket timeout (a dial's): the socket blocks, and a Python
+        timeout would poll before each call (and make MSG_DONTWAIT wait)."""
+        if self.sock.gettimeout() is not None:
+            self.sock.settimeout(None)
+            self._timeout = None
 
     def _wait_budget(self, deadline: float | None) -> None:
         if deadline is None:
