@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, ParamSpec, TypeVar, overload
 
+from asyncrpc.autograd.engine import HOP_CALL
 from asyncrpc.autograd.feature import DistAutograd
 from asyncrpc.errors import (
     BlockingCallError,
@@ -198,7 +199,7 @@ def _features(ports: Ports, forks: Forks) -> list[Feature]:
     # before autograd: its span covers the other hooks' work).
     # Then the observers (asyncrpc/observe/), idle until asked: their hooks see the others'.
     return [
-        RRefs(forks, ports.calls, ports.loop), Profiling(ports), DistAutograd(ports),
+        RRefs(forks, ports.calls, ports.loop), Profiling(ports), DistAutograd(ports, (HOP_CALL,)),
         *observing_features(),
     ]  # fmt: skip
 

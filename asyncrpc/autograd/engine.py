@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 import torch
 
 from asyncrpc.autograd.context import AutogradContext, ContextTable
 from asyncrpc.autograd.credit import FULL, PassCredit, first_of, split
 from asyncrpc.autograd.feature import DistAutograd, context_table
+from asyncrpc.autograd.hopwire import dump_hop, dump_hop_reply, load_hop, load_hop_reply
 from asyncrpc.errors import as_backward_error
 from asyncrpc.functions import async_execution, inline
+from asyncrpc.protocol.coded import CodedCall
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
 from asyncrpc.runtime.calls.outbox import NOT_ON_LANE
 from asyncrpc.runtime.futures import (
@@ -40,6 +42,7 @@ from asyncrpc.runtime.futures import (
 )
 
 __all__ = [
+    "HOP_CALL",
     "Hop",
     "grads_arrived",
     "grads_here",
@@ -195,6 +198,12 @@ def grads_here(
     return Hop(agent, table, context, share, caller).run_here(batches).wait()
 
 
+# A hop on a lane travels in its own format (hopwire.py), not pickled.
+HOP_CALL: Final = CodedCall(
+    "asyncrpc.autograd.hop", grads_here, dump_hop, load_hop, dump_hop_reply, load_hop_reply
+)
+
+
 def root_onward(root: Hop, outgoing: Outgoing) -> Future[int]:
     """``onward`` for the root's own part, from the thread in ``backward()``: a single hop
     goes on this thread's lane to its worker where it has one, and what the reply brings
@@ -217,7 +226,7 @@ def root_onward(root: Hop, outgoing: Outgoing) -> Future[int]:
     args = (root.context.id, batches, tuple(credit), agent.rank)
     with root.table.root_threads.away(credit.pass_id):  # no deadlock on a hop back here
         try:
-            reply = agent.calls.call_on_lane(to, grads_here, args, {}, UNSET_RPC_TIMEOUT)
+            reply = agent.calls.call_coded_on_lane(to, HOP_CALL, args, UNSET_RPC_TIMEOUT)
         except BaseException:
             root.table.count_lane_hop()  # a hop that failed counts too
             raise

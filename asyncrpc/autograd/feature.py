@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from asyncrpc.autograd.context import ContextTable
 from asyncrpc.autograd.hook import AutogradHook
 from asyncrpc.autograd.release import Releases
+from asyncrpc.protocol.coded import CodedCall
 from asyncrpc.runtime.calls.pipeline import CallHook
 from asyncrpc.runtime.current import FeatureSlot
 from asyncrpc.runtime.feature import Feature
@@ -32,12 +33,16 @@ class DistAutograd(Feature):
         loop: the agent's loop and pool (local passes run on one or the other).
         contexts: the contexts this worker takes part in, with the pass credits.
         releases: left contexts whose release on other workers is still to send.
+
+    Args:
+        coded: the backward hop's coded call (``engine.HOP_CALL``), served on lanes.
     """
 
     name = "autograd"
 
-    def __init__(self, ports: Ports) -> None:
+    def __init__(self, ports: Ports, coded: Sequence[CodedCall] = ()) -> None:
         self.rank = ports.members.rank
+        self._coded = tuple(coded)  # the engine's: its module finds this one by its slot
         self.calls = ports.calls
         self.loop = ports.loop
         self.contexts = ContextTable()
@@ -48,6 +53,9 @@ class DistAutograd(Feature):
 
     def hooks(self) -> Sequence[CallHook]:
         return (self.hook,)
+
+    def coded_calls(self) -> Sequence[CodedCall]:
+        return self._coded
 
     def flush(self) -> None:
         # Contexts left just before shutdown: their releases go now, not after a delay.

@@ -45,7 +45,8 @@ from asyncrpc.runtime.lanes.client import CallerLanes
 from asyncrpc.runtime.lanes.feature import Lanes
 from asyncrpc.runtime.lanes.handshake import LaneRoster
 from asyncrpc.runtime.lanes.probe import ProcessProbe
-from asyncrpc.runtime.lanes.server import LaneServer, Serving
+from asyncrpc.runtime.lanes.server import LaneServer
+from asyncrpc.runtime.lanes.serving import Serving
 from asyncrpc.runtime.metrics import Counters, LagProbe
 from asyncrpc.runtime.net.listener import Listener
 from asyncrpc.runtime.net.network import Network
@@ -166,6 +167,7 @@ class Agent:
             LaneRoster.of(group.addresses, self.network.is_lost), self._lane_serializer,
             self.pipeline, self.dispatcher, self.forks, self.loop.run_on_loop,
             options.print_errors, options.busy_poll_us / 1e6,
+            {coded.name: coded for feature in self.features for coded in feature.coded_calls()},
         )  # fmt: skip
 
     def _plug(self, features: Sequence[Feature]) -> None:

@@ -3,11 +3,11 @@ L2.41).
 
 RRefs, distributed autograd, profiling, CUDA device maps, streams and lanes touch every
 call or every peer, yet the agent knows none of them: each is a ``Feature``, built from
-the ports it uses, and the agent loops over them. A feature brings its call hooks, takes
-the frames of its own kinds, hears when a connection or a peer is lost, flushes what it
-holds back when a shutdown begins, reports its figures (trio's ``statistics()``: built
-from its state when asked) and closes. A new feature (deadlines, exporters) plugs in the
-same way.
+the ports it uses, and the agent loops over them. A feature brings its call hooks and its
+coded calls, takes the frames of its own kinds, hears when a connection or a peer is lost,
+flushes what it holds back when a shutdown begins, reports its figures (trio's
+``statistics()``: built from its state when asked) and closes. A new feature (deadlines,
+exporters) plugs in the same way.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from asyncrpc.errors import PeerLostError
+from asyncrpc.protocol.coded import CodedCall
 from asyncrpc.protocol.wire import Frame
 from asyncrpc.runtime.calls.pipeline import CallHook
 
@@ -35,6 +36,11 @@ class Feature:
 
     def hooks(self) -> Sequence[CallHook]:
         """Its hooks on the call pipeline, in order (asked once, when the agent is built)."""
+        return ()
+
+    def coded_calls(self) -> Sequence[CodedCall]:
+        """Its calls with a wire format of their own (``protocol/coded.py``), served
+        on this worker's lanes by name (asked once, when the agent is built)."""
         return ()
 
     def on_frame(self, conn: Any, frame: Frame) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from asyncrpc.protocol.address import PeerAddress
+from asyncrpc.protocol.coded import CodedCall
 from asyncrpc.protocol.options import RpcBackendOptions, WorkerInfo
 from asyncrpc.protocol.reflog import ForkPair
 from asyncrpc.protocol.wire.messages import Request
@@ -186,6 +187,9 @@ class Calls(Protocol):
     ) -> Any:
         """``call_sync`` on this thread's lane to ``to``; ``Outbox``'s ``NOT_ON_LANE``
         where the thread has none (nothing was sent)."""
+
+    def call_coded_on_lane(self, to: Any, coded: CodedCall, args: Any, timeout: float) -> Any:
+        """``call_on_lane`` for a call with its own wire format (``protocol/coded.py``)."""
 
     def send_remote(
         self, rank: int, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,

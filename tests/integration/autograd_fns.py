@@ -167,6 +167,10 @@ def hops_received() -> int:
     return int(asyncrpc.get_debug_info()["autograd_hops_received"])
 
 
+def coded_calls_received() -> int:
+    return int(asyncrpc.get_metrics()["coded_calls_received"])
+
+
 def passes_on_loop() -> int:
     return int(asyncrpc.get_debug_info()["autograd_passes_on_loop"])
 

@@ -289,6 +289,51 @@ def test_autograd_root_thread_sends_its_hop_on_its_lane_even_when_a_hop_comes_ba
     assert out == [[1, 1]]  # on the lane; x's gradient came in a hop of its own (from w1)
 
 
+@pytest.mark.parametrize("rows", [32, 256], ids=["inline", "segment"])
+def test_autograd_root_hop_on_a_lane_travels_coded(
+    group: Group, layers: Callable, rows: int
+) -> None:
+    # The hop on this thread's lane to w1 and its reply (x's gradient, 8 KiB inline or
+    # 64 KiB in a segment) go in the hop's own format, not pickled: w1 counts a coded call,
+    # and the gradients are those of the same model run here. Then an error in w1's pass
+    # arrives through it with its type.
+    def on_a_thread_of_its_own() -> None:
+        layer = layers("w1", 61, 64, 64)
+        for _ in range(2):  # the second call opens this thread's lane to w1
+            asyncrpc.rpc_sync("w1", fns.num_contexts)
+        before = asyncrpc.rpc_sync("w1", fns.coded_calls_received)
+        x = torch.randn(rows, 64, requires_grad=True)
+        with dist_autograd.context() as context_id:
+            y = asyncrpc.rpc_sync("w1", fns.forward, args=(layer, x))
+            dist_autograd.backward(context_id, [y.pow(2).sum()])
+            m1 = fns.make_linear(61, 64, 64)
+            x_local = x.detach().clone().requires_grad_()
+            m1(x_local).pow(2).sum().backward()
+            torch.testing.assert_close(dist_autograd.get_gradients(context_id)[x], x_local.grad)
+            assert_grads_match(context_id, [("w1", layer)], [m1])
+        assert asyncrpc.rpc_sync("w1", fns.coded_calls_received) - before == 1
+        with dist_autograd.context() as context_id:
+            y = asyncrpc.rpc_sync("w1", fns.fail_in_backward, args=(x,))
+            with pytest.raises(KeyError, match="broken backward"):
+                dist_autograd.backward(context_id, [y.sum()])
+        assert asyncrpc.rpc_sync("w1", fns.coded_calls_received) - before == 2
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            on_a_thread_of_its_own()
+        except BaseException as exc:  # reported by the test's own thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive()
+    if errors:
+        raise errors[0]
+
+
 def test_autograd_error_in_a_hop_the_root_thread_runs_reaches_backward(group: Group) -> None:
     x = torch.randn(3, requires_grad=True)
 

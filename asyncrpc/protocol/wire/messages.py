@@ -17,6 +17,7 @@ from asyncrpc.errors import RemoteProtocolError
 
 __all__ = [
     "ACK_WANTED",
+    "CODED_REPLY",
     "Ack",
     "Auth",
     "BarrierOpened",
@@ -78,6 +79,9 @@ class CallMode(IntEnum):
     CALL = 0  # send the result back in a Reply
     REMOTE = 1  # keep the result as the value of a new owner RRef; no Reply
     STREAM = 2  # iterate the result: stream frames, no Reply (asyncrpc/protocol/wire/stream.py)
+    # A call with a wire format of its own (protocol/coded.py): the target names it
+    # among the callee's features' coded calls, the payload is its codec's. Lanes only.
+    CODED = 3
 
 
 class RefOp(IntEnum):
@@ -230,6 +234,9 @@ class Reply:
 # caller answers with an ``Ack`` once it has unpickled the reply, which proves the forks
 # arrived (asyncrpc/runtime/lanes/). Hooks' own fields never use this key.
 ACK_WANTED: Final = "ack"
+# The reply header field of a ``CallMode.CODED`` request's reply coded by its call's own
+# codec (absent: the reply is pickled, as any). Hooks' own fields never use this key.
+CODED_REPLY: Final = "cd"
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from typing import Any
 from asyncrpc.errors import (
     ClosedError,
     FrameTooLargeError,
+    RemoteProtocolError,
     RpcTimeoutError,
     SerializationError,
     ThreadPoolExhaustedError,
@@ -103,6 +104,10 @@ class Dispatcher:
         peer = conn.peer
         assert peer is not None
         served = ServedRequest(conn, request, peer)
+        if request.mode == CallMode.CODED:  # its payload is no pickle: never unpickle it
+            error = RemoteProtocolError(f"a coded call ({request.target!r}) off a lane")
+            self._finish(served, False, error)
+            return
         owner = self._owner
         if served.remote:
             owner.on_remote_request(peer, request)

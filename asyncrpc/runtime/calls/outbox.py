@@ -27,6 +27,7 @@ from typing import Any, Final, Protocol
 from asyncrpc.errors import ClosedError, PeerLostError, RpcTimeoutError
 from asyncrpc.errorstate import own_copy
 from asyncrpc.functions import is_async_execution, is_coroutine_function
+from asyncrpc.protocol.coded import CodedCall
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT, WorkerInfo
 from asyncrpc.protocol.reflog import ForkPair
 from asyncrpc.protocol.serde import Serializer, unpack_exception
@@ -281,6 +282,38 @@ class Outbox:
             rank, fn, args, kwargs, self.effective_timeout(timeout), CallKind.SYNC
         )
         return self._sync(rank, fn, encoded)
+
+    def call_coded_on_lane(self, to: Any, coded: CodedCall, args: Any, timeout: float) -> Any:
+        """``call_on_lane`` for a coded call (``protocol/coded.py``): its arguments
+        coded, not pickled, and so its reply where the callee can. Pickled as
+        ``call_on_lane`` sends it where a hook is active or the codec cannot say them.
+
+        Raises:
+            The errors of ``call_sync``.
+        """
+        lanes = self._lanes
+        if lanes is None or self._on_loop_thread():
+            return NOT_ON_LANE
+        rank = self._directory.resolve(to)
+        dumped = None if self._pipeline.active_hooks() else coded.dump_args(args)
+        if dumped is None:
+            return self.call_on_lane(to, coded.run, args, {}, timeout)
+        if self.closed:
+            raise ClosedError(f"worker {self._name!r} is shut down")
+        payload, segments, keep = dumped
+        call_id, timeout = next(self._call_ids), self.effective_timeout(timeout)
+        request = Request(call_id, timeout, CallMode.CODED, coded.name)
+        pieces = encode_frame(request.to_fields(), payload, segments)
+        if self._behind_pending(rank):
+            return NOT_ON_LANE
+        lane = lanes.lane(rank, frame_nbytes(pieces))
+        if lane is None:
+            return NOT_ON_LANE
+        encoded = EncodedRequest(
+            call_id, rank, coded.name, timeout, pieces, keep, None, None, coded=coded.load_result
+        )
+        value = lanes.call(lane, encoded)
+        return NOT_ON_LANE if value is lanes.UNSENT else value
 
     def _sync(self, rank: int, fn: Any, encoded: EncodedRequest) -> Any:
         """An encoded call for a thread that blocks until its result: on the thread's

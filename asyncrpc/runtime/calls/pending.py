@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 from asyncrpc.functions import per_callable_cache
@@ -53,6 +53,8 @@ class EncodedRequest(NamedTuple):
         forks: the RRef forks its payload carries (None: none), followed until the peer
             reads it.
         shared: whether a segment went into shared memory (a lane cannot carry it).
+        coded: a coded call's reply decoder (``protocol/coded.py``), for a reply
+            marked ``CODED_REPLY``; None: a plain call, its reply is pickled.
     """
 
     call_id: int
@@ -64,6 +66,7 @@ class EncodedRequest(NamedTuple):
     observed: Observed | None
     forks: list[ForkPair] | None
     shared: bool = False  # some segment went into shared memory (its tag names a chunk)
+    coded: Callable[[Any, Sequence[object]], Any] | None = None
 
 
 class PendingCall:

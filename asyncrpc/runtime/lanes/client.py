@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
 from asyncrpc.errors import (
@@ -46,7 +46,14 @@ from asyncrpc.protocol.address import PeerAddress
 from asyncrpc.protocol.serde import Serializer, unpack_exception
 from asyncrpc.protocol.serde.policy import TensorPolicy
 from asyncrpc.protocol.wire import encode_frame
-from asyncrpc.protocol.wire.messages import ACK_WANTED, Ack, Cancel, Kind, optional_headers
+from asyncrpc.protocol.wire.messages import (
+    ACK_WANTED,
+    CODED_REPLY,
+    Ack,
+    Cancel,
+    Kind,
+    optional_headers,
+)
 from asyncrpc.runtime.calls.outbox import EncodedRequest, Observed
 from asyncrpc.runtime.calls.pipeline import Pipeline
 from asyncrpc.runtime.lanes.frames import FIGURES, BlockingFrames, Unsent, figures, retire
@@ -95,8 +102,10 @@ class Lane:
     def call(
         self, call_id: int, pieces: list[Any], timeout: float, loads: Callable[..., Any],
         policy: TensorPolicy | None = None,
+        coded: Callable[[Any, Sequence[object]], Any] | None = None,
     ) -> tuple[Any, BaseException | None, dict[str, Any] | None]:  # fmt: skip
-        """Write a request and read its reply on this lane (blocking this thread).
+        """Write a request and read its reply on this lane (blocking this thread);
+        ``coded`` decodes a reply its callee coded (``CODED_REPLY``), ``loads`` any other.
 
         Returns:
             ``(value, None, headers)``, or ``(None, the remote exception, headers)`` with
@@ -128,6 +137,8 @@ class Lane:
             self.replied = frame.nbytes
             if kind == Kind.ERROR:
                 return None, unpack_exception(bytes(frame.payload)), headers
+            if coded is not None and headers is not None and CODED_REPLY in headers:
+                return coded(frame.payload, frame.segments), None, headers
             value = loads(frame.payload, frame.segments, context=self.rank, policy=policy)
             if headers is not None and ACK_WANTED in headers:
                 # The reply's RRef forks are unpickled: its owner may stop following them.
@@ -290,7 +301,12 @@ class CallerLanes:
             # so nested synchronous calls deeper than the pool never deadlock.
             with blocking():
                 value, error, headers = lane.call(
-                    encoded.call_id, encoded.pieces, encoded.timeout, self._loads, policy
+                    encoded.call_id,
+                    encoded.pieces,
+                    encoded.timeout,
+                    self._loads,
+                    policy,
+                    encoded.coded,
                 )
             outcome = "calls_sent" if error is None else "calls_failed"
         except (Unsent, TimeoutError, ClosedError, ConnectionLostError, RemoteProtocolError,

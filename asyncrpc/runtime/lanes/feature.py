@@ -16,7 +16,8 @@ from typing import Any
 from asyncrpc.errors import PeerLostError
 from asyncrpc.runtime.feature import Feature
 from asyncrpc.runtime.lanes.client import CallerLanes
-from asyncrpc.runtime.lanes.server import LaneReply, LaneServer, Serving, Writer
+from asyncrpc.runtime.lanes.server import LaneServer
+from asyncrpc.runtime.lanes.serving import LaneReply, Serving, Writer
 
 __all__ = ["Lanes"]
 

@@ -31,16 +31,22 @@ import sys
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Final
 
-from asyncrpc.errors import ClosedError, FrameTooLargeError, SerializationError
+from asyncrpc.errors import (
+    ClosedError,
+    FrameTooLargeError,
+    RemoteProtocolError,
+    SerializationError,
+)
 from asyncrpc.functions import is_async_execution, is_coroutine_function, is_inline
-from asyncrpc.protocol.serde import MissingReferenceError, Serializer, pack_exception
+from asyncrpc.protocol.coded import CodedCall
+from asyncrpc.protocol.serde import MissingReferenceError, pack_exception
 from asyncrpc.protocol.wire import Frame, body_nbytes, encode_frame
 from asyncrpc.protocol.wire.messages import (
     ACK_WANTED,
+    CODED_REPLY,
     Ack,
     CallMode,
     ErrorReply,
@@ -50,88 +56,17 @@ from asyncrpc.protocol.wire.messages import (
 )
 from asyncrpc.runtime.calls.builtins import checked_op, is_torch_c_function
 from asyncrpc.runtime.calls.deadline import deadline_after, running_until
-from asyncrpc.runtime.calls.dispatch import Dispatcher
-from asyncrpc.runtime.calls.pipeline import IncomingCall, Pipeline
+from asyncrpc.runtime.calls.pipeline import IncomingCall
 from asyncrpc.runtime.calls.served import missing_reference_error, print_request_error
 from asyncrpc.runtime.lanes.frames import FIGURES, BlockingFrames, Unsent, figures, retire
-from asyncrpc.runtime.lanes.handshake import HANDSHAKE_ERRORS, LaneRoster, accept_lane
+from asyncrpc.runtime.lanes.handshake import HANDSHAKE_ERRORS, accept_lane
+from asyncrpc.runtime.lanes.serving import LaneReply, Serving
 
-__all__ = ["LaneForks", "LaneReply", "LaneServer", "Serving", "Writer"]
+__all__ = ["LaneServer"]
 
 _log = logging.getLogger(__name__)
 
-# Writes a reply frame on the connection its request came on: (conn, pieces, keep, forks).
-Writer = Callable[[Any, list[Any], object, Any], None]
-
-
-class LaneForks(Protocol):
-    """What the lanes' threads ask of the RRef layer: the forks their replies carry, and
-    the values of the remote() requests they serve."""
-
-    def on_remote_request(self, peer: int, request: Request) -> None:
-        """A remote() request arrived: register the caller's fork before it runs."""
-
-    def on_value(self, request: Request, peer: int, ok: bool, value: Any) -> None:
-        """Its function finished: its value (or exception) is the owner's."""
-
-    def undelivered(self, rank: int, forks: list[Any]) -> None:
-        """A reply carrying these forks to ``rank`` was never written."""
-
-    def query_forks(self, rank: int, forks: list[Any]) -> None:
-        """Replies carrying these forks went out on a lane that died before ``rank``
-        acknowledged them: ask it whether they arrived."""
-
-
-@dataclass(frozen=True, slots=True)
-class Serving:
-    """What a lane's thread needs of its worker, once the group is joined."""
-
-    name: str
-    rank: int
-    key: bytes
-    max_frame_size: int
-    handshake_timeout: float
-    roster: LaneRoster
-    serializer: Serializer  # no shared memory: a lane's reply travels on the lane
-    pipeline: Pipeline
-    dispatcher: Dispatcher
-    forks: LaneForks
-    run_on_loop: Callable[..., None]
-    print_errors: bool
-    busy_poll: float = 0.0  # seconds a lane's thread polls for the next request (option)
-
-
-class LaneReply:
-    """The connection the dispatcher replies on for a request a lane handed to the loop:
-    the reply frame goes back to the lane's thread, which writes it."""
-
-    __slots__ = ("_done", "_frame", "closed", "peer", "peer_name")
-    acks_forks = True  # the dispatcher asks the caller to Ack the RRef forks of a reply
-
-    def __init__(self, peer: int, peer_name: str) -> None:
-        self.peer: int | None = peer
-        self.peer_name: str | None = peer_name
-        self.closed = False
-        self._frame: tuple[list[Any], object, Any] | None = None
-        self._done = threading.Lock()
-        self._done.acquire()
-
-    def deliver(self, pieces: list[Any], keep: object, forks: Any) -> None:
-        """The dispatcher's reply (on the loop thread)."""
-        if self._frame is None and not self.closed:
-            self._frame = (pieces, keep, forks)
-            self._done.release()
-
-    def abandon(self) -> None:
-        """Nobody will reply (the lane is closing): wake the lane's thread."""
-        if not self.closed:
-            self.closed = True
-            if self._frame is None:
-                self._done.release()
-
-    def wait(self) -> tuple[list[Any], object, Any] | None:
-        self._done.acquire()
-        return self._frame
+_CODED_HEADERS: Final = {CODED_REPLY: 1}  # a coded reply's mark (never written to)
 
 
 class _Lane:
@@ -161,7 +96,9 @@ class LaneServer:
         self.running = 0  # requests running on lane threads now
         # Counted like the loop's (get_metrics adds them up), under the lock; the bytes of
         # lanes already closed are kept in ``_retired``.
-        self.counts = {"calls_received": 0, "replies_sent": 0, "errors_sent": 0}
+        self.counts = {
+            "calls_received": 0, "replies_sent": 0, "errors_sent": 0, "coded_calls_received": 0
+        }  # fmt: skip
         self._retired = dict.fromkeys(FIGURES, 0)
         self.port: int | None = None
         self.path: str | None = None
@@ -290,6 +227,8 @@ class LaneServer:
                 self._count("calls_received")
                 if message.mode == CallMode.CALL:
                     self._serve(serving, lane, message, frame)
+                elif message.mode == CallMode.CODED:
+                    self._serve_coded(serving, lane, message, frame)
                 elif message.mode == CallMode.REMOTE:
                     self._serve_remote(serving, lane, message, frame)
                 else:
@@ -331,6 +270,33 @@ class LaneServer:
             self._hand_over(serving, lane, request, on_loop, call, incoming)
             return
         self._run_here(serving, lane, request, incoming, call)
+
+    def _serve_coded(self, serving: Serving, lane: _Lane, request: Request, frame: Frame) -> None:
+        """A coded call (``protocol/coded.py``): one of this worker's features' own,
+        found by name, run here; its reply coded where no hook serves it."""
+        self._count("coded_calls_received")
+        coded = serving.coded.get(request.target)
+        if coded is None:
+            error = RemoteProtocolError(f"worker {serving.name!r} has no coded call "
+                                        f"{request.target!r}")  # fmt: skip
+            self._reply_error(serving, lane, request, None, error)
+            return
+        try:
+            args = coded.load_args(frame.payload, frame.segments)
+        except Exception as exc:
+            self._reply_error(serving, lane, request, None, exc)
+            return
+        call: tuple[Any, Any, Any] = (coded.run, args, {})
+        pipeline, incoming = serving.pipeline, None
+        if pipeline.serves(None):  # hooks that serve every request see it as a plain call
+            if not pipeline.on_lanes(None):
+                self._hand_over(serving, lane, request, serving.dispatcher.on_unpickled, call)
+                return
+            incoming = pipeline.received(
+                lane.name, lane.rank, serving.name, request.call_id, request.target, False,
+                None, frame.nbytes,
+            )  # fmt: skip
+        self._run_here(serving, lane, request, incoming, call, coded)
 
     def _serve_remote(self, serving: Serving, lane: _Lane, request: Request, frame: Frame) -> None:
         """A remote() request: its value stays here (nothing is written back but an Ack
@@ -392,9 +358,10 @@ class LaneServer:
 
     def _run_here(
         self, serving: Serving, lane: _Lane, request: Request, incoming: IncomingCall | None,
-        call: tuple[Any, Any, Any],
+        call: tuple[Any, Any, Any], coded: CodedCall | None = None,
     ) -> None:  # fmt: skip
-        """Run a plain function here, through the hooks that serve it, and reply."""
+        """Run a plain function here, through the hooks that serve it, and reply (coded
+        by ``coded`` where no hook served it and its codec can say the result)."""
         fn, args, kwargs = call
         if incoming is not None:
             run = serving.pipeline.serve(incoming, fn, args, kwargs)
@@ -412,6 +379,15 @@ class LaneServer:
             with self._lock:
                 self.running -= 1
             del call, args, kwargs  # the arguments' RRefs are released now, not later
+        if coded is not None and incoming is None:
+            dumped = coded.dump_result(result)
+            if dumped is not None:
+                payload, segments, keep = dumped
+                fields = Reply(request.call_id, _CODED_HEADERS).to_fields()
+                pieces = encode_frame(fields, payload, segments)
+                self._write(serving, lane, request, pieces, None, "replies_sent")
+                del keep
+                return
         self._reply(serving, lane, request, incoming, result)
 
     def _hand_over(
