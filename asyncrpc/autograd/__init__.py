@@ -25,6 +25,7 @@ from asyncrpc.autograd.engine import Hop, local_pass, propagate, root_onward
 from asyncrpc.autograd.feature import DistAutograd, context_table
 from asyncrpc.autograd.hook import AutogradHook
 from asyncrpc.errors import AutogradContextError, BlockingCallError
+from asyncrpc.runtime.futures import Future
 
 __all__ = [
     "AutogradHook",
@@ -149,10 +150,14 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     try:
         outgoing = local_pass(context, list(roots), grads, agent.rank)
         root = Hop(agent, table, context, PassCredit(agent.rank, pass_id, FULL))
-        # Over when all its credit is back (or every reply, with the first error).
-        done = first_of(over, root_onward(root, outgoing))
-        table.root_threads.serve(pass_id, done)
-        done.value()  # raises the pass's error
+        replies = root_onward(root, outgoing)
+        if isinstance(replies, Future):
+            # Over when all its credit is back (or every reply, with the first error).
+            done = first_of(over, replies)
+            table.root_threads.serve(pass_id, done)
+            done.value()  # raises the pass's error
+        else:  # over already: this thread ran all that came back (its one lane hop's)
+            table.root_threads.finish(pass_id)
     finally:
         table.root_threads.close(pass_id)
         current_context_id.reset(token)

@@ -195,7 +195,8 @@ def grads_here(
     context = table.get(context_id)
     table.count_hop()
     share = None if credit is None else PassCredit(*credit)
-    return Hop(agent, table, context, share, caller).run_here(batches).wait()
+    reply = Hop(agent, table, context, share, caller).run_here(batches)
+    return reply.wait() if isinstance(reply, Future) else reply
 
 
 # A hop on a lane travels in its own format (hopwire.py), not pickled.
@@ -204,11 +205,12 @@ HOP_CALL: Final = CodedCall(
 )
 
 
-def root_onward(root: Hop, outgoing: Outgoing) -> Future[int]:
+def root_onward(root: Hop, outgoing: Outgoing) -> Future[int] | int:
     """``onward`` for the root's own part, from the thread in ``backward()``: a single hop
     goes on this thread's lane to its worker where it has one, and what the reply brings
     back runs right here; the future of the credit still to hand back (0 when there is
-    none), done when what this thread started is over.
+    none), done when what this thread started is over, or that credit itself where it is
+    over already (no future: the usual end of a pass whose one hop went on the lane).
 
     On the lane this thread writes the hop and reads its reply itself: no hand-off to the
     loop and back on this side, and none on the callee, whose lane thread runs the hop.
@@ -235,9 +237,7 @@ def root_onward(root: Hop, outgoing: Outgoing) -> Future[int]:
     root.table.count_lane_hop()
     if isinstance(reply, tuple):  # gradients back for this worker, with their credit
         return root.follow_here(*reply)
-    done: Future[int] = Future()
-    done.set_result(root.hand_on(reply or 0))
-    return done
+    return root.hand_on(reply or 0)
 
 
 class Hop:
@@ -287,15 +287,19 @@ class Hop:
         table.count_pass_on_loop()
         return self.onward(outgoing)
 
-    def run_here(self, batches: Batches) -> Future[HopReply]:
+    def run_here(self, batches: Batches) -> Future[HopReply] | HopReply:
         """Run the hop's pass on this thread (not the loop's: user code may block here),
-        then ``onward``; the future of the reply.
+        then ``onward``; the future of the reply, or the reply itself where the pass sent
+        no hop on (no future for a thread that would only wait for it).
 
         Raises:
             The graph's error, as ``local_pass`` raises it.
         """
         roots, grad_outputs = self._roots(batches)
-        return self.onward(local_pass(self.context, roots, grad_outputs, self.agent.rank))
+        outgoing = local_pass(self.context, roots, grad_outputs, self.agent.rank)
+        hops = by_sender(outgoing)
+        at_once = self._at_once(hops)
+        return self._send_on(hops) if at_once is None else at_once
 
     def _roots(self, batches: Batches) -> tuple[list[torch.Tensor], list[Any]]:
         """The tensors this worker sent that the batches bring gradients for, and those."""
@@ -329,14 +333,28 @@ class Hop:
         hops sent on have replied and what they brought back has run (failed with the
         first error)."""
         hops = by_sender(outgoing)
+        at_once = self._at_once(hops)
+        if at_once is None:
+            return self._send_on(hops)
+        replied: Future[HopReply] = Future()
+        replied.set_result(at_once)
+        return replied
+
+    def _at_once(self, hops: dict[int, Batches]) -> HopReply | None:
+        """The reply of a pass that sends no hop on: the credit handed back, or, where its
+        gradients all go back to the caller, those (and this hop's credit); None where
+        hops go on."""
+        if not hops:
+            return self._credit_back()
+        credit = self.credit
+        if credit is not None and self.embeds and len(hops) == 1 and self.caller in hops:
+            return hops[self.caller], credit.amount
+        return None
+
+    def _send_on(self, hops: dict[int, Batches]) -> Future[HopReply]:
+        """``onward`` where hops go on: the future of the reply."""
         credit = self.credit
         replied: Future[HopReply] = Future()
-        if not hops:
-            replied.set_result(self._credit_back())
-            return replied
-        if credit is not None and self.embeds and len(hops) == 1 and self.caller in hops:
-            replied.set_result((hops[self.caller], credit.amount))
-            return replied
         shares = None if credit is None else split(credit, len(hops))
         # Its credit went on with the hops, unless it had none or too little to split.
         keep = credit is not None and shares is None
@@ -377,7 +395,7 @@ class Hop:
         hop = Hop(self.agent, self.table, self.context, credit, self.caller, embeds=False)
         return hop.take(batches)  # type: ignore[return-value]  # it never embeds
 
-    def follow_here(self, batches: Batches, amount: int) -> Future[int]:
+    def follow_here(self, batches: Batches, amount: int) -> Future[int] | int:
         """``follow``, run on this thread (the one in ``backward()``, the root's)."""
         credit = self.credit
         assert credit is not None  # gradients come back only with credit

@@ -83,6 +83,14 @@ class RootThreads:
                 with self._lock:
                     self._boxes[pass_id] = box
 
+    def finish(self, pass_id: int) -> None:
+        """``serve`` for a pass already over: stop taking work for ``pass_id``, and run
+        what was posted before (nothing, as a rule: see ``engine.root_onward``)."""
+        with self._lock:
+            box = self._boxes.pop(pass_id, None)
+        if box is not None:
+            _run_left(box)
+
     def close(self, pass_id: int) -> None:
         """Stop taking work for ``pass_id`` (hops arriving later run elsewhere)."""
         with self._lock:
@@ -91,10 +99,8 @@ class RootThreads:
 
 def _run_left(box: queue.SimpleQueue[Work | None]) -> None:
     # Posted before the thread stopped taking work: their callers wait for their replies.
-    while True:  # bounded: nothing is posted to a closed box
-        try:
-            work = box.get_nowait()
-        except queue.Empty:
-            return
+    # Bounded: nothing is posted to a closed box (only serve's own None may still come).
+    while not box.empty():
+        work = box.get_nowait()
         if work is not None:
             work()
