@@ -144,7 +144,7 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     # here (asyncrpc.autograd.roots).
     context = table.get(context_id)
     grads = _start(context, context_id, roots, retain_graph)
-    pass_id, over = table.credits.begin()
+    pass_id = table.credits.begin()
     table.root_threads.open(pass_id)
     token = current_context_id.set(None)  # the gradient hops are not part of the context
     try:
@@ -153,7 +153,7 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
         replies = root_onward(root, outgoing)
         if isinstance(replies, Future):
             # Over when all its credit is back (or every reply, with the first error).
-            done = first_of(over, replies)
+            done = first_of(table.credits.over(pass_id), replies)
             table.root_threads.serve(pass_id, done)
             done.value()  # raises the pass's error
         else:  # over already: this thread ran all that came back (its one lane hop's)

@@ -47,6 +47,9 @@ class AutogradContext:
         self.recvs: dict[int, tuple[int, int, int, int]] = {}
         self._received: list[Any] = []
         self.grads: dict[Any, Any] = {}  # tensor -> accumulated gradient
+        # Gradients of this worker's own tensors a hop's pass gave, added once its reply
+        # is written (``defer``), or by whoever reads or adds gradients first.
+        self._deferred: list[tuple[Any, Any, bool]] = []
         self.peers: set[int] = set()  # workers this context exchanged messages with
         # Roots of backward passes run without retain_graph: their graph counts as freed
         # (torch raises on a second pass through it). Held, so their ids stay theirs.
@@ -93,13 +96,40 @@ class AutogradContext:
         Later ones are added out of place, so a kept gradient is never written to.
         """
         with self._lock:
-            held = self.grads.get(tensor)
-            if held is not None:
-                self.grads[tensor] = held + grad
-            elif shared or not _keeps_layout(tensor, grad):
-                self.grads[tensor] = _copy_in_layout(tensor, grad)
-            else:
-                self.grads[tensor] = grad
+            if self._deferred:
+                self._add_deferred()
+            self._add(tensor, grad, shared)
+
+    def defer(self, grads: list[tuple[Any, Any, bool]]) -> None:
+        """``accumulate`` each ``(tensor, grad, shared)`` later: when ``settle`` runs, or
+        before anything reads or adds gradients of this context, whichever comes first (so
+        the sums, and the order of their terms, are those ``accumulate`` would give).
+
+        For a hop's pass on a lane: its caller waits only for the gradients it sends back,
+        so this worker's own are added once the reply is written.
+        """
+        with self._lock:
+            self._deferred.extend(grads)
+
+    def settle(self) -> None:
+        """Add the gradients ``defer`` holds back."""
+        with self._lock:
+            if self._deferred:
+                self._add_deferred()
+
+    def _add_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for tensor, grad, shared in deferred:
+            self._add(tensor, grad, shared)
+
+    def _add(self, tensor: Any, grad: Any, shared: bool) -> None:
+        held = self.grads.get(tensor)
+        if held is not None:
+            self.grads[tensor] = held + grad
+        elif shared or not _keeps_layout(tensor, grad):
+            self.grads[tensor] = _copy_in_layout(tensor, grad)
+        else:
+            self.grads[tensor] = grad
 
     def received(self) -> dict[int, Any]:
         """The tensors received with grad in this context, by id."""
@@ -111,6 +141,8 @@ class AutogradContext:
         held by the torch context of passes that ran on torch's engine."""
         on_torch_engine = self.graph.gradients()
         with self._lock:
+            if self._deferred:
+                self._add_deferred()
             grads = dict(self.grads)
         for tensor, grad in on_torch_engine.items():
             held = grads.get(tensor)
@@ -194,6 +226,11 @@ class ContextTable:
                 "this worker: released, or never seen)"
             )
         return context
+
+    def find(self, context_id: int) -> AutogradContext | None:
+        """The context ``context_id``, or None where this worker has none (released)."""
+        with self._lock:
+            return self._contexts.get(context_id)
 
     def current(self) -> AutogradContext | None:
         context_id = current_context_id.get()

@@ -56,17 +56,31 @@ class Credits:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._passes: dict[int, tuple[int, Future[None]]] = {}  # id -> (held, over)
+        # id -> [credit held, the future of ``over`` if asked for yet]
+        self._passes: dict[int, list[Any]] = {}
         self.passes_over_early = 0  # passes whose credit came back before the replies
         self.calls = 0  # credit handed back in calls of their own (credit_returned)
 
-    def begin(self) -> tuple[int, Future[None]]:
-        """A new pass: its id, and a future completed once all its credit is back."""
-        over: Future[None] = Future()
+    def begin(self) -> int:
+        """A new pass; its id."""
         with self._lock:
             pass_id = next(self._ids)
-            self._passes[pass_id] = (0, over)
-        return pass_id, over
+            self._passes[pass_id] = [0, None]
+        return pass_id
+
+    def over(self, pass_id: int) -> Future[None]:
+        """A future completed once all the credit of pass ``pass_id`` is back (done at once
+        where it is: the pass is no longer held, or it ended). Made only when asked for: most passes end
+        without anyone waiting on it (their one hop's reply brings the credit back)."""
+        with self._lock:
+            entry = self._passes.get(pass_id)
+            if entry is not None:
+                if entry[1] is None:
+                    entry[1] = Future()
+                return entry[1]  # type: ignore[no-any-return]
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
     def hand_back(self, pass_id: int, amount: int) -> None:
         """Credit returned to pass ``pass_id`` (unknown or ended passes ignore it)."""
@@ -74,14 +88,14 @@ class Credits:
             entry = self._passes.get(pass_id)
             if entry is None:
                 return
-            held, over = entry
-            held += amount
-            if held < FULL:
-                self._passes[pass_id] = (held, over)
+            entry[0] += amount
+            if entry[0] < FULL:
                 return
             del self._passes[pass_id]
             self.passes_over_early += 1
-        try_set_result(over, None)
+            over = entry[1]
+        if over is not None:
+            try_set_result(over, None)
 
     def end(self, pass_id: int) -> None:
         """Forget pass ``pass_id`` (its replies came back, or it failed)."""

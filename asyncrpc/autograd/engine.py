@@ -59,13 +59,14 @@ Outgoing = dict[tuple[int, int], list[Any]]
 
 def local_pass(
     context: AutogradContext, roots: Sequence[torch.Tensor], grad_outputs: Sequence[Any],
-    rank: int,
+    rank: int, defer: bool = False,
 ) -> Outgoing:  # fmt: skip
     """Run this worker's graph from ``roots``; returns the gradients to send back.
 
     Runs on a pool thread or the caller's (it is CPU work, and may run user code that
     blocks). Leaves received from other workers collect their gradients for sending; this
-    worker's own leaves accumulate in ``context``.
+    worker's own leaves accumulate in ``context`` (``defer``: once ``context.settle()``
+    runs, or whatever reads the context's gradients first).
 
     Raises:
         The error of the graph as torch reports it: also a ``BackwardError`` naming this
@@ -75,7 +76,7 @@ def local_pass(
         routed, _ = context.graph.run(roots, grad_outputs, context.received, rank)
     except Exception as exc:
         raise as_backward_error(exc, rank) from exc
-    return _route(context, routed)
+    return _route(context, routed, defer)
 
 
 def loop_pass(
@@ -110,19 +111,28 @@ async def pass_anywhere(
     )
 
 
-def _route(context: AutogradContext, routed: list[tuple[torch.Tensor, Any]]) -> Outgoing:
+def _route(
+    context: AutogradContext, routed: list[tuple[torch.Tensor, Any]], defer: bool = False
+) -> Outgoing:
     # A gradient the graph handed to two leaves (a function returning one tensor twice)
     # is copied for each; any other is kept as it is, where its layout allows.
     handed = _handed_twice(routed)
     outgoing: Outgoing = {}
+    own: list[tuple[torch.Tensor, Any, bool]] = []
     for leaf, grad in routed:
         received = context.recvs.get(id(leaf))
         if received is None:
-            context.accumulate(leaf, grad, shared=id(grad) in handed)
+            own.append((leaf, grad, id(grad) in handed))
             continue
         sender, message_id, index, count = received
         slots = outgoing.setdefault((sender, message_id), [None] * count)
         slots[index] = grad if slots[index] is None else slots[index] + grad
+    if own:
+        if defer:
+            context.defer(own)
+        else:
+            for leaf, grad, shared in own:
+                context.accumulate(leaf, grad, shared)
     return outgoing
 
 
@@ -143,11 +153,11 @@ async def propagate(
 ) -> None:
     """Run the local pass as the root of a backward pass, on the loop, then hand its
     gradients to the workers that sent the tensors; returns once the whole pass is over."""
-    pass_id, over = table.credits.begin()
+    pass_id = table.credits.begin()
     try:
         outgoing = await pass_anywhere(agent, table, context, roots, grad_outputs)
         root = Hop(agent, table, context, PassCredit(agent.rank, pass_id, FULL))
-        await first_of(over, root.onward(outgoing))
+        await first_of(table.credits.over(pass_id), root.onward(outgoing))
     finally:
         table.credits.end(pass_id)
 
@@ -195,13 +205,32 @@ def grads_here(
     context = table.get(context_id)
     table.count_hop()
     share = None if credit is None else PassCredit(*credit)
-    reply = Hop(agent, table, context, share, caller).run_here(batches)
+    # This worker's own gradients are added after the reply is written (hop_replied):
+    # the caller waits only for those the reply carries.
+    reply = Hop(agent, table, context, share, caller).run_here(batches, defer=True)
     return reply.wait() if isinstance(reply, Future) else reply
+
+
+def hop_replied(
+    context_id: int, batches: Batches, credit: WireCredit | None = None, caller: int = -1
+) -> None:
+    """Runs on the lane's thread once ``grads_here``'s reply is written (or failed):
+    add the gradients of this worker's own tensors it held back."""
+    _, table = context_table()
+    context = table.find(context_id)
+    if context is not None:
+        context.settle()
 
 
 # A hop on a lane travels in its own format (hopwire.py), not pickled.
 HOP_CALL: Final = CodedCall(
-    "asyncrpc.autograd.hop", grads_here, dump_hop, load_hop, dump_hop_reply, load_hop_reply
+    "asyncrpc.autograd.hop",
+    grads_here,
+    dump_hop,
+    load_hop,
+    dump_hop_reply,
+    load_hop_reply,
+    hop_replied,
 )
 
 
@@ -226,12 +255,15 @@ def root_onward(root: Hop, outgoing: Outgoing) -> Future[int] | int:
     ((to, batches),) = hops.items()
     agent, credit = root.agent, root.credit
     args = (root.context.id, batches, tuple(credit), agent.rank)
-    with root.table.root_threads.away(credit.pass_id):  # no deadlock on a hop back here
-        try:
-            reply = agent.calls.call_coded_on_lane(to, HOP_CALL, args, UNSET_RPC_TIMEOUT)
-        except BaseException:
-            root.table.count_lane_hop()  # a hop that failed counts too
-            raise
+    threads = root.table.root_threads
+    box = threads.away(credit.pass_id)  # no deadlock on a hop back here meanwhile
+    try:
+        reply = agent.calls.call_coded_on_lane(to, HOP_CALL, args, UNSET_RPC_TIMEOUT)
+    except BaseException:
+        root.table.count_lane_hop()  # a hop that failed counts too
+        raise
+    finally:
+        threads.back(credit.pass_id, box)
     if reply is NOT_ON_LANE:
         return root.onward(outgoing)  # type: ignore[return-value]
     root.table.count_lane_hop()
@@ -287,16 +319,17 @@ class Hop:
         table.count_pass_on_loop()
         return self.onward(outgoing)
 
-    def run_here(self, batches: Batches) -> Future[HopReply] | HopReply:
+    def run_here(self, batches: Batches, defer: bool = False) -> Future[HopReply] | HopReply:
         """Run the hop's pass on this thread (not the loop's: user code may block here),
         then ``onward``; the future of the reply, or the reply itself where the pass sent
-        no hop on (no future for a thread that would only wait for it).
+        no hop on (no future for a thread that would only wait for it). ``defer``: this
+        worker's own gradients are added once the context settles (see ``local_pass``).
 
         Raises:
             The graph's error, as ``local_pass`` raises it.
         """
         roots, grad_outputs = self._roots(batches)
-        outgoing = local_pass(self.context, roots, grad_outputs, self.agent.rank)
+        outgoing = local_pass(self.context, roots, grad_outputs, self.agent.rank, defer)
         hops = by_sender(outgoing)
         at_once = self._at_once(hops)
         return self._send_on(hops) if at_once is None else at_once

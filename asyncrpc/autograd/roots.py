@@ -15,10 +15,9 @@ The loop hands a hop over only while the thread serves its pass; once the thread
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from asyncrpc.runtime.futures import Future, add_hook
@@ -70,18 +69,18 @@ class RootThreads:
             self.close(pass_id)
             _run_left(box)
 
-    @contextlib.contextmanager
-    def away(self, pass_id: int) -> Iterator[None]:
-        """The thread serving ``pass_id`` is blocked elsewhere for the block (a lane
-        call): hops posted meanwhile are refused (run elsewhere), then taken again."""
+    def away(self, pass_id: int) -> queue.SimpleQueue[Work | None] | None:
+        """The thread serving ``pass_id`` is blocked elsewhere (a lane call) until
+        ``back``: hops posted meanwhile are refused (run elsewhere). Returns what ``back``
+        takes. Two plain calls, not a context manager: this is on every root's hop."""
         with self._lock:
-            box = self._boxes.pop(pass_id, None)
-        try:
-            yield
-        finally:
-            if box is not None:
-                with self._lock:
-                    self._boxes[pass_id] = box
+            return self._boxes.pop(pass_id, None)
+
+    def back(self, pass_id: int, box: queue.SimpleQueue[Work | None] | None) -> None:
+        """The thread ``away`` from ``pass_id`` takes its hops again."""
+        if box is not None:
+            with self._lock:
+                self._boxes[pass_id] = box
 
     def finish(self, pass_id: int) -> None:
         """``serve`` for a pass already over: stop taking work for ``pass_id``, and run

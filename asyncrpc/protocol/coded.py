@@ -42,6 +42,8 @@ class CodedCall:
             ``SerializationError`` on a malformed payload.
         dump_result: the result's payload and segments, or None (reply pickled).
         load_result: ``(payload, segment owners)`` -> the result; raises as ``load_args``.
+        after_reply: called with the arguments on the serving thread once the reply (or
+            the error) is written: work the caller need not wait for. None: nothing.
     """
 
     name: str
@@ -50,3 +52,4 @@ class CodedCall:
     load_args: Callable[[Any, Sequence[object]], Any]
     dump_result: Callable[[Any], Coded | None]
     load_result: Callable[[Any, Sequence[object]], Any]
+    after_reply: Callable[..., None] | None = None

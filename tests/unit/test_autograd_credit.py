@@ -32,7 +32,8 @@ def test_a_chain_of_binary_splits_holds_62_levels() -> None:
 
 def test_the_pass_is_over_only_when_all_credit_is_back() -> None:
     credits = Credits()
-    pass_id, over = credits.begin()
+    pass_id = credits.begin()
+    over = credits.over(pass_id)
     shares = split(PassCredit(0, pass_id, FULL), 3)
     assert shares is not None
     for share in shares[:2]:
@@ -44,6 +45,24 @@ def test_the_pass_is_over_only_when_all_credit_is_back() -> None:
     assert len(credits) == 0
     credits.hand_back(pass_id, 5)  # late or unknown credit is ignored
     credits.hand_back(999, FULL)
+
+
+def test_over_asked_for_after_the_credit_is_back_is_done() -> None:
+    # The future is made only when asked for (most passes never ask): asked late, it is
+    # done at once; asked early, it completes with the last credit.
+    credits = Credits()
+    late, early = credits.begin(), credits.begin()
+    waiting = credits.over(early)
+    credits.hand_back(late, FULL)
+    assert credits.over(late).done()
+    assert not waiting.done()
+    credits.hand_back(early, FULL - 1)
+    assert not waiting.done()
+    credits.hand_back(early, 1)
+    assert waiting.done()
+    credits.end(late)
+    credits.end(early)
+    assert credits.over(late).done()  # ended: nothing left to wait for
 
 
 def test_first_of_takes_the_credit_or_the_replies_and_their_error() -> None:

@@ -101,8 +101,19 @@ def test_RootThreads_refuses_work_while_the_thread_is_away_then_takes_it_again()
     roots = RootThreads()
     roots.open(8)
     ran: list[str] = []
-    with roots.away(8):
-        assert not roots.post(8, lambda: ran.append("while away"))
+    box = roots.away(8)
+    assert not roots.post(8, lambda: ran.append("while away"))
+    roots.back(8, box)
     assert roots.post(8, lambda: ran.append("back"))
     roots.serve(8, _done())
     assert ran == ["back"]
+
+
+def test_RootThreads_finish_runs_what_was_posted_and_takes_no_more() -> None:
+    roots = RootThreads()
+    roots.open(9)
+    ran: list[str] = []
+    assert roots.post(9, lambda: ran.append("posted"))
+    roots.finish(9)
+    assert ran == ["posted"]
+    assert not roots.post(9, lambda: ran.append("late"))

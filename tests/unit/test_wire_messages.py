@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import msgpack
 import pytest
 
 from asyncrpc.errors import RemoteProtocolError
@@ -21,6 +22,7 @@ from asyncrpc.protocol.wire.messages import (
     Request,
     ShmMessage,
     ShmOp,
+    coded_request_fields,
     decode_message,
 )
 
@@ -112,3 +114,10 @@ def test_decode_message_barrier_opened_roundtrips_and_rejects_malformed() -> Non
     ):
         with pytest.raises(RemoteProtocolError):
             decode_message(bad)
+
+
+def test_coded_request_fields_are_a_coded_requests() -> None:
+    fields = coded_request_fields(7, 2.5, "asyncrpc.autograd.hop")
+    assert fields == Request(7, 2.5, CallMode.CODED, "asyncrpc.autograd.hop").to_fields()
+    on_the_wire = msgpack.unpackb(msgpack.packb(fields))
+    assert decode_message(on_the_wire) == Request(7, 2.5, CallMode.CODED, "asyncrpc.autograd.hop")

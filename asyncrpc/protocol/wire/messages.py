@@ -39,6 +39,7 @@ __all__ = [
     "Request",
     "ShmMessage",
     "ShmOp",
+    "coded_request_fields",
     "decode_message",
     "optional_headers",
 ]
@@ -215,6 +216,12 @@ class Request:
         if self.headers:
             fields.append(self.headers)
         return fields
+
+
+def coded_request_fields(call_id: int, timeout: float, target: str) -> list[Any]:
+    """The fields of ``Request(call_id, timeout, CallMode.CODED, target)``, built without
+    the object (a frozen dataclass costs ~0.8 µs to make, on a coded call's hot path)."""
+    return [Kind.REQUEST, call_id, timeout, CallMode.CODED, target, None, None]
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,12 @@ from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT, WorkerInfo
 from asyncrpc.protocol.reflog import ForkPair
 from asyncrpc.protocol.serde import Serializer, unpack_exception
 from asyncrpc.protocol.wire import Frame, encode_frame, frame_nbytes
-from asyncrpc.protocol.wire.messages import CallMode, Request, optional_headers
+from asyncrpc.protocol.wire.messages import (
+    CallMode,
+    Request,
+    coded_request_fields,
+    optional_headers,
+)
 from asyncrpc.runtime.calls.deadline import inherited
 from asyncrpc.runtime.calls.pending import (
     EncodedRequest,
@@ -302,8 +307,7 @@ class Outbox:
             raise ClosedError(f"worker {self._name!r} is shut down")
         payload, segments, keep = dumped
         call_id, timeout = next(self._call_ids), self.effective_timeout(timeout)
-        request = Request(call_id, timeout, CallMode.CODED, coded.name)
-        pieces = encode_frame(request.to_fields(), payload, segments)
+        pieces = encode_frame(coded_request_fields(call_id, timeout, coded.name), payload, segments)
         if self._behind_pending(rank):
             return NOT_ON_LANE
         lane = lanes.lane(rank, frame_nbytes(pieces))

@@ -286,6 +286,16 @@ class LaneServer:
         except Exception as exc:
             self._reply_error(serving, lane, request, None, exc)
             return
+        try:
+            self._run_coded(serving, lane, request, frame, coded, args)
+        finally:
+            if coded.after_reply is not None:
+                self._after_reply(coded.after_reply, args)
+
+    def _run_coded(
+        self, serving: Serving, lane: _Lane, request: Request, frame: Frame, coded: CodedCall,
+        args: Any,
+    ) -> None:  # fmt: skip
         call: tuple[Any, Any, Any] = (coded.run, args, {})
         pipeline, incoming = serving.pipeline, None
         if pipeline.serves(None):  # hooks that serve every request see it as a plain call
@@ -297,6 +307,13 @@ class LaneServer:
                 None, frame.nbytes,
             )  # fmt: skip
         self._run_here(serving, lane, request, incoming, call, coded)
+
+    @staticmethod
+    def _after_reply(after: Callable[..., None], args: Any) -> None:
+        try:
+            after(*args)
+        except Exception:  # the caller has its reply: nobody else would hear of this
+            _log.exception("the work after a coded call's reply failed")
 
     def _serve_remote(self, serving: Serving, lane: _Lane, request: Request, frame: Frame) -> None:
         """A remote() request: its value stays here (nothing is written back but an Ack
