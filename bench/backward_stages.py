@@ -111,6 +111,11 @@ def install(side: str) -> None:
     # A hop on a lane: run by the callee's lane thread.
     _wrap(engine, "grads_here", f"{side} lane thread: grads_here")
     _wrap(hop, "follow_here", f"{side} thread: the reply brought gradients back")
+    # A coded hop on a lane (the root's one hop): served by the callee's lane thread.
+    from asyncrpc.runtime.lanes.server import LaneServer
+
+    _wrap(LaneServer, "_serve_coded", f"{side} lane thread: a coded hop")
+    _wrap(hop, "run_here", f"{side} thread: the hop's pass (run_here)")
     _wrap(table.credits, "hand_back", f"{side}: credit handed back", end=False)
     if os.environ.get("STAGES_FINE"):
         _install_fine(side, agent)
@@ -124,7 +129,7 @@ def _install_fine(side: str, agent: Any) -> None:
     from asyncrpc.runtime import intraop
 
     parts = ("_plan_loop_pass", "_engine_pass", "_split_roots", "_small_graph_leaves",
-             "_may_feed_a_reducer", "_elements")  # fmt: skip
+             "_group_initialised", "_root_elements")  # fmt: skip
     for name in parts:
         if hasattr(graph, name):
             _wrap(graph, name, f"{side}:   {name}")
@@ -133,6 +138,18 @@ def _install_fine(side: str, agent: Any) -> None:
     from asyncrpc.runtime.lanes import frames as lane_frames
 
     _wrap(agent.outbox, "call_future", f"{side}:   call_future")
+    _wrap(agent.outbox, "call_coded_on_lane", f"{side}:   call_coded_on_lane")
+    # Inside a coded hop: the codec's parts, looked up at call time in its module.
+    from asyncrpc.autograd import hopwire
+    from asyncrpc.runtime.calls import outbox as outbox_module
+    from asyncrpc.runtime.lanes import server as lane_server
+
+    for name in ("reduce_small_tensor", "rebuild_small_tensor", "_dump_batches",
+                 "_load_batches", "_unpack"):  # fmt: skip
+        _wrap(hopwire, name, f"{side}:     hopwire.{name}")
+    _wrap(hopwire.msgpack, "packb", f"{side}:     msgpack.packb")
+    _wrap(outbox_module, "encode_frame", f"{side}:     encode_frame (outbox)")
+    _wrap(lane_server, "encode_frame", f"{side}:     encode_frame (lane server)")
     _wrap(lane_frames.BlockingFrames, "write", f"{side}:   lane write")
     _wrap(lane_frames.BlockingFrames, "read", f"{side}:   lane read")
     _wrap(lane_client.CallerLanes, "call", f"{side}:   lane call")

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from asyncrpc.autograd.credit import Credits
-from asyncrpc.autograd.graph import LocalGraph
+from asyncrpc.autograd.graph import LocalGraph, Plan, plan
 from asyncrpc.autograd.roots import RootThreads
 from asyncrpc.errors import AutogradContextError
 
@@ -55,6 +55,7 @@ class AutogradContext:
         # (torch raises on a second pass through it). Held, so their ids stay theirs.
         self.released_roots: dict[int, Any] = {}
         self.graph = LocalGraph()  # runs this worker's passes of the context
+        self.plans: dict[int, Plan] = {}  # message id -> its pass, planned ahead (plan_sent)
 
     def next_message_id(self, rank: int) -> int:
         return (rank << _RANK_SHIFT) | next(self._messages)
@@ -86,6 +87,22 @@ class AutogradContext:
                 f"autograd context {self.id} has no message {message_id} sent with grad"
             )
         return found
+
+    def plan_sent(self, message_id: int) -> None:
+        """Plan the pass the gradients of message ``message_id``'s tensors will start
+        (``graph.plan``), ahead of it: for a worker with time to spare (a lane's thread
+        that has just written the reply carrying them)."""
+        with self._lock:
+            found = self.sends.get(message_id)
+        planned = None if found is None else plan(found[1])
+        if planned is not None:
+            with self._lock:
+                self.plans[message_id] = planned
+
+    def planned(self, message_id: int) -> Plan | None:
+        """The plan ``plan_sent`` made for message ``message_id`` (None: none)."""
+        with self._lock:
+            return self.plans.get(message_id)
 
     def accumulate(self, tensor: Any, grad: Any, shared: bool = False) -> None:
         """Add ``grad`` to the gradient of ``tensor`` in this context.
@@ -180,6 +197,7 @@ class ContextTable:
         self.hops_received = 0  # backward hops run here (see count_hop)
         self.passes_on_loop = 0  # local passes run on the event loop (see count_pass_on_loop)
         self.root_lane_hops = 0  # hops the thread in backward() sent on its lane (count_lane_hop)
+        self.passes_planned = 0  # hops whose pass was planned ahead (count_planned)
         self.credits = Credits()  # the backward passes this worker is the root of
         self.root_threads = RootThreads()  # threads waiting in backward() take their hops
 
@@ -202,6 +220,11 @@ class ContextTable:
         """The thread in backward() sent a hop on its lane (for ``get_debug_info``)."""
         with self._lock:
             self.root_lane_hops += 1
+
+    def count_planned(self) -> None:
+        """A hop's pass ran as planned ahead (``AutogradContext.plan_sent``)."""
+        with self._lock:
+            self.passes_planned += 1
 
     def count_pass_on_loop(self) -> None:
         """A local pass ran on the loop, no pool round trip (for ``get_debug_info``)."""

@@ -69,9 +69,9 @@ class Credits:
         return pass_id
 
     def over(self, pass_id: int) -> Future[None]:
-        """A future completed once all the credit of pass ``pass_id`` is back (done at once
-        where it is: the pass is no longer held, or it ended). Made only when asked for: most passes end
-        without anyone waiting on it (their one hop's reply brings the credit back)."""
+        """A future completed once all the credit of pass ``pass_id`` is back (done at
+        once where it is, or where the pass ended). Made only when asked for: most passes
+        end without anyone waiting on it (their one hop's reply brings the credit back)."""
         with self._lock:
             entry = self._passes.get(pass_id)
             if entry is not None:

@@ -26,6 +26,7 @@ import torch
 from asyncrpc.autograd.context import AutogradContext, ContextTable
 from asyncrpc.autograd.credit import FULL, PassCredit, first_of, split
 from asyncrpc.autograd.feature import DistAutograd, context_table
+from asyncrpc.autograd.graph import Plan, plan_holds
 from asyncrpc.autograd.hopwire import dump_hop, dump_hop_reply, load_hop, load_hop_reply
 from asyncrpc.errors import as_backward_error
 from asyncrpc.functions import async_execution, inline
@@ -59,21 +60,22 @@ Outgoing = dict[tuple[int, int], list[Any]]
 
 def local_pass(
     context: AutogradContext, roots: Sequence[torch.Tensor], grad_outputs: Sequence[Any],
-    rank: int, defer: bool = False,
+    rank: int, defer: bool = False, planned: Plan | None = None,
 ) -> Outgoing:  # fmt: skip
     """Run this worker's graph from ``roots``; returns the gradients to send back.
 
     Runs on a pool thread or the caller's (it is CPU work, and may run user code that
     blocks). Leaves received from other workers collect their gradients for sending; this
     worker's own leaves accumulate in ``context`` (``defer``: once ``context.settle()``
-    runs, or whatever reads the context's gradients first).
+    runs, or whatever reads the context's gradients first). ``planned``: the pass planned
+    ahead for ``roots`` (``AutogradContext.plan_sent``), if any.
 
     Raises:
         The error of the graph as torch reports it: also a ``BackwardError`` naming this
         worker (``Error on Node {rank}: ...``).
     """
     try:
-        routed, _ = context.graph.run(roots, grad_outputs, context.received, rank)
+        routed, _ = context.graph.run(roots, grad_outputs, context.received, rank, planned)
     except Exception as exc:
         raise as_backward_error(exc, rank) from exc
     return _route(context, routed, defer)
@@ -329,7 +331,16 @@ class Hop:
             The graph's error, as ``local_pass`` raises it.
         """
         roots, grad_outputs = self._roots(batches)
-        outgoing = local_pass(self.context, roots, grad_outputs, self.agent.rank, defer)
+        # The usual hop: the gradients of every tensor of one message, planned ahead.
+        context = self.context
+        planned = None
+        if len(batches) == 1 and len(roots) == len(batches[0][1]):
+            planned = context.planned(batches[0][0])
+            if planned is not None and plan_holds(planned, roots):
+                self.table.count_planned()
+            else:
+                planned = None
+        outgoing = local_pass(context, roots, grad_outputs, self.agent.rank, defer, planned)
         hops = by_sender(outgoing)
         at_once = self._at_once(hops)
         return self._send_on(hops) if at_once is None else at_once

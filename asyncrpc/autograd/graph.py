@@ -34,7 +34,7 @@ import queue
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch._C._distributed_autograd as torch_dist_engine
@@ -42,7 +42,15 @@ import torch._C._distributed_autograd as torch_dist_engine
 from asyncrpc.autograd.groups import keep_default_group
 from asyncrpc.runtime.intraop import one_thread
 
-__all__ = ["LOOP_PASS_MAX_ELEMENTS", "LOOP_PASS_MAX_NODES", "LocalGraph", "reachable_leaves"]
+__all__ = [
+    "LOOP_PASS_MAX_ELEMENTS",
+    "LOOP_PASS_MAX_NODES",
+    "LocalGraph",
+    "Plan",
+    "plan",
+    "plan_holds",
+    "reachable_leaves",
+]
 
 # (leaf, its gradient from one pass)
 Routed = list[tuple[torch.Tensor, Any]]
@@ -62,24 +70,31 @@ LOOP_PASS_MAX_ELEMENTS = 1 << 16
 
 def reachable_leaves(roots: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The leaf tensors requiring grad that the graph of ``roots`` reaches."""
-    leaves = _walk_leaves(roots, max_nodes=None)
-    assert leaves is not None  # with no bound the walk never gives up
-    return leaves
+    walk = _walk_leaves(roots, max_nodes=None)
+    assert walk is not None  # with no bound the walk never gives up
+    return walk[0]
 
 
-def _small_graph_leaves(roots: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
-    """``reachable_leaves`` for a pass that may run on the loop: None as soon as the graph
-    has more than ``LOOP_PASS_MAX_NODES`` nodes or a leaf off the CPU (a CUDA graph runs
-    on torch's device threads, where the guard below cannot see)."""
+# What a walk of a graph found: its leaves, their elements in all, and whether one of them
+# is an ``nn.Parameter`` (which DDP's reducer may watch). Counted on the way: a pass pays
+# for one loop over its graph, not three.
+Walk = tuple[list[torch.Tensor], int, bool]
+
+
+def _small_graph_leaves(roots: Sequence[torch.Tensor]) -> Walk | None:
+    """The walk for a pass that may run on the loop: None as soon as the graph has more
+    than ``LOOP_PASS_MAX_NODES`` nodes or a leaf off the CPU (a CUDA graph runs on
+    torch's device threads, where the guard below cannot see)."""
     return _walk_leaves(roots, max_nodes=LOOP_PASS_MAX_NODES, cpu_only=True)
 
 
 def _walk_leaves(
     roots: Sequence[torch.Tensor], max_nodes: int | None, cpu_only: bool = False
-) -> list[torch.Tensor] | None:
-    """The leaves the graph of ``roots`` reaches; None past ``max_nodes`` nodes, or at a
-    leaf off the CPU when ``cpu_only``."""
+) -> Walk | None:
+    """The leaves the graph of ``roots`` reaches (see ``Walk``); None past ``max_nodes``
+    nodes, or at a leaf off the CPU when ``cpu_only``."""
     leaves: list[torch.Tensor] = []
+    elements, params = 0, False
     seen: set[Any] = set()
     stack: list[Any] = [r.grad_fn for r in roots if r.grad_fn is not None]
     while stack:  # bounded by the graph (and max_nodes): each node is expanded once
@@ -94,9 +109,48 @@ def _walk_leaves(
             if cpu_only and not variable.is_cpu:
                 return None
             leaves.append(variable)
+            elements += variable.numel()
+            params = params or isinstance(variable, torch.nn.Parameter)
             continue
         stack.extend(child for child, _ in node.next_functions)
-    return leaves
+    return leaves, elements, params
+
+
+class Plan(NamedTuple):
+    """A pass planned ahead from the tensors of one message this worker sent (``plan``):
+    the walk of their graph, made while the receiver was busy, not in its hop."""
+
+    grad_fns: tuple[Any, ...]  # the roots' nodes when planned: a root changed since
+    # (an in-place op gives it another node) makes the plan stale
+    walk: Walk
+    small: bool  # whether it may run as a small pass (the walk stopped at no bound)
+
+
+def plan(roots: Sequence[torch.Tensor]) -> Plan | None:
+    """The plan of a pass from ``roots``, every one a non-leaf tensor requiring grad;
+    None where one is not (such a pass is planned as it runs)."""
+    grad_fns = []
+    for root in roots:
+        if not root.requires_grad or root.grad_fn is None:
+            return None
+        grad_fns.append(root.grad_fn)
+    walk = _small_graph_leaves(roots)
+    small = walk is not None
+    if walk is None:
+        walk = _walk_leaves(roots, max_nodes=None)
+        assert walk is not None  # with no bound the walk never gives up
+    return Plan(tuple(grad_fns), walk, small)
+
+
+def plan_holds(plan: Plan, roots: Sequence[torch.Tensor]) -> bool:
+    """Whether ``plan`` holds for a pass from ``roots`` (the tensors it was made for)."""
+    grad_fns = plan.grad_fns
+    if len(grad_fns) != len(roots):
+        return False
+    for grad_fn, root in zip(grad_fns, roots, strict=True):  # noqa: SIM110 (no generator)
+        if root.grad_fn is not grad_fn:
+            return False
+    return True
 
 
 class _PythonInGraph(Exception):
@@ -170,24 +224,36 @@ class LocalGraph:
     def run(
         self, roots: Sequence[torch.Tensor], grad_outputs: Sequence[Any],
         received: Callable[[], Mapping[int, torch.Tensor]], rank: int,
+        planned: Plan | None = None,
     ) -> tuple[Routed, bool]:  # fmt: skip
         """One pass: the gradients it gives, and whether they were computed by torch's
         engine (then only the received leaves' ones are listed; the others stay in the
         torch context, see ``gradients``). ``received()``: id -> received leaf; ``rank``:
-        this worker's.
+        this worker's; ``planned``: the plan made for ``roots`` (``plan``), where it still
+        holds (``plan_holds``).
 
         Raises the graph's error as torch reports it.
         """
-        direct, pairs = _split_roots(roots, grad_outputs)
-        entered = [root for root, _ in pairs]
-        small = _small_graph_leaves(entered)
-        leaves = reachable_leaves(entered) if small is None else small
+        if planned is not None:
+            direct: Routed = []
+            pairs = list(zip(roots, grad_outputs, strict=True))
+            walk, small = planned.walk, planned.small
+        else:
+            direct, pairs = _split_roots(roots, grad_outputs)
+            entered = [root for root, _ in pairs]
+            found = _small_graph_leaves(entered)
+            small = found is not None
+            if found is None:
+                found = _walk_leaves(entered, max_nodes=None)
+                assert found is not None  # with no bound the walk never gives up
+            walk = found
+        leaves, elements, params = walk
         if not leaves:
             return direct, False
         with self._lock:
-            if _may_feed_a_reducer(leaves):
+            if params and _group_initialised():
                 return direct + self._run_on_torch_engine(pairs, received, rank), True
-        if small is None or _elements(pairs, leaves) > LOOP_PASS_MAX_ELEMENTS:
+        if not small or elements + _root_elements(pairs) > LOOP_PASS_MAX_ELEMENTS:
             return direct + _engine_pass(pairs, leaves), False
         # A pass small enough for the loop runs on one intra-op thread wherever it runs:
         # the thread waiting in backward() too (a parallel region's other threads, asleep
@@ -345,22 +411,31 @@ def _plan_loop_pass(
     if any(not tensor.is_cpu for tensor in tensors):
         return None
     direct, pairs = _split_roots(roots, grad_outputs)
-    leaves = _small_graph_leaves([root for root, _ in pairs])
-    if leaves is None:
+    walk = _small_graph_leaves([root for root, _ in pairs])
+    if walk is None:
         return None
-    if _elements(pairs, leaves) > LOOP_PASS_MAX_ELEMENTS or _may_feed_a_reducer(leaves):
+    leaves, elements, params = walk
+    too_big = elements + _root_elements(pairs) > LOOP_PASS_MAX_ELEMENTS
+    # One that may feed a reducer runs on torch's engine (not on the loop).
+    if too_big or (params and _group_initialised()):
         return None
     return direct, pairs, leaves
 
 
-def _elements(pairs: list[tuple[torch.Tensor, Any]], leaves: list[torch.Tensor]) -> int:
-    return sum(leaf.numel() for leaf in leaves) + sum(root.numel() for root, _ in pairs)
+def _root_elements(pairs: list[tuple[torch.Tensor, Any]]) -> int:
+    elements = 0
+    for root, _ in pairs:
+        elements += root.numel()
+    return elements
 
 
-def _may_feed_a_reducer(leaves: Sequence[torch.Tensor]) -> bool:
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return False
-    return any(isinstance(leaf, torch.nn.Parameter) for leaf in leaves)
+# A pass that reaches an nn.Parameter may feed DDP's reducer where a process group is
+# initialised: DDP needs both (see the module's docstring).
+_DISTRIBUTED = torch.distributed.is_available()
+
+
+def _group_initialised() -> bool:
+    return _DISTRIBUTED and torch.distributed.is_initialized()
 
 
 def _hook_accumulator(leaf: torch.Tensor, hook: Callable[[Any], Any]) -> Any:

@@ -28,6 +28,7 @@ __all__ = ["FIELD", "RELEASED", "AutogradHook"]
 
 FIELD = "ag"  # the header fields this hook owns: the call's context and message ids,
 RELEASED = "agr"  # and the ids of contexts the caller left (see asyncrpc.autograd.release)
+_SENT = "autograd: reply sent with grad"  # call.state: (context, message id), for replied
 
 
 class _Sent(NamedTuple):
@@ -121,8 +122,19 @@ class AutogradHook(CallHook):
         if not isinstance(context, AutogradContext):
             return
         message_id = context.next_message_id(self._rank)
-        context.record_send(message_id, call.caller_rank, call.reply_grads)
+        grads = call.reply_grads
+        context.record_send(message_id, call.caller_rank, grads)
         call.reply_headers[FIELD] = [context.id, message_id]
+        if grads:
+            call.state[_SENT] = (context, message_id)
+
+    def replied(self, call: IncomingCall) -> None:
+        # The reply carried tensors requiring grad: plan the pass their gradients will
+        # start (the walk of their graph) now, while the caller is busy, not in its hop.
+        sent = call.state.pop(_SENT, None)
+        if sent is not None:
+            context, message_id = sent
+            context.plan_sent(message_id)
 
     def stream_items(self, call: IncomingCall, policy: TensorPolicy | None) -> TensorPolicy | None:
         if call.reply_policy.grads is None:
@@ -154,6 +166,7 @@ class AutogradHook(CallHook):
             "autograd_passes_on_loop": contexts.passes_on_loop,
             "autograd_hops_taken_by_root": contexts.root_threads.hops_taken,
             "autograd_root_hops_on_lane": contexts.root_lane_hops,
+            "autograd_passes_planned_ahead": contexts.passes_planned,
             "autograd_passes_over_by_credit": contexts.credits.passes_over_early,
             "autograd_credit_calls": contexts.credits.calls,
             "autograd_releases_carried": self._releases.carried,

@@ -88,6 +88,9 @@ def _setter() -> Any:
     return _mkl_set_local
 
 
+_asked = threading.local()  # .count: this thread asked torch for its thread count
+
+
 class one_thread:  # lower case: it reads as a function, ``with one_thread():``
     """Run the block's BLAS calls on the calling thread only; restores the thread's
     setting on leaving (~1 µs: two calls into MKL). A no-op without MKL."""
@@ -101,7 +104,10 @@ class one_thread:  # lower case: it reads as a function, ``with one_thread():``
             return
         # torch sets a thread's OpenMP count on its first parallel op, to MKL's count where
         # that is set: asking for it first keeps the block's 1 out of the thread's setting.
-        torch.get_num_threads()
+        # Once per thread is enough (it is torch's first op there that sets it).
+        if not getattr(_asked, "count", False):
+            torch.get_num_threads()
+            _asked.count = True
         self._before = setter(1)  # the thread's own setting before (0: none)
 
     def __exit__(

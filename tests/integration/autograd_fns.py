@@ -167,6 +167,10 @@ def hops_received() -> int:
     return int(asyncrpc.get_debug_info()["autograd_hops_received"])
 
 
+def passes_planned() -> int:
+    return int(asyncrpc.get_debug_info()["autograd_passes_planned_ahead"])
+
+
 def coded_calls_received() -> int:
     return int(asyncrpc.get_metrics()["coded_calls_received"])
 

@@ -295,13 +295,15 @@ def test_autograd_root_hop_on_a_lane_travels_coded(
 ) -> None:
     # The hop on this thread's lane to w1 and its reply (x's gradient, 8 KiB inline or
     # 64 KiB in a segment) go in the hop's own format, not pickled: w1 counts a coded call,
-    # and the gradients are those of the same model run here. Then an error in w1's pass
-    # arrives through it with its type.
+    # and the gradients are those of the same model run here. w1 planned its pass when it
+    # wrote the forward's reply (on its lane thread), and ran it as planned. Then an error
+    # in w1's pass arrives through it with its type.
     def on_a_thread_of_its_own() -> None:
         layer = layers("w1", 61, 64, 64)
         for _ in range(2):  # the second call opens this thread's lane to w1
             asyncrpc.rpc_sync("w1", fns.num_contexts)
         before = asyncrpc.rpc_sync("w1", fns.coded_calls_received)
+        planned = asyncrpc.rpc_sync("w1", fns.passes_planned)
         x = torch.randn(rows, 64, requires_grad=True)
         with dist_autograd.context() as context_id:
             y = asyncrpc.rpc_sync("w1", fns.forward, args=(layer, x))
@@ -312,6 +314,7 @@ def test_autograd_root_hop_on_a_lane_travels_coded(
             torch.testing.assert_close(dist_autograd.get_gradients(context_id)[x], x_local.grad)
             assert_grads_match(context_id, [("w1", layer)], [m1])
         assert asyncrpc.rpc_sync("w1", fns.coded_calls_received) - before == 1
+        assert asyncrpc.rpc_sync("w1", fns.passes_planned) - planned == 1
         with dist_autograd.context() as context_id:
             y = asyncrpc.rpc_sync("w1", fns.fail_in_backward, args=(x,))
             with pytest.raises(KeyError, match="broken backward"):

@@ -100,8 +100,8 @@ Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
 # The stages a hook may override, in the order a call meets them.
 STAGES = (
     "active", "serves_all", "prepare", "outgoing", "ready", "completed", "receiving",
-    "incoming", "replying", "reply_ready", "stream_items", "items_ready", "item_sent",
-    "items_in", "item_received",
+    "incoming", "replying", "reply_ready", "replied", "stream_items", "items_ready",
+    "item_sent", "items_in", "item_received",
 )  # fmt: skip
 
 
@@ -346,6 +346,11 @@ class CallHook:
         """What the reply's frame must wait for before it is written (agent's loop)."""
         return None
 
+    def replied(self, call: IncomingCall) -> None:
+        """The reply was written by the thread that ran the request, a lane's: work the
+        caller does not wait for may run here, before the lane reads its next request.
+        Requests served on the loop's path do not call it."""
+
     def stream_items(self, call: IncomingCall, policy: TensorPolicy | None) -> TensorPolicy | None:
         """The tensor policy of a streaming call's items, given ``policy``, what the hooks
         before this one chose (None: the defaults); ``items_ready`` may then hold each
@@ -565,6 +570,13 @@ class Pipeline:
         for hook in hooks:
             if "item_received" in hook.stages:
                 hook.item_received(call, headers, grads)
+
+    def replied(self, call: IncomingCall) -> None:
+        for hook in self._by_stage["replied"]:
+            try:
+                hook.replied(call)
+            except Exception:
+                _log.exception("call hook %r failed after replying to %s", hook, call.target)
 
     def reply_ready(self, call: IncomingCall) -> Awaitable[None] | None:
         """What the reply's frame waits for: None, or one awaitable for all hooks'."""

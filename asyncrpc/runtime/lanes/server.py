@@ -447,6 +447,8 @@ class LaneServer:
         pieces = encode_frame(Reply(request.call_id, headers).to_fields(), payload, segments)
         self._write(serving, lane, request, pieces, forks, "replies_sent")
         del keep
+        if incoming is not None:
+            serving.pipeline.replied(incoming)
 
     def _reply_error(
         self, serving: Serving, lane: _Lane, request: Request, incoming: IncomingCall | None,
