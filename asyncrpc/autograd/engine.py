@@ -239,39 +239,61 @@ HOP_CALL: Final = CodedCall(
 def root_onward(root: Hop, outgoing: Outgoing) -> Future[int] | int:
     """``onward`` for the root's own part, from the thread in ``backward()``: a single hop
     goes on this thread's lane to its worker where it has one, and what the reply brings
-    back runs right here; the future of the credit still to hand back (0 when there is
-    none), done when what this thread started is over, or that credit itself where it is
-    over already (no future: the usual end of a pass whose one hop went on the lane).
+    back runs right here, and so on, as long as each pass here sends one hop; the future
+    of the credit still to hand back (0 when there is none), done when what this thread
+    started is over, or that credit itself where it is over already (no future: the usual
+    end of a pass whose hops went on the lanes).
 
-    On the lane this thread writes the hop and reads its reply itself: no hand-off to the
+    On a lane this thread writes the hop and reads its reply itself: no hand-off to the
     loop and back on this side, and none on the callee, whose lane thread runs the hop.
-    Meanwhile hops of the pass that reach this worker run on the loop or the pool (the
-    thread serves none until this returns: it is blocked in the lane).
+    A chain of layers on several workers (this worker -> B -> this worker -> A -> this
+    worker) goes hop by hop this way. Meanwhile hops of the pass that reach this worker
+    run on the loop or the pool (the thread serves none while it is blocked in a lane).
 
     Raises:
         The hop's error, as its worker raised it (the pass failed).
     """
-    hops = by_sender(outgoing)
-    if len(hops) != 1 or root.credit is None:
-        return root.onward(outgoing)  # type: ignore[return-value]  # the root embeds none
+    hop = root
+    while True:  # bounded by the pass: each round is one of its hops, on a lane
+        hops = by_sender(outgoing)
+        credit = hop.credit
+        if len(hops) != 1 or credit is None:
+            at_once = hop.at_once(hops)
+            return hop.send_on(hops) if at_once is None else at_once  # type: ignore[return-value]
+        reply = _lane_hop(hop, credit, hops)
+        if reply is NOT_ON_LANE:
+            return hop.send_on(hops)  # type: ignore[return-value]  # these embed nothing
+        if not isinstance(reply, tuple):
+            return hop.hand_on(reply or 0)
+        # Gradients back for this worker, with their credit: a hop of its own, here.
+        batches, amount = reply
+        share = PassCredit(credit.root, credit.pass_id, amount)
+        hop = Hop(hop.agent, hop.table, hop.context, share, hop.caller, embeds=False)
+        outgoing = hop.pass_here(batches)
+
+
+def _lane_hop(hop: Hop, credit: PassCredit, hops: dict[int, Batches]) -> Any:
+    """Send ``hop``'s one hop on this thread's lane to its worker: its reply, or
+    ``NOT_ON_LANE`` (nothing was sent).
+
+    Raises:
+        The hop's error, as its worker raised it.
+    """
     ((to, batches),) = hops.items()
-    agent, credit = root.agent, root.credit
-    args = (root.context.id, batches, tuple(credit), agent.rank)
-    threads = root.table.root_threads
+    agent, table = hop.agent, hop.table
+    args = (hop.context.id, batches, tuple(credit), agent.rank)
+    threads = table.root_threads
     box = threads.away(credit.pass_id)  # no deadlock on a hop back here meanwhile
     try:
         reply = agent.calls.call_coded_on_lane(to, HOP_CALL, args, UNSET_RPC_TIMEOUT)
     except BaseException:
-        root.table.count_lane_hop()  # a hop that failed counts too
+        table.count_lane_hop()  # a hop that failed counts too
         raise
     finally:
         threads.back(credit.pass_id, box)
-    if reply is NOT_ON_LANE:
-        return root.onward(outgoing)  # type: ignore[return-value]
-    root.table.count_lane_hop()
-    if isinstance(reply, tuple):  # gradients back for this worker, with their credit
-        return root.follow_here(*reply)
-    return root.hand_on(reply or 0)
+    if reply is not NOT_ON_LANE:
+        table.count_lane_hop()
+    return reply
 
 
 class Hop:
@@ -330,6 +352,16 @@ class Hop:
         Raises:
             The graph's error, as ``local_pass`` raises it.
         """
+        hops = by_sender(self.pass_here(batches, defer))
+        at_once = self.at_once(hops)
+        return self.send_on(hops) if at_once is None else at_once
+
+    def pass_here(self, batches: Batches, defer: bool = False) -> Outgoing:
+        """The hop's local pass, on this thread; the gradients it sends on (``run_here``).
+
+        Raises:
+            The graph's error, as ``local_pass`` raises it.
+        """
         roots, grad_outputs = self._roots(batches)
         # The usual hop: the gradients of every tensor of one message, planned ahead.
         context = self.context
@@ -340,10 +372,7 @@ class Hop:
                 self.table.count_planned()
             else:
                 planned = None
-        outgoing = local_pass(context, roots, grad_outputs, self.agent.rank, defer, planned)
-        hops = by_sender(outgoing)
-        at_once = self._at_once(hops)
-        return self._send_on(hops) if at_once is None else at_once
+        return local_pass(context, roots, grad_outputs, self.agent.rank, defer, planned)
 
     def _roots(self, batches: Batches) -> tuple[list[torch.Tensor], list[Any]]:
         """The tensors this worker sent that the batches bring gradients for, and those."""
@@ -377,14 +406,14 @@ class Hop:
         hops sent on have replied and what they brought back has run (failed with the
         first error)."""
         hops = by_sender(outgoing)
-        at_once = self._at_once(hops)
+        at_once = self.at_once(hops)
         if at_once is None:
-            return self._send_on(hops)
+            return self.send_on(hops)
         replied: Future[HopReply] = Future()
         replied.set_result(at_once)
         return replied
 
-    def _at_once(self, hops: dict[int, Batches]) -> HopReply | None:
+    def at_once(self, hops: dict[int, Batches]) -> HopReply | None:
         """The reply of a pass that sends no hop on: the credit handed back, or, where its
         gradients all go back to the caller, those (and this hop's credit); None where
         hops go on."""
@@ -395,7 +424,7 @@ class Hop:
             return hops[self.caller], credit.amount
         return None
 
-    def _send_on(self, hops: dict[int, Batches]) -> Future[HopReply]:
+    def send_on(self, hops: dict[int, Batches]) -> Future[HopReply]:
         """``onward`` where hops go on: the future of the reply."""
         credit = self.credit
         replied: Future[HopReply] = Future()
@@ -438,14 +467,6 @@ class Hop:
         credit = None if share is None else PassCredit(share.root, share.pass_id, amount)
         hop = Hop(self.agent, self.table, self.context, credit, self.caller, embeds=False)
         return hop.take(batches)  # type: ignore[return-value]  # it never embeds
-
-    def follow_here(self, batches: Batches, amount: int) -> Future[int] | int:
-        """``follow``, run on this thread (the one in ``backward()``, the root's)."""
-        credit = self.credit
-        assert credit is not None  # gradients come back only with credit
-        share = PassCredit(credit.root, credit.pass_id, amount)
-        hop = Hop(self.agent, self.table, self.context, share, self.caller, embeds=False)
-        return hop.run_here(batches)  # type: ignore[return-value]  # it never embeds
 
     def hand_on(self, returned: int) -> int:
         """Credit that came back to this hop: kept by the root where this is the root,
