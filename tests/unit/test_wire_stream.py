@@ -31,11 +31,14 @@ MESSAGES = [
     StreamItem(7, 1, 12, {"ag": [3, 9]}),  # an item with the pipeline's fields
     StreamCredit(7, 64),
     StreamCredit(7, 64, 1 << 40),
+    StreamCredit(7, 64, 0, {"cs": {"r": [1, 2]}}),  # the pipeline's fields, no byte window
+    StreamCredit(7, 64, 9, {"cs": {"r": [1]}}),
     StreamEnd(7, 100),
     StreamEnd(7, 100, {"p": [[1, 2]]}),
     StreamError(7, 3),
     StreamError(7, 3, {"p": []}),
     StreamClose(7),
+    StreamClose(7, {"cs": {"r": [4]}}),
 ]
 
 
@@ -77,6 +80,8 @@ def test_decode_stream_message_roundtrips_through_the_frame_decoder(chunk: int |
         [Kind.STREAM_END, 1, 2, "not a map"],
         [Kind.STREAM_ERROR, "1", 2],
         [Kind.STREAM_CLOSE],
+        [Kind.STREAM_CREDIT, 1, 4, 0, ["not a map"]],
+        [Kind.STREAM_CLOSE, 1, {2: "keys are strings"}],
         [Kind.REPLY, 1],  # not a stream kind
         [],
     ],

@@ -11,6 +11,11 @@ carry it, each naming its stream by that id:
   consumer -> producer: ``StreamCredit`` (``count`` more items and ``nbytes`` more bytes
       may be sent) and ``StreamClose`` (stop: the consumer is gone).
 
+Every one of them may carry the call pipeline's header fields for the frames between the
+two workers (the CUDA IPC blocks a consumer gives back ride on its credit and close
+frames, see ``runtime/calls/pipeline.py``'s ``stream_links``). A ``StreamClose`` for a
+stream the producer no longer has is harmless: it only carries such fields.
+
 Credit is counted in items and in bytes, as gRPC counts bytes: a window of 128 items is
 harmless for small items and 8 GiB for 64 MiB tensors. The credit rules (``ProducerFlow``,
 ``ConsumerFlow``) are pure state machines too, so both sides' bookkeeping is unit-tested
@@ -109,11 +114,14 @@ class StreamCredit:
     stream_id: int
     count: int
     nbytes: int = 0
+    headers: dict[str, Any] | None = None  # the pipeline's fields for frames to the producer
 
     def to_fields(self) -> list[Any]:
         fields: list[Any] = [Kind.STREAM_CREDIT, self.stream_id, self.count]
-        if self.nbytes:
+        if self.nbytes or self.headers:
             fields.append(self.nbytes)
+        if self.headers:
+            fields.append(self.headers)
         return fields
 
 
@@ -151,11 +159,15 @@ class StreamError:
 
 @dataclass(frozen=True, slots=True)
 class StreamClose:
-    """The consumer of ``stream_id`` is gone: stop the producer and send nothing more."""
+    """The consumer of ``stream_id`` is gone: stop the producer and send nothing more
+    (nothing to stop once the stream ended: then it only carries ``headers``)."""
 
     stream_id: int
+    headers: dict[str, Any] | None = None  # the pipeline's fields for frames to the producer
 
     def to_fields(self) -> list[Any]:
+        if self.headers:
+            return [Kind.STREAM_CLOSE, self.stream_id, self.headers]
         return [Kind.STREAM_CLOSE, self.stream_id]
 
 
@@ -192,13 +204,13 @@ def decode_stream_message(fields: list[Any]) -> StreamMessage:
             if count == 0:
                 raise ValueError("a credit of 0 items")
             nbytes = _count(fields[3]) if len(fields) > 3 else 0
-            return StreamCredit(_count(fields[1]), count, nbytes)
+            return StreamCredit(_count(fields[1]), count, nbytes, optional_headers(fields, 4))
         if kind == Kind.STREAM_END:
             return StreamEnd(_count(fields[1]), _count(fields[2]), optional_headers(fields, 3))
         if kind == Kind.STREAM_ERROR:
             return StreamError(_count(fields[1]), _count(fields[2]), optional_headers(fields, 3))
         if kind == Kind.STREAM_CLOSE:
-            return StreamClose(_count(fields[1]))
+            return StreamClose(_count(fields[1]), optional_headers(fields, 2))
     except (IndexError, TypeError, ValueError) as exc:
         raise RemoteProtocolError(f"malformed stream header: {fields!r:.200}") from exc
     raise RemoteProtocolError(f"not a stream header: {fields[:1]!r}")

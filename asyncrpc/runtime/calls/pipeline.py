@@ -38,8 +38,9 @@ On the callee, for each request that carries header fields (or every request whi
      (``call.own_items``: the stream is a stream argument this worker sent, its items
      this worker's own, as a request's arguments are); then ``items_ready(call)``: what
      to call after each item is pickled, on that thread, for what the item's frame waits
-     for before it is written (GPU copies of its tensors; None: nothing), or None when its
-     items never wait. Items leave in order: those behind a held item wait for it;
+     for before it is written (GPU copies of its tensors; None: nothing) and the bytes it
+     holds outside its frame (tensors by handle), or None when its items never wait.
+     Items leave in order: those behind a held item wait for it;
  10. ``item_sent(call, grads)`` on the thread that pickles each item of a streaming call
      (the loop, or the pool thread advancing a plain generator), after it is pickled with
      that policy: ``grads`` are its tensors requiring grad when the policy tracks them
@@ -52,6 +53,14 @@ On the caller again, for a stream it consumes:
  12. ``item_received(call, headers, grads)`` on the loop, for each item whose frame carries
      header fields, after it is unpickled (its tensors requiring grad tracked): the hook
      sees the fields and ``grads``.
+On both ends of every stream, for what a hook keeps per peer rather than per call (CUDA
+IPC blocks, given back by the frames that flow the other way):
+ 13. ``stream_links(peer)`` on the loop, as a stream with ``peer`` opens (either end): a
+     ``StreamLinks`` whose ``fields()`` go on each stream frame to ``peer`` (items, credit,
+     close, end), or None (nothing, the common case: no cost per frame);
+ 14. ``stream_received(peer, headers)`` on the loop, for each stream frame from ``peer``
+     that carries header fields, before anything else reads them (whether or not its
+     stream is still open here): the hook takes its own fields out of ``headers``.
 Tracked requiring-grad tensors always travel as segments, so both sides list them in the
 same order (see ``TensorPolicy.met``).
 
@@ -67,6 +76,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from asyncrpc.functions import is_coroutine_function
 from asyncrpc.protocol.serde.policy import DEFAULT, TensorPolicy
+from asyncrpc.runtime.calls.items import ItemReady, ItemsIn, StreamLinks
 from asyncrpc.runtime.ports import CallKind
 
 if TYPE_CHECKING:
@@ -82,6 +92,7 @@ __all__ = [
     "ItemsIn",
     "OutgoingCall",
     "Pipeline",
+    "StreamLinks",
     "Wrapper",
     "is_stream_source",
     "stream_source",
@@ -89,9 +100,6 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-
-# Called after each item of a stream is pickled: what its frame waits for (None: nothing).
-ItemReady = Callable[[], Awaitable[None] | None]
 
 # Takes the function to run and returns the function to run instead (same calling
 # convention: a coroutine function's wrapper returns an awaitable).
@@ -101,7 +109,7 @@ Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
 STAGES = (
     "active", "serves_all", "prepare", "outgoing", "ready", "completed", "receiving",
     "incoming", "replying", "reply_ready", "stream_items", "items_ready", "item_sent",
-    "items_in", "item_received",
+    "items_in", "item_received", "stream_links", "stream_received",
 )  # fmt: skip
 
 
@@ -160,18 +168,6 @@ class CallTensors(TensorPolicy):
         self.seen.append(tensor)
         if self.grads is not None and tensor.requires_grad:
             self.grads.append(tensor)
-
-
-class ItemsIn(TensorPolicy):
-    """The tensor policy of the items of one stream this worker consumes (``items_in``):
-    one object for all of them, unpickled one after another on the loop."""
-
-    __slots__ = ()
-
-    def take(self) -> Callable[[], None] | None:
-        """What the thread that reads the item just unpickled calls before it gets it (None:
-        nothing); the next item starts afresh."""
-        return None
 
 
 class _Call:
@@ -360,7 +356,8 @@ class CallHook:
 
     def items_ready(self, call: IncomingCall) -> ItemReady | None:
         """What to call after each item of a streaming call is pickled (on that thread):
-        it returns what the item's frame waits for, awaited on the loop (None: nothing).
+        it returns what the item's frame waits for, awaited on the loop (None: nothing),
+        and the bytes the item holds outside its frame (its byte credit counts them).
         None: its items never wait (agent's loop, once per stream)."""
         return None
 
@@ -374,6 +371,15 @@ class CallHook:
     ) -> None:
         """An item carrying header fields arrived on a stream this worker consumes and was
         unpickled (agent's loop); ``grads`` are its tensors requiring grad."""
+
+    def stream_links(self, peer: int) -> StreamLinks | None:
+        """What this hook adds to the frames of a stream with ``peer`` opening here, at
+        either end (agent's loop); None: nothing."""
+        return None
+
+    def stream_received(self, peer: int, headers: dict[str, Any]) -> None:
+        """A stream frame from ``peer`` carried ``headers`` (agent's loop): take this
+        hook's own fields out of it."""
 
     def debug_info(self) -> dict[str, Any]:
         """What this hook adds to ``get_debug_info()``."""
@@ -546,7 +552,7 @@ class Pipeline:
         one hook's that gives one, called as is (nothing per item for the others)."""
         ready = [r for r in (h.items_ready(call) for h in self._by_stage["items_ready"]) if r]
         if len(ready) > 1:
-            return lambda: _all_of([wait() for wait in ready])
+            return lambda: _both([each() for each in ready])
         return ready[0] if ready else None
 
     def items_in(self, peer: int) -> ItemsIn | None:
@@ -556,6 +562,20 @@ class Pipeline:
             if policy is not None:
                 return policy
         return None
+
+    def stream_links(self, peer: int) -> StreamLinks | None:
+        """What the hooks add to the frames of a stream with ``peer``: the first hook's
+        that gives one (one hook owns the per-peer state today: CUDA IPC)."""
+        for hook in self._by_stage["stream_links"]:
+            links = hook.stream_links(peer)
+            if links is not None:
+                return links
+        return None
+
+    def stream_received(self, peer: int, headers: dict[str, Any]) -> None:
+        """Each hook takes its fields out of a stream frame's ``headers`` from ``peer``."""
+        for hook in self._by_stage["stream_received"]:
+            hook.stream_received(peer, headers)
 
     @staticmethod
     def item_received(
@@ -572,6 +592,13 @@ class Pipeline:
         if not hooks:
             return None
         return _all_of([hook.reply_ready(call) for hook in hooks])
+
+
+def _both(
+    readies: list[tuple[Awaitable[None] | None, int]],
+) -> tuple[Awaitable[None] | None, int]:
+    """Several hooks' readiness of one item: all their waits, and their bytes together."""
+    return _all_of([wait for wait, _ in readies]), sum(held for _, held in readies)
 
 
 def _all_of(waits: list[Awaitable[None] | None]) -> Awaitable[None] | None:

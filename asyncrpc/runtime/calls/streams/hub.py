@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 from asyncrpc.errors import ClosedError, PeerLostError, RemoteProtocolError
@@ -80,6 +80,8 @@ class StreamHub(Feature):
         self._window, self._window_bytes = window, window_bytes
         self.producers = producers
         self._consumers: dict[int, ConsumerStream] = {}
+        # Tasks sending what ended streams still owe their producers (``_settle``).
+        self._settling: set[asyncio.Task[None]] = set()
         self.items_received = 0
         # Iterables sent as stream arguments, until their callee opens them; one whose
         # request never arrived is closed after as long as a call may last, or 5 minutes
@@ -156,15 +158,33 @@ class StreamHub(Feature):
     ) -> None:
         stream_id = consumer.stream_id
         self._consumers[stream_id] = consumer
+        consumer.links = links = self._outbox.pipeline.stream_links(consumer.peer)
         self._outbox.start(encoded, ended)
         if stream_id in self._outbox.pending:  # written (or waiting to be): first credit
-            credit = StreamCredit(stream_id, *consumer.flow.initial())
+            headers = None if links is None else links.fields()
+            credit = StreamCredit(stream_id, *consumer.flow.initial(), headers)
             pieces = encode_frame(credit.to_fields(), b"")
             self._frames.send(OutgoingFrame(consumer.peer, pieces))
 
     def _ended(self, consumer: ConsumerStream, done: asyncio.Future[Any]) -> None:
         self._consumers.pop(consumer.stream_id, None)
         consumer.finished(None if done.cancelled() else done.exception())
+        links = consumer.links
+        owed = None if links is None else links.owed()
+        if owed is not None:  # the producer's last blocks, named back once copied out
+            task = self._loop.aio.create_task(self._settle(consumer, owed))
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
+
+    async def _settle(self, consumer: ConsumerStream, owed: Awaitable[None]) -> None:
+        """A stream is over with what its hooks still owe its producer (CUDA blocks being
+        copied out): once that is ready, one close frame, harmless to an ended stream,
+        carries it."""
+        await owed
+        links = consumer.links
+        headers = None if links is None else links.fields()
+        if headers:
+            self._control(consumer.peer, StreamClose(consumer.stream_id, headers).to_fields())
 
     def notify(self, to: Any, fn: Any, args: tuple[Any, ...]) -> None:
         """Call ``fn(*args)`` on ``to`` and forget it: the stream arguments' bookkeeping
@@ -178,7 +198,8 @@ class StreamHub(Feature):
 
     def grant(self, stream: ConsumerStream, count: int, nbytes: int) -> None:
         if not stream.ended:
-            credit = StreamCredit(stream.stream_id, count, nbytes)
+            headers = None if stream.links is None else stream.links.fields()
+            credit = StreamCredit(stream.stream_id, count, nbytes, headers)
             self._control(stream.peer, credit.to_fields())
 
     def close_stream(self, stream: ConsumerStream, error: BaseException | None = None) -> None:
@@ -189,8 +210,9 @@ class StreamHub(Feature):
         call = self._outbox.pending.pop(stream.stream_id)
         stream.shut(error)
         if call is not None:  # the producer may still run: stop it
+            headers = None if stream.links is None else stream.links.fields()
             call.fail(asyncio.CancelledError())
-            self._control(stream.peer, StreamClose(stream.stream_id).to_fields())
+            self._control(stream.peer, StreamClose(stream.stream_id, headers).to_fields())
 
     def _control(self, rank: int, fields: list[Any]) -> None:
         self._frames.control(rank, encode_frame(fields, b""))  # if connected, else dropped
@@ -209,6 +231,8 @@ class StreamHub(Feature):
             return
         message = decode_stream_message(fields)
         peer = conn.peer
+        if message.headers:  # the hooks' fields first, whether its stream is open or not
+            self._outbox.pipeline.stream_received(peer, message.headers)
         if isinstance(message, StreamCredit):
             self.producers.on_credit(peer, message.stream_id, message.count, message.nbytes)
         elif isinstance(message, StreamClose):
@@ -220,9 +244,17 @@ class StreamHub(Feature):
         self, peer: int, item: tuple[int, int, int, dict[str, Any] | None], frame: Frame
     ) -> None:
         stream_id, seq, nbytes, headers = item
+        if headers:  # the hooks' per-peer fields first: they count for every stream
+            self._outbox.pipeline.stream_received(peer, headers)
         stream = self._consumers.get(stream_id)
         if stream is None or stream.peer != peer:
-            return  # closed meanwhile: the producer stops at our close
+            # Closed meanwhile: the producer stops at our close, and what the item holds
+            # for us (CUDA blocks) is let go unread.
+            if frame.tags:
+                links = self._outbox.pipeline.stream_links(peer)
+                if links is not None:
+                    links.dropped(frame.tags)
+            return
         try:
             stream.flow.check(seq, nbytes)
         except RemoteProtocolError as exc:
@@ -260,9 +292,10 @@ class StreamHub(Feature):
         call = self._outbox.pending.pop(message.stream_id)
         if call is None:
             return
+        headers = message.headers or None  # the hooks' stream fields taken out already
         if not isinstance(message, StreamEnd):
             self._counters.calls_failed += 1
-            call.fail(unpack_exception(bytes(frame.payload)), message.headers)
+            call.fail(unpack_exception(bytes(frame.payload)), headers)
             return
         try:
             stream.flow.check_end(message.count)
@@ -270,7 +303,7 @@ class StreamHub(Feature):
             self._counters.protocol_errors += 1
             call.fail(exc)
             return
-        call.resolve(message.count, message.headers)
+        call.resolve(message.count, headers)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -303,6 +336,8 @@ class StreamHub(Feature):
         for stream in list(self._consumers.values()):
             self.close_stream(stream, ClosedError(f"worker {self._name!r} shut down"))
         self.sources.close_all()
+        for task in list(self._settling):  # nobody is left to tell
+            task.cancel()
         if len(self.producers):
             self.producers.close_all(PeerLostError(self._name, "it shut down while streaming"))
 
