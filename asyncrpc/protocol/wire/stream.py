@@ -5,7 +5,10 @@ caller then grants the producer its first credit. From then on, only these five 
 carry it, each naming its stream by that id:
 
   producer -> consumer: ``StreamItem`` (one item: payload and tensor segments, numbered
-      from 0, with their size in bytes), then exactly one of ``StreamEnd`` (the generator
+      from 0, with their size in bytes; of kind ``STREAM_VALUE`` rather than
+      ``STREAM_ITEM`` when its payload is a plain pickle of a scalar, which the consumer
+      reads with pickle's own ``loads``, no tensor or reference hook needed), then exactly
+      one of ``StreamEnd`` (the generator
       finished after ``count`` items) or ``StreamError`` (it raised after ``count`` items;
       the payload is the packed exception);
   consumer -> producer: ``StreamCredit`` (``count`` more items and ``nbytes`` more bytes
@@ -30,12 +33,16 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
+
 from asyncrpc.errors import LocalProtocolError, RemoteProtocolError
+from asyncrpc.protocol.wire.frame import MAGIC, PRELUDE, PROTOCOL_VERSION, U32_LIMIT
 from asyncrpc.protocol.wire.messages import Kind, optional_headers
 
 __all__ = [
     "ITEM_KIND",
     "STREAM_KINDS",
+    "VALUE_KIND",
     "ConsumerFlow",
     "ProducerFlow",
     "StreamClose",
@@ -46,10 +53,12 @@ __all__ = [
     "StreamMessage",
     "decode_item",
     "decode_stream_message",
+    "encode_item",
     "item_fields",
 ]
 
-ITEM_KIND = int(Kind.STREAM_ITEM)  # a plain int: compared once per received frame
+ITEM_KIND = int(Kind.STREAM_ITEM)  # plain ints: compared once per received frame
+VALUE_KIND = int(Kind.STREAM_VALUE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,20 +76,48 @@ class StreamItem:
     nbytes: int = 0
     # The pipeline's fields for this item, if any (distributed autograd's message ids).
     headers: dict[str, Any] | None = None
+    plain: bool = False  # a plain pickle of a scalar (kind STREAM_VALUE)
 
     def to_fields(self) -> list[Any]:
-        return item_fields(self.stream_id, self.seq, self.nbytes, self.headers)
+        return item_fields(self.stream_id, self.seq, self.nbytes, self.headers, self.plain)
 
 
 def item_fields(
-    stream_id: int, seq: int, nbytes: int, headers: dict[str, Any] | None = None
-) -> list[Any]:
+    stream_id: int, seq: int, nbytes: int, headers: dict[str, Any] | None = None,
+    plain: bool = False,
+) -> list[Any]:  # fmt: skip
     """The header array of a ``StreamItem``, without making one: the producer's path for
     every item (a frozen dataclass costs more to build than the frame it describes)."""
-    fields: list[Any] = [ITEM_KIND, stream_id, seq, nbytes]
+    fields: list[Any] = [VALUE_KIND if plain else ITEM_KIND, stream_id, seq, nbytes]
     if headers:
         fields.append(headers)
     return fields
+
+
+def encode_item(
+    packer: msgpack.Packer, fields: list[Any], payload: bytes
+) -> tuple[list[bytes], int]:
+    """The frame of an item with no tensor segments, as ``encode_frame`` makes it, packed
+    with the caller's ``packer`` (one per stream: its items are framed on one thread at a
+    time, and a packer made per frame costs as much as the rest); its pieces and size.
+
+    Raises:
+        LocalProtocolError: a header field cannot be packed, or the payload is 4 GiB or
+            larger.
+    """
+    try:
+        header = packer.pack([*fields, _NO_SEGMENTS])
+    except (TypeError, ValueError, OverflowError) as exc:
+        packer.reset()  # a failed pack may leave bytes behind
+        raise LocalProtocolError(f"cannot pack the frame header: {exc}") from exc
+    size = len(payload)
+    if size >= U32_LIMIT:
+        raise LocalProtocolError(f"an item's payload of {size} bytes is over 4 GiB")
+    head = PRELUDE.pack(MAGIC, PROTOCOL_VERSION, 0, 0, len(header), size, 0) + header
+    return ([head, payload] if size else [head]), len(head) + size
+
+
+_NO_SEGMENTS: list[Any] = []  # packed, never changed
 
 
 def decode_item(fields: list[Any]) -> tuple[int, int, int, dict[str, Any] | None]:
@@ -176,8 +213,8 @@ StreamMessage = StreamItem | StreamCredit | StreamEnd | StreamError | StreamClos
 STREAM_KINDS = frozenset(
     int(k)
     for k in (
-        Kind.STREAM_ITEM, Kind.STREAM_CREDIT, Kind.STREAM_END, Kind.STREAM_ERROR,
-        Kind.STREAM_CLOSE,
+        Kind.STREAM_ITEM, Kind.STREAM_VALUE, Kind.STREAM_CREDIT, Kind.STREAM_END,
+        Kind.STREAM_ERROR, Kind.STREAM_CLOSE,
     )
 )  # fmt: skip
 
@@ -197,8 +234,8 @@ def decode_stream_message(fields: list[Any]) -> StreamMessage:
     """
     kind = fields[0] if fields else None
     try:
-        if kind == Kind.STREAM_ITEM:
-            return StreamItem(*decode_item(fields))
+        if kind in (Kind.STREAM_ITEM, Kind.STREAM_VALUE):
+            return StreamItem(*decode_item(fields), plain=kind == Kind.STREAM_VALUE)
         if kind == Kind.STREAM_CREDIT:
             count = _count(fields[2])
             if count == 0:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 from collections.abc import Awaitable, Sequence
 from typing import Any
 
-from asyncrpc.errors import ClosedError, PeerLostError, RemoteProtocolError
+from asyncrpc.errors import ClosedError, PeerLostError, RemoteProtocolError, SerializationError
 from asyncrpc.protocol.address import PeerAddress
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
 from asyncrpc.protocol.serde import Serializer, unpack_exception
@@ -27,6 +28,7 @@ from asyncrpc.protocol.wire.messages import CallMode
 from asyncrpc.protocol.wire.stream import (
     ITEM_KIND,
     STREAM_KINDS,
+    VALUE_KIND,
     StreamClose,
     StreamCredit,
     StreamEnd,
@@ -48,6 +50,7 @@ __all__ = ["StreamHub"]
 
 _log = logging.getLogger(__name__)
 _UNCLAIMED_S = 300.0  # how long a stream argument waits for its request to arrive
+_ITEMS = frozenset({ITEM_KIND, VALUE_KIND})
 
 
 class StreamHub(Feature):
@@ -226,8 +229,9 @@ class StreamHub(Feature):
             RemoteProtocolError: the frame is malformed (the agent aborts the connection).
         """
         fields = frame.fields
-        if fields and fields[0] == ITEM_KIND:  # most frames: no message object made
-            self._on_item(conn.peer, decode_item(fields), frame)
+        kind = fields[0] if fields else None
+        if kind in _ITEMS:  # most frames: no message object made
+            self._on_item(conn.peer, decode_item(fields), frame, kind == VALUE_KIND)
             return
         message = decode_stream_message(fields)
         peer = conn.peer
@@ -241,49 +245,63 @@ class StreamHub(Feature):
             self._on_outcome(peer, message, frame)
 
     def _on_item(
-        self, peer: int, item: tuple[int, int, int, dict[str, Any] | None], frame: Frame
-    ) -> None:
+        self, peer: int, item: tuple[int, int, int, dict[str, Any] | None], frame: Frame,
+        plain: bool = False,
+    ) -> None:  # fmt: skip
         stream_id, seq, nbytes, headers = item
         if headers:  # the hooks' per-peer fields first: they count for every stream
             self._outbox.pipeline.stream_received(peer, headers)
         stream = self._consumers.get(stream_id)
         if stream is None or stream.peer != peer:
-            # Closed meanwhile: the producer stops at our close, and what the item holds
-            # for us (CUDA blocks) is let go unread.
-            if frame.tags:
-                links = self._outbox.pipeline.stream_links(peer)
-                if links is not None:
-                    links.dropped(frame.tags)
+            self._unread(peer, frame)  # closed meanwhile: the producer stops at our close
             return
         try:
             stream.flow.check(seq, nbytes)
-        except RemoteProtocolError as exc:
-            self._counters.protocol_errors += 1
+            if plain and not headers:  # a scalar: pickle's own loads, nothing to track
+                value = _plain(frame)
+            else:
+                value = self._value(stream, peer, headers, frame)
+        except Exception as exc:  # RemoteProtocolError: the flow refused it (counted)
+            if isinstance(exc, RemoteProtocolError):
+                self._counters.protocol_errors += 1
             self.close_stream(stream, exc)
             return
+        self.items_received += 1
+        stream.on_item(seq, value)
+
+    def _value(
+        self, stream: ConsumerStream, peer: int, headers: dict[str, Any] | None, frame: Frame
+    ) -> Any:
+        """An item unpickled under the hooks' policy (``Arrived`` when its reader must call
+        something first), its fields given to the stream's call's hooks.
+
+        Raises:
+            SerializationError: it cannot be unpickled, or a hook refused it.
+        """
         observed, items_in = None, stream.items_in
         policy: TensorPolicy | None = items_in
         grads: TrackGrads | None = None
         if headers:  # the hooks' fields: the stream's call, its hooks, its items' grads
-            call = self._outbox.pending.get(stream_id)
+            call = self._outbox.pending.get(stream.stream_id)
             observed = None if call is None else call.request.observed
             if observed is not None:
                 policy = grads = TrackGrads(items_in or DEFAULT)
-        try:
-            value = self._serializer.loads(
-                frame.payload, frame.segments, context=peer, policy=policy
-            )
-            if observed is not None and headers and grads is not None:
-                Pipeline.item_received(*observed, headers, grads.take())
-        except Exception as exc:
-            self.close_stream(stream, exc)
-            return
-        self.items_received += 1
+        value = self._serializer.loads(frame.payload, frame.segments, context=peer, policy=policy)
+        if observed is not None and headers and grads is not None:
+            Pipeline.item_received(*observed, headers, grads.take())
         if items_in is not None:
             first = items_in.take()
             if first is not None:  # its reader's streams wait for its copies first
                 value = Arrived(value, first)
-        stream.on_item(seq, value)
+        return value
+
+    def _unread(self, peer: int, frame: Frame) -> None:
+        """An item for a stream no longer read here: what it holds for this worker (CUDA
+        blocks) is let go unread."""
+        if frame.tags:
+            links = self._outbox.pipeline.stream_links(peer)
+            if links is not None:
+                links.dropped(frame.tags)
 
     def _on_outcome(self, peer: int, message: Any, frame: Frame) -> None:
         stream = self._consumers.get(message.stream_id)
@@ -350,3 +368,20 @@ class StreamHub(Feature):
             "stream_args_held": len(self.sources),
             "stream_args_unclaimed": self.sources.unclaimed,
         }
+
+
+def _plain(frame: Frame) -> Any:
+    """The value of a ``STREAM_VALUE`` item: a plain pickle of a scalar.
+
+    Raises:
+        SerializationError: it is not one (no segment may come with it, and pickle's own
+            loads reads it).
+    """
+    if frame.segments:
+        raise SerializationError("a plain stream item came with tensor segments")
+    try:
+        return pickle.loads(frame.payload)
+    except Exception as exc:
+        raise SerializationError(
+            f"cannot unpickle a plain stream item: {type(exc).__name__}: {exc}"
+        ) from exc

@@ -8,6 +8,8 @@ import asyncio
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+import msgpack
+
 from asyncrpc.protocol.wire.stream import ProducerFlow
 from asyncrpc.runtime.calls.pipeline import StreamLinks
 from asyncrpc.runtime.shm.shm import segment_nbytes
@@ -27,9 +29,9 @@ Fields = Callable[[], dict[str, Any] | None]
 # thread (the GPU copies of its CUDA tensors).
 Ready = Callable[[], tuple[Awaitable[None] | None, int]]
 # An item made and not yet written: its frame's pieces, what they keep alive, the RRef
-# forks minted, what it waits for (None: nothing), and its segments' tags where the
-# stream's links take back what an unsent item holds (None: they need not).
-Made = tuple[list[Any], Any, Any, Awaitable[None] | None, list[str] | None]
+# forks minted, what it waits for (None: nothing), its segments' tags where the stream's
+# links take back what an unsent item holds (None: they need not), and the frame's size.
+Made = tuple[list[Any], Any, Any, Awaitable[None] | None, list[str] | None, int]
 
 
 class ProducerStream:
@@ -37,8 +39,8 @@ class ProducerStream:
 
     __slots__ = (
         "after_held", "async_source", "closed", "conn", "deadline", "dumps", "fields", "flow",
-        "flushing", "held", "links", "outbox", "peer", "ready", "replying", "running",
-        "source", "stream_id", "target", "task", "timeout", "timer", "wakeup",
+        "flushing", "held", "links", "outbox", "packer", "peer", "ready", "replying",
+        "running", "source", "stream_id", "target", "task", "timeout", "timer", "wakeup",
     )  # fmt: skip
 
     def __init__(
@@ -54,6 +56,9 @@ class ProducerStream:
         self.timeout, self.deadline = timeout, deadline
         self.timer: asyncio.TimerHandle | None = None
         self.flow = ProducerFlow()
+        # Packs its items' headers: they are framed on one thread at a time (the loop, or
+        # the one pool thread advancing its generator), and a packer per frame costs.
+        self.packer = msgpack.Packer()
         self.closed = False  # ended, failed or closed: nothing more is sent
         self.replying: Replying | None = None  # set when the function starts
         self.dumps: Dumps | None = None  # likewise
