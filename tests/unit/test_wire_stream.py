@@ -102,16 +102,16 @@ def test_decode_stream_message_rejects_malformed_headers(fields: list[Any]) -> N
 def test_encode_item_frames_as_encode_frame_does(payload: bytes) -> None:
     packer = msgpack.Packer()
     for seq in range(3):  # one packer for a stream's items, one after another
-        fields = StreamItem(7, seq, len(payload), plain=True).to_fields()
-        pieces, size = encode_item(packer, fields, payload)
-        assert pieces == encode_frame(fields, payload)
+        item = StreamItem(7, seq, len(payload), plain=True)
+        pieces, size = encode_item(packer, item.to_fields(), payload)
+        assert pieces == encode_frame(item.to_fields(), payload)
         assert size == sum(len(p) for p in pieces)
         (frame,) = FrameDecoder().feed(b"".join(pieces))
         assert decode_stream_message(frame.fields) == StreamItem(7, seq, len(payload), plain=True)
     with pytest.raises(LocalProtocolError):
         encode_item(packer, [Kind.STREAM_VALUE, object()], b"")
-    pieces, _ = encode_item(packer, fields, payload)  # the failure left nothing behind
-    assert pieces == encode_frame(fields, payload)
+    pieces, _ = encode_item(packer, item.to_fields(), payload)  # the failure left nothing
+    assert pieces == encode_frame(item.to_fields(), payload)
 
 
 @pytest.mark.parametrize("item", [m for m in MESSAGES if isinstance(m, StreamItem)], ids=repr)

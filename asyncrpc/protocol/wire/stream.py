@@ -100,13 +100,15 @@ def encode_item(
     """The frame of an item with no tensor segments, as ``encode_frame`` makes it, packed
     with the caller's ``packer`` (one per stream: its items are framed on one thread at a
     time, and a packer made per frame costs as much as the rest); its pieces and size.
+    ``fields`` (``item_fields``'s list) gets the empty segment list appended.
 
     Raises:
         LocalProtocolError: a header field cannot be packed, or the payload is 4 GiB or
             larger.
     """
     try:
-        header = packer.pack([*fields, _NO_SEGMENTS])
+        fields.append(_NO_SEGMENTS)
+        header = packer.pack(fields)
     except (TypeError, ValueError, OverflowError) as exc:
         packer.reset()  # a failed pack may leave bytes behind
         raise LocalProtocolError(f"cannot pack the frame header: {exc}") from exc

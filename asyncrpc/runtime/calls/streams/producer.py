@@ -49,6 +49,7 @@ from asyncrpc.runtime.calls.streams.produced import (
     Replying,
     item_nbytes,
 )
+from asyncrpc.runtime.calls.streams.sources import NOTHING
 from asyncrpc.runtime.ports import Frames, Loop
 
 __all__ = ["ProducerStream", "Producers"]
@@ -60,7 +61,6 @@ _JOIN_BYTES = 64 << 10  # item frames joined into one write, up to this many byt
 # the consumer reads them with pickle's own loads (``STREAM_VALUE`` frames).
 _PLAIN = frozenset({int, float, str, bytes, bool, type(None)})
 _PROTOCOL = 5  # the serializer's
-_NONE: list[Any] = []  # a plain item's segments (never changed)
 
 _log = logging.getLogger(__name__)
 
@@ -229,19 +229,29 @@ class Producers:
         flow = stream.flow
         serving = running_until(stream.deadline, stream.peer)  # time_remaining() inside
         serving.__enter__()  # in this task only: its context is its own
+        # A bidirectional stream's sender hands over what it has queued without a coroutine
+        # per item (``SendQueue.take_now``); other sources are awaited.
+        take_now = getattr(source, "take_now", None)
         try:
             while not stream.closed:
-                if flow.take(1) == 0:
+                count = flow.take()  # all the credit: the bytes are checked after each item
+                if count == 0:
                     stream.wakeup = self._loop.create_future()
                     await stream.wakeup
                     continue
-                try:
-                    item = await source.__anext__()
-                except StopAsyncIteration:
-                    stream.task = None
-                    self._end(stream)
-                    return
-                self._write(stream, *self._encode(stream, flow.sent, item))
+                for _ in range(count):
+                    item = NOTHING if take_now is None else take_now()
+                    if item is NOTHING:
+                        try:
+                            item = await source.__anext__()
+                        except StopAsyncIteration:
+                            stream.task = None
+                            self._end(stream)
+                            return
+                    self._write(stream, *self._encode(stream, flow.sent, item))
+                    if stream.closed or (flow.byte_credit is not None and flow.byte_credit <= 0):
+                        break
+                flow.give_back()
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -391,11 +401,9 @@ class Producers:
         what they keep alive, the RRef forks minted, what the frame waits for, its
         segments' tags (where the links need them back if it is never sent), the item's
         size in bytes (with those it holds by handle), and the frame's."""
-        plain = type(item) in _PLAIN
-        if plain:
-            payload, segments, keep, forks = pickle.dumps(item, _PROTOCOL), _NONE, None, None
-        else:
-            payload, segments, keep, forks = self._dumps(stream, seq, item)
+        if type(item) in _PLAIN:
+            return self._encode_plain(stream, seq, item)
+        payload, segments, keep, forks = self._dumps(stream, seq, item)
         nbytes = item_nbytes(payload, segments)
         headers = None if stream.fields is None else stream.fields()
         wait, tags = None, None
@@ -406,7 +414,7 @@ class Producers:
         if links is not None:
             headers = _with(headers, links.fields())
             tags = [tag for _, tag in segments] if segments else None
-        fields = item_fields(stream.stream_id, seq, nbytes, headers, plain)
+        fields = item_fields(stream.stream_id, seq, nbytes, headers)
         pieces: list[Any]
         if segments:
             pieces = encode_frame(fields, payload, segments)
@@ -414,6 +422,20 @@ class Producers:
         else:
             pieces, size = encode_item(stream.packer, fields, payload)
         return pieces, keep, forks, wait, tags, nbytes, size
+
+    def _encode_plain(
+        self, stream: ProducerStream, seq: int, item: Any
+    ) -> tuple[list[Any], Any, Any, Awaitable[None] | None, list[str] | None, int, int]:
+        """``_encode`` for a scalar: pickle's own bytes, no tensor (nothing to wait for or
+        hold), no grad (no hook's item fields); only the links' fields, which ride on any
+        frame to the consumer."""
+        payload = pickle.dumps(item, _PROTOCOL)
+        nbytes = len(payload)
+        links = stream.links
+        headers = None if links is None else links.fields()
+        fields = item_fields(stream.stream_id, seq, nbytes, headers, True)
+        pieces, size = encode_item(stream.packer, fields, payload)
+        return pieces, None, None, None, None, nbytes, size
 
     def _dumps(self, stream: ProducerStream, seq: int, item: Any) -> Any:
         """Pickle item ``seq`` as the dispatcher chose (a reply's serializer arguments).
