@@ -7,14 +7,15 @@ from __future__ import annotations
 import asyncio
 import pickle
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import pytest
+import torch
 
-from asyncrpc.errors import RpcTimeoutError, SerializationError
+from asyncrpc.errors import FrameTooLargeError, RpcTimeoutError, SerializationError
 from asyncrpc.protocol.serde import Serializer, unpack_exception
-from asyncrpc.protocol.wire import Frame, FrameDecoder
+from asyncrpc.protocol.wire import Frame, FrameDecoder, frame_nbytes
 from asyncrpc.protocol.wire.messages import Kind
 from asyncrpc.protocol.wire.stream import (
     StreamEnd,
@@ -22,6 +23,7 @@ from asyncrpc.protocol.wire.stream import (
     StreamItem,
     decode_stream_message,
 )
+from asyncrpc.runtime.calls.pipeline import StreamLinks
 from asyncrpc.runtime.calls.streams.consumer import ConsumerStream
 from asyncrpc.runtime.calls.streams.hub import _plain
 from asyncrpc.runtime.calls.streams.producer import Producers
@@ -334,3 +336,47 @@ async def test_a_plain_item_that_is_not_one_is_a_SerializationError() -> None:
         _plain(Frame(item, pickle.dumps(7, 5), [b"x"], ["cpu"]))
     with pytest.raises(SerializationError):
         _plain(Frame(item, b"not a pickle", [], []))
+
+
+class Told(StreamLinks):
+    """Stream links that record the items taken back unsent."""
+
+    def __init__(self) -> None:
+        self.unsent_tags: list[list[str]] = []
+
+    def unsent(self, tags: Sequence[str]) -> None:
+        self.unsent_tags.append(list(tags))
+
+
+class Limited(Conn):
+    """A connection whose peer takes frames of at most ``peer_max_frame`` bytes."""
+
+    def write(self, pieces: list[Any]) -> None:
+        size = frame_nbytes(pieces)
+        if size > self.peer_max_frame:
+            raise FrameTooLargeError(size, self.peer_max_frame, "w2")
+        super().write(pieces)
+
+
+def tensors() -> Iterator[torch.Tensor]:
+    for i in range(3):
+        yield torch.full((1 << 16,), i, dtype=torch.uint8)  # a segment each
+
+
+async def test_Producers_items_refused_as_too_large_are_dropped_and_taken_back() -> None:
+    host = Host()
+    producers, conn, links = host.producers(), Limited(host.serializer), Told()
+    conn.peer_max_frame = 3000  # every item's frame is larger: the first write is refused
+    producers.expect(conn, 2, 7, "gen")
+    producers.start(
+        2, 7, tensors, tensors, (), {}, _replying([]), host.serializer.dumps, None, None, links
+    )
+    producers.on_credit(2, 7, 16)
+    async with asyncio.timeout(5):
+        await conn.done.wait()
+    assert isinstance(conn.outcome, FrameTooLargeError)
+    assert conn.items == []
+    assert links.unsent_tags  # every item made and not written was taken back
+    assert all(tags == ["cpu"] for tags in links.unsent_tags)
+    assert len(producers) == 0
+    host.pool.shutdown()

@@ -482,7 +482,7 @@ class Producers:
         limit = min(_JOIN_BYTES, getattr(stream.conn, "peer_max_frame", 0) or _JOIN_BYTES)
         joined: list[Any] = []
         keeps: list[Any] = []
-        forks_joined: list[Any] = []
+        batch: list[Made] = []  # the items joined
         size = 0
         for index, made in enumerate(outbox):
             pieces, keep, forks, wait, _, nbytes = made
@@ -491,8 +491,8 @@ class Producers:
                 continue
             if wait is not None:  # what is joined leaves; this one and the rest wait
                 if joined:
-                    self._send(stream, joined, keeps, forks_joined)
-                    joined, keeps, forks_joined = [], [], []
+                    self._send(stream, joined, keeps, batch)
+                    joined, keeps, batch = [], [], []
                 rest = [(pieces, keep, forks, None, made[4], nbytes), *outbox[index + 1 :]]
                 if stream.closed:
                     self._drop(stream, rest)
@@ -501,16 +501,17 @@ class Producers:
                 stream.held = self._loop.create_task(self._hold(stream, wait))
                 return
             if joined and size + nbytes > limit:
-                self._send(stream, joined, keeps, forks_joined)
-                joined, keeps, forks_joined, size = [], [], [], 0
+                self._send(stream, joined, keeps, batch)
+                joined, keeps, batch, size = [], [], [], 0
+                if stream.closed:  # that write failed: this item is not sent either
+                    self._drop(stream, [made])
+                    continue
             joined += pieces
             keeps.append(keep)
-            forks_joined += forks or ()
+            batch.append(made)
             size += nbytes
-        if joined and not stream.closed:
-            self._send(stream, joined, keeps, forks_joined)
-        elif joined:
-            self._undelivered(stream, forks_joined)
+        if joined:
+            self._send(stream, joined, keeps, batch)
 
     async def _hold(self, stream: ProducerStream, wait: Awaitable[None]) -> None:
         """Wait (on the loop, never blocking it) until the outbox's first item may leave,
@@ -543,12 +544,15 @@ class Producers:
                 links.unsent(tags)
 
     def _send(
-        self, stream: ProducerStream, pieces: list[Any], keeps: list[Any], forks: list[Any]
+        self, stream: ProducerStream, pieces: list[Any], keeps: list[Any], batch: list[Made]
     ) -> None:
+        """Write the joined frames of ``batch``; if the write is refused, they are dropped
+        (forks undone, blocks taken back) and the stream fails."""
+        forks = [fork for made in batch if made[2] for fork in made[2]]
         try:
             self._write_frame(stream.conn, pieces, tuple(keeps), forks or None)
         except FrameTooLargeError as exc:  # one item over the consumer's frame limit
-            self._undelivered(stream, forks)
+            self._drop(stream, batch)
             self._fail(stream, exc)
 
     def _undelivered(self, stream: ProducerStream, forks: Any) -> None:
