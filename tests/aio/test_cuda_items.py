@@ -74,8 +74,8 @@ def test_items_are_staged_on_the_copy_stream_after_the_producers_work_under_the_
     assert labels(out) == ["wait for default0", "copy 0:4 to host on " + out.name]
     ready = pipeline.items_ready(call)
     assert ready is not None
-    assert ready() is not None  # the copy has not run: the frame waits
-    assert ready() is None  # the next item starts afresh: nothing staged
+    assert ready()[0] is not None  # the copy has not run: the frame waits
+    assert ready() == (None, 0)  # the next item starts afresh: nothing staged
     assert not kernel.done
     assert transfer.staged_out == 1
 
@@ -89,9 +89,9 @@ async def test_each_item_waits_for_its_own_copies_only() -> None:
     ready = pipeline.items_ready(call)
     assert ready is not None
     policy.to_host(FakeTensor(0, b"aa", nbytes=2))
-    first = ready()
+    first, _ = ready()
     policy.to_host(FakeTensor(1, b"bb", nbytes=2))
-    second = ready()
+    second, _ = ready()
     assert first is not None
     assert second is not None
     gpu.run(transfer.out_stream(1))  # item 1's copy only
@@ -122,7 +122,7 @@ def test_a_stream_argument_follows_the_senders_own_map_to_its_reader() -> None:
     assert policy.to_host(FakeTensor(0, b"x", nbytes=1))[0] == "cuda:1"
     ready = pipeline.items_ready(call)
     assert ready is not None
-    assert ready() is not None
+    assert ready()[0] is not None
 
 
 def test_without_a_gpu_items_keep_the_host_copy() -> None:
@@ -363,7 +363,8 @@ async def test_Dispatcher_gives_a_stream_argument_with_no_field_the_senders_map(
         producers, print_errors=False,  # type: ignore[arg-type]
     )  # fmt: skip
     dispatcher.on_request(Conn1(), *_stream_request(fn))  # type: ignore[arg-type]
-    ((*_, dumps, _fields, ready),) = producers.started
+    ((*_, dumps, _fields, ready, links),) = producers.started
+    assert links is None  # no CUDA IPC here: nothing on the stream's frames
     workers.shutdown()
     if fn is plain_items:  # a stream the peer asked for without a map: CUDA is refused
         assert ready is None
@@ -374,4 +375,4 @@ async def test_Dispatcher_gives_a_stream_argument_with_no_field_the_senders_map(
     assert isinstance(policy, ItemCopies)
     assert policy.device_map == {"cuda:0": "cuda:1"}
     policy.to_host(FakeTensor(0, b"x", nbytes=1))
-    assert ready() is not None  # its frame waits for its copy
+    assert ready()[0] is not None  # its frame waits for its copy

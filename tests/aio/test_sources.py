@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from asyncrpc.errors import ClosedError, PeerLostError, StreamArgError
-from asyncrpc.runtime.calls.streams.sources import SendQueue, Sources
+from asyncrpc.runtime.calls.streams.sources import NOTHING, SendQueue, Sources
 from asyncrpc.runtime.futures import Future
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(20)]
@@ -93,6 +93,21 @@ async def test_SendQueue_put_waits_for_room_and_keeps_order() -> None:
         assert await queue.__anext__() == "a"
         assert third.done()  # room: the waiting item went in
         assert [await queue.__anext__(), await queue.__anext__()] == ["b", "c"]
+
+
+async def test_SendQueue_take_now_hands_over_what_is_queued_as_anext_would() -> None:
+    queue = SendQueue(asyncio.get_running_loop(), limit=1)
+    assert queue.take_now() is NOTHING  # nothing queued: the producer awaits __anext__
+    first, second = _put(queue, "a"), _put(queue, "b")
+    assert not second.done()
+    assert queue.take_now() == "a"
+    assert second.done()  # room: the waiting item went in, as with __anext__
+    assert queue.take_now() == "b"
+    queue.end()
+    assert queue.take_now() is NOTHING  # the end is __anext__'s to say
+    with pytest.raises(StopAsyncIteration):
+        await queue.__anext__()
+    assert first.done()
 
 
 async def test_SendQueue_end_finishes_after_the_items_sent() -> None:

@@ -5,22 +5,27 @@ state (``runtime/calls/streams/consumer.py``) against a fake hub, and the produc
 from __future__ import annotations
 
 import asyncio
+import pickle
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import pytest
+import torch
 
-from asyncrpc.errors import RpcTimeoutError
+from asyncrpc.errors import FrameTooLargeError, RpcTimeoutError, SerializationError
 from asyncrpc.protocol.serde import Serializer, unpack_exception
-from asyncrpc.protocol.wire import FrameDecoder
+from asyncrpc.protocol.wire import Frame, FrameDecoder, frame_nbytes
+from asyncrpc.protocol.wire.messages import Kind
 from asyncrpc.protocol.wire.stream import (
     StreamEnd,
     StreamError,
     StreamItem,
     decode_stream_message,
 )
+from asyncrpc.runtime.calls.pipeline import StreamLinks
 from asyncrpc.runtime.calls.streams.consumer import ConsumerStream
+from asyncrpc.runtime.calls.streams.hub import _plain
 from asyncrpc.runtime.calls.streams.producer import Producers
 from asyncrpc.runtime.ports import Loop
 from asyncrpc.runtime.threads.pool import WorkerPool
@@ -129,6 +134,7 @@ class Conn:
         self.serializer = serializer
         self.items: list[Any] = []
         self.sizes: list[int] = []  # what each item says it costs in byte credit
+        self.plain: list[bool] = []  # whether each came as a plain pickle (STREAM_VALUE)
         self.outcome: Any = None
         self.done = asyncio.Event()
         self.peer_max_frame = 0
@@ -140,6 +146,7 @@ class Conn:
                 if isinstance(message, StreamItem):
                     assert message.seq == len(self.items)
                     self.sizes.append(message.nbytes)
+                    self.plain.append(message.plain)
                     self.items.append(self.serializer.loads(frame.payload, frame.segments))
                 elif isinstance(message, StreamEnd):
                     self.outcome = message.count
@@ -289,5 +296,87 @@ async def test_Producers_send_items_then_the_error_or_the_end() -> None:
     assert isinstance(broken.outcome, KeyError)
     assert clean.items == [0, 1, 2, 3, 4]
     assert clean.outcome == 5
+    assert len(producers) == 0
+    host.pool.shutdown()
+
+
+class Point:
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Point) and other.x == self.x
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def mixed() -> Iterator[Any]:
+    yield from (1, 2.5, "s", b"b", True, None, Point(3), (1, 2), 1 << 70)
+
+
+async def test_Producers_send_scalars_as_plain_pickles_and_the_rest_through_the_serializer() -> (
+    None
+):
+    host = Host()
+    producers, conn = host.producers(), Conn(host.serializer)
+    producers.expect(conn, 2, 7, "gen")
+    producers.start(2, 7, mixed, mixed, (), {}, _replying([]), host.serializer.dumps)
+    producers.on_credit(2, 7, 16)
+    async with asyncio.timeout(5):
+        await conn.done.wait()
+    assert conn.items == list(mixed())  # the same values, whichever way they were pickled
+    assert conn.plain == [True] * 6 + [False, False, True]  # exact scalar types only
+    host.pool.shutdown()
+
+
+async def test_a_plain_item_that_is_not_one_is_a_SerializationError() -> None:
+    item = [Kind.STREAM_VALUE, 1, 0, 5, []]
+    assert _plain(Frame(item, pickle.dumps(7, 5), [], [])) == 7
+    with pytest.raises(SerializationError):  # a plain item carries no segment
+        _plain(Frame(item, pickle.dumps(7, 5), [b"x"], ["cpu"]))
+    with pytest.raises(SerializationError):
+        _plain(Frame(item, b"not a pickle", [], []))
+
+
+class Told(StreamLinks):
+    """Stream links that record the items taken back unsent."""
+
+    def __init__(self) -> None:
+        self.unsent_tags: list[list[str]] = []
+
+    def unsent(self, tags: Sequence[str]) -> None:
+        self.unsent_tags.append(list(tags))
+
+
+class Limited(Conn):
+    """A connection whose peer takes frames of at most ``peer_max_frame`` bytes."""
+
+    def write(self, pieces: list[Any]) -> None:
+        size = frame_nbytes(pieces)
+        if size > self.peer_max_frame:
+            raise FrameTooLargeError(size, self.peer_max_frame, "w2")
+        super().write(pieces)
+
+
+def tensors() -> Iterator[torch.Tensor]:
+    for i in range(3):
+        yield torch.full((1 << 16,), i, dtype=torch.uint8)  # a segment each
+
+
+async def test_Producers_items_refused_as_too_large_are_dropped_and_taken_back() -> None:
+    host = Host()
+    producers, conn, links = host.producers(), Limited(host.serializer), Told()
+    conn.peer_max_frame = 3000  # every item's frame is larger: the first write is refused
+    producers.expect(conn, 2, 7, "gen")
+    producers.start(
+        2, 7, tensors, tensors, (), {}, _replying([]), host.serializer.dumps, None, None, links
+    )
+    producers.on_credit(2, 7, 16)
+    async with asyncio.timeout(5):
+        await conn.done.wait()
+    assert isinstance(conn.outcome, FrameTooLargeError)
+    assert conn.items == []
+    assert links.unsent_tags  # every item made and not written was taken back
+    assert all(tags == ["cpu"] for tags in links.unsent_tags)
     assert len(producers) == 0
     host.pool.shutdown()

@@ -14,10 +14,19 @@ pytest process and the other scenarios import it (for its names) and keep the re
   the rest runs once what it waits for has.
 
 What each side saw is asked of it with ``observed``.
+
+CUDA IPC between the processes of one test (``IPC_DIR`` in the environment names a
+directory they share; unset, IPC stays off): an exported block is a file there, its fill
+writes the tensor's bytes into it once the fill has run (``DELAYS`` of its device later,
+as a copy to the host), and the consumer copies out of the file what it holds when it
+opens it, so a frame that left before its fill ran would bring zeros. ``IPC_MODE`` is the
+``cuda_transfer`` the world acts on ("auto": probed, or "ipc").
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -31,6 +40,7 @@ from asyncrpc.protocol.serde import pickler
 from asyncrpc.protocol.serde.policy import DEFAULT, TensorPolicy
 from asyncrpc.runtime.cuda import FakeDevices, feature
 from asyncrpc.runtime.cuda.fake import FakeEvent, FakeStream, FakeWork
+from asyncrpc.runtime.cuda.ipc import IpcLinks
 from asyncrpc.runtime.cuda.maps import check_device_maps
 from asyncrpc.runtime.cuda.staging import StagedTransfer
 
@@ -47,6 +57,9 @@ class WireGpu(FakeDevices):
         self._lock = threading.Lock()
         self.landed: list[int] = []  # the first byte of each copy to the host, as it ran
         self.arrived: list[int] = []  # the device of each segment copied in
+        self._blocks = itertools.count(1)
+        self.filled: list[int] = []  # the first byte of each fill of a block, as it ran
+        self.copied_out: list[int] = []  # the first byte of each copy out of a block
 
     def done(self, event: FakeEvent) -> bool:
         with self._lock:
@@ -89,6 +102,57 @@ class WireGpu(FakeDevices):
         self.arrived.append(device)
         return on(device, segment.clone())
 
+    # -- CUDA IPC between processes (see the module's docstring) ---------------------------
+
+    def export_block(self, device: int, nbytes: int) -> tuple[Any, tuple[Any, ...]]:
+        path = os.path.join(os.environ["IPC_DIR"], f"{os.getpid()}-{next(self._blocks)}")
+        with open(path, "wb") as block:
+            block.truncate(nbytes)
+        return path, (self.identity().uuids[device], path)
+
+    def fill_block(self, block: Any, tensor: Any, nbytes: int, stream: FakeStream) -> FakeEvent:
+        self.copies += 1
+        data = tensor.detach().reshape(-1).view(torch.uint8)[:nbytes].numpy().tobytes()
+
+        def land() -> None:  # in the block only once the fill has run
+            with open(block, "r+b") as file:
+                file.write(data)
+            self.filled.append(data[0] if data else -1)
+
+        work = FakeWork(f"fill block {block}", action=land)
+        with self._lock:
+            self._due[id(work)] = time.monotonic() + DELAYS[stream.device]
+            stream.items.append(work)
+        return self.record(stream)
+
+    def open_block(self, desc: tuple[Any, ...]) -> tuple[int, Any]:
+        uuid, path = desc
+        local = self.identity().index_of(uuid)
+        mine = os.path.basename(path).startswith(f"{os.getpid()}-")  # not its own handle
+        if local is None or not os.path.exists(path) or mine:
+            raise OSError(f"cannot open shared memory {desc!r}")
+        return local, path
+
+    def copy_from_block(
+        self, opened: Any, local: int, nbytes: int, device: int, stream: FakeStream
+    ) -> tuple[Any, FakeEvent]:
+        self.copies += 1
+        with open(opened, "rb") as file:  # what the block holds now: filled, if sent right
+            data = bytearray(file.read(nbytes))
+        with self._lock:
+            stream.items.append(FakeWork(f"copy out of {opened} on {stream.name}"))
+        self.copied_out.append(data[0] if data else -1)
+        return on(device, torch.frombuffer(data, dtype=torch.uint8)), self.record(stream)
+
+    def close_blocks(self, opened: list[Any]) -> None:
+        opened.clear()
+
+    def unshare(self, desc: tuple[Any, ...]) -> None:
+        pass  # files: nothing counts references
+
+    def collect(self) -> None:
+        pass
+
 
 GPU = WireGpu()
 
@@ -111,11 +175,21 @@ def _export_marked(tensor: torch.Tensor, key: int, policy: TensorPolicy = DEFAUL
         return _export(tensor, key, policy)
     target, host = policy.to_host(tensor)
     descriptor, (view, _), keep = _export(host, key, DEFAULT)
+    if target.startswith("ipc:"):  # by handle: no bytes travel
+        view = memoryview(b"")
     return (*descriptor[:8], target), (view, target), keep
 
 
+TRANSFERS: list[StagedTransfer] = []  # the agent's, once it joined
+
+
 def _transfer(options: RpcBackendOptions, same_host: Any = None) -> StagedTransfer:
-    return StagedTransfer.from_options(GPU, options)
+    transfer = StagedTransfer.from_options(GPU, options)
+    mode = os.environ.get("IPC_MODE", "auto")
+    if os.environ.get("IPC_DIR") and same_host is not None:
+        transfer.ipc = IpcLinks(GPU, same_host, mode == "auto", transfer.in_stream)
+    TRANSFERS.append(transfer)
+    return transfer
 
 
 def _check(name: str, maps: Any, devices: Any, count: int) -> None:
@@ -164,3 +238,26 @@ def _describe(tensor: torch.Tensor) -> list[Any]:
 def observed() -> dict[str, Any]:
     """What this process's fake GPU saw."""
     return {"landed": list(GPU.landed), "arrived": list(GPU.arrived)}
+
+
+MADE: list[int] = []  # the items ``endless`` made, in this process
+
+
+def endless() -> Iterator[torch.Tensor]:
+    """Tensors on fake device 1 (its copies are at once), numbered, until closed."""
+    i = 0
+    while True:
+        MADE.append(i)
+        yield on(1, torch.full((NBYTES,), i % 256, dtype=torch.uint8))
+        i += 1
+
+
+def ipc_stats(peer: str) -> dict[str, Any]:
+    """This worker's CUDA IPC counters, blocks lent to ``peer``, and ``endless``'s items."""
+    import asyncrpc
+
+    ipc = TRANSFERS[-1].ipc if TRANSFERS else None
+    if ipc is None:
+        return {"made": len(MADE)}
+    lent = ipc.outstanding(asyncrpc.get_worker_info(peer).id)
+    return {"lent": lent, "made": len(MADE), **ipc.stats()}

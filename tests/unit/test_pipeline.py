@@ -19,6 +19,7 @@ from asyncrpc.runtime.calls.pipeline import (
     ItemsIn,
     OutgoingCall,
     Pipeline,
+    StreamLinks,
 )
 
 
@@ -194,14 +195,14 @@ class ItemFields(CallHook):
 
 
 class Holds(CallHook):
-    """Holds each stream item on ``wait`` (None: its items never wait), and gives the
-    items it consumes ``policy``."""
+    """Holds each stream item on ``wait`` (None: its items never wait), saying it holds
+    ``held`` bytes by handle, and gives the items it consumes ``policy``."""
 
-    def __init__(self, wait: Any, policy: ItemsIn | None = None) -> None:
-        self.wait, self.policy = wait, policy
+    def __init__(self, wait: Any, policy: ItemsIn | None = None, held: int = 0) -> None:
+        self.wait, self.policy, self.held = wait, policy, held
 
     def items_ready(self, call: IncomingCall) -> Any:
-        return None if self.wait is None else (lambda: self.wait)
+        return None if self.wait is None else (lambda: (self.wait, self.held))
 
     def items_in(self, peer: int) -> ItemsIn | None:
         return self.policy
@@ -213,16 +214,45 @@ def test_Pipeline_items_ready_is_asked_once_per_stream_and_combines_the_hooks() 
     one = Holds("w")
     ready = Pipeline([Holds(None), one]).items_ready(served)
     assert ready is not None
-    assert ready() == "w"  # one hook's callable: nothing in between per item
+    assert ready() == ("w", 0)  # one hook's callable: nothing in between per item
     log: list[str] = []
 
     async def wait(name: str) -> None:
         log.append(name)
 
-    both = Pipeline([Holds(wait("a")), Holds(wait("b"))]).items_ready(served)
+    both = Pipeline([Holds(wait("a"), held=3), Holds(wait("b"), held=4)]).items_ready(served)
     assert both is not None
-    asyncio.run(both())  # type: ignore[arg-type]
+    waits, held = both()
+    assert held == 7  # the bytes both hooks' items hold by handle
+    asyncio.run(waits)  # type: ignore[arg-type]
     assert log == ["a", "b"]  # in the hooks' order
+
+
+class Links(CallHook):
+    """Adds ``key`` to the stream frames to every peer, and takes it out of theirs."""
+
+    def __init__(self, key: str, log: list[Any]) -> None:
+        self.key, self.log = key, log
+
+    def stream_links(self, peer: int) -> StreamLinks | None:
+        return StreamLinks()
+
+    def stream_received(self, peer: int, headers: dict[str, Any]) -> None:
+        self.log.append((peer, headers.pop(self.key, None)))
+
+
+def test_Pipeline_stream_links_are_the_first_hooks_and_each_hook_takes_its_fields() -> None:
+    assert Pipeline([Holds(None)]).stream_links(1) is None
+    log: list[Any] = []
+    first = Links("x", log)
+    links = Pipeline([Holds(None), first, Links("y", log)]).stream_links(1)
+    assert isinstance(links, StreamLinks)
+    assert links.fields() is None  # the base adds nothing and owes nothing
+    assert links.owed() is None
+    headers = {"x": 1, "y": 2, "z": 3}
+    Pipeline([first, Links("y", log)]).stream_received(4, headers)
+    assert log == [(4, 1), (4, 2)]
+    assert headers == {"z": 3}  # what no hook owns is left for the others
 
 
 def test_Pipeline_items_in_is_the_first_hooks_policy() -> None:

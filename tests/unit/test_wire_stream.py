@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,6 +23,7 @@ from asyncrpc.protocol.wire.stream import (
     StreamItem,
     decode_item,
     decode_stream_message,
+    encode_item,
     item_fields,
 )
 
@@ -29,13 +31,18 @@ MESSAGES = [
     StreamItem(7, 0),
     StreamItem(1 << 40, 99, 64 << 20),
     StreamItem(7, 1, 12, {"ag": [3, 9]}),  # an item with the pipeline's fields
+    StreamItem(7, 2, 5, None, plain=True),  # a plain pickle of a scalar: STREAM_VALUE
+    StreamItem(7, 3, 5, {"cs": {"r": [1]}}, plain=True),
     StreamCredit(7, 64),
     StreamCredit(7, 64, 1 << 40),
+    StreamCredit(7, 64, 0, {"cs": {"r": [1, 2]}}),  # the pipeline's fields, no byte window
+    StreamCredit(7, 64, 9, {"cs": {"r": [1]}}),
     StreamEnd(7, 100),
     StreamEnd(7, 100, {"p": [[1, 2]]}),
     StreamError(7, 3),
     StreamError(7, 3, {"p": []}),
     StreamClose(7),
+    StreamClose(7, {"cs": {"r": [4]}}),
 ]
 
 
@@ -77,6 +84,8 @@ def test_decode_stream_message_roundtrips_through_the_frame_decoder(chunk: int |
         [Kind.STREAM_END, 1, 2, "not a map"],
         [Kind.STREAM_ERROR, "1", 2],
         [Kind.STREAM_CLOSE],
+        [Kind.STREAM_CREDIT, 1, 4, 0, ["not a map"]],
+        [Kind.STREAM_CLOSE, 1, {2: "keys are strings"}],
         [Kind.REPLY, 1],  # not a stream kind
         [],
     ],
@@ -89,11 +98,28 @@ def test_decode_stream_message_rejects_malformed_headers(fields: list[Any]) -> N
             decode_item(fields)
 
 
+@pytest.mark.parametrize("payload", [b"", b"\x80\x05K\x07.", b"x" * 70_000])
+def test_encode_item_frames_as_encode_frame_does(payload: bytes) -> None:
+    packer = msgpack.Packer()
+    for seq in range(3):  # one packer for a stream's items, one after another
+        item = StreamItem(7, seq, len(payload), plain=True)
+        pieces, size = encode_item(packer, item.to_fields(), payload)
+        assert pieces == encode_frame(item.to_fields(), payload)
+        assert size == sum(len(p) for p in pieces)
+        (frame,) = FrameDecoder().feed(b"".join(pieces))
+        assert decode_stream_message(frame.fields) == StreamItem(7, seq, len(payload), plain=True)
+    with pytest.raises(LocalProtocolError):
+        encode_item(packer, [Kind.STREAM_VALUE, object()], b"")
+    pieces, _ = encode_item(packer, item.to_fields(), payload)  # the failure left nothing
+    assert pieces == encode_frame(item.to_fields(), payload)
+
+
 @pytest.mark.parametrize("item", [m for m in MESSAGES if isinstance(m, StreamItem)], ids=repr)
 def test_item_fields_and_decode_item_agree_with_StreamItem(item: StreamItem) -> None:
-    fields = item_fields(item.stream_id, item.seq, item.nbytes, item.headers)
+    fields = item_fields(item.stream_id, item.seq, item.nbytes, item.headers, item.plain)
     assert fields == item.to_fields()
-    assert StreamItem(*decode_item(fields)) == item
+    assert fields[0] == (Kind.STREAM_VALUE if item.plain else Kind.STREAM_ITEM)
+    assert StreamItem(*decode_item(fields), plain=item.plain) == item
 
 
 def test_decode_message_leaves_stream_kinds_to_the_stream_module() -> None:

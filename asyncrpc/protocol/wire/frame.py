@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 MAGIC: Final = b"ARPC"
-PROTOCOL_VERSION: Final = 2  # 2: the authenticated handshake
+PROTOCOL_VERSION: Final = 3  # 2: the authenticated handshake; 3: coded calls, stream values
 # magic, version, flags, reserved, header_len, payload_len, buffers_len (network byte order).
 PRELUDE: Final = struct.Struct("!4sBBHIIQ")
 PRELUDE_SIZE: Final = PRELUDE.size  # 24

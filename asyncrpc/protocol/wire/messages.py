@@ -72,6 +72,9 @@ class Kind(IntEnum):
     IDLE = 19
     # A graceful shutdown's barrier is open (asyncrpc/runtime/group/shutdown.py).
     BARRIER_OPENED = 20
+    # A stream item whose payload is a plain pickle of one int, float, str, bytes, bool or
+    # None: read with pickle's own loads (asyncrpc/protocol/wire/stream.py).
+    STREAM_VALUE = 21
 
 
 class CallMode(IntEnum):

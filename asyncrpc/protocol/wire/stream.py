@@ -5,11 +5,19 @@ caller then grants the producer its first credit. From then on, only these five 
 carry it, each naming its stream by that id:
 
   producer -> consumer: ``StreamItem`` (one item: payload and tensor segments, numbered
-      from 0, with their size in bytes), then exactly one of ``StreamEnd`` (the generator
+      from 0, with their size in bytes; of kind ``STREAM_VALUE`` rather than
+      ``STREAM_ITEM`` when its payload is a plain pickle of a scalar, which the consumer
+      reads with pickle's own ``loads``, no tensor or reference hook needed), then exactly
+      one of ``StreamEnd`` (the generator
       finished after ``count`` items) or ``StreamError`` (it raised after ``count`` items;
       the payload is the packed exception);
   consumer -> producer: ``StreamCredit`` (``count`` more items and ``nbytes`` more bytes
       may be sent) and ``StreamClose`` (stop: the consumer is gone).
+
+Every one of them may carry the call pipeline's header fields for the frames between the
+two workers (the CUDA IPC blocks a consumer gives back ride on its credit and close
+frames, see ``runtime/calls/pipeline.py``'s ``stream_links``). A ``StreamClose`` for a
+stream the producer no longer has is harmless: it only carries such fields.
 
 Credit is counted in items and in bytes, as gRPC counts bytes: a window of 128 items is
 harmless for small items and 8 GiB for 64 MiB tensors. The credit rules (``ProducerFlow``,
@@ -25,12 +33,16 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
+
 from asyncrpc.errors import LocalProtocolError, RemoteProtocolError
+from asyncrpc.protocol.wire.frame import MAGIC, PRELUDE, PROTOCOL_VERSION, U32_LIMIT
 from asyncrpc.protocol.wire.messages import Kind, optional_headers
 
 __all__ = [
     "ITEM_KIND",
     "STREAM_KINDS",
+    "VALUE_KIND",
     "ConsumerFlow",
     "ProducerFlow",
     "StreamClose",
@@ -41,10 +53,12 @@ __all__ = [
     "StreamMessage",
     "decode_item",
     "decode_stream_message",
+    "encode_item",
     "item_fields",
 ]
 
-ITEM_KIND = int(Kind.STREAM_ITEM)  # a plain int: compared once per received frame
+ITEM_KIND = int(Kind.STREAM_ITEM)  # plain ints: compared once per received frame
+VALUE_KIND = int(Kind.STREAM_VALUE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,20 +76,50 @@ class StreamItem:
     nbytes: int = 0
     # The pipeline's fields for this item, if any (distributed autograd's message ids).
     headers: dict[str, Any] | None = None
+    plain: bool = False  # a plain pickle of a scalar (kind STREAM_VALUE)
 
     def to_fields(self) -> list[Any]:
-        return item_fields(self.stream_id, self.seq, self.nbytes, self.headers)
+        return item_fields(self.stream_id, self.seq, self.nbytes, self.headers, self.plain)
 
 
 def item_fields(
-    stream_id: int, seq: int, nbytes: int, headers: dict[str, Any] | None = None
-) -> list[Any]:
+    stream_id: int, seq: int, nbytes: int, headers: dict[str, Any] | None = None,
+    plain: bool = False,
+) -> list[Any]:  # fmt: skip
     """The header array of a ``StreamItem``, without making one: the producer's path for
     every item (a frozen dataclass costs more to build than the frame it describes)."""
-    fields: list[Any] = [ITEM_KIND, stream_id, seq, nbytes]
+    fields: list[Any] = [VALUE_KIND if plain else ITEM_KIND, stream_id, seq, nbytes]
     if headers:
         fields.append(headers)
     return fields
+
+
+def encode_item(
+    packer: msgpack.Packer, fields: list[Any], payload: bytes
+) -> tuple[list[bytes], int]:
+    """The frame of an item with no tensor segments, as ``encode_frame`` makes it, packed
+    with the caller's ``packer`` (one per stream: its items are framed on one thread at a
+    time, and a packer made per frame costs as much as the rest); its pieces and size.
+    ``fields`` (``item_fields``'s list) gets the empty segment list appended.
+
+    Raises:
+        LocalProtocolError: a header field cannot be packed, or the payload is 4 GiB or
+            larger.
+    """
+    try:
+        fields.append(_NO_SEGMENTS)
+        header = packer.pack(fields)
+    except (TypeError, ValueError, OverflowError) as exc:
+        packer.reset()  # a failed pack may leave bytes behind
+        raise LocalProtocolError(f"cannot pack the frame header: {exc}") from exc
+    size = len(payload)
+    if size >= U32_LIMIT:
+        raise LocalProtocolError(f"an item's payload of {size} bytes is over 4 GiB")
+    head = PRELUDE.pack(MAGIC, PROTOCOL_VERSION, 0, 0, len(header), size, 0) + header
+    return ([head, payload] if size else [head]), len(head) + size
+
+
+_NO_SEGMENTS: list[Any] = []  # packed, never changed
 
 
 def decode_item(fields: list[Any]) -> tuple[int, int, int, dict[str, Any] | None]:
@@ -109,11 +153,14 @@ class StreamCredit:
     stream_id: int
     count: int
     nbytes: int = 0
+    headers: dict[str, Any] | None = None  # the pipeline's fields for frames to the producer
 
     def to_fields(self) -> list[Any]:
         fields: list[Any] = [Kind.STREAM_CREDIT, self.stream_id, self.count]
-        if self.nbytes:
+        if self.nbytes or self.headers:
             fields.append(self.nbytes)
+        if self.headers:
+            fields.append(self.headers)
         return fields
 
 
@@ -151,11 +198,15 @@ class StreamError:
 
 @dataclass(frozen=True, slots=True)
 class StreamClose:
-    """The consumer of ``stream_id`` is gone: stop the producer and send nothing more."""
+    """The consumer of ``stream_id`` is gone: stop the producer and send nothing more
+    (nothing to stop once the stream ended: then it only carries ``headers``)."""
 
     stream_id: int
+    headers: dict[str, Any] | None = None  # the pipeline's fields for frames to the producer
 
     def to_fields(self) -> list[Any]:
+        if self.headers:
+            return [Kind.STREAM_CLOSE, self.stream_id, self.headers]
         return [Kind.STREAM_CLOSE, self.stream_id]
 
 
@@ -164,8 +215,8 @@ StreamMessage = StreamItem | StreamCredit | StreamEnd | StreamError | StreamClos
 STREAM_KINDS = frozenset(
     int(k)
     for k in (
-        Kind.STREAM_ITEM, Kind.STREAM_CREDIT, Kind.STREAM_END, Kind.STREAM_ERROR,
-        Kind.STREAM_CLOSE,
+        Kind.STREAM_ITEM, Kind.STREAM_VALUE, Kind.STREAM_CREDIT, Kind.STREAM_END,
+        Kind.STREAM_ERROR, Kind.STREAM_CLOSE,
     )
 )  # fmt: skip
 
@@ -185,20 +236,20 @@ def decode_stream_message(fields: list[Any]) -> StreamMessage:
     """
     kind = fields[0] if fields else None
     try:
-        if kind == Kind.STREAM_ITEM:
-            return StreamItem(*decode_item(fields))
+        if kind in (Kind.STREAM_ITEM, Kind.STREAM_VALUE):
+            return StreamItem(*decode_item(fields), plain=kind == Kind.STREAM_VALUE)
         if kind == Kind.STREAM_CREDIT:
             count = _count(fields[2])
             if count == 0:
                 raise ValueError("a credit of 0 items")
             nbytes = _count(fields[3]) if len(fields) > 3 else 0
-            return StreamCredit(_count(fields[1]), count, nbytes)
+            return StreamCredit(_count(fields[1]), count, nbytes, optional_headers(fields, 4))
         if kind == Kind.STREAM_END:
             return StreamEnd(_count(fields[1]), _count(fields[2]), optional_headers(fields, 3))
         if kind == Kind.STREAM_ERROR:
             return StreamError(_count(fields[1]), _count(fields[2]), optional_headers(fields, 3))
         if kind == Kind.STREAM_CLOSE:
-            return StreamClose(_count(fields[1]))
+            return StreamClose(_count(fields[1]), optional_headers(fields, 2))
     except (IndexError, TypeError, ValueError) as exc:
         raise RemoteProtocolError(f"malformed stream header: {fields!r:.200}") from exc
     raise RemoteProtocolError(f"not a stream header: {fields[:1]!r}")

@@ -216,9 +216,11 @@ class Dispatcher:
         if incoming is not None and fielded and pipeline.overriding("item_sent"):
             fields = partial(self._item_fields, incoming, policy)
         replying = partial(self._replying, served)
+        # What the hooks keep per peer rides on every frame to the reader (CUDA IPC).
+        links = pipeline.stream_links(served.peer)
         self._producers.start(
             served.peer, served.request.call_id, fn, run, args, kwargs, replying, dumps,
-            fields, ready,
+            fields, ready, links,
         )  # fmt: skip
 
     def _run_as(self, served: ServedRequest, runner: Runner) -> None:

@@ -38,8 +38,9 @@ On the callee, for each request that carries header fields (or every request whi
      (``call.own_items``: the stream is a stream argument this worker sent, its items
      this worker's own, as a request's arguments are); then ``items_ready(call)``: what
      to call after each item is pickled, on that thread, for what the item's frame waits
-     for before it is written (GPU copies of its tensors; None: nothing), or None when its
-     items never wait. Items leave in order: those behind a held item wait for it;
+     for before it is written (GPU copies of its tensors; None: nothing) and the bytes it
+     holds outside its frame (tensors by handle), or None when its items never wait.
+     Items leave in order: those behind a held item wait for it;
  10. ``item_sent(call, grads)`` on the thread that pickles each item of a streaming call
      (the loop, or the pool thread advancing a plain generator), after it is pickled with
      that policy: ``grads`` are its tensors requiring grad when the policy tracks them
@@ -52,6 +53,14 @@ On the caller again, for a stream it consumes:
  12. ``item_received(call, headers, grads)`` on the loop, for each item whose frame carries
      header fields, after it is unpickled (its tensors requiring grad tracked): the hook
      sees the fields and ``grads``.
+On both ends of every stream, for what a hook keeps per peer rather than per call (CUDA
+IPC blocks, given back by the frames that flow the other way):
+ 13. ``stream_links(peer)`` on the loop, as a stream with ``peer`` opens (either end): a
+     ``StreamLinks`` whose ``fields()`` go on each stream frame to ``peer`` (items, credit,
+     close, end), or None (nothing, the common case: no cost per frame);
+ 14. ``stream_received(peer, headers)`` on the loop, for each stream frame from ``peer``
+     that carries header fields, before anything else reads them (whether or not its
+     stream is still open here): the hook takes its own fields out of ``headers``.
 Tracked requiring-grad tensors always travel as segments, so both sides list them in the
 same order (see ``TensorPolicy.met``).
 
@@ -62,11 +71,20 @@ no header field goes on the wire.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from collections.abc import Awaitable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from asyncrpc.functions import is_coroutine_function
-from asyncrpc.protocol.serde.policy import DEFAULT, TensorPolicy
+from asyncrpc.protocol.serde.policy import TensorPolicy
+from asyncrpc.runtime.calls.hooked import (
+    CallTensors,
+    IncomingCall,
+    OutgoingCall,
+    Wrapper,
+    is_stream_source,
+    stream_source,
+)
+from asyncrpc.runtime.calls.items import ItemReady, ItemsIn, StreamLinks
 from asyncrpc.runtime.ports import CallKind
 
 if TYPE_CHECKING:
@@ -82,6 +100,7 @@ __all__ = [
     "ItemsIn",
     "OutgoingCall",
     "Pipeline",
+    "StreamLinks",
     "Wrapper",
     "is_stream_source",
     "stream_source",
@@ -90,199 +109,12 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 
-# Called after each item of a stream is pickled: what its frame waits for (None: nothing).
-ItemReady = Callable[[], Awaitable[None] | None]
-
-# Takes the function to run and returns the function to run instead (same calling
-# convention: a coroutine function's wrapper returns an awaitable).
-Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
-
 # The stages a hook may override, in the order a call meets them.
 STAGES = (
     "active", "serves_all", "prepare", "outgoing", "ready", "completed", "receiving",
     "incoming", "replying", "reply_ready", "replied", "stream_items", "items_ready",
-    "item_sent", "items_in", "item_received",
+    "item_sent", "items_in", "item_received", "stream_links", "stream_received",
 )  # fmt: skip
-
-
-_SOURCE_MARK = "_asyncrpc_stream_source"
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def stream_source(fn: _F) -> _F:
-    """Mark ``fn`` as the function a peer calls to read a stream argument this worker
-    sent: the stream's items are this worker's own (``IncomingCall.own_items``)."""
-    setattr(fn, _SOURCE_MARK, True)
-    return fn
-
-
-def is_stream_source(fn: Any) -> bool:
-    """Whether ``fn`` is marked ``stream_source``."""
-    return bool(getattr(fn, _SOURCE_MARK, False))
-
-
-class CallTensors(TensorPolicy):
-    """The tensor policy of one message through the pipeline, as its hooks configured it.
-
-    It notes every tensor (``seen``: each one pickled, or rebuilt), and while ``grads`` is
-    a list, lists every tensor requiring grad the message carries, in the order of its
-    first appearance in the pickle, which both sides share (a segment or a small tensor
-    inside the pickle alike). A tensor not in CPU memory goes through ``devices`` (the
-    device-map hook's policy; by default refused).
-    """
-
-    __slots__ = ("devices", "grads", "seen")
-
-    def __init__(self) -> None:
-        self.seen: list[torch.Tensor] = []
-        self.grads: list[torch.Tensor] | None = None  # None: not tracked
-        self.devices: TensorPolicy = DEFAULT
-
-    def track_grads(self) -> None:
-        if self.grads is None:
-            self.grads = []
-
-    def met(self, tensor: torch.Tensor) -> bool:
-        self.seen.append(tensor)
-        return False  # small ones, requiring grad or not, ride inside the pickle
-
-    def exported(self, tensor: torch.Tensor) -> None:
-        if self.grads is not None and tensor.requires_grad:
-            self.grads.append(tensor)
-
-    def to_host(self, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
-        return self.devices.to_host(tensor)
-
-    def to_device(self, segment: torch.Tensor, device: str) -> torch.Tensor:
-        return self.devices.to_device(segment, device)
-
-    def imported(self, tensor: torch.Tensor) -> None:
-        self.seen.append(tensor)
-        if self.grads is not None and tensor.requires_grad:
-            self.grads.append(tensor)
-
-
-class ItemsIn(TensorPolicy):
-    """The tensor policy of the items of one stream this worker consumes (``items_in``):
-    one object for all of them, unpickled one after another on the loop."""
-
-    __slots__ = ()
-
-    def take(self) -> Callable[[], None] | None:
-        """What the thread that reads the item just unpickled calls before it gets it (None:
-        nothing); the next item starts afresh."""
-        return None
-
-
-class _Call:
-    """What both sides' calls share: the tensor policies of the message and its reply."""
-
-    __slots__ = ("policy", "reply_policy", "state")
-
-    def __init__(self) -> None:
-        self.policy = CallTensors()
-        self.reply_policy = CallTensors()
-        # Per-hook state between stages, keyed by the hook (or an object it owns).
-        self.state: dict[object, Any] = {}
-
-    def track_grads(self) -> None:
-        """Send and list tensors requiring grad, in the request and in its reply."""
-        self.policy.track_grads()
-        self.reply_policy.track_grads()
-
-    @property
-    def grads(self) -> list[torch.Tensor]:
-        """The request's tensors requiring grad, in segment order (empty: not tracked)."""
-        return self.policy.grads or []
-
-    @property
-    def reply_grads(self) -> list[torch.Tensor]:
-        """The reply's, once it is pickled (caller: once it is unpickled)."""
-        return self.reply_policy.grads or []
-
-
-class OutgoingCall(_Call):
-    """One call leaving this worker, as the hooks see it."""
-
-    __slots__ = (
-        "args", "call_id", "callee", "callee_rank", "caller", "fn", "headers", "kind",
-        "kwargs", "nbytes", "on_value", "reply_nbytes", "result", "target",
-    )  # fmt: skip
-
-    def __init__(
-        self, kind: CallKind, caller: str, callee: str, callee_rank: int, fn: Any, target: str,
-        args: Sequence[Any], kwargs: dict[str, Any],
-    ) -> None:  # fmt: skip
-        super().__init__()
-        self.kind = kind
-        self.caller = caller
-        self.callee = callee
-        self.callee_rank = callee_rank
-        self.fn = fn
-        self.target = target  # what the call runs, for names: "module.qualname"
-        self.args = args
-        self.kwargs = kwargs
-        self.call_id = 0
-        self.headers: dict[str, Any] = {}
-        self.result: Any = None  # the reply's value, once it came
-        self.nbytes = 0  # the request frame's size, once it is framed (after ``outgoing``)
-        # The reply (or error reply) frame's size, once it came (before ``completed``); 0
-        # without one (timeout, lost peer, a remote() or a stream).
-        self.reply_nbytes = 0
-        # Set by a hook in ``completed``: called on each thread that reads the value, just
-        # before it gets it (CUDA: that thread's streams wait for the reply's copies).
-        self.on_value: Callable[[], None] | None = None
-
-    @property
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor the payload carries, each time it was met."""
-        return self.policy.seen
-
-
-class IncomingCall(_Call):
-    """One request being served by this worker, as the hooks see it."""
-
-    __slots__ = (
-        "args", "call_id", "callee", "caller", "caller_rank", "coroutine", "fn", "headers",
-        "kwargs", "nbytes", "own_items", "remote", "reply_headers", "reply_nbytes", "target",
-        "wrappers",
-    )  # fmt: skip
-
-    def __init__(
-        self, caller: str, caller_rank: int, callee: str, call_id: int, target: str,
-        remote: bool, headers: dict[str, Any], nbytes: int = 0,
-    ) -> None:  # fmt: skip
-        super().__init__()
-        self.caller = caller
-        self.caller_rank = caller_rank
-        self.callee = callee
-        self.call_id = call_id
-        self.target = target
-        self.remote = remote  # a remote() request: the value stays here
-        # A stream that reads a stream argument this worker sent: its items are this
-        # worker's own, sent as the arguments of the request that carried it were.
-        self.own_items = False
-        self.headers = headers
-        self.nbytes = nbytes  # the request frame's size on the wire (0: not known)
-        # The reply's size, known before ``replying``: its payload and tensor segments, and
-        # the prelude. Its header is not counted: the hooks' ``replying`` stage is still
-        # adding to it. 0: no reply is sent (a remote() without fields, a stream).
-        self.reply_nbytes = 0
-        self.coroutine = False  # the function is an `async def` (wrappers must keep that)
-        self.fn: Any = None
-        self.args: Sequence[Any] = ()
-        self.kwargs: dict[str, Any] = {}
-        self.reply_headers: dict[str, Any] = {}
-        self.wrappers: list[Wrapper] = []
-
-    def wrap(self, wrapper: Wrapper) -> None:
-        """Run the function through ``wrapper``; the first hook's wrapper is outermost."""
-        self.wrappers.append(wrapper)
-
-    def wrapped(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        for wrapper in reversed(self.wrappers):
-            fn = wrapper(fn)
-        return fn
 
 
 class CallHook:
@@ -365,7 +197,8 @@ class CallHook:
 
     def items_ready(self, call: IncomingCall) -> ItemReady | None:
         """What to call after each item of a streaming call is pickled (on that thread):
-        it returns what the item's frame waits for, awaited on the loop (None: nothing).
+        it returns what the item's frame waits for, awaited on the loop (None: nothing),
+        and the bytes the item holds outside its frame (its byte credit counts them).
         None: its items never wait (agent's loop, once per stream)."""
         return None
 
@@ -379,6 +212,15 @@ class CallHook:
     ) -> None:
         """An item carrying header fields arrived on a stream this worker consumes and was
         unpickled (agent's loop); ``grads`` are its tensors requiring grad."""
+
+    def stream_links(self, peer: int) -> StreamLinks | None:
+        """What this hook adds to the frames of a stream with ``peer`` opening here, at
+        either end (agent's loop); None: nothing."""
+        return None
+
+    def stream_received(self, peer: int, headers: dict[str, Any]) -> None:
+        """A stream frame from ``peer`` carried ``headers`` (agent's loop): take this
+        hook's own fields out of it."""
 
     def debug_info(self) -> dict[str, Any]:
         """What this hook adds to ``get_debug_info()``."""
@@ -551,7 +393,7 @@ class Pipeline:
         one hook's that gives one, called as is (nothing per item for the others)."""
         ready = [r for r in (h.items_ready(call) for h in self._by_stage["items_ready"]) if r]
         if len(ready) > 1:
-            return lambda: _all_of([wait() for wait in ready])
+            return lambda: _both([each() for each in ready])
         return ready[0] if ready else None
 
     def items_in(self, peer: int) -> ItemsIn | None:
@@ -561,6 +403,20 @@ class Pipeline:
             if policy is not None:
                 return policy
         return None
+
+    def stream_links(self, peer: int) -> StreamLinks | None:
+        """What the hooks add to the frames of a stream with ``peer``: the first hook's
+        that gives one (one hook owns the per-peer state today: CUDA IPC)."""
+        for hook in self._by_stage["stream_links"]:
+            links = hook.stream_links(peer)
+            if links is not None:
+                return links
+        return None
+
+    def stream_received(self, peer: int, headers: dict[str, Any]) -> None:
+        """Each hook takes its fields out of a stream frame's ``headers`` from ``peer``."""
+        for hook in self._by_stage["stream_received"]:
+            hook.stream_received(peer, headers)
 
     @staticmethod
     def item_received(
@@ -584,6 +440,13 @@ class Pipeline:
         if not hooks:
             return None
         return _all_of([hook.reply_ready(call) for hook in hooks])
+
+
+def _both(
+    readies: list[tuple[Awaitable[None] | None, int]],
+) -> tuple[Awaitable[None] | None, int]:
+    """Several hooks' readiness of one item: all their waits, and their bytes together."""
+    return _all_of([wait for wait, _ in readies]), sum(held for _, held in readies)
 
 
 def _all_of(waits: list[Awaitable[None] | None]) -> Awaitable[None] | None:

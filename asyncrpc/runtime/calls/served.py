@@ -14,14 +14,14 @@ import asyncio
 import concurrent.futures
 import sys
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from asyncrpc.errors import AsyncExecutionError, FunctionNotFoundError, SerializationError
 from asyncrpc.protocol.serde import MissingReferenceError
 from asyncrpc.protocol.wire.messages import CallMode, Request
 from asyncrpc.runtime.calls.deadline import deadline_after
-from asyncrpc.runtime.calls.pipeline import IncomingCall
+from asyncrpc.runtime.calls.pipeline import IncomingCall, ItemReady, StreamLinks
 from asyncrpc.runtime.futures import Future
 from asyncrpc.runtime.futures.bridge import CFuture
 from asyncrpc.runtime.threads.pool import Job as PoolJob
@@ -87,7 +87,7 @@ class Producers(Protocol):
         self, peer: int, stream_id: int, fn: Any, run: Callable[..., Any], args: Any,
         kwargs: Any, replying: Callable[[bool, Any], dict[str, Any] | None],
         dumps: Callable[[Any], Any], fields: Callable[[], dict[str, Any] | None] | None = None,
-        ready: Callable[[], Awaitable[None] | None] | None = None,
+        ready: ItemReady | None = None, links: StreamLinks | None = None,
     ) -> None: ...  # fmt: skip
 
 

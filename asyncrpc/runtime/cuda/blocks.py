@@ -101,9 +101,10 @@ class ExportBlocks:
             self._lent.setdefault(peer, {})[block.id] = block
         return block
 
-    def returned(self, peer: int, ids: list[int]) -> int:
-        """The peer is done with the messages in these blocks: they are free again (and
-        known to be opened there). Returns how many were lent to it; others are ignored."""
+    def returned(self, peer: int, ids: list[int], opened: bool = True) -> int:
+        """The peer is done with the messages in these blocks: they are free again (and,
+        ``opened``, known to be opened there; not so for a message it never read, or one
+        never sent). Returns how many were lent to it; others are ignored."""
         count = 0
         with self._lock:
             lent = self._lent.get(peer, {})
@@ -112,7 +113,7 @@ class ExportBlocks:
                 if block is None:
                     continue
                 count += 1
-                block.confirmed = True
+                block.confirmed = block.confirmed or opened
                 self._free.setdefault((peer, block.device, block.size), []).append(block)
         return count
 

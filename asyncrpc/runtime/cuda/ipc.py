@@ -48,11 +48,15 @@ import msgpack
 from asyncrpc.runtime.cuda.blocks import BLOCK_BYTES_PER_PEER, ExportBlocks
 from asyncrpc.runtime.cuda.devices import CudaStream, Devices, Event
 
-__all__ = ["FIELD", "TAG", "IpcLinks", "is_ipc_tag"]
+__all__ = ["FIELD", "STREAM_FIELD", "TAG", "IpcLinks", "block_of", "is_ipc_tag"]
 
 _log = logging.getLogger(__name__)
 
-FIELD = "ci"  # the header field: {"o": offer, "a": answer, "r": released ids}
+# The header field of calls' requests and replies: {"o": offer, "a": answer, "r": ids
+# released, "u": ids given back unread}; and the same field on stream frames (streams.py
+# in items.py), a key of its own: a stream's end also carries its call's field.
+FIELD = "ci"
+STREAM_FIELD = "cs"
 TAG = "ipc:"
 PROBE_BYTES = 16
 
@@ -61,6 +65,14 @@ _UNKNOWN, _OFFERED, _ON, _OFF = "unknown", "offered", "on", "off"
 
 def is_ipc_tag(tag: str) -> bool:
     return tag.startswith(TAG)
+
+
+def block_of(tag: str) -> int | None:
+    """The block id an IPC tag names (None: not an IPC tag, or malformed)."""
+    if not tag.startswith(TAG):
+        return None
+    parts = tag.split(":", 4)  # ipc, cuda, index, block, rest
+    return int(parts[3]) if len(parts) == 5 and parts[3].isdigit() else None
 
 
 def _encode(value: list[Any]) -> str:
@@ -102,9 +114,13 @@ class IpcLinks:
         # here, the mapping)), and the copies out of them not yet named back.
         self._mapped: dict[int, dict[int, tuple[int, Any]]] = {}
         self._in: dict[int, list[tuple[int, Event]]] = {}
+        # Blocks of each producer given back unread (an item for a stream closed here):
+        # named back in "u", so the producer does not count them as opened here.
+        self._unread: dict[int, list[int]] = {}
         self.shared = 0  # messages' tensors sent, received, and named back (metrics)
         self.opened = 0
         self.released = 0
+        self.named_back = 0  # blocks of peers named back here (what they count released)
         self.refused = 0  # tensors that could not go by handle (sent staged instead)
 
     # -- deciding --------------------------------------------------------------------------
@@ -118,6 +134,10 @@ class IpcLinks:
     def state(self, peer: int) -> str:
         return self._to.get(peer, _UNKNOWN)
 
+    def reaches(self, peer: int) -> bool:
+        """Whether handles may ever go to or come from ``peer`` (it is on this host)."""
+        return self._same_host(peer)
+
     # -- the header field --------------------------------------------------------------------
 
     def field_out(self, peer: int) -> dict[str, Any] | None:
@@ -126,6 +146,7 @@ class IpcLinks:
         released = self._sweep(peer)
         with self._lock:
             answer = self._answers.pop(peer, None)
+            unread = self._unread.pop(peer, None)
             offer = self._probe and self._same_host(peer) and peer not in self._to
             if offer:
                 self._to[peer] = _OFFERED
@@ -133,6 +154,10 @@ class IpcLinks:
             field["a"] = answer
         if released:
             field["r"] = released
+            with self._lock:
+                self.named_back += len(released)
+        if unread:
+            field["u"] = unread
         if offer:
             made = self._offer(peer)
             if made is None:
@@ -147,6 +172,7 @@ class IpcLinks:
         if not isinstance(value, dict):
             return
         offer, answer, released = value.get("o"), value.get("a"), value.get("r")
+        unread = value.get("u")
         if offer is not None:
             opened = self._try_probe(peer, offer)
             with self._lock:
@@ -157,6 +183,8 @@ class IpcLinks:
                     self._to[peer] = _ON if answer == 1 else _OFF
         if isinstance(released, list) and released:
             self._released(peer, released)
+        if isinstance(unread, list) and unread:
+            self._released(peer, unread, opened=False)
 
     def _offer(self, peer: int) -> list[Any] | None:
         identity = self.devices.identity()
@@ -232,10 +260,17 @@ class IpcLinks:
         """Messages ``peer`` has not named back yet."""
         return self.blocks.lent(peer)
 
-    def _released(self, peer: int, ids: list[Any]) -> None:
-        returned = self.blocks.returned(peer, ids)
+    def _released(self, peer: int, ids: list[Any], opened: bool = True) -> None:
+        returned = self.blocks.returned(peer, ids, opened)
         with self._lock:
             self.released += returned
+
+    def unsent(self, peer: int, tags: list[str]) -> None:
+        """The frame carrying these tags to ``peer`` was never written: their blocks are
+        free again (``lend`` still waits for their fills), none known to be opened there."""
+        ids = [b for b in map(block_of, tags) if b is not None]
+        if ids:
+            self.blocks.returned(peer, ids, False)
 
     # -- blocks in (consumer) -------------------------------------------------------------------
 
@@ -266,6 +301,19 @@ class IpcLinks:
             self.opened += 1
         return device, tensor
 
+    def unread(self, peer: int, tags: list[str]) -> None:
+        """A frame from ``peer`` carrying these tags will never be read here: their blocks
+        are named back (in "u") with the next message, their bytes never copied out."""
+        ids = [b for b in map(block_of, tags) if b is not None]
+        if ids:
+            with self._lock:
+                self._unread.setdefault(peer, []).extend(ids)
+
+    def owed(self, peer: int) -> list[Event]:
+        """The copies out of ``peer``'s blocks not yet named back (their events)."""
+        with self._lock:
+            return [event for _, event in self._in.get(peer, ())]
+
     def _sweep(self, peer: int) -> list[int]:
         """Blocks of ``peer`` whose copies here are done (named back with the next message)."""
         done = self.devices.done
@@ -289,6 +337,7 @@ class IpcLinks:
         with self._lock:
             mapped = self._mapped.pop(peer, {})
             self._in.pop(peer, None)
+            self._unread.pop(peer, None)
             self._to.pop(peer, None)
             self._answers.pop(peer, None)
         blocks = self.blocks.drop_peer(peer)
@@ -309,6 +358,7 @@ class IpcLinks:
             "cuda_ipc_shared": self.shared,
             "cuda_ipc_opened": self.opened,
             "cuda_ipc_released": self.released,
+            "cuda_ipc_named_back": self.named_back,
             "cuda_ipc_refused": self.refused,
             **self.blocks.stats(),
         }

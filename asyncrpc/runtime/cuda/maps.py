@@ -31,10 +31,12 @@ from asyncrpc.runtime.calls.pipeline import (
     ItemReady,
     ItemsIn,
     OutgoingCall,
+    StreamLinks,
 )
 from asyncrpc.runtime.cuda.callee import RequestStreams
 from asyncrpc.runtime.cuda.devices import CudaStream
 from asyncrpc.runtime.cuda.ipc import FIELD as IPC_FIELD
+from asyncrpc.runtime.cuda.ipc import STREAM_FIELD
 
 __all__ = [
     "FIELD",
@@ -149,9 +151,14 @@ class Transfer(Protocol):
         """The wire's allocator of receive memory, given the one for host segments."""
         ...
 
-    def items_out(self, device_map: Mapping[str, str]) -> TensorPolicy:
-        """The policy of the items of one stream sent under ``device_map``; where it has a
-        ``take`` method, each item's frame waits for what ``take`` returns after it."""
+    def items_out(self, device_map: Mapping[str, str], peer: int | None = None) -> TensorPolicy:
+        """The policy of the items of one stream sent to ``peer`` under ``device_map``;
+        where it has a ``take`` method, each item's frame waits for what ``take`` returns
+        after it (``ItemReady``)."""
+        ...
+
+    def links(self, peer: int) -> StreamLinks | None:
+        """What the stream frames with ``peer`` carry for this transfer (None: nothing)."""
         ...
 
     def items_in(self, peer: int) -> ItemsIn | None:
@@ -215,8 +222,11 @@ class HostTransfer:
     def allocator(self, plain: Allocator) -> Allocator:
         return plain  # every segment lands in host memory; the policy copies it over
 
-    def items_out(self, device_map: Mapping[str, str]) -> TensorPolicy:
+    def items_out(self, device_map: Mapping[str, str], peer: int | None = None) -> TensorPolicy:
         return HostCopy(device_map)  # each item's copy is done once it is pickled
+
+    def links(self, peer: int) -> StreamLinks | None:
+        return None  # nothing is shared: stream frames carry nothing for it
 
     def items_in(self, peer: int) -> ItemsIn | None:
         return None  # the default copies each segment to its device on the spot
@@ -232,7 +242,7 @@ class DeviceMapHook(CallHook):
     """Gives each call to a mapped callee, and each reply to a mapped caller, its map, and
     holds their frames and orders their users' streams as the transfer says."""
 
-    fields = frozenset({FIELD, IPC_FIELD})
+    fields = frozenset({FIELD, IPC_FIELD, STREAM_FIELD})
 
     def __init__(
         self,
@@ -323,7 +333,8 @@ class DeviceMapHook(CallHook):
             device_map = getattr(call.reply_policy.devices, "device_map", None)
         if not device_map:
             return policy  # nothing mapped: a CUDA tensor is refused, naming its device
-        items = self.transfer.items_out(device_map)
+        # To the stream's reader, by handle where a call to it would go so.
+        items = self.transfer.items_out(device_map, call.caller_rank)
         take = getattr(items, "take", None)  # a staged one: each item's frame is held
         if take is not None:
             call.state[_ITEMS] = take
@@ -334,6 +345,14 @@ class DeviceMapHook(CallHook):
 
     def items_in(self, peer: int) -> ItemsIn | None:
         return self.transfer.items_in(peer)
+
+    def stream_links(self, peer: int) -> StreamLinks | None:
+        return self.transfer.links(peer)
+
+    def stream_received(self, peer: int, headers: dict[str, Any]) -> None:
+        value = headers.pop(STREAM_FIELD, None)
+        if value is not None:
+            self.transfer.field_in(peer, value)
 
     def debug_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"device_maps": {c: dict(m) for c, m in self._maps.items()}}

@@ -44,7 +44,7 @@ from asyncrpc.runtime.cuda.gate import (
     order_after,
 )
 from asyncrpc.runtime.cuda.ipc import IpcLinks, is_ipc_tag
-from asyncrpc.runtime.cuda.items import ItemArrivals, ItemCopies
+from asyncrpc.runtime.cuda.items import IpcStreamLinks, ItemArrivals, ItemCopies
 from asyncrpc.runtime.cuda.maps import cuda_index
 from asyncrpc.runtime.cuda.parts import Part, frame_parts, split_frame
 from asyncrpc.runtime.cuda.pinned import PinnedPool
@@ -131,9 +131,19 @@ class StagedTransfer:
     def policy(self, device_map: Mapping[str, str], peer: int | None = None) -> StagedCopy:
         return StagedCopy(self, device_map, peer)
 
-    def items_out(self, device_map: Mapping[str, str]) -> ItemCopies:
-        """The policy of one stream's items sent under ``device_map`` (``items.py``)."""
-        return ItemCopies(self, device_map)
+    def items_out(self, device_map: Mapping[str, str], peer: int | None = None) -> ItemCopies:
+        """The policy of one stream's items sent to ``peer`` under ``device_map``
+        (``items.py``): by handle where a call to ``peer`` would send them so."""
+        return ItemCopies(self, device_map, peer)
+
+    def links(self, peer: int) -> IpcStreamLinks | None:
+        """The IPC field of the stream frames with ``peer`` (None: no IPC can reach it)."""
+        ipc = self.ipc
+        return None if ipc is None or not ipc.reaches(peer) else IpcStreamLinks(ipc, peer)
+
+    def held(self, policy: TensorPolicy) -> int:
+        """The bytes a message pickled under ``policy`` sent by handle."""
+        return policy.shared_bytes if isinstance(policy, StagedCopy) else 0
 
     def items_in(self, peer: int) -> ItemArrivals:
         """The policy of one stream's items received from ``peer`` (``items.py``)."""
@@ -306,7 +316,7 @@ class StagedCopy(TensorPolicy):
 
     __slots__ = (
         "_producers", "chunks", "device_map", "events", "peer", "received", "shared",
-        "streams", "transfer", "whole",
+        "shared_bytes", "streams", "transfer", "whole",
     )  # fmt: skip
 
     def __init__(
@@ -328,6 +338,7 @@ class StagedCopy(TensorPolicy):
         # (device, event) after each copy into a block for the peer (by handle): the
         # frame leaves once they completed, so the peer reads the blocks without a wait.
         self.shared: list[tuple[int, Event]] = []
+        self.shared_bytes = 0  # the bytes those blocks hold for the peer (stream credit)
 
     def frame_events(self) -> FrameEvents:
         return FrameEvents(tuple(self.events.items()) + tuple(self.shared))
@@ -397,10 +408,11 @@ class StagedCopy(TensorPolicy):
         assert self.peer is not None
         devices = self.transfer.devices
         stream = on if on is not None else devices.current_stream(device)
-        nbytes = 0  # a FakeTensor has no bytes
         if isinstance(tensor, torch.Tensor):
             with devices.use_streams([stream]):  # conj/neg/contiguous, if any, on that stream
                 tensor, _, nbytes = _resolved_span(tensor)  # as the serializer will describe it
+        else:  # a FakeTensor: the bytes it says it has
+            nbytes = devices.contiguous_nbytes(tensor) or 0
         try:
             exported = ipc.export(self.peer, tensor, nbytes, target, stream)
         except (RuntimeError, ValueError):
@@ -410,6 +422,7 @@ class StagedCopy(TensorPolicy):
             return None
         tag, filled = exported
         self.shared.append((device, filled))  # the frame leaves once the fill is done
+        self.shared_bytes += nbytes
         return tag, tensor
 
     def to_device(self, segment: Any, device: str) -> Any:

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from asyncrpc.errors import RpcTimeoutError
 from asyncrpc.protocol.wire.stream import ConsumerFlow
-from asyncrpc.runtime.calls.pipeline import ItemsIn
+from asyncrpc.runtime.calls.pipeline import ItemsIn, StreamLinks
 from asyncrpc.runtime.futures import Future, try_set_exception, try_set_result
 
 __all__ = ["Arrived", "ConsumerHub", "ConsumerStream", "Waiter"]
@@ -59,8 +59,8 @@ class ConsumerStream:
 
     __slots__ = (
         "_handing", "_hub", "_loop", "_outcome", "_timer", "_waiter", "closed", "ended", "failure",
-        "flow", "items", "items_in", "on_end", "peer", "peer_name", "serving", "stream_id",
-        "target", "timeout",
+        "flow", "items", "items_in", "links", "on_end", "peer", "peer_name", "serving",
+        "stream_id", "target", "timeout",
     )  # fmt: skip
 
     def __init__(
@@ -91,6 +91,8 @@ class ConsumerStream:
         self.on_end: Callable[[], None] | None = None
         # The hooks' policy of its items (set as it opens; None: the defaults).
         self.items_in: ItemsIn | None = None
+        # What the hooks add to its frames to the producer (None: nothing; CUDA IPC).
+        self.links: StreamLinks | None = None
 
     # -- from the hub ------------------------------------------------------------------------
 

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import pickle
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
-from asyncrpc.errors import ClosedError, PeerLostError, RemoteProtocolError
+from asyncrpc.errors import ClosedError, PeerLostError, RemoteProtocolError, SerializationError
 from asyncrpc.protocol.address import PeerAddress
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
 from asyncrpc.protocol.serde import Serializer, unpack_exception
@@ -27,6 +28,7 @@ from asyncrpc.protocol.wire.messages import CallMode
 from asyncrpc.protocol.wire.stream import (
     ITEM_KIND,
     STREAM_KINDS,
+    VALUE_KIND,
     StreamClose,
     StreamCredit,
     StreamEnd,
@@ -48,6 +50,7 @@ __all__ = ["StreamHub"]
 
 _log = logging.getLogger(__name__)
 _UNCLAIMED_S = 300.0  # how long a stream argument waits for its request to arrive
+_ITEMS = frozenset({ITEM_KIND, VALUE_KIND})
 
 
 class StreamHub(Feature):
@@ -80,6 +83,8 @@ class StreamHub(Feature):
         self._window, self._window_bytes = window, window_bytes
         self.producers = producers
         self._consumers: dict[int, ConsumerStream] = {}
+        # Tasks sending what ended streams still owe their producers (``_settle``).
+        self._settling: set[asyncio.Task[None]] = set()
         self.items_received = 0
         # Iterables sent as stream arguments, until their callee opens them; one whose
         # request never arrived is closed after as long as a call may last, or 5 minutes
@@ -156,15 +161,33 @@ class StreamHub(Feature):
     ) -> None:
         stream_id = consumer.stream_id
         self._consumers[stream_id] = consumer
+        consumer.links = links = self._outbox.pipeline.stream_links(consumer.peer)
         self._outbox.start(encoded, ended)
         if stream_id in self._outbox.pending:  # written (or waiting to be): first credit
-            credit = StreamCredit(stream_id, *consumer.flow.initial())
+            headers = None if links is None else links.fields()
+            credit = StreamCredit(stream_id, *consumer.flow.initial(), headers)
             pieces = encode_frame(credit.to_fields(), b"")
             self._frames.send(OutgoingFrame(consumer.peer, pieces))
 
     def _ended(self, consumer: ConsumerStream, done: asyncio.Future[Any]) -> None:
         self._consumers.pop(consumer.stream_id, None)
         consumer.finished(None if done.cancelled() else done.exception())
+        links = consumer.links
+        owed = None if links is None else links.owed()
+        if owed is not None:  # the producer's last blocks, named back once copied out
+            task = self._loop.aio.create_task(self._settle(consumer, owed))
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
+
+    async def _settle(self, consumer: ConsumerStream, owed: Awaitable[None]) -> None:
+        """A stream is over with what its hooks still owe its producer (CUDA blocks being
+        copied out): once that is ready, one close frame, harmless to an ended stream,
+        carries it."""
+        await owed
+        links = consumer.links
+        headers = None if links is None else links.fields()
+        if headers:
+            self._control(consumer.peer, StreamClose(consumer.stream_id, headers).to_fields())
 
     def notify(self, to: Any, fn: Any, args: tuple[Any, ...]) -> None:
         """Call ``fn(*args)`` on ``to`` and forget it: the stream arguments' bookkeeping
@@ -178,7 +201,8 @@ class StreamHub(Feature):
 
     def grant(self, stream: ConsumerStream, count: int, nbytes: int) -> None:
         if not stream.ended:
-            credit = StreamCredit(stream.stream_id, count, nbytes)
+            headers = None if stream.links is None else stream.links.fields()
+            credit = StreamCredit(stream.stream_id, count, nbytes, headers)
             self._control(stream.peer, credit.to_fields())
 
     def close_stream(self, stream: ConsumerStream, error: BaseException | None = None) -> None:
@@ -189,8 +213,9 @@ class StreamHub(Feature):
         call = self._outbox.pending.pop(stream.stream_id)
         stream.shut(error)
         if call is not None:  # the producer may still run: stop it
+            headers = None if stream.links is None else stream.links.fields()
             call.fail(asyncio.CancelledError())
-            self._control(stream.peer, StreamClose(stream.stream_id).to_fields())
+            self._control(stream.peer, StreamClose(stream.stream_id, headers).to_fields())
 
     def _control(self, rank: int, fields: list[Any]) -> None:
         self._frames.control(rank, encode_frame(fields, b""))  # if connected, else dropped
@@ -204,11 +229,14 @@ class StreamHub(Feature):
             RemoteProtocolError: the frame is malformed (the agent aborts the connection).
         """
         fields = frame.fields
-        if fields and fields[0] == ITEM_KIND:  # most frames: no message object made
-            self._on_item(conn.peer, decode_item(fields), frame)
+        kind = fields[0] if fields else None
+        if kind in _ITEMS:  # most frames: no message object made
+            self._on_item(conn.peer, decode_item(fields), frame, kind == VALUE_KIND)
             return
         message = decode_stream_message(fields)
         peer = conn.peer
+        if message.headers:  # the hooks' fields first, whether its stream is open or not
+            self._outbox.pipeline.stream_received(peer, message.headers)
         if isinstance(message, StreamCredit):
             self.producers.on_credit(peer, message.stream_id, message.count, message.nbytes)
         elif isinstance(message, StreamClose):
@@ -217,41 +245,63 @@ class StreamHub(Feature):
             self._on_outcome(peer, message, frame)
 
     def _on_item(
-        self, peer: int, item: tuple[int, int, int, dict[str, Any] | None], frame: Frame
-    ) -> None:
+        self, peer: int, item: tuple[int, int, int, dict[str, Any] | None], frame: Frame,
+        plain: bool = False,
+    ) -> None:  # fmt: skip
         stream_id, seq, nbytes, headers = item
+        if headers:  # the hooks' per-peer fields first: they count for every stream
+            self._outbox.pipeline.stream_received(peer, headers)
         stream = self._consumers.get(stream_id)
         if stream is None or stream.peer != peer:
-            return  # closed meanwhile: the producer stops at our close
+            self._unread(peer, frame)  # closed meanwhile: the producer stops at our close
+            return
         try:
             stream.flow.check(seq, nbytes)
-        except RemoteProtocolError as exc:
-            self._counters.protocol_errors += 1
+            if plain and not headers:  # a scalar: pickle's own loads, nothing to track
+                value = _plain(frame)
+            else:
+                value = self._value(stream, peer, headers, frame)
+        except Exception as exc:  # RemoteProtocolError: the flow refused it (counted)
+            if isinstance(exc, RemoteProtocolError):
+                self._counters.protocol_errors += 1
             self.close_stream(stream, exc)
             return
+        self.items_received += 1
+        stream.on_item(seq, value)
+
+    def _value(
+        self, stream: ConsumerStream, peer: int, headers: dict[str, Any] | None, frame: Frame
+    ) -> Any:
+        """An item unpickled under the hooks' policy (``Arrived`` when its reader must call
+        something first), its fields given to the stream's call's hooks.
+
+        Raises:
+            SerializationError: it cannot be unpickled, or a hook refused it.
+        """
         observed, items_in = None, stream.items_in
         policy: TensorPolicy | None = items_in
         grads: TrackGrads | None = None
         if headers:  # the hooks' fields: the stream's call, its hooks, its items' grads
-            call = self._outbox.pending.get(stream_id)
+            call = self._outbox.pending.get(stream.stream_id)
             observed = None if call is None else call.request.observed
             if observed is not None:
                 policy = grads = TrackGrads(items_in or DEFAULT)
-        try:
-            value = self._serializer.loads(
-                frame.payload, frame.segments, context=peer, policy=policy
-            )
-            if observed is not None and headers and grads is not None:
-                Pipeline.item_received(*observed, headers, grads.take())
-        except Exception as exc:
-            self.close_stream(stream, exc)
-            return
-        self.items_received += 1
+        value = self._serializer.loads(frame.payload, frame.segments, context=peer, policy=policy)
+        if observed is not None and headers and grads is not None:
+            Pipeline.item_received(*observed, headers, grads.take())
         if items_in is not None:
             first = items_in.take()
             if first is not None:  # its reader's streams wait for its copies first
                 value = Arrived(value, first)
-        stream.on_item(seq, value)
+        return value
+
+    def _unread(self, peer: int, frame: Frame) -> None:
+        """An item for a stream no longer read here: what it holds for this worker (CUDA
+        blocks) is let go unread."""
+        if frame.tags:
+            links = self._outbox.pipeline.stream_links(peer)
+            if links is not None:
+                links.dropped(frame.tags)
 
     def _on_outcome(self, peer: int, message: Any, frame: Frame) -> None:
         stream = self._consumers.get(message.stream_id)
@@ -260,9 +310,10 @@ class StreamHub(Feature):
         call = self._outbox.pending.pop(message.stream_id)
         if call is None:
             return
+        headers = message.headers or None  # the hooks' stream fields taken out already
         if not isinstance(message, StreamEnd):
             self._counters.calls_failed += 1
-            call.fail(unpack_exception(bytes(frame.payload)), message.headers)
+            call.fail(unpack_exception(bytes(frame.payload)), headers)
             return
         try:
             stream.flow.check_end(message.count)
@@ -270,7 +321,7 @@ class StreamHub(Feature):
             self._counters.protocol_errors += 1
             call.fail(exc)
             return
-        call.resolve(message.count, message.headers)
+        call.resolve(message.count, headers)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -303,6 +354,8 @@ class StreamHub(Feature):
         for stream in list(self._consumers.values()):
             self.close_stream(stream, ClosedError(f"worker {self._name!r} shut down"))
         self.sources.close_all()
+        for task in list(self._settling):  # nobody is left to tell
+            task.cancel()
         if len(self.producers):
             self.producers.close_all(PeerLostError(self._name, "it shut down while streaming"))
 
@@ -315,3 +368,20 @@ class StreamHub(Feature):
             "stream_args_held": len(self.sources),
             "stream_args_unclaimed": self.sources.unclaimed,
         }
+
+
+def _plain(frame: Frame) -> Any:
+    """The value of a ``STREAM_VALUE`` item: a plain pickle of a scalar.
+
+    Raises:
+        SerializationError: it is not one (no segment may come with it, and pickle's own
+            loads reads it).
+    """
+    if frame.segments:
+        raise SerializationError("a plain stream item came with tensor segments")
+    try:
+        return pickle.loads(frame.payload)
+    except Exception as exc:
+        raise SerializationError(
+            f"cannot unpickle a plain stream item: {type(exc).__name__}: {exc}"
+        ) from exc

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import pickle
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -35,76 +36,33 @@ from asyncrpc.errors import FrameTooLargeError, RpcTimeoutError, SerializationEr
 from asyncrpc.functions import is_coroutine_function, is_inline
 from asyncrpc.protocol.serde import pack_exception
 from asyncrpc.protocol.wire import encode_frame, frame_nbytes
-from asyncrpc.protocol.wire.stream import ProducerFlow, StreamEnd, StreamError, item_fields
+from asyncrpc.protocol.wire.stream import StreamEnd, StreamError, encode_item, item_fields
 from asyncrpc.runtime.calls.deadline import running_until
+from asyncrpc.runtime.calls.pipeline import StreamLinks
 from asyncrpc.runtime.calls.streams.closing import close_now
+from asyncrpc.runtime.calls.streams.produced import (
+    Dumps,
+    Fields,
+    Made,
+    ProducerStream,
+    Ready,
+    Replying,
+    item_nbytes,
+)
+from asyncrpc.runtime.calls.streams.sources import NOTHING
 from asyncrpc.runtime.ports import Frames, Loop
-from asyncrpc.runtime.shm.shm import segment_nbytes
 
 __all__ = ["ProducerStream", "Producers"]
 
 _CLOSED = object()  # a pool thread closed the generator itself
 _JOIN_BYTES = 64 << 10  # item frames joined into one write, up to this many bytes
+# Items of these exact types hold no tensor and no reference: pickle's own dumps makes the
+# same bytes as the serializer, at a tenth of its cost (no pickler object, no hooks), and
+# the consumer reads them with pickle's own loads (``STREAM_VALUE`` frames).
+_PLAIN = frozenset({int, float, str, bytes, bool, type(None)})
+_PROTOCOL = 5  # the serializer's
 
 _log = logging.getLogger(__name__)
-
-# The pipeline's last look at the stream (the dispatcher's): ok, value -> reply fields.
-Replying = Callable[[bool, Any], dict[str, Any] | None]
-# Pickles one item for the consumer as a reply to it is pickled (the dispatcher's choice of
-# serializer arguments): item -> (payload, segments, keepalive, RRef forks minted).
-Dumps = Callable[[Any], tuple[bytes, list[Any], Any, list[Any] | None]]
-# The call pipeline's header fields for the item just pickled (None: none), asked right
-# after each ``Dumps`` on the same thread (distributed autograd's message ids).
-Fields = Callable[[], dict[str, Any] | None]
-# What the frame of the item just pickled waits for before it is written (None: nothing),
-# asked after ``Fields`` on the same thread (the GPU copies of its CUDA tensors).
-Ready = Callable[[], Awaitable[None] | None]
-# An item made and not yet written: its frame's pieces, what they keep alive, the RRef
-# forks minted, and what it waits for (None: nothing).
-_Made = tuple[list[Any], Any, Any, Awaitable[None] | None]
-
-
-class ProducerStream:
-    """One stream this worker produces: its generator, credit and state."""
-
-    __slots__ = (
-        "after_held", "async_source", "closed", "conn", "deadline", "dumps", "fields", "flow",
-        "flushing", "held", "outbox", "peer", "ready", "replying", "running", "source",
-        "stream_id", "target", "task", "timeout", "timer", "wakeup",
-    )  # fmt: skip
-
-    def __init__(
-        self, conn: Any, peer: int, stream_id: int, target: str, timeout: float = 0.0,
-        deadline: float | None = None,
-    ) -> None:  # fmt: skip
-        self.conn = conn
-        self.peer = peer
-        self.stream_id = stream_id
-        self.target = target
-        # The whole stream's limit (seconds; 0: none) as a deadline on this clock: the
-        # generator is closed then, and the consumer told with an RpcTimeoutError.
-        self.timeout, self.deadline = timeout, deadline
-        self.timer: asyncio.TimerHandle | None = None
-        self.flow = ProducerFlow()
-        self.closed = False  # ended, failed or closed: nothing more is sent
-        self.replying: Replying | None = None  # set when the function starts
-        self.dumps: Dumps | None = None  # likewise
-        self.fields: Fields | None = None  # likewise, when the hooks have item fields
-        self.ready: Ready | None = None  # likewise, when the hooks may hold an item's frame
-        # A plain iterator, advanced on the pool (None: none, or handed back to be closed).
-        self.source: Iterator[Any] | None = None
-        self.running = False  # a pool job is advancing ``source``
-        self.async_source = False
-        self.task: asyncio.Task[None] | None = None  # drives an async iterator
-        self.wakeup: asyncio.Future[None] | None = None  # the task waits for credit
-        # Item frames made since the last write, written together (see Producers._flush).
-        self.outbox: list[_Made] = []
-        self.flushing = False  # a flush is scheduled
-        # The task awaiting the outbox's first item (its GPU copies): the items behind it
-        # wait in the outbox, so that none overtakes it. None: nothing held.
-        self.held: asyncio.Task[None] | None = None
-        # The stream's end (or failure), written once the held items have left.
-        self.after_held: Callable[[], None] | None = None
 
 
 class Producers:
@@ -152,17 +110,18 @@ class Producers:
     def start(
         self, peer: int, stream_id: int, fn: Any, run: Callable[..., Any], args: Any,
         kwargs: Any, replying: Replying, dumps: Dumps, fields: Fields | None = None,
-        ready: Ready | None = None,
+        ready: Ready | None = None, links: StreamLinks | None = None,
     ) -> None:  # fmt: skip
         """Start the stream's function: ``fn`` decides where it runs, ``run`` (``fn`` as
         the pipeline's hooks wrapped it) is what is called, ``dumps`` pickles its items,
-        ``fields`` gives each one's header fields and ``ready`` what its frame waits for."""
+        ``fields`` gives each one's header fields, ``ready`` what its frame waits for, and
+        ``links`` what every frame to the consumer carries (``StreamLinks``)."""
         stream = self._streams.get((peer, stream_id))
         if stream is None:  # closed before it could start
             replying(False, asyncio.CancelledError())
             return
         stream.replying, stream.dumps, stream.fields = replying, dumps, fields
-        stream.ready = ready
+        stream.ready, stream.links = ready, links
         if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn) or is_inline(fn):
             try:  # a generator function returns at once: its body runs when advanced
                 result = run(*args, **kwargs)
@@ -270,19 +229,29 @@ class Producers:
         flow = stream.flow
         serving = running_until(stream.deadline, stream.peer)  # time_remaining() inside
         serving.__enter__()  # in this task only: its context is its own
+        # A bidirectional stream's sender hands over what it has queued without a coroutine
+        # per item (``SendQueue.take_now``); other sources are awaited.
+        take_now = getattr(source, "take_now", None)
         try:
             while not stream.closed:
-                if flow.take(1) == 0:
+                count = flow.take()  # all the credit: the bytes are checked after each item
+                if count == 0:
                     stream.wakeup = self._loop.create_future()
                     await stream.wakeup
                     continue
-                try:
-                    item = await source.__anext__()
-                except StopAsyncIteration:
-                    stream.task = None
-                    self._end(stream)
-                    return
-                self._write(stream, *self._encode(stream, flow.sent, item))
+                for _ in range(count):
+                    item = NOTHING if take_now is None else take_now()
+                    if item is NOTHING:
+                        try:
+                            item = await source.__anext__()
+                        except StopAsyncIteration:
+                            stream.task = None
+                            self._end(stream)
+                            return
+                    self._write(stream, *self._encode(stream, flow.sent, item))
+                    if stream.closed or (flow.byte_credit is not None and flow.byte_credit <= 0):
+                        break
+                flow.give_back()
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -384,7 +353,7 @@ class Producers:
             except BaseException as exc:  # StopIteration too: the end
                 return exc
             del item
-            spent += built[4]
+            spent += built[5]
             post(write, stream, *built)
         return None
 
@@ -427,36 +396,73 @@ class Producers:
 
     def _encode(
         self, stream: ProducerStream, seq: int, item: Any
-    ) -> tuple[list[Any], Any, Any, Awaitable[None] | None, int]:
+    ) -> tuple[list[Any], Any, Any, Awaitable[None] | None, list[str] | None, int, int]:
         """Frame item ``seq`` (on the loop or a pool thread); returns the frame's pieces,
-        what they keep alive, the RRef forks minted, what the frame waits for, and the
-        item's size in bytes."""
+        what they keep alive, the RRef forks minted, what the frame waits for, its
+        segments' tags (where the links need them back if it is never sent), the item's
+        size in bytes (with those it holds by handle), and the frame's."""
+        if type(item) in _PLAIN:
+            return self._encode_plain(stream, seq, item)
+        payload, segments, keep, forks = self._dumps(stream, seq, item)
+        nbytes = item_nbytes(payload, segments)
+        headers = None if stream.fields is None else stream.fields()
+        wait, tags = None, None
+        if stream.ready is not None:
+            wait, held = stream.ready()
+            nbytes += held  # by handle: the consumer's window counts them all the same
+        links = stream.links
+        if links is not None:
+            headers = _with(headers, links.fields())
+            tags = [tag for _, tag in segments] if segments else None
+        fields = item_fields(stream.stream_id, seq, nbytes, headers)
+        pieces: list[Any]
+        if segments:
+            pieces = encode_frame(fields, payload, segments)
+            size = frame_nbytes(pieces)
+        else:
+            pieces, size = encode_item(stream.packer, fields, payload)
+        return pieces, keep, forks, wait, tags, nbytes, size
+
+    def _encode_plain(
+        self, stream: ProducerStream, seq: int, item: Any
+    ) -> tuple[list[Any], Any, Any, Awaitable[None] | None, list[str] | None, int, int]:
+        """``_encode`` for a scalar: pickle's own bytes, no tensor (nothing to wait for or
+        hold), no grad (no hook's item fields); only the links' fields, which ride on any
+        frame to the consumer."""
+        payload = pickle.dumps(item, _PROTOCOL)
+        nbytes = len(payload)
+        links = stream.links
+        headers = None if links is None else links.fields()
+        fields = item_fields(stream.stream_id, seq, nbytes, headers, True)
+        pieces, size = encode_item(stream.packer, fields, payload)
+        return pieces, None, None, None, None, nbytes, size
+
+    def _dumps(self, stream: ProducerStream, seq: int, item: Any) -> Any:
+        """Pickle item ``seq`` as the dispatcher chose (a reply's serializer arguments).
+
+        Raises:
+            SerializationError: it cannot be pickled (naming the item and the stream).
+        """
         assert stream.dumps is not None
         try:  # RRefs pickled before a failure: the serializer undoes their forks
-            payload, segments, keep, forks = stream.dumps(item)
+            return stream.dumps(item)
         except Exception as exc:
             error = SerializationError(
                 f"item {seq} of {stream.target} on worker {self._name!r} cannot be sent: {exc}"
             )
             raise error from exc
-        nbytes = _item_nbytes(payload, segments)
-        headers = None if stream.fields is None else stream.fields()
-        wait = None if stream.ready is None else stream.ready()
-        pieces = encode_frame(
-            item_fields(stream.stream_id, seq, nbytes, headers), payload, segments
-        )
-        return pieces, keep, forks, wait, nbytes
 
     def _write(
         self, stream: ProducerStream, pieces: list[Any], keep: Any, forks: Any,
-        wait: Awaitable[None] | None, nbytes: int,
+        wait: Awaitable[None] | None, tags: list[str] | None, nbytes: int, size: int,
     ) -> None:  # fmt: skip
+        made = (pieces, keep, forks, wait, tags, size)
         if stream.closed:
-            self._undelivered(stream, forks)
+            self._drop(stream, [made])
             return
         stream.flow.sent_one(nbytes)
         self.items_sent += 1
-        stream.outbox.append((pieces, keep, forks, wait))
+        stream.outbox.append(made)
         if not stream.flushing and stream.held is None:
             stream.flushing = True
             self._loop.call_soon(self._flush, stream)
@@ -476,35 +482,36 @@ class Producers:
         limit = min(_JOIN_BYTES, getattr(stream.conn, "peer_max_frame", 0) or _JOIN_BYTES)
         joined: list[Any] = []
         keeps: list[Any] = []
-        forks_joined: list[Any] = []
+        batch: list[Made] = []  # the items joined
         size = 0
-        for index, (pieces, keep, forks, wait) in enumerate(outbox):
+        for index, made in enumerate(outbox):
+            pieces, keep, forks, wait, _, nbytes = made
             if stream.closed:  # a write failed: the rest is not sent
-                self._undelivered(stream, forks)
+                self._drop(stream, [made])
                 continue
             if wait is not None:  # what is joined leaves; this one and the rest wait
                 if joined:
-                    self._send(stream, joined, keeps, forks_joined)
-                    joined, keeps, forks_joined = [], [], []
-                rest = [(pieces, keep, forks, None), *outbox[index + 1 :]]
+                    self._send(stream, joined, keeps, batch)
+                    joined, keeps, batch = [], [], []
+                rest = [(pieces, keep, forks, None, made[4], nbytes), *outbox[index + 1 :]]
                 if stream.closed:
                     self._drop(stream, rest)
                     return
                 stream.outbox = rest + stream.outbox
                 stream.held = self._loop.create_task(self._hold(stream, wait))
                 return
-            nbytes = frame_nbytes(pieces)
             if joined and size + nbytes > limit:
-                self._send(stream, joined, keeps, forks_joined)
-                joined, keeps, forks_joined, size = [], [], [], 0
+                self._send(stream, joined, keeps, batch)
+                joined, keeps, batch, size = [], [], [], 0
+                if stream.closed:  # that write failed: this item is not sent either
+                    self._drop(stream, [made])
+                    continue
             joined += pieces
             keeps.append(keep)
-            forks_joined += forks or ()
+            batch.append(made)
             size += nbytes
-        if joined and not stream.closed:
-            self._send(stream, joined, keeps, forks_joined)
-        elif joined:
-            self._undelivered(stream, forks_joined)
+        if joined:
+            self._send(stream, joined, keeps, batch)
 
     async def _hold(self, stream: ProducerStream, wait: Awaitable[None]) -> None:
         """Wait (on the loop, never blocking it) until the outbox's first item may leave,
@@ -528,17 +535,24 @@ class Producers:
             stream.after_held = None
             after()
 
-    def _drop(self, stream: ProducerStream, made: list[_Made]) -> None:
-        for _, _, forks, _ in made:
+    def _drop(self, stream: ProducerStream, made: list[Made]) -> None:
+        """Items never to be written: their forks undone, what they hold taken back."""
+        links = stream.links
+        for _, _, forks, _, tags, _ in made:
             self._undelivered(stream, forks)
+            if tags and links is not None:
+                links.unsent(tags)
 
     def _send(
-        self, stream: ProducerStream, pieces: list[Any], keeps: list[Any], forks: list[Any]
+        self, stream: ProducerStream, pieces: list[Any], keeps: list[Any], batch: list[Made]
     ) -> None:
+        """Write the joined frames of ``batch``; if the write is refused, they are dropped
+        (forks undone, blocks taken back) and the stream fails."""
+        forks = [fork for made in batch if made[2] for fork in made[2]]
         try:
             self._write_frame(stream.conn, pieces, tuple(keeps), forks or None)
         except FrameTooLargeError as exc:  # one item over the consumer's frame limit
-            self._undelivered(stream, forks)
+            self._drop(stream, batch)
             self._fail(stream, exc)
 
     def _undelivered(self, stream: ProducerStream, forks: Any) -> None:
@@ -556,6 +570,8 @@ class Producers:
             return
         count = stream.flow.sent
         headers = self._finish(stream, True, count)
+        if stream.links is not None:
+            headers = _with(headers, stream.links.fields())
         end = StreamEnd(stream.stream_id, count, headers)
         self._write_frame(stream.conn, encode_frame(end.to_fields(), b""))
 
@@ -575,6 +591,8 @@ class Producers:
             return
         count = stream.flow.sent
         headers = self._finish(stream, False, exc)
+        if stream.links is not None:
+            headers = _with(headers, stream.links.fields())
         payload = pack_exception(exc, self._name)
         error = StreamError(stream.stream_id, count, headers)
         self._write_frame(stream.conn, encode_frame(error.to_fields(), payload))
@@ -601,11 +619,8 @@ class Producers:
         self._drop(stream, outbox)
 
 
-def _item_nbytes(payload: Any, segments: list[Any]) -> int:
-    """An item's cost in byte credit: its payload and tensor segments as sent, a segment
-    placed in shared memory by the bytes it holds there (it skips the socket but holds the
-    same memory until consumed, which is what the window bounds)."""
-    size = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
-    for view, tag in segments:
-        size += segment_nbytes(view, tag)
-    return size
+def _with(headers: dict[str, Any] | None, more: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A frame's header fields with ``more`` (the links'), whose keys are their own."""
+    if not more:
+        return headers
+    return more if headers is None else {**headers, **more}

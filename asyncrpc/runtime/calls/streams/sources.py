@@ -25,7 +25,9 @@ from typing import Any
 from asyncrpc.errors import ClosedError, StreamArgError
 from asyncrpc.runtime.futures import Future, try_set_exception, try_set_result
 
-__all__ = ["SendQueue", "Sources"]
+__all__ = ["NOTHING", "SendQueue", "Sources"]
+
+NOTHING = object()  # ``SendQueue.take_now``: no item is queued now
 
 _log = logging.getLogger(__name__)
 
@@ -242,6 +244,13 @@ class SendQueue:
                 raise StopAsyncIteration
             self._waiter = self._loop.create_future()
             await self._waiter
+        return self.take_now()
+
+    def take_now(self) -> Any:
+        """The next item if one is queued, else ``NOTHING`` (then ``__anext__`` waits for
+        one, or ends): the producer takes a queued item without a coroutine per item."""
+        if not self._items:
+            return NOTHING
         item = self._items.popleft()
         if self._putters:  # room for the first sender waiting
             queued, done = self._putters.popleft()
