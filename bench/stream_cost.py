@@ -51,7 +51,10 @@ from asyncrpc.testing import free_port, spawn_worker, stop_workers
 
 MIB_FLOATS = 1 << 18
 STALL_WINDOW = 8
-STALL_ITEM_MIB, STALL_WINDOW_MIB = 16, 64  # the byte-window row: 4 items of 16 MiB
+# The byte-window row: 4 items of 16 MiB by default; the full size is
+# STALL_ITEM_MIB=64 STALL_WINDOW_MIB=256 (1.3 GiB of memory while it runs).
+STALL_ITEM_MIB = int(os.environ.get("STALL_ITEM_MIB", "16"))
+STALL_WINDOW_MIB = int(os.environ.get("STALL_WINDOW_MIB", "64"))
 
 
 _TICK_S = 1 / os.sysconf("SC_CLK_TCK")
