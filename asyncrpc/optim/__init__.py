@@ -22,7 +22,6 @@ from asyncrpc.autograd.feature import context_table
 from asyncrpc.errors import BlockingCallError
 from asyncrpc.protocol.options import UNSET_RPC_TIMEOUT
 from asyncrpc.rref.handle import RRef, current_rrefs
-from asyncrpc.runtime.calls.outbox import NOT_ON_LANE
 from asyncrpc.runtime.futures import Future, collect_all
 from asyncrpc.runtime.intraop import one_thread
 
@@ -71,22 +70,26 @@ class DistributedOptimizer:
         """
         if not current_rrefs().off_loop():
             raise BlockingCallError("step() would block the agent's loop; use step_future()")
-        # The calling thread waits anyway: it steps this worker's own optimizer itself (no
-        # call to itself through the loop), and, where one other worker owns the rest and
-        # this thread has a lane to it, sends that step on the lane and reads the reply
-        # itself (no hand-off to the loop and back; the owner's lane thread steps). Other
-        # owners' steps start first, the loop's way, and run meanwhile.
+        # The calling thread waits anyway: it writes every other owner's step on its lane
+        # to that owner, where it has one (the owners' lane threads step them, all at
+        # once), steps this worker's own optimizer itself meanwhile (no call to itself
+        # through the loop), then reads the replies itself: no hand-off to the loop and
+        # back. A step that takes no lane goes the loop's way (on the owner's loop).
         optimizers = self._optimizers
-        others = [i for i, optimizer in enumerate(optimizers) if not optimizer.is_owner()]
-        on_lane = others[0] if len(others) == 1 else None
-        started = {i: _step_future(optimizers[i], context_id) for i in others if i != on_lane}
+        calls = context_table()[0].calls
+        started = {
+            i: _start_step(optimizer, context_id)
+            for i, optimizer in enumerate(optimizers)
+            if not optimizer.is_owner()
+        }
         outcomes: dict[int, BaseException | None] = {}
         for i, optimizer in enumerate(optimizers):
             if optimizer.is_owner():
                 outcomes[i] = _outcome(_step_own, optimizer, context_id)
-        if on_lane is not None:
-            outcomes[on_lane] = _outcome(_step_on_lane, optimizers[on_lane], context_id)
-        outcomes.update((i, _outcome(future.wait)) for i, future in started.items())
+        for i, call in started.items():
+            outcomes[i] = (
+                call if isinstance(call, BaseException) else _outcome(calls.finish_sync, call)
+            )
         for i in range(len(optimizers)):  # the first failure in list order, as torch's
             error = outcomes[i]
             if error is not None:
@@ -234,14 +237,16 @@ def _step_future(optimizer: RRef[LocalOptimizer], context_id: int) -> Future[Non
     return rpc_async(optimizer.owner_name(), _step, args=(optimizer.id(), context_id))
 
 
-def _step_on_lane(optimizer: RRef[LocalOptimizer], context_id: int) -> None:
-    """Step ``optimizer`` on its owner from this thread's lane there, or, where the thread
-    has none, the loop's way; returns when it is done."""
-    args = (optimizer.id(), context_id)
+def _start_step(optimizer: RRef[LocalOptimizer], context_id: int) -> Any:
+    """Start ``optimizer``'s step on its owner, on this thread's lane there where it may
+    (the owner's lane thread steps), else the loop's way (``_step``, on the owner's loop);
+    what ``finish_sync`` takes, or the error that kept it from starting."""
     calls = context_table()[0].calls
-    done = calls.call_on_lane(optimizer.owner(), _step_here, args, {}, UNSET_RPC_TIMEOUT)
-    if done is NOT_ON_LANE:
-        _step_future(optimizer, context_id).wait()
+    args = (optimizer.id(), context_id)
+    try:
+        return calls.start_sync(optimizer.owner(), _step_here, args, UNSET_RPC_TIMEOUT, _step)
+    except Exception as exc:  # raised by step() once every owner has finished
+        return exc
 
 
 def _outcome(fn: Callable[..., Any], *args: Any) -> BaseException | None:

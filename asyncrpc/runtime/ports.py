@@ -191,6 +191,14 @@ class Calls(Protocol):
     def call_coded_on_lane(self, to: Any, coded: CodedCall, args: Any, timeout: float) -> Any:
         """``call_on_lane`` for a call with its own wire format (``protocol/coded.py``)."""
 
+    def start_sync(
+        self, to: Any, fn: Any, args: Sequence[Any], timeout: float, loop_fn: Any = None
+    ) -> Any:
+        """Start a call a thread will wait for (``finish_sync``), on its lane if it may."""
+
+    def finish_sync(self, started: Any) -> Any:
+        """The reply of a call ``start_sync`` started: its value, or its error raised."""
+
     def send_remote(
         self, rank: int, fn: Any, args: Sequence[Any], kwargs: dict[str, Any], timeout: float,
         register: Register, target: str | None = ...,

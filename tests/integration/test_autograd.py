@@ -646,6 +646,48 @@ def test_distributed_optimizer_steps_its_own_here_and_one_owner_on_the_lane(
     del params, optimizer
 
 
+def test_distributed_optimizer_steps_several_owners_at_once_on_the_lanes(
+    group: Group, layers: Callable
+) -> None:
+    # Two other owners: both steps are written on this thread's lanes (w1's, then w3's)
+    # before either reply is read, so their lane threads step them at once; none on a
+    # loop. The weights are those one process's SGD gives.
+    l1, l3 = layers("w1", 41, 4, 6), layers("w3", 42, 6, 1)
+    for worker in ("w1", "w3", "w1", "w3"):  # the second call to each opens a lane
+        asyncrpc.rpc_sync(worker, fns.num_contexts)
+    params = asyncrpc.rpc_sync("w1", fns.param_rrefs, args=(l1,))
+    params += asyncrpc.rpc_sync("w3", fns.param_rrefs, args=(l3,))
+    optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=0.1)
+    before = [asyncrpc.rpc_sync(w, f) for w, f in _STEP_COUNTS]
+    x = torch.randn(3, 4)
+    with dist_autograd.context() as context_id:
+        h = asyncrpc.rpc_sync("w1", fns.forward, args=(l1, x))
+        y = asyncrpc.rpc_sync("w3", fns.forward, args=(l3, h))
+        dist_autograd.backward(context_id, [y.sum()])
+        optimizer.step(context_id)
+    after = [asyncrpc.rpc_sync(w, f) for w, f in _STEP_COUNTS]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [0, 1, 0, 1]
+    m1, m3 = fns.make_linear(41, 4, 6), fns.make_linear(42, 6, 1)
+    local = torch.optim.SGD([*m1.parameters(), *m3.parameters()], lr=0.1)
+    m3(m1(x)).sum().backward()
+    local.step()
+    for got, want in zip(
+        [*asyncrpc.rpc_sync("w1", fns.weights, args=(l1,)),
+         *asyncrpc.rpc_sync("w3", fns.weights, args=(l3,))],
+        [*m1.parameters(), *m3.parameters()],
+        strict=True,
+    ):  # fmt: skip
+        torch.testing.assert_close(got, want.detach())
+    del params, optimizer
+
+
+# (worker, its count): w1's steps on its loop and on threads that waited, then w3's.
+_STEP_COUNTS = [
+    ("w1", fns.steps_on_loop), ("w1", fns.steps_here),
+    ("w3", fns.steps_on_loop), ("w3", fns.steps_here),
+]  # fmt: skip
+
+
 def test_distributed_optimizer_step_refuses_the_loop_thread(group: Group) -> None:
     optimizer = DistributedOptimizer(torch.optim.SGD, [asyncrpc.RRef(torch.ones(2))], lr=0.1)
 

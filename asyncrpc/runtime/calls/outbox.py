@@ -77,6 +77,26 @@ class SyncLanes(Protocol):
     def call(self, lane: Any, encoded: EncodedRequest) -> Any:
         """Run one call on ``lane``, blocking this thread until its reply (or ``UNSENT``)."""
 
+    def start(self, lane: Any, encoded: EncodedRequest) -> Any | None:
+        """Write a call's request on ``lane`` (None: it never left); ``finish`` reads."""
+
+    def finish(self, started: Any) -> Any:
+        """The reply of a call ``start`` wrote: its value, or its error raised."""
+
+
+def _lane_safe(fn: Any, encoded: EncodedRequest) -> bool:
+    """Whether a lane may carry the call: only lane-safe hooks saw it, no RRef fork and no
+    shared memory in it (a lane's callee maps none), and a function that does not run on
+    the callee's loop."""
+    observed = encoded.observed
+    return (
+        encoded.forks is None
+        and not encoded.shared
+        and (observed is None or all(hook.lane_safe for hook in observed[0]))
+        and not is_coroutine_function(fn)
+        and not is_async_execution(fn)
+    )
+
 
 class Outbox:
     """The outgoing calls of one worker."""
@@ -319,19 +339,47 @@ class Outbox:
         value = lanes.call(lane, encoded)
         return NOT_ON_LANE if value is lanes.UNSENT else value
 
+    def start_sync(
+        self, to: Any, fn: Any, args: Sequence[Any], timeout: float, loop_fn: Any = None
+    ) -> Any:
+        """The first half of ``call_sync``, for a thread with several calls to wait for:
+        the request is written on this thread's lane now, and ``finish_sync`` reads the
+        reply, so the callees work at once. Where the call takes no lane, it starts the
+        loop's way, running ``loop_fn`` (default ``fn``: a function that would rather run
+        on the callee's loop than on a lane's thread may be given here).
+
+        Raises:
+            The errors of ``call_future``.
+        """
+        rank = self._directory.resolve(to)
+        lanes = self._lanes
+        if lanes is not None and not self._on_loop_thread() and not self._behind_pending(rank):
+            budget = self.effective_timeout(timeout)
+            encoded = self.encode(rank, fn, args, {}, budget, CallKind.SYNC)
+            takes = _lane_safe(fn, encoded)
+            lane = lanes.lane(rank, frame_nbytes(encoded.pieces)) if takes else None
+            started = None if lane is None else lanes.start(lane, encoded)
+            if started is not None:
+                return started
+            if loop_fn is None or loop_fn is fn:
+                return self._start_future(encoded)
+            self._unlend(encoded.keep)
+            if encoded.forks:
+                self._undelivered(rank, encoded.forks)
+        return self.call_future(to, loop_fn or fn, args, {}, timeout, CallKind.SYNC)
+
+    def finish_sync(self, started: Any) -> Any:
+        """The reply of a call ``start_sync`` started (its value, or its error raised)."""
+        if isinstance(started, Future):
+            return started.wait()
+        assert self._lanes is not None  # a lane call was started: there are lanes
+        return self._lanes.finish(started)
+
     def _sync(self, rank: int, fn: Any, encoded: EncodedRequest) -> Any:
         """An encoded call for a thread that blocks until its result: on the thread's
         lane where it may take one, else the loop's way."""
-        lanes, observed = self._lanes, encoded.observed
-        if (
-            lanes is not None
-            and not self._behind_pending(rank)
-            and encoded.forks is None
-            and not encoded.shared  # a lane's callee maps no shared memory
-            and (observed is None or all(hook.lane_safe for hook in observed[0]))
-            and not is_coroutine_function(fn)
-            and not is_async_execution(fn)
-        ):
+        lanes = self._lanes
+        if lanes is not None and not self._behind_pending(rank) and _lane_safe(fn, encoded):
             lane = lanes.lane(rank, frame_nbytes(encoded.pieces))
             if lane is not None:
                 value = lanes.call(lane, encoded)

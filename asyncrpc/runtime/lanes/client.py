@@ -61,7 +61,7 @@ from asyncrpc.runtime.lanes.handshake import HANDSHAKE_ERRORS, dial_lane, lane_t
 from asyncrpc.runtime.net.peers import closed_by_peer, without_goodbye
 from asyncrpc.runtime.threads.blocking import blocking
 
-__all__ = ["LANES_PER_PEER", "UNSENT", "CallerLanes", "Lane"]
+__all__ = ["LANES_PER_PEER", "UNSENT", "CallerLanes", "Lane", "LaneCall"]
 
 _log = logging.getLogger(__name__)
 
@@ -118,8 +118,19 @@ class Lane:
             SerializationError: the reply cannot be unpickled here (the lane is fine).
         """
         deadline = None if timeout == 0 else time.monotonic() + timeout
+        self.frames.write(pieces, deadline)
+        return self.reply(call_id, deadline, loads, policy, coded)
+
+    def reply(
+        self, call_id: int, deadline: float | None, loads: Callable[..., Any],
+        policy: TensorPolicy | None = None,
+        coded: Callable[[Any, Sequence[object]], Any] | None = None,
+    ) -> tuple[Any, BaseException | None, dict[str, Any] | None]:  # fmt: skip
+        """Read the reply of request ``call_id``, written on this lane (``call``).
+
+        Returns and raises as ``call``.
+        """
         frames = self.frames
-        frames.write(pieces, deadline)
         while True:  # bounded by the deadline: late replies of earlier calls are dropped
             frame = frames.read(deadline)
             fields = frame.fields
@@ -157,6 +168,24 @@ class Lane:
             )
         except (Unsent, OSError, ClosedError, ConnectionLostError):
             self.frames.close()
+
+
+class LaneCall:
+    """A call whose request ``CallerLanes.start`` wrote, its reply still to read."""
+
+    __slots__ = ("deadline", "encoded", "error", "lane", "outcome")
+
+    def __init__(self, lane: Lane, encoded: EncodedRequest, deadline: float | None) -> None:
+        self.lane, self.encoded, self.deadline = lane, encoded, deadline
+        # Where the write failed after a part of the request left: how it counts, its error.
+        self.outcome = "calls_failed"
+        self.error: BaseException | None = None
+
+
+# What a lane's failure raises (see CallerLanes._failure for what each means for a call).
+_LANE_ERRORS = (
+    Unsent, TimeoutError, ClosedError, ConnectionLostError, RemoteProtocolError, OSError
+)  # fmt: skip
 
 
 class _ThreadLanes:
@@ -287,42 +316,62 @@ class CallerLanes:
             The call's value, or ``UNSENT`` when the lane broke before one byte of the
             request was written: the call did not happen, and may go another way.
         """
-        observed = encoded.observed
-        policy = None if observed is None else observed[1].reply_policy
-        lane.replied = 0
+        started = self.start(lane, encoded)
+        return UNSENT if started is None else self.finish(started)
+
+    def start(self, lane: Lane, encoded: EncodedRequest) -> LaneCall | None:
+        """The first half of ``call``: write the request; ``finish`` reads its reply, after
+        other work (several calls in flight on this thread's lanes at once). None where
+        not one byte of it left (it may go another way)."""
         with self._lock:
             if lane.frames.closed:
-                return UNSENT  # closed for idleness since this thread took it: go another way
+                return None  # closed for idleness since this thread took it: go another way
             lane.busy = True
             self.in_flight += 1
-        outcome, headers = "calls_failed", None
+        lane.replied = 0
+        timeout = encoded.timeout
+        started = LaneCall(lane, encoded, None if timeout == 0 else time.monotonic() + timeout)
         try:
-            # A pool thread waiting here holds a pool thread: its pool may start a stand-in,
-            # so nested synchronous calls deeper than the pool never deadlock.
-            with blocking():
-                value, error, headers = lane.call(
-                    encoded.call_id,
-                    encoded.pieces,
-                    encoded.timeout,
-                    self._loads,
-                    policy,
-                    encoded.coded,
-                )
-            outcome = "calls_sent" if error is None else "calls_failed"
-        except (Unsent, TimeoutError, ClosedError, ConnectionLostError, RemoteProtocolError,
-                OSError) as exc:  # fmt: skip
-            outcome, error = self._failure(lane, encoded, exc)
+            with blocking():  # see finish
+                lane.frames.write(encoded.pieces, started.deadline)
+        except _LANE_ERRORS as exc:
+            started.outcome, started.error = self._failure(lane, encoded, exc)
+            if started.error is None:
+                self._end(lane, "")
+                return None
+        except BaseException as exc:  # interrupted mid-call (KeyboardInterrupt...): start afresh
+            lane.frames.close()
+            self._end(lane, "calls_failed")
+            _tell_hooks(encoded.observed, None, None, exc)
+            raise
+        return started
+
+    def finish(self, started: LaneCall) -> Any:
+        """The second half of ``call``: the reply of the request ``start`` wrote (its
+        value, or its error raised)."""
+        lane, encoded = started.lane, started.encoded
+        observed = encoded.observed
+        policy = None if observed is None else observed[1].reply_policy
+        outcome, error, value, headers = started.outcome, started.error, None, None
+        try:
             if error is None:
-                return UNSENT
-            value = None
+                # A pool thread waiting here holds a pool thread: its pool may start a
+                # stand-in, so nested synchronous calls deeper than the pool never deadlock.
+                with blocking():
+                    value, error, headers = lane.reply(
+                        encoded.call_id, started.deadline, self._loads, policy, encoded.coded
+                    )
+                outcome = "calls_sent" if error is None else "calls_failed"
+        except _LANE_ERRORS as exc:
+            outcome, error = self._failure(lane, encoded, exc)
+            if error is None:  # a read never says "unsent"; keep the contract anyway
+                error = PeerLostError(lane.name, f"its lane broke: {exc}")
         except BaseException as exc:  # interrupted mid-call (KeyboardInterrupt...): start afresh
             lane.frames.close()
             _tell_hooks(observed, None, None, exc)
             raise
         finally:
-            self._count(outcome, lane)
-            if lane.frames.closed:
-                self._remove([lane])
+            self._end(lane, outcome)
         if observed is not None:
             observed[1].reply_nbytes = lane.replied
         _tell_hooks(observed, value, headers, error)
@@ -334,6 +383,11 @@ class CallerLanes:
             # The frames a raised error carries must not hold it (a cycle that would keep
             # the RRefs in those frames alive until a garbage collection).
             error = None
+
+    def _end(self, lane: Lane, outcome: str) -> None:
+        self._count(outcome, lane)
+        if lane.frames.closed:
+            self._remove([lane])
 
     def send(self, lane: Lane, encoded: EncodedRequest) -> bool:
         """Write a request that expects no reply (remote()) on ``lane``, its forks followed
