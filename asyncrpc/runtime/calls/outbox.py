@@ -344,29 +344,28 @@ class Outbox:
     ) -> Any:
         """The first half of ``call_sync``, for a thread with several calls to wait for:
         the request is written on this thread's lane now, and ``finish_sync`` reads the
-        reply, so the callees work at once. Where the call takes no lane, it starts the
-        loop's way, running ``loop_fn`` (default ``fn``: a function that would rather run
-        on the callee's loop than on a lane's thread may be given here).
+        reply, so the callees work at once. Where this thread has no lane to the callee,
+        the call starts the loop's way, running ``loop_fn`` (default ``fn``: a function
+        that would rather run on the callee's loop than on a lane's thread may be given
+        here); ``fn`` itself where a lane there cannot carry this call.
 
         Raises:
             The errors of ``call_future``.
         """
         rank = self._directory.resolve(to)
         lanes = self._lanes
-        if lanes is not None and not self._on_loop_thread() and not self._behind_pending(rank):
-            budget = self.effective_timeout(timeout)
-            encoded = self.encode(rank, fn, args, {}, budget, CallKind.SYNC)
-            takes = _lane_safe(fn, encoded)
-            lane = lanes.lane(rank, frame_nbytes(encoded.pieces)) if takes else None
-            started = None if lane is None else lanes.start(lane, encoded)
-            if started is not None:
-                return started
-            if loop_fn is None or loop_fn is fn:
-                return self._start_future(encoded)
-            self._unlend(encoded.keep)
-            if encoded.forks:
-                self._undelivered(rank, encoded.forks)
-        return self.call_future(to, loop_fn or fn, args, {}, timeout, CallKind.SYNC)
+        if (
+            lanes is None
+            or self._on_loop_thread()
+            or self._behind_pending(rank)
+            or lanes.lane(rank, 0) is None  # no lane to it on this thread (yet)
+        ):
+            return self.call_future(to, loop_fn or fn, args, {}, timeout, CallKind.SYNC)
+        encoded = self.encode(rank, fn, args, {}, self.effective_timeout(timeout), CallKind.SYNC)
+        lane = lanes.lane(rank, frame_nbytes(encoded.pieces)) if _lane_safe(fn, encoded) else None
+        started = None if lane is None else lanes.start(lane, encoded)
+        # Too large for the lane, or what a lane does not carry: ``fn`` the loop's way.
+        return self._start_future(encoded) if started is None else started
 
     def finish_sync(self, started: Any) -> Any:
         """The reply of a call ``start_sync`` started (its value, or its error raised)."""
