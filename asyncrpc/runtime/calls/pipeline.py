@@ -33,7 +33,10 @@ On the callee, for each request that carries header fields (or every request whi
      is pickled (``call.reply_grads``) and before it is framed: the hook sees the outcome
      and may add reply header fields;
   8. ``reply_ready(call)`` on the loop, before the reply is written, like ``ready``;
-  9. ``stream_items(call, policy)`` on the loop, for a streaming call, before its function
+  9. ``replied(call)`` on the thread that ran the request, a lane's, once its reply is
+     written: work the caller does not wait for (requests served on the loop's path
+     do not call it);
+ 10. ``stream_items(call, policy)`` on the loop, for a streaming call, before its function
      starts: the tensor policy of its items, given the policy the hooks before it chose
      (``call.own_items``: the stream is a stream argument this worker sent, its items
      this worker's own, as a request's arguments are); then ``items_ready(call)``: what
@@ -41,24 +44,24 @@ On the callee, for each request that carries header fields (or every request whi
      for before it is written (GPU copies of its tensors; None: nothing) and the bytes it
      holds outside its frame (tensors by handle), or None when its items never wait.
      Items leave in order: those behind a held item wait for it;
- 10. ``item_sent(call, grads)`` on the thread that pickles each item of a streaming call
+ 11. ``item_sent(call, grads)`` on the thread that pickles each item of a streaming call
      (the loop, or the pool thread advancing a plain generator), after it is pickled with
      that policy: ``grads`` are its tensors requiring grad when the policy tracks them
      (``TrackGrads``); the hook may return header fields for the item's frame.
 On the caller again, for a stream it consumes:
- 11. ``items_in(peer)`` on the loop, as a stream from ``peer`` opens (every hook that
+ 12. ``items_in(peer)`` on the loop, as a stream from ``peer`` opens (every hook that
      overrides it, active or not: receiving needs no configuration): the policy its
      items are unpickled with; where it has a ``take()``, each item's reader calls what
      ``take`` returned after unpickling it, on its own thread, before it gets the item.
- 12. ``item_received(call, headers, grads)`` on the loop, for each item whose frame carries
+ 13. ``item_received(call, headers, grads)`` on the loop, for each item whose frame carries
      header fields, after it is unpickled (its tensors requiring grad tracked): the hook
      sees the fields and ``grads``.
 On both ends of every stream, for what a hook keeps per peer rather than per call (CUDA
 IPC blocks, given back by the frames that flow the other way):
- 13. ``stream_links(peer)`` on the loop, as a stream with ``peer`` opens (either end): a
+ 14. ``stream_links(peer)`` on the loop, as a stream with ``peer`` opens (either end): a
      ``StreamLinks`` whose ``fields()`` go on each stream frame to ``peer`` (items, credit,
      close, end), or None (nothing, the common case: no cost per frame);
- 14. ``stream_received(peer, headers)`` on the loop, for each stream frame from ``peer``
+ 15. ``stream_received(peer, headers)`` on the loop, for each stream frame from ``peer``
      that carries header fields, before anything else reads them (whether or not its
      stream is still open here): the hook takes its own fields out of ``headers``.
 Tracked requiring-grad tensors always travel as segments, so both sides list them in the
