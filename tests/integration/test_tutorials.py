@@ -23,10 +23,21 @@ EXACT = {"rtol": 0.0, "atol": 0.0}
 def _run_both(name: str, tmp_path: Path, argv: tuple[str, ...] = ()) -> tuple[dict[int, Any], ...]:
     """Run the program with each implementation at once (torch's results first)."""
     with ThreadPoolExecutor(len(IMPLS)) as pool:
-        futures = [
-            pool.submit(run_program, name, impl, tmp_path / impl, argv=argv) for impl in IMPLS
-        ]
+        futures = [pool.submit(_run, name, impl, tmp_path / impl, argv) for impl in IMPLS]
         return tuple(future.result() for future in futures)
+
+
+def _run(name: str, impl: str, out: Path, argv: tuple[str, ...]) -> dict[int, Any]:
+    """One implementation's run. torch's, the reference, runs once more where it failed:
+    its own shutdown now and then fails in its store (``DistNetworkError: Connection
+    reset by peer`` in ``TensorPipeAgent.join``, once in a CI run of 2026-11-27), which
+    says nothing about asyncrpc. asyncrpc's runs once."""
+    try:
+        return run_program(name, impl, out, argv=argv)
+    except RuntimeError:
+        if impl != "torch":
+            raise
+        return run_program(name, impl, out.with_name(out.name + "-again"), argv=argv)
 
 
 def _assert_trained(initial: list[torch.Tensor], final: list[torch.Tensor]) -> None:
