@@ -297,16 +297,27 @@ class Outbox:
         Raises:
             The errors of ``call_sync``.
         """
-        lanes = self._lanes
-        if lanes is None or self._on_loop_thread():
+        found = self._lane_ready(to)
+        if found is None:
             return NOT_ON_LANE
-        rank = self._directory.resolve(to)
-        if self._behind_pending(rank) or lanes.lane(rank, 0) is None:
-            return NOT_ON_LANE
+        rank, _ = found
         encoded = self.encode(
             rank, fn, args, kwargs, self.effective_timeout(timeout), CallKind.SYNC
         )
         return self._sync(rank, fn, encoded)
+
+    def _lane_ready(self, to: Any) -> tuple[int, SyncLanes] | None:
+        """``to``'s rank and the lanes, where this thread has a lane to it that may take
+        a call now; None where it has none (the call counts toward opening one, as an
+        ``rpc_sync`` does), is the loop's, or has a ``call_future`` to ``to`` pending (a
+        lane would pass it)."""
+        lanes = self._lanes
+        if lanes is None or self._on_loop_thread():
+            return None
+        rank = self._directory.resolve(to)
+        if self._behind_pending(rank) or lanes.lane(rank, 0) is None:
+            return None
+        return rank, lanes
 
     def call_coded_on_lane(self, to: Any, coded: CodedCall, args: Any, timeout: float) -> Any:
         """``call_on_lane`` for a coded call (``protocol/coded.py``): its arguments
@@ -316,20 +327,20 @@ class Outbox:
         Raises:
             The errors of ``call_sync``.
         """
-        lanes = self._lanes
-        if lanes is None or self._on_loop_thread():
-            return NOT_ON_LANE
-        rank = self._directory.resolve(to)
+        found = self._lane_ready(to)
+        if found is None:
+            return NOT_ON_LANE  # checked before the codec runs: no coding for nothing
+        rank, lanes = found
+        timeout = self.effective_timeout(timeout)
         dumped = None if self._pipeline.active_hooks() else coded.dump_args(args)
-        if dumped is None:
-            return self.call_on_lane(to, coded.run, args, {}, timeout)
+        if dumped is None:  # pickled, through the hooks, as call_on_lane sends it
+            encoded = self.encode(rank, coded.run, args, {}, timeout, CallKind.SYNC)
+            return self._sync(rank, coded.run, encoded)
         if self.closed:
             raise ClosedError(f"worker {self._name!r} is shut down")
         payload, segments, keep = dumped
-        call_id, timeout = next(self._call_ids), self.effective_timeout(timeout)
+        call_id = next(self._call_ids)
         pieces = encode_frame(coded_request_fields(call_id, timeout, coded.name), payload, segments)
-        if self._behind_pending(rank):
-            return NOT_ON_LANE
         lane = lanes.lane(rank, frame_nbytes(pieces))
         if lane is None:
             return NOT_ON_LANE
@@ -352,15 +363,10 @@ class Outbox:
         Raises:
             The errors of ``call_future``.
         """
-        rank = self._directory.resolve(to)
-        lanes = self._lanes
-        if (
-            lanes is None
-            or self._on_loop_thread()
-            or self._behind_pending(rank)
-            or lanes.lane(rank, 0) is None  # no lane to it on this thread (yet)
-        ):
+        found = self._lane_ready(to)
+        if found is None:
             return self.call_future(to, loop_fn or fn, args, {}, timeout, CallKind.SYNC)
+        rank, lanes = found
         encoded = self.encode(rank, fn, args, {}, self.effective_timeout(timeout), CallKind.SYNC)
         lane = lanes.lane(rank, frame_nbytes(encoded.pieces)) if _lane_safe(fn, encoded) else None
         started = None if lane is None else lanes.start(lane, encoded)
