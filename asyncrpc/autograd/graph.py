@@ -134,12 +134,18 @@ def plan(roots: Sequence[torch.Tensor]) -> Plan | None:
         if not root.requires_grad or root.grad_fn is None:
             return None
         grad_fns.append(root.grad_fn)
+    return Plan(tuple(grad_fns), *_walk(roots))
+
+
+def _walk(roots: Sequence[torch.Tensor]) -> tuple[Walk, bool]:
+    """The walk of the graph of ``roots``, and whether its pass is small enough for the
+    loop (``_small_graph_leaves``: where not, it is walked without bounds)."""
     walk = _small_graph_leaves(roots)
-    small = walk is not None
-    if walk is None:
-        walk = _walk_leaves(roots, max_nodes=None)
-        assert walk is not None  # with no bound the walk never gives up
-    return Plan(tuple(grad_fns), walk, small)
+    if walk is not None:
+        return walk, True
+    walk = _walk_leaves(roots, max_nodes=None)
+    assert walk is not None  # with no bound the walk never gives up
+    return walk, False
 
 
 def plan_holds(plan: Plan, roots: Sequence[torch.Tensor]) -> bool:
@@ -240,13 +246,7 @@ class LocalGraph:
             walk, small = planned.walk, planned.small
         else:
             direct, pairs = _split_roots(roots, grad_outputs)
-            entered = [root for root, _ in pairs]
-            found = _small_graph_leaves(entered)
-            small = found is not None
-            if found is None:
-                found = _walk_leaves(entered, max_nodes=None)
-                assert found is not None  # with no bound the walk never gives up
-            walk = found
+            walk, small = _walk([root for root, _ in pairs])
         leaves, elements, params = walk
         if not leaves:
             return direct, False
