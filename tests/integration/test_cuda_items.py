@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrpc.testing import free_port, spawn_worker, stop_workers
-from tests import scenarios
+from tests.integration.cuda_run import observe
 from tests.integration.cuda_world import NBYTES
 
 pytestmark = pytest.mark.timeout(120)
@@ -24,20 +23,8 @@ def _whole(values: list[int]) -> list[list[object]]:
 
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    log_dir = tmp_path_factory.mktemp("cuda_items")
-    init = f"tcp://127.0.0.1:{free_port()}"
-    extra = ["--import", "tests.integration.cuda_world_on", "--shared-memory", "0"]
-    worker = spawn_worker("w1", 1, 2, init, log_dir=log_dir, rpc_timeout=20.0,
-                          shutdown_timeout=60.0, extra_args=extra)  # fmt: skip
-    driver = scenarios.start("cuda_items", "--init-method", init)
-    try:
-        code, obs = driver.result(90)
-        assert code == 0, driver.text() + worker.log()
-    finally:
-        driver.kill()
-        codes = stop_workers([worker], timeout=15)
-    assert codes == [0], worker.log()
-    return obs
+    result: dict[str, object] = observe("cuda_items", tmp_path_factory.mktemp("cuda_items"))
+    return result
 
 
 def test_server_stream_items_leave_after_their_copies_in_order(observed: dict[str, object]) -> None:

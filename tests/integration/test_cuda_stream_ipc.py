@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from asyncrpc.testing import free_port, spawn_worker, stop_workers
-from tests import scenarios
+from tests.integration.cuda_run import observe
 from tests.integration.cuda_world import NBYTES
 from tests.scenarios.cuda import M
 
@@ -22,21 +21,11 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    log_dir = tmp_path_factory.mktemp("cuda_ipc_items")
     env = {"IPC_DIR": str(tmp_path_factory.mktemp("ipc_blocks")), "IPC_MODE": "auto"}
-    init = f"tcp://127.0.0.1:{free_port()}"
-    extra = ["--import", "tests.integration.cuda_world_on", "--shared-memory", "0"]
-    worker = spawn_worker("w1", 1, 2, init, log_dir=log_dir, rpc_timeout=20.0,
-                          shutdown_timeout=60.0, extra_args=extra, env=env)  # fmt: skip
-    driver = scenarios.start("cuda_ipc_items", "--init-method", init, env=env)
-    try:
-        code, obs = driver.result(90)
-        assert code == 0, driver.text() + worker.log()
-    finally:
-        driver.kill()
-        codes = stop_workers([worker], timeout=15)
-    assert codes == [0], worker.log()
-    return obs
+    result: dict[str, Any] = observe(
+        "cuda_ipc_items", tmp_path_factory.mktemp("cuda_ipc_items"), env
+    )
+    return result
 
 
 def test_server_stream_items_go_by_handle_whole_and_in_order(observed: dict[str, Any]) -> None:
