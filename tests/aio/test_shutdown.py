@@ -365,3 +365,91 @@ async def test_GracefulShutdown_reads_its_tree_parents_address_once_if_unknown()
     group.found.clear()
     await _rounds(host).run(5.0)  # known now: nothing read
     assert group.found == []
+
+
+async def test_GracefulShutdown_dials_its_tree_children_once_before_the_first_news() -> None:
+    # Rank 0 (the tree's root, children 1 and 2) dials them when it reaches the first
+    # barrier, so that the news does not wait for a handshake per level; once for all
+    # three barriers, and only its children (the parent dials, never the child).
+    group = CompletingGroup([])
+    host = StubHost(group, lost=set(), connected=frozenset({1, 2}))
+    host.group.rank = 0
+    await _rounds(host).run(5.0)
+    assert host.probed == [1, 2]
+    assert [rank for rank, _ in host.told] == [1, 2] * len(TAGS)
+    leaf = StubHost(CompletingGroup([]), lost=set())  # rank 1 of 3: no child
+    await _rounds(leaf).run(5.0)
+    assert leaf.probed == []
+
+
+async def test_GracefulShutdown_passes_news_on_as_it_comes() -> None:
+    # Rank 0 of 3 tells ranks 1 and 2 the moment a message comes (on the loop), not when
+    # its own wait wakes up; and only once, though its wait then reads the same news.
+    news = BarrierNews()
+    host = StubHost(ScriptedGroup([2]), lost=set(), connected=frozenset({1, 2}))
+    host.group.rank = 0
+    rounds = _rounds(host, news)
+    news.heard(BarrierOpened("calls-done", 0), 3)
+    assert host.told == [(1, BarrierOpened("calls-done", 0)), (2, BarrierOpened("calls-done", 0))]
+    news.heard(BarrierOpened("calls-done", 0), 3)  # a second message: dropped
+    for tag in TAGS[1:]:
+        news.heard(BarrierOpened(tag, 0), 3)
+    await rounds.run(5.0)
+    assert [rank for rank, _ in host.told] == [1, 2] * len(TAGS)
+    assert set(rounds.opened.values()) == {"told by a peer"}
+
+
+async def test_GracefulShutdown_news_of_a_dead_rank_waits_for_the_verdicts() -> None:
+    # A message saying a rank was counted dead is passed on only once this worker has
+    # read who died: its children are told in a dead child's place.
+    news = BarrierNews()
+    group = ScriptedGroup([])
+    group.declared.add(1)
+    host = StubHost(group, lost=set(), connected=frozenset({2}))
+    host.group.rank = 0
+    rounds = _rounds(host, news)
+    news.heard(BarrierOpened("calls-done", 0, dead=True), 3)
+    assert host.told == []
+    task = asyncio.create_task(rounds.run(5.0))
+    for _ in range(500):  # bounded: 5 s at most
+        if "calls-done" in rounds.opened:  # rank 1 is known dead now
+            break
+        await asyncio.sleep(0.01)
+    for tag in TAGS[1:]:
+        news.heard(BarrierOpened(tag, 0), 3)
+    await task
+    assert [rank for rank, _ in host.told] == [2, 2, 2]
+    assert host.told[0] == (2, BarrierOpened("calls-done", 0, dead=True))
+    assert rounds.dead == {1: "w1"}
+
+
+async def test_GracefulShutdown_the_completing_worker_tells_the_root_and_its_children() -> None:
+    # Rank 1 of 7 (children 3 and 4) completes every barrier: its own subtree hears it
+    # from it at once, not after the root's news comes back down to it.
+    group = CompletingGroup([])
+    host = StubHost(group, lost=set(), connected=frozenset({3, 4}))
+    host.group.world_size = 7
+    await _rounds(host).run(5.0)
+    assert [rank for rank, _ in host.told] == [0, 3, 4] * len(TAGS)
+
+
+async def test_GracefulShutdown_news_that_came_during_the_store_check_counts_as_told() -> None:
+    # The slice ran out and the store says the barrier is open, but the message came
+    # while the store answered: told by a peer, and nobody's verdicts to read.
+    loop = asyncio.get_running_loop()
+    news = BarrierNews()
+
+    class LateNews(ScriptedGroup):
+        def await_arrivals(self, tag: str, ranks: list[int], seconds: float) -> bool:
+            came = asyncio.run_coroutine_threadsafe(_hear(news, tag), loop)
+            came.result(5.0)
+            return True
+
+    async def _hear(news: BarrierNews, tag: str) -> None:
+        news.heard(BarrierOpened(tag, 0), 3)
+
+    group = LateNews([2])
+    rounds = _rounds(StubHost(group, lost=set()), news)
+    await rounds.run(5.0)
+    assert set(rounds.opened.values()) == {"told by a peer"}
+    assert group.lost_reads == 0

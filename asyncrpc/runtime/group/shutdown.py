@@ -10,7 +10,10 @@ opt-in (``ShutdownTimeoutError`` names where it comes from).
 A barrier's news travels over peer connections, not the store: the worker whose
 arrival completes it sends ``BarrierOpened`` down a tree of workers (``tree.py``), and a
 waiter asks the store only when no message came within a slice (a dead parent, a lost
-frame): an arrival and, mostly, nothing else (docs/scale.md).
+frame): an arrival and, mostly, nothing else (docs/scale.md). A worker passes the news on
+as it arrives, on the loop, not when its own wait wakes up: that wait may be in a store
+request just then, and a tree whose every level waited so would hold the news for a
+request per level (its leaves would look in the store before it came).
 
 A worker that died is left out: a barrier stops waiting for a missing worker once it is
 declared lost (its connection broke and redials were refused, its heartbeats stopped), so
@@ -46,7 +49,7 @@ from asyncrpc.errors import (
 from asyncrpc.protocol.wire import encode_frame
 from asyncrpc.protocol.wire.messages import BarrierOpened
 from asyncrpc.runtime.group.join import Group
-from asyncrpc.runtime.group.tree import neighbours, recipients
+from asyncrpc.runtime.group.tree import children, neighbours, recipients
 
 __all__ = [
     "PROBE_AFTER_S",
@@ -140,9 +143,12 @@ class BarrierNews:
     def __init__(self) -> None:
         self._messages: dict[str, BarrierOpened] = {}
         self._heard: dict[str, asyncio.Event] = {}
+        # Passes a barrier's first message on as it comes (GracefulShutdown._relay).
+        self.relay: Callable[[BarrierOpened], None] | None = None
 
     def heard(self, message: BarrierOpened, size: int | None) -> None:
-        """Take ``message`` from a peer of a group of ``size`` workers.
+        """Take ``message`` from a peer of a group of ``size`` workers: the first one per
+        barrier wakes its waiter and goes to ``relay``; a later one is dropped.
 
         Raises:
             RemoteProtocolError: it names no shutdown barrier, or a root outside the group
@@ -150,8 +156,16 @@ class BarrierNews:
         """
         if message.tag not in TAGS or size is None or not 0 <= message.root < size:
             raise RemoteProtocolError(f"no such barrier of {size} workers: {message!r}")
-        self._messages.setdefault(message.tag, message)
+        if message.tag in self._messages:
+            return
+        self._messages[message.tag] = message
         self._event(message.tag).set()
+        if self.relay is not None:
+            self.relay(message)
+
+    def get(self, tag: str) -> BarrierOpened | None:
+        """The message that told this worker ``tag`` is open, if one came."""
+        return self._messages.get(tag)
 
     def _event(self, tag: str) -> asyncio.Event:
         return self._heard.setdefault(tag, asyncio.Event())
@@ -208,7 +222,9 @@ class GracefulShutdown:
     ) -> None:  # fmt: skip
         self._group, self._rrefs, self._liveness = group, rrefs, liveness
         self._told: list[int] = []  # whom this worker passed its last news to
+        self._relayed: set[str] = set()  # the barriers whose news it passed on
         self._news = BarrierNews() if news is None else news
+        self._news.relay = self._relay
         self.opened: dict[str, str] = {}  # how each barrier opened here (tests, logs)
         self._calls_in_flight, self._requests_running = calls_in_flight, requests_running
         self.dead: dict[int, str] = {}
@@ -297,15 +313,11 @@ class GracefulShutdown:
             seconds = max(0.0, clock.within(slice_s) - time.monotonic())
             message = await self._news.wait(tag, seconds)
             if message is not None:
-                if message.dead:
-                    # A rank was counted dead there: learn which now (one request), to
-                    # tell its children in its place and count it at the next barriers.
-                    await self._adopt_verdicts()
-                self._tell(message)
-                self._opened(tag, "told by a peer")
+                await self._told_by(message)
                 return
             if await loop.run_in_executor(None, store.await_arrivals, tag, waiting, 0.0):
-                await self._found_open(tag)
+                message = self._news.get(tag)  # it may have come during the request
+                await (self._found_open(tag) if message is None else self._told_by(message))
                 return
             # This worker's own verdicts cost no store request (unless one is lost).
             await self._set_aside_lost(tag, waiting)
@@ -327,6 +339,23 @@ class GracefulShutdown:
                 continue
             slice_s = min(slice_s * 2, _MAX_SLICE_S)
 
+    async def _told_by(self, message: BarrierOpened) -> None:
+        """A peer said barrier ``message.tag`` is open: pass the news on (done already as
+        it came, unless it says a rank was counted dead)."""
+        if message.dead:
+            # A rank was counted dead there: learn which now (one request), to tell its
+            # children in its place and count it at the next barriers.
+            await self._adopt_verdicts()
+        self._tell(message)
+        self._opened(message.tag, "told by a peer")
+
+    def _relay(self, message: BarrierOpened) -> None:
+        """``BarrierNews.relay``: pass news on as it comes, on the loop. Not news that a
+        rank was counted dead: who died is read first (``_told_by``), to tell its
+        children in its place."""
+        if not message.dead:
+            self._tell(message)
+
     def _opened(self, tag: str, how: str) -> None:
         self.opened[tag] = how
         _log.debug("worker %r: barrier %r open: %s", self._group.name, tag, how)
@@ -334,18 +363,26 @@ class GracefulShutdown:
     async def _meet_neighbours(self, size: int) -> None:
         """Read the addresses of this worker's parent and children in the tree, those it
         does not know, in one request: a first frame between two workers that never
-        talked would cost each a look-up (the dial's and the Hello's), per peer."""
+        talked would cost each a look-up (the dial's and the Hello's), per peer. Then
+        dial the children while the first barrier waits."""
         group = self._group
         unknown = [r for r in neighbours(group.rank, _ROOT, size) if r not in group.addresses]
-        if not unknown:
-            return
-        store, loop = group.store, asyncio.get_running_loop()
-        try:
-            found = await loop.run_in_executor(None, store.find_all, unknown)
-        except (RuntimeError, OSError) as exc:
-            raise store.unreachable(exc) from exc
-        for address in found:
-            group.directory.learn(address)
+        if unknown:
+            store, loop = group.store, asyncio.get_running_loop()
+            try:
+                found = await loop.run_in_executor(None, store.find_all, unknown)
+            except (RuntimeError, OSError) as exc:
+                raise store.unreachable(exc) from exc
+            for address in found:
+                group.directory.learn(address)
+        # The news goes down the tree through connections a parameter-server job's
+        # workers may never have opened: dialled only when the news comes, one level
+        # after another, they cost a handshake per level on the news's way (a loaded
+        # host's seconds at depth 3). These are the tree's own connections (each parent
+        # dials its children: no more than the news would open), and a dead child is
+        # found now rather than a probe interval into the barrier.
+        for child in children(group.rank, _ROOT, size):
+            self._liveness.probe(child)
 
     async def _found_open(self, tag: str) -> None:
         """Barrier ``tag`` was found open in the store, no message having come (a dead
@@ -356,18 +393,21 @@ class GracefulShutdown:
         self._opened(tag, "found open in the store")
 
     def _tell(self, message: BarrierOpened, first: bool = False) -> None:
-        """Pass on ``message`` (a barrier is open): to this worker's children in the tree
-        rooted at ``message.root``, skipping the dead (their children are told); when
-        this worker completed the barrier (``first``), to the root only (the tree stays
-        the same at every barrier: each pair of workers connects once)."""
+        """Pass on ``message`` (a barrier is open), once per barrier: to this worker's
+        children in the tree rooted at ``message.root``, skipping the dead (their
+        children are told); when this worker completed the barrier (``first``), to the
+        root too (the tree stays the same at every barrier: each pair of workers connects
+        once). The news the root sends down reaches this worker again, and stops here."""
+        if message.tag in self._relayed:
+            return
+        self._relayed.add(message.tag)
         size = self._group.world_size
         assert size is not None
         pieces = encode_frame(message.to_fields(), b"")
         me = self._group.rank
+        told = recipients(me, message.root, size, self.dead)
         if first and me != message.root:
-            told = [message.root]
-        else:
-            told = recipients(me, message.root, size, self.dead)
+            told = [message.root, *told]
         self._told = told
         for rank in told:
             # Connecting if need be: a parameter-server job's workers may never have
