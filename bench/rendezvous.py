@@ -12,15 +12,16 @@ for the others), then, after every worker has joined, calls shutdown at a random
 ``shutdown.py`` passes them (its waits in slices and its reads of who is missing too).
 
 A barrier opens as in ``shutdown.py``: the worker whose arrival completes it tells rank 0
-and its children, each worker told tells its two children (``group/tree.py``), and a
-worker no message reached within a slice checks the store. The ``BarrierOpened`` messages
-travel over multiprocessing queues between the simulation's processes, not over worker
-connections (a light worker has none; tests/integration/test_barrier_news.py runs the real
-path); what a real connection costs the store is counted, for workers that never talked
-before (the worst case): each reads its tree neighbours' addresses in one ``multi_get``
-at the first barrier, as ``shutdown.py`` does, and a message from any other worker (to
-rank 0, from the worker that completed a barrier) costs the sender a ``get`` of the
-receiver's address and the receiver one of the sender's, as a dial and a Hello do.
+and its children, each worker told tells its two children (``group/tree.py``) as the
+message comes, and a worker no message reached within a slice checks the store. The
+``BarrierOpened`` messages travel over multiprocessing queues between the simulation's
+processes, not over worker connections (a light worker has none;
+tests/integration/test_barrier_news.py runs the real path); what a real connection costs
+the store is counted, for workers that never talked before (the worst case): each reads
+its tree neighbours' addresses in one ``multi_get`` at the first barrier, as
+``shutdown.py`` does, and a message from any other worker (to rank 0, from the worker that
+completed a barrier) costs the sender a ``get`` of the receiver's address and the receiver
+one of the sender's, as a dial and a Hello do.
 
 It reports, per size:
 
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import multiprocessing
 import os
@@ -76,12 +78,30 @@ class Mailbox:
         self.messages: dict[str, tuple[int, bool]] = {}
         self.senders: list[int] = []
         self._changed = threading.Condition()
+        self._passed_on: set[str] = set()
+        # Passes a barrier's first message on as it comes, as shutdown.py's relay does.
+        self.relay: Any = None
 
     def put(self, tag: str, root: int, dead: bool, sender: int) -> None:
         with self._changed:
+            first = tag not in self.messages
             self.messages.setdefault(tag, (root, dead))
             self.senders.append(sender)
             self._changed.notify_all()
+        if first and not dead and self.relay is not None:
+            self.relay(tag, root, dead)
+
+    def get(self, tag: str) -> tuple[int, bool] | None:
+        with self._changed:
+            return self.messages.get(tag)
+
+    def claim(self, tag: str) -> bool:
+        """Whether this worker is to pass on ``tag``'s news now (the first time only)."""
+        with self._changed:
+            if tag in self._passed_on:
+                return False
+            self._passed_on.add(tag)
+            return True
 
     def wait(self, tag: str, seconds: float) -> tuple[int, bool] | None:
         with self._changed:
@@ -175,6 +195,7 @@ def _one_worker(
     phase[0] = "barriers"
     shut_arrived = time.time()
     peers = Peers(rank, group, post)
+    mailbox.relay = functools.partial(_relay, peers, mailbox, size)
     ways = [_pass_barrier(group, tag, size, mailbox, peers) for tag in _TAGS]
     phase[0] = "left"
     group.arrive("left")
@@ -198,20 +219,20 @@ def _pass_barrier(group: Any, tag: str, size: int, mailbox: Mailbox, peers: Peer
     try:
         while True:  # bounded: all arrive
             if tag in group.opened_here:
-                _tell(peers, tag, 0, group.opened_here[tag], size, first=True)
+                _tell(peers, mailbox, tag, 0, group.opened_here[tag], size, first=True)
                 return "completed"
             message = mailbox.wait(tag, slice_s)
             if message is not None:
-                if message[1]:  # a rank was counted dead: shutdown.py reads which
-                    group.lost_ranks()
-                _tell(peers, tag, *message, size)
-                return "told"
+                return _told_by(group, peers, mailbox, tag, message, size)
             if group.await_arrivals(tag, waiting, 0.0):
-                return _found_open(group, peers, tag, size)
+                message = mailbox.get(tag)  # it may have come during the request
+                if message is not None:
+                    return _told_by(group, peers, mailbox, tag, message, size)
+                return _found_open(group, peers, mailbox, tag, size)
             if time.monotonic() > probe_at:  # who is missing, read now and then
                 waiting = group.missing(tag, waiting)
                 if not waiting and tag not in group.opened_here:
-                    return _found_open(group, peers, tag, size)
+                    return _found_open(group, peers, mailbox, tag, size)
                 probe_every = min(probe_every * 2, 8.0)
                 probe_at = time.monotonic() + probe_every
                 slice_s = _FIRST_SLICE_S
@@ -222,16 +243,46 @@ def _pass_barrier(group: Any, tag: str, size: int, mailbox: Mailbox, peers: Peer
             peers.meet(sender)
 
 
-def _found_open(group: Any, peers: Peers, tag: str, size: int) -> str:
+def _told_by(
+    group: Any, peers: Peers, mailbox: Mailbox, tag: str, message: tuple[int, bool], size: int
+) -> str:
+    """Told by a peer: pass it on (done as it came, unless a rank was counted dead)."""
+    if message[1]:  # a rank was counted dead: shutdown.py reads which
+        group.lost_ranks()
+    _tell(peers, mailbox, tag, *message, size)
+    return "told"
+
+
+def _found_open(group: Any, peers: Peers, mailbox: Mailbox, tag: str, size: int) -> str:
     """Found open in the store: read whom others found dead and tell the children."""
-    _tell(peers, tag, 0, bool(group.lost_ranks()), size)
+    _tell(peers, mailbox, tag, 0, bool(group.lost_ranks()), size)
     return "store"
 
 
-def _tell(peers: Peers, tag: str, root: int, dead: bool, size: int, first: bool = False) -> None:
+def _relay(peers: Peers, mailbox: Mailbox, size: int, tag: str, root: int, dead: bool) -> None:
+    """``Mailbox.relay``: pass news on as it comes, on the thread that delivered it. Only
+    to workers whose address is known (read by ``meet_neighbours``): a look-up here would
+    share the worker's store connection with its own thread; the worker's wait tells the
+    others (this race, news before the neighbours' addresses, is rare)."""
     from asyncrpc.runtime.group.tree import recipients
 
-    told = [root] if first and peers.rank != root else recipients(peers.rank, root, size, ())
+    if all(rank in peers.known for rank in recipients(peers.rank, root, size, ())):
+        _tell(peers, mailbox, tag, root, dead, size)
+
+
+def _tell(
+    peers: Peers, mailbox: Mailbox, tag: str, root: int, dead: bool, size: int,
+    first: bool = False,
+) -> None:  # fmt: skip
+    """Tell the children, once per barrier; the worker that completed it tells the root
+    too (shutdown.py's ``_tell``)."""
+    from asyncrpc.runtime.group.tree import recipients
+
+    if not mailbox.claim(tag):
+        return
+    told = recipients(peers.rank, root, size, ())
+    if first and peers.rank != root:
+        told = [root, *told]
     for rank in told:
         peers.send(rank, tag, root, dead)
 
