@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from torch import nn
 
 import asyncrpc
 from asyncrpc.testing import WorkerProcess, free_port, spawn_worker, stop_workers
@@ -56,3 +57,25 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Group]:
             codes = stop_workers(workers, timeout=30.0)
         logs = "\n".join(w.log() for w in workers)
         assert codes == [0] * len(workers), f"worker exit codes {codes}\n{logs}"
+
+
+@pytest.fixture
+def layers(group: Group) -> Iterator[Callable[[str, int, int, int], asyncrpc.RRef[nn.Module]]]:
+    """Makes ``Linear(n_in, n_out)`` layers (seeded) on workers; afterwards, no worker
+    holds an autograd context any more."""
+    from tests.integration import autograd_fns as fns
+    from tests.integration.autograd_support import contexts_settle_at
+
+    made: list[asyncrpc.RRef[nn.Module]] = []
+
+    def make(worker: str, seed: int, n_in: int, n_out: int) -> asyncrpc.RRef[nn.Module]:
+        rref = asyncrpc.remote(worker, fns.make_linear, args=(seed, n_in, n_out))
+        # Made before use: an async def on the owner (async_forward) cannot wait in
+        # local_value() for a value still being made (it raises BlockingCallError).
+        rref._get_future().wait()
+        made.append(rref)
+        return rref
+
+    yield make
+    del made[:]
+    assert contexts_settle_at([0] * WORLD) == [0] * WORLD

@@ -9,84 +9,31 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 import asyncrpc
 from asyncrpc import autograd as dist_autograd
-from asyncrpc.errors import AutogradContextError, BackwardError, BlockingCallError
-from asyncrpc.optim import DistributedOptimizer, LocalOptimizer
+from asyncrpc.errors import AutogradContextError, BackwardError
 from asyncrpc.protocol.wire import FrameDecoder
 from asyncrpc.runtime.calls.pipeline import CallKind, Pipeline
 from asyncrpc.runtime.current import current_agent
 from asyncrpc.testing import free_port, spawn_worker, stop_workers
 from tests import scenarios
 from tests.integration import autograd_fns as fns
+from tests.integration.autograd_support import (
+    assert_grads_match,
+    contexts_everywhere,
+    contexts_settle_at,
+)
 from tests.integration.conftest import WORLD, Group
 from tests.ordering import until
 
 pytestmark = pytest.mark.timeout(90)
-
-WORKERS = [f"w{r}" for r in range(1, WORLD)]
-
-
-def contexts_everywhere() -> list[int]:
-    """Contexts per worker, asked from a thread of its own: calls made inside a context
-    would make the workers they reach join it."""
-    counts: list[int] = []
-
-    def ask() -> None:
-        counts.append(int(asyncrpc.get_debug_info()["num_autograd_contexts"]))
-        counts.extend(asyncrpc.rpc_sync(w, fns.num_contexts) for w in WORKERS)
-
-    thread = threading.Thread(target=ask)
-    thread.start()
-    thread.join(30)
-    return counts
-
-
-def contexts_settle_at(expected: list[int], timeout: float = 10.0) -> list[int]:
-    """Contexts per worker once the background releases are done (polled, bounded)."""
-    deadline = time.monotonic() + timeout
-    counts = contexts_everywhere()
-    while counts != expected and time.monotonic() < deadline:
-        time.sleep(0.02)
-        counts = contexts_everywhere()
-    return counts
-
-
-def assert_grads_match(
-    context_id: int, remote: list[tuple[str, asyncrpc.RRef[nn.Module]]], local: list[nn.Module]
-) -> None:
-    for (worker, rref), module in zip(remote, local, strict=True):
-        grads = asyncrpc.rpc_sync(worker, fns.grads_of, args=(context_id, rref))
-        for grad, param in zip(grads, module.parameters(), strict=True):
-            assert grad is not None
-            assert param.grad is not None
-            torch.testing.assert_close(grad, param.grad)
-
-
-@pytest.fixture
-def layers(group: Group) -> Iterator[Callable[[str, int, int, int], asyncrpc.RRef[nn.Module]]]:
-    made: list[asyncrpc.RRef[nn.Module]] = []
-
-    def make(worker: str, seed: int, n_in: int, n_out: int) -> asyncrpc.RRef[nn.Module]:
-        rref = asyncrpc.remote(worker, fns.make_linear, args=(seed, n_in, n_out))
-        # Made before use: an async def on the owner (async_forward) cannot wait in
-        # local_value() for a value still being made (it raises BlockingCallError).
-        rref._get_future().wait()
-        made.append(rref)
-        return rref
-
-    yield make
-    del made[:]
-    assert contexts_settle_at([0] * WORLD) == [0] * WORLD
 
 
 def test_autograd_mlp_split_over_two_workers(group: Group, layers: Callable) -> None:
@@ -235,150 +182,6 @@ def test_autograd_echo_returns_the_gradient_to_its_owner(group: Group) -> None:
         )
 
 
-def test_autograd_hops_back_to_the_root_run_on_the_thread_in_backward(
-    group: Group, layers: Callable
-) -> None:
-    # x's gradient comes back from w1 in a hop of the pass this thread is the root of: the
-    # thread waiting in backward() runs its pass, so x's hook (user code) runs there.
-    layer = layers("w1", 41, 4, 3)
-    x = torch.randn(2, 4, requires_grad=True)
-    seen: list[int] = []
-    x.register_hook(lambda grad: seen.append(threading.get_ident()))
-    info = asyncrpc.get_debug_info
-    counts = ("autograd_hops_taken_by_root", "autograd_root_hops_on_lane")
-    before = [info()[name] for name in counts]
-    received = info()["autograd_hops_received"]
-    with dist_autograd.context() as context_id:
-        loss = asyncrpc.rpc_sync("w1", fns.forward, args=(layer, x)).pow(2).sum()
-        dist_autograd.backward(context_id, [loss])
-        grads = dist_autograd.get_gradients(context_id)
-    assert seen == [threading.get_ident()]
-    # Taken from the loop, or read by the thread itself from its lane to w1.
-    assert sum(info()[name] - n for name, n in zip(counts, before, strict=True)) == 1
-    # x's gradient came back in the reply to the driver's hop, not in a hop of its own.
-    assert info()["autograd_hops_received"] == received
-    x_local = x.detach().clone().requires_grad_()
-    fns.make_linear(41, 4, 3)(x_local).pow(2).sum().backward()
-    torch.testing.assert_close(grads[x], x_local.grad)
-
-
-def test_autograd_root_thread_sends_its_hop_on_its_lane_even_when_a_hop_comes_back(
-    group: Group, layers: Callable
-) -> None:
-    # This thread's lane to w1 is open (its second call there opens it): its hop goes on
-    # it, and the thread blocks there while w1 -> w3 -> w1 -> driver run. The hop that
-    # comes back here meanwhile runs on the loop (the thread is away): no deadlock.
-    def on_a_thread_of_its_own() -> list[int]:
-        l1, l3 = layers("w1", 51, 4, 6), layers("w3", 52, 6, 2)
-        asyncrpc.rpc_sync("w1", fns.num_contexts)
-        asyncrpc.rpc_sync("w1", fns.num_contexts)
-        info = asyncrpc.get_debug_info
-        names = ("autograd_root_hops_on_lane", "autograd_hops_received")
-        before = [info()[name] for name in names]
-        x = torch.randn(3, 4, requires_grad=True)
-        with dist_autograd.context() as context_id:
-            y = asyncrpc.rpc_sync("w1", fns.forward_then, args=(l1, x, "w3", l3))
-            dist_autograd.backward(context_id, [y.pow(2).sum()])
-            grads = dist_autograd.get_gradients(context_id)
-            m1, m3 = fns.make_linear(51, 4, 6), fns.make_linear(52, 6, 2)
-            x_local = x.detach().clone().requires_grad_()
-            m3(torch.relu(m1(x_local))).pow(2).sum().backward()
-            assert_grads_match(context_id, [("w1", l1), ("w3", l3)], [m1, m3])
-            torch.testing.assert_close(grads[x], x_local.grad)
-        return [info()[name] - n for name, n in zip(names, before, strict=True)]
-
-    out: list[list[int]] = []
-    thread = threading.Thread(target=lambda: out.append(on_a_thread_of_its_own()))
-    thread.start()
-    thread.join(60)
-    assert out == [[1, 1]]  # on the lane; x's gradient came in a hop of its own (from w1)
-
-
-def on_a_thread(fn: Callable[[], Any]) -> Any:
-    """``fn()`` on a new thread (its own lanes, opened by its own calls); its result, or
-    its error raised here."""
-    out: list[Any] = []
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            out.append(fn())
-        except BaseException as exc:  # raised by the test's own thread
-            errors.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join(60)
-    assert not thread.is_alive()
-    if errors:
-        raise errors[0]
-    return out[0]
-
-
-@pytest.mark.parametrize("rows", [32, 256], ids=["inline", "segment"])
-def test_autograd_root_hop_on_a_lane_travels_coded(
-    group: Group, layers: Callable, rows: int
-) -> None:
-    # The hop on this thread's lane to w1 and its reply (x's gradient, 8 KiB inline or
-    # 64 KiB in a segment) go in the hop's own format, not pickled: w1 counts a coded call,
-    # and the gradients are those of the same model run here. w1 planned its pass when it
-    # wrote the forward's reply (on its lane thread), and ran it as planned. Then an error
-    # in w1's pass arrives through it with its type.
-    def on_a_thread_of_its_own() -> None:
-        layer = layers("w1", 61, 64, 64)
-        for _ in range(2):  # the second call opens this thread's lane to w1
-            asyncrpc.rpc_sync("w1", fns.num_contexts)
-        before = asyncrpc.rpc_sync("w1", fns.coded_calls_received)
-        planned = asyncrpc.rpc_sync("w1", fns.passes_planned)
-        x = torch.randn(rows, 64, requires_grad=True)
-        with dist_autograd.context() as context_id:
-            y = asyncrpc.rpc_sync("w1", fns.forward, args=(layer, x))
-            dist_autograd.backward(context_id, [y.pow(2).sum()])
-            m1 = fns.make_linear(61, 64, 64)
-            x_local = x.detach().clone().requires_grad_()
-            m1(x_local).pow(2).sum().backward()
-            torch.testing.assert_close(dist_autograd.get_gradients(context_id)[x], x_local.grad)
-            assert_grads_match(context_id, [("w1", layer)], [m1])
-        assert asyncrpc.rpc_sync("w1", fns.coded_calls_received) - before == 1
-        assert asyncrpc.rpc_sync("w1", fns.passes_planned) - planned == 1
-        with dist_autograd.context() as context_id:
-            y = asyncrpc.rpc_sync("w1", fns.fail_in_backward, args=(x,))
-            with pytest.raises(KeyError, match="broken backward"):
-                dist_autograd.backward(context_id, [y.sum()])
-        assert asyncrpc.rpc_sync("w1", fns.coded_calls_received) - before == 2
-
-    on_a_thread(on_a_thread_of_its_own)
-
-
-def test_autograd_a_chain_through_the_root_goes_hop_by_hop_on_its_lanes(
-    group: Group, layers: Callable
-) -> None:
-    # driver -> w3 -> driver -> w1 -> driver: each pass on the driver sends one hop, so
-    # its thread sends each on its lane (w3's, then w1's) and runs the gradients the
-    # replies bring back itself, hop after hop; the loop never takes part.
-    def on_a_thread_of_its_own() -> tuple[list[int], int]:
-        l1, l3 = layers("w1", 71, 4, 6), layers("w3", 72, 6, 2)
-        for worker in ("w1", "w3", "w1", "w3"):  # the second call to each opens a lane
-            asyncrpc.rpc_sync(worker, fns.num_contexts)
-        before = [asyncrpc.rpc_sync(w, fns.coded_calls_received) for w in ("w1", "w3")]
-        on_lane = asyncrpc.get_debug_info()["autograd_root_hops_on_lane"]
-        x = torch.randn(3, 4, requires_grad=True)
-        with dist_autograd.context() as context_id:
-            h = asyncrpc.rpc_sync("w1", fns.forward, args=(l1, x))
-            y = asyncrpc.rpc_sync("w3", fns.forward, args=(l3, torch.relu(h)))
-            dist_autograd.backward(context_id, [y.pow(2).sum()])
-            m1, m3 = fns.make_linear(71, 4, 6), fns.make_linear(72, 6, 2)
-            x_local = x.detach().clone().requires_grad_()
-            m3(torch.relu(m1(x_local))).pow(2).sum().backward()
-            assert_grads_match(context_id, [("w1", l1), ("w3", l3)], [m1, m3])
-            torch.testing.assert_close(dist_autograd.get_gradients(context_id)[x], x_local.grad)
-        after = [asyncrpc.rpc_sync(w, fns.coded_calls_received) for w in ("w1", "w3")]
-        hops = asyncrpc.get_debug_info()["autograd_root_hops_on_lane"] - on_lane
-        return [a - b for a, b in zip(after, before, strict=True)], hops
-
-    assert on_a_thread(on_a_thread_of_its_own) == ([1, 1], 2)
-
-
 def test_autograd_error_in_a_hop_the_root_thread_runs_reaches_backward(group: Group) -> None:
     x = torch.randn(3, requires_grad=True)
 
@@ -484,32 +287,6 @@ def test_autograd_error_in_remote_backward_keeps_its_type(group: Group) -> None:
         assert str(info.value) == "Error on Node 3: 'broken backward'"
 
 
-def test_autograd_error_in_a_hop_on_the_lane_keeps_its_type(group: Group) -> None:
-    # The hop to w3 goes on this thread's lane (opened by the calls before it): the
-    # error comes back in the lane's reply, as it does in the loop's.
-    def on_a_thread_of_its_own() -> tuple[BaseException, int]:
-        for _ in range(2):
-            asyncrpc.rpc_sync("w3", fns.num_contexts)
-        before = asyncrpc.get_debug_info()["autograd_root_hops_on_lane"]
-        a = torch.randn(2, requires_grad=True)
-        with dist_autograd.context() as context_id:
-            y = asyncrpc.rpc_sync("w3", fns.fail_in_backward, args=(a,))
-            with pytest.raises(KeyError, match="broken backward") as info:
-                dist_autograd.backward(context_id, [y.sum()])
-        return info.value, asyncrpc.get_debug_info()["autograd_root_hops_on_lane"] - before
-
-    out: list[tuple[BaseException, int]] = []
-    thread = threading.Thread(target=lambda: out.append(on_a_thread_of_its_own()))
-    thread.start()
-    thread.join(60)
-    ((error, on_lane),) = out
-    assert on_lane == 1
-    assert isinstance(error, BackwardError)
-    assert isinstance(error, RuntimeError)
-    assert error.remote_worker == "w3"  # type: ignore[attr-defined]
-    assert str(error) == "Error on Node 3: 'broken backward'"
-
-
 def test_autograd_unknown_context_and_blocking_misuse(group: Group) -> None:
     with pytest.raises(AutogradContextError):
         dist_autograd.get_gradients(12345)
@@ -568,136 +345,6 @@ def test_autograd_worker_killed_during_backward(tmp_path: Path, lane: bool) -> N
         stop_workers(workers, timeout=5)
 
 
-def test_distributed_optimizer_matches_local_sgd(group: Group, layers: Callable) -> None:
-    l1, l2 = layers("w1", 11, 4, 6), layers("w3", 12, 6, 1)
-    params = asyncrpc.rpc_sync("w1", fns.param_rrefs, args=(l1,))
-    params += asyncrpc.rpc_sync("w3", fns.param_rrefs, args=(l2,))
-    optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=0.05, momentum=0.9)
-    m1, m2 = fns.make_linear(11, 4, 6), fns.make_linear(12, 6, 1)
-    local = torch.optim.SGD([*m1.parameters(), *m2.parameters()], lr=0.05, momentum=0.9)
-    batches = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(3)]
-    for x, target in batches:
-        with dist_autograd.context() as context_id:
-            h = asyncrpc.rpc_sync("w1", fns.forward, args=(l1, x))
-            y = asyncrpc.rpc_sync("w3", fns.forward, args=(l2, torch.relu(h)))
-            dist_autograd.backward(context_id, [(y - target).pow(2).mean()])
-            optimizer.step(context_id)
-        local.zero_grad()
-        (m2(torch.relu(m1(x))) - target).pow(2).mean().backward()
-        local.step()
-    for worker, rref, module in (("w1", l1, m1), ("w3", l2, m2)):
-        remote_weights = asyncrpc.rpc_sync(worker, fns.weights, args=(rref,))
-        for got, want in zip(remote_weights, module.parameters(), strict=True):
-            torch.testing.assert_close(got, want.detach())
-    del params, optimizer
-
-
-def test_distributed_optimizer_steps_on_the_loop_unless_user_code_runs(
-    group: Group, layers: Callable
-) -> None:
-    layer = layers("w1", 41, 4, 2)
-    params = asyncrpc.rpc_sync("w1", fns.param_rrefs, args=(layer,))
-    optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=0.1)
-
-    def train_step(optimizer: DistributedOptimizer) -> None:
-        with dist_autograd.context() as context_id:
-            y = asyncrpc.rpc_sync("w1", fns.forward, args=(layer, torch.randn(3, 4)))
-            dist_autograd.backward(context_id, [y.sum()])
-            # The loop's way (step() would take this thread's lane to w1: the next test).
-            for done in optimizer.step_future(context_id):
-                done.wait()
-
-    start = asyncrpc.rpc_sync("w1", fns.steps_on_loop)
-    train_step(optimizer)  # torch's SGD over 10 elements, no hooks: on w1's loop
-    assert asyncrpc.rpc_sync("w1", fns.steps_on_loop) == start + 1
-    asyncrpc.rpc_sync("w1", fns.hook_optimizer_steps)
-    try:
-        train_step(optimizer)  # a step hook is user code: the step runs on a pool thread
-    finally:
-        seen = asyncrpc.rpc_sync("w1", fns.unhook_optimizer_steps)
-    assert seen == [False]
-    assert asyncrpc.rpc_sync("w1", fns.steps_on_loop) == start + 1
-    del params, optimizer
-
-
-def test_distributed_optimizer_steps_its_own_here_and_one_owner_on_the_lane(
-    group: Group, layers: Callable
-) -> None:
-    # This thread's own optimizer steps on this thread; w1's on this thread's lane to w1
-    # (open: this thread called w1 before), run by w1's lane thread, hooks and all.
-    here, there = fns.make_linear(31, 4, 6), layers("w1", 32, 6, 1)
-    params = [asyncrpc.RRef(p) for p in here.parameters()]
-    params += asyncrpc.rpc_sync("w1", fns.param_rrefs, args=(there,))
-    optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=0.1)
-    before = [LocalOptimizer.steps_here, asyncrpc.rpc_sync("w1", fns.steps_here)]
-    loop_steps = asyncrpc.rpc_sync("w1", fns.steps_on_loop)
-    asyncrpc.rpc_sync("w1", fns.hook_optimizer_steps)
-    try:
-        with dist_autograd.context() as context_id:
-            y = asyncrpc.rpc_sync("w1", fns.forward, args=(there, here(torch.randn(3, 4))))
-            dist_autograd.backward(context_id, [y.sum()])
-            optimizer.step(context_id)
-    finally:
-        seen = asyncrpc.rpc_sync("w1", fns.unhook_optimizer_steps)
-    after = [LocalOptimizer.steps_here, asyncrpc.rpc_sync("w1", fns.steps_here)]
-    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1]
-    assert asyncrpc.rpc_sync("w1", fns.steps_on_loop) == loop_steps
-    assert seen == [False]  # the hook ran on w1, not on its loop
-    del params, optimizer
-
-
-def test_distributed_optimizer_steps_several_owners_at_once_on_the_lanes(
-    group: Group, layers: Callable
-) -> None:
-    # Two other owners: both steps are written on this thread's lanes (w1's, then w3's)
-    # before either reply is read, so their lane threads step them at once; none on a
-    # loop. The weights are those one process's SGD gives.
-    l1, l3 = layers("w1", 41, 4, 6), layers("w3", 42, 6, 1)
-    for worker in ("w1", "w3", "w1", "w3"):  # the second call to each opens a lane
-        asyncrpc.rpc_sync(worker, fns.num_contexts)
-    params = asyncrpc.rpc_sync("w1", fns.param_rrefs, args=(l1,))
-    params += asyncrpc.rpc_sync("w3", fns.param_rrefs, args=(l3,))
-    optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=0.1)
-    before = [asyncrpc.rpc_sync(w, f) for w, f in _STEP_COUNTS]
-    x = torch.randn(3, 4)
-    with dist_autograd.context() as context_id:
-        h = asyncrpc.rpc_sync("w1", fns.forward, args=(l1, x))
-        y = asyncrpc.rpc_sync("w3", fns.forward, args=(l3, h))
-        dist_autograd.backward(context_id, [y.sum()])
-        optimizer.step(context_id)
-    after = [asyncrpc.rpc_sync(w, f) for w, f in _STEP_COUNTS]
-    assert [a - b for a, b in zip(after, before, strict=True)] == [0, 1, 0, 1]
-    m1, m3 = fns.make_linear(41, 4, 6), fns.make_linear(42, 6, 1)
-    local = torch.optim.SGD([*m1.parameters(), *m3.parameters()], lr=0.1)
-    m3(m1(x)).sum().backward()
-    local.step()
-    for got, want in zip(
-        [*asyncrpc.rpc_sync("w1", fns.weights, args=(l1,)),
-         *asyncrpc.rpc_sync("w3", fns.weights, args=(l3,))],
-        [*m1.parameters(), *m3.parameters()],
-        strict=True,
-    ):  # fmt: skip
-        torch.testing.assert_close(got, want.detach())
-    del params, optimizer
-
-
-# (worker, its count): w1's steps on its loop and on threads that waited, then w3's.
-_STEP_COUNTS = [
-    ("w1", fns.steps_on_loop), ("w1", fns.steps_here),
-    ("w3", fns.steps_on_loop), ("w3", fns.steps_here),
-]  # fmt: skip
-
-
-def test_distributed_optimizer_step_refuses_the_loop_thread(group: Group) -> None:
-    optimizer = DistributedOptimizer(torch.optim.SGD, [asyncrpc.RRef(torch.ones(2))], lr=0.1)
-
-    async def on_the_loop() -> None:
-        optimizer.step(0)
-
-    with pytest.raises(BlockingCallError):
-        asyncio.run_coroutine_threadsafe(on_the_loop(), current_agent().loop.aio).result(30)
-
-
 @pytest.mark.parametrize("fetcher", ["w3", "w2"])  # a thread-pool worker, an asyncio one
 def test_rref_proxy_method_runs_in_the_callers_context(group: Group, fetcher: str) -> None:
     """A plain method called through a proxy runs on the owner's pool, inside the caller's
@@ -718,58 +365,6 @@ def test_rref_proxy_method_runs_in_the_callers_context(group: Group, fetcher: st
     del y, scale, fetch
 
 
-def test_distributed_optimizers_of_several_trainers_step_shared_params_one_at_a_time(
-    group: Group, layers: Callable
-) -> None:
-    """A parameter server's pattern: each trainer's DistributedOptimizer has an optimizer
-    of its own on the owner, over the same parameters. Their steps must not interleave
-    (each sets .grad to its own context's gradients, then steps): with plain SGD the final
-    weights are the initial ones minus lr times the sum of every trainer's gradients."""
-    layer = layers("w1", 31, 3, 1)
-    initial = asyncrpc.rpc_sync("w1", fns.weights, args=(layer,))
-    trainers, steps, lr = 4, 12, 0.01
-    grads: list[list[torch.Tensor]] = []
-    failures: list[BaseException] = []
-    start = threading.Barrier(trainers, timeout=30)
-
-    def train(seed: int) -> None:
-        try:
-            params = asyncrpc.rpc_sync("w1", fns.param_rrefs, args=(layer,))
-            optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=lr)
-            start.wait()
-            for step in range(steps):
-                x = torch.full((2, 3), float(seed + step))
-                with dist_autograd.context() as context_id:
-                    y = asyncrpc.rpc_sync("w1", fns.forward, args=(layer, x))
-                    dist_autograd.backward(context_id, [y.sum()])
-                    grads.append([x.sum(0, keepdim=True), torch.tensor([2.0])])
-                    optimizer.step(context_id)
-        except BaseException as exc:
-            failures.append(exc)
-
-    threads = [threading.Thread(target=train, args=(t + 1,)) for t in range(trainers)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not failures, failures
-    assert len(grads) == trainers * steps
-    final = asyncrpc.rpc_sync("w1", fns.weights, args=(layer,))
-    for index, (got, before) in enumerate(zip(final, initial, strict=True)):
-        total = torch.stack([g[index] for g in grads]).sum(0)
-        torch.testing.assert_close(got, before - lr * total)
-
-
-def test_distributed_optimizer_constructor_raises_the_owners_error(
-    group: Group, layers: Callable
-) -> None:
-    """As torch's: building waits for every owner, so its failure raises here, typed."""
-    params = asyncrpc.rpc_sync("w1", fns.param_rrefs, args=(layers("w1", 13, 2, 2),))
-    with pytest.raises(ValueError, match=r"no optimizer with lr=0\.5"):
-        DistributedOptimizer(fns.FailingOptimizer, params, lr=0.5)
-    del params
-
-
 def test_autograd_through_an_async_execution_coroutine(group: Group) -> None:
     a = torch.randn(3, requires_grad=True)
     with dist_autograd.context() as context_id:
@@ -779,46 +374,3 @@ def test_autograd_through_an_async_execution_coroutine(group: Group) -> None:
     a_local = a.detach().clone().requires_grad_()
     (fns.product(a_local, a_local) * 2).sum().backward()
     torch.testing.assert_close(grad, a_local.grad)
-
-
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_distributed_optimizer_over_local_and_remote_parameters(
-    group: Group, layers: Callable, mode: str
-) -> None:
-    """torch's RNN tutorial: the caller's own RRef(p)s beside a remote module's, one
-    optimizer (its local part made by a remote() to oneself, holding a lock)."""
-    here, there = fns.make_linear(21, 4, 6), layers("w1", 22, 6, 1)
-    params = [asyncrpc.RRef(p) for p in here.parameters()]
-    params += asyncrpc.rpc_sync("w1", fns.param_rrefs, args=(there,))
-    optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=0.05, momentum=0.9)
-    m1, m2 = fns.make_linear(21, 4, 6), fns.make_linear(22, 6, 1)
-    local = torch.optim.SGD([*m1.parameters(), *m2.parameters()], lr=0.05, momentum=0.9)
-    batches = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(3)]
-
-    async def step_async(
-        optimizer: DistributedOptimizer, x: torch.Tensor, target: torch.Tensor
-    ) -> None:
-        async with dist_autograd.context() as context_id:
-            y = await asyncrpc.call("w1", fns.forward, there, torch.relu(here(x)))
-            await dist_autograd.backward_async(context_id, [(y - target).pow(2).mean()])
-            for done in optimizer.step_future(context_id):
-                await done
-
-    for x, target in batches:
-        if mode == "async":
-            asyncio.run(step_async(optimizer, x, target))
-        else:
-            with dist_autograd.context() as context_id:
-                y = asyncrpc.rpc_sync("w1", fns.forward, args=(there, torch.relu(here(x))))
-                dist_autograd.backward(context_id, [(y - target).pow(2).mean()])
-                optimizer.step(context_id)
-        local.zero_grad()
-        (m2(torch.relu(m1(x))) - target).pow(2).mean().backward()
-        local.step()
-    for got, want in zip(here.parameters(), m1.parameters(), strict=True):
-        torch.testing.assert_close(got.detach(), want.detach())
-        assert got.grad is None  # distributed gradients never land in .grad
-    remote_weights = asyncrpc.rpc_sync("w1", fns.weights, args=(there,))
-    for got, want in zip(remote_weights, m2.parameters(), strict=True):
-        torch.testing.assert_close(got, want.detach())
-    del params, optimizer
