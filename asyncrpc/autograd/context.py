@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextvars
 import itertools
+import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +30,8 @@ __all__ = ["AutogradContext", "ContextTable", "current_context_id"]
 # Context ids and message ids carry the worker's rank in their top bits (torch's rule),
 # so they are unique in the group without coordination.
 _RANK_SHIFT = 48
+
+_log = logging.getLogger(__name__)
 
 current_context_id: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "asyncrpc_autograd_context", default=None
@@ -50,6 +54,12 @@ class AutogradContext:
         # Gradients of this worker's own tensors a hop's pass gave, added once its reply
         # is written (``defer``), or by whoever reads or adds gradients first.
         self._deferred: list[tuple[Any, Any, bool]] = []
+        # Whole passes of hops that replied first (``run_late``), in the order the hops
+        # came; run by one thread at a time, and before anything reads or adds gradients.
+        self._late: list[Callable[[], None]] = []
+        self._late_unfinished = 0  # held or running: a reader must wait for them
+        self._late_lock = threading.RLock()  # a late pass adds its own gradients
+        self._late_error: Exception | None = None
         self.peers: set[int] = set()  # workers this context exchanged messages with
         # Roots of backward passes run without retain_graph: their graph counts as freed
         # (torch raises on a second pass through it). Held, so their ids stay theirs.
@@ -111,7 +121,12 @@ class AutogradContext:
         ``shared`` (handed to another tensor too) or its layout differs from the tensor's
         (an expanded or strided gradient): then a copy in the tensor's layout is kept.
         Later ones are added out of place, so a kept gradient is never written to.
+
+        Raises:
+            Exception: a pass run late failed (``run_late``).
         """
+        if self._late_unfinished or self._late_error is not None:
+            self._run_late()
         with self._lock:
             if self._deferred:
                 self._add_deferred()
@@ -128,8 +143,57 @@ class AutogradContext:
         with self._lock:
             self._deferred.extend(grads)
 
+    def run_late(self, run: Callable[[], None]) -> None:
+        """Run ``run``, the whole pass of a hop that has replied already, when ``settle``
+        runs or before anything reads or adds gradients of this context, whichever comes
+        first (passes in the order they came, each before the gradients ``defer`` held
+        back by later hops): whoever reads waits for it.
+
+        For a hop whose pass sends nothing on (``graph.runs_after_reply``): its caller
+        waits for nothing the pass gives, so it may have its reply first. Such a pass
+        can fail only in a hook on one of its inner tensors: then the error is raised to
+        every reader of this context's gradients here (the optimizer's step, say), not by
+        the caller's ``backward()``, which has returned.
+        """
+        with self._lock:
+            self._late.append(run)
+            self._late_unfinished += 1
+
+    def _run_late(self) -> None:
+        """Run the passes ``run_late`` holds; raise the error of one that failed.
+
+        Raises:
+            Exception: a pass run late failed (now or before).
+        """
+        with self._late_lock:
+            while True:  # bounded: each round takes one of the passes
+                with self._lock:
+                    if not self._late:
+                        break
+                    run = self._late.pop(0)
+                try:
+                    run()
+                except Exception as exc:  # raised to every reader from now on
+                    _log.warning(
+                        "autograd context %d: a backward pass that ran after its hop's "
+                        "reply failed: %s", self.id, exc,
+                    )  # fmt: skip
+                    if self._late_error is None:
+                        self._late_error = exc
+                finally:
+                    with self._lock:
+                        self._late_unfinished -= 1
+        if self._late_error is not None:
+            raise self._late_error
+
     def settle(self) -> None:
-        """Add the gradients ``defer`` holds back."""
+        """Run the passes ``run_late`` holds, then add the gradients ``defer`` holds back.
+
+        Raises:
+            Exception: a pass run late failed (``run_late``).
+        """
+        if self._late_unfinished or self._late_error is not None:
+            self._run_late()
         with self._lock:
             if self._deferred:
                 self._add_deferred()
@@ -155,7 +219,13 @@ class AutogradContext:
 
     def gradients(self) -> dict[Any, Any]:
         """Every gradient of this worker's own tensors: those accumulated here, and those
-        held by the torch context of passes that ran on torch's engine."""
+        held by the torch context of passes that ran on torch's engine.
+
+        Raises:
+            Exception: a pass run late failed (``run_late``).
+        """
+        if self._late_unfinished or self._late_error is not None:
+            self._run_late()
         on_torch_engine = self.graph.gradients()
         with self._lock:
             if self._deferred:
@@ -198,6 +268,7 @@ class ContextTable:
         self.passes_on_loop = 0  # local passes run on the event loop (see count_pass_on_loop)
         self.root_lane_hops = 0  # hops the thread in backward() sent on its lane (count_lane_hop)
         self.passes_planned = 0  # hops whose pass was planned ahead (count_planned)
+        self.replied_first = 0  # hops that replied before their pass (count_replied_first)
         self.credits = Credits()  # the backward passes this worker is the root of
         self.root_threads = RootThreads()  # threads waiting in backward() take their hops
 
@@ -225,6 +296,11 @@ class ContextTable:
         """A hop's pass ran as planned ahead (``AutogradContext.plan_sent``)."""
         with self._lock:
             self.passes_planned += 1
+
+    def count_replied_first(self) -> None:
+        """A hop replied before its pass ran (``Hop.reply_first``)."""
+        with self._lock:
+            self.replied_first += 1
 
     def count_pass_on_loop(self) -> None:
         """A local pass ran on the loop, no pool round trip (for ``get_debug_info``)."""

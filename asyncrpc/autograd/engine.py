@@ -17,6 +17,7 @@ graph is kept (``retain_graph``) until the context is released.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -26,7 +27,7 @@ import torch
 from asyncrpc.autograd.context import AutogradContext, ContextTable
 from asyncrpc.autograd.credit import FULL, PassCredit, first_of, split
 from asyncrpc.autograd.feature import DistAutograd, context_table
-from asyncrpc.autograd.graph import Plan, plan_holds
+from asyncrpc.autograd.graph import Plan, plan_holds, runs_after_reply
 from asyncrpc.autograd.hopwire import dump_hop, dump_hop_reply, load_hop, load_hop_reply
 from asyncrpc.errors import as_backward_error
 from asyncrpc.functions import async_execution, inline
@@ -207,9 +208,12 @@ def grads_here(
     context = table.get(context_id)
     table.count_hop()
     share = None if credit is None else PassCredit(*credit)
+    hop = Hop(agent, table, context, share, caller)
+    if hop.reply_first(batches):
+        return hop.credit_back()  # the pass runs once the reply is written
     # This worker's own gradients are added after the reply is written (hop_replied):
     # the caller waits only for those the reply carries.
-    reply = Hop(agent, table, context, share, caller).run_here(batches, defer=True)
+    reply = hop.run_here(batches, defer=True)
     return reply.wait() if isinstance(reply, Future) else reply
 
 
@@ -217,11 +221,14 @@ def hop_replied(
     context_id: int, batches: Batches, credit: WireCredit | None = None, caller: int = -1
 ) -> None:
     """Runs on the lane's thread once ``grads_here``'s reply is written (or failed):
-    add the gradients of this worker's own tensors it held back."""
+    run the pass of a hop that replied first, and add the gradients of this worker's own
+    tensors it held back. A late pass's error is the context's readers' (``run_late``):
+    it is not raised here."""
     _, table = context_table()
     context = table.find(context_id)
     if context is not None:
-        context.settle()
+        with contextlib.suppress(Exception):  # logged, and raised to the context's readers
+            context.settle()
 
 
 # A hop on a lane travels in its own format (hopwire.py), not pickled.
@@ -356,6 +363,34 @@ class Hop:
         at_once = self.at_once(hops)
         return self.send_on(hops) if at_once is None else at_once
 
+    def reply_first(self, batches: Batches) -> bool:
+        """Whether this hop may reply before its pass runs: the usual hop (the gradients
+        of every tensor of one message), planned ahead, whose pass sends nothing on and
+        cannot fail (``graph.runs_after_reply``). Then the pass is left to the context
+        (``AutogradContext.run_late``): the lane's thread runs it once the reply is
+        written, and anything that reads this context's gradients waits for it. The
+        caller's ``backward()`` (a layer's owner, say, is often the last hop of a pass)
+        returns a local pass sooner."""
+        if len(batches) != 1:
+            return False
+        context = self.context
+        message_id, grads = batches[0]
+        planned = context.planned(message_id)
+        if planned is None or not runs_after_reply(planned, context.recvs):
+            return False
+        roots, grad_outputs = self._roots(batches)
+        if len(roots) != len(grads) or not plan_holds(planned, roots):
+            return False
+        self.table.count_planned()
+        self.table.count_replied_first()
+        rank = self.agent.rank
+
+        def late() -> None:
+            local_pass(context, roots, grad_outputs, rank, False, planned)
+
+        context.run_late(late)
+        return True
+
     def pass_here(self, batches: Batches, defer: bool = False) -> Outgoing:
         """The hop's local pass, on this thread; the gradients it sends on (``run_here``).
 
@@ -418,7 +453,7 @@ class Hop:
         gradients all go back to the caller, those (and this hop's credit); None where
         hops go on."""
         if not hops:
-            return self._credit_back()
+            return self.credit_back()
         credit = self.credit
         if credit is not None and self.embeds and len(hops) == 1 and self.caller in hops:
             return hops[self.caller], credit.amount
@@ -439,7 +474,7 @@ class Hop:
                 try_set_exception(replied, error)
                 return
             try:
-                try_set_result(replied, sent.value() + (self._credit_back() if keep else 0))
+                try_set_result(replied, sent.value() + (self.credit_back() if keep else 0))
             except Exception as exc:  # a credit call that could not start
                 try_set_exception(replied, exc)
 
@@ -477,7 +512,8 @@ class Hop:
             return 0
         return returned
 
-    def _credit_back(self) -> int:
+    def credit_back(self) -> int:
+        """This hop's credit, handed back to its root (see ``_return_credit``)."""
         credit = self.credit
         if credit is None:
             return 0

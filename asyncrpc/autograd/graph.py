@@ -75,10 +75,12 @@ def reachable_leaves(roots: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return walk[0]
 
 
-# What a walk of a graph found: its leaves, their elements in all, and whether one of them
-# is an ``nn.Parameter`` (which DDP's reducer may watch). Counted on the way: a pass pays
-# for one loop over its graph, not three.
-Walk = tuple[list[torch.Tensor], int, bool]
+# What a walk of a graph found: its leaves, their elements in all, whether one of them
+# is an ``nn.Parameter`` (which DDP's reducer may watch), and whether the pass may call
+# Python code that can be seen ahead (a custom Function's backward, a leaf's hook; a hook
+# on an inner tensor cannot be). Counted on the way: a pass pays for one loop over its
+# graph, not four.
+Walk = tuple[list[torch.Tensor], int, bool, bool]
 
 
 def _small_graph_leaves(roots: Sequence[torch.Tensor]) -> Walk | None:
@@ -94,7 +96,7 @@ def _walk_leaves(
     """The leaves the graph of ``roots`` reaches (see ``Walk``); None past ``max_nodes``
     nodes, or at a leaf off the CPU when ``cpu_only``."""
     leaves: list[torch.Tensor] = []
-    elements, params = 0, False
+    elements, params, python = 0, False, False
     seen: set[Any] = set()
     stack: list[Any] = [r.grad_fn for r in roots if r.grad_fn is not None]
     while stack:  # bounded by the graph (and max_nodes): each node is expanded once
@@ -111,9 +113,12 @@ def _walk_leaves(
             leaves.append(variable)
             elements += variable.numel()
             params = params or isinstance(variable, torch.nn.Parameter)
+            python = python or bool(variable._backward_hooks)
             continue
+        # torch's own nodes are C++ classes; a custom Function's is a Python class
+        python = python or type(node).__module__ != "builtins"
         stack.extend(child for child, _ in node.next_functions)
-    return leaves, elements, params
+    return leaves, elements, params, python
 
 
 class Plan(NamedTuple):
@@ -146,6 +151,18 @@ def _walk(roots: Sequence[torch.Tensor]) -> tuple[Walk, bool]:
     walk = _walk_leaves(roots, max_nodes=None)
     assert walk is not None  # with no bound the walk never gives up
     return walk, False
+
+
+def runs_after_reply(plan: Plan, received: Mapping[int, Any]) -> bool:
+    """Whether a pass planned as ``plan`` may run after its hop's reply is written: it
+    sends no gradient on (no leaf of the walk is in ``received``, by id), is small, runs
+    the light way (not torch's engine: no reducer can be fed), and calls no Python code
+    that a walk can see. Nothing such a pass does can fail but for a hook on an inner
+    tensor (see ``AutogradContext.run_late``)."""
+    leaves, _, params, python = plan.walk
+    if not plan.small or python or (params and _group_initialised()):
+        return False
+    return not any(id(leaf) in received for leaf in leaves)
 
 
 def plan_holds(plan: Plan, roots: Sequence[torch.Tensor]) -> bool:
@@ -247,7 +264,7 @@ class LocalGraph:
         else:
             direct, pairs = _split_roots(roots, grad_outputs)
             walk, small = _walk([root for root, _ in pairs])
-        leaves, elements, params = walk
+        leaves, elements, params, _ = walk
         if not leaves:
             return direct, False
         with self._lock:
@@ -414,7 +431,7 @@ def _plan_loop_pass(
     walk = _small_graph_leaves([root for root, _ in pairs])
     if walk is None:
         return None
-    leaves, elements, params = walk
+    leaves, elements, params, _ = walk
     too_big = elements + _root_elements(pairs) > LOOP_PASS_MAX_ELEMENTS
     # One that may feed a reducer runs on torch's engine (not on the loop).
     if too_big or (params and _group_initialised()):

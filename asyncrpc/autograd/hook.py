@@ -167,6 +167,7 @@ class AutogradHook(CallHook):
             "autograd_hops_taken_by_root": contexts.root_threads.hops_taken,
             "autograd_root_hops_on_lane": contexts.root_lane_hops,
             "autograd_passes_planned_ahead": contexts.passes_planned,
+            "autograd_hops_replied_first": contexts.replied_first,
             "autograd_passes_over_by_credit": contexts.credits.passes_over_early,
             "autograd_credit_calls": contexts.credits.calls,
             "autograd_releases_carried": self._releases.carried,

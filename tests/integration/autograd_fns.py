@@ -218,3 +218,19 @@ def unhook_optimizer_steps() -> list[bool]:
         _step_hooks.pop().remove()
     seen, _step_hook_on_loop[:] = list(_step_hook_on_loop), []
     return seen
+
+
+def hops_replied_first() -> int:
+    return int(asyncrpc.get_debug_info()["autograd_hops_replied_first"])
+
+
+def forward_inner_hook_fails(module: RRef[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    """The layer's forward with a hook on an inner tensor that raises in the backward:
+    a hook no walk of the graph can see."""
+    h = module.local_value()(x)
+
+    def fail(grad: torch.Tensor) -> torch.Tensor:
+        raise KeyError("hook of an inner tensor")
+
+    h.register_hook(fail)
+    return torch.relu(h)

@@ -1,6 +1,6 @@
 """Distributed autograd on lanes, with real worker processes over 127.0.0.1: the thread
 in ``backward()`` sends its hops on its own lanes and reads their replies itself, a hop
-travels in its own format.
+travels in its own format, and a hop whose pass sends nothing on replies before it runs.
 """
 
 from __future__ import annotations
@@ -171,3 +171,82 @@ def test_autograd_error_in_a_hop_on_the_lane_keeps_its_type(group: Group) -> Non
     assert isinstance(error, RuntimeError)
     assert error.remote_worker == "w3"  # type: ignore[attr-defined]
     assert str(error) == "Error on Node 3: 'broken backward'"
+
+
+def test_autograd_a_hop_that_sends_nothing_on_replies_before_its_pass(
+    group: Group, layers: Callable
+) -> None:
+    # The training step of the bench: x needs no gradient, so w1's pass sends nothing
+    # back. w1 replies to the hop at once and runs the pass after (its lane thread);
+    # whatever reads the context's gradients there waits for it: this thread's next call
+    # (same lane), another thread's at once, and the optimizer's step.
+    def on_a_thread_of_its_own() -> int:
+        layer = layers("w1", 81, 8, 4)
+        for _ in range(2):  # the second call opens this thread's lane to w1
+            asyncrpc.rpc_sync("w1", fns.num_contexts)
+        before = asyncrpc.rpc_sync("w1", fns.hops_replied_first)
+        m1 = fns.make_linear(81, 8, 4)
+        for step in range(3):
+            x = torch.randn(16, 8)
+            with dist_autograd.context() as context_id:
+                y = asyncrpc.rpc_sync("w1", fns.forward, args=(layer, x))
+                dist_autograd.backward(context_id, [y.pow(2).sum()])
+                m1.zero_grad()
+                m1(x).pow(2).sum().backward()
+                if step == 1:  # read at once from another thread: its own lane or the loop
+                    other = threading.Thread(
+                        target=assert_grads_match, args=(context_id, [("w1", layer)], [m1])
+                    )
+                    other.start()
+                    other.join(30)
+                    assert not other.is_alive()
+                assert_grads_match(context_id, [("w1", layer)], [m1])
+        return int(asyncrpc.rpc_sync("w1", fns.hops_replied_first) - before)
+
+    assert on_a_thread(on_a_thread_of_its_own) == 3
+
+
+def test_autograd_a_hop_whose_pass_sends_on_replies_after_it(
+    group: Group, layers: Callable
+) -> None:
+    # x requires grad: w1's pass gives x's gradient, which its reply carries. That hop
+    # cannot reply first.
+    def on_a_thread_of_its_own() -> int:
+        layer = layers("w1", 82, 8, 4)
+        for _ in range(2):
+            asyncrpc.rpc_sync("w1", fns.num_contexts)
+        before = asyncrpc.rpc_sync("w1", fns.hops_replied_first)
+        x = torch.randn(16, 8, requires_grad=True)
+        with dist_autograd.context() as context_id:
+            y = asyncrpc.rpc_sync("w1", fns.forward, args=(layer, x))
+            dist_autograd.backward(context_id, [y.pow(2).sum()])
+            x_local = x.detach().clone().requires_grad_()
+            fns.make_linear(82, 8, 4)(x_local).pow(2).sum().backward()
+            torch.testing.assert_close(dist_autograd.get_gradients(context_id)[x], x_local.grad)
+        return int(asyncrpc.rpc_sync("w1", fns.hops_replied_first) - before)
+
+    assert on_a_thread(on_a_thread_of_its_own) == 0
+
+
+def test_autograd_a_late_pass_that_fails_fails_the_readers_of_its_context(
+    group: Group, layers: Callable
+) -> None:
+    # A hook on an inner tensor of w1's forward raises in the backward. The walk cannot
+    # see it, so the hop replied first and backward() returned; the error is not lost:
+    # every reader of the context's gradients on w1 gets it, with its type (the
+    # optimizer's step would too). A documented limit (docs/autograd.md).
+    def on_a_thread_of_its_own() -> None:
+        layer = layers("w1", 83, 8, 4)
+        for _ in range(2):
+            asyncrpc.rpc_sync("w1", fns.num_contexts)
+        with dist_autograd.context() as context_id:
+            y = asyncrpc.rpc_sync(
+                "w1", fns.forward_inner_hook_fails, args=(layer, torch.ones(2, 8))
+            )
+            dist_autograd.backward(context_id, [y.sum()])
+            for _ in range(2):
+                with pytest.raises(KeyError, match="hook of an inner tensor") as raised:
+                    asyncrpc.rpc_sync("w1", fns.grads_of, args=(context_id, layer))
+                assert isinstance(raised.value, BackwardError)
+
+    on_a_thread(on_a_thread_of_its_own)

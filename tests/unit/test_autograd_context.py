@@ -1,8 +1,12 @@
-"""Gradients a hop's pass holds back until its reply is written (AutogradContext.defer):
-added by settle(), or by whatever reads or adds gradients first, in the same order."""
+"""Gradients a hop's pass holds back until its reply is written (AutogradContext.defer),
+and whole passes run after it (run_late): added by settle(), or by whatever reads or adds
+gradients first, in the same order."""
 
 from __future__ import annotations
 
+import threading
+
+import pytest
 import torch
 
 from asyncrpc.autograd.context import AutogradContext
@@ -100,3 +104,64 @@ def test_only_tensors_with_a_graph_are_planned() -> None:
     context.plan_sent(10)  # no such message
     assert context.planned(9) is None
     assert context.planned(10) is None
+
+
+def test_a_pass_run_late_goes_before_the_gradients_deferred_after_it() -> None:
+    # A hop that replied first (its pass left to run_late), then a hop whose gradients
+    # were deferred: whoever settles adds the late pass's terms first, as the hops came.
+    context = AutogradContext(6)
+    weight = torch.zeros(1, dtype=torch.float32)
+    a, b = torch.tensor([1e8]), torch.tensor([1.0])
+    ran: list[str] = []
+
+    def late() -> None:
+        ran.append("late")
+        context.accumulate(weight, a)  # a late pass adds its own gradients (re-entrant)
+
+    context.run_late(late)
+    context.defer([(weight, b, False)])
+    assert context.grads == {}  # nothing ran yet
+    assert torch.equal(context.gradients()[weight], a + b)
+    context.settle()  # already run by the reader: not twice
+    assert ran == ["late"]
+
+
+def test_a_reader_on_another_thread_waits_for_a_late_pass_running() -> None:
+    context = AutogradContext(7)
+    weight = torch.zeros(2)
+    started, release = threading.Event(), threading.Event()
+
+    def late() -> None:
+        started.set()
+        assert release.wait(5)
+        context.accumulate(weight, torch.ones(2))
+
+    context.run_late(late)
+    runner = threading.Thread(target=context.settle)
+    runner.start()
+    assert started.wait(5)
+    seen: list[dict[object, torch.Tensor]] = []
+    reader = threading.Thread(target=lambda: seen.append(context.gradients()))
+    reader.start()
+    reader.join(0.2)
+    assert reader.is_alive()  # it waits for the pass, never reads half of it
+    release.set()
+    runner.join(5)
+    reader.join(5)
+    assert torch.equal(seen[0][weight], torch.ones(2))
+
+
+def test_a_late_pass_that_failed_fails_every_reader() -> None:
+    context = AutogradContext(8)
+
+    def late() -> None:
+        raise KeyError("a hook on an inner tensor")
+
+    context.run_late(late)
+
+    def add() -> None:
+        context.accumulate(torch.zeros(1), torch.ones(1))
+
+    for read in (context.settle, context.gradients, add):
+        with pytest.raises(KeyError, match="inner tensor"):
+            read()
