@@ -73,7 +73,7 @@ conformance-ci: $(STAMP)
 	$(PY) -m tests.conformance.run --suites all --ci --json conformance-report.json
 
 # The chaos soak (asyncrpc/testing/chaos.py): 8 workers, mixed load, seeded faults, and a
-# ledger audit at the end. `make chaos DURATION=600 SEED=7`; CI runs 60 s in `make test`.
+# ledger audit at the end. `make chaos DURATION=600 SEED=7`; CI runs 30 s in `make test`.
 DURATION ?= 600
 SEED     ?= 1
 chaos: $(STAMP)

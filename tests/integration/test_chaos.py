@@ -1,4 +1,4 @@
-"""The chaos soak (``asyncrpc.testing.chaos``) for a minute, and the regressions it found.
+"""The chaos soak (``asyncrpc.testing.chaos``) for half a minute, and the regressions it found.
 
 The soak runs in ``make test``; ``-m 'not chaos'`` deselects it where a run must be short.
 """
@@ -15,7 +15,7 @@ import pytest
 from asyncrpc.testing import chaos, free_port, spawn_worker, stop_workers
 from tests import scenarios
 
-SECONDS = float(os.environ.get("CHAOS_SECONDS", "60"))
+SECONDS = float(os.environ.get("CHAOS_SECONDS", "30"))
 
 
 @pytest.mark.chaos
