@@ -110,7 +110,7 @@ def install(side: str) -> None:
     _wrap(hop, "run_on_thread", f"{side} thread: hop's pass")
     # A hop on a lane: run by the callee's lane thread.
     _wrap(engine, "grads_here", f"{side} lane thread: grads_here")
-    _wrap(hop, "pass_here", f"{side} thread: a pass on this thread (pass_here)")
+    _wrap(hop, "_pass", f"{side} thread: a pass on this thread (Hop._pass)")
     # A coded hop on a lane (the root's one hop): served by the callee's lane thread.
     from asyncrpc.runtime.lanes.server import LaneServer
 

@@ -125,8 +125,7 @@ class AutogradContext:
         Raises:
             Exception: a pass run late failed (``run_late``).
         """
-        if self._late_unfinished or self._late_error is not None:
-            self._run_late()
+        self._run_late()
         with self._lock:
             if self._deferred:
                 self._add_deferred()
@@ -160,11 +159,14 @@ class AutogradContext:
             self._late_unfinished += 1
 
     def _run_late(self) -> None:
-        """Run the passes ``run_late`` holds; raise the error of one that failed.
+        """Run the passes ``run_late`` holds, or wait for the one running; raise the
+        error of one that failed.
 
         Raises:
             Exception: a pass run late failed (now or before).
         """
+        if not self._late_unfinished and self._late_error is None:
+            return  # the usual case, read without a lock: no late pass, none failed
         with self._late_lock:
             while True:  # bounded: each round takes one of the passes
                 with self._lock:
@@ -192,8 +194,7 @@ class AutogradContext:
         Raises:
             Exception: a pass run late failed (``run_late``).
         """
-        if self._late_unfinished or self._late_error is not None:
-            self._run_late()
+        self._run_late()
         with self._lock:
             if self._deferred:
                 self._add_deferred()
@@ -224,8 +225,7 @@ class AutogradContext:
         Raises:
             Exception: a pass run late failed (``run_late``).
         """
-        if self._late_unfinished or self._late_error is not None:
-            self._run_late()
+        self._run_late()
         on_torch_engine = self.graph.gradients()
         with self._lock:
             if self._deferred:
@@ -298,7 +298,7 @@ class ContextTable:
             self.passes_planned += 1
 
     def count_replied_first(self) -> None:
-        """A hop replied before its pass ran (``Hop.reply_first``)."""
+        """A hop replied before its pass ran (``Hop._reply_first``)."""
         with self._lock:
             self.replied_first += 1
 

@@ -208,12 +208,9 @@ def grads_here(
     context = table.get(context_id)
     table.count_hop()
     share = None if credit is None else PassCredit(*credit)
-    hop = Hop(agent, table, context, share, caller)
-    if hop.reply_first(batches):
-        return hop.credit_back()  # the pass runs once the reply is written
     # This worker's own gradients are added after the reply is written (hop_replied):
-    # the caller waits only for those the reply carries.
-    reply = hop.run_here(batches, defer=True)
+    # the caller waits only for those the reply carries, or for none (a reply first).
+    reply = Hop(agent, table, context, share, caller).run_here(batches, defer=True)
     return reply.wait() if isinstance(reply, Future) else reply
 
 
@@ -353,61 +350,68 @@ class Hop:
     def run_here(self, batches: Batches, defer: bool = False) -> Future[HopReply] | HopReply:
         """Run the hop's pass on this thread (not the loop's: user code may block here),
         then ``onward``; the future of the reply, or the reply itself where the pass sent
-        no hop on (no future for a thread that would only wait for it). ``defer``: this
-        worker's own gradients are added once the context settles (see ``local_pass``).
+        no hop on (no future for a thread that would only wait for it).
+
+        ``defer``: the reply is written before the context settles (a hop on a lane).
+        This worker's own gradients are added then (see ``local_pass``), and a planned
+        pass that sends nothing on runs whole then (``_reply_first``).
 
         Raises:
             The graph's error, as ``local_pass`` raises it.
         """
-        hops = by_sender(self.pass_here(batches, defer))
+        roots, grad_outputs, planned = self._prepared(batches)
+        if defer and planned is not None and runs_after_reply(planned, self.context.recvs):
+            return self._reply_first(roots, grad_outputs, planned)
+        hops = by_sender(self._pass(roots, grad_outputs, planned, defer))
         at_once = self.at_once(hops)
         return self.send_on(hops) if at_once is None else at_once
 
-    def reply_first(self, batches: Batches) -> bool:
-        """Whether this hop may reply before its pass runs: the usual hop (the gradients
-        of every tensor of one message), planned ahead, whose pass sends nothing on and
-        cannot fail (``graph.runs_after_reply``). Then the pass is left to the context
-        (``AutogradContext.run_late``): the lane's thread runs it once the reply is
-        written, and anything that reads this context's gradients waits for it. The
-        caller's ``backward()`` (a layer's owner, say, is often the last hop of a pass)
+    def _reply_first(
+        self, roots: list[torch.Tensor], grad_outputs: list[Any], planned: Plan
+    ) -> int:
+        """The reply of a hop whose pass sends nothing on and cannot fail
+        (``graph.runs_after_reply``): its credit, at once. The pass is left to the
+        context (``AutogradContext.run_late``): the lane's thread runs it once the reply
+        is written, and anything that reads this context's gradients waits for it. The
+        caller's ``backward()`` (a layer's owner is often the last hop of a pass)
         returns a local pass sooner."""
-        if len(batches) != 1:
-            return False
-        context = self.context
-        message_id, grads = batches[0]
-        planned = context.planned(message_id)
-        if planned is None or not runs_after_reply(planned, context.recvs):
-            return False
-        roots, grad_outputs = self._roots(batches)
-        if len(roots) != len(grads) or not plan_holds(planned, roots):
-            return False
         self.table.count_planned()
         self.table.count_replied_first()
-        rank = self.agent.rank
+        context, rank = self.context, self.agent.rank
 
         def late() -> None:
             local_pass(context, roots, grad_outputs, rank, False, planned)
 
         context.run_late(late)
-        return True
+        return self._credit_back()
 
     def pass_here(self, batches: Batches, defer: bool = False) -> Outgoing:
-        """The hop's local pass, on this thread; the gradients it sends on (``run_here``).
+        """The hop's local pass, on this thread; the gradients it sends on.
 
         Raises:
             The graph's error, as ``local_pass`` raises it.
         """
+        return self._pass(*self._prepared(batches), defer)
+
+    def _prepared(self, batches: Batches) -> tuple[list[torch.Tensor], list[Any], Plan | None]:
+        """The roots of the hop's pass, their gradients, and the plan made ahead for them
+        where it holds: the usual hop brings the gradients of every tensor of one
+        message (``AutogradContext.plan_sent``)."""
         roots, grad_outputs = self._roots(batches)
-        # The usual hop: the gradients of every tensor of one message, planned ahead.
-        context = self.context
         planned = None
         if len(batches) == 1 and len(roots) == len(batches[0][1]):
-            planned = context.planned(batches[0][0])
-            if planned is not None and plan_holds(planned, roots):
-                self.table.count_planned()
-            else:
+            planned = self.context.planned(batches[0][0])
+            if planned is not None and not plan_holds(planned, roots):
                 planned = None
-        return local_pass(context, roots, grad_outputs, self.agent.rank, defer, planned)
+        return roots, grad_outputs, planned
+
+    def _pass(
+        self, roots: list[torch.Tensor], grad_outputs: list[Any], planned: Plan | None,
+        defer: bool,
+    ) -> Outgoing:  # fmt: skip
+        if planned is not None:
+            self.table.count_planned()
+        return local_pass(self.context, roots, grad_outputs, self.agent.rank, defer, planned)
 
     def _roots(self, batches: Batches) -> tuple[list[torch.Tensor], list[Any]]:
         """The tensors this worker sent that the batches bring gradients for, and those."""
@@ -453,7 +457,7 @@ class Hop:
         gradients all go back to the caller, those (and this hop's credit); None where
         hops go on."""
         if not hops:
-            return self.credit_back()
+            return self._credit_back()
         credit = self.credit
         if credit is not None and self.embeds and len(hops) == 1 and self.caller in hops:
             return hops[self.caller], credit.amount
@@ -474,7 +478,7 @@ class Hop:
                 try_set_exception(replied, error)
                 return
             try:
-                try_set_result(replied, sent.value() + (self.credit_back() if keep else 0))
+                try_set_result(replied, sent.value() + (self._credit_back() if keep else 0))
             except Exception as exc:  # a credit call that could not start
                 try_set_exception(replied, exc)
 
@@ -512,8 +516,7 @@ class Hop:
             return 0
         return returned
 
-    def credit_back(self) -> int:
-        """This hop's credit, handed back to its root (see ``_return_credit``)."""
+    def _credit_back(self) -> int:
         credit = self.credit
         if credit is None:
             return 0

@@ -160,7 +160,7 @@ def runs_after_reply(plan: Plan, received: Mapping[int, Any]) -> bool:
     that a walk can see. Nothing such a pass does can fail but for a hook on an inner
     tensor (see ``AutogradContext.run_late``)."""
     leaves, _, params, python = plan.walk
-    if not plan.small or python or (params and _group_initialised()):
+    if not plan.small or python or _may_feed_reducer(params):
         return False
     return not any(id(leaf) in received for leaf in leaves)
 
@@ -268,7 +268,7 @@ class LocalGraph:
         if not leaves:
             return direct, False
         with self._lock:
-            if params and _group_initialised():
+            if _may_feed_reducer(params):
                 return direct + self._run_on_torch_engine(pairs, received, rank), True
         if not small or elements + _root_elements(pairs) > LOOP_PASS_MAX_ELEMENTS:
             return direct + _engine_pass(pairs, leaves), False
@@ -434,7 +434,7 @@ def _plan_loop_pass(
     leaves, elements, params, _ = walk
     too_big = elements + _root_elements(pairs) > LOOP_PASS_MAX_ELEMENTS
     # One that may feed a reducer runs on torch's engine (not on the loop).
-    if too_big or (params and _group_initialised()):
+    if too_big or _may_feed_reducer(params):
         return None
     return direct, pairs, leaves
 
@@ -453,6 +453,12 @@ _DISTRIBUTED = torch.distributed.is_available()
 
 def _group_initialised() -> bool:
     return _DISTRIBUTED and torch.distributed.is_initialized()
+
+
+def _may_feed_reducer(params: bool) -> bool:
+    """Whether a pass whose walk found ``params`` (an ``nn.Parameter`` among its leaves)
+    may feed DDP's reducer: then it runs on torch's engine."""
+    return params and _group_initialised()
 
 
 def _hook_accumulator(leaf: torch.Tensor, hook: Callable[[Any], Any]) -> Any:
