@@ -55,6 +55,14 @@ def assert_grads_match(
             torch.testing.assert_close(grad, param.grad)
 
 
+def open_lanes(*workers: str) -> None:
+    """Open this thread's lane to each of ``workers``: a thread's second call to a worker
+    opens one."""
+    for _ in range(2):
+        for worker in workers:
+            asyncrpc.rpc_sync(worker, fns.num_contexts)
+
+
 def on_a_thread(fn: Callable[[], Any]) -> Any:
     """``fn()`` on a new thread (its own lanes, opened by its own calls); its result, or
     its error raised here."""

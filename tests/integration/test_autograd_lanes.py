@@ -15,10 +15,7 @@ import asyncrpc
 from asyncrpc import autograd as dist_autograd
 from asyncrpc.errors import BackwardError
 from tests.integration import autograd_fns as fns
-from tests.integration.autograd_support import (
-    assert_grads_match,
-    on_a_thread,
-)
+from tests.integration.autograd_support import assert_grads_match, on_a_thread, open_lanes
 from tests.integration.conftest import Group
 
 pytestmark = pytest.mark.timeout(90)
@@ -59,8 +56,7 @@ def test_autograd_root_thread_sends_its_hop_on_its_lane_even_when_a_hop_comes_ba
     # comes back here meanwhile runs on the loop (the thread is away): no deadlock.
     def on_a_thread_of_its_own() -> list[int]:
         l1, l3 = layers("w1", 51, 4, 6), layers("w3", 52, 6, 2)
-        asyncrpc.rpc_sync("w1", fns.num_contexts)
-        asyncrpc.rpc_sync("w1", fns.num_contexts)
+        open_lanes("w1")
         info = asyncrpc.get_debug_info
         names = ("autograd_root_hops_on_lane", "autograd_hops_received")
         before = [info()[name] for name in names]
@@ -94,8 +90,7 @@ def test_autograd_root_hop_on_a_lane_travels_coded(
     # in w1's pass arrives through it with its type.
     def on_a_thread_of_its_own() -> None:
         layer = layers("w1", 61, 64, 64)
-        for _ in range(2):  # the second call opens this thread's lane to w1
-            asyncrpc.rpc_sync("w1", fns.num_contexts)
+        open_lanes("w1")
         before = asyncrpc.rpc_sync("w1", fns.coded_calls_received)
         planned = asyncrpc.rpc_sync("w1", fns.passes_planned)
         x = torch.randn(rows, 64, requires_grad=True)
@@ -126,8 +121,7 @@ def test_autograd_a_chain_through_the_root_goes_hop_by_hop_on_its_lanes(
     # replies bring back itself, hop after hop; the loop never takes part.
     def on_a_thread_of_its_own() -> tuple[list[int], int]:
         l1, l3 = layers("w1", 71, 4, 6), layers("w3", 72, 6, 2)
-        for worker in ("w1", "w3", "w1", "w3"):  # the second call to each opens a lane
-            asyncrpc.rpc_sync(worker, fns.num_contexts)
+        open_lanes("w1", "w3")
         before = [asyncrpc.rpc_sync(w, fns.coded_calls_received) for w in ("w1", "w3")]
         on_lane = asyncrpc.get_debug_info()["autograd_root_hops_on_lane"]
         x = torch.randn(3, 4, requires_grad=True)
@@ -151,8 +145,7 @@ def test_autograd_error_in_a_hop_on_the_lane_keeps_its_type(group: Group) -> Non
     # The hop to w3 goes on this thread's lane (opened by the calls before it): the
     # error comes back in the lane's reply, as it does in the loop's.
     def on_a_thread_of_its_own() -> tuple[BaseException, int]:
-        for _ in range(2):
-            asyncrpc.rpc_sync("w3", fns.num_contexts)
+        open_lanes("w3")
         before = asyncrpc.get_debug_info()["autograd_root_hops_on_lane"]
         a = torch.randn(2, requires_grad=True)
         with dist_autograd.context() as context_id:
@@ -179,11 +172,10 @@ def test_autograd_a_hop_that_sends_nothing_on_replies_before_its_pass(
     # The training step of the bench: x needs no gradient, so w1's pass sends nothing
     # back. w1 replies to the hop at once and runs the pass after (its lane thread);
     # whatever reads the context's gradients there waits for it: this thread's next call
-    # (same lane), another thread's at once, and the optimizer's step.
+    # (same lane), and another thread's at once.
     def on_a_thread_of_its_own() -> int:
         layer = layers("w1", 81, 8, 4)
-        for _ in range(2):  # the second call opens this thread's lane to w1
-            asyncrpc.rpc_sync("w1", fns.num_contexts)
+        open_lanes("w1")
         before = asyncrpc.rpc_sync("w1", fns.hops_replied_first)
         m1 = fns.make_linear(81, 8, 4)
         for step in range(3):
@@ -213,8 +205,7 @@ def test_autograd_a_hop_whose_pass_sends_on_replies_after_it(
     # cannot reply first.
     def on_a_thread_of_its_own() -> int:
         layer = layers("w1", 82, 8, 4)
-        for _ in range(2):
-            asyncrpc.rpc_sync("w1", fns.num_contexts)
+        open_lanes("w1")
         before = asyncrpc.rpc_sync("w1", fns.hops_replied_first)
         x = torch.randn(16, 8, requires_grad=True)
         with dist_autograd.context() as context_id:
@@ -237,8 +228,7 @@ def test_autograd_a_late_pass_that_fails_fails_the_readers_of_its_context(
     # optimizer's step would too). A documented limit (docs/autograd.md).
     def on_a_thread_of_its_own() -> None:
         layer = layers("w1", 83, 8, 4)
-        for _ in range(2):
-            asyncrpc.rpc_sync("w1", fns.num_contexts)
+        open_lanes("w1")
         with dist_autograd.context() as context_id:
             y = asyncrpc.rpc_sync(
                 "w1", fns.forward_inner_hook_fails, args=(layer, torch.ones(2, 8))

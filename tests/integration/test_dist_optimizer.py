@@ -18,6 +18,7 @@ from asyncrpc.errors import BlockingCallError
 from asyncrpc.optim import DistributedOptimizer, LocalOptimizer
 from asyncrpc.runtime.current import current_agent
 from tests.integration import autograd_fns as fns
+from tests.integration.autograd_support import open_lanes
 from tests.integration.conftest import Group
 
 pytestmark = pytest.mark.timeout(90)
@@ -108,8 +109,7 @@ def test_distributed_optimizer_steps_several_owners_at_once_on_the_lanes(
     # before either reply is read, so their lane threads step them at once; none on a
     # loop. The weights are those one process's SGD gives.
     l1, l3 = layers("w1", 41, 4, 6), layers("w3", 42, 6, 1)
-    for worker in ("w1", "w3", "w1", "w3"):  # the second call to each opens a lane
-        asyncrpc.rpc_sync(worker, fns.num_contexts)
+    open_lanes("w1", "w3")
     params = asyncrpc.rpc_sync("w1", fns.param_rrefs, args=(l1,))
     params += asyncrpc.rpc_sync("w3", fns.param_rrefs, args=(l3,))
     optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=0.1)
