@@ -20,7 +20,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 # No worker processes: the unit tests (no loop) and the one-process asyncio tests, about a
-# minute (the whole `make test` takes about 13 minutes on 2 cores).
+# minute (the whole `make test` takes about 10 minutes on 2 cores).
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests/unit tests/aio
 

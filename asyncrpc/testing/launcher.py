@@ -7,7 +7,6 @@ bounded lifetime through the caller's ``stop_workers`` in a ``finally``.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -15,8 +14,60 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-__all__ = ["WorkerProcess", "free_port", "spawn_worker", "stop_workers"]
+from asyncrpc.testing.prefork import PreforkedProcess, Preforker
+
+__all__ = [
+    "WorkerProcess",
+    "free_port",
+    "preforker",
+    "spawn_worker",
+    "start_module",
+    "stop_workers",
+    "use_preforker",
+]
+
+_preforker: Preforker | None = None
+
+
+def use_preforker(server: Preforker | None) -> None:
+    """Start later processes from ``server`` where it can run them (None: fresh ones).
+
+    The test session sets one (tests/conftest.py): each worker then costs a fork instead
+    of an interpreter importing torch. The benchmark never does.
+    """
+    global _preforker
+    _preforker = server
+
+
+def preforker() -> Preforker | None:
+    """The prefork server set by ``use_preforker``, if any."""
+    return _preforker
+
+
+def start_module(
+    module: str,
+    args: Sequence[str],
+    *,
+    env: dict[str, str],
+    cwd: Path,
+    prefix: Sequence[str] = (),
+    stdin: int | None = None,
+    stdout: int | None = None,
+    stderr: int | None = None,
+    text: bool = False,
+) -> subprocess.Popen[Any] | PreforkedProcess:
+    """``python -m module *args``: forked from the prefork server where it can run it,
+    else a fresh interpreter (always one behind a ``prefix``, which must exec it)."""
+    if _preforker is not None and not prefix and _preforker.can_run(env):
+        return _preforker.popen(
+            module, args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text
+        )
+    return subprocess.Popen(
+        [*prefix, sys.executable, "-m", module, *args],
+        stdin=stdin, stdout=stdout, stderr=stderr, env=env, cwd=cwd, text=text,
+    )  # fmt: skip
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -42,7 +93,7 @@ class WorkerProcess:
 
     name: str
     rank: int
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | PreforkedProcess
     log_path: Path
     extra: dict[str, str] = field(default_factory=dict)
 
@@ -61,7 +112,7 @@ class WorkerProcess:
     def kill(self) -> None:
         """SIGKILL this worker (by the PID we started) and reap it."""
         if self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.kill()
         self.process.wait(10)
 
 
@@ -110,17 +161,17 @@ def spawn_worker(
     root = str(Path(__file__).resolve().parents[2])
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, full_env.get("PYTHONPATH", "")) if p)
     full_env.update(env or {})
-    cmd = [
-        *prefix, sys.executable, "-m", "asyncrpc.testing.worker",
+    args = [
         "--name", name, "--rank", str(rank), "--world-size", str(world_size),
         "--init-method", init_method, "--mode", mode,
         "--rpc-timeout", str(rpc_timeout), "--shutdown-timeout", str(shutdown_timeout),
         *extra_args,
     ]  # fmt: skip
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=root
-        )
+        process = start_module(
+            "asyncrpc.testing.worker", args, env=full_env, cwd=Path(root), prefix=prefix,
+            stdout=log.fileno(), stderr=subprocess.STDOUT,
+        )  # fmt: skip
     return WorkerProcess(name, rank, process, log_path)
 
 

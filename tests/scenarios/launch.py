@@ -1,7 +1,7 @@
 """The test side of a scenario (test layer): start ``python -m tests.scenarios NAME ...``
 and read its output lines, its ``RESULT {json}`` line and its exit code.
 
-Stdlib only: the pytest process imports this without the scenario modules.
+The pytest process imports this without the scenario modules (nor torch).
 """
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ import json
 import os
 import queue
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from asyncrpc.testing.launcher import start_module
+from asyncrpc.testing.prefork import PreforkedProcess
 
 RESULT_PREFIX = "RESULT "  # printed by ``common.report``
 _ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +39,7 @@ def cpp_log_lines(text: str) -> list[str]:
 class ScenarioProcess:
     """A scenario process we started: its output lines arrive through a reader thread."""
 
-    def __init__(self, process: subprocess.Popen[str]) -> None:
+    def __init__(self, process: subprocess.Popen[str] | PreforkedProcess) -> None:
         self.process = process
         self.output: list[str] = []
         self._lines: queue.Queue[str | None] = queue.Queue()
@@ -125,13 +127,8 @@ def start(
     )
     full_env["PYTHONUNBUFFERED"] = "1"
     full_env.update(env or {})
-    process = subprocess.Popen(
-        [*prefix, sys.executable, "-m", "tests.scenarios", scenario, *args],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=full_env,
-        cwd=_ROOT,
-    )
+    process = start_module(
+        "tests.scenarios", [scenario, *args], env=full_env, cwd=_ROOT, prefix=prefix,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
     return ScenarioProcess(process)
