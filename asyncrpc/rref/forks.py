@@ -315,10 +315,37 @@ class Forks:
         # From __del__, on any thread: no I/O here, just a hand-off to the loop.
         if self.closed or self.loop.is_closed():
             return
+        if fork_id is None and self._drop_own_handle_here(rref_id):
+            return
         if asyncio._get_running_loop() is not self.loop:  # dropped on another thread
             handoffs.count("thread_to_loop")
         with contextlib.suppress(RuntimeError):  # the loop closed in between
             self.loop.call_soon_threadsafe(self.release, rref_id, fork_id)
+
+    def _drop_own_handle_here(self, rref_id: RRefId) -> bool:
+        """Drop one of the owner's own handles on this thread, if it can take the lock at
+        once; False (nothing done) if it cannot.
+
+        Such a drop is bookkeeping: no message, at most a ``Free``. An RRef that comes home
+        as a call's argument (``rpc_sync(owner, f, (rref, x))``, every step of a model
+        behind RRefs) is dropped on the lane thread that served the call; handing each
+        drop to the loop woke the loop thread once per call, to take the GIL beside the
+        lane thread that is writing the reply. ``__del__`` runs wherever the last
+        reference went, maybe inside this very lock: a lock held, by this thread or
+        another, sends the drop the loop's way.
+        """
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            actions = self.counter.drop_local_handle(rref_id)
+        except LocalProtocolError:
+            actions = []  # already released by a graceful shutdown
+        finally:
+            self._lock.release()
+        if actions:  # a Free: the value goes on the loop, as every action does
+            with contextlib.suppress(RuntimeError):  # the loop closed in between
+                self.loop.call_soon_threadsafe(self.apply, actions)
+        return True
 
     # -- messages and failures -------------------------------------------------------------
 

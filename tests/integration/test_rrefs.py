@@ -95,6 +95,25 @@ def test_local_owner_rref_passed_to_a_worker(group: Group) -> None:
     assert asyncrpc.rpc_sync("w1", fns.forward_to, args=(rref, "driver")).tolist() == [0, 1, 2, 3]
 
 
+def test_an_rref_coming_home_in_calls_wakes_no_loop_on_its_owner(group: Group) -> None:
+    # A model behind an RRef gets it back as an argument every step: the owner drops that
+    # handle on the lane thread that served the call, without waking its loop for it.
+    assert _until_empty("w1")["owner_rrefs"] == 0
+    rref = asyncrpc.remote("w1", torch.ones, args=(3,))
+    assert rref.to_here().tolist() == [1.0, 1.0, 1.0]
+
+    def loop_wakes() -> int:
+        return int(asyncrpc.rpc_sync("w1", fns.metrics)["handoffs_thread_to_loop"])
+
+    reading = -loop_wakes() + loop_wakes()  # what reading the count costs, if anything
+    before = loop_wakes()
+    for _ in range(20):
+        assert asyncrpc.rpc_sync("w1", fns.local_value_of, args=(rref,)).tolist() == [1.0] * 3
+    assert loop_wakes() - before == reading
+    del rref  # and the value is still freed once the last reference goes
+    assert _until_empty("w1")["owner_rrefs"] == 0
+
+
 def test_rref_returned_as_a_result(group: Group) -> None:
     rref = asyncrpc.rpc_sync("w2", fns.owned_here, args=("held on w2",))
     assert rref.owner_name() == "w2"
