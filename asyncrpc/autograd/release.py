@@ -3,13 +3,18 @@
 Leaving a context drops it here at once, on the leaving thread (as torch's ``__exit__``
 does), and queues a release for the workers it exchanged messages with. Releases ride along
 on the next call this worker makes to each of those workers (a header field the autograd
-hook adds), or leave ``BATCH_DELAY`` seconds after they were queued, one call per worker
-for all the contexts queued meanwhile; each worker passes them on to the workers it reached
-in turn. A training loop leaves a context per step: one release call per worker per step
-cost the caller a thread hand-off and each server a wake-up and a reply, on the step's
-critical path on a small machine; a batch costs that once per ``BATCH_DELAY``. Contexts
-live on the other workers at most that much longer (nothing reads them after the step:
-torch releases them in the background too). ``Releases`` is built with the contexts, the
+hook adds), or, once they have waited ``BATCH_DELAY`` seconds without such a call, leave in
+one call per worker for all the contexts queued meanwhile; each worker passes them on to
+the workers it reached in turn. A training loop leaves a context per step: one release
+call per worker per step cost the caller a thread hand-off and each server a wake-up and a
+reply, on the step's critical path on a small machine. The timer sends only releases that
+waited a whole ``BATCH_DELAY``: one that sent whatever was queued when it fired took, in a
+loop of steps shorter than the delay, the releases the next step was about to carry (a
+release call every 5 ms, measured). While releases are queued the timer stays armed on the
+loop (one loop wake-up per ``BATCH_DELAY``, no hand-off from the leaving thread); with
+none queued it stops. Contexts live on the other workers at most about twice
+``BATCH_DELAY`` longer (nothing reads them after the step: torch releases them in the
+background too). ``Releases`` is built with the contexts, the
 hook and the rest of the distributed autograd feature (``feature.py``), from the calls and
 the loop it uses.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -28,7 +34,7 @@ from asyncrpc.runtime.ports import Calls, Loop
 
 __all__ = ["BATCH_DELAY", "Releases"]
 
-BATCH_DELAY = 0.005  # seconds between batches (bounds how long a left context lingers)
+BATCH_DELAY = 0.02  # seconds a release waits for a call to carry it (and between timers)
 _RELEASE_TRIES = 6  # backoff 0.05 s doubling: about 3 s of waits in all
 
 
@@ -54,6 +60,7 @@ class Releases:
         self._release_here = release_here
         self._lock = threading.Lock()  # left() runs on user threads, the flush on the loop
         self._queued: dict[int, list[int]] = {}  # peer -> context ids to release there
+        self._since: dict[int, float] = {}  # peer -> when its oldest queued release came
         self._flush_armed = False
         self.carried = 0  # context ids that rode along on a call (see take_for)
 
@@ -73,6 +80,7 @@ class Releases:
         cost no call of their own. Queue them again (``queue``) if that call fails."""
         with self._lock:
             taken = self._queued.pop(peer, [])
+            self._since.pop(peer, None)
             self.carried += len(taken)
         return taken
 
@@ -80,8 +88,11 @@ class Releases:
         """Release the context ids listed for each peer with the next call to it, or the
         next batch: contexts left here or passed on by this worker, and releases whose call
         failed (queued again: releasing twice is harmless)."""
+        now = time.monotonic()
         with self._lock:
             for peer, context_ids in by_peer.items():
+                if peer not in self._queued:
+                    self._since[peer] = now
                 self._queued.setdefault(peer, []).extend(context_ids)
             if self._flush_armed:
                 return
@@ -92,14 +103,25 @@ class Releases:
         self._loop.aio.call_later(BATCH_DELAY, self._flush)
 
     def _flush(self) -> None:
+        # The timer, on the loop: what waited a whole delay goes; what is younger waits
+        # for a call to carry it, the timer armed again behind it.
+        now = time.monotonic()
         with self._lock:
-            self._flush_armed = False
-            queued, self._queued = self._queued, {}
+            due = [peer for peer, since in self._since.items() if now - since >= BATCH_DELAY]
+            queued = {peer: self._queued.pop(peer) for peer in due}
+            for peer in due:
+                del self._since[peer]
+            self._flush_armed = bool(self._queued)
+        if self._flush_armed:
+            self._arm()
         self.send(queued)
 
     def flush(self) -> None:
-        """Send what is queued now (on the loop; shutdown calls it before the goodbyes)."""
-        self._flush()
+        """Send everything queued now (on the loop; shutdown calls it before the goodbyes)."""
+        with self._lock:
+            queued, self._queued = self._queued, {}
+            self._since.clear()
+        self.send(queued)
 
     def onward(self, context_ids: Iterable[int], sender: int) -> None:
         """Drop the contexts here and pass each on to the workers it reached but the

@@ -160,3 +160,38 @@ async def test_releases_of_a_failed_call_are_queued_again() -> None:
     batcher.queue({2: carried})  # what the hook does when the call carrying them fails
     await _settle(agent, 1)
     assert agent.calls == [(2, [context_id], 0)]
+
+
+class _Clock:
+    """``time`` as release.py sees it, standing still until a test moves it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.mark.asyncio
+async def test_a_timer_leaves_releases_younger_than_the_delay_to_the_next_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A training loop's steps are shorter than the delay: its timer must not take the
+    # releases the next step's call is about to carry (one release call per timer, else).
+    clock = _Clock()
+    monkeypatch.setattr(releasing, "time", clock, raising=False)
+    agent, table = FakeAgent(0, asyncio.get_running_loop()), ContextTable()
+    batcher = _releases(agent, table)
+    first = _context_reaching(table, 0, {2})
+    batcher.left(first)
+    await asyncio.sleep(releasing.BATCH_DELAY * 3)  # the timer fired: by the clock, no time
+    assert agent.calls == []
+    assert batcher.take_for(2) == [first]  # the next step's call carries it
+    second = _context_reaching(table, 0, {2})
+    batcher.left(second)
+    clock.now += releasing.BATCH_DELAY  # no call came for a whole delay: it goes alone
+    await _settle(agent, 1)
+    assert agent.calls == [(2, [second], 0)]
+    assert agent.handoffs <= 2  # armed from the leaving thread at most once per idle spell
+    await asyncio.sleep(releasing.BATCH_DELAY * 3)
+    assert agent.calls == [(2, [second], 0)]
