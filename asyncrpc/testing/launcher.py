@@ -6,6 +6,7 @@ bounded lifetime through the caller's ``stop_workers`` in a ``finally``.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -16,7 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncrpc.testing.prefork import PreforkedProcess, Preforker
+from asyncrpc.testing.prefork import PreforkedProcess, Preforker, PreforkError
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "WorkerProcess",
@@ -61,9 +64,13 @@ def start_module(
     """``python -m module *args``: forked from the prefork server where it can run it,
     else a fresh interpreter (always one behind a ``prefix``, which must exec it)."""
     if _preforker is not None and not prefix and _preforker.can_run(env):
-        return _preforker.popen(
-            module, args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text
-        )
+        try:
+            return _preforker.popen(
+                module, args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr,
+                text=text,
+            )  # fmt: skip
+        except PreforkError as exc:  # the server is gone: fresh interpreters from now on
+            _log.warning("starting %s as a fresh interpreter: %s", module, exc)
     return subprocess.Popen(
         [*prefix, sys.executable, "-m", module, *args],
         stdin=stdin, stdout=stdout, stderr=stderr, env=env, cwd=cwd, text=text,

@@ -232,6 +232,9 @@ class Preforker:
             conn.close()
             for fd in ours.values():
                 os.close(fd)
+            # A server that does not answer forks nothing more: later requests are refused
+            # at once (``can_run`` says False), and a launcher starts fresh interpreters.
+            self._failed = f"it did not answer: {exc}"
             raise PreforkError(f"the prefork server did not answer: {exc}") from exc
         finally:
             for fd in theirs:

@@ -154,3 +154,27 @@ def test_children_outlive_a_closed_server(tmp_path: Path) -> None:
         process.stdout.close()
     with pytest.raises(PreforkError, match="closed the connection"):
         process.wait(30)  # nobody is left to say how it ended
+
+
+def test_launcher_starts_fresh_interpreters_once_the_server_died() -> None:
+    preforker = Preforker(["json"], cwd=ROOT, env=_env())
+    before = launcher.preforker()
+    launcher.use_preforker(preforker)
+    try:
+        forked = launcher.start_module(PROBE, [], env=_env(), cwd=ROOT, stdout=subprocess.PIPE)
+        assert isinstance(forked, PreforkedProcess)
+        assert forked.wait(30) == 0
+        server = preforker._server  # the process we started: killed by its PID
+        assert server is not None
+        server.kill()
+        server.wait(10)
+        fresh = launcher.start_module(PROBE, [], env=_env(), cwd=ROOT, stdout=subprocess.PIPE)
+        assert isinstance(fresh, subprocess.Popen)
+        assert fresh.wait(60) == 0
+        assert not preforker.can_run(_env())
+    finally:
+        launcher.use_preforker(before)
+        preforker.close()
+    for process in (forked, fresh):
+        assert process.stdout is not None
+        process.stdout.close()
