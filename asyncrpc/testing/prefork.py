@@ -43,7 +43,6 @@ __all__ = ["PreforkError", "PreforkedProcess", "Preforker"]
 _LEN = struct.Struct(">I")
 _PID = struct.Struct(">q")
 _STATUS = struct.Struct(">i")
-_MAX_REQUEST = 1 << 20
 _START_TIMEOUT = 120.0
 
 # Environment variables read at import time by the preloaded modules, or by the
