@@ -3,8 +3,11 @@
 Rank 0 is the trainer; rank 1 ("primary") holds the model and copies every update to
 rank 2 ("standby") before it answers. After ``--hang-at`` updates the primary stops
 (SIGSTOP, as a machine that freezes): it has copied that update to the standby but never
-answers. The trainer's call has no timeout; the heartbeat finds the primary silent, its
-process does not answer a probe, and it is declared lost within about 2.5 s. The trainer's
+answers. The trainer's call has no timeout; the heartbeat finds the primary silent and
+declares it lost: within about 2.5 s where its process was seen to answer a probe before
+(it then fails to), else once silent for ``silent_link_timeout`` (10 s). The primary here
+freezes in its first second, before any probe could check it, so it takes the 10 s
+(docs/reliability.md, "Liveness"); still well before the call's 60 s timeout. The trainer's
 ``asyncrpc.on_peer_lost`` callback switches it to the standby, and the failed update is
 sent again there. Updates are numbered, so the standby applies each one once: the final
 weights equal those of the same training in one process.
@@ -93,7 +96,7 @@ def train(args: argparse.Namespace) -> dict[str, object]:
     asyncrpc.on_peer_lost(reroute)
     model = make_model()
     x, y = make_data(0, args.batch)
-    sent_at, failed = 0.0, 0
+    sent_at, unanswered_at, failed = 0.0, 0.0, 0
     for step in range(1, args.steps + 1):
         model.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -106,11 +109,12 @@ def train(args: argparse.Namespace) -> dict[str, object]:
                 break
             except asyncrpc.PeerLostError:
                 failed += 1
+                unanswered_at = sent_at  # when the update that never came back was sent
                 time.sleep(0.01)  # the loss callback runs on the callback pool
         with torch.no_grad():
             for param, value in zip(model.parameters(), weights, strict=True):
                 param.copy_(value)
-    found_after = switched[0] - sent_at if switched and failed else None
+    found_after = switched[0] - unanswered_at if switched and failed else None
     final = [p.detach() for p in model.parameters()]
     same = all(torch.allclose(a, b) for a, b in zip(final, reference(args), strict=True))
     return {"server": server[0], "failed_calls": failed, "found_after_s": found_after,
@@ -126,7 +130,8 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def _options(args: argparse.Namespace) -> asyncrpc.RpcBackendOptions:
-    # The default heartbeat: a frozen worker is declared lost within about 2.5 s.
+    # The default heartbeat: a frozen worker is declared lost within about 2.5 s once a
+    # probe has seen its process answer, else after 10 s of silence.
     return asyncrpc.RpcBackendOptions(init_method=args.init_method, rpc_timeout=args.timeout)
 
 
