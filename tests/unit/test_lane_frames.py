@@ -4,6 +4,7 @@ driven by two threads (``asyncrpc/runtime/lanes/``)."""
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -151,6 +152,77 @@ def test_Lane_call_takes_an_Ack_read_before_its_reply_as_the_forks_accepted(
     assert (value, error) == (b"payload", None)
     assert told == [(3, [("rref", "fork")])]
     assert lane.remotes == {}
+
+
+def _voluntary_switches() -> int:
+    with open("/proc/thread-self/status") as status:
+        for line in status:
+            if line.startswith("voluntary_ctxt_switches"):
+                return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches line")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/thread-self")
+def test_BlockingFrames_a_reader_sleeps_until_data_not_until_its_writes_drain(
+    pair: tuple[Any, Any],
+) -> None:
+    # A lane writes its request, then reads the reply. On a Unix socket a thread asleep
+    # in recv() was also woken when the peer read the request (its send buffer drained),
+    # only to sleep again: two sleeps per reply. It must sleep once.
+    left, right = pair
+    request = encode_frame(Ack(1).to_fields(), b"request")
+    sleeps: list[int] = []
+
+    def peer() -> None:
+        for _ in range(10):
+            right.read(time.monotonic() + 10)
+            time.sleep(0.02)  # the request is drained: the caller must not wake for that
+            right.write(encode_frame(Ack(2).to_fields(), b"reply"))
+
+    thread = threading.Thread(target=peer)
+    thread.start()
+    for _ in range(10):
+        left.write(request)
+        before = _voluntary_switches()
+        assert decode_message(left.read(time.monotonic() + 10).fields) == Ack(2)
+        sleeps.append(_voluntary_switches() - before)
+    thread.join(10)
+    assert sorted(sleeps)[len(sleeps) // 2] == 1, sleeps  # the median: the GIL may add one
+
+
+def test_BlockingFrames_a_close_under_a_polling_reader_leaves_the_fd_to_it(
+    pair: tuple[Any, Any],
+) -> None:
+    # The reader's poll holds the fd's number: closed under it, the number could be
+    # reused by another socket at once, and the reader would wait on that one. close()
+    # only shuts the socket down then; the reader wakes, closes the fd and stops.
+    left, _ = pair
+    errors: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            left.read()
+        except ClosedError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    for _ in range(500):  # bounded: 5 s for the reader to reach its poll
+        if left._polling:
+            break
+        time.sleep(0.01)
+    assert left._polling
+    left.close()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert len(errors) == 1
+    assert left.sock.fileno() == -1  # closed, by the reader
+    # With no reader, close() closes the fd itself.
+    a, b = socket.socketpair()
+    idle = BlockingFrames(a, FrameDecoder(allocate=lane_allocate), 1 << 20)
+    idle.close()
+    assert a.fileno() == -1
+    b.close()
 
 
 def test_BlockingFrames_close_wakes_a_blocked_reader(pair: tuple[Any, Any]) -> None:
