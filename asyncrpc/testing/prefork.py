@@ -40,9 +40,11 @@ from typing import IO, Any
 
 __all__ = ["PreforkError", "PreforkedProcess", "Preforker"]
 
-_LEN = struct.Struct(">I")
-_PID = struct.Struct(">q")
-_STATUS = struct.Struct(">i")
+# The wire between a caller and the server (prefork_server.py uses these too): a request's
+# length, the child's PID, and a 4-byte int each way (the child's exit code; a signal).
+REQUEST_LENGTH = struct.Struct(">I")
+CHILD_PID = struct.Struct(">q")
+STATUS = struct.Struct(">i")
 _START_TIMEOUT = 120.0
 
 # Environment variables read at import time by the preloaded modules, or by the
@@ -90,7 +92,7 @@ class PreforkedProcess:
         # without it means the server died, which the caller must hear about.
         self._conn.settimeout(None)
         try:
-            (self.returncode,) = _STATUS.unpack(_recv_exact(self._conn, _STATUS.size))
+            (self.returncode,) = STATUS.unpack(_recv_exact(self._conn, STATUS.size))
         finally:
             self._conn.close()
 
@@ -110,7 +112,7 @@ class PreforkedProcess:
         """Signal the child, through the server, unless it has exited already."""
         with contextlib.suppress(OSError):
             if self.poll() is None:
-                self._conn.sendall(_STATUS.pack(int(sig)))
+                self._conn.sendall(STATUS.pack(int(sig)))
 
     def kill(self) -> None:
         """SIGKILL the child (through the server: never a reused PID)."""
@@ -225,8 +227,8 @@ class Preforker:
         try:
             conn.settimeout(_START_TIMEOUT)
             conn.connect(self._path)
-            socket.send_fds(conn, [_LEN.pack(len(request)) + request], fds)
-            (pid,) = _PID.unpack(_recv_exact(conn, _PID.size))
+            socket.send_fds(conn, [REQUEST_LENGTH.pack(len(request)) + request], fds)
+            (pid,) = CHILD_PID.unpack(_recv_exact(conn, CHILD_PID.size))
         except (OSError, PreforkError) as exc:
             conn.close()
             for fd in ours.values():

@@ -26,16 +26,20 @@ import runpy
 import selectors
 import signal
 import socket
-import struct
 import sys
 import threading
 import traceback
 from typing import Any
 
-_LEN = struct.Struct(">I")
-_PID = struct.Struct(">q")
-_STATUS = struct.Struct(">i")
+from asyncrpc.testing.prefork import CHILD_PID, REQUEST_LENGTH, STATUS
+
 _MAX_REQUEST = 1 << 20
+
+
+def _whole(data: bytes) -> bool:
+    """Whether ``data`` holds a whole request: its length prefix and that many bytes."""
+    size = REQUEST_LENGTH.size
+    return len(data) >= size and len(data) >= size + REQUEST_LENGTH.unpack_from(data)[0]
 
 
 class _Server:
@@ -78,14 +82,14 @@ class _Server:
         try:
             conn.settimeout(30.0)
             data, fds, _flags, _addr = socket.recv_fds(conn, 65536, 3)
-            while len(data) < _LEN.size or len(data) < _LEN.size + _LEN.unpack_from(data)[0]:
+            while not _whole(data):
                 if len(data) > _MAX_REQUEST:
                     raise ValueError("request too large")
                 chunk = conn.recv(65536)
                 if not chunk:
                     raise ConnectionError("caller went away mid-request")
                 data += chunk
-            request: dict[str, Any] = json.loads(data[_LEN.size :])
+            request: dict[str, Any] = json.loads(data[REQUEST_LENGTH.size :])
             if len(fds) != 3:
                 raise ValueError(f"expected 3 file descriptors, got {len(fds)}")
         except (OSError, ValueError) as exc:
@@ -100,7 +104,7 @@ class _Server:
             os.close(fd)
         self.running.add(pid)
         try:
-            conn.sendall(_PID.pack(pid))
+            conn.sendall(CHILD_PID.pack(pid))
         except OSError:
             conn.close()  # the caller left: the child runs on; we still reap it
             return None
@@ -144,7 +148,7 @@ class _Server:
                 self.sel.unregister(conn)
                 try:
                     conn.setblocking(True)
-                    conn.sendall(_STATUS.pack(os.waitstatus_to_exitcode(status)))
+                    conn.sendall(STATUS.pack(os.waitstatus_to_exitcode(status)))
                 except OSError:
                     pass
                 conn.close()
@@ -152,13 +156,13 @@ class _Server:
     def _from_caller(self, conn: socket.socket) -> None:
         pid = self.pids[conn]
         try:
-            data = conn.recv(_STATUS.size)
+            data = conn.recv(STATUS.size)
         except BlockingIOError:
             return
         except OSError:
             data = b""
-        if len(data) == _STATUS.size and pid in self.running:
-            (sig,) = _STATUS.unpack(data)
+        if len(data) == STATUS.size and pid in self.running:
+            (sig,) = STATUS.unpack(data)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)  # not reaped yet: the PID is still this child's
         elif not data:  # the caller dropped its handle: forget it, reap the child later
