@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -27,10 +26,7 @@ def _forked_processes() -> Iterator[None]:
     if os.environ.get("ASYNCRPC_TEST_PREFORK", "1") == "0":
         yield
         return
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
-    server = Preforker(PRELOAD, cwd=root, env=env)
+    server = Preforker(PRELOAD, cwd=launcher.REPO_ROOT, env=launcher.repo_env())
     launcher.use_preforker(server)
     try:
         yield

@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ __all__ = [
     "WorkerProcess",
     "free_port",
     "preforker",
+    "repo_env",
     "spawn_worker",
     "start_module",
     "stop_workers",
@@ -47,6 +48,20 @@ def use_preforker(server: Preforker | None) -> None:
 def preforker() -> Preforker | None:
     """The prefork server set by ``use_preforker``, if any."""
     return _preforker
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]  # where ``python -m asyncrpc...`` runs
+
+
+def repo_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment with the repository first on ``PYTHONPATH``, then
+    ``extra``: what every started worker and scenario process gets. The prefork server
+    is started with it too, so a child forks only where this stays the same
+    (``Preforker.can_run`` compares ``PYTHONPATH``)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env.update(extra or {})
+    return env
 
 
 def start_module(
@@ -164,10 +179,7 @@ def spawn_worker(
         OSError: the process could not be started.
     """
     log_path = log_dir / f"{name}.log"
-    full_env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
-    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, full_env.get("PYTHONPATH", "")) if p)
-    full_env.update(env or {})
+    full_env = repo_env(env)
     args = [
         "--name", name, "--rank", str(rank), "--world-size", str(world_size),
         "--init-method", init_method, "--mode", mode,
@@ -176,7 +188,7 @@ def spawn_worker(
     ]  # fmt: skip
     with open(log_path, "wb") as log:
         process = start_module(
-            "asyncrpc.testing.worker", args, env=full_env, cwd=Path(root), prefix=prefix,
+            "asyncrpc.testing.worker", args, env=full_env, cwd=REPO_ROOT, prefix=prefix,
             stdout=log.fileno(), stderr=subprocess.STDOUT,
         )  # fmt: skip
     return WorkerProcess(name, rank, process, log_path)

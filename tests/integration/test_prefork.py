@@ -17,15 +17,12 @@ import pytest
 from asyncrpc.testing import launcher
 from asyncrpc.testing.prefork import PreforkedProcess, Preforker, PreforkError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = launcher.REPO_ROOT
 PROBE = "tests.integration.prefork_probe"
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    env.update(extra)
-    return env
+    return launcher.repo_env(extra)
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +104,7 @@ def test_environment_read_at_start_is_not_forked(server: Preforker) -> None:
     assert not server.can_run(_env(TORCH_SHOW_CPP_STACKTRACES="1"))
 
 
-def test_launcher_forks_where_it_can_and_starts_fresh_where_not(
-    server: Preforker, tmp_path: Path
-) -> None:
+def test_launcher_forks_where_it_can_and_starts_fresh_where_not(server: Preforker) -> None:
     before = launcher.preforker()
     launcher.use_preforker(server)
     try:
@@ -132,7 +127,7 @@ def test_launcher_forks_where_it_can_and_starts_fresh_where_not(
         process.stdout.close()
 
 
-def test_a_server_that_cannot_start_says_so(tmp_path: Path) -> None:
+def test_a_server_that_cannot_start_says_so() -> None:
     broken = Preforker(["no_such_module_anywhere"], cwd=ROOT, env=_env())
     try:
         with pytest.raises(PreforkError, match="no_such_module_anywhere"):
@@ -142,7 +137,7 @@ def test_a_server_that_cannot_start_says_so(tmp_path: Path) -> None:
         broken.close()
 
 
-def test_children_outlive_a_closed_server(tmp_path: Path) -> None:
+def test_children_outlive_a_closed_server() -> None:
     preforker = Preforker(["json"], cwd=ROOT, env=_env())
     process = _run(preforker, "sleep", "60")
     preforker.close()

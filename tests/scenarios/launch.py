@@ -8,20 +8,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import queue
 import subprocess
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from asyncrpc.testing.launcher import start_module
+from asyncrpc.testing.launcher import REPO_ROOT, repo_env, start_module
 from asyncrpc.testing.prefork import PreforkedProcess
 
 RESULT_PREFIX = "RESULT "  # printed by ``common.report``
-_ROOT = Path(__file__).resolve().parents[2]
 
 Observations = dict[str, Any]
 
@@ -121,14 +118,9 @@ def start(
     Returns:
         The running process; the caller stops it with ``kill`` in a ``finally``.
     """
-    full_env = dict(os.environ)
-    full_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(_ROOT), full_env.get("PYTHONPATH", "")) if p
-    )
-    full_env["PYTHONUNBUFFERED"] = "1"
-    full_env.update(env or {})
+    full_env = repo_env({"PYTHONUNBUFFERED": "1", **(env or {})})
     process = start_module(
-        "tests.scenarios", [scenario, *args], env=full_env, cwd=_ROOT, prefix=prefix,
+        "tests.scenarios", [scenario, *args], env=full_env, cwd=REPO_ROOT, prefix=prefix,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     return ScenarioProcess(process)
